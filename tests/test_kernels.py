@@ -1,0 +1,291 @@
+"""Triton kernels against their torch references.
+
+On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py, or here as a fallback before triton is imported) on small fp32 shapes.
+Tests marked ``gpu`` run bf16 at real shapes and are skipped without CUDA.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tokenspeed.backends.kernels import reference  # noqa: E402
+from tokenspeed.backends.kernels import triton_attention, triton_cache  # noqa: E402
+from tokenspeed.backends.kernels import triton_fused, triton_gemv  # noqa: E402
+
+FEW = settings(max_examples=15, deadline=None, derandomize=True)
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def paged_setup(lengths, page_size, kv_heads, head_dim, layers=2, dtype=torch.float32,
+                device=DEVICE, seed=0):
+    """Random cache; request i owns shuffled (non-contiguous) pages covering lengths[i].
+
+    One extra request with an all-zero table row serves padding rows (page 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // page_size) for n in lengths]
+    pages = sum(need) + 3
+    kv = torch.randn(layers, 2, pages * page_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(pages - 1, generator=gen) + 1
+    table = torch.zeros(len(lengths) + 1, max(need + [1]) + 1, dtype=torch.int32)
+    used = 0
+    for r, count in enumerate(need):
+        table[r, :count] = order[used:used + count]
+        used += count
+    return kv.to(dtype).to(device), table.to(device)
+
+
+def decode_rows(lengths, pad_rows, device=DEVICE):
+    pad = len(lengths)
+    row_request = torch.tensor(list(range(len(lengths))) + [pad] * pad_rows, device=device)
+    positions = torch.tensor([n - 1 for n in lengths] + [0] * pad_rows, device=device)
+    return row_request, positions
+
+
+def extend_rows(lengths, cached, pad_rows, device=DEVICE):
+    """Rows for the uncached suffix of each request (prefix hits), then padding rows."""
+    row_request, positions = [], []
+    for r, (n, c) in enumerate(zip(lengths, cached)):
+        row_request += [r] * (n - c)
+        positions += list(range(c, n))
+    row_request += [len(lengths)] * pad_rows
+    positions += [0] * pad_rows
+    return torch.tensor(row_request, device=device), torch.tensor(positions, device=device)
+
+
+def check_attention(fn, lengths, rows, page_size, heads, kv_heads, head_dim, dtype, tol,
+                    **kwargs):
+    kv, table = paged_setup(lengths, page_size, kv_heads, head_dim, dtype=dtype)
+    row_request, positions = rows
+    q = torch.randn(len(positions), heads, head_dim, device=DEVICE).to(dtype)
+    scale = head_dim ** -0.5
+    got = fn(q, kv, 1, table, row_request, positions, scale, page_size, **kwargs)
+    want = reference.paged_attention(q, kv, 1, table, row_request, positions, scale, page_size)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+heads_st = st.sampled_from([(4, 2), (4, 4), (6, 2), (4, 1)])
+
+
+@FEW
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+       page_size=st.sampled_from([4, 16]), heads=heads_st,
+       head_dim=st.sampled_from([16, 32, 24]), splits=st.sampled_from([None, 1, 3, 8]),
+       pad_rows=st.integers(0, 2))
+def test_decode_attention(lengths, page_size, heads, head_dim, splits, pad_rows):
+    check_attention(triton_attention.decode_attention, lengths, decode_rows(lengths, pad_rows),
+                    page_size, heads[0], heads[1], head_dim, torch.float32, 1e-4,
+                    num_splits=splits, max_context=max(lengths))
+
+
+def test_decode_more_splits_than_keys():
+    lengths = [1, 2, 130]
+    check_attention(triton_attention.decode_attention, lengths, decode_rows(lengths, 1), 4, 4,
+                    2, 16, torch.float32, 1e-4, num_splits=16)
+
+
+@FEW
+@given(data=st.data(), lengths=st.lists(st.integers(1, 50), min_size=1, max_size=3),
+       page_size=st.sampled_from([4, 16]), heads=heads_st, head_dim=st.sampled_from([16, 32]),
+       pad_rows=st.integers(0, 2))
+def test_extend_attention(data, lengths, page_size, heads, head_dim, pad_rows):
+    cached = [data.draw(st.integers(0, n - 1)) for n in lengths]
+    check_attention(triton_attention.extend_attention, lengths,
+                    extend_rows(lengths, cached, pad_rows), page_size, heads[0], heads[1],
+                    head_dim, torch.float32, 1e-4)
+
+
+def test_extend_long_request_spans_tiles_and_pages():
+    lengths, cached = [150, 20, 3], [37, 0, 2]
+    check_attention(triton_attention.extend_attention, lengths,
+                    extend_rows(lengths, cached, 1), 4, 4, 2, 16, torch.float32, 1e-4)
+
+
+def test_extend_tile_plan_never_mixes_requests():
+    row_request = torch.tensor([0] * 5 + [2] * 17 + [1] * 1)
+    first, count = triton_attention.extend_tile_plan(row_request, 16)
+    assert first.tolist() == [0, 5, 21, 22] and count.tolist() == [5, 16, 1, 1]
+
+
+def test_attention_rejects_bad_shapes():
+    kv, table = paged_setup([4], 4, 2, 16)
+    rows = decode_rows([4], 0)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        triton_attention.decode_attention(torch.zeros(1, 3, 16, device=DEVICE), kv, 0, table,
+                                          *rows, 1.0, 4)
+
+
+@FEW
+@given(tokens=st.integers(1, 12), kv_heads=st.sampled_from([1, 2, 3]),
+       head_dim=st.sampled_from([8, 16, 20]))
+def test_write_kv(tokens, kv_heads, head_dim):
+    page_size, pages = 4, 8
+    kv = torch.zeros(2, 2, pages * page_size, kv_heads, head_dim, device=DEVICE)
+    fused = torch.randn(tokens, 3, kv_heads, head_dim, device=DEVICE)
+    k, v = fused[:, 1], fused[:, 2]                     # strided views, as from a QKV split
+    slots = torch.randperm((pages - 1) * page_size)[:tokens] + page_size
+    slots[::3] = torch.arange(0, tokens, 3) % page_size  # padding rows into page 0
+    slots = slots.to(DEVICE)
+    want = kv.clone()
+    reference.write_kv(k, v, want, 1, slots)
+    triton_cache.write_kv(k, v, kv, 1, slots)
+    torch.testing.assert_close(kv[:, :, page_size:], want[:, :, page_size:], atol=0, rtol=0)
+
+
+@FEW
+@given(rows=st.integers(1, 4), width=st.integers(1, 9), factor=st.sampled_from([1, 2, 4]))
+def test_expand_block_table(rows, width, factor):
+    table = torch.randint(0, 50, (rows, width), dtype=torch.int32, device=DEVICE)
+    got = triton_cache.expand_block_table(table, factor)
+    assert torch.equal(got, reference.expand_block_table(table, factor))
+
+
+@FEW
+@given(tokens=st.integers(1, 5), hidden=st.sampled_from([8, 40, 64]))
+def test_norms(tokens, hidden):
+    x, res = torch.randn(2, tokens, hidden, device=DEVICE)
+    w = torch.randn(hidden, device=DEVICE)
+    torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-6),
+                               triton_fused.rms_norm_reference(x, w, 1e-6))
+    got = triton_fused.add_rms_norm(x, res, w, 1e-6)
+    want = triton_fused.add_rms_norm_reference(x, res, w, 1e-6)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+@FEW
+@given(tokens=st.integers(1, 5), inter=st.sampled_from([8, 24, 96]))
+def test_silu_and_mul(tokens, inter):
+    gate_up = torch.randn(tokens, 2 * inter, device=DEVICE) * 3
+    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up),
+                               triton_fused.silu_and_mul_reference(gate_up))
+
+
+def check_rope(tokens, heads, kv_heads, head_dim, dtype, tol):
+    cache = triton_fused.rope_cos_sin_cache(head_dim, 4096, device=DEVICE)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=DEVICE).to(dtype)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    slots = (torch.randperm(64)[:tokens] + 8).to(DEVICE)
+    kv = torch.zeros(2, 2, 80, kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    want_kv = kv.clone()
+    want = triton_fused.rope_and_write_kv_reference(q, k, v, cache, positions, want_kv, 1, slots)
+    got = triton_fused.rope_and_write_kv(q, k, v, cache, positions, kv, 1, slots)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kv.float(), want_kv.float(), atol=tol, rtol=tol)
+
+
+@FEW
+@given(tokens=st.integers(1, 6), heads=heads_st, head_dim=st.sampled_from([8, 16, 24]))
+def test_rope_and_write_kv(tokens, heads, head_dim):
+    check_rope(tokens, heads[0], heads[1], head_dim, torch.float32, 1e-5)
+
+
+def test_rope_matches_hf_rotate_half():
+    """Same result as HF's apply_rotary_pos_emb with cos/sin = cat(freqs, freqs)."""
+    head_dim, pos = 8, torch.tensor([3, 17], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    emb = torch.cat([pos.float()[:, None] * inv_freq] * 2, -1)
+    x = torch.randn(2, 1, head_dim, device=DEVICE)
+    hf = x * emb.cos()[:, None] + torch.cat([-x[..., 4:], x[..., :4]], -1) * emb.sin()[:, None]
+    kv = torch.zeros(1, 2, 8, 1, head_dim, device=DEVICE)
+    cache = triton_fused.rope_cos_sin_cache(head_dim, 32, device=DEVICE)
+    got = triton_fused.rope_and_write_kv(x, x, x, cache, pos, kv, 0,
+                                         torch.tensor([1, 2], device=DEVICE))
+    torch.testing.assert_close(got, hf, atol=1e-5, rtol=1e-5)
+
+
+@FEW
+@given(m=st.sampled_from([1, 3, 16]), n=st.integers(1, 80), k=st.integers(1, 300),
+       bias=st.booleans(), splits=st.sampled_from([None, 1, 3]))
+def test_gemv(m, n, k, bias, splits):
+    x = torch.randn(m, k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE)
+    b = torch.randn(n, device=DEVICE) if bias else None
+    config = None if splits is None else (32, 64, splits, 4, 2)
+    got = triton_gemv.linear(x, w, b, config=config)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_rejects_large_m():
+    with pytest.raises(ValueError, match="M 17"):
+        triton_gemv.linear(torch.zeros(17, 4), torch.zeros(4, 4))
+
+
+# --- GPU, bf16, real shapes -------------------------------------------------------------
+
+REAL_HEADS = [(14, 2), (32, 8)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", REAL_HEADS)
+def test_gpu_decode_attention(heads):
+    lengths = [1, 17, 300, 1000, 4096, 2049]
+    check_attention(triton_attention.decode_attention, lengths, decode_rows(lengths, 2), 16,
+                    heads[0], heads[1], 64, torch.bfloat16, 2e-2, max_context=4096)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", REAL_HEADS)
+def test_gpu_extend_attention(heads):
+    lengths, cached = [4096, 700, 33, 1], [0, 512, 17, 0]
+    check_attention(triton_attention.extend_attention, lengths,
+                    extend_rows(lengths, cached, 3), 16, heads[0], heads[1], 64,
+                    torch.bfloat16, 2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_attention_cuda_graph():
+    lengths = [5, 900, 4000]
+    kv, table = paged_setup(lengths, 16, 2, 64, dtype=torch.bfloat16)
+    row_request, positions = decode_rows(lengths, 1)
+    q = torch.randn(len(positions), 14, 64, device="cuda", dtype=torch.bfloat16)
+    args = (q, kv, 0, table, row_request, positions, 0.125, 16)
+    triton_attention.decode_attention(*args, max_context=4096)          # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_attention.decode_attention(*args, max_context=4096)
+    positions.copy_(torch.tensor([100, 37, 4095, 0], device="cuda"))
+    graph.replay()
+    want = reference.paged_attention(*args)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fused_bf16():
+    x, res = torch.randn(2, 7, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(896, device="cuda", dtype=torch.bfloat16)
+    got = triton_fused.add_rms_norm(x, res, w, 1e-6)
+    want = triton_fused.add_rms_norm_reference(x, res, w, 1e-6)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+    gate_up = torch.randn(7, 2 * 4864, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up),
+                               triton_fused.silu_and_mul_reference(gate_up))
+    check_rope(9, 14, 2, 64, torch.bfloat16, 2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k,n", [(896, 4864), (4864, 896), (2048, 8192), (896, 151936)])
+def test_gpu_gemv(m, k, n):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    want = torch.nn.functional.linear(x.float(), w.float())
+    got = triton_gemv.linear(x, w)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+    assert torch.equal(got, triton_gemv.linear(x, w))                      # deterministic

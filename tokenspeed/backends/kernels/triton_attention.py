@@ -1,0 +1,275 @@
+"""Triton paged attention over the KV cache of ``reference.py``, for decode and extend.
+
+Semantics match ``reference.paged_attention``: query row r attends causally to positions
+0..positions[r] of request row_request[r], found through block_tables[row_request[r]];
+query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32.
+
+Why two kernels:
+* ``decode_attention`` has one query row per request, so its work is reading K/V. One
+  program serves all query heads of a KV-head group (each page is read once per group, and
+  the group fills the M side of ``tl.dot``), and the KV length is split across programs
+  (flash-decoding) so a few long requests still occupy every SM; a second small kernel
+  merges the splits by their log-sum-exp. It reads no tensor value on the host and its grid
+  depends only on shapes and Python ints, so it can be captured in a CUDA graph.
+* ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
+  request share every key block through ``tl.dot``; the tile plan is built on the host
+  (this path runs eagerly, so syncing there is fine).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 128
+DEFAULT_SMS = 132
+
+
+@triton.jit
+def _slots(bt_row_ptr, kpos, valid, PAGE_SIZE: tl.constexpr):
+    """Cache slot of each key position through one request's block-table row."""
+    page = tl.load(bt_row_ptr + kpos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    return page * PAGE_SIZE + kpos % PAGE_SIZE
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
+                   mid_lse_ptr, scale, stride_qr, stride_qh, stride_or, stride_oh, stride_bt,
+                   stride_slot, stride_kvh,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(req_ptr + row).to(tl.int64)
+    length = tl.load(pos_ptr + row).to(tl.int32) + 1
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, length)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    hmask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hmask,
+                other=0.0).to(k_ptr.dtype.element_ty)
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_bt
+    kv_base = kv_head * stride_kvh
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        valid = kpos < hi
+        slot = _slots(bt_row, kpos, valid, PAGE_SIZE)
+        kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
+        k = tl.load(k_ptr + kv_base + slot[None, :] * stride_slot + d[:, None], mask=kmask,
+                    other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    safe_l = tl.where(l > 0, l, 1.0)
+    o = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
+        lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
+        tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
+                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(mid_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    omask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
+    o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_first_ptr,
+                   tile_count_ptr, scale, stride_qr, stride_qh, stride_or, stride_oh, stride_bt,
+                   stride_slot, stride_kvh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(tile_first_ptr + tile).to(tl.int64)
+    count = tl.load(tile_count_ptr + tile)
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    rows = first + r
+    req = tl.load(req_ptr + first).to(tl.int64)
+    pos = tl.load(pos_ptr + rows, mask=r < count, other=-1).to(tl.int32)
+    qmask = (r[:, None] < count) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * stride_qr + head * stride_qh + d[None, :], mask=qmask,
+                other=0.0).to(k_ptr.dtype.element_ty)
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_bt
+    kv_base = (head // GROUP) * stride_kvh
+    hi = tl.max(pos, 0) + 1
+    for start in range(0, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        valid = kpos < hi
+        slot = _slots(bt_row, kpos, valid, PAGE_SIZE)
+        kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
+        k = tl.load(k_ptr + kv_base + slot[None, :] * stride_slot + d[:, None], mask=kmask,
+                    other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale
+        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def _check(q, kv_cache, block_tables, row_request, positions):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [Q, H, D]; got {tuple(q.shape)}")
+    rows, heads, head_dim = q.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache must be [L, 2, slots, Hkv, {head_dim}]; "
+                         f"got {tuple(kv_cache.shape)}")
+    kv_heads = kv_cache.shape[3]
+    if heads % kv_heads:
+        raise ValueError(f"num heads {heads} must be a multiple of kv heads {kv_heads}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} must be <= {MAX_HEAD_DIM}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be a [R, M] table with contiguous rows")
+    if row_request.shape != (rows,) or positions.shape != (rows,):
+        raise ValueError(f"row_request and positions must be [{rows}]; got "
+                         f"{tuple(row_request.shape)} and {tuple(positions.shape)}")
+    if kv_cache.stride(4) != 1:
+        raise ValueError("kv_cache must have a contiguous head_dim")
+
+
+def _common(q, kv_cache, layer):
+    """Kernel arguments shared by decode and extend: K/V views, blocks, dot precision."""
+    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_d = max(16, triton.next_power_of_2(q.shape[2]))
+    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    return q, k_cache, v_cache, block_d, precision
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Splits per row so rows*kv_heads*splits covers ~2 waves, each split >= 128 keys."""
+    by_occupancy = triton.cdiv(2 * sm_count, max(1, rows * kv_heads))
+    by_length = triton.cdiv(max(1, max_context), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
+                     page_size, num_splits=None, max_context=None):
+    """One query row per request; CUDA-graph safe.
+
+    ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
+    ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
+    width * page_size. Neither reads tensor values, so the launch is capturable.
+    """
+    _check(q, kv_cache, block_tables, row_request, positions)
+    rows, heads, head_dim = q.shape
+    kv_heads = kv_cache.shape[3]
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    q, k_cache, v_cache, block_d, precision = _common(q, kv_cache, layer)
+    if num_splits is None:
+        context = max_context if max_context is not None else block_tables.shape[1] * page_size
+        num_splits = choose_num_splits(rows, kv_heads, context, _sm_count(q.device))
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits {num_splits} must be in 1..1024")
+    group = heads // kv_heads
+    mid_o = torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
+                        device=q.device) if num_splits > 1 else out
+    mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,
+                          device=q.device) if num_splits > 1 else out
+    _decode_kernel[(rows, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
+        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1),
+        NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, PRECISION=precision,
+        num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _combine_kernel[(rows, heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2)
+    return out
+
+
+def extend_tile_plan(row_request: torch.Tensor, block_m: int):
+    """First row and row count of each tile: runs of equal row_request cut every block_m."""
+    _, counts = torch.unique_consecutive(row_request, return_counts=True)
+    run_first = torch.cumsum(counts, 0) - counts
+    tiles = (counts + block_m - 1) // block_m
+    run = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), tiles)
+    index = torch.arange(len(run), device=counts.device) - (torch.cumsum(tiles, 0) - tiles)[run]
+    first = run_first[run] + index * block_m
+    count = torch.clamp(counts[run] - index * block_m, max=block_m)
+    return first.to(torch.int32), count.to(torch.int32)
+
+
+def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
+                     page_size):
+    """Ragged causal attention of many rows per request (prefix hits included); eager only."""
+    _check(q, kv_cache, block_tables, row_request, positions)
+    rows, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    q, k_cache, v_cache, block_d, precision = _common(q, kv_cache, layer)
+    longest = int(torch.unique_consecutive(row_request, return_counts=True)[1].max())
+    block_m = min(64, max(16, triton.next_power_of_2(longest)))
+    first, count = extend_tile_plan(row_request, block_m)
+    _extend_kernel[(len(first), heads)](
+        q, k_cache, v_cache, block_tables, row_request, positions, out, first, count, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1),
+        GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d,
+        PRECISION=precision, num_warps=4, num_stages=2)
+    return out

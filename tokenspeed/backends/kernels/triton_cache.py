@@ -1,0 +1,97 @@
+"""Triton kernels that maintain the paged KV cache.
+
+``write_kv`` scatters one token's K and V rows into their cache slots with a single launch
+(one program per token), so the step that feeds attention costs one kernel instead of two
+``index_copy_`` calls, and it takes K/V as strided views (e.g. slices of a fused QKV
+projection) without a copy. ``expand_block_table`` rewrites a block table onto smaller pages.
+Both read no tensor values on the host and are safe inside CUDA-graph capture.
+
+Layout (see ``reference.py``): ``kv_cache[layer, 0 | 1, slot, kv_head, head_dim]``,
+``slot = page * page_size + offset``, page 0 is the null page that padding rows write into.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
+    src = token.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
+    dst = slot * stride_slot + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + src, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    src = token.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
+    v = tl.load(v_ptr + src, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _unit_last_dim(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+             slot_mapping: torch.Tensor) -> None:
+    """Write ``k[t], v[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` of ``layer``."""
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    tokens, heads, head_dim = k.shape
+    if kv_cache.shape[3:] != (heads, head_dim):
+        raise ValueError(f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} do not match "
+                         f"k's ({heads}, {head_dim})")
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"slot_mapping must be [{tokens}]; got {tuple(slot_mapping.shape)}")
+    if tokens == 0:
+        return
+    k, v = _unit_last_dim(k), _unit_last_dim(v)
+    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+    if k_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must have a contiguous head_dim")
+    _write_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
+        k_cache.stride(1),
+        NUM_HEADS=heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if heads * head_dim >= 1024 else 1)
+
+
+@triton.jit
+def _expand_kernel(table_ptr, out_ptr, width, stride_t, stride_o, FACTOR: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < width * FACTOR
+    page = tl.load(table_ptr + row * stride_t + col // FACTOR, mask=mask)
+    tl.store(out_ptr + row * stride_o + col, page * FACTOR + col % FACTOR, mask=mask)
+
+
+def expand_block_table(block_tables: torch.Tensor, factor: int) -> torch.Tensor:
+    """Rewrite a table of pages of size P as one of pages of size P // factor.
+
+    Page p becomes pages p*factor .. p*factor + factor - 1; page 0 stays the null range.
+    """
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [R, M]; got {tuple(block_tables.shape)}")
+    if factor < 1:
+        raise ValueError(f"factor must be >= 1; got {factor}")
+    block_tables = _unit_last_dim(block_tables)
+    rows, width = block_tables.shape
+    out = torch.empty(rows, width * factor, dtype=block_tables.dtype,
+                      device=block_tables.device)
+    if out.numel() == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(width * factor))
+    grid = (rows, triton.cdiv(width * factor, block))
+    _expand_kernel[grid](block_tables, out, width, block_tables.stride(0), out.stride(0),
+                         FACTOR=factor, BLOCK=block)
+    return out

@@ -1,0 +1,223 @@
+"""Fused elementwise Triton kernels for the decoder layer, each with its torch reference.
+
+Decode steps are launch- and bandwidth-bound: fusing residual-add with RMSNorm, SiLU with
+the gate*up product, and rotary embedding with the KV-cache write saves a round trip to
+memory and a launch per op. Rounding follows HF Llama so results match a bf16 HF model:
+the residual sum is rounded to the input dtype before the norm, the normalised hidden is
+cast to the input dtype before the weight multiply, and SiLU is rounded before the product.
+
+Rotary cache layout (vLLM's): ``cos_sin_cache[pos] = cat(cos(pos * inv_freq),
+sin(pos * inv_freq))``, shape [max_pos, D]; HF's cos/sin are ``cat(c, c)`` / ``cat(s, s)``
+(neox / rotate_half convention). ``rope_cos_sin_cache`` builds it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels import reference
+
+
+def _num_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_r,
+                     stride_o, stride_nr, hidden, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < hidden
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+        rounded = x.to(new_res_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * stride_nr + c, rounded, mask=mask)
+        x = rounded.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
+    normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + c, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_2d(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be [T, hidden]; got {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _norm(x, residual, weight, eps):
+    x = _rows_2d(x, "x")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight must be [{x.shape[1]}]; got {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    new_res = torch.empty_like(x) if residual is not None else out
+    res = _rows_2d(residual, "residual") if residual is not None else x
+    if res.shape != x.shape:
+        raise ValueError(f"residual {tuple(res.shape)} must match x {tuple(x.shape)}")
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](
+            x, res, weight.contiguous(), out, new_res, x.stride(0), res.stride(0),
+            out.stride(0), new_res.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block))
+    return out, new_res
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] (fp32 statistics, HF rounding), output in x.dtype."""
+    return _norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """(rms_norm(x + residual), x + residual), the sum rounded to x.dtype first."""
+    return _norm(x, residual, weight, eps)
+
+
+def rms_norm_reference(x, weight, eps):
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * hidden.to(x.dtype)).to(x.dtype)
+
+
+def add_rms_norm_reference(x, residual, weight, eps):
+    new_residual = x + residual
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < inter
+    gate = tl.load(gu_ptr + row * stride_gu + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + inter + c, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + c, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [T, 2I] (gate first): returns [T, I]."""
+    gate_up = _rows_2d(gate_up, "gate_up")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up width {gate_up.shape[1]} must be even")
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if tokens and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
+            num_warps=_num_warps(block))
+    return out
+
+
+def silu_and_mul_reference(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@triton.jit
+def _rotate(x_ptr, stride_h, num_heads, cos, sin,
+            HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Load heads [BLOCK_H, D] at x_ptr; return both rotated halves in fp32 and the mask."""
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = (h[:, None] < num_heads) & (j[None, :] < HALF)
+    offs = h[:, None] * stride_h + j[None, :]
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
+
+
+@triton.jit
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr,
+                    v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_cache, stride_ot, stride_oh, stride_slot, stride_ch,
+                    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=j < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=j < HALF,
+                  other=0.0).to(tl.float32)
+    cos, sin = cos[None, :], sin[None, :]
+    o1, o2, mask = _rotate(q_ptr + t * stride_qt, stride_qh, NUM_Q, cos, sin, HALF,
+                              BLOCK_Q, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_Q)
+    out = q_out_ptr + t * stride_ot + h[:, None] * stride_oh + j[None, :]
+    tl.store(out, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    o1, o2, mask = _rotate(k_ptr + t * stride_kt, stride_kh, NUM_KV, cos, sin, HALF,
+                              BLOCK_KV, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_KV)
+    dst = k_cache_ptr + slot * stride_slot + h[:, None] * stride_ch + j[None, :]
+    k_ty = k_ptr.dtype.element_ty
+    c_ty = k_cache_ptr.dtype.element_ty
+    tl.store(dst, o1.to(k_ty).to(c_ty), mask=mask)
+    tl.store(dst + HALF, o2.to(k_ty).to(c_ty), mask=mask)
+    src = v_ptr + t * stride_vt + h[:, None] * stride_vh + j[None, :]
+    dst = v_cache_ptr + slot * stride_slot + h[:, None] * stride_ch + j[None, :]
+    tl.store(dst, tl.load(src, mask=mask).to(c_ty), mask=mask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(c_ty), mask=mask)
+
+
+def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_mapping):
+    """Rotate q [T, H, D] and k [T, Hkv, D] at ``positions``; write rotated k and v to the
+    cache slots ``slot_mapping``; return the rotated q (new tensor). Math in fp32."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"q must be [T, H, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    tokens, heads, head_dim = q.shape
+    if head_dim % 2 or k.shape[2] != head_dim or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"head_dim {head_dim} must be even and match k and cos_sin_cache "
+                         f"(last dims {k.shape[2]}, {cos_sin_cache.shape[-1]})")
+    if kv_cache.shape[3:] != k.shape[1:]:
+        raise ValueError(f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} must match "
+                         f"k's {tuple(k.shape[1:])}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos_sin_cache = cos_sin_cache.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+    if tokens == 0:
+        return q_out
+    half = head_dim // 2
+    _rope_kv_kernel[(tokens,)](
+        q, k, v, cos_sin_cache, positions, slot_mapping, q_out, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
+        BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q_out
+
+
+def rope_cos_sin_cache(head_dim, max_positions, base=10000.0, inv_freq=None, device=None):
+    """[max_positions, head_dim] fp32 cache: cat(cos, sin) of positions * inv_freq.
+
+    ``inv_freq`` (e.g. an HF rotary_emb.inv_freq with rope scaling applied) overrides base.
+    """
+    if inv_freq is None:
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        inv_freq = 1.0 / (base ** exponent)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device),
+                        inv_freq.float().to(device))
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope_and_write_kv_reference(q, k, v, cos_sin_cache, positions, kv_cache, layer,
+                                slot_mapping):
+    c, s = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
+    cos, sin = torch.cat([c, c], -1)[:, None, :], torch.cat([s, s], -1)[:, None, :]
+    q_rot = (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype)
+    k_rot = (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype)
+    reference.write_kv(k_rot, v, kv_cache, layer, slot_mapping)
+    return q_rot

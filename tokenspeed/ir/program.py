@@ -1,0 +1,64 @@
+"""IR types after tracing: a Program is an annotated graph, later cut into Segments.
+
+Every pass returns a new Program; the graph is copied, never edited in place, so each
+entry of a lowering's history stays valid and printable.
+"""
+
+import attrs
+from torch import fx
+
+from tokenspeed.ir.printing import graph_text
+
+STAGES = ("encoder", "narrowing", "decoder", "finish")
+ANNOTATIONS = ("stage", "segment")
+
+
+@attrs.frozen
+class Segment:
+    """A sub-graph with explicit inputs and outputs.
+
+    ``kind`` is ``"graph"`` (captured, one graph per bucket of ``rows``) or ``"break"``
+    (run eagerly with live metadata). ``rows`` names the ladder that pads it: ``"tokens"``
+    (prefill token buckets), ``"view"`` (decoder row buckets) or ``"batch"`` (decode).
+    """
+    name: str
+    kind: str
+    stage: str
+    rows: str
+    graph_module: fx.GraphModule = attrs.field(repr=False, eq=False)
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __call__(self, env: dict) -> None:
+        values = self.graph_module(*[env[name] for name in self.inputs])
+        env.update(zip(self.outputs, values))
+
+    def as_text(self) -> str:
+        head = f"segment {self.name} [{self.kind}, stage={self.stage}, rows={self.rows}]"
+        return f"{head}({', '.join(self.inputs)}) -> ({', '.join(self.outputs)})\n" + \
+            graph_text(self.graph_module.graph)
+
+
+@attrs.frozen
+class Program:
+    mode: str
+    graph_module: fx.GraphModule = attrs.field(repr=False, eq=False)
+    segments: tuple[Segment, ...] = ()
+    output: str = ""
+
+    def as_text(self) -> str:
+        if self.segments:
+            return "\n\n".join(s.as_text() for s in self.segments) + f"\n\nreturn %{self.output}"
+        return graph_text(self.graph_module.graph, ANNOTATIONS)
+
+    def evolve(self, **changes) -> "Program":
+        return attrs.evolve(self, **changes)
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over the same weights with a copied graph (node meta included)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

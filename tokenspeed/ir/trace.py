@@ -1,0 +1,63 @@
+"""``ts.trace(model) -> Traced``: the first stage of the pipeline.
+
+A custom FX tracer keeps norms and rotary embeddings as single calls and turns the
+descriptor argument into one named placeholder per tensor leaf, so the IR says exactly
+which metadata the model reads.
+"""
+
+import attrs
+import torch
+from torch import fx
+
+from tokenspeed.backends.descriptors import ForwardMetadata, tensor_fields
+from tokenspeed.ir.printing import graph_text
+from tokenspeed.models.layers import RMSNorm, Rotary
+
+LEAF_MODULES = (RMSNorm, Rotary)
+
+
+class TokenspeedTracer(fx.Tracer):
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, qualname)
+
+
+@attrs.frozen
+class Traced:
+    """A traced model: ``forward(kv_cache, <metadata leaves>) -> logits of sampled rows``."""
+    graph_module: fx.GraphModule
+    config: object
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.graph_module.graph.nodes if n.op == "placeholder")
+
+    def as_text(self) -> str:
+        return graph_text(self.graph_module.graph)
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+    def lower(self, mode: str = "decode", **options):
+        from tokenspeed.passes.lower import lower
+        return lower(self, mode, **options)
+
+
+def trace(model: torch.nn.Module) -> Traced:
+    """Trace ``model.forward(kv_cache, meta)`` with ``meta`` a :class:`ForwardMetadata`."""
+    names = tensor_fields(ForwardMetadata)
+    meta = ForwardMetadata(**{n: fx.PH for n in names}, num_live_rows=0)
+    graph = TokenspeedTracer().trace(model, concrete_args={"meta": meta})
+    _flatten_signature(graph, names)
+    return Traced(fx.GraphModule(model, graph, class_name="Traced"), getattr(model, "config", None))
+
+
+def _flatten_signature(graph: fx.Graph, leaf_names) -> None:
+    """Name the pytree placeholders after their descriptor fields and drop the pytree
+    calling convention: programs are called with flat keyword tensors."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders[1:], leaf_names, strict=True):
+        node.name = node.target = name
+    graph._codegen = fx.graph.CodeGen()
+    output = next(n for n in graph.nodes if n.op == "output")
+    (result,) = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    output.args = (result,)

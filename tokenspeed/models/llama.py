@@ -1,0 +1,105 @@
+"""One Llama-family definition (Llama 2/3, Qwen2, Qwen3, KV-shared variant) for tracing.
+
+Parameter names follow Hugging Face, so a checkpoint's state dict loads as it is.
+Every per-step tensor comes in through ``meta`` (a descriptor); attention and cache
+writes are the ``tokenspeed::`` custom ops, so the traced graph names what it reads.
+"""
+
+import torch
+from torch import nn
+
+from tokenspeed.ir import ops
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.layers import RMSNorm, Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
+        self.writes_kv = self.layer == self.kv_layer
+        self.scale = c.head_dim ** -0.5
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        if self.writes_kv:
+            self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+            self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if self.writes_kv else None
+        self.qk_norm = c.qk_norm
+        self.rotary = Rotary(c)
+
+    def forward(self, h, positions, kv_cache, meta):
+        if self.writes_kv:
+            self._write_kv(h, positions, kv_cache, meta)
+        q = self.q_proj(h).view(-1, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = self.rotary(q, positions)
+        o = ops.attention(q, kv_cache, self.kv_layer, meta.block_tables, meta.row_request,
+                          positions, self.scale)
+        return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
+
+    def _write_kv(self, h, positions, kv_cache, meta):
+        k = self.k_proj(h).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        ops.write_kv(self.rotary(k, positions), v, kv_cache, self.layer, meta.slot_mapping)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, positions, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, kv_cache, meta):
+        h = self.embed_tokens(meta.input_ids)
+        for layer in self.layers:
+            h = layer(h, meta.positions, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Returns the logits of the sampled rows (``meta.sample_rows``) only."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        h = self.model(kv_cache, meta)
+        return self.lm_head(h.index_select(0, meta.sample_rows))

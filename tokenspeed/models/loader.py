@@ -1,0 +1,83 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into our model.
+
+Tensors are read straight into freshly allocated parameters (the model is built on the
+meta device first, so nothing is initialised twice).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.llama import LlamaForCausalLM
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
+    """An uninitialised model: parameters allocated (rotary tables compute themselves)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def read_config(path) -> ModelConfig:
+    config_file = Path(path) / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def load(path, dtype=None, device="cpu") -> LlamaForCausalLM:
+    """``dtype=None`` keeps the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent)."""
+    config = read_config(path)
+    hf = json.loads((Path(path) / "config.json").read_text())
+    dtype = dtype or getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    model = build(config, dtype, device)
+    _load_tensors(model, safetensors_files(Path(path)))
+    return model.eval()
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _load_tensors(model: torch.nn.Module, files: list[Path]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded, unexpected = set(), []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    unexpected.append(name)
+                    continue
+                _copy(params[name], f.get_tensor(name), name)
+                loaded.add(name)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(params) - loaded - tied)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match {model.config.architecture}: "
+                         f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                         f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if param.shape != value.shape:
+        raise ValueError(f"tensor {name}: checkpoint shape {tuple(value.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value)

@@ -1,0 +1,49 @@
+"""Random-weight models for tests, demos and benchmarks (no hub access is possible)."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.loader import build
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32",
+}
+
+
+def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
+    """Normal(0, std) matrices and unit norms, as transformers initialises Llama."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
+
+def random_model(hf_config: dict, dtype=torch.float32, device="cpu", seed: int = 0) -> LlamaForCausalLM:
+    return init_random(build(ModelConfig.from_hf(hf_config), dtype, device), seed).eval()
+
+
+def save_random(hf_config: dict, path, seed: int = 0) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` with random weights."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = random_model(hf_config, seed=seed)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return path

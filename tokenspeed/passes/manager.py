@@ -1,0 +1,56 @@
+"""Named passes over Programs, run in order with invariant checks after each.
+
+A pass is a plain function ``Program -> Program``; ``@program_pass`` gives it the name
+recorded in a lowering's history.
+"""
+
+import functools
+
+import attrs
+from torch import fx
+
+from tokenspeed.ir.program import Program
+
+
+def program_pass(name: str):
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(program: Program, **options) -> Program:
+            return fn(program, **options)
+        run.pass_name = name
+        return run
+    return wrap
+
+
+@attrs.frozen
+class HistoryEntry:
+    pass_name: str
+    text: str
+
+    def __iter__(self):
+        return iter((self.pass_name, self.text))
+
+
+def run_passes(program: Program, passes, **options) -> tuple[Program, tuple[HistoryEntry, ...]]:
+    history = [HistoryEntry("trace", program.as_text())]
+    for p in passes:
+        program = p(program, **options)
+        check_program(program, p.pass_name)
+        history.append(HistoryEntry(p.pass_name, program.as_text()))
+    return program, tuple(history)
+
+
+def check_program(program: Program, after: str) -> None:
+    """Graph well-formedness, and every segment input defined before it is read."""
+    program.graph_module.graph.lint()
+    defined = {n.name for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+    for seg in program.segments:
+        missing = [name for name in seg.inputs if name not in defined]
+        if missing:
+            raise AssertionError(f"after pass {after}: segment {seg.name} reads {missing} "
+                                 "before any segment defines them")
+        defined.update(seg.outputs)
+
+
+def node_by_name(graph: fx.Graph, name: str) -> fx.Node:
+    return next(n for n in graph.nodes if n.name == name)

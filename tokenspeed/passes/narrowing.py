@@ -1,0 +1,109 @@
+"""Row narrowing: derive encoder / narrowing / decoder / finish stages from the graph.
+
+A row-liveness analysis runs from the outputs back. The sampled-row gather needs only
+the decoder view's rows; a cache write needs every row; a row-wise op needs what its
+users need. Values needed by every row form the encoder (run over all tokens); values
+needed only on the view form the decoder (run over the view's rows); each encoder value
+the decoder reads is gathered once, in the narrowing stage, by ``view_rows``.
+"""
+
+from torch import fx
+
+from tokenspeed.ir.ops import WRITE_KV_TARGETS
+from tokenspeed.ir.program import STAGES, Program, copy_graph
+from tokenspeed.ir.rows import row_shaped
+from tokenspeed.passes.manager import program_pass
+
+NONE, VIEW, ALL = 0, 1, 2
+ENCODER, NARROWING, DECODER, FINISH = STAGES
+
+
+@program_pass("narrow_rows")
+def narrow_rows(program: Program, *, config, **_) -> Program:
+    gm = copy_graph(program.graph_module)
+    graph = gm.graph
+    rows = row_shaped(gm, config)
+    gather = sample_gather(graph)
+    need = row_needs(graph, rows, gather)
+    stages = assign_stages(graph, rows, need, gather)
+    view_rows, view_samples = _add_view_inputs(graph)
+    _insert_narrowing(graph, rows, stages, view_rows)
+    gather.replace_input_with(gather.args[2], view_samples)
+    _order_by_stage(graph, stages)
+    gm.recompile()
+    return program.evolve(graph_module=gm)
+
+
+def sample_gather(graph: fx.Graph) -> fx.Node:
+    """The model's gather of ``sample_rows``: where the finish stage begins."""
+    for node in graph.nodes:
+        if node.target == "index_select" and getattr(node.args[2], "name", None) == "sample_rows":
+            return node
+    raise ValueError("cannot narrow: the model never gathers `sample_rows` (x.index_select(0, "
+                     "meta.sample_rows)) before its head")
+
+
+def row_needs(graph: fx.Graph, rows: set[str], gather: fx.Node) -> dict[fx.Node, int]:
+    need: dict[fx.Node, int] = {}
+    for node in reversed(graph.nodes):
+        if node.name in rows:
+            need[node] = max((_need_from(u, need, rows, gather) for u in node.users), default=NONE)
+    return need
+
+
+def _need_from(user: fx.Node, need, rows, gather) -> int:
+    if user.target in WRITE_KV_TARGETS:
+        return ALL
+    if user is gather:
+        return VIEW
+    if user.name in rows:
+        return need[user]
+    return ALL  # a consumer that is not row-wise may read every row
+
+
+def assign_stages(graph, rows, need, gather) -> dict[fx.Node, str]:
+    stages: dict[fx.Node, str] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        inputs = [stages[i] for i in node.all_input_nodes if i in stages]
+        if node is gather or FINISH in inputs:
+            stages[node] = FINISH
+        elif node.name in rows:
+            stages[node] = ENCODER if need[node] == ALL else DECODER
+        else:
+            stages[node] = max(inputs, key=STAGES.index, default=ENCODER)
+        node.meta["stage"] = stages[node]
+    return stages
+
+
+def _add_view_inputs(graph: fx.Graph) -> tuple[fx.Node, fx.Node]:
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        view_samples = graph.placeholder("view_sample_rows")
+    with graph.inserting_after(last):
+        view_rows = graph.placeholder("view_rows")
+    return view_rows, view_samples
+
+
+def _insert_narrowing(graph, rows, stages, view_rows) -> None:
+    """Gather every encoder-side row value that a decoder or finish node reads."""
+    for value in list(graph.nodes):
+        if value.name not in rows or stages.get(value, ENCODER) != ENCODER:
+            continue
+        readers = [u for u in value.users if stages.get(u) in (DECODER, FINISH)]
+        if not readers:
+            continue
+        with graph.inserting_after(value):
+            narrowed = graph.call_method("index_select", (value, 0, view_rows))
+        narrowed.name = f"narrow_{value.name}"
+        narrowed.meta["stage"] = stages[narrowed] = NARROWING
+        for reader in readers:
+            reader.replace_input_with(value, narrowed)
+
+
+def _order_by_stage(graph: fx.Graph, stages) -> None:
+    output = next(n for n in graph.nodes if n.op == "output")
+    ordered = sorted(stages, key=lambda n: STAGES.index(stages[n]))  # stable: keeps node order
+    for node in ordered:
+        output.prepend(node)

@@ -1,0 +1,47 @@
+"""Cut an annotated program into Segments with explicit inputs and outputs."""
+
+from itertools import groupby
+
+from torch import fx
+
+from tokenspeed.ir.ops import ATTENTION_TARGETS
+from tokenspeed.ir.program import Program, Segment
+from tokenspeed.passes.manager import program_pass
+
+EAGER_STAGES = ("narrowing", "finish")
+ROWS_OF_STAGE = {"encoder": "tokens", "model": "tokens", "narrowing": "view", "decoder": "view",
+                 "finish": "sampled", "decode": "batch"}
+
+
+@program_pass("split_segments")
+def split_segments(program: Program, **_) -> Program:
+    graph = program.graph_module.graph
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    groups = [list(g) for _, g in groupby(body, key=lambda n: n.meta["segment"])]
+    output = next(n for n in graph.nodes if n.op == "output")
+    segments = tuple(_segment(program, i, nodes) for i, nodes in enumerate(groups))
+    return program.evolve(segments=segments, output=output.args[0].name)
+
+
+def _segment(program: Program, index: int, nodes: list[fx.Node]) -> Segment:
+    stage = nodes[0].meta.get("stage", "decode" if program.mode == "decode" else "model")
+    is_attention = any(n.target in ATTENTION_TARGETS for n in nodes) and len(nodes) == 1
+    kind = "break" if is_attention or stage in EAGER_STAGES else "graph"
+    gm, inputs, outputs = _extract(program.graph_module, nodes)
+    return Segment(name=f"{index:02d}.{stage}.{'attention' if is_attention else kind}", kind=kind,
+                   stage=stage, rows=ROWS_OF_STAGE[stage], graph_module=gm,
+                   inputs=inputs, outputs=outputs)
+
+
+def _extract(root: fx.GraphModule, nodes: list[fx.Node]):
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    graph, env = fx.Graph(), {}
+    for value in inputs:
+        env[value] = graph.placeholder(value.name)
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+    return (fx.GraphModule(root, graph, class_name="Segment"),
+            tuple(v.name for v in inputs), tuple(n.name for n in outputs))

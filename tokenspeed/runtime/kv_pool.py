@@ -1,0 +1,42 @@
+"""The paged KV pool and its block allocator. Page 0 is the null page: never handed out,
+the target of every padding row and table tail."""
+
+import torch
+
+from tokenspeed.backends.metadata import NULL_PAGE
+
+
+class OutOfPages(RuntimeError):
+    """Raised before any page changes hands: the allocator's state is as it was."""
+
+
+def allocate_kv_cache(config, num_pages: int, page_size: int, dtype, device) -> torch.Tensor:
+    shape = (config.num_layers, 2, num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class BlockAllocator:
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+        self._owned: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} KV pages, {len(self._free)} of {self.num_pages - 1} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._owned.update(pages)
+        return pages
+
+    def free(self, pages) -> None:
+        for page in pages:
+            if page not in self._owned:
+                raise ValueError(f"page {page} is not allocated")
+            self._owned.remove(page)
+            self._free.append(page)

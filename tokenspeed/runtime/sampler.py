@@ -1,0 +1,44 @@
+"""One sampling route for every row: temperature, top-k, top-p, then Gumbel-max.
+
+Greedy is ``top_k = 1``: only the largest logits survive the top-k mask and those rows
+get no noise, so the result is exactly ``argmax`` (first index on ties).
+"""
+
+import attrs
+import torch
+
+MIN_TEMPERATURE = 1e-5
+
+
+@attrs.frozen
+class SamplingTensors:
+    """Per-row settings, one tensor each: ``[rows]``."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @classmethod
+    def build(cls, params, device) -> "SamplingTensors":
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+
+
+def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator | None = None) -> torch.Tensor:
+    scores = logits.float() / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    scores = _top_k_top_p(scores, s.top_k, s.top_p)
+    uniform = torch.rand(scores.shape, generator=generator, device=scores.device).clamp_(1e-10, 1.0)
+    gumbel = -torch.log(-torch.log(uniform)) * (s.top_k != 1)[:, None]
+    return torch.argmax(scores + gumbel, dim=-1)
+
+
+def _top_k_top_p(scores, top_k, top_p):
+    vocab = scores.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
+    ordered, _ = scores.sort(dim=-1, descending=True)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs            # mass strictly above each sorted entry
+    drop = (before > top_p[:, None]) & (top_p[:, None] < 1)
+    cut = ordered.masked_fill(drop, float("inf")).amin(-1, keepdim=True)
+    return scores.masked_fill((scores < kth) | (scores < cut), float("-inf"))

@@ -1,0 +1,101 @@
+"""Continuous batching with chunked prefill, page allocation and preemption.
+
+Every step is either an extend batch (prompt chunks, plus the decode rows that fit the
+token budget) or, when no prompt work is pending, a decode batch. When pages run out a
+decode batch preempts the newest request: its pages are freed and it is recomputed later,
+so no live request is ever corrupted.
+"""
+
+from collections import deque
+
+import attrs
+
+from tokenspeed.runtime.kv_pool import BlockAllocator, OutOfPages
+from tokenspeed.runtime.request import Request
+
+
+@attrs.frozen
+class ScheduledBatch:
+    kind: str                          # "extend" | "decode"
+    requests: tuple[Request, ...]
+    chunk_lens: tuple[int, ...]        # new tokens per request this step
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.allocator, self.page_size = allocator, page_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """The next batch; when nothing fits, the newest running request makes room."""
+        while True:
+            batch = self._schedule_extend()
+            if not batch.requests:
+                batch = self._schedule_decode()
+            if batch.requests or not self.running:
+                return batch
+            self._preempt(self.running[-1])
+
+    def finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+
+    def _schedule_extend(self) -> ScheduledBatch:
+        budget, picked = self.max_num_batched_tokens, []
+        prefilling = [r for r in self.running if r.num_uncached > 1]
+        for request in prefilling:
+            budget = self._take(request, budget, picked)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            left = self._take(self.waiting[0], budget, picked)
+            if left == budget:
+                break
+            budget = left
+            self.running.append(self.waiting.popleft())
+        if picked:
+            taken = {id(r) for r, _ in picked}
+            for request in [r for r in self.running if r.num_uncached == 1 and id(r) not in taken]:
+                budget = self._take(request, budget, picked)
+        return ScheduledBatch("extend", tuple(r for r, _ in picked), tuple(n for _, n in picked))
+
+    def _take(self, request: Request, budget: int, picked: list) -> int:
+        """Add up to ``budget`` of ``request``'s uncached tokens if pages allow; new budget."""
+        chunk = min(request.num_uncached, budget)
+        if chunk <= 0 or not self._grow(request, request.num_cached + chunk):
+            return budget
+        picked.append((request, chunk))
+        return budget - chunk
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        ready = [r for r in self.running if r.num_uncached == 1]
+        for request in list(ready):
+            while request in ready and not self._grow(request, request.num_tokens):
+                victim = ready.pop()
+                self._preempt(victim)
+        return ScheduledBatch("decode", tuple(ready), (1,) * len(ready))
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.page_size) - len(request.pages)
+        try:
+            request.pages.extend(self.allocator.allocate(max(needed, 0)))
+        except OutOfPages:
+            return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages, request.num_cached = [], 0
