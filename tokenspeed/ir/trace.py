@@ -34,6 +34,10 @@ class Traced:
     def as_text(self) -> str:
         return graph_text(self.graph_module.graph)
 
+    def __call__(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        leaves = {n: getattr(meta, n) for n in tensor_fields(ForwardMetadata)}
+        return self.graph_module(kv_cache, **leaves)
+
     def __str__(self) -> str:
         return self.as_text()
 
@@ -48,7 +52,20 @@ def trace(model: torch.nn.Module) -> Traced:
     meta = ForwardMetadata(**{n: fx.PH for n in names}, num_live_rows=0)
     graph = TokenspeedTracer().trace(model, concrete_args={"meta": meta})
     _flatten_signature(graph, names)
+    _shorten_names(graph)
     return Traced(fx.GraphModule(model, graph, class_name="Traced"), getattr(model, "config", None))
+
+
+SHORTER = (("model_layers_", "layer"), ("_self_attn_", "_"), ("_mlp_", "_"), ("model_", ""),
+           ("_default", ""))
+
+
+def _shorten_names(graph: fx.Graph) -> None:
+    """``model_layers_3_self_attn_q_proj`` reads as ``layer3_q_proj`` in the IR."""
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            for long, short in SHORTER:
+                node.name = node.name.replace(long, short)
 
 
 def _flatten_signature(graph: fx.Graph, leaf_names) -> None:

@@ -1,0 +1,137 @@
+"""Traced and lowered programs compute what the module computes; the narrowing keeps the
+sampled rows exact (DESIGN.md invariant 7); the lowered structure is what the passes say."""
+
+import pytest
+import torch
+
+import tokenspeed as ts
+from tokenspeed.backends.metadata import DecodeRow, ExtendChunk, plan_extend, refresh_decode
+from tokenspeed.ir.ops import ATTENTION_TARGETS, WRITE_KV_TARGETS
+from tokenspeed.models.random import TINY_LLAMA, random_model
+from tokenspeed.runtime.kv_pool import allocate_kv_cache
+
+PAGE = 4
+KV_SHARED = {**TINY_LLAMA, "num_hidden_layers": 4, "num_kv_shared_layers": 2}
+
+
+@pytest.fixture(scope="module", params=["plain", "kv_shared"])
+def model(request):
+    return random_model(TINY_LLAMA if request.param == "plain" else KV_SHARED, seed=1)
+
+
+def cache(model, pages=32):
+    return allocate_kv_cache(model.config, pages, PAGE, torch.float32, "cpu")
+
+
+def two_requests(width=1, first_start=0):
+    """A completing chunk with a cached prefix and an open chunk, padded by 3 rows."""
+    chunks = [ExtendChunk(tuple(range(7, 20)), first_start, (1, 2, 3, 4, 5, 6, 7, 8), True),
+              ExtendChunk(tuple(range(30, 36)), 0, (9, 10), False),
+              ExtendChunk((3, 4, 5), 0, (11,), True)]
+    return plan_extend(chunks, num_rows=25, num_table_rows=4, max_pages=8, page_size=PAGE,
+                       view_width=width, num_view_rows=7)
+
+
+def run_twice(fn, model, meta, prefix=None):
+    """Run ``fn`` on a cache that already holds ``prefix`` (written by the module)."""
+    kv = cache(model)
+    with torch.no_grad():
+        if prefix is not None:
+            model(kv, prefix)
+        return fn(kv, meta), kv
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_lowered_prefill_equals_module(model, width):
+    prefix = plan_extend([ExtendChunk(tuple(range(40, 45)), 0, (1, 2), True)], 5, 2, 8, PAGE)
+    meta = two_requests(width, first_start=5)
+    traced = ts.trace(model)
+    expected, kv_module = run_twice(model, model, meta, prefix)
+    for lowered in (traced.lower("prefill"), traced.lower("prefill", narrow=False)):
+        got, kv = run_twice(lowered, model, meta, prefix)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv[:, :, 1:], kv_module[:, :, 1:], rtol=0, atol=0)
+    got, _ = run_twice(traced, model, meta, prefix)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lowered_decode_equals_module(model):
+    prefix = plan_extend([ExtendChunk(tuple(range(9)), 0, (1, 2, 3), True),
+                          ExtendChunk((4, 5), 0, (4,), True)], 11, 3, 8, PAGE)
+    meta = refresh_decode([DecodeRow(11, 9, (1, 2, 3)), DecodeRow(12, 2, (4,))], 4, 8, PAGE)
+    expected, _ = run_twice(model, model, meta, prefix)
+    got, _ = run_twice(ts.trace(model).lower("decode"), model, meta, prefix)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unnarrowed_prefill_has_a_break_per_layer(model):
+    lowered = ts.trace(model).lower("prefill", narrow=False)
+    kinds = [s.kind for s in lowered.segments]
+    layers = model.config.num_layers
+    assert kinds.count("break") == layers and kinds.count("graph") == layers + 1
+    assert kinds == ["graph", "break"] * layers + ["graph"]
+
+
+def test_narrowing_frontier_follows_the_last_cache_write(model):
+    stages = ts.trace(model).lower("prefill").stages
+    assert list(stages) == ["encoder", "narrowing", "decoder", "finish"]
+    written = _layers(stages["encoder"], WRITE_KV_TARGETS)
+    decoder_attentions = [n for s in stages["decoder"] for n in s.graph_module.graph.nodes
+                          if n.target in ATTENTION_TARGETS]
+    c = model.config
+    last_writer = c.num_layers - c.num_kv_shared_layers - 1
+    assert max(written) == last_writer and not _layers(stages["decoder"], WRITE_KV_TARGETS)
+    assert len(decoder_attentions) == c.num_kv_shared_layers + 1  # the last writer's and the shared
+    assert all(s.kind == "break" for s in stages["narrowing"] + stages["finish"])
+
+
+def test_decode_is_one_graph_segment(model):
+    lowered = ts.trace(model).lower("decode")
+    assert [(s.kind, s.stage) for s in lowered.segments] == [("graph", "decode")]
+    broken = ts.trace(model).lower("decode", decode_graph=False)
+    assert [s.kind for s in broken.segments].count("break") == model.config.num_layers
+
+
+def test_history_names_every_pass(model):
+    traced = ts.trace(model)
+    assert [h.pass_name for h in traced.lower("prefill").history] == \
+        ["trace", "narrow_rows", "attention_breaks", "split_segments"]
+    assert [name for name, _ in traced.lower("decode").history] == ["trace", "whole_graph", "split_segments"]
+    texts = [text for _, text in traced.lower("prefill").history]
+    assert "stage=encoder" in texts[1] and "segment=" in texts[2] and "segment 00." in texts[3]
+
+
+def test_networkx_export_matches_segments(model):
+    lowered = ts.trace(model).lower("prefill")
+    g = lowered.to_networkx()
+    assert list(g.nodes) == [s.name for s in lowered.segments]
+    producer = {v: s.name for s in lowered.segments for v in s.outputs}
+    expected = {(producer[v], s.name) for s in lowered.segments for v in s.inputs if v in producer}
+    assert set(g.edges) == expected
+    for a, b, data in g.edges(data=True):
+        assert data["values"] and set(data["values"]) <= set(_seg(lowered, b).inputs)
+
+
+def test_as_text_names_metadata_inputs(model):
+    text = ts.trace(model).lower("prefill").as_text()
+    for name in ("slot_mapping", "block_tables", "row_request", "view_rows", "view_sample_rows"):
+        assert f"%{name}" in text
+
+
+def test_narrowing_needs_a_sample_gather():
+    class NoGather(torch.nn.Module):
+        config = random_model(TINY_LLAMA).config
+
+        def forward(self, kv_cache, meta):
+            return meta.positions.float()
+    with pytest.raises(ValueError, match="sample_rows"):
+        ts.trace(NoGather()).lower("prefill")
+
+
+def _layers(segments, targets):
+    return sorted({n.args[3] if n.target in WRITE_KV_TARGETS else n.args[2]
+                   for s in segments for n in s.graph_module.graph.nodes if n.target in targets})
+
+
+def _seg(lowered, name):
+    return next(s for s in lowered.segments if s.name == name)

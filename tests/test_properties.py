@@ -1,0 +1,95 @@
+"""Property tests of the slot and padding invariants (DESIGN.md invariants 1-3) and the allocator."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenspeed.backends.kernels.reference import expand_block_table
+from tokenspeed.backends.metadata import plan_extend, refresh_decode, write_locations
+from tokenspeed.runtime.kv_pool import BlockAllocator, OutOfPages
+from tokenspeed.testing import invariants as inv
+from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases
+
+DECODE_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "row_request")
+
+
+@given(tables=block_tables(), factor=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([4, 8, 16]),
+       data=st.data())
+def test_slot_math_is_page_size_invariant(tables, factor, page_size, data):
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    req = torch.tensor(data.draw(st.lists(st.integers(0, len(tables) - 1), min_size=1, max_size=20)))
+    pos = torch.tensor([data.draw(st.integers(0, len(tables[r]) * page_size - 1)) for r in req.tolist()])
+    raw = write_locations(table, req, pos, page_size)
+    expanded = write_locations(expand_block_table(table, factor), req, pos, page_size // factor)
+    assert torch.equal(raw, expanded)
+
+
+@given(case=decode_cases())
+def test_decode_padding_rows_and_tails_resolve_to_null_page(case):
+    meta = refresh_decode(case.rows, case.num_rows, case.max_pages, case.page_size)
+    inv.check_padding_rows_null(meta, len(case.rows), case.page_size)
+    inv.check_table_tails_null(meta, [r.pages for r in case.rows])
+    inv.check_no_write_into_live_pages(meta, len(case.rows), [r.pages for r in case.rows], case.page_size)
+
+
+@given(case=decode_cases())
+def test_decode_live_rows_write_their_own_pages(case):
+    meta = refresh_decode(case.rows, case.num_rows, case.max_pages, case.page_size)
+    for i, row in enumerate(case.rows):
+        slot = int(meta.slot_mapping[i])
+        assert slot // case.page_size == row.pages[row.position // case.page_size]
+        assert slot % case.page_size == row.position % case.page_size
+
+
+@given(case=decode_cases())
+def test_eager_and_padded_refresh_agree_on_live_rows(case):
+    eager = refresh_decode(case.rows, len(case.rows), case.max_pages, case.page_size)
+    padded = refresh_decode(case.rows, case.num_rows, case.max_pages, case.page_size)
+    inv.check_live_rows_equal(eager, padded, len(case.rows), DECODE_FIELDS)
+
+
+@given(case=extend_cases())
+def test_extend_padding_rows_resolve_to_null_page(case):
+    live = sum(len(c.tokens) for c in case.chunks)
+    meta = plan_extend(case.chunks, case.num_rows, len(case.chunks) + 1, case.max_pages, case.page_size)
+    inv.check_padding_rows_null(meta, live, case.page_size)
+    inv.check_no_write_into_live_pages(meta, live, [c.pages for c in case.chunks], case.page_size)
+    inv.check_table_tails_null(meta, [c.pages for c in case.chunks])
+
+
+@given(case=extend_cases(), width=st.integers(1, 4))
+def test_decoder_view_keeps_sampled_rows(case, width):
+    meta = plan_extend(case.chunks, case.num_rows, len(case.chunks) + 1, case.max_pages,
+                       case.page_size, view_width=width)
+    assert torch.equal(meta.view_rows[meta.view_sample_rows], meta.sample_rows)
+    assert meta.sample_rows.numel() == sum(c.completes for c in case.chunks)
+
+
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=60),
+       num_pages=st.integers(2, 24))
+def test_allocator_never_hands_out_page_zero_or_a_page_twice(ops, num_pages):
+    alloc, held = BlockAllocator(num_pages), []
+    for allocate, n in ops:
+        if allocate:
+            free_before = alloc.num_free
+            try:
+                pages = alloc.allocate(n)
+            except OutOfPages:
+                assert alloc.num_free == free_before and n > free_before
+                continue
+            assert 0 not in pages
+            assert not set(pages) & {p for h in held for p in h}
+            held.append(pages)
+        elif held:
+            alloc.free(held.pop(n % len(held)))
+    assert alloc.num_free + sum(map(len, held)) == num_pages - 1
+
+
+def test_allocator_rejects_double_free():
+    alloc = BlockAllocator(4)
+    pages = alloc.allocate(2)
+    alloc.free(pages)
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(pages)

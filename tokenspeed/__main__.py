@@ -1,0 +1,3 @@
+from tokenspeed.cli import main
+
+main()

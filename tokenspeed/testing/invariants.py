@@ -1,0 +1,36 @@
+"""Checkers for the padding and slot invariants; each raises AssertionError naming the row."""
+
+import torch
+
+from tokenspeed.backends.metadata import NULL_PAGE
+
+
+def slot_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    return slots // page_size
+
+
+def check_padding_rows_null(meta, num_live: int, page_size: int) -> None:
+    """Rows ``[num_live, rows)`` write into page 0 and read through all-null table rows."""
+    pages = slot_pages(meta.slot_mapping[num_live:], page_size)
+    bad = (pages != NULL_PAGE).nonzero().flatten().tolist()
+    assert not bad, f"padding rows {[num_live + b for b in bad]} write outside the null page"
+    tables = meta.block_tables[meta.row_request[num_live:]]
+    assert bool((tables == NULL_PAGE).all()), "a padding row reads through a non-null table row"
+
+
+def check_table_tails_null(meta, pages_per_row) -> None:
+    for row, pages in enumerate(pages_per_row):
+        tail = meta.block_tables[row, len(pages):]
+        assert bool((tail == NULL_PAGE).all()), f"table row {row} has a non-null tail {tail.tolist()}"
+
+
+def check_no_write_into_live_pages(meta, num_live: int, live_pages, page_size: int) -> None:
+    live = {p for pages in live_pages for p in pages}
+    written = set(slot_pages(meta.slot_mapping[num_live:], page_size).tolist())
+    assert not written & live, f"padding rows write into live pages {sorted(written & live)}"
+
+
+def check_live_rows_equal(a, b, num_live: int, fields) -> None:
+    for name in fields:
+        x, y = getattr(a, name)[:num_live], getattr(b, name)[:num_live]
+        assert torch.equal(x, y), f"field {name} differs on live rows: {x.tolist()} vs {y.tolist()}"
