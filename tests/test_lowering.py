@@ -96,7 +96,7 @@ def test_history_names_every_pass(model):
     traced = ts.trace(model)
     assert [h.pass_name for h in traced.lower("prefill").history] == \
         ["trace", "narrow_rows", "attention_breaks", "split_segments"]
-    assert [name for name, _ in traced.lower("decode").history] == ["trace", "whole_graph", "split_segments"]
+    assert [name for name, _ in traced.lower("decode").history] == ["trace", "decode_kernels", "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]
     assert "stage=encoder" in texts[1] and "segment=" in texts[2] and "segment 00." in texts[3]
 

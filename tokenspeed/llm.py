@@ -5,14 +5,15 @@ from pathlib import Path
 
 import torch
 
+from tokenspeed.backends.paged import CacheGroupRouter
+from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.ir.trace import trace
 from tokenspeed.models.loader import load
-from tokenspeed.runtime.decode_runner import DecodeRunner
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.kv_pool import BlockAllocator, allocate_kv_cache
-from tokenspeed.runtime.prefill_runner import PrefillRunner
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.scheduler import Scheduler
+from tokenspeed.runtime.startup import build_runners
 from tokenspeed.sampling_params import RequestOutput, SamplingParams
 
 CPU_KV_BYTES = 2 << 30
@@ -22,9 +23,12 @@ class LLM:
     def __init__(self, model, device="cpu", dtype=None, page_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  capture_sizes=None, enforce_eager: bool = False, num_kv_pages: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, token_buckets=None, view_width: int = 1, backend=None):
+        """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
+        min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``:
+        rows per request the prefill decoder view keeps (W); ``enforce_eager``: no graphs."""
         _positive(page_size=page_size, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens)
+                  max_num_batched_tokens=max_num_batched_tokens, view_width=view_width)
         self.model = _as_model(model, dtype, device)
         self.config = config = self.model.config
         self.device = torch.device(device)
@@ -36,14 +40,18 @@ class LLM:
         self.num_pages = num_kv_pages or self._default_num_pages(max_num_seqs)
         self.kv_cache = allocate_kv_cache(config, self.num_pages, page_size,
                                           next(self.model.parameters()).dtype, self.device)
+        self.backend = backend or CacheGroupRouter()
+        self.support = CudaGraphSupport(False, False) if enforce_eager else self.backend.graph_support()
         self.traced = trace(self.model)
-        self.lowered = {"prefill": self.traced.lower("prefill"), "decode": self.traced.lower("decode")}
+        self.lowered = {"prefill": self.traced.lower("prefill"),
+                        "decode": self.traced.lower("decode", decode_graph=self.support.decode_graph)}
         self.scheduler = Scheduler(BlockAllocator(self.num_pages), page_size, max_num_seqs,
                                    max_num_batched_tokens)
-        prefill = PrefillRunner(self.lowered["prefill"], self.kv_cache, self.max_pages, page_size)
-        decode = DecodeRunner(self.lowered["decode"], self.kv_cache, max_num_seqs, self.max_pages, page_size)
-        self.engine = Engine(self.scheduler, prefill, decode, config.eos_token_ids,
-                             self.max_model_len, seed)
+        self.prefill, self.decode, self.startup = build_runners(
+            self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            capture_sizes=capture_sizes, token_buckets=token_buckets, view_width=view_width, seed=seed)
+        self.engine = Engine(self.scheduler, self.prefill, self.decode, config.eos_token_ids,
+                             self.max_model_len)
         self._next_id = 0
 
     def generate(self, prompts: Sequence[Sequence[int]],

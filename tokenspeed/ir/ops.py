@@ -37,7 +37,20 @@ def _attention_fake(q, kv_cache, layer, block_tables, row_request, positions, sc
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("tokenspeed::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                     row_request: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attention`` restricted to one row per request: what decode lowering selects."""
+    return dispatch.decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(q, kv_cache, layer, block_tables, row_request, positions, scale):
+    return torch.empty_like(q)
+
+
 WRITE_KV = torch.ops.tokenspeed.write_kv.default
+DECODE_ATTENTION = torch.ops.tokenspeed.decode_attention.default
 ATTENTION = torch.ops.tokenspeed.attention.default
-ATTENTION_TARGETS = (torch.ops.tokenspeed.attention, ATTENTION)
+ATTENTION_TARGETS = (torch.ops.tokenspeed.attention, ATTENTION, DECODE_ATTENTION)
 WRITE_KV_TARGETS = (torch.ops.tokenspeed.write_kv, WRITE_KV)

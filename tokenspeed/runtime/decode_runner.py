@@ -1,46 +1,78 @@
-"""The one decode path: refresh, publish into the slots, run the decode segments.
+"""The one decode path: refresh, publish into the slots, then replay or run eagerly.
 
-Replay pads the batch to the next captured rung; eager (no rung fits, or graphs are off)
-uses the unpadded refresh over the same slots and segments. Both go through
-``refresh_decode``; there is no other decode-metadata code.
+Capture = idle refresh (no live rows, placeholder tables of null pages) + capture of the
+whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
+the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
+same slots; batches above the ladder take it. Tokens and accept lengths land in one
+persistent buffer and reach the host in one copy.
 """
-
-import bisect
 
 import torch
 
-from tokenspeed.backends.metadata import DecodeRow, refresh_decode
+from tokenspeed.runtime.ladders import bucket_for
+from tokenspeed.runtime.sampler import SamplingTensors, sample
 from tokenspeed.runtime.slots import MetadataSlots
+from tokenspeed.sampling_params import SamplingParams
+
+WINDOW = 1            # verify window N: 1 candidate per row without a drafter
+PAD_PARAMS = SamplingParams(temperature=0.0)
 
 
 class DecodeRunner:
-    def __init__(self, lowered, kv_cache, max_decode_bs: int, max_pages: int, page_size: int,
-                 graphs=None):
-        self.lowered, self.kv_cache = lowered, kv_cache
+    def __init__(self, lowered, kv_cache, backend, max_decode_bs: int, max_pages: int,
+                 page_size: int, generator: torch.Generator | None):
+        self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
-        self.device = kv_cache.device
-        idle = self.refresh((), max_decode_bs)
-        self.slots = MetadataSlots(idle, max_decode_bs)
-        self.graphs = graphs  # a GraphSet over the ladder, or None for eager only
+        self.generator = generator
+        self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs)
+        self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs)
+        self.out = torch.zeros(max_decode_bs, WINDOW + 1, dtype=torch.int64, device=kv_cache.device)
+        self.graphs: dict[int, object] = {}
+        self.ladder: tuple[int, ...] = ()
 
     def refresh(self, rows, num_rows: int):
-        return refresh_decode(rows, num_rows, self.max_pages, self.page_size, self.device)
+        return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size,
+                                           self.kv_cache.device)
 
-    def padded_size(self, bs: int) -> int | None:
-        """The rung a batch of ``bs`` replays at, or None when it runs eagerly."""
-        if self.graphs is None:
-            return None
-        ladder = self.graphs.sizes
-        i = bisect.bisect_left(ladder, bs)
-        return ladder[i] if i < len(ladder) else None
+    def capture(self, capturer, ladder: tuple[int, ...], progress=None) -> None:
+        """Largest rung first, so smaller graphs reuse the shared pool's memory."""
+        self.ladder = ladder
+        for bs in sorted(ladder, reverse=True):
+            view = self.slots.publish(self.refresh((), bs))
+            sampling = self.sampling.publish(self._sampling([], bs))
+            self.graphs[bs] = capturer.capture(
+                f"decode[bs={bs}]", lambda v=view, s=sampling, o=self.out[:bs]: self._step(v, s, o),
+                reach=lambda bs=bs: self.reach(bs))
+            if progress is not None:
+                progress.update(1)
 
-    def run(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Logits ``[len(rows), vocab]``."""
+    def reach(self, bs: int) -> dict[str, torch.Tensor]:
+        """Every tensor the step for ``bs`` reads or writes through the slots."""
+        named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
+        named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
+        return {**named, "kv_cache": self.kv_cache, "out": self.out}
+
+    def run(self, rows, params) -> list[int]:
+        """One sampled token per row."""
         bs = len(rows)
-        rung = self.padded_size(bs)
-        view = self.slots.publish(self.refresh(rows, rung or bs))
+        rung = bucket_for(self.ladder, bs) if self.graphs else None
+        size = rung or bs
+        view = self.slots.publish(self.refresh(rows, size))
+        sampling = self.sampling.publish(self._sampling(params, size))
         if rung is None:
-            logits = self.lowered(self.kv_cache, view)
+            self._step(view, sampling, self.out[:bs])
         else:
-            logits = self.graphs.replay(rung, view)
-        return logits[:bs]
+            self.graphs[rung].replay()
+        return self.out[:bs].cpu()[:, 0].tolist()
+
+    def _step(self, view, sampling, out):
+        logits = self.lowered(self.kv_cache, view)
+        gen = None if self.kv_cache.is_cuda else self.generator
+        out[:, :WINDOW] = sample(logits, sampling, gen)[:, None]
+        out[:, WINDOW] = WINDOW
+        return out
+
+    def _sampling(self, params, size: int) -> SamplingTensors:
+        padded = list(params) + [PAD_PARAMS] * (size - len(params))
+        return SamplingTensors.build(padded, self.kv_cache.device)
+

@@ -1,35 +1,35 @@
-"""Persistent metadata buffers that captured graphs read.
+"""Persistent buffers that captured graphs read (metadata, sampling settings).
 
-Buffers are sized by ``max_decode_bs``; the view for a batch size is built once, cached,
-and never moves. Publishing copies a descriptor into the view, so a graph captured over
-a view sees each step's metadata at the same addresses.
+Buffers are sized for the largest batch; the views for a batch size are built once,
+cached, and never move. Publishing copies a descriptor's slotted fields into the views of
+its size and returns the descriptor over those views, so a graph captured over them sees
+each step's values at the same addresses.
 """
 
+import attrs
 import torch
 
-from tokenspeed.backends.descriptors import leaves, static_fields, tensor_fields
+from tokenspeed.backends.descriptors import tensor_fields
 
 
 class MetadataSlots:
-    def __init__(self, template, capacity: int):
-        """``template``: a descriptor whose tensors have ``capacity`` rows (e.g. an idle refresh)."""
-        self.cls = type(template)
+    def __init__(self, template, capacity: int, fields: tuple[str, ...] | None = None):
+        """``template``: a descriptor with ``capacity`` rows in each slotted field."""
+        self.fields = fields or tensor_fields(type(template))
         self.capacity = capacity
-        self.buffers = {n: t.clone() for n, t in leaves(template).items()}
-        self._views: dict[int, object] = {}
+        self.buffers = {n: getattr(template, n).clone() for n in self.fields}
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
 
-    def view(self, rows: int):
+    def view(self, rows: int) -> dict[str, torch.Tensor]:
         if rows > self.capacity:
             raise ValueError(f"batch of {rows} rows exceeds the slots' capacity {self.capacity}")
         if rows not in self._views:
-            statics = {n: rows for n in static_fields(self.cls)}
-            self._views[rows] = self.cls(**{n: b[:rows] for n, b in self.buffers.items()}, **statics)
+            self._views[rows] = {n: b[:rows] for n, b in self.buffers.items()}
         return self._views[rows]
 
     def publish(self, meta):
-        """Copy ``meta`` into the view of its size; returns that view."""
-        rows = meta.input_ids.shape[0]
-        view = self.view(rows)
-        for name in tensor_fields(self.cls):
-            getattr(view, name).copy_(getattr(meta, name))
-        return view
+        """Copy ``meta``'s slotted fields into the views of its size."""
+        view = self.view(getattr(meta, self.fields[0]).shape[0])
+        for name, slot in view.items():
+            slot.copy_(getattr(meta, name), non_blocking=True)
+        return attrs.evolve(meta, **view)

@@ -28,3 +28,13 @@ def attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
                                                  positions, scale, page_size)
     return reference.paged_attention(q, flat, layer, block_tables, row_request, positions,
                                      scale, page_size)
+
+
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+    flat, page_size = flat_slots(kv_cache)
+    if q.is_cuda:
+        from tokenspeed.backends.kernels import triton_attention
+        return triton_attention.decode_attention(q, flat, layer, block_tables, row_request,
+                                                 positions, scale, page_size)
+    return reference.paged_attention(q, flat, layer, block_tables, row_request, positions,
+                                     scale, page_size)

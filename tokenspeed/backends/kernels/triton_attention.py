@@ -16,6 +16,8 @@ Why two kernels:
   (this path runs eagerly, so syncing there is fine).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,11 @@ MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128
 DEFAULT_SMS = 132
+LOG2E = 1.4426950408889634
+EXTEND_BLOCK_M = 64
+EXTEND_BLOCK_N = 64
+EXTEND_WARPS = 4
+EXTEND_STAGES = 2
 
 
 @triton.jit
@@ -34,8 +41,36 @@ def _slots(bt_row_ptr, kpos, valid, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, stride_slot,
+                  qk_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step (base 2) over the key block ``kpos``.
+
+    CAUSAL masks key j for query row i unless j <= pos[i]; otherwise only ``valid`` keys."""
+    d = tl.arange(0, BLOCK_D)
+    slot = _slots(bt_row, kpos, valid, PAGE_SIZE)
+    kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
+    k = tl.load(k_ptr + kv_base + slot[None, :] * stride_slot + d[:, None], mask=kmask,
+                other=0.0)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if CAUSAL:
+        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+    else:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
+    v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
+                other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, scale, stride_qr, stride_qh, stride_or, stride_oh, stride_bt,
+                   mid_lse_ptr, qk_scale, stride_qr, stride_qh, stride_or, stride_oh, stride_bt,
                    stride_slot, stride_kvh,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -59,26 +94,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + req * stride_bt
-    kv_base = kv_head * stride_kvh
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        valid = kpos < hi
-        slot = _slots(bt_row, kpos, valid, PAGE_SIZE)
-        kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
-        k = tl.load(k_ptr + kv_base + slot[None, :] * stride_slot + d[:, None], mask=kmask,
-                    other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-
+        m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
+                                  kpos, kpos < hi, g, stride_slot, qk_scale, False, HEAD_DIM,
+                                  PAGE_SIZE, BLOCK_D, PRECISION)
     safe_l = tl.where(l > 0, l, 1.0)
     o = acc / safe_l[:, None]
     if NUM_SPLITS == 1:
@@ -87,7 +107,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     else:
         part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
         tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
-        lse = tl.where(l > 0, m + tl.log(safe_l), float("-inf"))
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
         tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
 
 
@@ -101,7 +121,7 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
     d = tl.arange(0, BLOCK_D)
     part = (row * NUM_HEADS + head) * NUM_SPLITS + s
     lse = tl.load(mid_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
+    w = tl.exp2(lse - tl.max(lse, 0))
     omask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
     o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
@@ -111,8 +131,8 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
 
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_first_ptr,
-                   tile_count_ptr, scale, stride_qr, stride_qh, stride_or, stride_oh, stride_bt,
-                   stride_slot, stride_kvh,
+                   tile_count_ptr, qk_scale, stride_qr, stride_qh, stride_or, stride_oh,
+                   stride_bt, stride_slot, stride_kvh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr):
@@ -134,24 +154,18 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
     bt_row = bt_ptr + req * stride_bt
     kv_base = (head // GROUP) * stride_kvh
     hi = tl.max(pos, 0) + 1
-    for start in range(0, hi, BLOCK_N):
+    # Key blocks below the tile's smallest position are visible to every row: no causal mask.
+    full = (tl.min(tl.where(r < count, pos, hi), 0) + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        valid = kpos < hi
-        slot = _slots(bt_row, kpos, valid, PAGE_SIZE)
-        kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
-        k = tl.load(k_ptr + kv_base + slot[None, :] * stride_slot + d[:, None], mask=kmask,
-                    other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
+                                  kpos < hi, pos, stride_slot, qk_scale, False, HEAD_DIM,
+                                  PAGE_SIZE, BLOCK_D, PRECISION)
+    for start in range(full, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
+                                  kpos < hi, pos, stride_slot, qk_scale, True, HEAD_DIM,
+                                  PAGE_SIZE, BLOCK_D, PRECISION)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -227,8 +241,8 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
                           device=q.device) if num_splits > 1 else out
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1),
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, PRECISION=precision,
@@ -241,35 +255,50 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     return out
 
 
-def extend_tile_plan(row_request: torch.Tensor, block_m: int):
-    """First row and row count of each tile: runs of equal row_request cut every block_m."""
-    _, counts = torch.unique_consecutive(row_request, return_counts=True)
+class ExtendPlan(NamedTuple):
+    """Tiles of one extend batch: ``first[t]``/``count[t]`` rows of one request each."""
+    first: torch.Tensor
+    count: torch.Tensor
+    block_m: int
+
+
+def extend_tile_plan(row_request: torch.Tensor, block_m: int = None) -> ExtendPlan:
+    """Cut each run of equal row_request into tiles of at most block_m rows (host side).
+
+    The plan depends only on row_request, so compute it once per batch and pass it to
+    every layer's ``extend_attention``. block_m defaults to 16..64 by the longest run."""
+    runs = row_request.cpu()
+    _, counts = torch.unique_consecutive(runs, return_counts=True)
+    if block_m is None:
+        longest = int(counts.max()) if len(counts) else 1
+        block_m = min(EXTEND_BLOCK_M, max(16, triton.next_power_of_2(longest)))
     run_first = torch.cumsum(counts, 0) - counts
     tiles = (counts + block_m - 1) // block_m
-    run = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), tiles)
-    index = torch.arange(len(run), device=counts.device) - (torch.cumsum(tiles, 0) - tiles)[run]
+    run = torch.repeat_interleave(torch.arange(len(counts)), tiles)
+    index = torch.arange(len(run)) - (torch.cumsum(tiles, 0) - tiles)[run]
     first = run_first[run] + index * block_m
     count = torch.clamp(counts[run] - index * block_m, max=block_m)
-    return first.to(torch.int32), count.to(torch.int32)
+    device = row_request.device
+    return ExtendPlan(first.to(device, torch.int32), count.to(device, torch.int32), block_m)
 
 
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
-                     page_size):
-    """Ragged causal attention of many rows per request (prefix hits included); eager only."""
+                     page_size, plan: ExtendPlan = None):
+    """Ragged causal attention of many rows per request (prefix hits included); eager only
+    unless ``plan`` (from ``extend_tile_plan``) is given, which removes every host sync."""
     _check(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
         return out
     q, k_cache, v_cache, block_d, precision = _common(q, kv_cache, layer)
-    longest = int(torch.unique_consecutive(row_request, return_counts=True)[1].max())
-    block_m = min(64, max(16, triton.next_power_of_2(longest)))
-    first, count = extend_tile_plan(row_request, block_m)
-    _extend_kernel[(len(first), heads)](
-        q, k_cache, v_cache, block_tables, row_request, positions, out, first, count, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1),
+    plan = plan if plan is not None else extend_tile_plan(row_request)
+    block_n = EXTEND_BLOCK_N if head_dim <= 128 else 32
+    _extend_kernel[(len(plan.first), heads)](
+        q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first, plan.count,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d,
-        PRECISION=precision, num_warps=4, num_stages=2)
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
+        num_warps=EXTEND_WARPS if plan.block_m >= 64 else 4, num_stages=EXTEND_STAGES)
     return out

@@ -1,0 +1,39 @@
+"""Which graphs a backend tree can be captured in.
+
+Each backend class declares ``cuda_graph_support``; the tree's support is the AND over
+every node, resolved once at startup, and every class that turns a capability off is
+logged by name. A capture that fails after support was declared is fatal.
+"""
+
+import logging
+
+import attrs
+
+log = logging.getLogger("tokenspeed.backends")
+
+
+@attrs.frozen
+class CudaGraphSupport:
+    decode_graph: bool = True
+    prefill_graph: bool = True
+
+    def __and__(self, other: "CudaGraphSupport") -> "CudaGraphSupport":
+        return CudaGraphSupport(self.decode_graph and other.decode_graph,
+                                self.prefill_graph and other.prefill_graph)
+
+
+def walk(backend):
+    yield backend
+    for child in backend.child_backends():
+        yield from walk(child)
+
+
+def resolve_cuda_graph_support(root) -> CudaGraphSupport:
+    support = CudaGraphSupport()
+    for node in walk(root):
+        declared = type(node).cuda_graph_support
+        for field in attrs.fields(CudaGraphSupport):
+            if not getattr(declared, field.name):
+                log.warning("%s does not support %s: it runs eagerly", type(node).__name__, field.name)
+        support = support & declared
+    return support

@@ -1,0 +1,49 @@
+"""Bucket ladders: the sizes graphs are captured at. A ladder is a performance subset,
+never a capacity limit: sizes above its top run eagerly."""
+
+import bisect
+
+MAX_DECODE_LADDER = 256
+TOKEN_STEPS = ((256, 16), (512, 32), (1024, 64), (2048, 128))
+
+
+def decode_ladder(max_num_seqs: int, capture_sizes=None) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8 up to min(max_num_seqs, 256); ``capture_sizes`` overrides."""
+    if capture_sizes is not None:
+        sizes = sorted(set(int(s) for s in capture_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"capture_sizes={capture_sizes!r}: need positive batch sizes")
+        return tuple(sizes)
+    top = min(max_num_seqs, MAX_DECODE_LADDER)
+    return _capped([1, 2, 4, 8] + list(range(16, MAX_DECODE_LADDER + 1, 8)), top)
+
+
+def token_buckets(max_num_batched_tokens: int, buckets=None) -> tuple[int, ...]:
+    """16..256 by 16, 288..512 by 32, 576..1024 by 64, 1152..2048 by 128; top =
+    min(max_num_batched_tokens, 2048)."""
+    if buckets is not None:
+        return tuple(sorted(set(int(b) for b in buckets)))
+    sizes, start = [], 0
+    for end, step in TOKEN_STEPS:
+        sizes.extend(range(start + step, end + 1, step))
+        start = end
+    return _capped(sizes, min(max_num_batched_tokens, TOKEN_STEPS[-1][0]))
+
+
+def row_buckets(top: int) -> tuple[int, ...]:
+    """Each rung at most 1.5x the one below (so padding stays under 1.5x), up to ``top``."""
+    sizes = [1]
+    while sizes[-1] < top:
+        sizes.append(max(sizes[-1] + 1, sizes[-1] * 3 // 2))
+    return _capped(sizes, top)
+
+
+def bucket_for(ladder: tuple[int, ...], size: int) -> int | None:
+    """The smallest rung >= size, or None when size is above the ladder."""
+    i = bisect.bisect_left(ladder, size)
+    return ladder[i] if i < len(ladder) else None
+
+
+def _capped(sizes, top: int) -> tuple[int, ...]:
+    kept = [s for s in sizes if s < top]
+    return tuple(kept + [top]) if top >= 1 else ()

@@ -1,0 +1,98 @@
+"""Breakable prefill graphs: graph segments captured per bucket, breaks run eagerly.
+
+Encoder graph segments are captured per token bucket, decoder graph segments per
+decoder-row bucket, all in one memory pool; attention, narrowing and finish run eagerly
+with live metadata, and the padded rows of every eager output are zeroed (scrubbed) so no
+undefined rows flow on. A batch above the largest bucket runs every segment eagerly:
+eager prefill and graphed prefill are one walk over the same segments.
+"""
+
+import torch
+
+from tokenspeed.backends.descriptors import leaves
+from tokenspeed.runtime.ladders import bucket_for
+from tokenspeed.runtime.sampler import SamplingTensors, sample
+from tokenspeed.runtime.slots import MetadataSlots
+
+TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
+
+
+class PrefillGraph:
+    def __init__(self, lowered, kv_cache, backend, max_pages: int, page_size: int,
+                 view_width: int, generator: torch.Generator | None):
+        self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
+        self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
+        self.generator = generator
+        self.token_ladder: tuple[int, ...] = ()
+        self.view_ladder: tuple[int, ...] = ()
+        self.graphs: dict[tuple[str, int], tuple[object, dict]] = {}
+        self.slots = None
+
+    def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
+        return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=len(chunks) + 1,
+                                        max_pages=self.max_pages, page_size=self.page_size,
+                                        view_width=self.view_width, num_view_rows=num_view_rows,
+                                        device=self.kv_cache.device)
+
+    def capture(self, capturer, token_ladder, view_ladder, progress=None) -> None:
+        """One sweep per rung, largest first, pairing token and row buckets."""
+        self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
+        self.slots = MetadataSlots(self.plan([], max(token_ladder)), max(token_ladder), TOKEN_ROW_FIELDS)
+        tokens, views = sorted(token_ladder, reverse=True), sorted(view_ladder, reverse=True)
+        for i in range(max(len(tokens), len(views))):
+            t, v = tokens[min(i, len(tokens) - 1)], views[min(i, len(views) - 1)]
+            self._walk(self.slots.publish(self.plan([], t, v)), capturer)
+            if progress is not None:
+                progress.update(1)
+
+    def run(self, chunks, params) -> list[int]:
+        """Sampled tokens of the completing chunks, in chunk order."""
+        meta = self.plan(chunks, sum(len(c.tokens) for c in chunks))
+        t = bucket_for(self.token_ladder, meta.num_live_rows) if self.graphs else None
+        v = bucket_for(self.view_ladder, meta.num_live_view_rows) if self.graphs else None
+        if t is not None or v is not None:
+            meta = self.slots.publish(self.plan(chunks, t or meta.num_live_rows, v)) if t else \
+                self.plan(chunks, meta.num_live_rows, v)
+        logits = self._walk(meta)
+        return sample(logits, SamplingTensors.build(params, logits.device), self.generator).tolist()
+
+    def _walk(self, meta, capturer=None) -> torch.Tensor:
+        env = {"kv_cache": self.kv_cache, **leaves(meta)}
+        sizes = {"tokens": meta.input_ids.shape[0], "view": meta.view_rows.shape[0]}
+        live = {"tokens": meta.num_live_rows, "view": meta.num_live_view_rows}
+        stable = {id(env[n]) for n in ("kv_cache", *TOKEN_ROW_FIELDS)}
+        for seg in self.lowered.segments:
+            key = (seg.name, sizes.get(seg.rows))
+            if seg.kind == "graph" and (key in self.graphs or capturer is not None):
+                self._graph_segment(seg, key, env, stable, capturer)
+            else:
+                seg(env)
+                _scrub(seg, env, sizes.get(seg.rows), live.get(seg.rows))
+        return env[self.lowered.program.output]
+
+    def _graph_segment(self, seg, key, env, stable, capturer) -> None:
+        if key not in self.graphs:
+            static = {n: env[n] if id(env[n]) in stable else env[n].clone() for n in seg.inputs}
+            graph = capturer.capture(f"prefill[{seg.name}, rows={key[1]}]",
+                                     lambda: seg.graph_module(*[static[n] for n in seg.inputs]),
+                                     reach=lambda: dict(static))
+            self.graphs[key] = (graph, static)
+            outputs = graph.outputs
+        else:
+            graph, static = self.graphs[key]
+            for name in seg.inputs:
+                if env[name] is not static[name]:
+                    static[name].copy_(env[name])
+            outputs = graph.replay()
+        env.update(zip(seg.outputs, outputs))
+        stable.update(id(o) for o in outputs)
+
+
+def _scrub(seg, env, size, live) -> None:
+    """Zero the padded rows of an eager segment's row-shaped outputs."""
+    if size is None or live is None or live >= size:
+        return
+    for name in seg.outputs:
+        value = env[name]
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
+            value[live:] = 0
