@@ -96,7 +96,9 @@ def test_history_names_every_pass(model):
     traced = ts.trace(model)
     assert [h.pass_name for h in traced.lower("prefill").history] == \
         ["trace", "narrow_rows", "attention_breaks", "split_segments"]
-    assert [name for name, _ in traced.lower("decode").history] == ["trace", "decode_kernels", "whole_graph", "split_segments"]
+    assert [name for name, _ in traced.lower("decode").history] == [
+        "trace", "decode_kernels", "fuse_norms", "fuse_rope_write_kv", "select_linear",
+        "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]
     assert "stage=encoder" in texts[1] and "segment=" in texts[2] and "segment 00." in texts[3]
 
@@ -135,3 +137,13 @@ def _layers(segments, targets):
 
 def _seg(lowered, name):
     return next(s for s in lowered.segments if s.name == name)
+
+
+def test_decode_fusions_leave_few_ops_per_layer(model):
+    graph = ts.trace(model).lower("decode").segments[0].graph_module.graph
+    targets = [str(n.target) for n in graph.nodes if n.op in ("call_function", "call_module")]
+    c = model.config
+    writers = c.num_layers - c.num_kv_shared_layers
+    assert targets.count("tokenspeed.rope_write_kv.default") == writers
+    assert targets.count("tokenspeed.add_rms_norm.default") == 2 * c.num_layers
+    assert not any(t.endswith("layernorm") or t == "<built-in function add>" for t in targets)

@@ -49,6 +49,17 @@ def _decode_attention_fake(q, kv_cache, layer, block_tables, row_request, positi
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("tokenspeed::silu_and_mul", mutates_args=())
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a stacked ``[rows, 2 * I]`` projection (gate first)."""
+    return dispatch.silu_and_mul(gate_up)
+
+
+@silu_and_mul.register_fake
+def _silu_and_mul_fake(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
 WRITE_KV = torch.ops.tokenspeed.write_kv.default
 DECODE_ATTENTION = torch.ops.tokenspeed.decode_attention.default
 ATTENTION = torch.ops.tokenspeed.attention.default

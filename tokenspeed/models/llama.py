@@ -1,6 +1,8 @@
 """One Llama-family definition (Llama 2/3, Qwen2, Qwen3, KV-shared variant) for tracing.
 
-Parameter names follow Hugging Face, so a checkpoint's state dict loads as it is.
+Parameter names follow Hugging Face, except that projections reading the same input are
+stacked (``qkv_proj``, ``gate_up_proj``): one matrix product instead of three or two. The
+loader maps checkpoint tensors into their slices (``STACKED``).
 Every per-step tensor comes in through ``meta`` (a descriptor); attention and cache
 writes are the ``tokenspeed::`` custom ops, so the traced graph names what it reads.
 """
@@ -13,6 +15,20 @@ from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.layers import RMSNorm, Rotary
 
 
+STACKED = {  # checkpoint name part -> (our name part, slice index among the stacked parts)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def stacked_sizes(config: ModelConfig, stacked: str) -> list[int]:
+    """Rows of each checkpoint part inside a stacked projection."""
+    c = config
+    if stacked == "qkv_proj":
+        return [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+    return [c.intermediate_size] * 2
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -21,10 +37,11 @@ class Attention(nn.Module):
         self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
         self.writes_kv = self.layer == self.kv_layer
         self.scale = c.head_dim ** -0.5
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.writes_kv:
-            self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-            self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+            self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(c.hidden_size, self.q_size, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -34,8 +51,11 @@ class Attention(nn.Module):
 
     def forward(self, h, positions, kv_cache, meta):
         if self.writes_kv:
-            self._write_kv(h, positions, kv_cache, meta)
-        q = self.q_proj(h).view(-1, self.num_heads, self.head_dim)
+            q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            self._write_kv(k, v, positions, kv_cache, meta)
+        else:
+            q = self.q_proj(h)
+        q = q.view(-1, self.num_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(q)
         q = self.rotary(q, positions)
@@ -43,9 +63,9 @@ class Attention(nn.Module):
                           positions, self.scale)
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
-    def _write_kv(self, h, positions, kv_cache, meta):
-        k = self.k_proj(h).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(-1, self.num_kv_heads, self.head_dim)
+    def _write_kv(self, k, v, positions, kv_cache, meta):
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             k = self.k_norm(k)
         ops.write_kv(self.rotary(k, positions), v, kv_cache, self.layer, meta.slot_mapping)
@@ -54,12 +74,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

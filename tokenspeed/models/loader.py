@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tokenspeed.models.config import ModelConfig
-from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -55,24 +55,63 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def _load_tensors(model: torch.nn.Module, files: list[Path]) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded, unexpected = set(), []
+    load_state_dict(model, _read(files))
+
+
+def _read(files: list[Path]):
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if name not in params:
-                    unexpected.append(name)
-                    continue
-                _copy(params[name], f.get_tensor(name), name)
-                loaded.add(name)
+                yield name, f.get_tensor(name)
+
+
+def load_state_dict(model: torch.nn.Module, state) -> None:
+    """Load Hugging Face tensors (a dict, or (name, tensor) pairs) into ``model``."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unexpected, loaded = [], set()
+    for name, tensor in state.items() if isinstance(state, dict) else state:
+        if not name.endswith(IGNORED_SUFFIXES):
+            _load_one(model, params, name, tensor, loaded, unexpected)
+    _check_complete(model, loaded, unexpected)
+
+
+def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> None:
+    """Copy one checkpoint tensor into its parameter or its slice of a stacked one."""
+    if name in params:
+        _copy(params[name], tensor, name)
+        loaded.add(name)
+        return
+    for part, (stacked, index) in STACKED.items():
+        target = name.replace(f".{part}.", f".{stacked}.")
+        if target != name and target in params:
+            _copy(params[target].split(stacked_sizes(model.config, stacked))[index], tensor, name)
+            loaded.add(f"{target}#{index}")
+            return
+    unexpected.append(name)
+
+
+def _check_complete(model, loaded: set, unexpected: list) -> None:
+    expected = set()
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
+        parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
+        expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(set(params) - loaded - tied)
+    missing = sorted(_checkpoint_name(n) for n in expected - loaded - tied)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {model.config.architecture}: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+
+
+def _checkpoint_name(expected: str) -> str:
+    """``...qkv_proj.weight#1`` -> ``...k_proj.weight``: name missing tensors as stored."""
+    if "#" not in expected:
+        return expected
+    name, index = expected.split("#")
+    part = next(p for p, (s, i) in STACKED.items() if f".{s}." in name and i == int(index))
+    stacked = STACKED[part][0]
+    return name.replace(f".{stacked}.", f".{part}.")
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

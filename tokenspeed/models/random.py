@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from tokenspeed.models.config import ModelConfig
-from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
 from tokenspeed.models.loader import build
 
 TINY_LLAMA = {
@@ -36,12 +36,26 @@ def random_model(hf_config: dict, dtype=torch.float32, device="cpu", seed: int =
     return init_random(build(ModelConfig.from_hf(hf_config), dtype, device), seed).eval()
 
 
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Our state dict with stacked projections split back into Hugging Face names."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
+        if stacked is None:
+            state[name] = tensor.contiguous()
+            continue
+        parts = [p for p, (s, _) in STACKED.items() if s == stacked]
+        for part, piece in zip(parts, tensor.split(stacked_sizes(model.config, stacked))):
+            state[name.replace(f".{stacked}.", f".{part}.")] = piece.contiguous()
+    return state
+
+
 def save_random(hf_config: dict, path, seed: int = 0) -> Path:
     """Write ``config.json`` and ``model.safetensors`` with random weights."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = random_model(hf_config, seed=seed)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = hf_state_dict(model)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, str(path / "model.safetensors"))

@@ -7,6 +7,8 @@ needed only on the view form the decoder (run over the view's rows); each encode
 the decoder reads is gathered once, in the narrowing stage, by ``view_rows``.
 """
 
+import operator
+
 from torch import fx
 
 from tokenspeed.ir.ops import WRITE_KV_TARGETS
@@ -69,6 +71,8 @@ def assign_stages(graph, rows, need, gather) -> dict[fx.Node, str]:
         inputs = [stages[i] for i in node.all_input_nodes if i in stages]
         if node is gather or FINISH in inputs:
             stages[node] = FINISH
+        elif node.target is operator.getitem and inputs == [ENCODER]:
+            stages[node] = ENCODER  # an element of an encoder tuple (a split) stays with it
         elif node.name in rows:
             stages[node] = ENCODER if need[node] == ALL else DECODER
         else:

@@ -4,7 +4,11 @@ The choice is made per call from the device alone, so eager runs and captured gr
 take the same kernels. Kernels see the cache as flat slots ``[layer, 0 | 1, slot, ...]``.
 """
 
+import torch
+
 from tokenspeed.backends.kernels import reference
+
+GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 
 
 def flat_slots(kv_cache):
@@ -38,3 +42,43 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
                                                  positions, scale, page_size)
     return reference.paged_attention(q, flat, layer, block_tables, row_request, positions,
                                      scale, page_size)
+
+
+def silu_and_mul(gate_up):
+    if gate_up.is_cuda:
+        from tokenspeed.backends.kernels import triton_fused
+        return triton_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rms_norm(x, weight, eps):
+    if x.is_cuda:
+        from tokenspeed.backends.kernels import triton_fused
+        return triton_fused.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    if x.is_cuda:
+        from tokenspeed.backends.kernels import triton_fused
+        return list(triton_fused.add_rms_norm(x, residual, weight, eps))
+    total = x + residual
+    return [reference.rms_norm(total, weight, eps), total]
+
+
+def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
+    flat, _ = flat_slots(kv_cache)
+    if q.is_cuda:
+        from tokenspeed.backends.kernels import triton_fused
+        return triton_fused.rope_and_write_kv(q, k, v, cos_sin, positions, flat, layer, slot_mapping)
+    q_rot, k_rot = (reference.rotate(t, cos_sin, positions) for t in (q, k))
+    reference.write_kv(k_rot, v, flat, layer, slot_mapping)
+    return q_rot
+
+
+def linear(x, weight, bias):
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+        from tokenspeed.backends.kernels import triton_gemv
+        return triton_gemv.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -61,3 +61,20 @@ def expand_block_table(block_tables: torch.Tensor, factor: int) -> torch.Tensor:
     """
     sub = torch.arange(factor, device=block_tables.device, dtype=block_tables.dtype)
     return (block_tables[:, :, None] * factor + sub).flatten(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face Llama: fp32 statistics, the weight applied in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x[rows, heads, D]`` from a ``cat(cos, sin)`` table ``[pos, D]``,
+    in the rotate-half convention, with the table cast to x's dtype as HF does."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)[:, None, :]
+    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

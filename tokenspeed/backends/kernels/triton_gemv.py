@@ -81,20 +81,23 @@ def _sm_count(device: torch.device) -> int:
 def choose_config(m: int, n: int, k: int, sm_count: int):
     """(block_n, block_k, splits, num_warps, num_stages), tuned on an H200 (bf16).
 
-    Split K only when the column blocks alone leave SMs idle and K is long enough to pay
-    for the second (reduction) launch."""
+    Split K only when K is long and the column blocks alone fill under three waves, since
+    the reduction is a second launch (~1-2 us)."""
     if m == 1:
-        block_n, block_k, warps, stages = 16, 512, 4, 3
-        if triton.cdiv(n, block_n) >= 16 * sm_count:
+        block_n, block_k, warps, stages = 8, 1024, 4, 3
+        if triton.cdiv(n, 8) > 16 * sm_count:
+            block_n, block_k, warps = 16, 128, 8
+        elif triton.cdiv(n, 8) > 3 * sm_count:
             block_k, warps = 128, 8
     else:
         block_n, block_k, warps, stages = 32, 128, 4, 5
-        if triton.cdiv(n, block_n) >= 16 * sm_count:
-            block_n, stages = 128, 3
+        if triton.cdiv(n, block_n) > 16 * sm_count:
+            block_n, stages = 64, 4
     n_blocks = triton.cdiv(n, block_n)
     splits = 1
-    if n_blocks < sm_count and k >= 4096:
-        splits = min(8, triton.cdiv(3 * sm_count, n_blocks), triton.cdiv(k, block_k))
+    if k >= 4096 and n_blocks < 3 * sm_count:
+        splits = min(8 if m == 1 else 4, triton.cdiv(3 * sm_count, n_blocks),
+                     triton.cdiv(k, block_k))
     return block_n, block_k, splits, warps, stages
 
 

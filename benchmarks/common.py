@@ -1,0 +1,130 @@
+"""Shared benchmark pieces: model shapes, peers, the memory floor, timing, output."""
+
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "eos_token_id": 151643,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "eos_token_id": 128001,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+}
+
+
+def hf_model(shape: str, dtype=torch.bfloat16, device="cuda"):
+    """A random-weight Hugging Face model of ``shape`` (weights initialised on the GPU)."""
+    import transformers
+    cfg = dict(SHAPES[shape])
+    arch = cfg.pop("architectures")[0]
+    config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
+                  "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
+    config = config_cls(**cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def our_model(shape: str, hf, dtype=torch.bfloat16, device="cuda"):
+    """Our model over the same weights as ``hf``."""
+    from tokenspeed.models.config import ModelConfig
+    from tokenspeed.models.loader import build
+    model = build(ModelConfig.from_hf(SHAPES[shape]), dtype, device)
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[name])
+    return model.eval()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = gpu_time(lambda: dst.copy_(src), iters=20)
+    return 2 * nbytes / seconds
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: every matrix once (the embedding table is
+    gathered, not read whole, unless the head reads it as tied weights)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if "embed_tokens" in name and not model.config.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(config, batch: int, context: int, element_size: int = 2) -> int:
+    return 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * element_size
+
+
+def gpu_time(fn, iters: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def median_time(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def write_json(path, payload) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths])] +
+                     [line([_fmt(r.get(c)) for c in columns]) for r in rows])
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)

@@ -1,0 +1,105 @@
+"""Decode time per output token against Hugging Face peers and the memory floor.
+
+    python benchmarks/decode.py [--shapes qwen2.5-0.5b llama-3.2-1b] [--batches 1 8 32]
+
+Peers measured in the same run: Hugging Face eager, Hugging Face with a static cache and
+torch.compile(mode="reduce-overhead"). Floor: weight bytes + KV bytes read per step over
+the measured device-to-device copy bandwidth.
+"""
+
+import argparse
+import time
+
+import torch
+
+import tokenspeed as ts
+from benchmarks import common
+
+PROMPT = 512
+
+
+def hf_tpot(model, batch: int, new_tokens: int, static: bool) -> float:
+    ids = torch.randint(100, 1000, (batch, PROMPT), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    if static:
+        from transformers import CompileConfig
+        kw.update(cache_implementation="static",
+                  compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    run = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
+    run(new_tokens)  # warm-up (compiles when static)
+    return (common.median_time(lambda: run(new_tokens + 1), 3) -
+            common.median_time(lambda: run(1), 3)) / new_tokens
+
+
+def our_tpot(llm, batch: int, new_tokens: int) -> float:
+    prompts = [[100 + (7 * i + j) % 900 for j in range(PROMPT)] for i in range(batch)]
+    run = lambda n: llm.generate(prompts, ts.SamplingParams(  # noqa: E731
+        temperature=0.0, max_tokens=n, ignore_eos=True))
+    run(4)
+    return (common.median_time(lambda: run(new_tokens + 1), 3) -
+            common.median_time(lambda: run(1), 3)) / new_tokens
+
+
+def kernels_per_step(llm, batch: int) -> int:
+    """CUDA kernels one eager decode step launches (the graph replays the same ones)."""
+    from tokenspeed.backends.metadata import DecodeRow
+    rows = [DecodeRow(1, PROMPT, tuple(range(1 + i * 40, 1 + i * 40 + PROMPT // llm.page_size + 1)))
+            for i in range(batch)]
+    view = llm.decode.slots.publish(llm.decode.refresh(rows, batch))
+    sampling = llm.decode.sampling.publish(llm.decode._sampling([ts.SamplingParams(temperature=0)] * batch, batch))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.decode._step(view, sampling, llm.decode.out[:batch])
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: bool) -> list[dict]:
+    hf = common.hf_model(shape)
+    ours = common.our_model(shape, hf)
+    start = time.perf_counter()
+    llm = ts.LLM(ours, device="cuda", max_num_seqs=max(batches), max_model_len=4096,
+                 max_num_batched_tokens=2048)
+    startup = time.perf_counter() - start
+    rows = []
+    for batch in batches:
+        with torch.inference_mode():
+            tpot = our_tpot(llm, batch, new_tokens)
+            kernels = kernels_per_step(llm, batch)
+        floor = (common.weight_bytes(ours) + common.kv_bytes(ours.config, batch, PROMPT + new_tokens // 2)) / bandwidth
+        row = {"shape": shape, "batch": batch, "ours_ms": tpot * 1e3, "floor_ms": floor * 1e3,
+               "x_floor": tpot / floor, "kernels_per_step": kernels,
+               "startup_s": startup, "graph_mem_mb": llm.startup.graph_memory_bytes / 2**20}
+        if peers:
+            with torch.inference_mode():
+                row["hf_eager_ms"] = hf_tpot(hf, batch, new_tokens, static=False) * 1e3
+                row["hf_compile_ms"] = hf_tpot(hf, batch, new_tokens, static=True) * 1e3
+            row["x_vs_compile"] = row["hf_compile_ms"] / row["ours_ms"]
+        rows.append(row)
+        print(common.table([row], list(row)), flush=True)
+    del llm, hf, ours
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--json", default="results/decode.json")
+    args = parser.parse_args()
+    bandwidth = common.copy_bandwidth()
+    rows = [r for s in args.shapes for r in bench_shape(s, args.batches, args.new_tokens, bandwidth,
+                                                         not args.no_peers)]
+    columns = ["shape", "batch", "ours_ms", "floor_ms", "x_floor", "hf_eager_ms", "hf_compile_ms",
+               "x_vs_compile", "kernels_per_step", "startup_s", "graph_mem_mb"]
+    print(f"\n# decode, bf16, prompt {PROMPT}, {common.device_name()}, commit {common.git_commit()}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(common.table(rows, columns))
+    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
+                                  "bandwidth": bandwidth, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

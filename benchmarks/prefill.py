@@ -1,0 +1,51 @@
+"""Time to first token: our eager prefill against our breakable prefill graphs.
+
+    python benchmarks/prefill.py [--shapes ...] [--lengths 512 2048]
+"""
+
+import argparse
+
+import torch
+
+import tokenspeed as ts
+from benchmarks import common
+
+
+def ttft(llm, length: int) -> float:
+    prompt = [[100 + j % 900 for j in range(length)]]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(prompt, params)
+    return common.median_time(lambda: llm.generate(prompt, params), 5)
+
+
+def bench_shape(shape: str, lengths) -> list[dict]:
+    hf = common.hf_model(shape)
+    ours = common.our_model(shape, hf)
+    del hf
+    kw = dict(device="cuda", max_num_seqs=32, max_model_len=4096, max_num_batched_tokens=2048)
+    rows = []
+    eager, graphs = ts.LLM(ours, enforce_eager=True, **kw), ts.LLM(ours, **kw)
+    for length in lengths:
+        with torch.inference_mode():
+            e, g = ttft(eager, length), ttft(graphs, length)
+        rows.append({"shape": shape, "new_tokens": length, "eager_ms": e * 1e3, "graph_ms": g * 1e3,
+                     "speedup": e / g, "capture_s": graphs.startup.capture_seconds,
+                     "graphs": graphs.startup.num_graphs})
+        print(common.table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048])
+    parser.add_argument("--json", default="results/prefill.json")
+    args = parser.parse_args()
+    rows = [r for s in args.shapes for r in bench_shape(s, args.lengths)]
+    print(f"\n# prefill TTFT, bf16, {common.device_name()}, commit {common.git_commit()}")
+    print(common.table(rows, list(rows[0])))
+    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

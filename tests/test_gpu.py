@@ -1,0 +1,71 @@
+"""The graph equalities with real CUDA graphs, and Hugging Face parity on the GPU."""
+
+import pytest
+import torch
+
+import tokenspeed as ts
+from tokenspeed.backends.metadata import ExtendChunk
+from tokenspeed.models.random import TINY_LLAMA, random_model
+from tokenspeed.runtime.graphs import MovedTensorError
+
+pytestmark = pytest.mark.gpu
+GREEDY = ts.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+MID = {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+       "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}
+
+
+def prompts(n):
+    return [[(3 + 11 * i + j) % 500 for j in range(2 + 9 * i)] for i in range(n)]
+
+
+def llm(model, **kw):
+    return ts.LLM(model, device="cuda", page_size=16, max_num_seqs=10, max_num_batched_tokens=128,
+                  max_model_len=512, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_equal_eager(dtype):
+    model = random_model(MID, seed=5).to("cuda", dtype)
+    graphs, eager = llm(model, capture_sizes=(1, 2, 4, 8)), llm(model, enforce_eager=True)
+    assert graphs.decode.graphs and graphs.prefill.graphs
+    for n in (1, 3, 8, 10):  # rungs, between rungs, above the ladder
+        on = [o.token_ids for o in graphs.generate(prompts(n), GREEDY)]
+        off = [o.token_ids for o in eager.generate(prompts(n), GREEDY)]
+        assert on == off, f"{n} prompts"
+
+
+def test_float32_tokens_match_hugging_face():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).to("cuda").eval()
+    from tokenspeed.models.config import ModelConfig
+    from tokenspeed.models.loader import build
+    ours = build(ModelConfig.from_hf({**config.to_dict(), "architectures": ["LlamaForCausalLM"]}),
+                 torch.float32, "cuda")
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=10)
+    got = llm(ours).generate(prompts(5), params)
+    for p, out in zip(prompts(5), got):
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False)
+        assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
+
+
+def test_prefill_graph_replay_equals_eager_on_cuda():
+    model = random_model(MID, seed=2).to("cuda")
+    graphs, eager = llm(model), llm(model, enforce_eager=True)
+    for n in (1, 17, 100, 128):
+        chunk = [ExtendChunk(tuple(range(3, 3 + n)), 0, tuple(range(1, 2 + n // 16)), True)]
+        with torch.inference_mode():
+            assert graphs.prefill.run(chunk, [GREEDY]) == eager.prefill.run(chunk, [GREEDY])
+
+
+def test_guard_catches_a_moved_tensor_in_debug_mode(monkeypatch):
+    monkeypatch.setenv("TOKENSPEED_GRAPH_DEBUG", "1")
+    engine = llm(random_model(MID).to("cuda"))
+    view = engine.decode.slots.view(1)
+    view["slot_mapping"] = view["slot_mapping"].clone()
+    with pytest.raises(MovedTensorError, match="meta.slot_mapping"):
+        engine.generate(prompts(1), GREEDY)

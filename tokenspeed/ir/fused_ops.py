@@ -1,0 +1,59 @@
+"""Fused ops that decode lowering substitutes for runs of plain ops.
+
+Each has a reference implementation with the plain ops' numerics (the CPU path and the
+oracle) and a Triton kernel on CUDA; the fusion passes in ``tokenspeed.passes.fusion``
+decide where they go.
+"""
+
+import torch
+
+from tokenspeed.backends.kernels import dispatch
+
+
+@torch.library.custom_op("tokenspeed::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return dispatch.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tokenspeed::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> list[torch.Tensor]:
+    """``[rms_norm(x + residual), x + residual]``: the residual add fused into the norm."""
+    return dispatch.add_rms_norm(x, residual, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return [torch.empty_like(x), torch.empty_like(x)]
+
+
+@torch.library.custom_op("tokenspeed::rope_write_kv", mutates_args=("kv_cache",))
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                  positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k, write k and v to the cache; returns the rotated q."""
+    return dispatch.rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping)
+
+
+@rope_write_kv.register_fake
+def _rope_write_kv_fake(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("tokenspeed::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A linear layer whose kernel is chosen by shape: split-K GEMV for few rows on CUDA."""
+    return dispatch.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _linear_fake(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+CACHE_WRITERS = (torch.ops.tokenspeed.write_kv.default, torch.ops.tokenspeed.rope_write_kv.default)

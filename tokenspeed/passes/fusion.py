@@ -1,0 +1,115 @@
+"""Decode fusions: fewer, larger kernels for a step that is launch- and bandwidth-bound.
+
+- ``fuse_norms``: an RMSNorm module becomes ``tokenspeed::rms_norm``; when its input is a
+  residual add, the add joins it (``tokenspeed::add_rms_norm`` returns norm and sum).
+- ``fuse_rope_write_kv``: a layer's rotary of q and k and its cache write become one
+  ``tokenspeed::rope_write_kv`` reading a cos/sin table.
+- ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
+  by row count (split-K GEMV for a few rows on CUDA).
+"""
+
+import operator
+
+import torch
+from torch import fx
+
+from tokenspeed.ir import fused_ops  # noqa: F401 - registers the ops
+from tokenspeed.ir.ops import WRITE_KV
+from tokenspeed.ir.program import Program, copy_graph
+from tokenspeed.models.layers import RMSNorm, Rotary
+from tokenspeed.passes.manager import program_pass
+
+ops = torch.ops.tokenspeed
+ROPE_TABLE = "rope_cos_sin"
+
+
+def _module(gm: fx.GraphModule, node: fx.Node):
+    return gm.get_submodule(node.target) if node.op == "call_module" else None
+
+
+@program_pass("fuse_norms")
+def fuse_norms(program: Program, **_) -> Program:
+    gm = copy_graph(program.graph_module)
+    for node in list(gm.graph.nodes):
+        norm = _module(gm, node)
+        if not isinstance(norm, RMSNorm):
+            continue
+        with gm.graph.inserting_before(node):
+            weight = gm.graph.get_attr(f"{node.target}.weight")
+            x = node.args[0]
+            if x.op == "call_function" and x.target is operator.add and \
+                    all(isinstance(a, fx.Node) for a in x.args):
+                fused = gm.graph.call_function(ops.add_rms_norm.default, (*x.args, weight, norm.eps))
+                total = gm.graph.call_function(operator.getitem, (fused, 1))
+                normed = gm.graph.call_function(operator.getitem, (fused, 0))
+                x.replace_all_uses_with(total)
+                gm.graph.erase_node(x)
+            else:
+                normed = gm.graph.call_function(ops.rms_norm.default, (x, weight, norm.eps))
+        node.replace_all_uses_with(normed)
+        normed.name = node.name
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return program.evolve(graph_module=gm)
+
+
+@program_pass("fuse_rope_write_kv")
+def fuse_rope_write_kv(program: Program, *, config, **_) -> Program:
+    gm = copy_graph(program.graph_module)
+    table = None
+    for write in [n for n in gm.graph.nodes if n.target == WRITE_KV]:
+        k_rot, v, cache, layer, slots = write.args
+        q_rot = _query_rotary(gm, k_rot)
+        if q_rot is None:
+            continue
+        table = table or _rope_table(gm, _module(gm, k_rot), config)
+        with gm.graph.inserting_after(q_rot):
+            fused = gm.graph.call_function(ops.rope_write_kv.default,
+                                           (q_rot.args[0], k_rot.args[0], v, table, k_rot.args[1],
+                                            cache, layer, slots))
+        q_rot.replace_all_uses_with(fused)
+        fused.name = f"{q_rot.name}_write_kv"
+        for dead in (write, q_rot, k_rot):
+            gm.graph.erase_node(dead)
+    gm.recompile()
+    return program.evolve(graph_module=gm)
+
+
+@program_pass("select_linear")
+def select_linear(program: Program, **_) -> Program:
+    gm = copy_graph(program.graph_module)
+    for node in list(gm.graph.nodes):
+        lin = _module(gm, node)
+        if not isinstance(lin, torch.nn.Linear):
+            continue
+        with gm.graph.inserting_before(node):
+            weight = gm.graph.get_attr(f"{node.target}.weight")
+            bias = gm.graph.get_attr(f"{node.target}.bias") if lin.bias is not None else None
+            new = gm.graph.call_function(ops.linear.default, (node.args[0], weight, bias))
+        node.replace_all_uses_with(new)
+        new.name = node.name
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return program.evolve(graph_module=gm)
+
+
+def _query_rotary(gm, k_rot: fx.Node) -> fx.Node | None:
+    """The rotary call of the same module on the query (same positions), if any."""
+    if not isinstance(_module(gm, k_rot), Rotary):
+        return None
+    for node in gm.graph.nodes:
+        if node is not k_rot and node.target == k_rot.target and node.args[1] is k_rot.args[1]:
+            return node
+    return None
+
+
+def _rope_table(gm: fx.GraphModule, rotary: Rotary, config) -> fx.Node:
+    """One shared cat(cos, sin) table over every position the model supports."""
+    if not hasattr(gm, ROPE_TABLE):
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32,
+                                 device=rotary.inv_freq.device)
+        freqs = positions[:, None] * rotary.inv_freq[None, :]
+        gm.register_buffer(ROPE_TABLE, torch.cat((freqs.cos(), freqs.sin()), dim=-1))
+    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last_input):
+        return gm.graph.get_attr(ROPE_TABLE)
