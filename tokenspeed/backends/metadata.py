@@ -103,11 +103,15 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
         num_live_view_rows=len(view))
 
 
+def kept_rows(chunk: ExtendChunk, width: int) -> int:
+    """Rows of ``chunk`` in the decoder view: the last ``width`` if it completes, else one."""
+    return min(width if chunk.completes else 1, len(chunk.tokens))
+
+
 def _decoder_view(chunks, ends, width):
     view, samples = [], []
     for chunk, end in zip(chunks, ends):
-        keep = min(width if chunk.completes else 1, len(chunk.tokens))
-        view.extend(range(end - keep, end))
+        view.extend(range(end - kept_rows(chunk, width), end))
         if chunk.completes:
             samples.append(len(view) - 1)
     return view, samples

@@ -24,15 +24,16 @@ class DecodeRunner:
         self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
         self.generator = generator
-        self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs)
-        self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs)
+        device = kv_cache.device
+        self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
+        self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs, device)
         self.out = torch.zeros(max_decode_bs, WINDOW + 1, dtype=torch.int64, device=kv_cache.device)
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
 
     def refresh(self, rows, num_rows: int):
-        return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size,
-                                           self.kv_cache.device)
+        """Host-side descriptor; publishing moves it to the device in one copy."""
+        return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size)
 
     def capture(self, capturer, ladder: tuple[int, ...], progress=None) -> None:
         """Largest rung first, so smaller graphs reuse the shared pool's memory."""
@@ -74,5 +75,5 @@ class DecodeRunner:
 
     def _sampling(self, params, size: int) -> SamplingTensors:
         padded = list(params) + [PAD_PARAMS] * (size - len(params))
-        return SamplingTensors.build(padded, self.kv_cache.device)
+        return SamplingTensors.build(padded, "cpu")
 

@@ -10,9 +10,10 @@ eager prefill and graphed prefill are one walk over the same segments.
 import torch
 
 from tokenspeed.backends.descriptors import leaves
+from tokenspeed.backends.metadata import kept_rows
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import SamplingTensors, sample
-from tokenspeed.runtime.slots import MetadataSlots
+from tokenspeed.runtime.slots import MetadataSlots, to_device
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
@@ -29,15 +30,16 @@ class PrefillGraph:
         self.slots = None
 
     def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
+        """Host-side descriptor; publishing (or ``to_device``) moves it to the device."""
         return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=len(chunks) + 1,
                                         max_pages=self.max_pages, page_size=self.page_size,
-                                        view_width=self.view_width, num_view_rows=num_view_rows,
-                                        device=self.kv_cache.device)
+                                        view_width=self.view_width, num_view_rows=num_view_rows)
 
     def capture(self, capturer, token_ladder, view_ladder, progress=None) -> None:
         """One sweep per rung, largest first, pairing token and row buckets."""
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
-        self.slots = MetadataSlots(self.plan([], max(token_ladder)), max(token_ladder), TOKEN_ROW_FIELDS)
+        self.slots = MetadataSlots(self.plan([], max(token_ladder)), max(token_ladder),
+                                   self.kv_cache.device, TOKEN_ROW_FIELDS)
         tokens, views = sorted(token_ladder, reverse=True), sorted(view_ladder, reverse=True)
         for i in range(max(len(tokens), len(views))):
             t, v = tokens[min(i, len(tokens) - 1)], views[min(i, len(views) - 1)]
@@ -47,12 +49,12 @@ class PrefillGraph:
 
     def run(self, chunks, params) -> list[int]:
         """Sampled tokens of the completing chunks, in chunk order."""
-        meta = self.plan(chunks, sum(len(c.tokens) for c in chunks))
-        t = bucket_for(self.token_ladder, meta.num_live_rows) if self.graphs else None
-        v = bucket_for(self.view_ladder, meta.num_live_view_rows) if self.graphs else None
-        if t is not None or v is not None:
-            meta = self.slots.publish(self.plan(chunks, t or meta.num_live_rows, v)) if t else \
-                self.plan(chunks, meta.num_live_rows, v)
+        rows = sum(len(c.tokens) for c in chunks)
+        views = sum(kept_rows(c, self.view_width) for c in chunks)
+        t = bucket_for(self.token_ladder, rows) if self.graphs else None
+        v = bucket_for(self.view_ladder, views) if self.graphs else None
+        meta = self.plan(chunks, t or rows, v)
+        meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
         logits = self._walk(meta)
         return sample(logits, SamplingTensors.build(params, logits.device), self.generator).tolist()
 

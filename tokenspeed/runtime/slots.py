@@ -1,9 +1,10 @@
 """Persistent buffers that captured graphs read (metadata, sampling settings).
 
-Buffers are sized for the largest batch; the views for a batch size are built once,
-cached, and never move. Publishing copies a descriptor's slotted fields into the views of
-its size and returns the descriptor over those views, so a graph captured over them sees
-each step's values at the same addresses.
+All slotted fields live in one device byte buffer, each a typed view sized for the largest
+batch; the views for a batch size are built once, cached, and never move. Publishing
+writes a descriptor (built on the host) into a pinned staging copy of that buffer and
+moves it with one host-to-device copy, so a graph captured over the views sees each
+step's values at the same addresses.
 """
 
 import attrs
@@ -11,13 +12,25 @@ import torch
 
 from tokenspeed.backends.descriptors import tensor_fields
 
+ALIGN = 64
+
 
 class MetadataSlots:
-    def __init__(self, template, capacity: int, fields: tuple[str, ...] | None = None):
-        """``template``: a descriptor with ``capacity`` rows in each slotted field."""
+    def __init__(self, template, capacity: int, device, fields: tuple[str, ...] | None = None):
+        """``template``: a host descriptor with ``capacity`` rows in each slotted field."""
         self.fields = fields or tensor_fields(type(template))
-        self.capacity = capacity
-        self.buffers = {n: getattr(template, n).clone() for n in self.fields}
+        self.capacity, self.device = capacity, torch.device(device)
+        specs = [(n, getattr(template, n)) for n in self.fields]
+        offsets, size = [], 0
+        for _, t in specs:
+            offsets.append(size)
+            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        pinned = self.device.type == "cuda"
+        self.host_bytes = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) if pinned \
+            else self.device_bytes
+        self.buffers = {n: _typed(self.device_bytes, o, t) for (n, t), o in zip(specs, offsets)}
+        self.staging = {n: _typed(self.host_bytes, o, t) for (n, t), o in zip(specs, offsets)}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
 
     def view(self, rows: int) -> dict[str, torch.Tensor]:
@@ -28,8 +41,24 @@ class MetadataSlots:
         return self._views[rows]
 
     def publish(self, meta):
-        """Copy ``meta``'s slotted fields into the views of its size."""
-        view = self.view(getattr(meta, self.fields[0]).shape[0])
-        for name, slot in view.items():
-            slot.copy_(getattr(meta, name), non_blocking=True)
-        return attrs.evolve(meta, **view)
+        """Stage ``meta``'s slotted fields and copy them over in one transfer; returns
+        ``meta`` over the views of its size, its other tensors moved to the device."""
+        rows = getattr(meta, self.fields[0]).shape[0]
+        view = self.view(rows)
+        for name in self.fields:
+            self.staging[name][:rows].copy_(getattr(meta, name))
+        if self.host_bytes is not self.device_bytes:
+            self.device_bytes.copy_(self.host_bytes, non_blocking=True)
+        others = {n: getattr(meta, n).to(self.device, non_blocking=True)
+                  for n in tensor_fields(type(meta)) if n not in view}
+        return attrs.evolve(meta, **view, **others)
+
+
+def to_device(meta, device):
+    return attrs.evolve(meta, **{n: getattr(meta, n).to(device, non_blocking=True)
+                                 for n in tensor_fields(type(meta))})
+
+
+def _typed(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    return raw[offset:offset + nbytes].view(like.dtype).view(like.shape)

@@ -42,31 +42,34 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
 
 
 def _rows_2d(x: torch.Tensor, name: str) -> torch.Tensor:
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be [T, hidden]; got {tuple(x.shape)}")
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """[..., width] -> [rows, width] with a unit last stride (a view when possible)."""
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have a last (hidden) dim; got shape {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x.reshape(-1, x.shape[-1])
 
 
 def _norm(x, residual, weight, eps):
+    shape = x.shape
+    if weight.shape != (shape[-1],):
+        raise ValueError(f"weight must be [{shape[-1]}]; got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(shape)}")
     x = _rows_2d(x, "x")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"weight must be [{x.shape[1]}]; got {tuple(weight.shape)}")
+    res = _rows_2d(residual, "residual") if residual is not None else x
     out = torch.empty_like(x)
     new_res = torch.empty_like(x) if residual is not None else out
-    res = _rows_2d(residual, "residual") if residual is not None else x
-    if res.shape != x.shape:
-        raise ValueError(f"residual {tuple(res.shape)} must match x {tuple(x.shape)}")
-    if x.shape[0]:
+    if x.numel():
         block = triton.next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
             x, res, weight.contiguous(), out, new_res, x.stride(0), res.stride(0),
             out.stride(0), new_res.stride(0), x.shape[1], eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block))
-    return out, new_res
+    return out.view(shape), new_res.view(shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [T, hidden] (fp32 statistics, HF rounding), output in x.dtype."""
+    """RMSNorm over the last dim of x (fp32 statistics, HF rounding), output in x.dtype."""
     return _norm(x, None, weight, eps)[0]
 
 
@@ -98,10 +101,11 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.cons
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [T, 2I] (gate first): returns [T, I]."""
+    """silu(gate) * up for gate_up = [..., 2I] (gate first): returns [..., I]."""
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up last dim must be even; got shape {tuple(gate_up.shape)}")
+    shape = gate_up.shape
     gate_up = _rows_2d(gate_up, "gate_up")
-    if gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up width {gate_up.shape[1]} must be even")
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens and inter:
@@ -109,7 +113,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
             num_warps=_num_warps(block))
-    return out
+    return out.view(*shape[:-1], inter)
 
 
 def silu_and_mul_reference(gate_up):
