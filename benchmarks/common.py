@@ -44,12 +44,9 @@ def hf_model(shape: str, dtype=torch.bfloat16, device="cuda"):
 def our_model(shape: str, hf, dtype=torch.bfloat16, device="cuda"):
     """Our model over the same weights as ``hf``."""
     from tokenspeed.models.config import ModelConfig
-    from tokenspeed.models.loader import build
+    from tokenspeed.models.loader import build, load_state_dict
     model = build(ModelConfig.from_hf(SHAPES[shape]), dtype, device)
-    state = hf.state_dict()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(state[name])
+    load_state_dict(model, hf.state_dict())
     return model.eval()
 
 

@@ -42,10 +42,10 @@ def test_float32_tokens_match_hugging_face():
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).to("cuda").eval()
     from tokenspeed.models.config import ModelConfig
-    from tokenspeed.models.loader import build
+    from tokenspeed.models.loader import build, load_state_dict
     ours = build(ModelConfig.from_hf({**config.to_dict(), "architectures": ["LlamaForCausalLM"]}),
                  torch.float32, "cuda")
-    ours.load_state_dict(hf.state_dict(), strict=False)
+    load_state_dict(ours, hf.state_dict())
     params = ts.SamplingParams(temperature=0.0, max_tokens=10)
     got = llm(ours).generate(prompts(5), params)
     for p, out in zip(prompts(5), got):

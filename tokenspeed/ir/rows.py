@@ -30,7 +30,8 @@ def example_inputs(config, rows: int, device="cpu", dtype=torch.float32) -> dict
 
 def leading_dims(gm: fx.GraphModule, config, rows: int) -> dict[str, int | None]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = example_inputs(config, rows)
+    weights = [*gm.parameters(), *gm.buffers()]
+    inputs = example_inputs(config, rows, weights[0].device if weights else "cpu")
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     with mode:
         fakes = [mode.from_tensor(inputs[n]) for n in names]

@@ -10,7 +10,7 @@ persistent buffer and reach the host in one copy.
 import torch
 
 from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import SamplingTensors, sample
+from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
 from tokenspeed.runtime.slots import MetadataSlots
 from tokenspeed.sampling_params import SamplingParams
 
@@ -61,17 +61,23 @@ class DecodeRunner:
         view = self.slots.publish(self.refresh(rows, size))
         sampling = self.sampling.publish(self._sampling(params, size))
         if rung is None:
-            self._step(view, sampling, self.out[:bs])
+            logits = self._step(view, sampling, self.out[:bs])
         else:
-            self.graphs[rung].replay()
+            logits = self.graphs[rung].replay()
+        if needs_filter(params):  # graphs sample unfiltered; filtered batches resample here
+            self.out[:bs, 0] = sample(logits, sampling, self._generator(), filtered=True)[:bs]
         return self.out[:bs].cpu()[:, 0].tolist()
 
     def _step(self, view, sampling, out):
+        """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self.lowered(self.kv_cache, view)
-        gen = None if self.kv_cache.is_cuda else self.generator
-        out[:, :WINDOW] = sample(logits, sampling, gen)[:, None]
+        out[:, :WINDOW] = sample(logits, sampling, self._generator(), filtered=False)[:, None]
         out[:, WINDOW] = WINDOW
-        return out
+        return logits
+
+    def _generator(self):
+        """Inside CUDA graphs sampling draws from the default CUDA generator (graph-safe)."""
+        return None if self.kv_cache.is_cuda else self.generator
 
     def _sampling(self, params, size: int) -> SamplingTensors:
         padded = list(params) + [PAD_PARAMS] * (size - len(params))

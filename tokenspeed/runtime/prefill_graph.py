@@ -12,7 +12,7 @@ import torch
 from tokenspeed.backends.descriptors import leaves
 from tokenspeed.backends.metadata import kept_rows
 from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import SamplingTensors, sample
+from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
 from tokenspeed.runtime.slots import MetadataSlots, to_device
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
@@ -20,14 +20,17 @@ TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
 class PrefillGraph:
     def __init__(self, lowered, kv_cache, backend, max_pages: int, page_size: int,
-                 view_width: int, generator: torch.Generator | None):
+                 view_width: int, generator: torch.Generator | None, token_ladder, view_ladder):
+        """Batches are padded to the ladders whether or not graphs get captured, so an
+        eager run has the shapes (and so the numerics) of a replay."""
         self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
         self.generator = generator
-        self.token_ladder: tuple[int, ...] = ()
-        self.view_ladder: tuple[int, ...] = ()
+        self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
         self.graphs: dict[tuple[str, int], tuple[object, dict]] = {}
-        self.slots = None
+        top = max(self.token_ladder, default=0)
+        self.slots = MetadataSlots(self.plan([], top), top, kv_cache.device, TOKEN_ROW_FIELDS) \
+            if top else None
 
     def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
         """Host-side descriptor; publishing (or ``to_device``) moves it to the device."""
@@ -35,12 +38,10 @@ class PrefillGraph:
                                         max_pages=self.max_pages, page_size=self.page_size,
                                         view_width=self.view_width, num_view_rows=num_view_rows)
 
-    def capture(self, capturer, token_ladder, view_ladder, progress=None) -> None:
+    def capture(self, capturer, progress=None) -> None:
         """One sweep per rung, largest first, pairing token and row buckets."""
-        self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
-        self.slots = MetadataSlots(self.plan([], max(token_ladder)), max(token_ladder),
-                                   self.kv_cache.device, TOKEN_ROW_FIELDS)
-        tokens, views = sorted(token_ladder, reverse=True), sorted(view_ladder, reverse=True)
+        tokens = sorted(self.token_ladder, reverse=True)
+        views = sorted(self.view_ladder, reverse=True)
         for i in range(max(len(tokens), len(views))):
             t, v = tokens[min(i, len(tokens) - 1)], views[min(i, len(views) - 1)]
             self._walk(self.slots.publish(self.plan([], t, v)), capturer)
@@ -51,12 +52,12 @@ class PrefillGraph:
         """Sampled tokens of the completing chunks, in chunk order."""
         rows = sum(len(c.tokens) for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
-        t = bucket_for(self.token_ladder, rows) if self.graphs else None
-        v = bucket_for(self.view_ladder, views) if self.graphs else None
+        t, v = bucket_for(self.token_ladder, rows), bucket_for(self.view_ladder, views)
         meta = self.plan(chunks, t or rows, v)
         meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
         logits = self._walk(meta)
-        return sample(logits, SamplingTensors.build(params, logits.device), self.generator).tolist()
+        settings = SamplingTensors.build(params, logits.device)
+        return sample(logits, settings, self.generator, needs_filter(params)).tolist()
 
     def _walk(self, meta, capturer=None) -> torch.Tensor:
         env = {"kv_cache": self.kv_cache, **leaves(meta)}

@@ -24,9 +24,19 @@ class SamplingTensors:
                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
 
 
-def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator | None = None) -> torch.Tensor:
+def needs_filter(params) -> bool:
+    """Whether any row's top-k/top-p mask can drop a token other than by greedy's argmax."""
+    return any(p.top_k > 1 or p.top_p < 1 for p in params)
+
+
+def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator | None = None,
+           filtered: bool = True) -> torch.Tensor:
+    """``filtered=False`` skips the top-k/top-p mask, which is the identity when no row has
+    ``top_k > 1`` or ``top_p < 1`` (greedy rows only keep their maximum either way); it
+    saves a sort over the vocabulary on every step of such batches."""
     scores = logits.float() / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
-    scores = _top_k_top_p(scores, s.top_k, s.top_p)
+    if filtered:
+        scores = _top_k_top_p(scores, s.top_k, s.top_p)
     uniform = torch.rand(scores.shape, generator=generator, device=scores.device).clamp_(1e-10, 1.0)
     gumbel = -torch.log(-torch.log(uniform)) * (s.top_k != 1)[:, None]
     return torch.argmax(scores + gumbel, dim=-1)

@@ -29,22 +29,22 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)  # sampling inside decode graphs draws from the default generator
     ladder = decode_ladder(max_num_seqs, capture_sizes) if llm.support.decode_graph else ()
-    tokens = default_buckets(max_num_batched_tokens, token_buckets) if llm.support.prefill_graph else ()
-    rows = row_buckets(view_width * max_num_seqs) if llm.support.prefill_graph else ()
+    tokens = default_buckets(max_num_batched_tokens, token_buckets)
+    rows = row_buckets(view_width * max_num_seqs)
     max_decode_bs = max((max_num_seqs, *ladder))
     decode = DecodeRunner(llm.lowered["decode"], llm.kv_cache, llm.backend.leaf, max_decode_bs,
                           llm.max_pages, llm.page_size, generator)
     prefill = PrefillGraph(llm.lowered["prefill"], llm.kv_cache, llm.backend.leaf, llm.max_pages,
-                           llm.page_size, view_width, generator)
+                           llm.page_size, view_width, generator, tokens, rows)
     capturer = GraphCapturer(device)
     start, memory = time.perf_counter(), _reserved(device)
-    sweeps = max(len(tokens), len(rows))
+    sweeps = max(len(tokens), len(rows)) if llm.support.prefill_graph else 0
     with torch.inference_mode(), tqdm(total=len(ladder) + sweeps, desc="capturing graphs",
                                       disable=None, leave=False) as bar:
         if ladder:
             decode.capture(capturer, ladder, bar)
-        if tokens:
-            prefill.capture(capturer, tokens, rows, bar)
+        if sweeps:
+            prefill.capture(capturer, bar)
     capturer.seal()
     report = StartupReport(ladder, tokens, rows, capturer.count, time.perf_counter() - start,
                            _reserved(device) - memory)

@@ -13,7 +13,7 @@ Why two kernels:
   depends only on shapes and Python ints, so it can be captured in a CUDA graph.
 * ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
   request share every key block through ``tl.dot``; the tile plan is built on the host
-  (this path runs eagerly, so syncing there is fine).
+  (one sync), once per batch if the caller passes it to every layer.
 """
 
 from typing import NamedTuple

@@ -1,0 +1,60 @@
+"""Where a decode step and a prefill go: graph replay time, host time, top kernels.
+
+    python benchmarks/profile_step.py [--shape llama-3.2-1b] [--batches 1 32]
+"""
+
+import argparse
+
+import torch
+
+import tokenspeed as ts
+from benchmarks import common
+from benchmarks.decode import PROMPT, our_tpot
+from tokenspeed.backends.metadata import DecodeRow
+
+
+def top_kernels(fn, n: int = 12) -> str:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60)
+
+
+def decode_rows(llm, batch):
+    pages = PROMPT // llm.page_size + 1
+    return [DecodeRow(1, PROMPT, tuple(range(1 + i * pages, 1 + (i + 1) * pages))) for i in range(batch)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama-3.2-1b")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    args = parser.parse_args()
+    hf = common.hf_model(args.shape)
+    ours = common.our_model(args.shape, hf)
+    del hf
+    llm = ts.LLM(ours, device="cuda", max_num_seqs=max(args.batches), max_model_len=4096)
+    greedy = ts.SamplingParams(temperature=0.0)
+    with torch.inference_mode():
+        for batch in args.batches:
+            rung = llm.decode.padded_size(batch) if hasattr(llm.decode, "padded_size") else batch
+            llm.decode.run(decode_rows(llm, batch), [greedy] * batch)
+            graph = llm.decode.graphs[batch]
+            replay = common.gpu_time(graph.replay, iters=50)
+            step = common.gpu_time(lambda: llm.decode.run(decode_rows(llm, batch), [greedy] * batch), iters=50)
+            tpot = our_tpot(llm, batch, 32)
+            print(f"\n## {args.shape} decode batch {batch} (rung {rung}): replay {replay * 1e3:.3f} ms, "
+                  f"runner step {step * 1e3:.3f} ms, engine TPOT {tpot * 1e3:.3f} ms")
+            view = llm.decode.slots.publish(llm.decode.refresh(decode_rows(llm, batch), batch))
+            sampling = llm.decode.sampling.publish(llm.decode._sampling([greedy] * batch, batch))
+            print(top_kernels(lambda: llm.decode._step(view, sampling, llm.decode.out[:batch])))
+        prompt = [[100 + j % 900 for j in range(512)]]
+        params = ts.SamplingParams(temperature=0.0, max_tokens=1)
+        llm.generate(prompt, params)
+        print("\n## prefill 512 tokens, graphs:",
+              f"{common.median_time(lambda: llm.generate(prompt, params), 5) * 1e3:.3f} ms")
+        print(top_kernels(lambda: llm.generate(prompt, params)))
+
+
+if __name__ == "__main__":
+    main()
