@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tokenspeed as ts
-from tokenspeed.backends.metadata import ExtendChunk
+from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.models.random import TINY_LLAMA, random_model
 from tokenspeed.runtime.graphs import MovedTensorError
 
@@ -24,14 +24,49 @@ def llm(model, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_equal_eager(dtype):
+def test_decode_graph_replay_equals_eager(dtype):
+    """Same cache, same rows: a replay padded to its rung and an unpadded eager step sample
+    identical tokens (the decode kernels are batch-invariant), above the ladder too."""
     model = random_model(MID, seed=5).to("cuda", dtype)
     graphs, eager = llm(model, capture_sizes=(1, 2, 4, 8)), llm(model, enforce_eager=True)
-    assert graphs.decode.graphs and graphs.prefill.graphs
-    for n in (1, 3, 8, 10):  # rungs, between rungs, above the ladder
-        on = [o.token_ids for o in graphs.generate(prompts(n), GREEDY)]
-        off = [o.token_ids for o in eager.generate(prompts(n), GREEDY)]
-        assert on == off, f"{n} prompts"
+    assert graphs.decode.graphs and not eager.decode.graphs
+    greedy = ts.SamplingParams(temperature=0.0)
+    with torch.inference_mode():
+        for bs in range(1, 11):  # rungs, between rungs, above the ladder
+            rows = _prefilled(eager, bs)
+            graphs.kv_cache.copy_(eager.kv_cache)
+            for _ in range(4):
+                got = graphs.decode.run(rows, [greedy] * bs)
+                want = eager.decode.run(rows, [greedy] * bs)
+                assert got == want, f"bs={bs}"
+                rows = [DecodeRow(t, r.position + 1, r.pages) for t, r in zip(want, rows)]
+
+
+def _prefilled(engine, bs):
+    rows, per = [], 4
+    for i, p in enumerate(prompts(bs)):
+        pages = tuple(range(1 + i * per, 1 + (i + 1) * per))
+        [token] = engine.prefill.run([ExtendChunk(tuple(p), 0, pages, True)], [GREEDY])
+        rows.append(DecodeRow(token, len(p), pages))
+    return rows
+
+
+def test_prefill_graph_replay_matches_eager_logits():
+    """cuBLAS may pick other algorithms under capture, so prefill logits agree to float32
+    rounding rather than bit for bit."""
+    model = random_model(MID, seed=2).to("cuda")
+    graphs, eager = llm(model), llm(model, enforce_eager=True)
+    for n in (1, 17, 100, 128):
+        chunk = [ExtendChunk(tuple(range(3, 3 + n)), 0, tuple(range(1, 2 + n // 16)), True)]
+        with torch.inference_mode():
+            got, want = (_prefill_logits(e, chunk) for e in (graphs, eager))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _prefill_logits(engine, chunks):
+    runner = engine.prefill
+    meta = runner.plan(chunks, 128, 1)
+    return runner._walk(runner.slots.publish(meta)).float()
 
 
 def test_float32_tokens_match_hugging_face():
@@ -51,15 +86,6 @@ def test_float32_tokens_match_hugging_face():
     for p, out in zip(prompts(5), got):
         ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False)
         assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
-
-
-def test_prefill_graph_replay_equals_eager_on_cuda():
-    model = random_model(MID, seed=2).to("cuda")
-    graphs, eager = llm(model), llm(model, enforce_eager=True)
-    for n in (1, 17, 100, 128):
-        chunk = [ExtendChunk(tuple(range(3, 3 + n)), 0, tuple(range(1, 2 + n // 16)), True)]
-        with torch.inference_mode():
-            assert graphs.prefill.run(chunk, [GREEDY]) == eager.prefill.run(chunk, [GREEDY])
 
 
 def test_guard_catches_a_moved_tensor_in_debug_mode(monkeypatch):

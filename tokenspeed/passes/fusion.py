@@ -32,25 +32,38 @@ def fuse_norms(program: Program, **_) -> Program:
     gm = copy_graph(program.graph_module)
     for node in list(gm.graph.nodes):
         norm = _module(gm, node)
-        if not isinstance(norm, RMSNorm):
-            continue
-        with gm.graph.inserting_before(node):
-            weight = gm.graph.get_attr(f"{node.target}.weight")
+        if isinstance(norm, RMSNorm):
             x = node.args[0]
-            if x.op == "call_function" and x.target is operator.add and \
-                    all(isinstance(a, fx.Node) for a in x.args):
-                fused = gm.graph.call_function(ops.add_rms_norm.default, (*x.args, weight, norm.eps))
-                total = gm.graph.call_function(operator.getitem, (fused, 1))
-                normed = gm.graph.call_function(operator.getitem, (fused, 0))
-                x.replace_all_uses_with(total)
-                gm.graph.erase_node(x)
-            else:
-                normed = gm.graph.call_function(ops.rms_norm.default, (x, weight, norm.eps))
-        node.replace_all_uses_with(normed)
-        normed.name = node.name
-        gm.graph.erase_node(node)
+            residual_add = x.op == "call_function" and x.target is operator.add and \
+                all(isinstance(a, fx.Node) for a in x.args)
+            new = _fused_add_norm(gm, x, norm, node) if residual_add else _norm(gm, x, norm, node)
+            node.replace_all_uses_with(new[-1])
+            new[-1].name = node.name
+            _same_stage(node, *new)
+            gm.graph.erase_node(node)
     gm.recompile()
     return program.evolve(graph_module=gm)
+
+
+def _norm(gm, x, norm, node) -> list[fx.Node]:
+    with gm.graph.inserting_before(node):
+        weight = gm.graph.get_attr(f"{node.target}.weight")
+        return [weight, gm.graph.call_function(ops.rms_norm.default, (x, weight, norm.eps))]
+
+
+def _fused_add_norm(gm, add, norm, node) -> list[fx.Node]:
+    """At the add's place (its other users may precede the norm): norm and sum together."""
+    with gm.graph.inserting_after(add):
+        weight = gm.graph.get_attr(f"{node.target}.weight")
+    with gm.graph.inserting_after(weight):
+        fused = gm.graph.call_function(ops.add_rms_norm.default, (*add.args, weight, norm.eps))
+    with gm.graph.inserting_after(fused):
+        total = gm.graph.call_function(operator.getitem, (fused, 1))
+    with gm.graph.inserting_after(total):
+        normed = gm.graph.call_function(operator.getitem, (fused, 0))
+    add.replace_all_uses_with(total)
+    gm.graph.erase_node(add)
+    return [weight, fused, total, normed]
 
 
 @program_pass("fuse_rope_write_kv")
@@ -91,6 +104,14 @@ def select_linear(program: Program, **_) -> Program:
         gm.graph.erase_node(node)
     gm.recompile()
     return program.evolve(graph_module=gm)
+
+
+def _same_stage(original: fx.Node, *replacements: fx.Node) -> None:
+    """New nodes run where the node they replace ran (prefill stages are set by then)."""
+    if "stage" in original.meta:
+        for node in replacements:
+            if node.op != "placeholder":
+                node.meta.setdefault("stage", original.meta["stage"])
 
 
 def _query_rotary(gm, k_rot: fx.Node) -> fx.Node | None:

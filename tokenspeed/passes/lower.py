@@ -18,7 +18,7 @@ MODES = ("prefill", "decode")
 
 def pipeline(mode: str, narrow: bool, decode_graph: bool):
     if mode == "prefill":
-        return ([narrow_rows] if narrow else []) + [attention_breaks, split_segments]
+        return ([narrow_rows] if narrow else []) + [fuse_norms, attention_breaks, split_segments]
     return [decode_kernels, fuse_norms, fuse_rope_write_kv, select_linear,
             whole_graph if decode_graph else attention_breaks, split_segments]
 

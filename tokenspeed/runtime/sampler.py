@@ -37,9 +37,9 @@ def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator 
     scores = logits.float() / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
     if filtered:
         scores = _top_k_top_p(scores, s.top_k, s.top_p)
-    uniform = torch.rand(scores.shape, generator=generator, device=scores.device).clamp_(1e-10, 1.0)
-    gumbel = -torch.log(-torch.log(uniform)) * (s.top_k != 1)[:, None]
-    return torch.argmax(scores + gumbel, dim=-1)
+    uniform = torch.rand(scores.shape, generator=generator, device=scores.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-10, 1.0 - 1e-7)))
+    return torch.argmax(scores + torch.where((s.top_k == 1)[:, None], 0.0, gumbel), dim=-1)
 
 
 def _top_k_top_p(scores, top_k, top_p):

@@ -38,9 +38,11 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     flat, page_size = flat_slots(kv_cache)
     if q.is_cuda:
         from tokenspeed.backends.kernels import triton_attention
-        # the split count depends on the table width only, never on the batch size, so a
-        # padded replay and an unpadded eager step reduce every row in the same order
-        splits = triton_attention.choose_num_splits(1, flat.shape[3], block_tables.shape[1] * page_size,
+        # the split count depends on the batch only through its next power of two, which a
+        # batch and the ladder rung it pads to share (powers of two are rungs), so replay and
+        # eager reduce every row in the same order
+        rows = 1 << max(q.shape[0] - 1, 0).bit_length()
+        splits = triton_attention.choose_num_splits(rows, flat.shape[3], block_tables.shape[1] * page_size,
                                                     triton_attention._sm_count(q.device))
         return triton_attention.decode_attention(q, flat, layer, block_tables, row_request,
                                                  positions, scale, page_size, num_splits=splits)
