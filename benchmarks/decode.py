@@ -53,7 +53,8 @@ def kernels_per_step(llm, batch: int) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: bool) -> list[dict]:
+def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: bool, done: list,
+                json_path: str) -> list[dict]:
     hf = common.hf_model(shape)
     ours = common.our_model(shape, hf)
     start = time.perf_counter()
@@ -75,6 +76,9 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
                 row["hf_compile_ms"] = hf_tpot(hf, batch, new_tokens, static=True) * 1e3
             row["x_vs_compile"] = row["hf_compile_ms"] / row["ours_ms"]
         rows.append(row)
+        done.append(row)
+        common.write_json(json_path, {"commit": common.git_commit(), "device": common.device_name(),
+                                      "bandwidth": bandwidth, "rows": done})
         print(common.table([row], list(row)), flush=True)
     del llm, hf, ours
     torch.cuda.empty_cache()
@@ -90,15 +94,14 @@ def main() -> None:
     parser.add_argument("--json", default="results/decode.json")
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth()
-    rows = [r for s in args.shapes for r in bench_shape(s, args.batches, args.new_tokens, bandwidth,
-                                                         not args.no_peers)]
+    rows = []
+    for shape in args.shapes:
+        bench_shape(shape, args.batches, args.new_tokens, bandwidth, not args.no_peers, rows, args.json)
     columns = ["shape", "batch", "ours_ms", "floor_ms", "x_floor", "hf_eager_ms", "hf_compile_ms",
                "x_vs_compile", "kernels_per_step", "startup_s", "graph_mem_mb"]
     print(f"\n# decode, bf16, prompt {PROMPT}, {common.device_name()}, commit {common.git_commit()}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(common.table(rows, columns))
-    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
-                                  "bandwidth": bandwidth, "rows": rows})
 
 
 if __name__ == "__main__":
