@@ -1,6 +1,7 @@
 """Shared benchmark pieces: model shapes, peers, the memory floor, timing, output."""
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -99,8 +100,12 @@ def median_time(fn, repeats: int = 5) -> float:
 
 
 def git_commit() -> str:
+    """The commit measured; ``TOKENSPEED_COMMIT`` names it where the tree has no git history."""
+    if os.environ.get("TOKENSPEED_COMMIT"):
+        return os.environ["TOKENSPEED_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
