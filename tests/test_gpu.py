@@ -51,22 +51,16 @@ def _prefilled(engine, bs):
     return rows
 
 
-def test_prefill_graph_replay_matches_eager_logits():
-    """cuBLAS may pick other algorithms under capture, so prefill logits agree to float32
-    rounding rather than bit for bit."""
-    model = random_model(MID, seed=2).to("cuda")
-    graphs, eager = llm(model), llm(model, enforce_eager=True)
-    for n in (1, 17, 100, 128):
-        chunk = [ExtendChunk(tuple(range(3, 3 + n)), 0, tuple(range(1, 2 + n // 16)), True)]
-        with torch.inference_mode():
-            got, want = (_prefill_logits(e, chunk) for e in (graphs, eager))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-
-def _prefill_logits(engine, chunks):
-    runner = engine.prefill
-    meta = runner.plan(chunks, 128, 1)
-    return runner._walk(runner.slots.publish(meta)).float()
+def test_float32_generation_with_graphs_equals_eager():
+    """Whole generations (breakable prefill graphs + decode graphs) against the eager path.
+    In bfloat16 only the decode path is compared token for token (above): cuBLAS may choose
+    another algorithm for a prefill matrix product under capture, and random-weight bf16
+    logits are full of near-ties."""
+    model = random_model(MID, seed=5).to("cuda")
+    graphs, eager = llm(model, capture_sizes=(1, 2, 4, 8)), llm(model, enforce_eager=True)
+    for n in (1, 3, 8, 10):
+        assert [o.token_ids for o in graphs.generate(prompts(n), GREEDY)] == \
+            [o.token_ids for o in eager.generate(prompts(n), GREEDY)], f"{n} prompts"
 
 
 def test_float32_tokens_match_hugging_face():
