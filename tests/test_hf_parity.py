@@ -48,13 +48,13 @@ class Recorder:
         prefill, decode = llm.engine.prefill, llm.engine.decode
         prefill_run, decode_run = prefill.run, decode.run
 
-        def run_prefill(chunks):
+        def run_prefill(chunks, *args, **kwargs):
             self.extend_batches.append([(len(c.tokens), c.start, c.completes) for c in chunks])
-            return prefill_run(chunks)
+            return prefill_run(chunks, *args, **kwargs)
 
-        def run_decode(rows):
+        def run_decode(rows, *args, **kwargs):
             self.decode_batches.append(len(rows))
-            return decode_run(rows)
+            return decode_run(rows, *args, **kwargs)
 
         prefill.run, decode.run = run_prefill, run_decode
 
@@ -81,6 +81,30 @@ def test_chunked_and_oversubscribed_match_hf(variant, page_size, enforce_eager):
         "the 100-token prompt was never chunked"
     assert all(len(b) <= 3 for b in rec.extend_batches)
     assert rec.decode_batches and all(n <= 3 for n in rec.decode_batches)
+    report = getattr(llm, "startup", None)
+    if report is not None:
+        assert (report.num_graphs == 0) == enforce_eager
+
+
+@pytest.mark.parametrize("capture_sizes", [(1,), (2, 4), (8,)], ids=str)
+def test_decode_ladder_padding_matches_hf(capture_sizes):
+    """Batches padded up to a captured size, and batches above the ladder (eager)."""
+    variant = "llama3_rope"
+    llm = ts.LLM(checkpoint(variant), page_size=4, max_num_seqs=3, max_num_batched_tokens=32,
+                 capture_sizes=capture_sizes)
+    rec = Recorder(llm)
+    refs = reference(variant, PROMPTS, MAX_TOKENS)
+    check_outputs(llm.generate(PROMPTS, GREEDY), PROMPTS, refs, MAX_TOKENS)
+    assert {1, 3} <= set(rec.decode_batches) or {2, 3} <= set(rec.decode_batches)
+
+
+@pytest.mark.parametrize("view_width", [2, 5])
+def test_wider_prefill_view_matches_hf(view_width):
+    variant = "qwen3"
+    llm = ts.LLM(checkpoint(variant), page_size=4, max_num_seqs=3, max_num_batched_tokens=32,
+                 view_width=view_width)
+    refs = reference(variant, PROMPTS, MAX_TOKENS)
+    check_outputs(llm.generate(PROMPTS, GREEDY), PROMPTS, refs, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -108,6 +132,36 @@ def test_preemption_under_tiny_kv_pool_matches_hf(variant, page_size, monkeypatc
     assert llm.scheduler.allocator.num_free == num_kv_pages - 1
     # and the engine still serves correctly afterwards
     check_outputs(llm.generate(PROMPTS[:3], GREEDY), PROMPTS[:3], refs[:3], MAX_TOKENS)
+
+
+@pytest.mark.parametrize("lengths, num_kv_pages, budget", [((8, 8), 4, 1), ((40, 100), 29, 2)])
+def test_tight_pool_with_tiny_token_budget_terminates(lengths, num_kv_pages, budget, monkeypatch):
+    llm = ts.LLM(checkpoint("llama"), page_size=4, num_kv_pages=num_kv_pages, max_num_seqs=2,
+                 max_num_batched_tokens=budget)
+    calls, limit = [0], 1500
+    original = llm.scheduler.schedule
+
+    def guarded():
+        calls[0] += 1
+        if calls[0] > limit:
+            raise RuntimeError(f"no termination after {limit} scheduler steps (livelock)")
+        return original()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", guarded)
+    prompts = make_prompts(lengths, seed=11)
+    max_tokens = 4 if max(lengths) < 20 else MAX_TOKENS
+    outs = llm.generate(prompts, ts.SamplingParams(temperature=0, max_tokens=max_tokens))
+    assert token_ids(outs) == reference("llama", prompts, max_tokens)
+
+
+@pytest.mark.parametrize("budget, max_num_seqs, page_size, eager",
+                         [(1, 1, 1, True), (3, 2, 2, False), (7, 5, 8, True), (100, 1, 16, False)])
+def test_extreme_scheduler_settings_match_hf(budget, max_num_seqs, page_size, eager):
+    variant = "qwen3"
+    llm = ts.LLM(checkpoint(variant), page_size=page_size, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens=budget, enforce_eager=eager)
+    refs = reference(variant, PROMPTS, MAX_TOKENS)
+    check_outputs(llm.generate(PROMPTS, GREEDY), PROMPTS, refs, MAX_TOKENS)
 
 
 def test_per_prompt_sampling_params_match_hf():
@@ -193,6 +247,26 @@ def test_finish_reason_stop_token(variant):
     for i, out in enumerate(outs):
         if i != j:
             assert out.token_ids == refs[i] and out.finish_reason == "length", i
+
+
+def test_stop_token_as_first_generated_token():
+    variant = "qwen3"
+    ref = reference(variant, PROMPTS[2:3], MAX_TOKENS, eos=None)[0]
+    llm = ts.LLM(checkpoint(variant), page_size=4)
+    out = llm.generate([PROMPTS[2]], ts.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                       stop_token_ids=[ref[0]]))[0]
+    assert out.token_ids == (ref[0],) and out.finish_reason == "stop"
+
+
+def test_stop_token_only_in_the_prompt_does_not_stop():
+    variant = "qwen3"
+    ref = reference(variant, PROMPTS[2:3], MAX_TOKENS, eos=None)[0]
+    in_prompt_only = next(t for t in PROMPTS[2] if t not in ref)
+    llm = ts.LLM(checkpoint(variant), page_size=4)
+    out = llm.generate([PROMPTS[2]], ts.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                       ignore_eos=True,
+                                                       stop_token_ids=[in_prompt_only]))[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
 
 
 def test_eos_from_config_stops_like_hf():

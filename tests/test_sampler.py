@@ -167,8 +167,6 @@ def test_top_p_explicit_nucleus():
     assert set(draws.tolist()) == {1}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a token whose preceding mass equals top_p exactly is "
-                   "kept (drop uses `before > top_p`, the nucleus needs `before >= top_p`)")
 def test_top_p_exact_boundary_keeps_the_smallest_nucleus():
     # two equally likely tokens, p = 0.5 each: the first alone already has mass 0.5
     logits = torch.zeros(2000, 2)
@@ -226,3 +224,45 @@ def test_sampling_tensors_build():
     assert s.top_k.tolist() == [3, 1]
     assert [round(x, 6) for x in s.top_p.tolist()] == [0.9, 1.0]
     assert math.isclose(s.top_p[0].item(), 0.9, rel_tol=1e-6)
+
+
+# ---------------------------------------------------------------- through the LLM
+
+
+@pytest.fixture(scope="module")
+def llama_path():
+    from hf_models import checkpoint
+    return checkpoint("llama")
+
+
+def _sampled(llm, prompts, **params):
+    sp = ts.SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, **params)
+    return [o.token_ids for o in llm.generate(prompts, sp)]
+
+
+def test_llm_seed_makes_sampling_reproducible(llama_path):
+    prompts = [[5, 6, 7], [9] * 12, [100, 200]]
+    a = _sampled(ts.LLM(llama_path, page_size=4, seed=4), prompts)
+    b = _sampled(ts.LLM(llama_path, page_size=4, seed=4), prompts)
+    c = _sampled(ts.LLM(llama_path, page_size=4, seed=5), prompts)
+    assert a == b
+    assert a != c
+    assert all(len(t) == 10 for t in a)
+
+
+def test_llm_top_k_restricts_every_sampled_token(llama_path):
+    """top_k=2 through the engine: each token is one of the 2 most likely next tokens,
+    checked against the HF model's logits for the sequence so far."""
+    from hf_models import hf_model, reference
+    hf, _ = hf_model("llama")
+    prompt = [5, 6, 7, 8]
+    out = _sampled(ts.LLM(llama_path, page_size=4, seed=1), [prompt], top_k=2)[0]
+    seq = list(prompt)
+    with torch.no_grad():
+        for token in out:
+            logits = hf(torch.tensor([seq])).logits[0, -1]
+            assert token in logits.topk(2).indices.tolist()
+            seq.append(token)
+    assert out != reference("llama", [prompt], len(out), eos=None)[0]  # it sampled, not argmax
+
+

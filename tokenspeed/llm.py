@@ -32,11 +32,13 @@ class LLM:
         self.model = _as_model(model, dtype, device)
         self.config = config = self.model.config
         self.device = torch.device(device)
-        self.max_model_len = max_model_len or config.max_position_embeddings
-        if self.max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}")
+        self.max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
+        if not 1 <= self.max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [1, the model's "
+                             f"max_position_embeddings={config.max_position_embeddings}]")
         self.page_size, self.max_pages = page_size, -(-self.max_model_len // page_size)
+        if num_kv_pages is not None and num_kv_pages < 2:
+            raise ValueError(f"num_kv_pages={num_kv_pages}: must be >= 2 (page 0 is the null page)")
         self.num_pages = num_kv_pages or self._default_num_pages(max_num_seqs)
         self.kv_cache = allocate_kv_cache(config, self.num_pages, page_size,
                                           next(self.model.parameters()).dtype, self.device)

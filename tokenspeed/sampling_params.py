@@ -17,7 +17,6 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
-    seed: int | None = None
 
     def __attrs_post_init__(self):
         _check("temperature", self.temperature >= 0, self.temperature, ">= 0")

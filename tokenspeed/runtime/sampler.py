@@ -34,21 +34,24 @@ def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator 
     """``filtered=False`` skips the top-k/top-p mask, which is the identity when no row has
     ``top_k > 1`` or ``top_p < 1`` (greedy rows only keep their maximum either way); it
     saves a sort over the vocabulary on every step of such batches."""
-    scores = logits.float() / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    greedy = (s.top_k == 1)[:, None]
+    scores = logits.float()
+    scores = torch.where(greedy, scores, scores / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None])
     if filtered:
         scores = _top_k_top_p(scores, s.top_k, s.top_p)
     uniform = torch.rand(scores.shape, generator=generator, device=scores.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_(1e-10, 1.0 - 1e-7)))
-    return torch.argmax(scores + torch.where((s.top_k == 1)[:, None], 0.0, gumbel), dim=-1)
+    return torch.argmax(scores + torch.where(greedy, 0.0, gumbel), dim=-1)
 
 
 def _top_k_top_p(scores, top_k, top_p):
+    """Mask by rank, not by value, so ties at the boundary cannot widen the set; the
+    stable sort ranks tied tokens by index, as argmax does."""
     vocab = scores.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)
-    ordered, _ = scores.sort(dim=-1, descending=True)
-    kth = ordered.gather(1, (k - 1)[:, None])
-    probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(-1)
-    before = probs.cumsum(-1) - probs            # mass strictly above each sorted entry
-    drop = (before > top_p[:, None]) & (top_p[:, None] < 1)
-    cut = ordered.masked_fill(drop, float("inf")).amin(-1, keepdim=True)
-    return scores.masked_fill((scores < kth) | (scores < cut), float("-inf"))
+    ordered, order = scores.sort(dim=-1, descending=True, stable=True)
+    drop = torch.arange(vocab, device=scores.device)[None, :] >= k[:, None]
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs            # mass strictly above each ranked token
+    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)  # the smallest nucleus
+    return scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))

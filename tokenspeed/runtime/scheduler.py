@@ -76,11 +76,14 @@ class Scheduler:
         return budget - chunk
 
     def _schedule_decode(self) -> ScheduledBatch:
-        ready = [r for r in self.running if r.num_uncached == 1]
-        for request in list(ready):
-            while request in ready and not self._grow(request, request.num_tokens):
-                victim = ready.pop()
-                self._preempt(victim)
+        """Oldest first; a request that cannot grow makes room by preempting the newest
+        running request (itself, when it is the newest)."""
+        ready = []
+        for request in [r for r in self.running if r.num_uncached == 1]:
+            while request in self.running and not self._grow(request, request.num_tokens):
+                self._preempt(self.running[-1])
+            if request in self.running:
+                ready.append(request)
         return ScheduledBatch("decode", tuple(ready), (1,) * len(ready))
 
     def _grow(self, request: Request, num_tokens: int) -> bool:

@@ -1,0 +1,179 @@
+"""Bad input is refused with a ValueError naming the bad value and the limit, before any work.
+
+A refused ``generate`` leaves the engine as it was: the same LLM then produces exactly
+what a fresh one does (greedy and sampled, so the sampling generator is checked too).
+"""
+
+import re
+
+import pytest
+
+import tokenspeed as ts
+
+from hf_models import MAX_POS, VOCAB, checkpoint, make_prompts, reference
+
+MAX_MODEL_LEN = 64
+PROMPTS = make_prompts((3, 9, 20, 1), seed=5)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return ts.LLM(path, page_size=4, max_model_len=MAX_MODEL_LEN)
+
+
+def raises(*fragments):
+    """pytest.raises(ValueError) whose message contains every fragment (literally)."""
+    return pytest.raises(ValueError, match="(?s)" + "".join(f"(?=.*{re.escape(str(f))})"
+                                                            for f in fragments))
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def test_empty_prompt(llm):
+    with raises("prompt 0", "empty"):
+        llm.generate([[]])
+
+
+@pytest.mark.parametrize("bad", [-1, -100, VOCAB, VOCAB + 7])
+def test_token_out_of_vocabulary(llm, bad):
+    with raises("prompt 0", str(bad), str(VOCAB)):
+        llm.generate([[5, bad, 6]])
+
+
+def test_prompt_plus_max_tokens_over_max_model_len(llm):
+    prompt = list(range(3, 3 + 60))
+    with raises("prompt 0", "60", "max_tokens=5", str(MAX_MODEL_LEN)):
+        llm.generate([prompt], ts.SamplingParams(max_tokens=5))
+    # exactly at the limit is fine
+    out = llm.generate([prompt], ts.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and out[0].finish_reason == "length"
+
+
+def test_prompt_alone_over_max_model_len(llm):
+    with raises("prompt 0", str(MAX_MODEL_LEN)):
+        llm.generate([list(range(3, 3 + MAX_MODEL_LEN + 1))], ts.SamplingParams(max_tokens=1))
+
+
+def test_request_larger_than_the_kv_pool(path):
+    small = ts.LLM(path, page_size=4, num_kv_pages=5)  # 4 usable pages = 16 tokens
+    with raises("prompt 0", "needs 5", "has 4"):
+        small.generate([list(range(3, 18))], ts.SamplingParams(max_tokens=3))
+    out = small.generate([list(range(3, 13))], ts.SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("kind", ["empty", "negative", "too_large", "too_long"])
+def test_bad_prompt_in_the_middle_names_its_index(llm, kind):
+    bad = {"empty": [], "negative": [4, -3], "too_large": [VOCAB + 1],
+           "too_long": list(range(3, 3 + MAX_MODEL_LEN))}[kind]
+    prompts = [PROMPTS[0], PROMPTS[1], bad, PROMPTS[2]]
+    with raises("prompt 2"):
+        llm.generate(prompts, ts.SamplingParams(max_tokens=4))
+
+
+def test_sampling_params_count_must_match(llm):
+    with raises("2", "3"):
+        llm.generate(PROMPTS[:3], [ts.SamplingParams(), ts.SamplingParams()])
+
+
+# ---------------------------------------------------------------- sampling params
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_max_tokens_below_one(max_tokens):
+    with raises(f"max_tokens={max_tokens}", ">= 1"):
+        ts.SamplingParams(max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("temperature", [-0.5, -1e-9, float("nan")])
+def test_negative_temperature(temperature):
+    with raises("temperature", repr(temperature), ">= 0"):
+        ts.SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("top_p", [0, 0.0, 1.5, -0.1, float("nan")])
+def test_top_p_outside_unit_interval(top_p):
+    with raises(f"top_p={top_p!r}", "(0, 1]"):
+        ts.SamplingParams(top_p=top_p)
+
+
+@pytest.mark.parametrize("top_k", [-1, -50])
+def test_negative_top_k(top_k):
+    with raises(f"top_k={top_k}", ">= 0"):
+        ts.SamplingParams(top_k=top_k)
+
+
+def test_valid_edges_are_accepted():
+    ts.SamplingParams(temperature=0, top_p=1.0, top_k=0, max_tokens=1)
+    ts.SamplingParams(top_p=1e-6)
+    ts.SamplingParams(top_k=10**6)
+
+
+# ---------------------------------------------------------------- state after a refusal
+
+
+def _run(llm, prompts):
+    greedy = ts.SamplingParams(temperature=0, max_tokens=8)
+    sampled = ts.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=8)
+    params = [greedy if i % 2 == 0 else sampled for i in range(len(prompts))]
+    return [(o.token_ids, o.finish_reason, o.prompt_token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("bad", [[], [VOCAB], [-1], list(range(3, 3 + MAX_MODEL_LEN))])
+def test_refused_generate_leaves_the_engine_untouched(path, bad):
+    settings = dict(page_size=4, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+                    max_num_batched_tokens=16, seed=3)
+    used = ts.LLM(path, **settings)
+    with raises("prompt 2"):
+        used.generate([PROMPTS[0], PROMPTS[1], bad, PROMPTS[2]])
+    assert not used.scheduler.has_work
+    assert used.scheduler.allocator.num_free == used.num_pages - 1
+    fresh = ts.LLM(path, **settings)
+    got, want = _run(used, PROMPTS), _run(fresh, PROMPTS)
+    assert got == want
+    # greedy rows are also HF's tokens
+    refs = reference("llama", PROMPTS, 8)
+    assert [got[i][0] for i in (0, 2)] == [refs[0], refs[2]]
+
+
+def test_refusal_between_good_calls(path):
+    settings = dict(page_size=4, max_model_len=MAX_MODEL_LEN, seed=1)
+    used, fresh = ts.LLM(path, **settings), ts.LLM(path, **settings)
+    assert _run(used, PROMPTS) == _run(fresh, PROMPTS)
+    with raises("prompt 1", str(VOCAB)):
+        used.generate([PROMPTS[0], [VOCAB + 3]])
+    with pytest.raises(ValueError):
+        used.generate([PROMPTS[0]], [ts.SamplingParams()] * 2)
+    assert _run(used, PROMPTS[::-1]) == _run(fresh, PROMPTS[::-1])
+
+
+# ---------------------------------------------------------------- LLM settings
+
+
+@pytest.mark.parametrize("name", ["page_size", "max_num_seqs", "max_num_batched_tokens"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_llm_settings_must_be_positive(path, name, value):
+    with raises(f"{name}={value}", ">= 1"):
+        ts.LLM(path, **{name: value})
+
+
+def test_max_model_len_above_max_position_embeddings(path):
+    with raises("max_model_len=1000", f"max_position_embeddings={MAX_POS}"):
+        ts.LLM(path, max_model_len=1000)
+    assert ts.LLM(path, max_model_len=MAX_POS).max_model_len == MAX_POS
+
+
+def test_negative_max_model_len(path):
+    with raises("max_model_len=-1"):
+        ts.LLM(path, max_model_len=-1)
+
+
+def test_kv_pool_needs_two_pages(path):
+    with raises("1", "2"):
+        ts.LLM(path, num_kv_pages=1)
