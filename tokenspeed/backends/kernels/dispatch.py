@@ -42,8 +42,9 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
         # batch and the ladder rung it pads to share (powers of two are rungs), so replay and
         # eager reduce every row in the same order
         rows = 1 << max(q.shape[0] - 1, 0).bit_length()
-        splits = triton_attention.choose_num_splits(rows, flat.shape[3], block_tables.shape[1] * page_size,
-                                                    triton_attention._sm_count(q.device))
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = triton_attention.choose_num_splits(rows, flat.shape[3],
+                                                    block_tables.shape[1] * page_size, sms)
         return triton_attention.decode_attention(q, flat, layer, block_tables, row_request,
                                                  positions, scale, page_size, num_splits=splits)
     return reference.paged_attention(q, flat, layer, block_tables, row_request, positions,
