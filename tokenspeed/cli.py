@@ -39,8 +39,8 @@ def cmd_demo(args) -> None:
     path = args.model or default_model()
     print(f"# model: {path}")
     llm = ts.LLM(path, device=args.device)
-    for mode, lowered in llm.lowered.items():
-        print(f"\n# {mode}: {_summary(lowered)}")
+    for lowered in llm.lowered.values():
+        print(f"\n# {_summary(lowered)}")
     prefill = llm.lowered["prefill"]
     for stage, segments in prefill.stages.items():
         print(f"\n## prefill stage {stage}\n" + "\n\n".join(s.as_text() for s in segments[-2:]))

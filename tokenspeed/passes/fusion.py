@@ -38,7 +38,7 @@ def fuse_norms(program: Program, **_) -> Program:
                 all(isinstance(a, fx.Node) for a in x.args)
             new = _fused_add_norm(gm, x, norm, node) if residual_add else _norm(gm, x, norm, node)
             node.replace_all_uses_with(new[-1])
-            new[-1].name = node.name
+            new[0].name, new[-1].name = f"{node.name}_weight", node.name
             _same_stage(node, *new)
             gm.graph.erase_node(node)
     gm.recompile()
@@ -63,6 +63,7 @@ def _fused_add_norm(gm, add, norm, node) -> list[fx.Node]:
         normed = gm.graph.call_function(operator.getitem, (fused, 0))
     add.replace_all_uses_with(total)
     gm.graph.erase_node(add)
+    fused.name, total.name = f"{node.name}_with_residual", add.name
     return [weight, fused, total, normed]
 
 
