@@ -63,6 +63,15 @@ def test_float32_generation_with_graphs_equals_eager():
             [o.token_ids for o in eager.generate(prompts(n), GREEDY)], f"{n} prompts"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overlapped_decoding_equals_the_synchronous_loop(dtype):
+    model = random_model(MID, seed=5).to("cuda", dtype)
+    on, off = llm(model, overlap=True), llm(model)
+    params = [ts.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 16, 1)]
+    assert [o.token_ids for o in on.generate(prompts(5), params)] == \
+        [o.token_ids for o in off.generate(prompts(5), params)]
+
+
 def test_float32_tokens_match_hugging_face():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,

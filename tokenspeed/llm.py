@@ -23,10 +23,12 @@ class LLM:
     def __init__(self, model, device="cpu", dtype=None, page_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  capture_sizes=None, enforce_eager: bool = False, num_kv_pages: int | None = None,
-                 seed: int = 0, token_buckets=None, view_width: int = 1, backend=None):
+                 seed: int = 0, token_buckets=None, view_width: int = 1, backend=None,
+                 overlap: bool = False):
         """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
         min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``:
-        rows per request the prefill decoder view keeps (W); ``enforce_eager``: no graphs."""
+        rows per request the prefill decoder view keeps (W); ``enforce_eager``: no graphs;
+        ``overlap``: prepare decode step n+1 while step n runs (off until measured on a GPU)."""
         _positive(page_size=page_size, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, view_width=view_width)
         self.model = _as_model(model, dtype, device)
@@ -53,7 +55,7 @@ class LLM:
             self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             capture_sizes=capture_sizes, token_buckets=token_buckets, view_width=view_width, seed=seed)
         self.engine = Engine(self.scheduler, self.prefill, self.decode, config.eos_token_ids,
-                             self.max_model_len)
+                             self.max_model_len, overlap)
         self._next_id = 0
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -63,7 +65,7 @@ class LLM:
         for request in requests:
             self.scheduler.add(request)
         with torch.inference_mode():
-            while self.scheduler.has_work:
+            while self.engine.has_work:
                 self.engine.step()
         return [r.to_output() for r in requests]
 

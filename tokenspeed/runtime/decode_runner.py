@@ -4,7 +4,9 @@ Capture = idle refresh (no live rows, placeholder tables of null pages) + captur
 whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
 the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
 same slots; batches above the ladder take it. Tokens and accept lengths land in one
-persistent buffer and reach the host in one copy.
+persistent buffer and reach the host in one asynchronous copy: ``launch`` returns a
+``DecodeFuture`` at once, so the host can prepare the next step while the GPU runs this
+one; a chained step takes its input tokens from the previous step's output on the device.
 """
 
 import torch
@@ -28,6 +30,9 @@ class DecodeRunner:
         self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
         self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs, device)
         self.out = torch.zeros(max_decode_bs, WINDOW + 1, dtype=torch.int64, device=kv_cache.device)
+        pinned = kv_cache.is_cuda
+        self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
 
@@ -55,10 +60,17 @@ class DecodeRunner:
 
     def run(self, rows, params) -> list[int]:
         """One sampled token per row."""
+        return self.launch(rows, params).tokens()
+
+    def launch(self, rows, params, chained: bool = False) -> "DecodeFuture":
+        """Enqueue one step. ``chained``: row i's input token is row i's output of the
+        previous step, still on the device (``rows[i].token`` is ignored)."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
         view = self.slots.publish(self.refresh(rows, size))
+        if chained:
+            view.input_ids[:bs].copy_(self.out[:bs, 0])
         sampling = self.sampling.publish(self._sampling(params, size))
         if rung is None:
             logits = self._step(view, sampling, self.out[:bs])
@@ -66,7 +78,10 @@ class DecodeRunner:
             logits = self.graphs[rung].replay()
         if needs_filter(params):  # graphs sample unfiltered; filtered batches resample here
             self.out[:bs, 0] = sample(logits, sampling, self._generator(), filtered=True)[:bs]
-        return self.out[:bs].cpu()[:, 0].tolist()
+        self._turn ^= 1
+        host = self.host_out[self._turn][:bs]
+        host.copy_(self.out[:bs], non_blocking=True)
+        return DecodeFuture(host, _recorded_event(self.kv_cache.device))
 
     def _step(self, view, sampling, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
@@ -83,3 +98,23 @@ class DecodeRunner:
         padded = list(params) + [PAD_PARAMS] * (size - len(params))
         return SamplingTensors.build(padded, "cpu")
 
+
+
+class DecodeFuture:
+    """A step's tokens on their way to the host."""
+
+    def __init__(self, host: torch.Tensor, event):
+        self.host, self.event = host, event
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:, 0].tolist()
+
+
+def _recorded_event(device: torch.device):
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

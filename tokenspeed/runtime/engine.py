@@ -1,19 +1,49 @@
-"""The engine loop: schedule a batch, run it (the runner samples), advance requests."""
+"""The engine loop: schedule a batch, run it (the runner samples), advance requests.
+
+With ``overlap``, a decode batch is launched and left in flight; the next step launches
+the same rows again (their input tokens fed on the device) before reading the first
+one's tokens, so the host's scheduling and metadata work hides behind the GPU. A request
+that stops on a token is found one step late: the extra row's token is dropped.
+"""
+
+import attrs
 
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
 
 
+@attrs.frozen
+class InFlight:
+    requests: tuple[Request, ...]
+    future: object
+
+
 class Engine:
-    def __init__(self, scheduler: Scheduler, prefill, decode, eos_token_ids=(), max_model_len=0):
+    def __init__(self, scheduler: Scheduler, prefill, decode, eos_token_ids=(), max_model_len=0,
+                 overlap: bool = False):
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
+        self.overlap = overlap
+        self.in_flight: InFlight | None = None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.in_flight is not None
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
+        if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
+            self.in_flight = self._chain(flight)
+            return self._collect(flight)
         batch = self.scheduler.schedule()
+        if batch.kind == "decode" and batch.requests and self.overlap:
+            rows = [DecodeRow(r.tokens[-1], r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
+            future = self.decode.launch(rows, [r.params for r in batch.requests])
+            self.in_flight = InFlight(batch.requests, future)
+            return []
         if not batch.requests:
             return []
         sampled = [r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens]
@@ -21,6 +51,30 @@ class Engine:
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.num_cached += n
         return [r for r, t in zip(sampled, tokens) if self._append(r, t)]
+
+    def _chain(self, flight: InFlight) -> InFlight | None:
+        """Launch the same rows once more, if nothing else waits and pages allow."""
+        requests = flight.requests
+        if self.scheduler.waiting or len(self.scheduler.running) != len(requests) or \
+                not any(self._wants_another(r) for r in requests) or \
+                not all(self.scheduler.grow(r, r.num_tokens + 1) for r in requests):
+            return None
+        rows = [DecodeRow(0, r.num_tokens, tuple(r.pages)) for r in requests]
+        return InFlight(requests, self.decode.launch(rows, [r.params for r in requests], chained=True))
+
+    def _wants_another(self, request: Request) -> bool:
+        """Whether ``request`` can still need a token after the one in flight."""
+        return len(request.output) + 1 < request.params.max_tokens and \
+            request.num_tokens + 1 < self.max_model_len
+
+    def _collect(self, flight: InFlight) -> list[Request]:
+        finished = []
+        for request, token in zip(flight.requests, flight.future.tokens()):
+            if request.finish_reason is None:  # else it stopped a step earlier: drop the row
+                request.num_cached += 1
+                if self._append(request, token):
+                    finished.append(request)
+        return finished
 
     def _forward(self, batch: ScheduledBatch, params) -> list[int]:
         if batch.kind == "decode":

@@ -70,7 +70,7 @@ class Scheduler:
     def _take(self, request: Request, budget: int, picked: list) -> int:
         """Add up to ``budget`` of ``request``'s uncached tokens if pages allow; new budget."""
         chunk = min(request.num_uncached, budget)
-        if chunk <= 0 or not self._grow(request, request.num_cached + chunk):
+        if chunk <= 0 or not self.grow(request, request.num_cached + chunk):
             return budget
         picked.append((request, chunk))
         return budget - chunk
@@ -80,13 +80,15 @@ class Scheduler:
         running request (itself, when it is the newest)."""
         ready = []
         for request in [r for r in self.running if r.num_uncached == 1]:
-            while request in self.running and not self._grow(request, request.num_tokens):
+            while request in self.running and not self.grow(request, request.num_tokens):
                 self._preempt(self.running[-1])
             if request in self.running:
                 ready.append(request)
         return ScheduledBatch("decode", tuple(ready), (1,) * len(ready))
 
-    def _grow(self, request: Request, num_tokens: int) -> bool:
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        """Pages for ``num_tokens`` tokens of a request; False (nothing taken) if the pool
+        cannot supply them."""
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         try:
             request.pages.extend(self.allocator.allocate(max(needed, 0)))

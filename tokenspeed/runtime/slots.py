@@ -4,7 +4,8 @@ All slotted fields live in one device byte buffer, each a typed view sized for t
 batch; the views for a batch size are built once, cached, and never move. Publishing
 writes a descriptor (built on the host) into a pinned staging copy of that buffer and
 moves it with one host-to-device copy, so a graph captured over the views sees each
-step's values at the same addresses.
+step's values at the same addresses. Two staging copies alternate, so the host can stage
+step n+1 while the copy for step n may still be queued behind the GPU.
 """
 
 import attrs
@@ -27,11 +28,13 @@ class MetadataSlots:
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
         pinned = self.device.type == "cuda"
-        self.host_bytes = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) if pinned \
-            else self.device_bytes
+        self.host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)] \
+            if pinned else [self.device_bytes]
         self.buffers = {n: _typed(self.device_bytes, o, t) for (n, t), o in zip(specs, offsets)}
-        self.staging = {n: _typed(self.host_bytes, o, t) for (n, t), o in zip(specs, offsets)}
+        self.staging = [{n: _typed(host, o, t) for (n, t), o in zip(specs, offsets)}
+                        for host in self.host_bytes]
         self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._turn = 0
 
     def view(self, rows: int) -> dict[str, torch.Tensor]:
         if rows > self.capacity:
@@ -45,10 +48,12 @@ class MetadataSlots:
         ``meta`` over the views of its size, its other tensors moved to the device."""
         rows = getattr(meta, self.fields[0]).shape[0]
         view = self.view(rows)
+        self._turn = (self._turn + 1) % len(self.host_bytes)
+        staging, host = self.staging[self._turn], self.host_bytes[self._turn]
         for name in self.fields:
-            self.staging[name][:rows].copy_(getattr(meta, name))
-        if self.host_bytes is not self.device_bytes:
-            self.device_bytes.copy_(self.host_bytes, non_blocking=True)
+            staging[name][:rows].copy_(getattr(meta, name))
+        if host is not self.device_bytes:
+            self.device_bytes.copy_(host, non_blocking=True)
         others = {n: getattr(meta, n).to(self.device, non_blocking=True)
                   for n in tensor_fields(type(meta)) if n not in view}
         return attrs.evolve(meta, **view, **others)

@@ -1,0 +1,54 @@
+"""Overlapped decoding (step n+1 launched before step n's tokens are read) gives exactly
+the tokens of the synchronous loop and of Hugging Face, returns every page, and really
+chains steps."""
+
+import pytest
+
+import tokenspeed as ts
+from hf_models import checkpoint, make_prompts, reference
+
+PROMPTS = make_prompts((1, 5, 17, 40, 9, 3, 28), seed=11)
+
+
+def run(prompts, params, **kw):
+    llm = ts.LLM(checkpoint("llama"), page_size=4, **kw)
+    steps = []
+    launch = llm.decode.launch
+
+    def counting(rows, p, chained=False):
+        steps.append(chained)
+        return launch(rows, p, chained)
+
+    llm.decode.launch = counting
+    outs = llm.generate(prompts, params)
+    assert llm.engine.in_flight is None
+    assert llm.scheduler.allocator.num_free == llm.num_pages - 1, "pages leaked"
+    return [o.token_ids for o in outs], [o.finish_reason for o in outs], steps
+
+
+@pytest.mark.parametrize("kw", [{}, {"enforce_eager": True}, {"max_num_seqs": 3},
+                                {"max_num_batched_tokens": 8}])
+def test_overlap_matches_hf_and_sync(kw):
+    params = [ts.SamplingParams(temperature=0.0, max_tokens=n) for n in (12, 3, 16, 7, 1, 16, 9)]
+    on, reasons_on, chained = run(PROMPTS, params, overlap=True, **kw)
+    off, reasons_off, _ = run(PROMPTS, params, **kw)
+    assert on == off and reasons_on == reasons_off
+    for prompt, tokens, p in zip(PROMPTS, on, params):
+        assert list(tokens) == list(reference("llama", [prompt], p.max_tokens)[0])
+    assert any(chained), "no step was chained"
+
+
+def test_a_stop_token_found_a_step_late_is_dropped():
+    ref = reference("llama", PROMPTS[:3], 16)
+    stop = ref[1][5]  # occurs in prompt 1's continuation, so that request stops mid-chain
+    params = ts.SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop,))
+    on, reasons, chained = run(PROMPTS[:3], params, overlap=True)
+    off, reasons_off, _ = run(PROMPTS[:3], params)
+    assert on == off and reasons == reasons_off
+    assert on[1][-1] == stop and reasons[1] == "stop" and any(chained)
+
+
+def test_overlap_under_page_pressure_matches_hf():
+    params = ts.SamplingParams(temperature=0.0, max_tokens=16)
+    on, _, _ = run(PROMPTS, params, overlap=True, num_kv_pages=24, max_num_seqs=4)
+    assert [list(t) for t in on] == [list(r) for r in reference("llama", PROMPTS, 16)]
