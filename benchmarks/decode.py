@@ -58,7 +58,8 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
     hf = common.hf_model(shape)
     ours = common.our_model(shape, hf)
     start = time.perf_counter()
-    kw = dict(device="cuda", max_num_seqs=max(batches), max_model_len=4096, max_num_batched_tokens=2048)
+    kw = dict(device="cuda", max_num_seqs=max(batches), max_model_len=4096, max_num_batched_tokens=2048,
+              num_kv_pages=8192)
     llm = ts.LLM(ours, **kw)
     startup = time.perf_counter() - start
     overlapped = ts.LLM(ours, overlap=True, **kw)
