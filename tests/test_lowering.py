@@ -147,3 +147,39 @@ def test_decode_fusions_leave_few_ops_per_layer(model):
     assert targets.count("tokenspeed.rope_write_kv.default") == writers
     assert targets.count("tokenspeed.add_rms_norm.default") == 2 * c.num_layers
     assert not any(t.endswith("layernorm") or t == "<built-in function add>" for t in targets)
+
+
+def test_narrowing_keeps_ungatherable_values_in_the_encoder(monkeypatch):
+    """A reshape that folds rows into heads makes a value that is not row-shaped; the op
+    reading it back must run over every row rather than read it ungathered."""
+    from tokenspeed.models import llama
+
+    def folding_forward(self, h, positions, kv_cache, meta):
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        self._write_kv(k, v, positions, kv_cache, meta)
+        q = (q.reshape(-1, self.head_dim) * 1.0).view(-1, self.num_heads, self.head_dim)
+        o = llama.ops.attention(self.rotary(q, positions), kv_cache, self.kv_layer,
+                                meta.block_tables, meta.row_request, positions, self.scale)
+        return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
+
+    monkeypatch.setattr(llama.Attention, "forward", folding_forward)
+    model = random_model(TINY_LLAMA, seed=4)
+    traced, meta = ts.trace(model), two_requests(width=2)
+    narrowed, _ = run_twice(traced.lower("prefill"), model, meta)
+    plain, _ = run_twice(traced.lower("prefill", narrow=False), model, meta)
+    torch.testing.assert_close(narrowed, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_narrowed_prefill_equals_unnarrowed_on_every_kept_row(model):
+    """Invariant 7 over the whole decoder view, not only the sampled rows: sample every
+    kept row (view_sample_rows = all of the view) and compare with the same token rows."""
+    import attrs
+    meta = two_requests(width=3)
+    live = meta.num_live_view_rows
+    every_kept = attrs.evolve(meta, sample_rows=meta.view_rows[:live],
+                              view_sample_rows=torch.arange(live))
+    traced = ts.trace(model)
+    narrowed, _ = run_twice(traced.lower("prefill"), model, every_kept)
+    plain, _ = run_twice(traced.lower("prefill", narrow=False), model, every_kept)
+    assert narrowed.shape[0] == live == 3 + 1 + 3
+    torch.testing.assert_close(narrowed, plain, rtol=1e-5, atol=1e-5)

@@ -2,12 +2,12 @@
 
 A row-liveness analysis runs from the outputs back. The sampled-row gather needs only
 the decoder view's rows; a cache write needs every row; a row-wise op needs what its
-users need. Values needed by every row form the encoder (run over all tokens); values
+users need; a row-shaped op reading a row-dependent value that is not row-shaped (a
+tuple from a split, a reshape that folds rows into another dimension) needs every row,
+since such a value cannot be gathered. Values needed by every row form the encoder (run over all tokens); values
 needed only on the view form the decoder (run over the view's rows); each encoder value
 the decoder reads is gathered once, in the narrowing stage, by ``view_rows``.
 """
-
-import operator
 
 from torch import fx
 
@@ -26,7 +26,7 @@ def narrow_rows(program: Program, *, config, **_) -> Program:
     graph = gm.graph
     rows = row_shaped(gm, config)
     gather = sample_gather(graph)
-    need = row_needs(graph, rows, gather)
+    need = row_needs(graph, rows, gather, _ungatherable_readers(graph, rows))
     stages = assign_stages(graph, rows, need, gather)
     view_rows, view_samples = _add_view_inputs(graph)
     _insert_narrowing(graph, rows, stages, view_rows)
@@ -45,12 +45,26 @@ def sample_gather(graph: fx.Graph) -> fx.Node:
                      "meta.sample_rows)) before its head")
 
 
-def row_needs(graph: fx.Graph, rows: set[str], gather: fx.Node) -> dict[fx.Node, int]:
+def row_needs(graph: fx.Graph, rows: set[str], gather: fx.Node, forced=frozenset()) -> dict[fx.Node, int]:
+    """How many rows of each row-shaped value are needed; ``forced`` nodes need all."""
     need: dict[fx.Node, int] = {}
     for node in reversed(graph.nodes):
-        if node.name in rows:
+        if node in forced:
+            need[node] = ALL
+        elif node.name in rows:
             need[node] = max((_need_from(u, need, rows, gather) for u in node.users), default=NONE)
     return need
+
+
+def _ungatherable_readers(graph: fx.Graph, rows: set[str]) -> set[fx.Node]:
+    """Row-shaped nodes that read a row-dependent value which is not row-shaped."""
+    dependent: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name in rows) or \
+                any(i in dependent for i in node.all_input_nodes):
+            dependent.add(node)
+    return {n for n in dependent if n.name in rows and
+            any(i in dependent and i.name not in rows for i in n.all_input_nodes)}
 
 
 def _need_from(user: fx.Node, need, rows, gather) -> int:
@@ -71,8 +85,6 @@ def assign_stages(graph, rows, need, gather) -> dict[fx.Node, str]:
         inputs = [stages[i] for i in node.all_input_nodes if i in stages]
         if node is gather or FINISH in inputs:
             stages[node] = FINISH
-        elif node.target is operator.getitem and inputs == [ENCODER]:
-            stages[node] = ENCODER  # an element of an encoder tuple (a split) stays with it
         elif node.name in rows:
             stages[node] = ENCODER if need[node] == ALL else DECODER
         else:
