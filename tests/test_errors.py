@@ -177,3 +177,24 @@ def test_negative_max_model_len(path):
 def test_kv_pool_needs_two_pages(path):
     with raises("1", "2"):
         ts.LLM(path, num_kv_pages=1)
+
+
+@pytest.mark.parametrize("buckets", [(), (0, 8), (-4,)])
+def test_bad_token_buckets_are_named(path, buckets):
+    with raises("token_buckets="):
+        ts.LLM(path, token_buckets=buckets)
+
+
+def test_a_failing_step_leaves_nothing_behind(path, monkeypatch):
+    llm = ts.LLM(path, page_size=4)
+    prompts = make_prompts((5, 9), seed=3)
+    params = ts.SamplingParams(temperature=0, max_tokens=6)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    run = llm.decode.run
+    monkeypatch.setattr(llm.decode, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(prompts, params)
+    monkeypatch.setattr(llm.decode, "run", run)
+    assert not llm.scheduler.running and not llm.scheduler.waiting
+    assert llm.scheduler.allocator.num_free == llm.num_pages - 1
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want

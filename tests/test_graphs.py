@@ -55,12 +55,22 @@ def test_padded_replay_and_eager_give_equal_live_logits(model):
     llm = make_llm(model)
     with torch.inference_mode():
         rows = fill(llm, 3)
-        kv = llm.kv_cache.clone()
-        padded = llm.decode.slots.publish(llm.decode.refresh(rows, 4))
-        live = llm.lowered["decode"](kv, padded)[:3]
+        before = llm.kv_cache.clone()
+        llm.decode.slots.publish(llm.decode.refresh(rows, 4))
+        llm.decode.sampling.publish(llm.decode._sampling([GREEDY] * 4, 4))
+        replayed = llm.decode.graphs[4].replay()[:3].clone()
         unpadded = llm.decode.slots.publish(llm.decode.refresh(rows, 3))
-        torch.testing.assert_close(llm.lowered["decode"](llm.kv_cache.clone(), unpadded), live,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(llm.lowered["decode"](before, unpadded), replayed, rtol=0, atol=0)
+
+
+def test_prefill_guard_names_a_moved_slot(model):
+    llm = make_llm(model)
+    slots = llm.prefill.slots
+    slots.buffers = {n: b.clone() for n, b in slots.buffers.items()}  # every slot moves
+    slots._views.clear()
+    chunks = [ExtendChunk(tuple(range(10, 21)), 0, (1, 2, 3), True)]
+    with torch.inference_mode(), pytest.raises(MovedTensorError, match="input_ids|positions|slot_mapping"):
+        llm.prefill.run(chunks, [GREEDY])
 
 
 @pytest.mark.parametrize("max_num_seqs,capture_sizes", [(6, None), (5, (1, 2))])
@@ -155,7 +165,7 @@ def test_padded_rows_are_scrubbed_after_each_break(model):
     attention_outputs = {o for s in llm.lowered["prefill"].segments if s.name.endswith("attention")
                          for o in s.outputs}
     checked = 0
-    for (name, size), (_, static) in llm.prefill.graphs.items():
+    for (name, size), (_, static, _) in llm.prefill.graphs.items():
         for value in attention_outputs & set(static):
             if size == 16 and static[value].shape[0] == 16:
                 assert bool((static[value][11:] == 0).all()), f"{value} padded rows not scrubbed"

@@ -233,3 +233,9 @@ def test_unsupported_rope_type_is_named():
     edit_config(path, rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0})
     with pytest.raises(ValueError, match="yarn"):
         ts.models.load(path)
+
+
+def test_generation_config_eos_ids_are_added():
+    path = copy_checkpoint("llama")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert set(ts.models.load(path).config.eos_token_ids) == {2, 7}

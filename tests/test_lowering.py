@@ -183,3 +183,17 @@ def test_narrowed_prefill_equals_unnarrowed_on_every_kept_row(model):
     plain, _ = run_twice(traced.lower("prefill", narrow=False), model, every_kept)
     assert narrowed.shape[0] == live == 3 + 1 + 3
     torch.testing.assert_close(narrowed, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_a_broadcast_add_is_not_fused_into_the_norm(monkeypatch):
+    from tokenspeed.models import llama
+    plain = llama.LlamaModel.forward
+
+    def with_bias(self, kv_cache, meta):
+        h = plain(self, kv_cache, meta)
+        return self.norm(h + self.norm.weight)  # [rows, hidden] + [hidden]: a broadcast
+
+    monkeypatch.setattr(llama.LlamaModel, "forward", with_bias)
+    graph = ts.trace(random_model(TINY_LLAMA)).lower("decode").segments[0].graph_module.graph
+    last_norm = [n for n in graph.nodes if "rms_norm" in str(n.target)][-1]
+    assert "add_rms_norm" not in str(last_norm.target)

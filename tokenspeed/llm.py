@@ -64,9 +64,14 @@ class LLM:
         requests = [self._request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         for request in requests:
             self.scheduler.add(request)
-        with torch.inference_mode():
-            while self.engine.has_work:
-                self.engine.step()
+        try:
+            with torch.inference_mode():
+                while self.engine.has_work:
+                    self.engine.step()
+        except BaseException:
+            self.engine.in_flight = None  # nothing of this call may leak into the next one
+            self.scheduler.abort_all()
+            raise
         return [r.to_output() for r in requests]
 
     def _request(self, index: int, prompt, params: SamplingParams) -> Request:

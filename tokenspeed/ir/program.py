@@ -62,3 +62,13 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     graph._codegen = gm.graph._codegen
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+def rename(node: fx.Node, name: str) -> None:
+    """Give ``node`` a readable name, unique among the graph's live nodes (a suffix if a
+    live node holds it), and reserved so that nodes created later cannot take it."""
+    namespace = node.graph._graph_namespace
+    if any(n.name == name for n in node.graph.nodes if n is not node):
+        name = namespace.create_name(name, None)
+    node.name = name
+    namespace._used_names.add(name)

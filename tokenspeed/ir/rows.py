@@ -25,10 +25,12 @@ def example_inputs(config, rows: int, device="cpu", dtype=torch.float32) -> dict
         "slot_mapping": torch.zeros(rows, **long),
         "block_tables": torch.zeros(PROBE_TABLE_ROWS, 2, dtype=torch.int32, device=device),
         "row_request": torch.zeros(rows, **long), "sample_rows": torch.zeros(PROBE_SAMPLED, **long),
+        "view_rows": torch.zeros(rows, **long), "view_sample_rows": torch.zeros(PROBE_SAMPLED, **long),
     }
 
 
-def leading_dims(gm: fx.GraphModule, config, rows: int) -> dict[str, int | None]:
+def fake_values(gm: fx.GraphModule, config, rows: int) -> dict[str, object]:
+    """Every node's value (fake tensors: shapes and dtypes only) on ``rows`` token rows."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     weights = [*gm.parameters(), *gm.buffers()]
     inputs = example_inputs(config, rows, weights[0].device if weights else "cpu")
@@ -36,7 +38,11 @@ def leading_dims(gm: fx.GraphModule, config, rows: int) -> dict[str, int | None]
     with mode:
         fakes = [mode.from_tensor(inputs[n]) for n in names]
     FakeTensorProp(gm, mode).propagate(*fakes)
-    return {n.name: _dim0(n.meta.get("val")) for n in gm.graph.nodes}
+    return {n.name: n.meta.get("val") for n in gm.graph.nodes}
+
+
+def leading_dims(gm: fx.GraphModule, config, rows: int) -> dict[str, int | None]:
+    return {name: _dim0(value) for name, value in fake_values(gm, config, rows).items()}
 
 
 def row_shaped(gm: fx.GraphModule, config) -> set[str]:

@@ -11,6 +11,7 @@ from torch import fx
 
 from tokenspeed.backends.descriptors import ForwardMetadata, tensor_fields
 from tokenspeed.ir.printing import graph_text
+from tokenspeed.ir.program import rename
 from tokenspeed.models.layers import RMSNorm, Rotary
 
 LEAF_MODULES = (RMSNorm, Rotary)
@@ -64,8 +65,11 @@ def _shorten_names(graph: fx.Graph) -> None:
     """``model_layers_3_self_attn_q_proj`` reads as ``layer3_q_proj`` in the IR."""
     for node in graph.nodes:
         if node.op != "placeholder":
-            for long, short in SHORTER:
-                node.name = node.name.replace(long, short)
+            short = node.name
+            for long, replacement in SHORTER:
+                short = short.replace(long, replacement)
+            if short != node.name:
+                rename(node, short)
 
 
 def _flatten_signature(graph: fx.Graph, leaf_names) -> None:

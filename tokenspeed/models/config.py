@@ -66,10 +66,10 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=_rope_scaling(hf),
-            num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=_eos(hf))
+            num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf))
 
 
-def _eos(hf: dict) -> tuple[int, ...]:
+def eos_ids(hf: dict) -> tuple[int, ...]:
     eos = hf.get("eos_token_id")
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 

@@ -7,10 +7,11 @@ meta device first, so nothing is initialised twice).
 import json
 from pathlib import Path
 
+import attrs
 import torch
 from safetensors import safe_open
 
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config import ModelConfig, eos_ids
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -27,10 +28,17 @@ def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCau
 
 
 def read_config(path) -> ModelConfig:
+    """config.json, with the end-of-sequence ids of generation_config.json added (as
+    transformers' generate stops on those)."""
     config_file = Path(path) / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    generation = Path(path) / "generation_config.json"
+    if generation.exists():
+        extra = eos_ids(json.loads(generation.read_text()))
+        config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    return config
 
 
 def load(path, dtype=None, device="cpu") -> LlamaForCausalLM:

@@ -15,7 +15,8 @@ from torch import fx
 
 from tokenspeed.ir import fused_ops  # noqa: F401 - registers the ops
 from tokenspeed.ir.ops import WRITE_KV
-from tokenspeed.ir.program import Program, copy_graph
+from tokenspeed.ir.program import Program, copy_graph, rename
+from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.models.layers import RMSNorm, Rotary
 from tokenspeed.passes.manager import program_pass
 
@@ -28,21 +29,31 @@ def _module(gm: fx.GraphModule, node: fx.Node):
 
 
 @program_pass("fuse_norms")
-def fuse_norms(program: Program, **_) -> Program:
+def fuse_norms(program: Program, *, config, **_) -> Program:
     gm = copy_graph(program.graph_module)
+    values = fake_values(gm, config, PROBE_ROWS[0])
     for node in list(gm.graph.nodes):
         norm = _module(gm, node)
         if isinstance(norm, RMSNorm):
             x = node.args[0]
             residual_add = x.op == "call_function" and x.target is operator.add and \
-                all(isinstance(a, fx.Node) for a in x.args)
+                _same_tensor_type(values, x.args)
             new = _fused_add_norm(gm, x, norm, node) if residual_add else _norm(gm, x, norm, node)
             node.replace_all_uses_with(new[-1])
-            new[0].name, new[-1].name = f"{node.name}_weight", node.name
-            _same_stage(node, *new)
+            name = node.name
             gm.graph.erase_node(node)
+            rename(new[0], f"{name}_weight")
+            rename(new[-1], name)
+            _same_stage(node, *new)
     gm.recompile()
     return program.evolve(graph_module=gm)
+
+
+def _same_tensor_type(values, args) -> bool:
+    """A residual add: two tensors of one shape and dtype (no broadcast, no promotion)."""
+    vals = [values.get(a.name) if isinstance(a, fx.Node) else None for a in args]
+    return all(isinstance(v, torch.Tensor) for v in vals) and len(vals) == 2 and \
+        vals[0].shape == vals[1].shape and vals[0].dtype == vals[1].dtype
 
 
 def _norm(gm, x, norm, node) -> list[fx.Node]:
@@ -63,7 +74,8 @@ def _fused_add_norm(gm, add, norm, node) -> list[fx.Node]:
         normed = gm.graph.call_function(operator.getitem, (fused, 0))
     add.replace_all_uses_with(total)
     gm.graph.erase_node(add)
-    fused.name, total.name = f"{node.name}_with_residual", add.name
+    rename(fused, f"{node.name}_with_residual")
+    rename(total, add.name)
     return [weight, fused, total, normed]
 
 
@@ -82,7 +94,7 @@ def fuse_rope_write_kv(program: Program, *, config, **_) -> Program:
                                            (q_rot.args[0], k_rot.args[0], v, table, k_rot.args[1],
                                             cache, layer, slots))
         q_rot.replace_all_uses_with(fused)
-        fused.name = f"{q_rot.name}_write_kv"
+        rename(fused, f"{q_rot.name}_write_kv")
         for dead in (write, q_rot, k_rot):
             gm.graph.erase_node(dead)
     gm.recompile()
@@ -101,8 +113,9 @@ def select_linear(program: Program, **_) -> Program:
             bias = gm.graph.get_attr(f"{node.target}.bias") if lin.bias is not None else None
             new = gm.graph.call_function(ops.linear.default, (node.args[0], weight, bias))
         node.replace_all_uses_with(new)
-        new.name = node.name
+        name = node.name
         gm.graph.erase_node(node)
+        rename(new, name)
     gm.recompile()
     return program.evolve(graph_module=gm)
 

@@ -2,7 +2,7 @@
 swaps the general ragged attention for the split-K decode kernel."""
 
 from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION
-from tokenspeed.ir.program import Program, copy_graph
+from tokenspeed.ir.program import Program, copy_graph, rename
 from tokenspeed.passes.manager import program_pass
 
 
@@ -12,6 +12,6 @@ def decode_kernels(program: Program, **_) -> Program:
     for node in gm.graph.nodes:
         if node.target == ATTENTION:
             node.target = DECODE_ATTENTION
-            node.name = node.name.replace("attention", "decode_attention")
+            rename(node, node.name.replace("attention", "decode_attention"))
     gm.recompile()
     return program.evolve(graph_module=gm)

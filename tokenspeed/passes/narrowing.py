@@ -12,7 +12,7 @@ the decoder reads is gathered once, in the narrowing stage, by ``view_rows``.
 from torch import fx
 
 from tokenspeed.ir.ops import WRITE_KV_TARGETS
-from tokenspeed.ir.program import STAGES, Program, copy_graph
+from tokenspeed.ir.program import STAGES, Program, copy_graph, rename
 from tokenspeed.ir.rows import row_shaped
 from tokenspeed.passes.manager import program_pass
 
@@ -112,7 +112,7 @@ def _insert_narrowing(graph, rows, stages, view_rows) -> None:
             continue
         with graph.inserting_after(value):
             narrowed = graph.call_method("index_select", (value, 0, view_rows))
-        narrowed.name = f"narrow_{value.name}"
+        rename(narrowed, f"narrow_{value.name}")
         narrowed.meta["stage"] = stages[narrowed] = NARROWING
         for reader in readers:
             reader.replace_input_with(value, narrowed)

@@ -20,7 +20,7 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, prefill, decode, eos_token_ids=(), max_model_len=0,
+    def __init__(self, scheduler: Scheduler, prefill, decode, eos_token_ids, max_model_len: int,
                  overlap: bool = False):
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
         self.eos_token_ids = tuple(eos_token_ids)

@@ -51,7 +51,7 @@ class PointerGuard:
     def check(self) -> None:
         now = self.reach()
         for name, before in self.recorded.items():
-            after = TensorAddress.of(now[name]) if name in now else None
+            after = TensorAddress.of(now[name]) if now.get(name) is not None else None
             if after != before:
                 raise MovedTensorError(f"graph {self.graph_name}: tensor {name!r} moved since capture "
                                        f"(captured {before}, now {after})")

@@ -7,13 +7,17 @@ MAX_DECODE_LADDER = 256
 TOKEN_STEPS = ((256, 16), (512, 32), (1024, 64), (2048, 128))
 
 
+def _given(name: str, sizes) -> tuple[int, ...]:
+    ladder = tuple(sorted(set(int(s) for s in sizes)))
+    if not ladder or ladder[0] < 1:
+        raise ValueError(f"{name}={sizes!r}: need at least one size, every size >= 1")
+    return ladder
+
+
 def decode_ladder(max_num_seqs: int, capture_sizes=None) -> tuple[int, ...]:
     """1, 2, 4, 8, then steps of 8 up to min(max_num_seqs, 256); ``capture_sizes`` overrides."""
     if capture_sizes is not None:
-        sizes = sorted(set(int(s) for s in capture_sizes))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"capture_sizes={capture_sizes!r}: need positive batch sizes")
-        return tuple(sizes)
+        return _given("capture_sizes", capture_sizes)
     top = min(max_num_seqs, MAX_DECODE_LADDER)
     return _capped([1, 2, 4, 8] + list(range(16, MAX_DECODE_LADDER + 1, 8)), top)
 
@@ -22,7 +26,7 @@ def token_buckets(max_num_batched_tokens: int, buckets=None) -> tuple[int, ...]:
     """16..256 by 16, 288..512 by 32, 576..1024 by 64, 1152..2048 by 128; top =
     min(max_num_batched_tokens, 2048)."""
     if buckets is not None:
-        return tuple(sorted(set(int(b) for b in buckets)))
+        return _given("token_buckets", buckets)
     sizes, start = [], 0
     for end, step in TOKEN_STEPS:
         sizes.extend(range(start + step, end + 1, step))

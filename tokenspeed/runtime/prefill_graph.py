@@ -11,6 +11,7 @@ import torch
 
 from tokenspeed.backends.descriptors import leaves
 from tokenspeed.backends.metadata import kept_rows
+from tokenspeed.runtime.graphs import MovedTensorError
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
 from tokenspeed.runtime.slots import MetadataSlots, to_device
@@ -27,7 +28,7 @@ class PrefillGraph:
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
         self.generator = generator
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
-        self.graphs: dict[tuple[str, int], tuple[object, dict]] = {}
+        self.graphs: dict[tuple[str, int], tuple[object, dict, tuple[str, ...]]] = {}
         top = max(self.token_ladder, default=0)
         self.slots = MetadataSlots(self.plan([], top), top, kv_cache.device, TOKEN_ROW_FIELDS) \
             if top else None
@@ -74,21 +75,33 @@ class PrefillGraph:
         return env[self.lowered.program.output]
 
     def _graph_segment(self, seg, key, env, stable, capturer) -> None:
+        """Slot views, the cache and earlier graphs' outputs are read in place (the first two
+        pinned: a replay over other tensors is an error); eager values are copied in."""
         if key not in self.graphs:
             static = {n: env[n] if id(env[n]) in stable else env[n].clone() for n in seg.inputs}
+            pinned = tuple(n for n in seg.inputs if n in ("kv_cache", *TOKEN_ROW_FIELDS))
             graph = capturer.capture(f"prefill[{seg.name}, rows={key[1]}]",
                                      lambda: seg.graph_module(*[static[n] for n in seg.inputs]),
-                                     reach=lambda: dict(static))
-            self.graphs[key] = (graph, static)
+                                     reach=lambda: {**static, **self._sources(pinned, key[1])})
+            self.graphs[key] = (graph, static, pinned)
             outputs = graph.outputs
         else:
-            graph, static = self.graphs[key]
+            graph, static, pinned = self.graphs[key]
             for name in seg.inputs:
-                if env[name] is not static[name]:
-                    static[name].copy_(env[name])
+                if env[name] is static[name]:
+                    continue
+                if name in pinned:
+                    raise MovedTensorError(f"graph {graph.name}: input {name!r} is no longer the "
+                                           "tensor it was captured over")
+                static[name].copy_(env[name])
             outputs = graph.replay()
         env.update(zip(seg.outputs, outputs))
         stable.update(id(o) for o in outputs)
+
+    def _sources(self, names, rows: int) -> dict[str, torch.Tensor]:
+        """Where stable inputs live now: the guard compares them with the capture."""
+        views = self.slots.view(rows) if self.slots and rows <= self.slots.capacity else {}
+        return {n: self.kv_cache if n == "kv_cache" else views.get(n) for n in names}
 
 
 def _scrub(seg, env, size, live) -> None:

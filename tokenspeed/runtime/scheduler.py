@@ -46,6 +46,12 @@ class Scheduler:
                 return batch
             self._preempt(self.running[-1])
 
+    def abort_all(self) -> None:
+        """Drop every request and return its pages (after a step failed)."""
+        for request in list(self.running):
+            self.finish(request)
+        self.waiting.clear()
+
     def finish(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
