@@ -26,7 +26,6 @@ def attention_breaks(program: Program, **_) -> Program:
 def _boundary(previous, node) -> bool:
     attention = previous.target in ATTENTION_TARGETS or node.target in ATTENTION_TARGETS
     return attention or previous.meta.get("stage") != node.meta.get("stage")
-    return program.evolve(graph_module=gm)
 
 
 @program_pass("whole_graph")

@@ -7,8 +7,6 @@ recorded in a lowering's history.
 import functools
 
 import attrs
-from torch import fx
-
 from tokenspeed.ir.program import Program
 
 
@@ -51,6 +49,3 @@ def check_program(program: Program, after: str) -> None:
                                  "before any segment defines them")
         defined.update(seg.outputs)
 
-
-def node_by_name(graph: fx.Graph, name: str) -> fx.Node:
-    return next(n for n in graph.nodes if n.name == name)
