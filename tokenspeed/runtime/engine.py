@@ -44,8 +44,9 @@ class Engine:
             future = self.decode.launch(rows, [r.params for r in batch.requests])
             self.in_flight = InFlight(batch.requests, future)
             return []
-        if not batch.requests:
-            return []
+        if not batch.requests:  # validation guarantees a lone request fits: never spin
+            raise RuntimeError(f"no batch could be scheduled for {len(self.scheduler.waiting)} waiting "
+                               f"requests ({self.scheduler.allocator.num_free} free KV pages)")
         sampled = [r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens]
         tokens = self._forward(batch, [r.params for r in sampled])
         for request, n in zip(batch.requests, batch.chunk_lens):
