@@ -5,6 +5,8 @@ descriptor argument into one named placeholder per tensor leaf, so the IR says e
 which metadata the model reads.
 """
 
+import operator
+
 import attrs
 import torch
 from torch import fx
@@ -54,6 +56,7 @@ def trace(model: torch.nn.Module) -> Traced:
     graph = TokenspeedTracer().trace(model, concrete_args={"meta": meta})
     _flatten_signature(graph, names)
     _shorten_names(graph)
+    _name_split_parts(graph)
     return Traced(fx.GraphModule(model, graph, class_name="Traced"), getattr(model, "config", None))
 
 
@@ -70,6 +73,14 @@ def _shorten_names(graph: fx.Graph) -> None:
                 short = short.replace(long, replacement)
             if short != node.name:
                 rename(node, short)
+
+
+def _name_split_parts(graph: fx.Graph) -> None:
+    """``getitem(split(layer3_qkv_proj), 1)`` reads as ``layer3_k``."""
+    for node in graph.nodes:
+        split = node.args[0] if node.target is operator.getitem else None
+        if split is not None and split.target == "split" and split.args[0].name.endswith("_qkv_proj"):
+            rename(node, split.args[0].name.removesuffix("qkv_proj") + "qkv"[node.args[1]])
 
 
 def _flatten_signature(graph: fx.Graph, leaf_names) -> None:
