@@ -110,32 +110,31 @@ def test_missing_tensor_is_named(name):
         ts.models.load(path)
 
 
-def test_missing_bias_of_qwen2_is_named():
-    path = copy_checkpoint("qwen2")
+def edited_checkpoint(variant, edit):
+    """A copy of ``variant``'s checkpoint whose tensors went through ``edit(tensors)``."""
+    path = copy_checkpoint(variant)
     file = single_file(path)
     tensors = load_file(str(file))
-    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    edit(tensors)
     save_file(tensors, str(file), metadata={"format": "pt"})
+    return path
+
+
+def test_missing_bias_of_qwen2_is_named():
+    path = edited_checkpoint("qwen2", lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
         ts.models.load(path)
 
 
 def test_unexpected_tensor_is_named():
-    path = copy_checkpoint("llama")
-    file = single_file(path)
-    tensors = load_file(str(file))
-    tensors["model.layers.0.extra.weight"] = torch.zeros(3)
-    save_file(tensors, str(file), metadata={"format": "pt"})
+    path = edited_checkpoint("llama", lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(3)}))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.extra\.weight"):
         ts.models.load(path)
 
 
 def test_wrong_shape_is_named():
-    path = copy_checkpoint("llama")
-    file = single_file(path)
-    tensors = load_file(str(file))
-    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 100)
-    save_file(tensors, str(file), metadata={"format": "pt"})
+    path = edited_checkpoint("llama", lambda t: t.update(
+        {"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 100)}))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight.*\(64, 100\)"):
         ts.models.load(path)
 
