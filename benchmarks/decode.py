@@ -4,7 +4,8 @@
 
 Peers measured in the same run: Hugging Face eager, Hugging Face with a static cache and
 torch.compile(mode="reduce-overhead"). Floor: weight bytes + KV bytes read per step over
-the measured device-to-device copy bandwidth.
+the measured device-to-device copy bandwidth. ``ours_ms`` is the default engine (overlapped
+decoding); ``ours_sync_ms`` reads every step's tokens before preparing the next.
 """
 
 import argparse
@@ -62,29 +63,29 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
               num_kv_pages=8192)
     llm = ts.LLM(ours, **kw)
     startup = time.perf_counter() - start
-    overlapped = ts.LLM(ours, overlap=True, **kw)
+    synchronous = ts.LLM(ours, overlap=False, **kw)
     rows = []
     for batch in batches:
         with torch.inference_mode():
             tpot = our_tpot(llm, batch, new_tokens)
-            tpot_overlap = our_tpot(overlapped, batch, new_tokens)
+            tpot_sync = our_tpot(synchronous, batch, new_tokens)
             kernels = kernels_per_step(llm, batch)
         floor = (common.weight_bytes(ours) + common.kv_bytes(ours.config, batch, PROMPT + new_tokens // 2)) / bandwidth
         row = {"shape": shape, "batch": batch, "ours_ms": tpot * 1e3,
-               "ours_overlap_ms": tpot_overlap * 1e3, "floor_ms": floor * 1e3,
-               "x_floor": min(tpot, tpot_overlap) / floor, "kernels_per_step": kernels,
+               "ours_sync_ms": tpot_sync * 1e3, "floor_ms": floor * 1e3,
+               "x_floor": tpot / floor, "kernels_per_step": kernels,
                "startup_s": startup, "graph_mem_mb": llm.startup.graph_memory_bytes / 2**20}
         if peers:
             with torch.inference_mode():
                 row["hf_eager_ms"] = hf_tpot(hf, batch, new_tokens, static=False) * 1e3
                 row["hf_compile_ms"] = hf_tpot(hf, batch, new_tokens, static=True) * 1e3
-            row["x_vs_compile"] = row["hf_compile_ms"] / min(row["ours_ms"], row["ours_overlap_ms"])
+            row["x_vs_compile"] = row["hf_compile_ms"] / row["ours_ms"]
         rows.append(row)
         done.append(row)
         common.write_json(json_path, {"commit": common.git_commit(), "device": common.device_name(),
                                       "bandwidth": bandwidth, "rows": done})
         print(common.table([row], list(row)), flush=True)
-    del llm, overlapped, hf, ours
+    del llm, synchronous, hf, ours
     torch.cuda.empty_cache()
     return rows
 
@@ -101,7 +102,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         bench_shape(shape, args.batches, args.new_tokens, bandwidth, not args.no_peers, rows, args.json)
-    columns = ["shape", "batch", "ours_ms", "ours_overlap_ms", "floor_ms", "x_floor", "hf_eager_ms", "hf_compile_ms",
+    columns = ["shape", "batch", "ours_ms", "ours_sync_ms", "floor_ms", "x_floor", "hf_eager_ms", "hf_compile_ms",
                "x_vs_compile", "kernels_per_step", "startup_s", "graph_mem_mb"]
     print(f"\n# decode, bf16, prompt {PROMPT}, {common.device_name()}, commit {common.git_commit()}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")

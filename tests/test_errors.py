@@ -190,11 +190,11 @@ def test_a_failing_step_leaves_nothing_behind(path, monkeypatch):
     prompts = make_prompts((5, 9), seed=3)
     params = ts.SamplingParams(temperature=0, max_tokens=6)
     want = [o.token_ids for o in llm.generate(prompts, params)]
-    run = llm.decode.run
-    monkeypatch.setattr(llm.decode, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    launch = llm.decode.launch
+    monkeypatch.setattr(llm.decode, "launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(prompts, params)
-    monkeypatch.setattr(llm.decode, "run", run)
+    monkeypatch.setattr(llm.decode, "launch", launch)
     assert not llm.scheduler.running and not llm.scheduler.waiting
     assert llm.scheduler.allocator.num_free == llm.num_pages - 1
     assert [o.token_ids for o in llm.generate(prompts, params)] == want

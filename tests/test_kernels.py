@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache  # noqa: E402
-from tokenspeed.backends.kernels import triton_fused, triton_gemv  # noqa: E402
+from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
 
 FEW = settings(max_examples=15, deadline=None, derandomize=True)
 HAS_CUDA = torch.cuda.is_available()
@@ -219,9 +219,96 @@ def test_gemv(m, n, k, bias, splits):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@FEW
+@given(m=st.sampled_from([1, 5]), n=st.integers(1, 40), k=st.integers(1, 200),
+       splits=st.sampled_from([1, 2]))
+def test_gated_gemv_is_silu_mul_then_gemv(m, n, k, splits):
+    """The MLP's activation fused into the down projection: same bits as the two kernels."""
+    gate_up = torch.randn(m, 2 * k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE)
+    config = (16, 64, splits, 4, 2)
+    got = triton_gemv.linear(gate_up, w, config=config, gated=True)
+    unfused = triton_gemv.linear(triton_fused.silu_and_mul(gate_up), w, config=config)
+    assert torch.equal(got, unfused)
+    want = torch.nn.functional.linear(triton_fused.silu_and_mul_reference(gate_up), w)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"\[M, 2K\]"):
+        triton_gemv.linear(gate_up[:, :k], w, gated=True)
+
+
+@FEW
+@given(m=st.sampled_from([1, 5]), n=st.integers(1, 40), k=st.integers(1, 200),
+       residual=st.booleans(), splits=st.sampled_from([1, 2]))
+def test_norm_gemv_is_norm_then_gemv(m, n, k, residual, splits):
+    """The norm feeding a projection, fused into its GEMV: the sum is exact, the output
+    matches norm-then-linear (the squares are summed in another order)."""
+    x, res = torch.randn(2, m, k, device=DEVICE)
+    norm_w, w = torch.randn(k, device=DEVICE), torch.randn(n, k, device=DEVICE)
+    res = res if residual else None
+    out, total = triton_gemv.norm_linear(x, res, norm_w, 1e-6, w, config=(16, 64, splits, 4, 2))
+    want_total = x + res if residual else x
+    normed = triton_fused.rms_norm_reference(want_total, norm_w, 1e-6)
+    torch.testing.assert_close(out, torch.nn.functional.linear(normed, w), atol=1e-4, rtol=1e-4)
+    assert (total is None) == (not residual)
+    if residual:
+        assert torch.equal(total, want_total)
+
+
+def test_norm_gemv_rejects_a_wrong_norm_weight():
+    with pytest.raises(ValueError, match=r"norm weight must be \[4\]"):
+        triton_gemv.norm_linear(torch.zeros(1, 4), None, torch.zeros(3), 1e-6, torch.zeros(2, 4))
+
+
 def test_gemv_rejects_large_m():
     with pytest.raises(ValueError, match="M 17"):
         triton_gemv.linear(torch.zeros(17, 4), torch.zeros(4, 4))
+
+
+def gumbel(logits, temperature, top_k, seeds, block=16, step=None):
+    step = torch.zeros(1, dtype=torch.int64) if step is None else step
+    return triton_sampling.gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE),
+                                         top_k.to(DEVICE), seeds.to(DEVICE), step.to(DEVICE),
+                                         block=block)
+
+
+@FEW
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 70), data=st.data())
+def test_greedy_sampling_is_first_argmax(rows, vocab, data):
+    """Integer logits make ties common: greedy rows must take the first maximum."""
+    values = st.lists(st.integers(-3, 3), min_size=rows * vocab, max_size=rows * vocab)
+    logits = torch.tensor(data.draw(values), dtype=torch.float32).view(rows, vocab)
+    got = gumbel(logits, torch.ones(rows), torch.ones(rows, dtype=torch.int64),
+                 torch.arange(rows))
+    assert got.cpu().tolist() == logits.argmax(-1).tolist()
+
+
+def test_sampling_follows_the_softmax_and_its_seeds():
+    rows, probs = 256, torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(rows, 4).contiguous()
+    ones, sampled = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
+    seeds = torch.randint(2**62, (rows,), generator=torch.Generator().manual_seed(0))
+    tokens = gumbel(logits, ones, sampled, seeds, block=4).cpu()
+    freq = torch.bincount(tokens, minlength=4) / rows
+    torch.testing.assert_close(freq, probs, atol=0.1, rtol=0)     # 3.4 sd; fixed seeds: no flakes
+    few = slice(0, 16)
+    again = gumbel(logits[few], ones[few], sampled[few], seeds[few], block=4).cpu()
+    assert torch.equal(tokens[few], again)
+    other = gumbel(logits[few], ones[few], sampled[few], seeds[few] + 1, block=4).cpu()
+    assert not torch.equal(tokens[few], other)
+    step = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    gumbel(logits[few], ones[few], sampled[few], seeds[few], block=4, step=step)
+    assert step.item() == 1                                       # the counter advanced
+    shifted = gumbel(logits[few], ones[few], sampled[few], seeds[few], block=4, step=step)
+    assert torch.equal(shifted.cpu(), other)                      # seed + step keys the noise
+    cold = gumbel(logits[few], torch.full((16,), 1e-6), sampled[few], seeds[few], block=4)
+    assert (cold.cpu() == 3).all()                                # temperature -> 0 is argmax
+
+
+def test_sampling_rejects_mismatched_settings():
+    with pytest.raises(ValueError, match=r"top_k must be \[2\]"):
+        triton_sampling.gumbel_argmax(torch.zeros(2, 5), torch.ones(2),
+                                      torch.ones(3, dtype=torch.int64), torch.zeros(2),
+                                      torch.zeros(1, dtype=torch.int64))
 
 
 # --- GPU, bf16, real shapes -------------------------------------------------------------
@@ -307,3 +394,34 @@ def test_gpu_gemv_cuda_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=3e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_gated_gemv_is_exact(m):
+    gate_up = torch.randn(m, 2 * 4864, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) / 70
+    unfused = triton_gemv.linear(triton_fused.silu_and_mul(gate_up), w)
+    assert torch.equal(triton_gemv.linear(gate_up, w, gated=True), unfused)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_sampling_in_a_graph():
+    """Greedy rows are argmax at the real vocabulary; each replay draws new noise."""
+    rows, vocab = 32, 151936
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    top_k = torch.tensor([1, 0] * (rows // 2), device="cuda")
+    temperature = torch.ones(rows, device="cuda")
+    seeds, step = torch.arange(rows, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
+    out = torch.zeros(rows, 2, dtype=torch.int64, device="cuda")
+    triton_sampling.gumbel_argmax(logits, temperature, top_k, seeds, step, out=out[:, 0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_sampling.gumbel_argmax(logits, temperature, top_k, seeds, step, out=out[:, 0])
+    graph.replay()
+    first = out[:, 0].clone()
+    assert torch.equal(first[::2], logits[::2].float().argmax(-1))
+    graph.replay()
+    assert torch.equal(out[::2, 0], first[::2]) and not torch.equal(out[1::2, 0], first[1::2])

@@ -31,7 +31,7 @@ def run(prompts, params, **kw):
 def test_overlap_matches_hf_and_sync(kw):
     params = [ts.SamplingParams(temperature=0.0, max_tokens=n) for n in (12, 3, 16, 7, 1, 16, 9)]
     on, reasons_on, chained = run(PROMPTS, params, overlap=True, **kw)
-    off, reasons_off, _ = run(PROMPTS, params, **kw)
+    off, reasons_off, _ = run(PROMPTS, params, overlap=False, **kw)
     assert on == off and reasons_on == reasons_off
     for prompt, tokens, p in zip(PROMPTS, on, params):
         assert list(tokens) == list(reference("llama", [prompt], p.max_tokens)[0])
@@ -43,7 +43,7 @@ def test_a_stop_token_found_a_step_late_is_dropped():
     stop = ref[1][5]  # occurs in prompt 1's continuation, so that request stops mid-chain
     params = ts.SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop,))
     on, reasons, chained = run(PROMPTS[:3], params, overlap=True)
-    off, reasons_off, _ = run(PROMPTS[:3], params)
+    off, reasons_off, _ = run(PROMPTS[:3], params, overlap=False)
     assert on == off and reasons == reasons_off
     assert on[1][-1] == stop and reasons[1] == "stop" and any(chained)
 

@@ -6,7 +6,9 @@ writes through the null page (page 0), so nothing a padding row does can touch a
 request's pages.
 """
 
-from collections.abc import Sequence
+import struct
+from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import attrs
 import torch
@@ -36,19 +38,51 @@ class ExtendChunk:
 def write_locations(block_tables: torch.Tensor, row_request: torch.Tensor,
                     positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """``slot = table[req, pos // P] * P + pos % P``: the one owner of the slot formula."""
-    pages = block_tables[row_request, positions // page_size].long()
-    return pages * page_size + positions % page_size
+    pages = block_tables[row_request, positions // page_size]
+    return (positions % page_size).add_(pages, alpha=page_size)
 
 
 def block_table(pages: Sequence[Sequence[int]], num_rows: int, max_pages: int,
                 device) -> torch.Tensor:
-    """Rows of page ids; table tails and rows past ``len(pages)`` are the null page."""
+    """Rows of page ids; table tails and rows past ``len(pages)`` are the null page.
+
+    It runs on every decode step, so every row's pages go over in one conversion and one
+    masked write (row-major, as the mask enumerates them), not a tensor per row.
+    """
+    lengths = [len(p) for p in pages]
+    width = max(lengths, default=0)
+    if width > max_pages:
+        raise ValueError(f"request holds {width} pages, table width is {max_pages}")
+    if len(lengths) > num_rows:
+        raise ValueError(f"{len(lengths)} rows do not fit in a table of {num_rows}")
     table = torch.full((num_rows, max_pages), NULL_PAGE, dtype=torch.int32)
-    for row, request_pages in enumerate(pages):
-        if len(request_pages) > max_pages:
-            raise ValueError(f"request holds {len(request_pages)} pages, table width is {max_pages}")
-        table[row, :len(request_pages)] = torch.tensor(request_pages, dtype=torch.int32)
+    if width:
+        live = torch.arange(width) < _int32(lengths, len(lengths))[:, None]
+        table[:len(lengths), :width].masked_scatter_(live, _int32(chain.from_iterable(pages), sum(lengths)))
     return table.to(device)
+
+
+def _int32(values: Iterable[int], count: int) -> torch.Tensor:
+    """``struct`` packs Python ints several times faster than ``torch.tensor`` converts them."""
+    buffer = bytearray(4 * count)
+    struct.pack_into(f"{count}i", buffer, 0, *values)
+    return torch.frombuffer(buffer, dtype=torch.int32)
+
+
+def _padded_columns(columns: Sequence[Sequence[int]], length: int, device) -> tuple[torch.Tensor, ...]:
+    """Int64 columns, each zero-padded to ``length``, from one conversion (views of one
+    tensor): a decode step's per-row vectors cost one build, not one each."""
+    flat = []
+    for values in columns:
+        if len(values) > length:
+            raise ValueError(f"{len(values)} rows do not fit in a batch of {length}")
+        flat.extend(values)
+        flat.extend([0] * (length - len(values)))
+    if not flat:  # frombuffer refuses an empty buffer
+        return torch.zeros((len(columns), 0), dtype=torch.int64, device=device).unbind()
+    buffer = bytearray(8 * len(flat))
+    struct.pack_into(f"{len(flat)}q", buffer, 0, *flat)
+    return torch.frombuffer(buffer, dtype=torch.int64).view(len(columns), length).to(device).unbind()
 
 
 def _padded(values: Sequence[int], length: int, fill: int, device) -> torch.Tensor:
@@ -63,12 +97,13 @@ def refresh_decode(rows: Sequence[DecodeRow], num_rows: int, max_pages: int, pag
     """Decode metadata for ``rows`` padded to ``num_rows``; no rows is the idle refresh
     used for capture (placeholder tables of null pages)."""
     tables = block_table([r.pages for r in rows], num_rows, max_pages, device)
-    positions = _padded([r.position for r in rows], num_rows, 0, device)
-    row_request = torch.arange(num_rows, device=device)
+    every_row = range(num_rows)
+    input_ids, positions, row_request, sample_rows = _padded_columns(
+        ([r.token for r in rows], [r.position for r in rows], every_row, every_row), num_rows, device)
     return DecodeMetadata(
-        input_ids=_padded([r.token for r in rows], num_rows, 0, device), positions=positions,
+        input_ids=input_ids, positions=positions,
         slot_mapping=write_locations(tables, row_request, positions, page_size),
-        block_tables=tables, row_request=row_request, sample_rows=row_request.clone(),
+        block_tables=tables, row_request=row_request, sample_rows=sample_rows,
         num_live_rows=len(rows))
 
 

@@ -56,4 +56,30 @@ def _linear_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("tokenspeed::gated_linear", mutates_args=())
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(silu(gate) * up)``: the MLP activation read inside the down projection."""
+    return dispatch.gated_linear(gate_up, weight, bias)
+
+
+@gated_linear.register_fake
+def _gated_linear_fake(gate_up, weight, bias):
+    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("tokenspeed::norm_linear", mutates_args=())
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """``[linear(rms_norm(x + residual)), x + residual]`` (``[linear(rms_norm(x))]`` without
+    a residual): a norm read inside the projection it feeds."""
+    return dispatch.norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+@norm_linear.register_fake
+def _norm_linear_fake(x, residual, norm_weight, eps, weight, bias):
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return [out] if residual is None else [out, torch.empty_like(x)]
+
+
 CACHE_WRITERS = (torch.ops.tokenspeed.write_kv.default, torch.ops.tokenspeed.rope_write_kv.default)

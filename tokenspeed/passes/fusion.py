@@ -6,6 +6,10 @@
   ``tokenspeed::rope_write_kv`` reading a cos/sin table.
 - ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
   by row count (split-K GEMV for a few rows on CUDA).
+- ``fuse_gated_linear``: ``linear(silu_and_mul(gate_up))`` becomes
+  ``tokenspeed::gated_linear``, whose GEMV computes the activation as it reads its input.
+- ``fuse_norm_linear``: a norm (with its residual add) whose only reader is a linear
+  becomes ``tokenspeed::norm_linear``, whose GEMV normalises its input as it reads it.
 """
 
 import operator
@@ -118,6 +122,77 @@ def select_linear(program: Program, **_) -> Program:
         rename(new, name)
     gm.recompile()
     return program.evolve(graph_module=gm)
+
+
+@program_pass("fuse_gated_linear")
+def fuse_gated_linear(program: Program, **_) -> Program:
+    gm = copy_graph(program.graph_module)
+    for node in list(gm.graph.nodes):
+        act = node.args[0] if node.target == ops.linear.default else None
+        if not (isinstance(act, fx.Node) and act.target == ops.silu_and_mul.default
+                and len(act.users) == 1):
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(ops.gated_linear.default, (act.args[0], *node.args[1:]))
+        node.replace_all_uses_with(fused)
+        name = node.name
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(act)
+        rename(fused, name)
+        _same_stage(node, fused)
+    gm.recompile()
+    return program.evolve(graph_module=gm)
+
+
+@program_pass("fuse_norm_linear")
+def fuse_norm_linear(program: Program, **_) -> Program:
+    gm = copy_graph(program.graph_module)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        norm = _feeding_norm(node, order)
+        if norm is None:
+            continue
+        x, residual, weight, eps = norm.args if norm.target == ops.add_rms_norm.default \
+            else (norm.args[0], None, *norm.args[1:])
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(ops.norm_linear.default,
+                                           (x, residual, weight, eps, *node.args[1:]))
+            out = gm.graph.call_function(operator.getitem, (fused, 0))
+        node.replace_all_uses_with(out)
+        for old in [node, *_outputs(norm)]:
+            if old.target is operator.getitem and old.args[1] == 1:
+                with gm.graph.inserting_after(out):
+                    total = gm.graph.call_function(operator.getitem, (fused, 1))
+                old.replace_all_uses_with(total)
+                rename(total, old.name)
+            gm.graph.erase_node(old)
+        gm.graph.erase_node(norm)
+        rename(fused, f"{node.name}_normed")
+        rename(out, node.name)
+    gm.recompile()
+    return program.evolve(graph_module=gm)
+
+
+def _feeding_norm(linear: fx.Node, order) -> fx.Node | None:
+    """The ``rms_norm``/``add_rms_norm`` whose normed value only ``linear`` reads, if its
+    sum (when it has one) is read only after ``linear``, where the fused op produces it."""
+    if linear.target != ops.linear.default or not isinstance(linear.args[0], fx.Node):
+        return None
+    normed = linear.args[0]
+    if len(normed.users) != 1:
+        return None
+    if normed.target == ops.rms_norm.default:
+        return normed
+    fused = normed.args[0] if normed.target is operator.getitem and normed.args[1] == 0 else None
+    if fused is None or fused.target != ops.add_rms_norm.default:
+        return None
+    readers = [u for out in _outputs(fused) for u in out.users if out is not normed]
+    return fused if all(order[r] > order[linear] for r in readers) else None
+
+
+def _outputs(node: fx.Node) -> list[fx.Node]:
+    """The getitem nodes that unpack a multi-output op."""
+    return [u for u in node.users if u.target is operator.getitem]
 
 
 def _same_stage(original: fx.Node, *replacements: fx.Node) -> None:

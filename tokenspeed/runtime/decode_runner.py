@@ -12,7 +12,7 @@ one; a chained step takes its input tokens from the previous step's output on th
 import torch
 
 from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
+from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample, sample_in_step
 from tokenspeed.runtime.slots import MetadataSlots
 from tokenspeed.sampling_params import SamplingParams
 
@@ -26,13 +26,17 @@ class DecodeRunner:
         self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
         self.generator = generator
+        self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # rows' noise keys
         device = kv_cache.device
         self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
         self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs, device)
         self.out = torch.zeros(max_decode_bs, WINDOW + 1, dtype=torch.int64, device=kv_cache.device)
+        self.out[:, WINDOW] = WINDOW                      # accept lengths: no drafter yet
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)  # advances the noise
         pinned = kv_cache.is_cuda
         self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
         self._turn = 0
+        self._last_settings = ((), None, False)  # (key, settings, needs filter)
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
 
@@ -56,7 +60,7 @@ class DecodeRunner:
         """Every tensor the step for ``bs`` reads or writes through the slots."""
         named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
         named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
-        return {**named, "kv_cache": self.kv_cache, "out": self.out}
+        return {**named, "kv_cache": self.kv_cache, "out": self.out, "step": self.step}
 
     def run(self, rows, params) -> list[int]:
         """One sampled token per row."""
@@ -71,12 +75,13 @@ class DecodeRunner:
         view = self.slots.publish(self.refresh(rows, size))
         if chained:
             view.input_ids[:bs].copy_(self.out[:bs, 0])
-        sampling = self.sampling.publish(self._sampling(params, size))
+        settings, filtered = self._settings(params, size)
+        sampling = self.sampling.publish(settings)
         if rung is None:
             logits = self._step(view, sampling, self.out[:bs])
         else:
             logits = self.graphs[rung].replay()
-        if needs_filter(params):  # graphs sample unfiltered; filtered batches resample here
+        if filtered:  # graphs sample unfiltered; filtered batches resample here
             self.out[:bs, 0] = sample(logits, sampling, self._generator(), filtered=True)[:bs]
         self._turn ^= 1
         host = self.host_out[self._turn][:bs]
@@ -86,8 +91,7 @@ class DecodeRunner:
     def _step(self, view, sampling, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self.lowered(self.kv_cache, view)
-        out[:, :WINDOW] = sample(logits, sampling, self._generator(), filtered=False)[:, None]
-        out[:, WINDOW] = WINDOW
+        sample_in_step(logits, sampling, self.step, out[:, 0], self._generator())
         return logits
 
     def _generator(self):
@@ -96,7 +100,16 @@ class DecodeRunner:
 
     def _sampling(self, params, size: int) -> SamplingTensors:
         padded = list(params) + [PAD_PARAMS] * (size - len(params))
-        return SamplingTensors.build(padded, "cpu")
+        return SamplingTensors.build(padded, "cpu", torch.randint(2**62, (size,), generator=self.seeds))
+
+    def _settings(self, params, size: int) -> tuple[SamplingTensors, bool]:
+        """``params``' settings padded to ``size`` and whether they need the filter. A
+        batch's params rarely change between steps, so equal ones get back the same
+        settings object, which the slots republish for free."""
+        key = (size, *params)
+        if key != self._last_settings[0]:
+            self._last_settings = (key, self._sampling(params, size), needs_filter(params))
+        return self._last_settings[1:]
 
 
 

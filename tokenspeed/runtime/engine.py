@@ -40,7 +40,7 @@ class Engine:
             return self._collect(flight)
         batch = self.scheduler.schedule()
         if batch.kind == "decode" and batch.requests and self.overlap:
-            rows = [DecodeRow(r.tokens[-1], r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
+            rows = [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
             future = self.decode.launch(rows, [r.params for r in batch.requests])
             self.in_flight = InFlight(batch.requests, future)
             return []
@@ -55,12 +55,16 @@ class Engine:
 
     def _chain(self, flight: InFlight) -> InFlight | None:
         """Launch the same rows once more, if nothing else waits and pages allow."""
-        requests = flight.requests
-        if self.scheduler.waiting or len(self.scheduler.running) != len(requests) or \
-                not any(self._wants_another(r) for r in requests) or \
-                not all(self.scheduler.grow(r, r.num_tokens + 1) for r in requests):
+        requests, scheduler = flight.requests, self.scheduler
+        if scheduler.waiting or len(scheduler.running) != len(requests) or \
+                not any(self._wants_another(r) for r in requests):
             return None
-        rows = [DecodeRow(0, r.num_tokens, tuple(r.pages)) for r in requests]
+        rows = []
+        for request in requests:  # one pass over the rows: this is host time of every step
+            position = request.num_tokens
+            if not scheduler.grow(request, position + 1):
+                return None
+            rows.append(DecodeRow(0, position, tuple(request.pages)))
         return InFlight(requests, self.decode.launch(rows, [r.params for r in requests], chained=True))
 
     def _wants_another(self, request: Request) -> bool:
@@ -79,7 +83,7 @@ class Engine:
 
     def _forward(self, batch: ScheduledBatch, params) -> list[int]:
         if batch.kind == "decode":
-            rows = [DecodeRow(r.tokens[-1], r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
+            rows = [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
             return self.decode.run(rows, params)
         chunks = [ExtendChunk(r.tokens[r.num_cached:r.num_cached + n], r.num_cached, tuple(r.pages),
                               r.num_cached + n == r.num_tokens)
@@ -93,6 +97,7 @@ class Engine:
             request.finish_reason = "stop"
         elif len(request.output) >= p.max_tokens or request.num_tokens >= self.max_model_len:
             request.finish_reason = "length"
-        if request.finish_reason:
-            self.scheduler.finish(request)
-        return request.finish_reason is not None
+        else:
+            return False
+        self.scheduler.finish(request)
+        return True

@@ -20,6 +20,11 @@ class Request:
         return self.prompt + tuple(self.output)
 
     @property
+    def last_token(self) -> int:
+        """``tokens[-1]`` without building ``tokens`` (a decode row's input, every step)."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 

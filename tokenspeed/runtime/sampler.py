@@ -1,7 +1,9 @@
 """One sampling route for every row: temperature, top-k, top-p, then Gumbel-max.
 
 Greedy is ``top_k = 1``: only the largest logits survive the top-k mask and those rows
-get no noise, so the result is exactly ``argmax`` (first index on ties).
+get no noise, so the result is exactly ``argmax`` (first index on ties). Inside the
+captured decode step on CUDA, the unfiltered route is one Triton kernel pair whose noise
+is keyed by each row's seed plus a device step counter (``sample_in_step``).
 """
 
 import attrs
@@ -12,16 +14,21 @@ MIN_TEMPERATURE = 1e-5
 
 @attrs.frozen
 class SamplingTensors:
-    """Per-row settings, one tensor each: ``[rows]``."""
+    """Per-row settings, one tensor each: ``[rows]``; ``seed`` keys the row's noise in
+    ``sample_in_step``."""
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    seed: torch.Tensor
 
     @classmethod
-    def build(cls, params, device) -> "SamplingTensors":
+    def build(cls, params, device, seeds: torch.Tensor | None = None) -> "SamplingTensors":
+        """``seeds`` matter only to ``sample_in_step``; other routes draw from a generator."""
+        seeds = torch.zeros(len(params), dtype=torch.int64) if seeds is None else seeds
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   seeds.to(device, torch.int64))
 
 
 def needs_filter(params) -> bool:
@@ -42,6 +49,17 @@ def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator 
     uniform = torch.rand(scores.shape, generator=generator, device=scores.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_(1e-10, 1.0 - 1e-7)))
     return torch.argmax(scores + torch.where(greedy, 0.0, gumbel), dim=-1)
+
+
+def sample_in_step(logits: torch.Tensor, s: SamplingTensors, step: torch.Tensor,
+                   out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The captured step's sampler, unfiltered, writing into ``out``: on CUDA two Triton
+    launches instead of ten passes over the vocabulary, noise keyed by ``s.seed + step``
+    (``step`` advances on the device, so each replay draws anew); elsewhere ``sample``."""
+    if logits.is_cuda:
+        from tokenspeed.backends.kernels import triton_sampling
+        return triton_sampling.gumbel_argmax(logits, s.temperature, s.top_k, s.seed, step, out=out)
+    return out.copy_(sample(logits, s, generator, filtered=False))
 
 
 def _top_k_top_p(scores, top_k, top_p):

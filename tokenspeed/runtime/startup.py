@@ -52,4 +52,9 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
 
 
 def _reserved(device) -> int:
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    """Bytes the caching allocator holds, unused cached blocks released first (capture
+    releases them too, which would otherwise count against the graphs)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)

@@ -78,7 +78,8 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
     flat, _ = flat_slots(kv_cache)
     if q.is_cuda:
         from tokenspeed.backends.kernels import triton_fused
-        return triton_fused.rope_and_write_kv(q, k, v, cos_sin, positions, flat, layer, slot_mapping)
+        return triton_fused.rope_and_write_kv(q, k, v, cos_sin, positions, flat, layer,
+                                              slot_mapping)
     q_rot, k_rot = (reference.rotate(t, cos_sin, positions) for t in (q, k))
     reference.write_kv(k_rot, v, flat, layer, slot_mapping)
     return q_rot
@@ -89,3 +90,21 @@ def linear(x, weight, bias):
         from tokenspeed.backends.kernels import triton_gemv
         return triton_gemv.linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(gate_up, weight, bias):
+    if gate_up.is_cuda and gate_up.shape[0] <= GEMV_MAX_ROWS:
+        from tokenspeed.backends.kernels import triton_gemv
+        return triton_gemv.linear(gate_up, weight, bias, gated=True)
+    return linear(silu_and_mul(gate_up), weight, bias)
+
+
+def norm_linear(x, residual, norm_weight, eps, weight, bias):
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        from tokenspeed.backends.kernels import triton_gemv
+        out, total = triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        return [out] if total is None else [out, total]
+    if residual is None:
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias)]
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    return [linear(normed, weight, bias), total]

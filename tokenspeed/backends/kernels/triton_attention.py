@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed.backends.kernels import pdl
+
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128
@@ -74,7 +76,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
                    stride_slot, stride_kvh,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,7 +119,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
 @triton.jit
 def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -135,7 +143,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
                    stride_bt, stride_slot, stride_kvh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     first = tl.load(tile_first_ptr + tile).to(tl.int64)
@@ -239,6 +249,7 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
                         device=q.device) if num_splits > 1 else out
     mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,
                           device=q.device) if num_splits > 1 else out
+    launch = pdl.launch_options(q.device)
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -246,12 +257,13 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
         NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, PRECISION=precision,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **launch)
     if num_splits > 1:
         _combine_kernel[(rows, heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2)
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+            **launch)
     return out
 
 
@@ -300,5 +312,6 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-        num_warps=EXTEND_WARPS if plan.block_m >= 64 else 4, num_stages=EXTEND_STAGES)
+        num_warps=EXTEND_WARPS if plan.block_m >= 64 else 4, num_stages=EXTEND_STAGES,
+        **pdl.launch_options(q.device))
     return out

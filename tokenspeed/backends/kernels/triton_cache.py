@@ -14,12 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed.backends.kernels import pdl
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -62,12 +66,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
         k_cache.stride(1),
         NUM_HEADS=heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if heads * head_dim >= 1024 else 1)
+        num_warps=4 if heads * head_dim >= 1024 else 1, **pdl.launch_options(k.device))
 
 
 @triton.jit
 def _expand_kernel(table_ptr, out_ptr, width, stride_t, stride_o, FACTOR: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < width * FACTOR
@@ -93,5 +99,5 @@ def expand_block_table(block_tables: torch.Tensor, factor: int) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(width * factor))
     grid = (rows, triton.cdiv(width * factor, block))
     _expand_kernel[grid](block_tables, out, width, block_tables.stride(0), out.stride(0),
-                         FACTOR=factor, BLOCK=block)
+                         FACTOR=factor, BLOCK=block, **pdl.launch_options(out.device))
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import reference
+from tokenspeed.backends.kernels import pdl, reference
 
 
 def _num_warps(block: int) -> int:
@@ -25,7 +25,9 @@ def _num_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stride_r,
                      stride_o, stride_nr, hidden, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < hidden
@@ -64,7 +66,8 @@ def _norm(x, residual, weight, eps):
         _rms_norm_kernel[(x.shape[0],)](
             x, res, weight.contiguous(), out, new_res, x.stride(0), res.stride(0),
             out.stride(0), new_res.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+            **pdl.launch_options(x.device))
     return out.view(shape), new_res.view(shape)
 
 
@@ -90,7 +93,10 @@ def add_rms_norm_reference(x, residual, weight, eps):
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < inter
@@ -112,7 +118,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
-            num_warps=_num_warps(block))
+            num_warps=_num_warps(block), **pdl.launch_options(out.device))
     return out.view(*shape[:-1], inter)
 
 
@@ -139,7 +145,10 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, q_out_ptr
                     v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                     stride_vh, stride_cache, stride_ot, stride_oh, stride_slot, stride_ch,
                     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -195,7 +204,7 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
         cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
         k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
         BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl.launch_options(q.device))
     return q_out
 
 

@@ -12,55 +12,136 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed.backends.kernels import pdl
+
 MAX_M = 16
 DEFAULT_SMS = 132
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                 stride_os, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _hidden(x_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr):
+    """x (+ residual, the sum rounded to x's dtype as ``add_rms_norm`` rounds it), fp32."""
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _inv_rms(x_ptr, res_ptr, total_ptr, m, mmask, K, stride_xm, eps, write_rows,
+             HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-row 1/rms over the whole of K (every program reads the rows: they are short and
+    in L2); the first ``write_rows`` rows of the sum are written (by one program only)."""
+    kk = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        mask = mmask[:, None] & (k < K)[None, :]
+        offs = m[:, None] * stride_xm + k[None, :]
+        h = _hidden(x_ptr, res_ptr, offs, mask, HAS_RES)
+        if HAS_RES:
+            tl.store(total_ptr + offs, h.to(total_ptr.dtype.element_ty),
+                     mask=mask & (m < write_rows)[:, None])
+        squares += tl.sum(h * h, 1)
+    return 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
+def _input(x_ptr, res_ptr, nw_ptr, offs, k, mask, K, inv, GATED: tl.constexpr,
+           NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """An input tile ``[BLOCK_M, BLOCK_K]`` in x's dtype: x itself; GATED, silu(gate) * up
+    of a ``[M, 2K]`` gate_up row; NORM, rms_norm(x + residual) * norm weight given the
+    rows' ``inv`` rms. Each is rounded as the unfused kernel rounds it."""
+    ty = x_ptr.dtype.element_ty
+    if GATED:  # one return per function: Triton compiles what follows a return too
+        gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+        x = (act * up).to(ty)
+    elif NORM:
+        h = _hidden(x_ptr, res_ptr, offs, mask, HAS_RES)
+        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        x = (nw[None, :] * (h * inv[:, None]).to(ty).to(tl.float32)).to(ty)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _weight_tile(w_tile, k0, k_hi, kk, nmask, BLOCK_M: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` for the one-row path, ``[BLOCK_K, BLOCK_N]`` for ``tl.dot``."""
+    kmask = (k0 + kk) < k_hi
+    if BLOCK_M == 1:
+        w = tl.load(w_tile + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+    else:
+        w = tl.load(w_tile + k0, mask=nmask[None, :] & kmask[:, None], other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """One row: elementwise products (no tensor-core padding); several rows: ``tl.dot``."""
+    if BLOCK_M == 1:
+        acc = acc + w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
+                 k_per_split, stride_xm, stride_wn, stride_os, stride_om, eps,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                 HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """The first weight tile is requested before waiting on the previous kernel (PDL)."""
+    pdl.start(USE_PDL)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
     kk = tl.arange(0, BLOCK_K)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    out_base = out_ptr + split.to(tl.int64) * stride_os
     if BLOCK_M == 1:
+        w_tile = w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + kk
-            kmask = k < k_hi
-            x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        res = tl.sum(acc, 1)
-        if HAS_BIAS:
-            res += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(out_base + n, res.to(out_ptr.dtype.element_ty), mask=nmask)
     else:
-        m = tl.arange(0, BLOCK_M)
-        mmask = m < M
+        w_tile = w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + kk
-            kmask = k < k_hi
-            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + k[:, None],
-                        mask=nmask[None, :] & kmask[:, None], other=0.0)
-            acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_base + m[:, None] * stride_om + n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    w = _weight_tile(w_tile, k_lo, k_hi, kk, nmask, BLOCK_M)
+    pdl.wait(USE_PDL)
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        first = (tl.program_id(0) == 0) & (split == 0)
+        inv = _inv_rms(x_ptr, res_ptr, total_ptr, m, mmask, K, stride_xm, eps,
+                       tl.where(first, M, 0),
+                       HAS_RES, BLOCK_M, BLOCK_K)
+    k = k_lo + kk
+    x = _input(x_ptr, res_ptr, nw_ptr, m[:, None] * stride_xm + k[None, :], k,
+               mmask[:, None] & (k < k_hi)[None, :], K, inv, GATED, NORM, HAS_RES)
+    acc = _accumulate(acc, w, x, BLOCK_M, PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile, peeled, came early
+        k = k0 + kk
+        x = _input(x_ptr, res_ptr, nw_ptr, m[:, None] * stride_xm + k[None, :], k,
+                   mmask[:, None] & (k < k_hi)[None, :], K, inv, GATED, NORM, HAS_RES)
+        acc = _accumulate(acc, _weight_tile(w_tile, k0, k_hi, kk, nmask, BLOCK_M), x,
+                          BLOCK_M, PRECISION)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc, 1)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + split.to(tl.int64) * stride_os + m[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _reduce_kernel(part_ptr, bias_ptr, out_ptr, N, splits, stride_ps, stride_pm, stride_om,
-                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     m = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
@@ -79,39 +160,62 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_config(m: int, n: int, k: int, sm_count: int):
-    """(block_n, block_k, splits, num_warps, num_stages), tuned on an H200 (bf16).
+    """(block_n, block_k, splits, num_warps, num_stages), from ``benchmarks/tune_gemv.py``
+    on an H200 (bf16, chains of launches under PDL).
 
-    Split K only when K is long and the column blocks alone fill under three waves, since
-    the reduction is a second launch (~1-2 us)."""
+    One row: thin column blocks and long K tiles keep many loads in flight per program.
+    Several rows: ``tl.dot`` tiles of 32-64 columns. K is split only when the column
+    blocks alone leave SMs idle, since the reduction is a second launch."""
     if m == 1:
-        block_n, block_k, warps, stages = 8, 1024, 4, 3
-        if triton.cdiv(n, 8) > 16 * sm_count:
-            block_n, block_k, warps = 16, 128, 8
-        elif triton.cdiv(n, 8) > 3 * sm_count:
-            block_k, warps = 128, 8
+        block_n, block_k, warps, stages = 4, 1024, 4, 3
+        n_blocks = triton.cdiv(n, block_n)
+        splits = min(4, triton.cdiv(6 * sm_count, n_blocks)) \
+            if k >= 4096 and n_blocks < 2 * sm_count else 1
     else:
-        block_n, block_k, warps, stages = 32, 128, 4, 5
-        if triton.cdiv(n, block_n) > 16 * sm_count:
-            block_n, stages = 64, 4
-    n_blocks = triton.cdiv(n, block_n)
-    splits = 1
-    if k >= 4096 and n_blocks < 3 * sm_count:
-        splits = min(8 if m == 1 else 4, triton.cdiv(3 * sm_count, n_blocks),
-                     triton.cdiv(k, block_k))
-    return block_n, block_k, splits, warps, stages
+        block_n, block_k, warps = (64 if n >= 2048 else 32), 128, 4
+        n_blocks = triton.cdiv(n, block_n)
+        stages = 3 if n_blocks > 8 * sm_count else 5
+        splits = min(4, triton.cdiv(2 * sm_count, n_blocks), max(1, k // 512)) \
+            if n_blocks < sm_count else 1
+    return block_n, block_k, max(1, min(splits, triton.cdiv(k, block_k))), warps, stages
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None,
-           config=None) -> torch.Tensor:
+           config=None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) for M <= 16, fp32 accumulation, output x.dtype.
 
-    ``config`` overrides ``choose_config`` (for tuning); leave it None otherwise.
+    ``gated``: x is ``[M, 2K]`` (gate, up) and the input is silu(gate) * up, which saves
+    the MLP's activation kernel. ``config`` overrides ``choose_config`` (for tuning).
     """
+    k = weight.shape[1] if weight.dim() == 2 else -1
+    if x.dim() != 2 or k < 0 or x.shape[1] != (2 * k if gated else k):
+        need = "[M, 2K] (gate, up)" if gated else "[M, K]"
+        raise ValueError(f"x must be {need} and weight [N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    return _launch(x, weight, bias, config, gated=gated)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor = None, config=None):
+    """``linear(rms_norm(x + residual) * norm_weight)`` and ``x + residual``: the norm that
+    feeds a projection computed as its GEMV reads the input, saving the norm's kernel.
+    Returns (out, sum); the sum is None without a residual."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
+    if norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"norm weight must be [{x.shape[1]}]; got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    x = x.contiguous()
+    total = torch.empty_like(x) if residual is not None else None
+    norm = (residual.contiguous() if residual is not None else None, norm_weight.contiguous(),
+            total, eps)
+    return _launch(x, weight, bias, config, norm=norm), total
+
+
+def _launch(x, weight, bias, config, gated=False, norm=None):
+    m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     if m > MAX_M:
         raise ValueError(f"M {m} must be <= {MAX_M}; use torch.nn.functional.linear")
     if bias is not None and bias.shape != (n,):
@@ -120,6 +224,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None,
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
+        if norm is not None and norm[2] is not None:
+            norm[2].copy_(x + norm[0])
         return out
     block_n, block_k, splits, warps, stages = config or choose_config(
         m, n, k, _sm_count(x.device))
@@ -128,16 +234,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None,
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
     has_bias = bias is not None and splits == 1
+    residual, norm_weight, total, eps = norm or (None, None, None, 0.0)
+    launch = pdl.launch_options(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        x, weight, bias if has_bias else x, part, m, n, k, k_per_split, x.stride(0),
-        weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
-        HAS_BIAS=has_bias, BLOCK_M=1 if m == 1 else MAX_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+        x, x if residual is None else residual, x if norm is None else norm_weight,
+        x if total is None else total, weight, bias if has_bias else x, part, m, n, k,
+        k_per_split, x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0,
+        part.stride(-2), eps, HAS_BIAS=has_bias, GATED=gated, NORM=norm is not None,
+        HAS_RES=residual is not None, BLOCK_M=1 if m == 1 else MAX_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_kernel[(m, triton.cdiv(n, block))](
             part, bias if bias is not None else x, out, n, splits, part.stride(0),
             part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **launch)
     return out

@@ -1,0 +1,44 @@
+"""Programmatic dependent launch (PDL, Hopper and later): overlap a kernel's start with
+the end of the kernel before it.
+
+A decode step is a chain of a few hundred short kernels, and each boundary costs a launch
+plus a round trip to memory before the next kernel's first bytes arrive. Launched with PDL,
+kernel n+1 is scheduled as soon as every program of kernel n has started; its programs
+may read what no kernel writes (weights) and then ``wait`` for kernel n to finish and
+flush its writes. The chain is sound only if every program of every PDL kernel calls
+``wait`` before it reads an activation or writes anything: kernel n+1's wait covers
+kernel n alone, and n's completion implies n-1's only because n waited too.
+
+``TOKENSPEED_PDL=0`` turns it off (for measuring what it buys, or for debugging).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def enabled(device: torch.device) -> bool:
+    return (device.type == "cuda" and os.environ.get("TOKENSPEED_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch: the kernel's ``USE_PDL`` flag and, when on,
+    the launch attribute that lets it start early."""
+    return {"USE_PDL": True, "launch_pdl": True} if enabled(device) else {"USE_PDL": False}
+
+
+@triton.jit
+def start(USE_PDL: tl.constexpr):
+    """Let the next kernel be scheduled now; it still waits for this one to finish."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(USE_PDL: tl.constexpr):
+    """Block until the previous kernel has finished and its writes are visible."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
