@@ -37,6 +37,7 @@ class DecodeRunner:
         self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         self._last_settings = ((), None, False)  # (key, settings, needs filter)
+        self._views: dict[tuple[int, int], tuple] = {}
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
 
@@ -72,21 +73,30 @@ class DecodeRunner:
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
+        input_ids, out, tokens, hosts = self._row_views(bs, size)
         view = self.slots.publish(self.refresh(rows, size))
         if chained:
-            view.input_ids[:bs].copy_(self.out[:bs, 0])
+            input_ids.copy_(tokens)
         settings, filtered = self._settings(params, size)
         sampling = self.sampling.publish(settings)
         if rung is None:
-            logits = self._step(view, sampling, self.out[:bs])
+            logits = self._step(view, sampling, out)
         else:
             logits = self.graphs[rung].replay()
         if filtered:  # graphs sample unfiltered; filtered batches resample here
-            self.out[:bs, 0] = sample(logits, sampling, self._generator(), filtered=True)[:bs]
+            tokens.copy_(sample(logits, sampling, self._generator(), filtered=True)[:bs])
         self._turn ^= 1
-        host = self.host_out[self._turn][:bs]
-        host.copy_(self.out[:bs], non_blocking=True)
-        return DecodeFuture(host, _recorded_event(self.kv_cache.device))
+        hosts[self._turn].copy_(out, non_blocking=True)
+        return DecodeFuture(hosts[self._turn], _recorded_event(self.kv_cache.device))
+
+    def _row_views(self, bs: int, size: int) -> tuple:
+        """The first ``bs`` rows of the input ids (of the slots' views for ``size``), the
+        output, its tokens and both host copies: built once per pair, as each slice costs
+        about a microsecond of every step."""
+        if (bs, size) not in self._views:
+            self._views[bs, size] = (self.slots.view(size)["input_ids"][:bs], self.out[:bs],
+                                     self.out[:bs, 0], tuple(h[:bs] for h in self.host_out))
+        return self._views[bs, size]
 
     def _step(self, view, sampling, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
