@@ -115,11 +115,7 @@ def select_linear(program: Program, **_) -> Program:
         with gm.graph.inserting_before(node):
             weight = gm.graph.get_attr(f"{node.target}.weight")
             bias = gm.graph.get_attr(f"{node.target}.bias") if lin.bias is not None else None
-            new = gm.graph.call_function(ops.linear.default, (node.args[0], weight, bias))
-        node.replace_all_uses_with(new)
-        name = node.name
-        gm.graph.erase_node(node)
-        rename(new, name)
+        _substitute(gm, node, ops.linear.default, (node.args[0], weight, bias))
     gm.recompile()
     return program.evolve(graph_module=gm)
 
@@ -132,14 +128,8 @@ def fuse_gated_linear(program: Program, **_) -> Program:
         if not (isinstance(act, fx.Node) and act.target == ops.silu_and_mul.default
                 and len(act.users) == 1):
             continue
-        with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(ops.gated_linear.default, (act.args[0], *node.args[1:]))
-        node.replace_all_uses_with(fused)
-        name = node.name
-        gm.graph.erase_node(node)
+        _substitute(gm, node, ops.gated_linear.default, (act.args[0], *node.args[1:]))
         gm.graph.erase_node(act)
-        rename(fused, name)
-        _same_stage(node, fused)
     gm.recompile()
     return program.evolve(graph_module=gm)
 
@@ -157,18 +147,14 @@ def fuse_norm_linear(program: Program, **_) -> Program:
         with gm.graph.inserting_before(node):
             fused = gm.graph.call_function(ops.norm_linear.default,
                                            (x, residual, weight, eps, *node.args[1:]))
-            out = gm.graph.call_function(operator.getitem, (fused, 0))
-        node.replace_all_uses_with(out)
-        for old in [node, *_outputs(norm)]:
-            if old.target is operator.getitem and old.args[1] == 1:
-                with gm.graph.inserting_after(out):
-                    total = gm.graph.call_function(operator.getitem, (fused, 1))
-                old.replace_all_uses_with(total)
-                rename(total, old.name)
-            gm.graph.erase_node(old)
-        gm.graph.erase_node(norm)
         rename(fused, f"{node.name}_normed")
-        rename(out, node.name)
+        out = _substitute(gm, node, operator.getitem, (fused, 0))
+        for part in _outputs(norm):  # the normed value (now unread) and the sum, if any
+            if part.args[1] == 1:
+                _substitute(gm, part, operator.getitem, (fused, 1), after=out)
+            else:
+                gm.graph.erase_node(part)
+        gm.graph.erase_node(norm)
     gm.recompile()
     return program.evolve(graph_module=gm)
 
@@ -193,6 +179,19 @@ def _feeding_norm(linear: fx.Node, order) -> fx.Node | None:
 def _outputs(node: fx.Node) -> list[fx.Node]:
     """The getitem nodes that unpack a multi-output op."""
     return [u for u in node.users if u.target is operator.getitem]
+
+
+def _substitute(gm: fx.GraphModule, node: fx.Node, target, args,
+                after: fx.Node | None = None) -> fx.Node:
+    """A call of ``target`` on ``args`` takes ``node``'s place, readers, name and stage;
+    it goes before ``node``, or right after ``after`` where ``node`` comes too early."""
+    with gm.graph.inserting_before(node) if after is None else gm.graph.inserting_after(after):
+        new = gm.graph.call_function(target, args)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    rename(new, node.name)
+    _same_stage(node, new)
+    return new
 
 
 def _same_stage(original: fx.Node, *replacements: fx.Node) -> None:
