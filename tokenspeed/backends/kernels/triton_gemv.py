@@ -6,7 +6,13 @@ fp32, and reduces the split partials in a fixed order in a second pass (determin
 atomics). For M == 1 it accumulates products elementwise (no tensor-core padding); for
 M > 1 it pads M to 16 and uses ``tl.dot``. Nothing is read on the host and buffers are
 allocated per call, so it can be captured in a CUDA graph.
+
+The input may be computed as it is read, which saves the kernel that would produce it:
+silu(gate) * up (``gated``) or rms_norm(x + residual) * weight (``norm_linear``). Under
+PDL the first weight tile is requested before the kernel waits for its predecessor.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,6 +22,14 @@ from tokenspeed.backends.kernels import pdl
 
 MAX_M = 16
 DEFAULT_SMS = 132
+
+
+class InputNorm(NamedTuple):
+    """The RMSNorm ``norm_linear`` applies to its input, and where the sum goes."""
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    total: torch.Tensor | None
+    eps: float
 
 
 @triton.jit
@@ -209,12 +223,12 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     x = x.contiguous()
     total = torch.empty_like(x) if residual is not None else None
-    norm = (residual.contiguous() if residual is not None else None, norm_weight.contiguous(),
-            total, eps)
+    norm = InputNorm(residual.contiguous() if residual is not None else None,
+                     norm_weight.contiguous(), total, eps)
     return _launch(x, weight, bias, config, norm=norm), total
 
 
-def _launch(x, weight, bias, config, gated=False, norm=None):
+def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None = None):
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     if m > MAX_M:
         raise ValueError(f"M {m} must be <= {MAX_M}; use torch.nn.functional.linear")
@@ -224,8 +238,8 @@ def _launch(x, weight, bias, config, gated=False, norm=None):
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        if norm is not None and norm[2] is not None:
-            norm[2].copy_(x + norm[0])
+        if norm is not None and norm.total is not None:
+            norm.total.copy_(x + norm.residual)
         return out
     block_n, block_k, splits, warps, stages = config or choose_config(
         m, n, k, _sm_count(x.device))
@@ -234,14 +248,14 @@ def _launch(x, weight, bias, config, gated=False, norm=None):
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
     has_bias = bias is not None and splits == 1
-    residual, norm_weight, total, eps = norm or (None, None, None, 0.0)
+    has_norm, norm = norm is not None, norm or InputNorm(None, x, None, 0.0)  # unread if off
     launch = pdl.launch_options(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        x, x if residual is None else residual, x if norm is None else norm_weight,
-        x if total is None else total, weight, bias if has_bias else x, part, m, n, k,
-        k_per_split, x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0,
-        part.stride(-2), eps, HAS_BIAS=has_bias, GATED=gated, NORM=norm is not None,
-        HAS_RES=residual is not None, BLOCK_M=1 if m == 1 else MAX_M, BLOCK_N=block_n,
+        x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
+        bias if has_bias else x, part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        part.stride(0) if splits > 1 else 0, part.stride(-2), norm.eps, HAS_BIAS=has_bias,
+        GATED=gated, NORM=has_norm,
+        HAS_RES=norm.residual is not None, BLOCK_M=1 if m == 1 else MAX_M, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
@@ -251,3 +265,8 @@ def _launch(x, weight, bias, config, gated=False, norm=None):
             part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
             num_warps=4, **launch)
     return out
+
+
+def _or(tensor, placeholder):
+    """A pointer argument the kernel does not read when ``tensor`` is None."""
+    return placeholder if tensor is None else tensor
