@@ -11,6 +11,7 @@ import tokenspeed as ts
 from benchmarks import common
 from benchmarks.decode import PROMPT, our_tpot
 from tokenspeed.backends.metadata import DecodeRow
+from tokenspeed.runtime.ladders import bucket_for
 
 
 def top_kernels(fn, n: int = 12) -> str:
@@ -37,9 +38,9 @@ def main() -> None:
     greedy = ts.SamplingParams(temperature=0.0)
     with torch.inference_mode():
         for batch in args.batches:
-            rung = llm.decode.padded_size(batch) if hasattr(llm.decode, "padded_size") else batch
+            rung = bucket_for(llm.decode.ladder, batch)
             llm.decode.run(decode_rows(llm, batch), [greedy] * batch)
-            graph = llm.decode.graphs[batch]
+            graph = llm.decode.graphs[rung]
             replay = common.gpu_time(graph.replay, iters=50)
             step = common.gpu_time(lambda: llm.decode.run(decode_rows(llm, batch), [greedy] * batch), iters=50)
             tpot = our_tpot(llm, batch, 32)

@@ -28,8 +28,8 @@ class LLM:
         """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
         min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``:
         rows per request the prefill decoder view keeps (W); ``enforce_eager``: no graphs;
-        ``overlap``: prepare decode step n+1 while step n runs (measured on an H200: the
-        host work of a step is hidden; ``overlap=False`` reads every step's tokens first)."""
+        ``overlap``: prepare decode step n+1 while step n runs, so the host's work for a
+        step hides behind the GPU (``overlap=False`` reads every step's tokens first)."""
         _positive(page_size=page_size, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, view_width=view_width)
         self.model = _as_model(model, dtype, device)

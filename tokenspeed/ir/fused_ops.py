@@ -81,5 +81,3 @@ def _norm_linear_fake(x, residual, norm_weight, eps, weight, bias):
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     return [out] if residual is None else [out, torch.empty_like(x)]
 
-
-CACHE_WRITERS = (torch.ops.tokenspeed.write_kv.default, torch.ops.tokenspeed.rope_write_kv.default)

@@ -22,7 +22,7 @@ PAD_PARAMS = SamplingParams(temperature=0.0)
 
 class DecodeRunner:
     def __init__(self, lowered, kv_cache, backend, max_decode_bs: int, max_pages: int,
-                 page_size: int, generator: torch.Generator | None):
+                 page_size: int, generator: torch.Generator):
         self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
         self.generator = generator
@@ -84,7 +84,7 @@ class DecodeRunner:
         else:
             logits = self.graphs[rung].replay()
         if filtered:  # graphs sample unfiltered; filtered batches resample here
-            tokens.copy_(sample(logits, sampling, self._generator(), filtered=True)[:bs])
+            tokens.copy_(sample(logits, sampling, self.generator, filtered=True)[:bs])
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
         return DecodeFuture(hosts[self._turn], _recorded_event(self.kv_cache.device))
@@ -101,12 +101,8 @@ class DecodeRunner:
     def _step(self, view, sampling, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self.lowered(self.kv_cache, view)
-        sample_in_step(logits, sampling, self.step, out[:, 0], self._generator())
+        sample_in_step(logits, sampling, self.step, out[:, 0], self.generator)
         return logits
-
-    def _generator(self):
-        """Inside CUDA graphs sampling draws from the default CUDA generator (graph-safe)."""
-        return None if self.kv_cache.is_cuda else self.generator
 
     def _sampling(self, params, size: int) -> SamplingTensors:
         padded = list(params) + [PAD_PARAMS] * (size - len(params))

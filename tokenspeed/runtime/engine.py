@@ -21,7 +21,7 @@ class InFlight:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, prefill, decode, eos_token_ids, max_model_len: int,
-                 overlap: bool = False):
+                 overlap: bool = True):
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
@@ -40,8 +40,8 @@ class Engine:
             return self._collect(flight)
         batch = self.scheduler.schedule()
         if batch.kind == "decode" and batch.requests and self.overlap:
-            rows = [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
-            future = self.decode.launch(rows, [r.params for r in batch.requests])
+            future = self.decode.launch(_decode_rows(batch.requests),
+                                        [r.params for r in batch.requests])
             self.in_flight = InFlight(batch.requests, future)
             return []
         if not batch.requests:  # validation guarantees a lone request fits: never spin
@@ -83,8 +83,7 @@ class Engine:
 
     def _forward(self, batch: ScheduledBatch, params) -> list[int]:
         if batch.kind == "decode":
-            rows = [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages)) for r in batch.requests]
-            return self.decode.run(rows, params)
+            return self.decode.run(_decode_rows(batch.requests), params)
         chunks = [ExtendChunk(r.tokens[r.num_cached:r.num_cached + n], r.num_cached, tuple(r.pages),
                               r.num_cached + n == r.num_tokens)
                   for r, n in zip(batch.requests, batch.chunk_lens)]
@@ -101,3 +100,8 @@ class Engine:
             return False
         self.scheduler.finish(request)
         return True
+
+
+def _decode_rows(requests) -> list[DecodeRow]:
+    """Each request's next decode row: its last token at the position after its cache."""
+    return [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages)) for r in requests]

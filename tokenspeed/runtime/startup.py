@@ -26,8 +26,6 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
                   view_width, seed):
     device = llm.kv_cache.device
     generator = torch.Generator(device=device).manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(seed)  # sampling inside decode graphs draws from the default generator
     ladder = decode_ladder(max_num_seqs, capture_sizes) if llm.support.decode_graph else ()
     tokens = default_buckets(max_num_batched_tokens, token_buckets)
     rows = row_buckets(view_width * max_num_seqs)

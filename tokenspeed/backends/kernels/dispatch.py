@@ -1,7 +1,8 @@
 """Chooses the kernel for a tensor's device: Triton on CUDA, the torch reference elsewhere.
 
-The choice is made per call from the device alone, so eager runs and captured graphs
-take the same kernels. Kernels see the cache as flat slots ``[layer, 0 | 1, slot, ...]``.
+The choice is made per call from the device and, for projections, the row count (a
+GEMV up to ``GEMV_MAX_ROWS``), never from tensor values, so eager runs and captured
+graphs of the same shapes take the same kernels. Kernels see the cache as flat slots ``[layer, 0 | 1, slot, ...]``.
 """
 
 import torch
@@ -38,15 +39,8 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     flat, page_size = flat_slots(kv_cache)
     if q.is_cuda:
         from tokenspeed.backends.kernels import triton_attention
-        # the split count depends on the batch only through its next power of two, which a
-        # batch and the ladder rung it pads to share (powers of two are rungs), so replay and
-        # eager reduce every row in the same order
-        rows = 1 << max(q.shape[0] - 1, 0).bit_length()
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = triton_attention.choose_num_splits(rows, flat.shape[3],
-                                                    block_tables.shape[1] * page_size, sms)
         return triton_attention.decode_attention(q, flat, layer, block_tables, row_request,
-                                                 positions, scale, page_size, num_splits=splits)
+                                                 positions, scale, page_size)
     return reference.paged_attention(q, flat, layer, block_tables, row_request, positions,
                                      scale, page_size)
 

@@ -230,7 +230,10 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
 
     ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
     ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
-    width * page_size. Neither reads tensor values, so the launch is capturable.
+    width * page_size, and from the row count rounded up to a power of two: a batch and the
+    ladder rung it pads to then split alike whenever powers of two are rungs (the default
+    ladder), so replay and eager reduce every row in the same order. Nothing reads tensor
+    values, so the launch is capturable.
     """
     _check(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
@@ -241,7 +244,8 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     q, k_cache, v_cache, block_d, precision = _common(q, kv_cache, layer)
     if num_splits is None:
         context = max_context if max_context is not None else block_tables.shape[1] * page_size
-        num_splits = choose_num_splits(rows, kv_heads, context, _sm_count(q.device))
+        pow2_rows = 1 << max(rows - 1, 0).bit_length()
+        num_splits = choose_num_splits(pow2_rows, kv_heads, context, _sm_count(q.device))
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits {num_splits} must be in 1..1024")
     group = heads // kv_heads
@@ -312,6 +316,6 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-        num_warps=EXTEND_WARPS if plan.block_m >= 64 else 4, num_stages=EXTEND_STAGES,
+        num_warps=EXTEND_WARPS, num_stages=EXTEND_STAGES,
         **pdl.launch_options(q.device))
     return out
