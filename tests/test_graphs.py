@@ -157,6 +157,16 @@ def test_prefill_graphs_cover_every_bucket_and_row_rung(model):
             assert {(seg.name, size) for size in ladder} <= keys
 
 
+def test_row_bucket_graphs_are_captured_after_every_token_bucket_graph(model):
+    """Graphs share one pool, where a later capture may keep outputs in an earlier one's
+    temporaries: a walk replays token graphs then row graphs, so that must be the order."""
+    llm = make_llm(model)
+    rows = {seg.name: seg.rows for seg in llm.lowered["prefill"].segments}
+    order = [rows[name] for name, _ in llm.prefill.graphs]      # dicts keep capture order
+    assert set(order) == {"tokens", "view"}
+    assert order == sorted(order, key=["tokens", "view"].index)
+
+
 def test_padded_rows_are_scrubbed_after_each_break(model):
     llm = make_llm(model)
     chunks = [ExtendChunk(tuple(range(10, 21)), 0, (1, 2, 3), True)]  # 11 tokens -> bucket 16

@@ -40,14 +40,25 @@ class PrefillGraph:
                                         view_width=self.view_width, num_view_rows=num_view_rows)
 
     def capture(self, capturer, progress=None) -> None:
-        """One sweep per rung, largest first, pairing token and row buckets."""
-        tokens = sorted(self.token_ladder, reverse=True)
-        views = sorted(self.view_ladder, reverse=True)
-        for i in range(max(len(tokens), len(views))):
-            t, v = tokens[min(i, len(tokens) - 1)], views[min(i, len(views) - 1)]
-            self._walk(self.slots.publish(self.plan([], t, v)), capturer)
+        """Every token bucket's graphs first, then every decoder-row bucket's, largest first.
+
+        All graphs share one pool, where a graph captured later may hold its outputs in
+        memory an earlier capture used for temporaries, so replaying the earlier graph
+        overwrites them. A walk replays one token bucket's graphs and then one row
+        bucket's; captured in that order, no graph a walk replays was captured before the
+        graphs whose outputs it still needs (a row graph never before a token graph), for
+        any pairing of the two buckets at run time."""
+        smallest_view, smallest_tokens = min(self.view_ladder), min(self.token_ladder)
+        sweeps = [("tokens", (t, smallest_view)) for t in sorted(self.token_ladder, reverse=True)]
+        sweeps += [("view", (smallest_tokens, v)) for v in sorted(self.view_ladder, reverse=True)]
+        for rows, (t, v) in sweeps:
+            self._walk(self.slots.publish(self.plan([], t, v)), capturer, capture_rows=rows)
             if progress is not None:
                 progress.update(1)
+
+    @property
+    def capture_sweeps(self) -> int:
+        return len(self.token_ladder) + len(self.view_ladder)
 
     def run(self, chunks, params) -> list[int]:
         """Sampled tokens of the completing chunks, in chunk order."""
@@ -60,14 +71,17 @@ class PrefillGraph:
         settings = SamplingTensors.build(params, logits.device)
         return sample(logits, settings, self.generator, needs_filter(params)).tolist()
 
-    def _walk(self, meta, capturer=None) -> torch.Tensor:
+    def _walk(self, meta, capturer=None, capture_rows: str | None = None) -> torch.Tensor:
+        """Run every segment; with a capturer, capture the missing graphs of segments padded
+        by ``capture_rows`` (others replay if captured, else run eagerly)."""
         env = {"kv_cache": self.kv_cache, **leaves(meta)}
         sizes = {"tokens": meta.input_ids.shape[0], "view": meta.view_rows.shape[0]}
         live = {"tokens": meta.num_live_rows, "view": meta.num_live_view_rows}
         stable = {id(env[n]) for n in ("kv_cache", *TOKEN_ROW_FIELDS)}
         for seg in self.lowered.segments:
             key = (seg.name, sizes.get(seg.rows))
-            if seg.kind == "graph" and (key in self.graphs or capturer is not None):
+            capturing = capturer is not None and seg.rows == capture_rows
+            if seg.kind == "graph" and (key in self.graphs or capturing):
                 self._graph_segment(seg, key, env, stable, capturer)
             else:
                 seg(env)

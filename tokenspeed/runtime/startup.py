@@ -36,7 +36,7 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
                            llm.page_size, view_width, generator, tokens, rows)
     capturer = GraphCapturer(device)
     start, memory = time.perf_counter(), _reserved(device)
-    sweeps = max(len(tokens), len(rows)) if llm.support.prefill_graph else 0
+    sweeps = prefill.capture_sweeps if llm.support.prefill_graph else 0
     with torch.inference_mode(), tqdm(total=len(ladder) + sweeps, desc="capturing graphs",
                                       disable=None, leave=False) as bar:
         if ladder:
