@@ -43,7 +43,7 @@ def test_decode_graph_replay_equals_eager(dtype):
 
 
 def _prefilled(engine, bs):
-    rows, per = [], 4
+    rows, per = [], 6  # pages of 16 for the longest prompt (83 tokens) and 4 decode steps
     for i, p in enumerate(prompts(bs)):
         pages = tuple(range(1 + i * per, 1 + (i + 1) * per))
         [token] = engine.prefill.run([ExtendChunk(tuple(p), 0, pages, True)], [GREEDY])

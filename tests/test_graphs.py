@@ -98,6 +98,34 @@ def test_guard_names_a_moved_tensor(model):
         llm.decode.run(fill(llm, 2), [GREEDY] * 2)
 
 
+def test_a_second_engine_over_the_model_leaves_the_first_engines_graphs_valid():
+    """``ts.LLM`` moves the model to its device; that must not replace a buffer (the rotary
+    frequencies did), or the first engine's graphs read freed memory on the GPU."""
+    model = random_model(TINY_LLAMA, seed=3)
+    first = make_llm(model)
+    want = first.generate(prompts(3), GREEDY)
+    make_llm(model)
+    with torch.inference_mode():
+        assert [o.token_ids for o in first.generate(prompts(3), GREEDY)] == [o.token_ids for o in want]
+
+
+def test_guard_names_a_replaced_buffer_or_weight():
+    model = random_model(TINY_LLAMA, seed=3)
+    llm = make_llm(model)
+    rotary = model.model.layers[0].self_attn.rotary
+    rotary.inv_freq = rotary.inv_freq.clone()  # read by the prefill graphs
+    chunks = [ExtendChunk(tuple(range(10, 21)), 0, (1, 2, 3), True)]
+    with torch.inference_mode(), pytest.raises(MovedTensorError, match="inv_freq"):
+        llm.prefill.run(chunks, [GREEDY])
+    llm = make_llm(model)
+    with torch.inference_mode():
+        rows = fill(llm, 1)
+    embed = model.model.embed_tokens
+    embed.weight = torch.nn.Parameter(embed.weight.detach().clone())  # read by decode graphs
+    with torch.inference_mode(), pytest.raises(MovedTensorError, match="embed_tokens"):
+        llm.decode.run(rows, [GREEDY])
+
+
 def test_capture_after_startup_is_an_error(model):
     llm = make_llm(model)
     with pytest.raises(LateCaptureError, match="after startup"):

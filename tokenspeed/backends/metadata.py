@@ -119,6 +119,7 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     if num_table_rows <= len(chunks):
         raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
                          f"(one is the null row), got {num_table_rows}")
+    _check_pages(chunks, page_size)
     lengths = [len(c.tokens) for c in chunks]
     ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()
     view, view_samples = _decoder_view(chunks, ends, view_width)
@@ -136,6 +137,15 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
         num_live_rows=sum(lengths), view_rows=_padded(view, num_view_rows, num_rows - 1, device),
         view_sample_rows=torch.tensor(view_samples, dtype=torch.int64, device=device),
         num_live_view_rows=len(view))
+
+
+def _check_pages(chunks: Sequence[ExtendChunk], page_size: int) -> None:
+    """A position past a chunk's pages would resolve to the null page, shared with padding."""
+    for i, chunk in enumerate(chunks):
+        end = chunk.start + len(chunk.tokens)
+        if end > len(chunk.pages) * page_size:
+            raise ValueError(f"chunk {i}: positions up to {end - 1} need {-(-end // page_size)} "
+                             f"pages of {page_size} tokens, it holds {len(chunk.pages)}")
 
 
 def kept_rows(chunk: ExtendChunk, width: int) -> int:

@@ -33,9 +33,15 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(*self.rope), persistent=False)
 
     def _apply(self, fn, recurse=True):
-        """Frequencies stay float32 whatever dtype the model is cast to (as in HF)."""
+        """Frequencies stay float32 whatever dtype the model is cast to (as in HF).
+
+        A move that leaves them float32 on their device (``model.to(device)`` as ``ts.LLM``
+        does) must keep the very tensor: captured prefill graphs read it by address, and
+        replacing it would free memory that every graph of an earlier engine still reads."""
+        before = self.inv_freq
         super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(*self.rope).to(self.inv_freq.device)
+        if self.inv_freq is not before or self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rope_inv_freq(*self.rope).to(self.inv_freq.device)  # also after to_empty
         return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ one; a chained step takes its input tokens from the previous step's output on th
 
 import torch
 
+from tokenspeed.runtime.graphs import state_tensors
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample, sample_in_step
 from tokenspeed.runtime.slots import MetadataSlots
@@ -58,10 +59,12 @@ class DecodeRunner:
                 progress.update(1)
 
     def reach(self, bs: int) -> dict[str, torch.Tensor]:
-        """Every tensor the step for ``bs`` reads or writes through the slots."""
+        """Every tensor the step for ``bs`` reads or writes through the slots, and the
+        weights it reads."""
         named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
         named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
-        return {**named, "kv_cache": self.kv_cache, "out": self.out, "step": self.step}
+        state = state_tensors(*(s.graph_module for s in self.lowered.segments))
+        return {**named, **state, "kv_cache": self.kv_cache, "out": self.out, "step": self.step}
 
     def run(self, rows, params) -> list[int]:
         """One sampled token per row."""

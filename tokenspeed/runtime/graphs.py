@@ -2,7 +2,7 @@
 discipline on the CPU.
 
 Both record, at capture, the address, shape, stride and dtype of every tensor the graph
-reads (the pointer guard). The CPU stand-in re-checks them on every replay and re-runs the
+reads through its slots, and of the parameters and buffers it reads (the pointer guard). The CPU stand-in re-checks them on every replay and re-runs the
 recorded function into the captured output tensors; CUDA replays re-check when
 ``TOKENSPEED_GRAPH_DEBUG=1``. Captures happen at startup only: once the capturer is
 sealed, a capture is an error.
@@ -83,6 +83,18 @@ class CudaGraph:
     def replay(self):
         self.graph.replay()
         return self.outputs
+
+
+def state_tensors(*modules: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers a graph reads by address, named for the guard.
+
+    A module shared between engines must keep them in place: a replaced buffer leaves
+    every graph captured over it reading freed memory."""
+    named = {}
+    for module in modules:
+        named.update({f"state.{n}": t for n, t in module.named_parameters()})
+        named.update({f"state.{n}": t for n, t in module.named_buffers()})
+    return named
 
 
 def _copy_into(dst, src) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from tokenspeed.backends.descriptors import leaves
 from tokenspeed.backends.metadata import kept_rows
-from tokenspeed.runtime.graphs import MovedTensorError
+from tokenspeed.runtime.graphs import MovedTensorError, state_tensors
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
 from tokenspeed.runtime.slots import MetadataSlots, to_device
@@ -96,7 +96,8 @@ class PrefillGraph:
             pinned = tuple(n for n in seg.inputs if n in ("kv_cache", *TOKEN_ROW_FIELDS))
             graph = capturer.capture(f"prefill[{seg.name}, rows={key[1]}]",
                                      lambda: seg.graph_module(*[static[n] for n in seg.inputs]),
-                                     reach=lambda: {**static, **self._sources(pinned, key[1])})
+                                     reach=lambda: {**static, **self._sources(pinned, key[1]),
+                                                    **state_tensors(seg.graph_module)})
             self.graphs[key] = (graph, static, pinned)
             outputs = graph.outputs
         else:
