@@ -205,3 +205,8 @@ def test_an_extend_chunk_past_its_pages_is_refused():
     chunks = [ExtendChunk((1, 2), 0, (1,), True), ExtendChunk(tuple(range(9)), 4, (2, 3), True)]
     with pytest.raises(ValueError, match=r"chunk 1: positions up to 12 need 4 pages of 4 tokens, it holds 2"):
         plan_extend(chunks, num_rows=16, num_table_rows=3, max_pages=8, page_size=4)
+
+
+def test_negative_compile_workers_is_refused(path):
+    with raises("compile_workers=-1: must be >= 0"):
+        ts.LLM(path, compile_workers=-1)

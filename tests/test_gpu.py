@@ -1,5 +1,10 @@
 """The graph equalities with real CUDA graphs, and Hugging Face parity on the GPU."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -98,3 +103,30 @@ def test_guard_catches_a_moved_tensor_in_debug_mode(monkeypatch):
     view["slot_mapping"] = view["slot_mapping"].clone()
     with pytest.raises(MovedTensorError, match="meta.slot_mapping"):
         engine.generate(prompts(1), GREEDY)
+
+
+PRECOMPILE_CHECK = textwrap.dedent("""
+    import os, torch, tokenspeed as ts
+    from tokenspeed.models.random import TINY_LLAMA, random_model
+    from tokenspeed.runtime import startup
+    cache, seen = os.environ["TRITON_CACHE_DIR"], []
+    compile_in_workers = startup.precompile.compile_in_workers
+    def compile_and_look(variants, workers):
+        compile_in_workers(variants, workers)
+        seen.append(set(os.listdir(cache)))
+    startup.precompile.compile_in_workers = compile_and_look
+    llm = ts.LLM(random_model(TINY_LLAMA).to("cuda", torch.bfloat16), device="cuda",
+                 max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, compile_workers=3)
+    assert llm.startup.kernel_variants_precompiled > 0
+    new = set(os.listdir(cache)) - seen[0]
+    assert not new, f"compiled during capture: {sorted(new)}"
+""")
+
+
+def test_workers_compile_every_kernel_the_captures_launch(tmp_path):
+    """With an empty Triton cache, the captures after the parallel compile add nothing to
+    the cache: every variant they launch (and its launcher) was recorded and compiled."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", PRECOMPILE_CHECK], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

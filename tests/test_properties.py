@@ -93,3 +93,16 @@ def test_allocator_rejects_double_free():
     alloc.free(pages)
     with pytest.raises(ValueError, match="not allocated"):
         alloc.free(pages)
+
+
+@given(capacity=st.integers(1, 40), max_pages=st.integers(1, 64), data=st.data())
+def test_a_publish_copies_every_byte_the_views_of_its_batch_read(capacity, max_pages, data):
+    from tokenspeed.runtime.slots import MetadataSlots
+    slots = MetadataSlots(refresh_decode((), capacity, max_pages, 4), capacity, "cpu")
+    rows = data.draw(st.integers(1, capacity))
+    base, end = slots.device_bytes.data_ptr(), slots.used_bytes(rows)
+    for name, view in slots.view(rows).items():
+        last = view.data_ptr() - base + view.numel() * view.element_size()
+        assert last <= end, f"{name} ends at byte {last}, the copy at {end}"
+    if rows < capacity and max_pages > 2:  # the widest field (the table) is laid out last
+        assert end < slots.used_bytes(capacity)

@@ -1,5 +1,6 @@
 """``ts.LLM``: load, trace, lower and serve a model; ``generate`` over token-id prompts."""
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,14 +25,19 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
                  capture_sizes=None, enforce_eager: bool = False, num_kv_pages: int | None = None,
                  seed: int = 0, token_buckets=None, view_width: int = 1, backend=None,
-                 overlap: bool = True):
+                 overlap: bool = True, compile_workers: int | None = None):
         """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
         min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``:
         rows per request the prefill decoder view keeps (W); ``enforce_eager``: no graphs;
         ``overlap``: prepare decode step n+1 while step n runs, so the host's work for a
-        step hides behind the GPU (``overlap=False`` reads every step's tokens first)."""
+        step hides behind the GPU (``overlap=False`` reads every step's tokens first);
+        ``compile_workers``: processes that compile the Triton kernels before the captures
+        (default: one per CPU core, at most 16; 0 compiles each on first launch)."""
         _positive(page_size=page_size, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, view_width=view_width)
+        compile_workers = min(os.cpu_count() or 1, 16) if compile_workers is None else compile_workers
+        if compile_workers < 0:
+            raise ValueError(f"compile_workers={compile_workers}: must be >= 0")
         self.model = _as_model(model, dtype, device)
         self.config = config = self.model.config
         self.device = torch.device(device)
@@ -54,7 +60,8 @@ class LLM:
                                    max_num_batched_tokens)
         self.prefill, self.decode, self.startup = build_runners(
             self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            capture_sizes=capture_sizes, token_buckets=token_buckets, view_width=view_width, seed=seed)
+            capture_sizes=capture_sizes, token_buckets=token_buckets, view_width=view_width, seed=seed,
+            compile_workers=compile_workers)
         self.engine = Engine(self.scheduler, self.prefill, self.decode, config.eos_token_ids,
                              self.max_model_len, overlap)
         self._next_id = 0

@@ -50,13 +50,22 @@ class DecodeRunner:
         """Largest rung first, so smaller graphs reuse the shared pool's memory."""
         self.ladder = ladder
         for bs in sorted(ladder, reverse=True):
-            view = self.slots.publish(self.refresh((), bs))
-            sampling = self.sampling.publish(self._sampling([], bs))
+            view, sampling = self._idle(bs)
             self.graphs[bs] = capturer.capture(
                 f"decode[bs={bs}]", lambda v=view, s=sampling, o=self.out[:bs]: self._step(v, s, o),
                 reach=lambda bs=bs: self.reach(bs))
             if progress is not None:
                 progress.update(1)
+
+    def dry_run(self, ladder: tuple[int, ...]) -> None:
+        """Each rung's idle step, eagerly: under ``precompile.dry_run`` it records the kernel
+        variants the captures will launch."""
+        for bs in ladder:
+            self._step(*self._idle(bs), self.out[:bs])
+
+    def _idle(self, bs: int) -> tuple:
+        """Published idle metadata and sampling settings of rung ``bs``: no live rows."""
+        return self.slots.publish(self.refresh((), bs)), self.sampling.publish(self._sampling([], bs))
 
     def reach(self, bs: int) -> dict[str, torch.Tensor]:
         """Every tensor the step for ``bs`` reads or writes through the slots, and the

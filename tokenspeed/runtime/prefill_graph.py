@@ -48,13 +48,22 @@ class PrefillGraph:
         bucket's; captured in that order, no graph a walk replays was captured before the
         graphs whose outputs it still needs (a row graph never before a token graph), for
         any pairing of the two buckets at run time."""
-        smallest_view, smallest_tokens = min(self.view_ladder), min(self.token_ladder)
-        sweeps = [("tokens", (t, smallest_view)) for t in sorted(self.token_ladder, reverse=True)]
-        sweeps += [("view", (smallest_tokens, v)) for v in sorted(self.view_ladder, reverse=True)]
-        for rows, (t, v) in sweeps:
+        for rows, (t, v) in self._sweeps():
             self._walk(self.slots.publish(self.plan([], t, v)), capturer, capture_rows=rows)
             if progress is not None:
                 progress.update(1)
+
+    def dry_run(self) -> None:
+        """The capture sweeps, eagerly: under ``precompile.dry_run`` they record the kernel
+        variants the captures will launch."""
+        for _, (t, v) in self._sweeps():
+            self._walk(self.slots.publish(self.plan([], t, v)))
+
+    def _sweeps(self) -> list[tuple[str, tuple[int, int]]]:
+        """(ladder captured, (token bucket, row bucket)) of each capture walk, in order."""
+        smallest_view, smallest_tokens = min(self.view_ladder), min(self.token_ladder)
+        sweeps = [("tokens", (t, smallest_view)) for t in sorted(self.token_ladder, reverse=True)]
+        return sweeps + [("view", (smallest_tokens, v)) for v in sorted(self.view_ladder, reverse=True)]
 
     @property
     def capture_sweeps(self) -> int:

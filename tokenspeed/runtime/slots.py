@@ -3,7 +3,7 @@
 All slotted fields live in one device byte buffer, each a typed view sized for the largest
 batch; the views for a batch size are built once, cached, and never move. Publishing
 writes a descriptor (built on the host) into a pinned staging copy of that buffer and
-moves it with one host-to-device copy, so a graph captured over the views sees each
+moves the part the batch uses with one host-to-device copy, so a graph captured over the views sees each
 step's values at the same addresses. Two staging copies alternate, so the host can stage
 step n+1 while the copy for step n may still be queued behind the GPU.
 """
@@ -21,11 +21,12 @@ class MetadataSlots:
         """``template``: a host descriptor with ``capacity`` rows in each slotted field."""
         self.fields = fields or tensor_fields(type(template))
         self.capacity, self.device = capacity, torch.device(device)
-        specs = [(n, getattr(template, n)) for n in self.fields]
+        specs = sorted(((n, getattr(template, n)) for n in self.fields), key=lambda s: _row_bytes(s[1]))
         offsets, size = [], 0
         for _, t in specs:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        self._row_spans = [(o, _row_bytes(t)) for (_, t), o in zip(specs, offsets)]
         self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
         pinned = self.device.type == "cuda"
         self.host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)] \
@@ -63,11 +64,18 @@ class MetadataSlots:
         for name, staged in self._staging_view(self._turn, rows).items():
             staged.copy_(getattr(meta, name))
         if self.host_bytes[self._turn] is not self.device_bytes:
-            self.device_bytes.copy_(self.host_bytes[self._turn], non_blocking=True)
+            end = self.used_bytes(rows)
+            self.device_bytes[:end].copy_(self.host_bytes[self._turn][:end], non_blocking=True)
         others = {n: getattr(meta, n).to(self.device, non_blocking=True)
                   for n in self._unslotted(type(meta))}
         self._last = (meta, attrs.evolve(meta, **view, **others))
         return self._last[1]
+
+    def used_bytes(self, rows: int) -> int:
+        """Bytes from the buffer's start that hold the views for ``rows``: what a publish
+        copies. Fields are laid out by bytes per row, widest last, so a small batch does
+        not copy the block table's unused rows (32 KiB each at 131072 tokens of context)."""
+        return max(offset + rows * row for offset, row in self._row_spans)
 
     def _unslotted(self, cls) -> tuple[str, ...]:
         """``cls``'s tensor fields outside the slots, looked up once per descriptor class."""
@@ -80,6 +88,10 @@ class MetadataSlots:
         if (turn, rows) not in self._staging_views:
             self._staging_views[turn, rows] = {n: t[:rows] for n, t in self.staging[turn].items()}
         return self._staging_views[turn, rows]
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
 
 
 def to_device(meta, device):

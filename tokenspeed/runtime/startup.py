@@ -1,11 +1,13 @@
 """Startup: build the runners and capture every graph, once, with a progress bar."""
 
+import logging
 import time
 
 import attrs
 import torch
 from tqdm import tqdm
 
+from tokenspeed.backends.kernels import precompile
 from tokenspeed.runtime.decode_runner import DecodeRunner
 from tokenspeed.runtime.graphs import GraphCapturer
 from tokenspeed.runtime.ladders import decode_ladder, row_buckets, token_buckets as default_buckets
@@ -20,10 +22,15 @@ class StartupReport:
     num_graphs: int
     capture_seconds: float
     graph_memory_bytes: int
+    kernel_variants_precompiled: int = 0
+    precompile_seconds: float = 0.0
+
+
+log = logging.getLogger(__name__)
 
 
 def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, token_buckets,
-                  view_width, seed):
+                  view_width, seed, compile_workers):
     device = llm.kv_cache.device
     generator = torch.Generator(device=device).manual_seed(seed)
     ladder = decode_ladder(max_num_seqs, capture_sizes) if llm.support.decode_graph else ()
@@ -35,8 +42,11 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
     prefill = PrefillGraph(llm.lowered["prefill"], llm.kv_cache, llm.backend.leaf, llm.max_pages,
                            llm.page_size, view_width, generator, tokens, rows)
     capturer = GraphCapturer(device)
-    start, memory = time.perf_counter(), _reserved(device)
     sweeps = prefill.capture_sweeps if llm.support.prefill_graph else 0
+    start = time.perf_counter()
+    variants = _precompile(decode, prefill, ladder, sweeps, compile_workers) \
+        if device.type == "cuda" and compile_workers and (ladder or sweeps) else 0
+    compiled, memory = time.perf_counter(), _reserved(device)
     with torch.inference_mode(), tqdm(total=len(ladder) + sweeps, desc="capturing graphs",
                                       disable=None, leave=False) as bar:
         if ladder:
@@ -44,9 +54,23 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
         if sweeps:
             prefill.capture(capturer, bar)
     capturer.seal()
-    report = StartupReport(ladder, tokens, rows, capturer.count, time.perf_counter() - start,
-                           _reserved(device) - memory)
+    report = StartupReport(ladder, tokens, rows, capturer.count, time.perf_counter() - compiled,
+                           _reserved(device) - memory, variants, compiled - start)
     return prefill, decode, report
+
+
+def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
+    """Record the kernel variants the captures launch and compile them in ``workers``
+    processes (see ``precompile``); returns how many there were."""
+    with torch.inference_mode(), precompile.dry_run() as variants:
+        decode.dry_run(ladder)
+        if sweeps:
+            prefill.dry_run()
+    if variants:
+        with tqdm(total=1, desc=f"compiling {len(variants)} kernels", disable=None, leave=False):
+            precompile.compile_in_workers(variants, workers)
+        log.info("compiled %d Triton kernel variants in %d processes", len(variants), workers)
+    return len(variants)
 
 
 def _reserved(device) -> int:
