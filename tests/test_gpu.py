@@ -110,11 +110,11 @@ PRECOMPILE_CHECK = textwrap.dedent("""
     from tokenspeed.models.random import TINY_LLAMA, random_model
     from tokenspeed.runtime import startup
     cache, seen = os.environ["TRITON_CACHE_DIR"], []
-    compile_in_workers = startup.precompile.compile_in_workers
-    def compile_and_look(variants, workers):
-        compile_in_workers(variants, workers)
+    compile = startup.precompile.CompileWorkers.compile
+    def compile_and_look(workers, variants):
+        compile(workers, variants)
         seen.append(set(os.listdir(cache)))
-    startup.precompile.compile_in_workers = compile_and_look
+    startup.precompile.CompileWorkers.compile = compile_and_look
     llm = ts.LLM(random_model(TINY_LLAMA).to("cuda", torch.bfloat16), device="cuda",
                  max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, compile_workers=3)
     assert llm.startup.kernel_variants_precompiled > 0

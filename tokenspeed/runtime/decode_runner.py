@@ -57,11 +57,10 @@ class DecodeRunner:
             if progress is not None:
                 progress.update(1)
 
-    def dry_run(self, ladder: tuple[int, ...]) -> None:
-        """Each rung's idle step, eagerly: under ``precompile.dry_run`` it records the kernel
-        variants the captures will launch."""
-        for bs in ladder:
-            self._step(*self._idle(bs), self.out[:bs])
+    def dry_step(self, bs: int) -> None:
+        """Rung ``bs``'s idle step, eagerly: under ``precompile.dry_run`` it records the
+        kernel variants its capture will launch."""
+        self._step(*self._idle(bs), self.out[:bs])
 
     def _idle(self, bs: int) -> tuple:
         """Published idle metadata and sampling settings of rung ``bs``: no live rows."""

@@ -53,11 +53,10 @@ class PrefillGraph:
             if progress is not None:
                 progress.update(1)
 
-    def dry_run(self) -> None:
-        """The capture sweeps, eagerly: under ``precompile.dry_run`` they record the kernel
-        variants the captures will launch."""
-        for _, (t, v) in self._sweeps():
-            self._walk(self.slots.publish(self.plan([], t, v)))
+    def dry_walk(self, tokens: int, view: int) -> None:
+        """The capture walk of a token bucket and a row bucket, eagerly: under
+        ``precompile.dry_run`` it records the kernel variants the captures will launch."""
+        self._walk(self.slots.publish(self.plan([], tokens, view)))
 
     def _sweeps(self) -> list[tuple[str, tuple[int, int]]]:
         """(ladder captured, (token bucket, row bucket)) of each capture walk, in order."""

@@ -62,15 +62,33 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
 def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
     """Record the kernel variants the captures launch and compile them in ``workers``
     processes (see ``precompile``); returns how many there were."""
-    with torch.inference_mode(), precompile.dry_run() as variants:
-        decode.dry_run(ladder)
-        if sweeps:
-            prefill.dry_run()
-    if variants:
-        with tqdm(total=1, desc=f"compiling {len(variants)} kernels", disable=None, leave=False):
-            precompile.compile_in_workers(variants, workers)
-        log.info("compiled %d Triton kernel variants in %d processes", len(variants), workers)
-    return len(variants)
+    with precompile.CompileWorkers(workers) as pool:
+        with torch.inference_mode(), precompile.dry_run() as variants:
+            _walk_until_quiet(decode.dry_step, ladder, variants)
+            if sweeps:
+                view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
+                _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)
+                _walk_until_quiet(lambda v: prefill.dry_walk(tokens, v), prefill.view_ladder, variants)
+        unique = len(set(variants))
+        with tqdm(total=1, desc=f"compiling {unique} kernels", disable=None, leave=False):
+            pool.compile(variants)
+    log.info("compiled %d Triton kernel variants in %d processes", unique, workers)
+    return unique
+
+
+def _walk_until_quiet(walk, sizes, variants: list, quiet_walks: int = 2) -> None:
+    """Walk ``sizes`` from the smallest up until ``quiet_walks`` walks in a row record no
+    new kernel variant, then the largest. Variants change with small sizes only (GEMV rows,
+    attention tiles, Triton's specialization of 1 and multiples of 16), and each walk costs
+    as much as the capture warm-ups; a variant missed here compiles at its capture."""
+    quiet, ordered = 0, sorted(sizes)
+    for size in ordered:
+        if quiet == quiet_walks:
+            walk(ordered[-1])
+            return
+        known = len(set(variants))
+        walk(size)
+        quiet = quiet + 1 if len(set(variants)) == known else 0
 
 
 def _reserved(device) -> int:

@@ -54,25 +54,40 @@ def dry_run() -> Iterator[list[Variant]]:
         knobs.runtime.jit_cache_hook = previous
 
 
-def compile_in_workers(variants: Sequence[Variant], workers: int) -> None:
-    """Compile ``variants`` into the on-disk cache with up to ``workers`` processes."""
-    unique = list(dict.fromkeys(variants))
-    shares = [unique[i::workers] for i in range(min(workers, len(unique)))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")])}
-    running = []
-    for share in shares:
-        errors = tempfile.TemporaryFile()
-        process = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
-                                   stdout=subprocess.DEVNULL, stderr=errors, env=env, text=True)
-        process.stdin.write(json.dumps([attrs.asdict(v) for v in share]))
-        process.stdin.close()
-        running.append((process, errors))
-    for process, errors in running:
-        if process.wait() != 0:
-            errors.seek(0)
-            log.warning("a kernel compile worker failed (its kernels compile on first launch "
-                        "instead): %s", errors.read().decode(errors="replace")[-2000:])
-        errors.close()
+class CompileWorkers:
+    """Worker processes started before the dry run, so that their imports overlap it."""
+
+    def __init__(self, count: int):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")])}
+        self.running = []
+        for _ in range(count):
+            errors = tempfile.TemporaryFile()
+            process = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=errors, env=env, text=True)
+            self.running.append((process, errors))
+
+    def compile(self, variants: Sequence[Variant]) -> None:
+        """Compile ``variants`` into the on-disk cache, shared out among the workers."""
+        unique = list(dict.fromkeys(variants))
+        for i, (process, _) in enumerate(self.running):
+            process.stdin.write(json.dumps([attrs.asdict(v) for v in unique[i::len(self.running)]]))
+            process.stdin.close()
+        for process, errors in self.running:
+            if process.wait() != 0:
+                errors.seek(0)
+                log.warning("a kernel compile worker failed (its kernels compile on first launch "
+                            "instead): %s", errors.read().decode(errors="replace")[-2000:])
+
+    def __enter__(self) -> "CompileWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Workers not given their share (the dry run raised) are stopped."""
+        for process, errors in self.running:
+            if process.poll() is None and not process.stdin.closed:
+                process.kill()
+            process.wait()
+            errors.close()
 
 
 def _package_root() -> str:
