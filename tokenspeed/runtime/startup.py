@@ -61,7 +61,8 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
 
 def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
     """Record the kernel variants the captures launch and compile them in ``workers``
-    processes (see ``precompile``); returns how many there were."""
+    processes (see ``precompile``); returns how many they compiled (none when an earlier
+    start on this machine compiled the same set)."""
     with precompile.CompileWorkers(workers) as pool:
         with torch.inference_mode(), precompile.dry_run() as variants:
             _walk_until_quiet(decode.dry_step, ladder, variants)
@@ -69,11 +70,14 @@ def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
                 view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
                 _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)
                 _walk_until_quiet(lambda v: prefill.dry_walk(tokens, v), prefill.view_ladder, variants)
-        unique = len(set(variants))
-        with tqdm(total=1, desc=f"compiling {unique} kernels", disable=None, leave=False):
-            pool.compile(variants)
-    log.info("compiled %d Triton kernel variants in %d processes", unique, workers)
-    return unique
+        unique = sorted(set(variants))
+        if not unique or precompile.compiled_before(unique):
+            return 0  # leaving the block stops the workers
+        with tqdm(total=1, desc=f"compiling {len(unique)} kernels", disable=None, leave=False):
+            if pool.compile(unique):
+                precompile.mark_compiled(unique)
+    log.info("compiled %d Triton kernel variants in %d processes", len(unique), workers)
+    return len(unique)
 
 
 def _walk_until_quiet(walk, sizes, variants: list, quiet_walks: int = 2) -> None:

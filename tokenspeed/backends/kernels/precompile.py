@@ -4,7 +4,8 @@ On a fresh machine each kernel variant compiles on its first launch, one after a
 35 variants took about 20 of the 30 seconds of a Llama-3.2-1B startup on the H200. Here a
 dry run records every variant without compiling or launching it (Triton skips both when
 its ``jit_cache_hook`` returns True), worker processes compile the variants (and their
-launchers) into Triton's on-disk cache, and the real run then loads them from there.
+launchers) into Triton's on-disk cache, and the real run then loads them from there. A
+marker in that cache records the set compiled, so later starts skip the workers.
 
 Workers are plain ``python -c`` subprocesses rather than multiprocessing children, so
 the user's main module is never re-imported. A worker that fails costs only time: the
@@ -12,6 +13,7 @@ variants it did not compile are compiled on first launch, as without this module
 """
 
 import contextlib
+import hashlib
 import importlib
 import json
 import logging
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -28,12 +31,14 @@ WORKER = ("import json, sys; from tokenspeed.backends.kernels.precompile import 
           "compile_variants(json.load(sys.stdin))")
 
 
-@attrs.frozen
+@attrs.frozen(order=True)
 class Variant:
-    """One kernel specialization, as Triton serializes it for ``JITFunction.preload``."""
+    """One kernel specialization, as Triton serializes it for ``JITFunction.preload``, and
+    the hash of the kernel's source."""
     module: str
     name: str
     specialization: str
+    source: str
 
 
 @contextlib.contextmanager
@@ -44,7 +49,8 @@ def dry_run() -> Iterator[list[Variant]]:
     variants: list[Variant] = []
 
     def record(*, fn, compile, **_) -> bool:
-        variants.append(Variant(fn.module, fn.name, compile["specialization_data"]))
+        variants.append(Variant(fn.module, fn.name, compile["specialization_data"],
+                                fn.jit_function.cache_key))
         return True
 
     previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, record
@@ -66,17 +72,21 @@ class CompileWorkers:
                                        stdout=subprocess.DEVNULL, stderr=errors, env=env, text=True)
             self.running.append((process, errors))
 
-    def compile(self, variants: Sequence[Variant]) -> None:
-        """Compile ``variants`` into the on-disk cache, shared out among the workers."""
+    def compile(self, variants: Sequence[Variant]) -> bool:
+        """Compile ``variants`` into the on-disk cache, shared out among the workers;
+        whether every worker succeeded."""
         unique = list(dict.fromkeys(variants))
         for i, (process, _) in enumerate(self.running):
             process.stdin.write(json.dumps([attrs.asdict(v) for v in unique[i::len(self.running)]]))
             process.stdin.close()
+        ok = True
         for process, errors in self.running:
             if process.wait() != 0:
                 errors.seek(0)
                 log.warning("a kernel compile worker failed (its kernels compile on first launch "
                             "instead): %s", errors.read().decode(errors="replace")[-2000:])
+                ok = False
+        return ok
 
     def __enter__(self) -> "CompileWorkers":
         return self
@@ -88,6 +98,27 @@ class CompileWorkers:
                 process.kill()
             process.wait()
             errors.close()
+
+
+def compiled_before(variants: Sequence[Variant]) -> bool:
+    """Whether workers compiled exactly these variants into this Triton cache before: a
+    warm start then skips them (their imports alone cost seconds)."""
+    return _marker(variants).exists()
+
+
+def mark_compiled(variants: Sequence[Variant]) -> None:
+    marker = _marker(variants)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
+def _marker(variants: Sequence[Variant]) -> Path:
+    """A file in Triton's cache named by the Triton version and the variants: it goes
+    when the cache goes, and a changed kernel source changes the name."""
+    import triton
+    from triton import knobs
+    listing = json.dumps([triton.__version__, *(attrs.astuple(v) for v in sorted(set(variants)))])
+    return Path(knobs.cache.dir) / f"tokenspeed-precompiled-{hashlib.sha256(listing.encode()).hexdigest()[:32]}"
 
 
 def _package_root() -> str:
