@@ -9,6 +9,7 @@ decoding); ``ours_sync_ms`` reads every step's tokens before preparing the next.
 """
 
 import argparse
+import gc
 import time
 
 import torch
@@ -86,6 +87,7 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
                                       "bandwidth": bandwidth, "rows": done})
         print(common.table([row], list(row)), flush=True)
     del llm, synchronous, hf, ours
+    gc.collect()  # engines hold reference cycles: freed later, they skew the next shape's graph memory
     torch.cuda.empty_cache()
     return rows
 

@@ -209,3 +209,19 @@ def test_padded_rows_are_scrubbed_after_each_break(model):
                 assert bool((static[value][11:] == 0).all()), f"{value} padded rows not scrubbed"
                 checked += 1
     assert checked >= 1
+
+
+def test_the_dry_run_walks_until_two_quiet_walks_then_the_largest():
+    from tokenspeed.runtime.startup import _walk_until_quiet
+    new_at = {16: "a", 32: "b", 64: "c"}  # the variant each size brings, if any
+    walked, variants = [], []
+
+    def walk(size):
+        walked.append(size)
+        variants.extend([new_at[size]] if size in new_at else ["a"])
+
+    _walk_until_quiet(walk, [128, 16, 48, 32, 80, 96, 64, 2048], variants)
+    assert walked == [16, 32, 48, 64, 80, 96, 2048]
+    walked.clear()
+    _walk_until_quiet(walk, [16, 32], variants)
+    assert walked == [16, 32]

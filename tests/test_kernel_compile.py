@@ -65,5 +65,20 @@ def test_kernels_compile_for_sm90(check):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_the_precompile_marker_names_the_variant_set(tmp_path, monkeypatch):
+    import attrs
+    from tokenspeed.backends.kernels.precompile import Variant, compiled_before, mark_compiled
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    gemv = Variant("tokenspeed.backends.kernels.triton_gemv", "_gemv_kernel", '{"n": 1}', "src1")
+    norm = Variant("tokenspeed.backends.kernels.triton_fused", "_rms_norm_kernel", "{}", "src2")
+    assert not compiled_before([gemv, norm])
+    mark_compiled([norm, gemv, gemv])
+    assert compiled_before([gemv, norm])
+    assert not compiled_before([gemv])  # another set
+    assert not compiled_before([gemv, attrs.evolve(norm, source="src3")])  # changed source
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert not compiled_before([gemv, norm])  # the marker lives in the cache it describes
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

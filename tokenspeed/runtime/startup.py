@@ -1,5 +1,6 @@
 """Startup: build the runners and capture every graph, once, with a progress bar."""
 
+import gc
 import logging
 import time
 
@@ -65,7 +66,8 @@ def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
     start on this machine compiled the same set)."""
     with precompile.CompileWorkers(workers) as pool:
         with torch.inference_mode(), precompile.dry_run() as variants:
-            _walk_until_quiet(decode.dry_step, ladder, variants)
+            for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
+                decode.dry_step(bs)  # is new after two rungs that were not
             if sweeps:
                 view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
                 _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)
@@ -82,9 +84,9 @@ def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
 
 def _walk_until_quiet(walk, sizes, variants: list, quiet_walks: int = 2) -> None:
     """Walk ``sizes`` from the smallest up until ``quiet_walks`` walks in a row record no
-    new kernel variant, then the largest. Variants change with small sizes only (GEMV rows,
-    attention tiles, Triton's specialization of 1 and multiples of 16), and each walk costs
-    as much as the capture warm-ups; a variant missed here compiles at its capture."""
+    new kernel variant, then the largest. The prefill ladders have up to 40 buckets, each
+    walk costs about what its capture warm-up does, and the variants come with the small
+    sizes (GEMV rows, attention tiles); one missed here still compiles, at its capture."""
     quiet, ordered = 0, sorted(sizes)
     for size in ordered:
         if quiet == quiet_walks:
@@ -97,8 +99,11 @@ def _walk_until_quiet(walk, sizes, variants: list, quiet_walks: int = 2) -> None
 
 def _reserved(device) -> int:
     """Bytes the caching allocator holds, unused cached blocks released first (capture
-    releases them too, which would otherwise count against the graphs)."""
+    releases them too, which would otherwise count against the graphs), and engines
+    dropped earlier collected first (their graphs form reference cycles; collected during
+    the captures, they made the graph memory negative)."""
     if device.type != "cuda":
         return 0
+    gc.collect()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device)
