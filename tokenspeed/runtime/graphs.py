@@ -2,10 +2,10 @@
 discipline on the CPU.
 
 Both record, at capture, the address, shape, stride and dtype of every tensor the graph
-reads through its slots, and of the parameters and buffers it reads (the pointer guard). The CPU stand-in re-checks them on every replay and re-runs the
-recorded function into the captured output tensors; CUDA replays re-check when
-``TOKENSPEED_GRAPH_DEBUG=1``. Captures happen at startup only: once the capturer is
-sealed, a capture is an error.
+reads through its slots and of the parameters and buffers it reads (the pointer guard).
+The CPU stand-in re-checks them on every replay and re-runs the recorded function into
+the captured output tensors; CUDA replays re-check when ``TOKENSPEED_GRAPH_DEBUG=1``.
+Captures happen at startup only: once the capturer is sealed, a capture is an error.
 """
 
 import os

@@ -45,7 +45,7 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
     capturer = GraphCapturer(device)
     sweeps = prefill.capture_sweeps if llm.support.prefill_graph else 0
     start = time.perf_counter()
-    variants = _precompile(decode, prefill, ladder, sweeps, compile_workers) \
+    precompiled = _precompile(decode, prefill, ladder, sweeps, compile_workers) \
         if device.type == "cuda" and compile_workers and (ladder or sweeps) else 0
     compiled, memory = time.perf_counter(), _reserved(device)
     with torch.inference_mode(), tqdm(total=len(ladder) + sweeps, desc="capturing graphs",
@@ -56,7 +56,7 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
             prefill.capture(capturer, bar)
     capturer.seal()
     report = StartupReport(ladder, tokens, rows, capturer.count, time.perf_counter() - compiled,
-                           _reserved(device) - memory, variants, compiled - start)
+                           _reserved(device) - memory, precompiled, compiled - start)
     return prefill, decode, report
 
 

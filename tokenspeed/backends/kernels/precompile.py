@@ -64,7 +64,8 @@ class CompileWorkers:
     """Worker processes started before the dry run, so that their imports overlap it."""
 
     def __init__(self, count: int):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")])}
+        path = os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONPATH": path}
         self.running = []
         for _ in range(count):
             errors = tempfile.TemporaryFile()
@@ -118,7 +119,8 @@ def _marker(variants: Sequence[Variant]) -> Path:
     import triton
     from triton import knobs
     listing = json.dumps([triton.__version__, *(attrs.astuple(v) for v in sorted(set(variants)))])
-    return Path(knobs.cache.dir) / f"tokenspeed-precompiled-{hashlib.sha256(listing.encode()).hexdigest()[:32]}"
+    digest = hashlib.sha256(listing.encode()).hexdigest()[:32]
+    return Path(knobs.cache.dir) / f"tokenspeed-precompiled-{digest}"
 
 
 def _package_root() -> str:
