@@ -98,13 +98,14 @@ def test_guard_names_a_moved_tensor(model):
         llm.decode.run(fill(llm, 2), [GREEDY] * 2)
 
 
-def test_a_second_engine_over_the_model_leaves_the_first_engines_graphs_valid():
-    """``ts.LLM`` moves the model to its device; that must not replace a buffer (the rotary
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_second_engine_over_the_model_leaves_the_first_engines_graphs_valid(dtype):
+    """``ts.LLM`` moves (and casts) the model; that must not replace a buffer (the rotary
     frequencies did), or the first engine's graphs read freed memory on the GPU."""
     model = random_model(TINY_LLAMA, seed=3)
-    first = make_llm(model)
+    first = make_llm(model, dtype=dtype)
     want = first.generate(prompts(3), GREEDY)
-    make_llm(model)
+    make_llm(model, dtype=dtype)
     with torch.inference_mode():
         assert [o.token_ids for o in first.generate(prompts(3), GREEDY)] == [o.token_ids for o in want]
 
@@ -209,6 +210,18 @@ def test_padded_rows_are_scrubbed_after_each_break(model):
                 assert bool((static[value][11:] == 0).all()), f"{value} padded rows not scrubbed"
                 checked += 1
     assert checked >= 1
+
+
+def test_a_dry_step_leaves_the_sampling_state_as_it_was(model):
+    llm = make_llm(model)
+    runner, sample = llm.decode, ts.SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    with torch.inference_mode():
+        before = (runner.seeds.get_state(), runner.generator.get_state(), runner.step.clone())
+        runner.dry_step(4)
+        after = (runner.seeds.get_state(), runner.generator.get_state(), runner.step)
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+    dried = llm.generate(prompts(3), sample)
+    assert [o.token_ids for o in dried] == [o.token_ids for o in make_llm(model).generate(prompts(3), sample)]
 
 
 def test_the_dry_run_walks_until_two_quiet_walks_then_the_largest():

@@ -80,5 +80,36 @@ def test_the_precompile_marker_names_the_variant_set(tmp_path, monkeypatch):
     assert not compiled_before([gemv, norm])  # the marker lives in the cache it describes
 
 
+MISSING = ("tokenspeed.backends.kernels.no_such_module", "kernel", "{}", "src")
+
+
+@pytest.mark.parametrize("worker", ["fails", "dies", "hangs"])
+def test_a_failing_worker_costs_time_not_the_startup(worker, monkeypatch, caplog):
+    """Its kernels then compile at their first launch: ``compile`` reports False (so no
+    marker is written), logs why, and returns once the workers are gone."""
+    from tokenspeed.backends.kernels import precompile
+    if worker == "dies":
+        monkeypatch.setattr(precompile, "WORKER", "import sys; sys.exit(3)")
+    if worker == "hangs":
+        monkeypatch.setattr(precompile, "WORKER", "import time; time.sleep(60)")
+        monkeypatch.setattr(precompile, "WORKER_SECONDS", 1)
+    with precompile.CompileWorkers(2) as workers:
+        if worker == "dies":
+            for process, _ in workers.running:
+                process.wait()  # gone before its share is handed over
+        assert not workers.compile([precompile.Variant(*MISSING)])
+    assert all(process.poll() is not None for process, _ in workers.running)
+    expected = {"fails": "no_such_module", "dies": "code 3", "hangs": "code -9"}[worker]
+    assert expected in caplog.text
+
+
+def test_unused_workers_are_stopped():
+    from tokenspeed.backends.kernels import precompile
+    with precompile.CompileWorkers(2) as workers:
+        pass
+    assert all(process.poll() is not None for process, _ in workers.running)
+    assert not precompile.CompileWorkers(0).compile([precompile.Variant(*MISSING)])
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tokenspeed.backends.kernels.reference import expand_block_table
@@ -106,3 +106,19 @@ def test_a_publish_copies_every_byte_the_views_of_its_batch_read(capacity, max_p
         assert last <= end, f"{name} ends at byte {last}, the copy at {end}"
     if rows < capacity and max_pages > 2:  # the widest field (the table) is laid out last
         assert end < slots.used_bytes(capacity)
+
+
+@given(case=decode_cases(max_batch=8), data=st.data())
+def test_a_staged_publish_copies_the_batch_and_leaves_the_rest(case, data):
+    from tokenspeed.runtime.slots import MetadataSlots
+    assume(len(case.rows) >= 2)
+    capacity, shape = case.num_rows, (case.max_pages, case.page_size)
+    slots = MetadataSlots(refresh_decode((), capacity, *shape), capacity, "cpu", staged=True)
+    slots.publish(refresh_decode(case.rows, capacity, *shape))  # live rows past the small batch
+    rows = data.draw(st.integers(1, len(case.rows) - 1))
+    small = refresh_decode(case.rows[:rows], rows, *shape)
+    end, before = slots.used_bytes(rows), slots.device_bytes.clone()
+    view = slots.publish(small)
+    for name in slots.fields:
+        assert torch.equal(getattr(view, name), getattr(small, name)), name
+    assert torch.equal(slots.device_bytes[end:], before[end:])  # the rest is not copied over

@@ -35,7 +35,7 @@ class LLM:
         (default: one per CPU core, at most 16; 0 compiles each on first launch)."""
         _positive(page_size=page_size, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, view_width=view_width)
-        compile_workers = min(os.cpu_count() or 1, 16) if compile_workers is None else compile_workers
+        compile_workers = min(_usable_cores(), 16) if compile_workers is None else compile_workers
         if compile_workers < 0:
             raise ValueError(f"compile_workers={compile_workers}: must be >= 0")
         self.model = _as_model(model, dtype, device)
@@ -117,6 +117,11 @@ def _as_model(model, dtype, device):
     if not hasattr(model, "config"):
         raise TypeError(f"expected a checkpoint path or a tokenspeed model, got {type(model).__name__}")
     return model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity and cgroup cpuset), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

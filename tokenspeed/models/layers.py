@@ -35,13 +35,17 @@ class Rotary(nn.Module):
     def _apply(self, fn, recurse=True):
         """Frequencies stay float32 whatever dtype the model is cast to (as in HF).
 
-        A move that leaves them float32 on their device (``model.to(device)`` as ``ts.LLM``
-        does) must keep the very tensor: captured prefill graphs read it by address, and
-        replacing it would free memory that every graph of an earlier engine still reads."""
+        A cast or move that leaves them on their device (``ts.LLM`` calls ``model.to``
+        with its device and dtype) keeps the very tensor: captured prefill graphs read it
+        by address, and replacing it would free memory every graph of an earlier engine
+        over the same model still reads. A move to another device (or ``to_empty`` from
+        meta) rebuilds them there."""
         before = self.inv_freq
         super()._apply(fn, recurse)
-        if self.inv_freq is not before or self.inv_freq.dtype != torch.float32:
-            self.inv_freq = rope_inv_freq(*self.rope).to(self.inv_freq.device)  # also after to_empty
+        if self.inv_freq.device == before.device and before.dtype == torch.float32:
+            self.inv_freq = before
+        else:
+            self.inv_freq = rope_inv_freq(*self.rope).to(self.inv_freq.device)
         return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -59,8 +59,13 @@ class DecodeRunner:
 
     def dry_step(self, bs: int) -> None:
         """Rung ``bs``'s idle step, eagerly: under ``precompile.dry_run`` it records the
-        kernel variants its capture will launch."""
+        kernel variants its capture will launch. The noise keys, the generator and the
+        step counter are left as they were, so a start samples alike with or without it."""
+        seeds, noise, step = self.seeds.get_state(), self.generator.get_state(), self.step.clone()
         self._step(*self._idle(bs), self.out[:bs])
+        self.seeds.set_state(seeds)
+        self.generator.set_state(noise)
+        self.step.copy_(step)
 
     def _idle(self, bs: int) -> tuple:
         """Published idle metadata and sampling settings of rung ``bs``: no live rows."""

@@ -17,8 +17,10 @@ ALIGN = 64
 
 
 class MetadataSlots:
-    def __init__(self, template, capacity: int, device, fields: tuple[str, ...] | None = None):
-        """``template``: a host descriptor with ``capacity`` rows in each slotted field."""
+    def __init__(self, template, capacity: int, device, fields: tuple[str, ...] | None = None,
+                 staged: bool | None = None):
+        """``template``: a host descriptor with ``capacity`` rows in each slotted field;
+        ``staged``: publish through host staging copies (default: on CUDA, pinned)."""
         self.fields = fields or tensor_fields(type(template))
         self.capacity, self.device = capacity, torch.device(device)
         specs = sorted(((n, getattr(template, n)) for n in self.fields), key=lambda s: _row_bytes(s[1]))
@@ -29,8 +31,8 @@ class MetadataSlots:
         self._row_spans = [(o, _row_bytes(t)) for (_, t), o in zip(specs, offsets)]
         self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
         pinned = self.device.type == "cuda"
-        self.host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)] \
-            if pinned else [self.device_bytes]
+        self.host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)] \
+            if (pinned if staged is None else staged) else [self.device_bytes]
         self.buffers = {n: _typed(self.device_bytes, o, t) for (n, t), o in zip(specs, offsets)}
         self.staging = [{n: _typed(host, o, t) for (n, t), o in zip(specs, offsets)}
                         for host in self.host_bytes]

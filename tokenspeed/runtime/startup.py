@@ -63,7 +63,7 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
 def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
     """Record the kernel variants the captures launch and compile them in ``workers``
     processes (see ``precompile``); returns how many they compiled (none when an earlier
-    start on this machine compiled the same set)."""
+    start on this machine compiled the same set, or when a worker failed)."""
     with precompile.CompileWorkers(workers) as pool:
         with torch.inference_mode(), precompile.dry_run() as variants:
             for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
@@ -76,8 +76,9 @@ def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
         if not unique or precompile.compiled_before(unique):
             return 0  # leaving the block stops the workers
         with tqdm(total=1, desc=f"compiling {len(unique)} kernels", disable=None, leave=False):
-            if pool.compile(unique):
-                precompile.mark_compiled(unique)
+            if not pool.compile(unique):
+                return 0  # what the workers missed compiles at its first launch (logged)
+    precompile.mark_compiled(unique)
     log.info("compiled %d Triton kernel variants in %d processes", len(unique), workers)
     return len(unique)
 

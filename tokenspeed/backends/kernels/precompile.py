@@ -3,16 +3,19 @@
 On a fresh machine each kernel variant compiles on its first launch, one after another:
 35 variants took about 20 of the 30 seconds of a Llama-3.2-1B startup on the H200. Here a
 dry run records every variant without compiling or launching it (Triton skips both when
-its ``jit_cache_hook`` returns True), worker processes compile the variants (and their
-launchers) into Triton's on-disk cache, and the real run then loads them from there. A
-marker in that cache records the set compiled, so later starts skip the workers.
+its ``jit_cache_hook`` returns True), worker processes compile the variants (and, where
+Triton builds one, their launchers) into Triton's on-disk cache, and the captures then
+load them from there. A marker in that cache names the set compiled; a later start that
+records the same set stops its workers (started before the dry run, so that their
+imports overlap it) without giving them work.
 
 Workers are plain ``python -c`` subprocesses rather than multiprocessing children, so
-the user's main module is never re-imported. A worker that fails costs only time: the
-variants it did not compile are compiled on first launch, as without this module.
+the user's main module is never re-imported. A worker that fails or hangs costs only
+time: the variants it did not compile compile at their first launch, as without this.
 """
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import json
@@ -21,14 +24,18 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
 
 log = logging.getLogger(__name__)
-WORKER = ("import json, sys; from tokenspeed.backends.kernels.precompile import compile_variants; "
-          "compile_variants(json.load(sys.stdin))")
+WORKER_SECONDS = 600  # for all workers together; a compile takes well under a second
+WORKER = ("import json, sys; sys.path.insert(0, {root!r}); "
+          "from tokenspeed.backends.kernels.precompile import compile_variants; "
+          "sys.exit(compile_variants(json.load(open(sys.stdin.readline().strip()))) > 0)")
 
 
 @attrs.frozen(order=True)
@@ -44,16 +51,21 @@ class Variant:
 @contextlib.contextmanager
 def dry_run() -> Iterator[list[Variant]]:
     """Inside, a Triton kernel not yet compiled in this process is neither compiled nor
-    launched, only recorded (kernels compiled earlier launch as usual)."""
+    launched by this thread, only recorded (kernels compiled earlier launch as usual).
+    Other threads see the hook that was there before."""
     from triton import knobs
     variants: list[Variant] = []
+    owner, previous = threading.get_ident(), knobs.runtime.jit_cache_hook
 
-    def record(*, fn, compile, **_) -> bool:
-        variants.append(Variant(fn.module, fn.name, compile["specialization_data"],
+    def record(**hook):
+        if threading.get_ident() != owner:
+            return previous(**hook) if previous else None
+        fn = hook["fn"]
+        variants.append(Variant(fn.module, fn.name, hook["compile"]["specialization_data"],
                                 fn.jit_function.cache_key))
         return True
 
-    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, record
+    knobs.runtime.jit_cache_hook = record
     try:
         yield variants
     finally:
@@ -64,46 +76,74 @@ class CompileWorkers:
     """Worker processes started before the dry run, so that their imports overlap it."""
 
     def __init__(self, count: int):
-        path = os.pathsep.join([_package_root(), os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "PYTHONPATH": path}
-        self.running = []
-        for _ in range(count):
-            errors = tempfile.TemporaryFile()
-            process = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, stderr=errors, env=env, text=True)
-            self.running.append((process, errors))
+        from triton import knobs
+        self.running: list[tuple[subprocess.Popen, object]] = []
+        if not sys.executable or getattr(sys, "frozen", False):
+            log.warning("no Python interpreter to run kernel compile workers: kernels compile "
+                        "at their first launch")
+            return
+        command = [sys.executable, "-c", WORKER.format(root=_package_root())]
+        env = {**os.environ, "TRITON_CACHE_DIR": str(knobs.cache.dir)}
+        try:
+            for _ in range(count):
+                errors = tempfile.TemporaryFile()
+                self.running.append((subprocess.Popen(command, stdin=subprocess.PIPE, text=True, env=env,
+                                                      stdout=subprocess.DEVNULL, stderr=errors), errors))
+        except OSError as exc:
+            log.warning("started %d of %d kernel compile workers (%s)", len(self.running), count, exc)
 
     def compile(self, variants: Sequence[Variant]) -> bool:
         """Compile ``variants`` into the on-disk cache, shared out among the workers;
-        whether every worker succeeded."""
+        whether every one of them was compiled."""
+        if not self.running:
+            return False
         unique = list(dict.fromkeys(variants))
-        for i, (process, _) in enumerate(self.running):
-            process.stdin.write(json.dumps([attrs.asdict(v) for v in unique[i::len(self.running)]]))
-            process.stdin.close()
-        ok = True
-        for process, errors in self.running:
-            if process.wait() != 0:
-                errors.seek(0)
-                log.warning("a kernel compile worker failed (its kernels compile on first launch "
-                            "instead): %s", errors.read().decode(errors="replace")[-2000:])
-                ok = False
-        return ok
+        with tempfile.TemporaryDirectory() as folder:
+            ok = True
+            for i, (process, _) in enumerate(self.running):
+                share = Path(folder) / f"share{i}.json"
+                share.write_text(json.dumps([attrs.asdict(v) for v in unique[i::len(self.running)]]))
+                ok &= _hand_over(process, share)
+            deadline = time.monotonic() + WORKER_SECONDS
+            return all([_finished(process, errors, deadline) for process, errors in self.running]) and ok
 
     def __enter__(self) -> "CompileWorkers":
         return self
 
     def __exit__(self, *exc) -> None:
-        """Workers not given their share (the dry run raised) are stopped."""
+        """Workers never handed a share (the variants were compiled before, or the dry run
+        raised) are stopped."""
         for process, errors in self.running:
-            if process.poll() is None and not process.stdin.closed:
+            if process.poll() is None:
                 process.kill()
             process.wait()
             errors.close()
 
 
+def _hand_over(process: subprocess.Popen, share: Path) -> bool:
+    try:
+        process.stdin.write(f"{share}\n")
+        process.stdin.close()
+        return True
+    except OSError:  # the worker is gone; _finished reports why
+        return False
+
+
+def _finished(process: subprocess.Popen, errors, deadline: float) -> bool:
+    try:
+        code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    if code != 0:
+        errors.seek(0)
+        log.warning("a kernel compile worker failed with code %s (its kernels compile at their "
+                    "first launch): %s", code, errors.read().decode(errors="replace")[-2000:])
+    return code == 0
+
+
 def compiled_before(variants: Sequence[Variant]) -> bool:
-    """Whether workers compiled exactly these variants into this Triton cache before: a
-    warm start then skips them (their imports alone cost seconds)."""
+    """Whether workers compiled exactly these variants into this Triton cache before."""
     return _marker(variants).exists()
 
 
@@ -114,13 +154,25 @@ def mark_compiled(variants: Sequence[Variant]) -> None:
 
 
 def _marker(variants: Sequence[Variant]) -> Path:
-    """A file in Triton's cache named by the Triton version and the variants: it goes
-    when the cache goes, and a changed kernel source changes the name."""
+    """A file in Triton's cache named by the Triton version, the GPU, Triton's settings
+    and the variants (sources included): it goes when the cache goes. A stale one costs
+    only time: a variant missing from the cache compiles at its first launch."""
     import triton
     from triton import knobs
-    listing = json.dumps([triton.__version__, *(attrs.astuple(v) for v in sorted(set(variants)))])
+    settings = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR")
+    listing = json.dumps([triton.__version__, repr(_target()), settings,
+                          *(attrs.astuple(v) for v in sorted(set(variants)))])
     digest = hashlib.sha256(listing.encode()).hexdigest()[:32]
     return Path(knobs.cache.dir) / f"tokenspeed-precompiled-{digest}"
+
+
+def _target():
+    import triton
+    try:
+        return triton.runtime.driver.active.get_current_target()
+    except RuntimeError:  # no GPU driver (the CPU machine): the variants name the target
+        return None
 
 
 def _package_root() -> str:
@@ -128,9 +180,17 @@ def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(tokenspeed.__file__)))
 
 
-def compile_variants(variants: list[dict]) -> None:
-    """A worker's job: compile each variant and its launcher into the on-disk cache."""
+def compile_variants(variants: list[dict]) -> int:
+    """A worker's job: compile each variant (and its launcher, where Triton builds one)
+    into the on-disk cache. Returns how many failed; each failure is printed."""
     import triton
+    failed = 0
     for v in variants:
-        kernel = getattr(importlib.import_module(v["module"]), v["name"]).preload(v["specialization"])
-        triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)  # cached launcher
+        try:
+            fn = functools.reduce(getattr, v["name"].split("."), importlib.import_module(v["module"]))
+            kernel = fn.preload(v["specialization"])
+            triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
+        except Exception as exc:  # noqa: BLE001 - reported, and the kernel compiles at launch
+            print(f"{v['module']}.{v['name']}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            failed += 1
+    return failed
