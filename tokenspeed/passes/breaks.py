@@ -4,14 +4,14 @@ Between attentions the work is token-shaped and capturable per bucket; attention
 needs live metadata (lengths, tables) and runs eagerly in its own break segment.
 """
 
+from torch import fx
+
 from tokenspeed.ir.ops import ATTENTION_TARGETS
-from tokenspeed.ir.program import Program, copy_graph
-from tokenspeed.passes.manager import program_pass
+from tokenspeed.passes.manager import graph_pass
 
 
-@program_pass("attention_breaks")
-def attention_breaks(program: Program, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("attention_breaks")
+def attention_breaks(gm: fx.GraphModule, **_) -> None:
     segment, previous = -1, None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -20,7 +20,6 @@ def attention_breaks(program: Program, **_) -> Program:
             segment += 1
         node.meta["segment"] = segment
         previous = node
-    return program.evolve(graph_module=gm)
 
 
 def _boundary(previous, node) -> bool:
@@ -28,11 +27,9 @@ def _boundary(previous, node) -> bool:
     return attention or previous.meta.get("stage") != node.meta.get("stage")
 
 
-@program_pass("whole_graph")
-def whole_graph(program: Program, **_) -> Program:
+@graph_pass("whole_graph")
+def whole_graph(gm: fx.GraphModule, **_) -> None:
     """One segment for the whole step: attention runs inside the captured graph."""
-    gm = copy_graph(program.graph_module)
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output"):
             node.meta["segment"] = 0
-    return program.evolve(graph_module=gm)

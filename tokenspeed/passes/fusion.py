@@ -19,10 +19,10 @@ from torch import fx
 
 from tokenspeed.ir import fused_ops  # noqa: F401 - registers the ops
 from tokenspeed.ir.ops import WRITE_KV
-from tokenspeed.ir.program import Program, copy_graph, rename
+from tokenspeed.ir.program import rename
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.models.layers import RMSNorm, Rotary
-from tokenspeed.passes.manager import program_pass
+from tokenspeed.passes.manager import graph_pass
 
 ops = torch.ops.tokenspeed
 ROPE_TABLE = "rope_cos_sin"
@@ -32,9 +32,8 @@ def _module(gm: fx.GraphModule, node: fx.Node):
     return gm.get_submodule(node.target) if node.op == "call_module" else None
 
 
-@program_pass("fuse_norms")
-def fuse_norms(program: Program, *, config, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("fuse_norms")
+def fuse_norms(gm: fx.GraphModule, *, config, **_) -> None:
     values = fake_values(gm, config, PROBE_ROWS[0])
     for node in list(gm.graph.nodes):
         norm = _module(gm, node)
@@ -49,8 +48,6 @@ def fuse_norms(program: Program, *, config, **_) -> Program:
             rename(new[0], f"{name}_weight")
             rename(new[-1], name)
             _same_stage(node, *new)
-    gm.recompile()
-    return program.evolve(graph_module=gm)
 
 
 def _same_tensor_type(values, args) -> bool:
@@ -83,9 +80,8 @@ def _fused_add_norm(gm, add, norm, node) -> list[fx.Node]:
     return [weight, fused, total, normed]
 
 
-@program_pass("fuse_rope_write_kv")
-def fuse_rope_write_kv(program: Program, *, config, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("fuse_rope_write_kv")
+def fuse_rope_write_kv(gm: fx.GraphModule, *, config, **_) -> None:
     table = None
     for write in [n for n in gm.graph.nodes if n.target == WRITE_KV]:
         k_rot, v, cache, layer, slots = write.args
@@ -101,13 +97,10 @@ def fuse_rope_write_kv(program: Program, *, config, **_) -> Program:
         rename(fused, f"{q_rot.name}_write_kv")
         for dead in (write, q_rot, k_rot):
             gm.graph.erase_node(dead)
-    gm.recompile()
-    return program.evolve(graph_module=gm)
 
 
-@program_pass("select_linear")
-def select_linear(program: Program, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("select_linear")
+def select_linear(gm: fx.GraphModule, **_) -> None:
     for node in list(gm.graph.nodes):
         lin = _module(gm, node)
         if not isinstance(lin, torch.nn.Linear):
@@ -116,13 +109,10 @@ def select_linear(program: Program, **_) -> Program:
             weight = gm.graph.get_attr(f"{node.target}.weight")
             bias = gm.graph.get_attr(f"{node.target}.bias") if lin.bias is not None else None
         _substitute(gm, node, ops.linear.default, (node.args[0], weight, bias))
-    gm.recompile()
-    return program.evolve(graph_module=gm)
 
 
-@program_pass("fuse_gated_linear")
-def fuse_gated_linear(program: Program, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("fuse_gated_linear")
+def fuse_gated_linear(gm: fx.GraphModule, **_) -> None:
     for node in list(gm.graph.nodes):
         act = node.args[0] if node.target == ops.linear.default else None
         if not (isinstance(act, fx.Node) and act.target == ops.silu_and_mul.default
@@ -130,13 +120,10 @@ def fuse_gated_linear(program: Program, **_) -> Program:
             continue
         _substitute(gm, node, ops.gated_linear.default, (act.args[0], *node.args[1:]))
         gm.graph.erase_node(act)
-    gm.recompile()
-    return program.evolve(graph_module=gm)
 
 
-@program_pass("fuse_norm_linear")
-def fuse_norm_linear(program: Program, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("fuse_norm_linear")
+def fuse_norm_linear(gm: fx.GraphModule, **_) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         norm = _feeding_norm(node, order)
@@ -155,8 +142,6 @@ def fuse_norm_linear(program: Program, **_) -> Program:
             else:
                 gm.graph.erase_node(part)
         gm.graph.erase_node(norm)
-    gm.recompile()
-    return program.evolve(graph_module=gm)
 
 
 def _feeding_norm(linear: fx.Node, order) -> fx.Node | None:

@@ -1,17 +1,16 @@
 """Kernel selection: decode attention has one query row per request, so decode lowering
 swaps the general ragged attention for the split-K decode kernel."""
 
+from torch import fx
+
 from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION
-from tokenspeed.ir.program import Program, copy_graph, rename
-from tokenspeed.passes.manager import program_pass
+from tokenspeed.ir.program import rename
+from tokenspeed.passes.manager import graph_pass
 
 
-@program_pass("decode_kernels")
-def decode_kernels(program: Program, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("decode_kernels")
+def decode_kernels(gm: fx.GraphModule, **_) -> None:
     for node in gm.graph.nodes:
         if node.target == ATTENTION:
             node.target = DECODE_ATTENTION
             rename(node, node.name.replace("attention", "decode_attention"))
-    gm.recompile()
-    return program.evolve(graph_module=gm)

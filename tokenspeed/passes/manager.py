@@ -1,13 +1,14 @@
 """Named passes over Programs, run in order with invariant checks after each.
 
 A pass is a plain function ``Program -> Program``; ``@program_pass`` gives it the name
-recorded in a lowering's history.
+recorded in a lowering's history, and ``@graph_pass`` makes one from a function that
+edits a copy of the program's graph in place.
 """
 
 import functools
 
 import attrs
-from tokenspeed.ir.program import Program
+from tokenspeed.ir.program import Program, copy_graph
 
 
 def program_pass(name: str):
@@ -16,6 +17,22 @@ def program_pass(name: str):
         def run(program: Program, **options) -> Program:
             return fn(program, **options)
         run.pass_name = name
+        return run
+    return wrap
+
+
+def graph_pass(name: str):
+    """A named pass from ``fn(gm, **options)``, which edits ``gm`` in place: ``gm`` is a
+    copy, so the input program (kept in the history) stays valid, and the copy is
+    recompiled into the returned program."""
+    def wrap(fn):
+        @program_pass(name)
+        @functools.wraps(fn)
+        def run(program: Program, **options) -> Program:
+            gm = copy_graph(program.graph_module)
+            fn(gm, **options)
+            gm.recompile()
+            return program.evolve(graph_module=gm)
         return run
     return wrap
 

@@ -12,17 +12,16 @@ the decoder reads is gathered once, in the narrowing stage, by ``view_rows``.
 from torch import fx
 
 from tokenspeed.ir.ops import WRITE_KV_TARGETS
-from tokenspeed.ir.program import STAGES, Program, copy_graph, rename
+from tokenspeed.ir.program import STAGES, rename
 from tokenspeed.ir.rows import row_shaped
-from tokenspeed.passes.manager import program_pass
+from tokenspeed.passes.manager import graph_pass
 
 NONE, VIEW, ALL = 0, 1, 2
 ENCODER, NARROWING, DECODER, FINISH = STAGES
 
 
-@program_pass("narrow_rows")
-def narrow_rows(program: Program, *, config, **_) -> Program:
-    gm = copy_graph(program.graph_module)
+@graph_pass("narrow_rows")
+def narrow_rows(gm: fx.GraphModule, *, config, **_) -> None:
     graph = gm.graph
     rows = row_shaped(gm, config)
     gather = sample_gather(graph)
@@ -32,8 +31,6 @@ def narrow_rows(program: Program, *, config, **_) -> Program:
     _insert_narrowing(graph, rows, stages, view_rows)
     gather.replace_input_with(gather.args[2], view_samples)
     _order_by_stage(graph, stages)
-    gm.recompile()
-    return program.evolve(graph_module=gm)
 
 
 def sample_gather(graph: fx.Graph) -> fx.Node:
