@@ -34,10 +34,11 @@ def gemv_variants():
     signature = {**{n: "*bf16" for n in names[:6]}, "out_ptr": "*fp32",
                  **{n: "i32" for n in names[7:15]}, "eps": "fp32"}
     for rows in (1, 16):
-        for fused in ("plain", "gated", "norm", "norm+residual"):
+        for fused in ("plain", "gated", "norm", "norm+residual", "norm+residual one tile"):
             flags = dict(HAS_BIAS=False, GATED=fused == "gated", NORM=fused.startswith("norm"),
-                         HAS_RES=fused == "norm+residual", BLOCK_M=rows,
-                         BLOCK_N=4 if rows == 1 else 64, BLOCK_K=1024 if rows == 1 else 128,
+                         HAS_RES="residual" in fused, ONE_TILE=fused.endswith("one tile"),
+                         BLOCK_M=rows, BLOCK_N=4 if rows == 1 else 64,
+                         BLOCK_K=1024 if rows == 1 else 128,
                          PRECISION="tf32", USE_PDL=True)
             assert compile_sm90(triton_gemv._gemv_kernel, signature, flags).asm["ptx"]
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import reference  # noqa: E402
-from tokenspeed.backends.kernels import triton_attention, triton_cache  # noqa: E402
+from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
 
 FEW = settings(max_examples=15, deadline=None, derandomize=True)
@@ -82,15 +82,67 @@ heads_st = st.sampled_from([(4, 2), (4, 4), (6, 2), (4, 1)])
        head_dim=st.sampled_from([16, 32, 24]), splits=st.sampled_from([None, 1, 3, 8]),
        pad_rows=st.integers(0, 2))
 def test_decode_attention(lengths, page_size, heads, head_dim, splits, pad_rows):
-    check_attention(triton_attention.decode_attention, lengths, decode_rows(lengths, pad_rows),
+    check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, pad_rows),
                     page_size, heads[0], heads[1], head_dim, torch.float32, 1e-4,
                     num_splits=splits, max_context=max(lengths))
 
 
 def test_decode_more_splits_than_keys():
     lengths = [1, 2, 130]
-    check_attention(triton_attention.decode_attention, lengths, decode_rows(lengths, 1), 4, 4,
+    check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, 1), 4, 4,
                     2, 16, torch.float32, 1e-4, num_splits=16)
+
+
+def rope_decode_case(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype):
+    """Cache, rows, and q, k, v as strided views of one projection output, like a layer's."""
+    kv, table = paged_setup(lengths, page_size, kv_heads, head_dim, dtype=dtype)
+    row_request, positions = decode_rows(lengths, pad_rows)
+    pages = table[row_request, positions // page_size].long()
+    slots = pages * page_size + positions % page_size
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim, device=DEVICE)
+    q, k, v = qkv.to(dtype).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    views = (q.view(-1, heads, head_dim), *(t.view(-1, kv_heads, head_dim) for t in (k, v)))
+    cos_sin = triton_fused.rope_cos_sin_cache(head_dim, 4096, device=DEVICE)
+    return kv, table, row_request, positions, slots, views, cos_sin
+
+
+def check_rope_decode(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype, tol,
+                      **kwargs):
+    """Fused = rotate and write, then attend; live rows only (padding rows share a slot)."""
+    kv, table, row_request, positions, slots, (q, k, v), cos_sin = rope_decode_case(
+        lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype)
+    want_kv = kv.clone()
+    q_rot = triton_fused.rope_and_write_kv_reference(q, k, v, cos_sin, positions, want_kv, 1,
+                                                     slots)
+    scale = head_dim ** -0.5
+    want = reference.paged_attention(q_rot, want_kv, 1, table, row_request, positions, scale,
+                                     page_size)
+    got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, slots, table,
+                                              row_request, scale, page_size, **kwargs)
+    live = len(lengths)
+    torch.testing.assert_close(got[:live].float(), want[:live].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(kv[:, :, slots[:live]].float(), want_kv[:, :, slots[:live]].float(),
+                               atol=tol, rtol=tol)
+    assert torch.equal(kv[0], want_kv[0])  # another layer's cache is untouched
+
+
+@FEW
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+       page_size=st.sampled_from([4, 16]), heads=heads_st,
+       head_dim=st.sampled_from([16, 24]), splits=st.sampled_from([None, 1, 3, 8]),
+       pad_rows=st.integers(0, 1))
+def test_rope_decode_attention_is_rope_write_then_attention(lengths, page_size, heads,
+                                                            head_dim, splits, pad_rows):
+    check_rope_decode(lengths, pad_rows, page_size, heads[0], heads[1], head_dim,
+                      torch.float32, 1e-4, num_splits=splits, max_context=max(lengths))
+
+
+def test_rope_decode_attention_rejects_mismatched_keys():
+    kv, table, row_request, positions, slots, (q, k, v), cos_sin = rope_decode_case(
+        [5], 0, 4, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"k and v must be \[1, 2, 16\]"):
+        triton_decode.rope_decode_attention(q, k[:, :1], v[:, :1], cos_sin, positions, kv, 0,
+                                            slots, table, row_request, 1.0, 4)
 
 
 @FEW
@@ -121,8 +173,8 @@ def test_attention_rejects_bad_shapes():
     kv, table = paged_setup([4], 4, 2, 16)
     rows = decode_rows([4], 0)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        triton_attention.decode_attention(torch.zeros(1, 3, 16, device=DEVICE), kv, 0, table,
-                                          *rows, 1.0, 4)
+        triton_decode.decode_attention(torch.zeros(1, 3, 16, device=DEVICE), kv, 0, table,
+                                       *rows, 1.0, 4)
 
 
 @FEW
@@ -238,14 +290,16 @@ def test_gated_gemv_is_silu_mul_then_gemv(m, n, k, splits):
 
 @FEW
 @given(m=st.sampled_from([1, 5]), n=st.integers(1, 40), k=st.integers(1, 200),
-       residual=st.booleans(), splits=st.sampled_from([1, 2]))
+       residual=st.booleans(), splits=st.sampled_from([None, 1, 2]))
 def test_norm_gemv_is_norm_then_gemv(m, n, k, residual, splits):
     """The norm feeding a projection, fused into its GEMV: the sum is exact, the output
-    matches norm-then-linear (the squares are summed in another order)."""
+    matches norm-then-linear (the squares are summed in another order). Rows of one tile
+    (the default config, or k <= 64) take the read-once path."""
     x, res = torch.randn(2, m, k, device=DEVICE)
     norm_w, w = torch.randn(k, device=DEVICE), torch.randn(n, k, device=DEVICE)
     res = res if residual else None
-    out, total = triton_gemv.norm_linear(x, res, norm_w, 1e-6, w, config=(16, 64, splits, 4, 2))
+    config = None if splits is None else (16, 64, splits, 4, 2)
+    out, total = triton_gemv.norm_linear(x, res, norm_w, 1e-6, w, config=config)
     want_total = x + res if residual else x
     normed = triton_fused.rms_norm_reference(want_total, norm_w, 1e-6)
     torch.testing.assert_close(out, torch.nn.functional.linear(normed, w), atol=1e-4, rtol=1e-4)
@@ -321,8 +375,16 @@ REAL_HEADS = [(14, 2), (32, 8)]
 @pytest.mark.parametrize("heads", REAL_HEADS)
 def test_gpu_decode_attention(heads):
     lengths = [1, 17, 300, 1000, 4096, 2049]
-    check_attention(triton_attention.decode_attention, lengths, decode_rows(lengths, 2), 16,
+    check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, 2), 16,
                     heads[0], heads[1], 64, torch.bfloat16, 2e-2, max_context=4096)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", REAL_HEADS)
+def test_gpu_rope_decode_attention(heads):
+    check_rope_decode([1, 17, 300, 1000, 4096, 2049], 1, 16, heads[0], heads[1], 64,
+                      torch.bfloat16, 2e-2, max_context=4096)
 
 
 @gpu
@@ -343,10 +405,10 @@ def test_gpu_decode_attention_cuda_graph():
     row_request, positions = decode_rows(lengths, 1)
     q = torch.randn(len(positions), 14, 64, device="cuda", dtype=torch.bfloat16)
     args = (q, kv, 0, table, row_request, positions, 0.125, 16)
-    triton_attention.decode_attention(*args, max_context=4096)          # compile first
+    triton_decode.decode_attention(*args, max_context=4096)          # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_attention.decode_attention(*args, max_context=4096)
+        out = triton_decode.decode_attention(*args, max_context=4096)
     positions.copy_(torch.tensor([3, 37, 3999, 0], device="cuda"))
     graph.replay()
     want = reference.paged_attention(*args)
@@ -384,9 +446,9 @@ def test_gpu_gemv(m, k, n):
 @gpu
 @pytest.mark.gpu
 def test_gpu_gemv_cuda_graph():
-    x = torch.randn(1, 4864, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) / 70
-    assert triton_gemv.choose_config(1, 896, 4864, 132)[2] > 1            # split-K path
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 90
+    assert triton_gemv.choose_config(1, 256, 8192, 132)[2] > 1            # split-K path
     triton_gemv.linear(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -97,7 +97,8 @@ def test_history_names_every_pass(model):
     assert [h.pass_name for h in traced.lower("prefill").history] == \
         ["trace", "narrow_rows", "fuse_norms", "attention_breaks", "split_segments"]
     assert [name for name, _ in traced.lower("decode").history] == [
-        "trace", "decode_kernels", "fuse_norms", "fuse_rope_write_kv", "select_linear",
+        "trace", "decode_kernels", "fuse_norms", "fuse_rope_write_kv",
+        "fuse_rope_decode_attention", "select_linear",
         "fuse_gated_linear", "fuse_norm_linear", "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]
     assert "stage=encoder" in texts[1] and "segment=" in texts[3] and "segment 00." in texts[4]
@@ -144,7 +145,9 @@ def test_decode_fusions_leave_few_ops_per_layer(model):
     targets = [str(n.target) for n in graph.nodes if n.op in ("call_function", "call_module")]
     c = model.config
     writers = c.num_layers - c.num_kv_shared_layers
-    assert targets.count("tokenspeed.rope_write_kv.default") == writers
+    assert targets.count("tokenspeed.rope_decode_attention.default") == writers
+    assert "tokenspeed.rope_write_kv.default" not in targets
+    assert targets.count("tokenspeed.decode_attention.default") == c.num_kv_shared_layers
     assert targets.count("tokenspeed.norm_linear.default") == 2 * c.num_layers  # qkv, gate_up
     assert targets.count("tokenspeed.add_rms_norm.default") == 1    # final: a gather follows
     assert targets.count("tokenspeed.gated_linear.default") == c.num_layers

@@ -45,6 +45,26 @@ def _rope_write_kv_fake(q, k, v, cos_sin, positions, kv_cache, layer, slot_mappi
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("tokenspeed::rope_decode_attention", mutates_args=("kv_cache",))
+def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                          layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                          row_request: torch.Tensor, scale: float) -> torch.Tensor:
+    """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
+    value and attends, using that key from registers."""
+    return dispatch.rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer,
+                                          slot_mapping, block_tables, row_request, scale)
+
+
+@rope_decode_attention.register_fake
+def _rope_decode_attention_fake(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
+                                block_tables, row_request, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+ROPE_DECODE_ATTENTION = torch.ops.tokenspeed.rope_decode_attention.default
+
+
 @torch.library.custom_op("tokenspeed::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A linear layer whose kernel is chosen by shape: split-K GEMV for few rows on CUDA."""

@@ -13,6 +13,7 @@ is part of its shape, so no op needs it as an argument.
 import torch
 
 from tokenspeed.backends.kernels import dispatch
+from tokenspeed.ir.fused_ops import ROPE_DECODE_ATTENTION
 
 
 @torch.library.custom_op("tokenspeed::write_kv", mutates_args=("kv_cache",))
@@ -63,5 +64,6 @@ def _silu_and_mul_fake(gate_up):
 WRITE_KV = torch.ops.tokenspeed.write_kv.default
 DECODE_ATTENTION = torch.ops.tokenspeed.decode_attention.default
 ATTENTION = torch.ops.tokenspeed.attention.default
-ATTENTION_TARGETS = (torch.ops.tokenspeed.attention, ATTENTION, DECODE_ATTENTION)
+ATTENTION_TARGETS = (torch.ops.tokenspeed.attention, ATTENTION, DECODE_ATTENTION,
+                     ROPE_DECODE_ATTENTION)
 WRITE_KV_TARGETS = (torch.ops.tokenspeed.write_kv, WRITE_KV)

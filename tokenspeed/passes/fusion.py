@@ -4,6 +4,9 @@
   residual add, the add joins it (``tokenspeed::add_rms_norm`` returns norm and sum).
 - ``fuse_rope_write_kv``: a layer's rotary of q and k and its cache write become one
   ``tokenspeed::rope_write_kv`` reading a cos/sin table.
+- ``fuse_rope_decode_attention``: that op feeding the layer's decode attention joins it
+  (``tokenspeed::rope_decode_attention``): the attention kernel rotates q and the row's
+  own key and writes the cache itself.
 - ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
   by row count (split-K GEMV for a few rows on CUDA).
 - ``fuse_gated_linear``: ``linear(silu_and_mul(gate_up))`` becomes
@@ -18,7 +21,8 @@ import torch
 from torch import fx
 
 from tokenspeed.ir import fused_ops  # noqa: F401 - registers the ops
-from tokenspeed.ir.ops import WRITE_KV
+from tokenspeed.ir.fused_ops import ROPE_DECODE_ATTENTION
+from tokenspeed.ir.ops import DECODE_ATTENTION, WRITE_KV
 from tokenspeed.ir.program import rename
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.models.layers import RMSNorm, Rotary
@@ -97,6 +101,22 @@ def fuse_rope_write_kv(gm: fx.GraphModule, *, config, **_) -> None:
         rename(fused, f"{q_rot.name}_write_kv")
         for dead in (write, q_rot, k_rot):
             gm.graph.erase_node(dead)
+
+
+@graph_pass("fuse_rope_decode_attention")
+def fuse_rope_decode_attention(gm: fx.GraphModule, **_) -> None:
+    for node in list(gm.graph.nodes):
+        rope = node.args[0] if node.target == DECODE_ATTENTION else None
+        if not (isinstance(rope, fx.Node) and rope.target == ops.rope_write_kv.default
+                and len(rope.users) == 1):
+            continue
+        q, k, v, table, positions, cache, layer, slots = rope.args
+        _, cache_read, layer_read, block_tables, row_request, positions_read, scale = node.args
+        if (cache_read, layer_read, positions_read) != (cache, layer, positions):
+            continue
+        _substitute(gm, node, ROPE_DECODE_ATTENTION, (q, k, v, table, positions, cache, layer,
+                                                     slots, block_tables, row_request, scale))
+        gm.graph.erase_node(rope)
 
 
 @graph_pass("select_linear")

@@ -8,7 +8,8 @@ from tokenspeed.backends.descriptors import leaves
 from tokenspeed.ir.program import STAGES, Program, Segment
 from tokenspeed.passes.breaks import attention_breaks, whole_graph
 from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_norm_linear, fuse_norms,
-                                      fuse_rope_write_kv, select_linear)
+                                      fuse_rope_decode_attention, fuse_rope_write_kv,
+                                      select_linear)
 from tokenspeed.passes.kernels import decode_kernels
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
@@ -20,8 +21,8 @@ MODES = ("prefill", "decode")
 def pipeline(mode: str, narrow: bool, decode_graph: bool):
     if mode == "prefill":
         return ([narrow_rows] if narrow else []) + [fuse_norms, attention_breaks, split_segments]
-    return [decode_kernels, fuse_norms, fuse_rope_write_kv, select_linear, fuse_gated_linear,
-            fuse_norm_linear, whole_graph if decode_graph else attention_breaks, split_segments]
+    return [decode_kernels, fuse_norms, fuse_rope_write_kv, fuse_rope_decode_attention,
+            select_linear, fuse_gated_linear, fuse_norm_linear, whole_graph if decode_graph else attention_breaks, split_segments]
 
 
 def lower(traced, mode: str = "decode", *, narrow: bool = True, decode_graph: bool = True) -> "Lowered":

@@ -1,19 +1,13 @@
-"""Triton paged attention over the KV cache of ``reference.py``, for decode and extend.
+"""Triton paged attention over the KV cache of ``reference.py``: extend, and the pieces
+decode shares (``triton_decode.py``).
 
 Semantics match ``reference.paged_attention``: query row r attends causally to positions
 0..positions[r] of request row_request[r], found through block_tables[row_request[r]];
 query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32.
 
-Why two kernels:
-* ``decode_attention`` has one query row per request, so its work is reading K/V. One
-  program serves all query heads of a KV-head group (each page is read once per group, and
-  the group fills the M side of ``tl.dot``), and the KV length is split across programs
-  (flash-decoding) so a few long requests still occupy every SM; a second small kernel
-  merges the splits by their log-sum-exp. It reads no tensor value on the host and its grid
-  depends only on shapes and Python ints, so it can be captured in a CUDA graph.
-* ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
-  request share every key block through ``tl.dot``; the tile plan is built on the host
-  (one sync), once per batch if the caller passes it to every layer.
+``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
+request share every key block through ``tl.dot``; the tile plan is built on the host (one
+sync), once per batch if the caller passes it to every layer.
 """
 
 from typing import NamedTuple
@@ -25,8 +19,6 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 
 MAX_HEAD_DIM = 256
-MAX_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 128
 DEFAULT_SMS = 132
 LOG2E = 1.4426950408889634
 EXTEND_BLOCK_M = 64
@@ -43,9 +35,9 @@ def _slots(bt_row_ptr, kpos, valid, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, stride_slot,
-                  qk_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, stride_slot,
+                 qk_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step (base 2) over the key block ``kpos``.
 
     CAUSAL masks key j for query row i unless j <= pos[i]; otherwise only ``valid`` keys."""
@@ -68,73 +60,6 @@ def _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos,
                 other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
-
-
-@triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, qk_scale, stride_qr, stride_qh, stride_or, stride_oh, stride_bt,
-                   stride_slot, stride_kvh,
-                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    pdl.start(USE_PDL)
-    pdl.wait(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    req = tl.load(req_ptr + row).to(tl.int64)
-    length = tl.load(pos_ptr + row).to(tl.int32) + 1
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, length)
-
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    hmask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=hmask,
-                other=0.0).to(k_ptr.dtype.element_ty)
-    m = tl.full([BLOCK_G], -1e30, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + req * stride_bt
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
-                                  kpos, kpos < hi, g, stride_slot, qk_scale, False, HEAD_DIM,
-                                  PAGE_SIZE, BLOCK_D, PRECISION)
-    safe_l = tl.where(l > 0, l, 1.0)
-    o = acc / safe_l[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
-        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
-        tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
-
-
-@triton.jit
-def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
-                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_PDL: tl.constexpr):
-    pdl.start(USE_PDL)
-    pdl.wait(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(mid_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    omask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
-    o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -168,20 +93,20 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
     full = (tl.min(tl.where(r < count, pos, hi), 0) + 1) // BLOCK_N * BLOCK_N
     for start in range(0, full, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
-                                  kpos < hi, pos, stride_slot, qk_scale, False, HEAD_DIM,
-                                  PAGE_SIZE, BLOCK_D, PRECISION)
+        m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
+                                 kpos < hi, pos, stride_slot, qk_scale, False, HEAD_DIM,
+                                 PAGE_SIZE, BLOCK_D, PRECISION)
     for start in range(full, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        m, l, acc = _attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
-                                  kpos < hi, pos, stride_slot, qk_scale, True, HEAD_DIM,
-                                  PAGE_SIZE, BLOCK_D, PRECISION)
+        m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
+                                 kpos < hi, pos, stride_slot, qk_scale, True, HEAD_DIM,
+                                 PAGE_SIZE, BLOCK_D, PRECISION)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-def _check(q, kv_cache, block_tables, row_request, positions):
+def check_paged_inputs(q, kv_cache, block_tables, row_request, positions):
     if q.dim() != 3:
         raise ValueError(f"q must be [Q, H, D]; got {tuple(q.shape)}")
     rows, heads, head_dim = q.shape
@@ -202,7 +127,7 @@ def _check(q, kv_cache, block_tables, row_request, positions):
         raise ValueError("kv_cache must have a contiguous head_dim")
 
 
-def _common(q, kv_cache, layer):
+def cache_views(q, kv_cache, layer):
     """Kernel arguments shared by decode and extend: K/V views, blocks, dot precision."""
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -211,64 +136,10 @@ def _common(q, kv_cache, layer):
     return q, k_cache, v_cache, block_d, precision
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
-    """Splits per row so rows*kv_heads*splits covers ~2 waves, each split >= 128 keys."""
-    by_occupancy = triton.cdiv(2 * sm_count, max(1, rows * kv_heads))
-    by_length = triton.cdiv(max(1, max_context), MIN_TOKENS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
-
-
-def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
-                     page_size, num_splits=None, max_context=None):
-    """One query row per request; CUDA-graph safe.
-
-    ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
-    ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
-    width * page_size, and from the row count rounded up to a power of two: a batch and the
-    ladder rung it pads to then split alike whenever powers of two are rungs (the default
-    ladder), so replay and eager reduce every row in the same order. Nothing reads tensor
-    values, so the launch is capturable.
-    """
-    _check(q, kv_cache, block_tables, row_request, positions)
-    rows, heads, head_dim = q.shape
-    kv_heads = kv_cache.shape[3]
-    out = torch.empty_like(q)
-    if rows == 0:
-        return out
-    q, k_cache, v_cache, block_d, precision = _common(q, kv_cache, layer)
-    if num_splits is None:
-        context = max_context if max_context is not None else block_tables.shape[1] * page_size
-        pow2_rows = 1 << max(rows - 1, 0).bit_length()
-        num_splits = choose_num_splits(pow2_rows, kv_heads, context, _sm_count(q.device))
-    if not 1 <= num_splits <= 1024:
-        raise ValueError(f"num_splits {num_splits} must be in 1..1024")
-    group = heads // kv_heads
-    mid_o = torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
-                        device=q.device) if num_splits > 1 else out
-    mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,
-                          device=q.device) if num_splits > 1 else out
-    launch = pdl.launch_options(q.device)
-    _decode_kernel[(rows, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
-        NUM_HEADS=heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, PRECISION=precision,
-        num_warps=4, num_stages=2, **launch)
-    if num_splits > 1:
-        _combine_kernel[(rows, heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
-            **launch)
-    return out
 
 
 class ExtendPlan(NamedTuple):
@@ -302,12 +173,12 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
                      page_size, plan: ExtendPlan = None):
     """Ragged causal attention of many rows per request (prefix hits included); eager only
     unless ``plan`` (from ``extend_tile_plan``) is given, which removes every host sync."""
-    _check(q, kv_cache, block_tables, row_request, positions)
+    check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
         return out
-    q, k_cache, v_cache, block_d, precision = _common(q, kv_cache, layer)
+    q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
     plan = plan if plan is not None else extend_tile_plan(row_request)
     block_n = EXTEND_BLOCK_N if head_dim <= 128 else 32
     _extend_kernel[(len(plan.first), heads)](

@@ -21,6 +21,7 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 
 MAX_M = 16
+NORM_TILE = 4096
 DEFAULT_SMS = 132
 
 
@@ -59,6 +60,23 @@ def _inv_rms(x_ptr, res_ptr, total_ptr, m, mmask, K, stride_xm, eps, write_rows,
                      mask=mask & (m < write_rows)[:, None])
         squares += tl.sum(h * h, 1)
     return 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, nw_ptr, total_ptr, m, mmask, k, K, stride_xm, eps,
+                 write_rows, HAS_RES: tl.constexpr):
+    """rms_norm(x + residual) * norm weight of rows no longer than the tile, from one read
+    of them; rounded as ``_input`` rounds it. The first ``write_rows`` rows of the sum are
+    written."""
+    mask = mmask[:, None] & (k < K)[None, :]
+    offs = m[:, None] * stride_xm + k[None, :]
+    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    h = _hidden(x_ptr, res_ptr, offs, mask, HAS_RES)
+    if HAS_RES:
+        tl.store(total_ptr + offs, h.to(total_ptr.dtype.element_ty), mask=mask & (m < write_rows)[:, None])
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, 1) / K + eps)
+    ty = x_ptr.dtype.element_ty
+    return (nw[None, :] * (h * inv[:, None]).to(ty).to(tl.float32)).to(ty)
 
 
 @triton.jit
@@ -107,9 +125,11 @@ def _accumulate(acc, w, x, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                  k_per_split, stride_xm, stride_wn, stride_os, stride_om, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """The first weight tile is requested before waiting on the previous kernel (PDL)."""
+                 HAS_RES: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """The first weight tile is requested before waiting on the previous kernel (PDL).
+    ONE_TILE: a normed input whose whole row is that tile."""
     pdl.start(USE_PDL)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,14 +148,17 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, M,
     w = _weight_tile(w_tile, k_lo, k_hi, kk, nmask, BLOCK_M)
     pdl.wait(USE_PDL)
     inv = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:
-        first = (tl.program_id(0) == 0) & (split == 0)
-        inv = _inv_rms(x_ptr, res_ptr, total_ptr, m, mmask, K, stride_xm, eps,
-                       tl.where(first, M, 0),
-                       HAS_RES, BLOCK_M, BLOCK_K)
-    k = k_lo + kk
-    x = _input(x_ptr, res_ptr, nw_ptr, m[:, None] * stride_xm + k[None, :], k,
-               mmask[:, None] & (k < k_hi)[None, :], K, inv, GATED, NORM, HAS_RES)
+    write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), M, 0)  # the sum, once
+    if ONE_TILE:  # the row's only tile gives its statistics and the product: read once
+        x = _normed_tile(x_ptr, res_ptr, nw_ptr, total_ptr, m, mmask, kk, K, stride_xm, eps,
+                         write_rows, HAS_RES)
+    else:
+        if NORM:
+            inv = _inv_rms(x_ptr, res_ptr, total_ptr, m, mmask, K, stride_xm, eps,
+                           write_rows, HAS_RES, BLOCK_M, BLOCK_K)
+        k = k_lo + kk
+        x = _input(x_ptr, res_ptr, nw_ptr, m[:, None] * stride_xm + k[None, :], k,
+                   mmask[:, None] & (k < k_hi)[None, :], K, inv, GATED, NORM, HAS_RES)
     acc = _accumulate(acc, w, x, BLOCK_M, PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile, peeled, came early
         k = k0 + kk
@@ -173,18 +196,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_config(m: int, n: int, k: int, sm_count: int):
-    """(block_n, block_k, splits, num_warps, num_stages), from ``benchmarks/tune_gemv.py``
-    on an H200 (bf16, chains of launches under PDL).
+def choose_config(m: int, n: int, k: int, sm_count: int, normed: bool = False):
+    """(block_n, block_k, splits, num_warps, num_stages), from sweeps of chains of launches
+    under PDL on an H200 (bf16; ``benchmarks/tune_gemv.py``).
 
-    One row: thin column blocks and long K tiles keep many loads in flight per program.
-    Several rows: ``tl.dot`` tiles of 32-64 columns. K is split only when the column
-    blocks alone leave SMs idle, since the reduction is a second launch."""
+    One row: thin column blocks and long K tiles keep many loads in flight per program; a
+    ``normed`` row of up to ``NORM_TILE`` is one tile, read once for its statistics and its
+    product, and fewer column blocks re-read it less. Several rows: ``tl.dot`` tiles of
+    32-64 columns. K is split only when the column blocks alone leave SMs idle, since the
+    reduction is a second launch."""
     if m == 1:
-        block_n, block_k, warps, stages = 4, 1024, 4, 3
+        if normed and k <= NORM_TILE:
+            return (16 if n < 2048 else 4), triton.next_power_of_2(k), 1, \
+                (8 if k >= 2048 else 4), 1
+        block_n, block_k, warps = (8, 2048, 8) if k >= 4096 else (2 if n <= 4096 else 4, 1024, 4)
         n_blocks = triton.cdiv(n, block_n)
-        splits = min(4, triton.cdiv(6 * sm_count, n_blocks)) \
-            if k >= 4096 and n_blocks < 2 * sm_count else 1
+        splits = min(4, triton.cdiv(sm_count, n_blocks)) if n_blocks < sm_count // 2 else 1
+        stages = 3
     else:
         block_n, block_k, warps = (64 if n >= 2048 else 32), 128, 4
         n_blocks = triton.cdiv(n, block_n)
@@ -242,7 +270,7 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
             norm.total.copy_(x + norm.residual)
         return out
     block_n, block_k, splits, warps, stages = config or choose_config(
-        m, n, k, _sm_count(x.device))
+        m, n, k, _sm_count(x.device), normed=norm is not None)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split) if k else 1
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
@@ -254,9 +282,9 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
         x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
         bias if has_bias else x, part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         part.stride(0) if splits > 1 else 0, part.stride(-2), norm.eps, HAS_BIAS=has_bias,
-        GATED=gated, NORM=has_norm,
-        HAS_RES=norm.residual is not None, BLOCK_M=1 if m == 1 else MAX_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        GATED=gated, NORM=has_norm, HAS_RES=norm.residual is not None,
+        ONE_TILE=has_norm and splits == 1 and k <= block_k, BLOCK_M=1 if m == 1 else MAX_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         block = min(1024, triton.next_power_of_2(n))

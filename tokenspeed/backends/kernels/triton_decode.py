@@ -1,0 +1,231 @@
+"""Triton paged decode attention: one query row per request, optionally with its rotary
+embedding and cache write fused in.
+
+One program serves all query heads of a KV-head group (each page is read once per group,
+and the group fills the M side of ``tl.dot``), and the KV length is split across programs
+(flash-decoding) so a few long requests still occupy every SM; a second small kernel
+merges the splits by their log-sum-exp. Nothing reads a tensor value on the host and the
+grid depends only on shapes and Python ints, so both launches can be captured.
+
+``rope_decode_attention`` takes q, k and v as the projection wrote them. Each program
+rotates its q heads; the program whose split holds the row's own position rotates that
+key, attends to it from registers and writes it and its value to the cache: the kernel
+that did only this (``triton_fused.rope_and_write_kv``) cost a launch per layer.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, cache_views, \
+    check_paged_inputs, sm_count
+
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 128
+
+
+class NewKey(NamedTuple):
+    """The row's own key and value, unrotated, and where the cache keeps them."""
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@triton.jit
+def _rotated(row_ptr, d, mask, cos_sin_row, HALF: tl.constexpr):
+    """Rotate-half rotary of the rows at ``row_ptr`` (one per head), fp32, as
+    ``triton_fused._rotate`` computes it: x1 cos - x2 sin, x2 cos + x1 sin."""
+    first = d < HALF
+    j = tl.where(first, d, d - HALF)
+    x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(row_ptr + tl.where(first, d + HALF, d - HALF), mask=mask,
+                      other=0.0).to(tl.float32)
+    cos = tl.load(cos_sin_row + j, mask=d < 2 * HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + j, mask=d < 2 * HALF, other=0.0).to(tl.float32)
+    return tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
+
+
+@triton.jit
+def _attend_new_key(q, m, l, acc, k, v, qk_scale):
+    """One online-softmax step (base 2) over the row's own key, as ``attend_block``."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
+    m_new = tl.maximum(m, s)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new)
+    l = l * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * \
+        v.to(tl.float32)[None, :]
+    return m_new, l, acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
+                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, qk_scale, stride_qr,
+                   stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
+                   stride_knr, stride_knh, stride_vnr, stride_vnh, stride_cs,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+    """ROPE: q, k_new, v_new are unrotated; the cache does not hold the row's key yet."""
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(req_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    length = pos + 1
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, length)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    hmask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q_rows = q_ptr + row * stride_qr + heads[:, None] * stride_qh
+    cs_row = cs_ptr + pos.to(tl.int64) * stride_cs
+    if ROPE:
+        q = _rotated(q_rows, d[None, :], hmask, cs_row, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)
+        cached_hi = tl.minimum(hi, pos)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=hmask, other=0.0)
+        cached_hi = hi
+    q = q.to(k_ptr.dtype.element_ty)
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + req * stride_bt
+    for start in range(lo, cached_hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
+                                  kpos, kpos < cached_hi, g, stride_slot, qk_scale, False,
+                                  HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
+    if ROPE:
+        if (lo <= pos) & (pos < hi):  # this split holds the row's own key
+            dmask = d < HEAD_DIM
+            k = _rotated(kn_ptr + row * stride_knr + kv_head * stride_knh, d, dmask, cs_row,
+                         HEAD_DIM // 2).to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+            v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask,
+                        other=0.0).to(v_ptr.dtype.element_ty)
+            m, l, acc = _attend_new_key(q, m, l, acc, k, v, qk_scale)
+            slot = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * stride_kvh
+            tl.store(k_ptr + slot + d, k, mask=dmask)
+            tl.store(v_ptr + slot + d, v, mask=dmask)
+    safe_l = tl.where(l > 0, l, 1.0)
+    o = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
+                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (row * NUM_HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(mid_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    omask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
+    o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def choose_num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Splits per row so rows*kv_heads*splits covers ~2 waves, each split >= 128 keys."""
+    by_occupancy = triton.cdiv(2 * sm_count, max(1, rows * kv_heads))
+    by_length = triton.cdiv(max(1, max_context), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
+                     page_size, num_splits=None, max_context=None):
+    """One query row per request; CUDA-graph safe.
+
+    ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
+    ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
+    width * page_size, and from the row count rounded up to a power of two: a batch and the
+    ladder rung it pads to then split alike whenever powers of two are rungs (the default
+    ladder), so replay and eager reduce every row in the same order. Nothing reads tensor
+    values, so the launch is capturable.
+    """
+    check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
+    return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
+                   num_splits, max_context, None)
+
+
+def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
+                          block_tables, row_request, scale, page_size, num_splits=None,
+                          max_context=None):
+    """``rope_and_write_kv`` then ``decode_attention`` in one kernel: q [R, H, D], k and v
+    [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache."""
+    check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
+    if k.shape != v.shape or k.shape != (q.shape[0], *kv_cache.shape[3:]):
+        raise ValueError(f"k and v must be [{q.shape[0]}, {kv_cache.shape[3]}, "
+                         f"{kv_cache.shape[4]}]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] % 2 or cos_sin.dim() != 2 or cos_sin.shape[1] != q.shape[2]:
+        raise ValueError(f"head_dim {q.shape[2]} must be even and the cos_sin table "
+                         f"[positions, {q.shape[2]}]; got {tuple(cos_sin.shape)}")
+    if slot_mapping.shape != (q.shape[0],):
+        raise ValueError(f"slot_mapping must be [{q.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
+                 slot_mapping)
+    return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
+                   num_splits, max_context, new)
+
+
+def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
+            num_splits, max_context, new: NewKey | None):
+    rows, heads, head_dim = q.shape
+    kv_heads = kv_cache.shape[3]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
+    if num_splits is None:
+        context = max_context if max_context is not None else block_tables.shape[1] * page_size
+        pow2_rows = 1 << max(rows - 1, 0).bit_length()
+        num_splits = choose_num_splits(pow2_rows, kv_heads, context, sm_count(q.device))
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits {num_splits} must be in 1..1024")
+    mid_o = torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
+                        device=q.device) if num_splits > 1 else out
+    mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,
+                          device=q.device) if num_splits > 1 else out
+    launch = pdl.launch_options(q.device)
+    kn, vn, cos_sin, slots = new if new is not None else (q, q, q, positions)  # unread
+    _decode_kernel[(rows, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
+        kn, vn, cos_sin, slots, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
+        NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
+        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, PRECISION=precision,
+        ROPE=new is not None, num_warps=4, num_stages=2, **launch)
+    if num_splits > 1:
+        _combine_kernel[(rows, heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+            **launch)
+    return out
