@@ -43,6 +43,24 @@ def gemv_variants():
             assert compile_sm90(triton_gemv._gemv_kernel, signature, flags).asm["ptx"]
 
 
+def decode_kernels():
+    """Decode attention with and without the fused rotary, one split and several."""
+    from tokenspeed.backends.kernels import triton_decode
+    names = triton_decode._decode_kernel.arg_names
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
+                    pos_ptr="*i64", out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32",
+                    kn_ptr="*bf16", vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64")
+    signature = {**pointers, "qk_scale": "fp32",
+                 **{n: "i32" for n in names if n.startswith("stride")}}
+    for rope in (False, True):
+        for splits in (1, 8):
+            flags = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=splits,
+                         BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32", ROPE=rope,
+                         USE_PDL=True)
+            ptx = compile_sm90(triton_decode._decode_kernel, signature, flags).asm["ptx"]
+            assert "griddepcontrol.wait" in ptx
+
+
 def sampling_kernels():
     from tokenspeed.backends.kernels import triton_sampling as s
     best = compile_sm90(s._block_best_kernel, dict(
@@ -55,7 +73,7 @@ def sampling_kernels():
     assert "griddepcontrol.wait" in best.asm["ptx"] and row.asm["ptx"]
 
 
-@pytest.mark.parametrize("check", ["gemv_variants", "sampling_kernels"])
+@pytest.mark.parametrize("check", ["gemv_variants", "decode_kernels", "sampling_kernels"])
 def test_kernels_compile_for_sm90(check):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

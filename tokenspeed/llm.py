@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.paged import CacheGroupRouter
 from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.ir.trace import trace
@@ -53,15 +54,18 @@ class LLM:
                                           next(self.model.parameters()).dtype, self.device)
         self.backend = backend or CacheGroupRouter()
         self.support = CudaGraphSupport(False, False) if enforce_eager else self.backend.graph_support()
-        self.traced = trace(self.model)
-        self.lowered = {"prefill": self.traced.lower("prefill"),
-                        "decode": self.traced.lower("decode", decode_graph=self.support.decode_graph)}
-        self.scheduler = Scheduler(BlockAllocator(self.num_pages), page_size, max_num_seqs,
-                                   max_num_batched_tokens)
-        self.prefill, self.decode, self.startup = build_runners(
-            self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            capture_sizes=capture_sizes, token_buckets=token_buckets, view_width=view_width, seed=seed,
-            compile_workers=compile_workers)
+        graphs = self.support.decode_graph or self.support.prefill_graph
+        graphs = graphs and self.device.type == "cuda"
+        with CompileWorkers(compile_workers if graphs else 0) as workers:  # imports overlap tracing
+            self.traced = trace(self.model)
+            self.lowered = {"prefill": self.traced.lower("prefill"),
+                            "decode": self.traced.lower("decode", decode_graph=self.support.decode_graph)}
+            self.scheduler = Scheduler(BlockAllocator(self.num_pages), page_size, max_num_seqs,
+                                       max_num_batched_tokens)
+            self.prefill, self.decode, self.startup = build_runners(
+                self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                capture_sizes=capture_sizes, token_buckets=token_buckets, view_width=view_width,
+                seed=seed, compile_workers=workers)
         self.engine = Engine(self.scheduler, self.prefill, self.decode, config.eos_token_ids,
                              self.max_model_len, overlap)
         self._next_id = 0

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, token_buckets,
-                  view_width, seed, compile_workers):
+                  view_width, seed, compile_workers: precompile.CompileWorkers):
+    """``compile_workers``: started by the caller, stopped here once the captures' kernels
+    are compiled."""
     device = llm.kv_cache.device
     generator = torch.Generator(device=device).manual_seed(seed)
     ladder = decode_ladder(max_num_seqs, capture_sizes) if llm.support.decode_graph else ()
@@ -46,7 +48,8 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
     sweeps = prefill.capture_sweeps if llm.support.prefill_graph else 0
     start = time.perf_counter()
     precompiled = _precompile(decode, prefill, ladder, sweeps, compile_workers) \
-        if device.type == "cuda" and compile_workers and (ladder or sweeps) else 0
+        if compile_workers.running and (ladder or sweeps) else 0
+    compile_workers.stop()
     compiled, memory = time.perf_counter(), _reserved(device)
     with torch.inference_mode(), tqdm(total=len(ladder) + sweeps, desc="capturing graphs",
                                       disable=None, leave=False) as bar:
@@ -60,24 +63,24 @@ def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, t
     return prefill, decode, report
 
 
-def _precompile(decode, prefill, ladder, sweeps, workers: int) -> int:
-    """Record the kernel variants the captures launch and compile them in ``workers``
+def _precompile(decode, prefill, ladder, sweeps, pool: precompile.CompileWorkers) -> int:
+    """Record the kernel variants the captures launch and compile them in the ``pool``'s
     processes (see ``precompile``); returns how many they compiled (none when an earlier
     start on this machine compiled the same set, or when a worker failed)."""
-    with precompile.CompileWorkers(workers) as pool:
-        with torch.inference_mode(), precompile.dry_run() as variants:
-            for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
-                decode.dry_step(bs)  # is new after two rungs that were not
-            if sweeps:
-                view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
-                _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)
-                _walk_until_quiet(lambda v: prefill.dry_walk(tokens, v), prefill.view_ladder, variants)
-        unique = sorted(set(variants))
-        if not unique or precompile.compiled_before(unique):
-            return 0  # leaving the block stops the workers
-        with tqdm(total=1, desc=f"compiling {len(unique)} kernels", disable=None, leave=False):
-            if not pool.compile(unique):
-                return 0  # what the workers missed compiles at its first launch (logged)
+    with torch.inference_mode(), precompile.dry_run() as variants:
+        for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
+            decode.dry_step(bs)  # is new after two rungs that were not
+        if sweeps:
+            view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
+            _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)
+            _walk_until_quiet(lambda v: prefill.dry_walk(tokens, v), prefill.view_ladder, variants)
+    unique = sorted(set(variants))
+    if not unique or precompile.compiled_before(unique):
+        return 0  # the caller stops the workers
+    workers = len(pool.running)
+    with tqdm(total=1, desc=f"compiling {len(unique)} kernels", disable=None, leave=False):
+        if not pool.compile(unique):
+            return 0  # what the workers missed compiles at its first launch (logged)
     precompile.mark_compiled(unique)
     log.info("compiled %d Triton kernel variants in %d processes", len(unique), workers)
     return len(unique)

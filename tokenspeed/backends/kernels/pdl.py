@@ -4,8 +4,9 @@ the end of the kernel before it.
 A decode step is a chain of a few hundred short kernels, and each boundary costs a launch
 plus a round trip to memory before the next kernel's first bytes arrive. Launched with PDL,
 kernel n+1 is scheduled as soon as every program of kernel n has started; its programs
-may read what no kernel writes (weights) and then ``wait`` for kernel n to finish and
-flush its writes. The chain is sound only if every program of every PDL kernel calls
+may read what no kernel of the step writes (weights, the step's metadata, copied in before
+its first kernel, and cache entries of earlier steps) and then ``wait`` for kernel n to
+finish and flush its writes. The chain is sound only if every program of every PDL kernel calls
 ``wait`` before it reads an activation or writes anything: kernel n+1's wait covers
 kernel n alone, and n's completion implies n-1's only because n waited too.
 

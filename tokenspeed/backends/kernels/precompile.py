@@ -73,7 +73,8 @@ def dry_run() -> Iterator[list[Variant]]:
 
 
 class CompileWorkers:
-    """Worker processes started before the dry run, so that their imports overlap it."""
+    """Worker processes started before tracing, so that their imports overlap it and the
+    dry run."""
 
     def __init__(self, count: int):
         from triton import knobs
@@ -107,17 +108,21 @@ class CompileWorkers:
             deadline = time.monotonic() + WORKER_SECONDS
             return all([_finished(process, errors, deadline) for process, errors in self.running]) and ok
 
-    def __enter__(self) -> "CompileWorkers":
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         """Workers never handed a share (the variants were compiled before, or the dry run
-        raised) are stopped."""
+        raised) are stopped; none remain running."""
         for process, errors in self.running:
             if process.poll() is None:
                 process.kill()
             process.wait()
             errors.close()
+        self.running = []
+
+    def __enter__(self) -> "CompileWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def _hand_over(process: subprocess.Popen, share: Path) -> bool:

@@ -35,17 +35,27 @@ def _slots(bt_row_ptr, kpos, valid, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, stride_slot,
-                 qk_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step (base 2) over the key block ``kpos``.
-
-    CAUSAL masks key j for query row i unless j <= pos[i]; otherwise only ``valid`` keys."""
+def load_block(k_ptr, v_ptr, bt_row, kv_base, kpos, valid, stride_slot,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """K^T ``[BLOCK_D, BLOCK_N]`` and V ``[BLOCK_N, BLOCK_D]`` of the key block ``kpos``
+    (zeros where not ``valid``)."""
     d = tl.arange(0, BLOCK_D)
     slot = _slots(bt_row, kpos, valid, PAGE_SIZE)
     kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
     k = tl.load(k_ptr + kv_base + slot[None, :] * stride_slot + d[:, None], mask=kmask,
                 other=0.0)
+    vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
+    v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
+                other=0.0)
+    return k, v
+
+
+@triton.jit
+def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, qk_scale, CAUSAL: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One online-softmax step (base 2) over a loaded key block.
+
+    CAUSAL masks key j for query row i unless j <= pos[i]; otherwise only ``valid`` keys."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if CAUSAL:
         s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
@@ -55,11 +65,18 @@ def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, 
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
-    v = tl.load(v_ptr + kv_base + slot[:, None] * stride_slot + d[None, :], mask=vmask,
-                other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
+
+
+@triton.jit
+def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, stride_slot,
+                 qk_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """``load_block`` then ``attend_loaded``."""
+    k, v = load_block(k_ptr, v_ptr, bt_row, kv_base, kpos, valid, stride_slot, HEAD_DIM,
+                      PAGE_SIZE, BLOCK_D)
+    return attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, qk_scale, CAUSAL, PRECISION)
 
 
 @triton.jit

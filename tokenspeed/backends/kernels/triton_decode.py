@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
-from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, cache_views, \
-    check_paged_inputs, sm_count
+from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, \
+    attend_loaded, cache_views, check_paged_inputs, load_block, sm_count
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128
@@ -71,9 +71,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                    ROPE: tl.constexpr, USE_PDL: tl.constexpr):
-    """ROPE: q, k_new, v_new are unrotated; the cache does not hold the row's key yet."""
+    """ROPE: q, k_new, v_new are unrotated; the cache does not hold the row's key yet.
+
+    Before waiting on the previous kernel (PDL) a program reads what no kernel of this step
+    writes: the step's metadata (copied in before its first kernel) and, with ROPE, its
+    first block of cached keys (written by earlier steps)."""
     pdl.start(USE_PDL)
-    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,6 +86,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, length)
+    cached_hi = hi
+    bt_row = bt_ptr + req * stride_bt
+    kpos = lo + tl.arange(0, BLOCK_N)
+    if ROPE:  # the row's own key is not in the cache yet
+        cached_hi = tl.minimum(hi, pos)
+        k0, v0 = load_block(k_ptr, v_ptr, bt_row, kv_head * stride_kvh, kpos, kpos < cached_hi,
+                            stride_slot, HEAD_DIM, PAGE_SIZE, BLOCK_D)
+    pdl.wait(USE_PDL)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -92,20 +103,22 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     cs_row = cs_ptr + pos.to(tl.int64) * stride_cs
     if ROPE:
         q = _rotated(q_rows, d[None, :], hmask, cs_row, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)
-        cached_hi = tl.minimum(hi, pos)
     else:
         q = tl.load(q_rows + d[None, :], mask=hmask, other=0.0)
-        cached_hi = hi
     q = q.to(k_ptr.dtype.element_ty)
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + req * stride_bt
-    for start in range(lo, cached_hi, BLOCK_N):
+    first = lo
+    if ROPE:
+        m, l, acc = attend_loaded(q, m, l, acc, k0, v0, kpos, kpos < cached_hi, g, qk_scale,
+                                  False, PRECISION)
+        first = lo + BLOCK_N
+    for start in range(first, cached_hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
-                                  kpos, kpos < cached_hi, g, stride_slot, qk_scale, False,
-                                  HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
+                                 kpos, kpos < cached_hi, g, stride_slot, qk_scale, False,
+                                 HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
     if ROPE:
         if (lo <= pos) & (pos < hi):  # this split holds the row's own key
             dmask = d < HEAD_DIM

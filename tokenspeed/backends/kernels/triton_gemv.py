@@ -73,7 +73,8 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, total_ptr, m, mmask, k, K, stride_xm, e
     nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     h = _hidden(x_ptr, res_ptr, offs, mask, HAS_RES)
     if HAS_RES:
-        tl.store(total_ptr + offs, h.to(total_ptr.dtype.element_ty), mask=mask & (m < write_rows)[:, None])
+        tl.store(total_ptr + offs, h.to(total_ptr.dtype.element_ty),
+                 mask=mask & (m < write_rows)[:, None])
     inv = 1.0 / tl.sqrt(tl.sum(h * h, 1) / K + eps)
     ty = x_ptr.dtype.element_ty
     return (nw[None, :] * (h * inv[:, None]).to(ty).to(tl.float32)).to(ty)
