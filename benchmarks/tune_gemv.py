@@ -3,15 +3,19 @@
     python benchmarks/tune_gemv.py [--rows 1 8] [--json results/tune_gemv.json]
 
 Each timing replays a CUDA graph of back-to-back launches over distinct weight copies
-(more bytes than L2 holds), as in a decode step, with PDL as the engine launches it.
-Prints, per shape, ``choose_config``'s time, the best config found, torch's, and the
-bandwidth of each against the measured copy bandwidth.
+(more bytes than L2 holds), as in a decode step, with PDL as the engine launches it. Each
+matrix is called as the step calls it: for one row the qkv and gate_up projections read a
+normed input (``norm_linear`` with a residual) and the down projection a gated one (SiLU
+of gate times up); for several rows every call is a plain ``linear``. Prints, per shape,
+``choose_config``'s time, the best config found, torch's, and the bandwidth of each
+against the measured copy bandwidth.
 """
 
 import argparse
 import itertools
 
 import torch
+import triton
 
 from benchmarks import common
 from tokenspeed.backends.kernels import triton_gemv
@@ -30,12 +34,23 @@ def decode_shapes(shape: str) -> dict[str, tuple[int, int]]:
             "lm_head": (c["vocab_size"], hidden)}
 
 
-def configs(m: int):
-    if m == 1:
-        tiles = itertools.product([4, 8, 16], [256, 512, 1024], [4, 8], [1, 3])
+def fused_input(name: str, m: int) -> str:
+    """How a decode step feeds the matrix ``name`` (see ``dispatch``): fused for one row."""
+    if m > 1:
+        return "plain"
+    return {"qkv": "normed", "gate_up": "normed", "down": "gated"}.get(name, "plain")
+
+
+def configs(m: int, k: int, kind: str):
+    if kind == "normed":  # one tile per row: only the column blocks and warps vary
+        tiles = itertools.product([2, 4, 8, 16], [triton.next_power_of_2(k)], [1], [2, 4, 8],
+                                  [1])
+    elif m == 1:
+        tiles = itertools.product([2, 4, 8], [512, 1024, 2048], [1, 2, 4], [4, 8], [3])
     else:
-        tiles = itertools.product([16, 32, 64], [64, 128, 256], [4], [3, 5])
-    return [(bn, bk, warps, stages) for bn, bk, warps, stages in tiles]
+        tiles = itertools.product([16, 32, 64], [128, 256], [1, 2, 4], [4], [3, 5])
+    return [(bn, bk, splits, warps, stages) for bn, bk, splits, warps, stages in tiles
+            if bk <= max(triton.next_power_of_2(k), 64)]
 
 
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
@@ -44,35 +59,42 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
 
 
-def time_chain(x: torch.Tensor, weights, launch) -> float:
-    """Seconds per launch of one graph of launches over ``weights``."""
-    launch(x, weights[0])
+def time_chain(weights, launch) -> float:
+    """Seconds per launch of one graph of ``launch(w)`` over ``weights``."""
+    launch(weights[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for w in weights:
-            launch(x, w)
+            launch(w)
     return common.gpu_time(graph.replay, iters=10) / len(weights)
 
 
-def tune(m: int, n: int, k: int, sms: int) -> dict:
-    weights = weight_copies(n, k)
+def launcher(m: int, k: int, kind: str):
+    """``config -> (weight -> output)``, the GEMV called as the step calls it."""
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 2 * k if kind == "gated" else k, **dev)
+    residual, norm_weight = torch.randn(m, k, **dev), torch.randn(k, **dev)
+    if kind == "normed":
+        return lambda c: lambda w: triton_gemv.norm_linear(x, residual, norm_weight, 1e-6, w,
+                                                           config=c)
+    return lambda c: lambda w: triton_gemv.linear(x, w, config=c, gated=kind == "gated")
+
+
+def tune(name: str, m: int, n: int, k: int, sms: int) -> dict:
+    kind = fused_input(name, m)
+    weights, launch = weight_copies(n, k), launcher(m, k, kind)
+    base = time_chain(weights, launch(None))
+    best = base, triton_gemv.choose_config(m, n, k, sms, normed=kind == "normed")
+    for cfg in configs(m, k, kind):
+        try:
+            best = min(best, (time_chain(weights, launch(cfg)), cfg))
+        except Exception as exc:  # a config Triton cannot compile (too much shared memory)
+            print(f"  skip {cfg}: {type(exc).__name__}")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    base = time_chain(x, weights, triton_gemv.linear)
-    best, best_cfg = base, triton_gemv.choose_config(m, n, k, sms)
-    splits_options = [1, 2, 4] if k >= 2048 else [1]
-    for bn, bk, warps, stages in configs(m):
-        for splits in splits_options:
-            cfg = (bn, bk, splits, warps, stages)
-            try:
-                t = time_chain(x, weights, lambda x, w, c=cfg: triton_gemv.linear(x, w, config=c))
-            except Exception as exc:  # a config Triton cannot compile (too much shared memory)
-                print(f"  skip {cfg}: {type(exc).__name__}")
-                continue
-            if t < best:
-                best, best_cfg = t, cfg
-    torch_t = time_chain(x, weights, torch.nn.functional.linear)
-    return {"m": m, "n": n, "k": k, "chosen_us": base * 1e6, "best_us": best * 1e6,
-            "best_config": best_cfg, "torch_us": torch_t * 1e6, "mb": n * k * 2 / 1e6}
+    torch_t = time_chain(weights, lambda w: torch.nn.functional.linear(x, w))
+    return {"m": m, "n": n, "k": k, "input": kind, "chosen_us": base * 1e6,
+            "best_us": best[0] * 1e6, "best_config": best[1], "torch_us": torch_t * 1e6,
+            "mb": n * k * 2 / 1e6}
 
 
 def main() -> None:
@@ -87,7 +109,7 @@ def main() -> None:
     for shape in args.shapes:
         for name, (n, k) in decode_shapes(shape).items():
             for m in args.rows:
-                row = {"shape": shape, "matrix": name, **tune(m, n, k, sms)}
+                row = {"shape": shape, "matrix": name, **tune(name, m, n, k, sms)}
                 for key in ("chosen", "best", "torch"):
                     row[f"{key}_bw"] = row["mb"] * 1e6 / (row[f"{key}_us"] * 1e-6) / bandwidth
                 rows.append(row)
@@ -96,7 +118,7 @@ def main() -> None:
                                               "bandwidth": bandwidth})
     print(f"\n# GEMV sweep, bf16, {common.device_name()}, commit {common.git_commit()}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; *_bw is the fraction of it")
-    print(common.table(rows, ["shape", "matrix", "m", "chosen_us", "best_us", "torch_us",
+    print(common.table(rows, ["shape", "matrix", "m", "input", "chosen_us", "best_us", "torch_us",
                               "chosen_bw", "best_bw", "torch_bw", "best_config"]))
 
 

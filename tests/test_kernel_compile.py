@@ -113,11 +113,12 @@ def test_a_failing_worker_costs_time_not_the_startup(worker, monkeypatch, caplog
         monkeypatch.setattr(precompile, "WORKER", "import time; time.sleep(60)")
         monkeypatch.setattr(precompile, "WORKER_SECONDS", 1)
     with precompile.CompileWorkers(2) as workers:
+        started = [process for process, _ in workers.running]
         if worker == "dies":
-            for process, _ in workers.running:
+            for process in started:
                 process.wait()  # gone before its share is handed over
         assert not workers.compile([precompile.Variant(*MISSING)])
-    assert all(process.poll() is not None for process, _ in workers.running)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)
     expected = {"fails": "no_such_module", "dies": "code 3", "hangs": "code -9"}[worker]
     assert expected in caplog.text
 
@@ -125,9 +126,18 @@ def test_a_failing_worker_costs_time_not_the_startup(worker, monkeypatch, caplog
 def test_unused_workers_are_stopped():
     from tokenspeed.backends.kernels import precompile
     with precompile.CompileWorkers(2) as workers:
-        pass
-    assert all(process.poll() is not None for process, _ in workers.running)
+        started = [process for process, _ in workers.running]
+    assert len(started) == 2 and all(process.poll() is not None for process in started)
+    assert workers.running == []
     assert not precompile.CompileWorkers(0).compile([precompile.Variant(*MISSING)])
+
+
+def test_no_compile_workers_need_no_triton(monkeypatch):
+    """A CPU or eager engine starts none, and must build where Triton is not installed."""
+    from tokenspeed.backends.kernels.precompile import CompileWorkers
+    monkeypatch.setitem(sys.modules, "triton", None)  # any import of it now fails
+    with CompileWorkers(0) as workers:
+        assert workers.running == []
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ class CompileWorkers:
     dry run."""
 
     def __init__(self, count: int):
-        from triton import knobs
         self.running: list[tuple[subprocess.Popen, object]] = []
+        if count == 0:  # no graphs, or no GPU: nothing to compile ahead (Triton may be absent)
+            return
+        from triton import knobs
         if not sys.executable or getattr(sys, "frozen", False):
             log.warning("no Python interpreter to run kernel compile workers: kernels compile "
                         "at their first launch")

@@ -75,7 +75,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
 
     Before waiting on the previous kernel (PDL) a program reads what no kernel of this step
     writes: the step's metadata (copied in before its first kernel) and, with ROPE, its
-    first block of cached keys (written by earlier steps)."""
+    first block of cached keys (written by earlier steps). That holds because a decode step
+    has one row per request and only this kernel writes the layer's cache; several rows of
+    one request (a verify window) would each need the others' keys, after the wait."""
     pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
