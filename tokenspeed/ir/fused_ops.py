@@ -100,4 +100,3 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 def _norm_linear_fake(x, residual, norm_weight, eps, weight, bias):
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     return [out] if residual is None else [out, torch.empty_like(x)]
-

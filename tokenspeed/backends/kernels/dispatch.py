@@ -2,7 +2,8 @@
 
 The choice is made per call from the device and, for projections, the row count (a
 GEMV up to ``GEMV_MAX_ROWS``), never from tensor values, so eager runs and captured
-graphs of the same shapes take the same kernels. Kernels see the cache as flat slots ``[layer, 0 | 1, slot, ...]``.
+graphs of the same shapes take the same kernels. Kernels see the cache as flat slots
+``[layer, 0 | 1, slot, ...]``.
 """
 
 import torch

@@ -185,7 +185,7 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     """
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, None)
+                   num_splits, max_context)
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
@@ -205,11 +205,12 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
                  slot_mapping)
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, new)
+                   num_splits, max_context, new=new)
 
 
 def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-            num_splits, max_context, new: NewKey | None):
+            num_splits, max_context, *, new: NewKey | None = None):
+    """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``)."""
     rows, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
