@@ -4,8 +4,10 @@ embedding and cache write fused in.
 One program serves all query heads of a KV-head group (each page is read once per group,
 and the group fills the M side of ``tl.dot``), and the KV length is split across programs
 (flash-decoding) so a few long requests still occupy every SM; a second small kernel
-merges the splits by their log-sum-exp. Nothing reads a tensor value on the host and the
-grid depends only on shapes and Python ints, so both launches can be captured.
+merges the splits by their log-sum-exp. The split count is fixed when a graph is captured,
+so the splits past a row's actual length end at once and are not merged. Nothing reads a
+tensor value on the host and the grid depends only on shapes and Python ints, so both
+launches can be captured.
 
 ``rope_decode_attention`` takes q, k and v as the projection wrote them. Each program
 rotates its q heads; the program whose split holds the row's own position rotates that
@@ -63,6 +65,13 @@ def _attend_new_key(q, m, l, acc, k, v, qk_scale):
 
 
 @triton.jit
+def _split_size(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a row of ``length`` keys, whole blocks; splits from
+    ``cdiv(length, size)`` on hold none."""
+    return tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
                    mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, qk_scale, stride_qr,
                    stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
@@ -77,7 +86,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     writes: the step's metadata (copied in before its first kernel) and, with ROPE, its
     first block of cached keys (written by earlier steps). That holds because a decode step
     has one row per request and only this kernel writes the layer's cache; several rows of
-    one request (a verify window) would each need the others' keys, after the wait."""
+    one request (a verify window) would each need the others' keys, after the wait.
+
+    A split that starts past its row's end (the split count comes from the longest context
+    the table allows, so at short contexts most do) ends there: it writes nothing, the merge
+    skips it, and it need not wait, since the row's first split always waits."""
     pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -85,7 +98,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     req = tl.load(req_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int32)
     length = pos + 1
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_size(length, NUM_SPLITS, BLOCK_N)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, length)
     cached_hi = hi
@@ -95,70 +108,75 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
         cached_hi = tl.minimum(hi, pos)
         k0, v0 = load_block(k_ptr, v_ptr, bt_row, kv_head * stride_kvh, kpos, kpos < cached_hi,
                             stride_slot, HEAD_DIM, PAGE_SIZE, BLOCK_D)
-    pdl.wait(USE_PDL)
+    if lo < length:  # a split past the row's end has nothing to read, write or merge
+        pdl.wait(USE_PDL)
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g
-    hmask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q_rows = q_ptr + row * stride_qr + heads[:, None] * stride_qh
-    cs_row = cs_ptr + pos.to(tl.int64) * stride_cs
-    if ROPE:
-        q = _rotated(q_rows, d[None, :], hmask, cs_row, HEAD_DIM // 2).to(q_ptr.dtype.element_ty)
-    else:
-        q = tl.load(q_rows + d[None, :], mask=hmask, other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
-    m = tl.full([BLOCK_G], -1e30, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    first = lo
-    if ROPE:
-        m, l, acc = attend_loaded(q, m, l, acc, k0, v0, kpos, kpos < cached_hi, g, qk_scale,
-                                  False, PRECISION)
-        first = lo + BLOCK_N
-    for start in range(first, cached_hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
-                                 kpos, kpos < cached_hi, g, stride_slot, qk_scale, False,
-                                 HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
-    if ROPE:
-        if (lo <= pos) & (pos < hi):  # this split holds the row's own key
-            dmask = d < HEAD_DIM
-            k = _rotated(kn_ptr + row * stride_knr + kv_head * stride_knh, d, dmask, cs_row,
-                         HEAD_DIM // 2).to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
-            v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask,
-                        other=0.0).to(v_ptr.dtype.element_ty)
-            m, l, acc = _attend_new_key(q, m, l, acc, k, v, qk_scale)
-            slot = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * stride_kvh
-            tl.store(k_ptr + slot + d, k, mask=dmask)
-            tl.store(v_ptr + slot + d, v, mask=dmask)
-    safe_l = tl.where(l > 0, l, 1.0)
-    o = acc / safe_l[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
-        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
-        tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + g
+        hmask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+        q_rows = q_ptr + row * stride_qr + heads[:, None] * stride_qh
+        cs_row = cs_ptr + pos.to(tl.int64) * stride_cs
+        if ROPE:
+            q = _rotated(q_rows, d[None, :], hmask, cs_row, HEAD_DIM // 2)
+            q = q.to(q_ptr.dtype.element_ty)
+        else:
+            q = tl.load(q_rows + d[None, :], mask=hmask, other=0.0)
+        q = q.to(k_ptr.dtype.element_ty)
+        m = tl.full([BLOCK_G], -1e30, tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        first = lo
+        if ROPE:
+            m, l, acc = attend_loaded(q, m, l, acc, k0, v0, kpos, kpos < cached_hi, g, qk_scale,
+                                      False, PRECISION)
+            first = lo + BLOCK_N
+        for start in range(first, cached_hi, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
+                                     kpos, kpos < cached_hi, g, stride_slot, qk_scale, False,
+                                     HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
+        if ROPE:
+            if (lo <= pos) & (pos < hi):  # this split holds the row's own key
+                dmask = d < HEAD_DIM
+                k = _rotated(kn_ptr + row * stride_knr + kv_head * stride_knh, d, dmask, cs_row,
+                             HEAD_DIM // 2).to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+                v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask,
+                            other=0.0).to(v_ptr.dtype.element_ty)
+                m, l, acc = _attend_new_key(q, m, l, acc, k, v, qk_scale)
+                slot = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * stride_kvh
+                tl.store(k_ptr + slot + d, k, mask=dmask)
+                tl.store(v_ptr + slot + d, v, mask=dmask)
+        safe_l = tl.where(l > 0, l, 1.0)
+        o = acc / safe_l[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=hmask)
+        else:
+            part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
+            tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
+            lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+            tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
 
 
 @triton.jit
-def _combine_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
+def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_oh,
                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    """Merges the splits that hold keys (the others wrote nothing) by their log-sum-exp."""
     pdl.start(USE_PDL)
-    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    length = tl.load(pos_ptr + row).to(tl.int32) + 1
+    active = tl.cdiv(length, _split_size(length, NUM_SPLITS, BLOCK_N))
+    pdl.wait(USE_PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     part = (row * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(mid_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(mid_lse_ptr + part, mask=s < active, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    omask = (s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
+    omask = (s[:, None] < active) & (d[None, :] < HEAD_DIM)
     o = tl.load(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(out_ptr + row * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
@@ -228,6 +246,7 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
     mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,
                           device=q.device) if num_splits > 1 else out
     launch = pdl.launch_options(q.device)
+    block_n = 64 if head_dim <= 128 else 32
     kn, vn, cos_sin, slots = new if new is not None else (q, q, q, positions)  # unread
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
@@ -236,12 +255,12 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
-        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=block_d, PRECISION=precision,
+        BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
         ROPE=new is not None, num_warps=4, num_stages=2, **launch)
     if num_splits > 1:
         _combine_kernel[(rows, heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            mid_o, mid_lse, positions, out, out.stride(0), out.stride(1),
+            NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
             **launch)
     return out

@@ -198,21 +198,24 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_config(m: int, n: int, k: int, sm_count: int, normed: bool = False):
-    """(block_n, block_k, splits, num_warps, num_stages), from sweeps of chains of launches
-    under PDL on an H200 (bf16; ``benchmarks/tune_gemv.py``).
+    """(block_n, block_k, splits, num_warps, num_stages), from sweeps on an H200 (bf16) of
+    chains of launches under PDL (``benchmarks/tune_gemv.py``) and, for one row, of a
+    decode layer's kernels in the order the step runs them (``benchmarks/layer_chain.py``).
 
     One row: thin column blocks and long K tiles keep many loads in flight per program; a
     ``normed`` row of up to ``NORM_TILE`` is one tile, read once for its statistics and its
-    product, and fewer column blocks re-read it less. Several rows: ``tl.dot`` tiles of
-    32-64 columns. K is split only when the column blocks alone leave SMs idle, since the
-    reduction is a second launch."""
+    product, and fewer column blocks re-read it less; 8 warps serve a tile of 8192 or more.
+    Several rows: ``tl.dot`` tiles of 32-64 columns. K is split only when the column blocks
+    alone leave SMs idle, since the reduction is a second launch."""
     if m == 1:
         if normed and k <= NORM_TILE:
-            return (16 if n < 2048 else 4), triton.next_power_of_2(k), 1, \
-                (8 if k >= 2048 else 4), 1
+            block_n, block_k = (16 if n < 2048 else 4), triton.next_power_of_2(k)
+            return block_n, block_k, 1, (8 if block_n * block_k >= 8192 else 4), 1
         block_n, block_k, warps = (8, 2048, 8) if k >= 4096 else (2 if n <= 4096 else 4, 1024, 4)
         n_blocks = triton.cdiv(n, block_n)
-        splits = min(4, triton.cdiv(sm_count, n_blocks)) if n_blocks < sm_count // 2 else 1
+        splits = 1
+        if n_blocks < sm_count:  # e.g. the 0.5B down projection: 26 us a step faster split
+            splits, block_k = min(4, triton.cdiv(2 * sm_count, n_blocks)), 1024
         stages = 3
     else:
         block_n, block_k, warps = (64 if n >= 2048 else 32), 128, 4
