@@ -87,13 +87,22 @@ def replay_us(fn) -> float:
     return min(common.gpu_time(graph.replay, iters=200, warmup=10) for _ in range(3)) * 1e6
 
 
-def candidates(name: str, k: int):
-    """Configs around the chosen ones: column block, K tile (and splits), warps by tile size."""
+def candidates(name: str, k: int, chosen: tuple) -> list[tuple]:
+    """Configs around the chosen one (column block, K tile and splits, warps by tile size),
+    each as it launches (see ``split_k``), none twice and not the chosen one."""
     if fused_input(name, 1) == "normed":
         tile = triton.next_power_of_2(k)
-        return [(bn, tile, 1, warps, 1) for bn in (4, 8, 16) for warps in (4, 8)]
-    return [(bn, bk, splits, 8 if bn * bk >= 8192 else 4, 3) for bn in (2, 4, 8)
-            for bk in (1024, 2048) for splits in (1, 4)]
+        configs = [(bn, tile, 1, warps, 1) for bn in (4, 8, 16) for warps in (4, 8)]
+    else:
+        configs = [(bn, bk, splits, 8 if bn * bk >= 8192 else 4, 3) for bn in (2, 4, 8)
+                   for bk in (1024, 2048) for splits in (1, 4)]
+    launched = [as_launched(c, k) for c in configs]
+    return [c for i, c in enumerate(launched) if c not in launched[:i] and c != as_launched(chosen, k)]
+
+
+def as_launched(config: tuple, k: int) -> tuple:
+    block_n, block_k, splits, warps, stages = config
+    return block_n, block_k, triton_gemv.split_k(k, block_k, splits)[1], warps, stages
 
 
 def sweep(shape: str, bandwidth: float) -> list[dict]:
@@ -107,9 +116,7 @@ def sweep(shape: str, bandwidth: float) -> list[dict]:
     for name in MATRICES:
         n, k = dims[name]
         chosen = triton_gemv.choose_config(1, n, k, sms, normed=fused_input(name, 1) == "normed")
-        for config in candidates(name, k):
-            if config == chosen:
-                continue
+        for config in candidates(name, k, chosen):
             try:
                 us = replay_us(lambda: step(s, projections({name: config}, False)))
             except Exception as exc:  # a config Triton cannot compile (too much shared memory)

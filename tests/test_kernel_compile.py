@@ -59,6 +59,11 @@ def decode_kernels():
                          USE_PDL=True)
             ptx = compile_sm90(triton_decode._decode_kernel, signature, flags).asm["ptx"]
             assert "griddepcontrol.wait" in ptx
+    merge = compile_sm90(triton_decode._combine_kernel, dict(
+        mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64", out_ptr="*bf16", stride_or="i32",
+        stride_oh="i32"), dict(NUM_HEADS=32, HEAD_DIM=64, NUM_SPLITS=8, BLOCK_N=64, BLOCK_S=8,
+                               BLOCK_D=64, USE_PDL=True), 2)
+    assert "griddepcontrol.wait" in merge.asm["ptx"]
 
 
 def sampling_kernels():

@@ -93,6 +93,30 @@ def test_decode_more_splits_than_keys():
                     2, 16, torch.float32, 1e-4, num_splits=16)
 
 
+class _NanEmpty:
+    """``torch`` as a kernel module sees it, but ``empty`` is filled with NaN: a kernel that
+    reads a buffer element nobody wrote then returns NaN."""
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_merges_only_the_splits_that_hold_keys(monkeypatch, rope):
+    """Most of 16 splits hold no key at these lengths: they write no partial, and the merge
+    must not read one."""
+    monkeypatch.setattr(triton_decode, "torch", _NanEmpty())
+    lengths = [1, 2, 130]
+    if rope:
+        check_rope_decode(lengths, 1, 4, 4, 2, 16, torch.float32, 1e-4, num_splits=16)
+    else:
+        check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, 1), 4,
+                        4, 2, 16, torch.float32, 1e-4, num_splits=16)
+
+
 def rope_decode_case(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype):
     """Cache, rows, and q, k, v as strided views of one projection output, like a layer's."""
     kv, table = paged_setup(lengths, page_size, kv_heads, head_dim, dtype=dtype)

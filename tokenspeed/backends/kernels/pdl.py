@@ -8,7 +8,9 @@ may read what no kernel of the step writes (weights, the step's metadata, copied
 its first kernel, and cache entries of earlier steps) and then ``wait`` for kernel n to
 finish and flush its writes. The chain is sound only if every program of every PDL kernel calls
 ``wait`` before it reads an activation or writes anything: kernel n+1's wait covers
-kernel n alone, and n's completion implies n-1's only because n waited too.
+kernel n alone, and n's completion implies n-1's only because n waited too. A program
+that does neither (a decode split with no keys) may end without waiting, as long as some
+program of its kernel waits.
 
 ``TOKENSPEED_PDL=0`` turns it off (for measuring what it buys, or for debugging).
 """

@@ -275,8 +275,7 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
         return out
     block_n, block_k, splits, warps, stages = config or choose_config(
         m, n, k, _sm_count(x.device), normed=norm is not None)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_per_split) if k else 1
+    k_per_split, splits = split_k(k, block_k, splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
     has_bias = bias is not None and splits == 1
@@ -297,6 +296,12 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
             part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
             num_warps=4, **launch)
     return out
+
+
+def split_k(k: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(K per split, splits) a launch runs: whole tiles per split, so ``splits`` may shrink."""
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split) if k else 1
 
 
 def _or(tensor, placeholder):
