@@ -22,7 +22,8 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool):
     if mode == "prefill":
         return ([narrow_rows] if narrow else []) + [fuse_norms, attention_breaks, split_segments]
     return [decode_kernels, fuse_norms, fuse_rope_write_kv, fuse_rope_decode_attention,
-            select_linear, fuse_gated_linear, fuse_norm_linear, whole_graph if decode_graph else attention_breaks, split_segments]
+            select_linear, fuse_gated_linear, fuse_norm_linear,
+            whole_graph if decode_graph else attention_breaks, split_segments]
 
 
 def lower(traced, mode: str = "decode", *, narrow: bool = True, decode_graph: bool = True) -> "Lowered":

@@ -66,7 +66,7 @@ class PrefillGraph:
 
     @property
     def capture_sweeps(self) -> int:
-        return len(self.token_ladder) + len(self.view_ladder)
+        return len(self._sweeps())
 
     def run(self, chunks, params) -> list[int]:
         """Sampled tokens of the completing chunks, in chunk order."""

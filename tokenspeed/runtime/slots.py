@@ -4,8 +4,8 @@ All slotted fields live in one device byte buffer, each a typed view sized for t
 batch; the views for a batch size are built once, cached, and never move. Publishing
 writes a descriptor (built on the host) into a pinned staging copy of that buffer and
 moves the part the batch uses with one host-to-device copy, so a graph captured over the
-views sees each step's values at the same addresses. Two staging copies alternate, so the host can stage
-step n+1 while the copy for step n may still be queued behind the GPU.
+views sees each step's values at the same addresses. Two staging copies alternate, so the
+host can stage step n+1 while the copy for step n may still be queued behind the GPU.
 """
 
 import attrs

@@ -18,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import pdl, triton_attention
 
 MAX_M = 16
 NORM_TILE = 4096
-DEFAULT_SMS = 132
 
 
 class InputNorm(NamedTuple):
@@ -191,12 +190,6 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, N, splits, stride_ps, stride_pm,
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_config(m: int, n: int, k: int, sm_count: int, normed: bool = False):
     """(block_n, block_k, splits, num_warps, num_stages), from sweeps on an H200 (bf16) of
     chains of launches under PDL (``benchmarks/tune_gemv.py``) and, for one row, of a
@@ -274,7 +267,7 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
             norm.total.copy_(x + norm.residual)
         return out
     block_n, block_k, splits, warps, stages = config or choose_config(
-        m, n, k, _sm_count(x.device), normed=norm is not None)
+        m, n, k, triton_attention.sm_count(x.device), normed=norm is not None)
     k_per_split, splits = split_k(k, block_k, splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
