@@ -1,6 +1,6 @@
 """Decode time per output token against Hugging Face peers and the memory floor.
 
-    python benchmarks/decode.py [--shapes qwen2.5-0.5b llama-3.2-1b] [--batches 1 8 32]
+    python -m benchmarks.decode [--shapes qwen2.5-0.5b llama-3.2-1b] [--batches 1 8 32]
 
 Peers measured in the same run: Hugging Face eager, Hugging Face with a static cache and
 torch.compile(mode="reduce-overhead"). Floor: weight bytes + KV bytes read per step over
@@ -42,19 +42,6 @@ def our_tpot(llm, batch: int, new_tokens: int) -> float:
             common.median_time(lambda: run(1), 3)) / new_tokens
 
 
-def kernels_per_step(llm, batch: int) -> int:
-    """CUDA kernels one eager decode step launches (the graph replays the same ones)."""
-    from tokenspeed.backends.metadata import DecodeRow
-    rows = [DecodeRow(1, PROMPT, tuple(range(1 + i * 40, 1 + i * 40 + PROMPT // llm.page_size + 1)))
-            for i in range(batch)]
-    view = llm.decode.slots.publish(llm.decode.refresh(rows, batch))
-    sampling = llm.decode.sampling.publish(llm.decode._sampling([ts.SamplingParams(temperature=0)] * batch, batch))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        llm.decode._step(view, sampling, llm.decode.out[:batch])
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: bool, done: list,
                 json_path: str) -> list[dict]:
     hf = common.hf_model(shape)
@@ -70,12 +57,12 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
         with torch.inference_mode():
             tpot = our_tpot(llm, batch, new_tokens)
             tpot_sync = our_tpot(synchronous, batch, new_tokens)
-            kernels = kernels_per_step(llm, batch)
+            kernels = llm.compiled.kernels_per_step(batch)
         floor = (common.weight_bytes(ours) + common.kv_bytes(ours.config, batch, PROMPT + new_tokens // 2)) / bandwidth
         row = {"shape": shape, "batch": batch, "ours_ms": tpot * 1e3,
                "ours_sync_ms": tpot_sync * 1e3, "floor_ms": floor * 1e3,
                "x_floor": tpot / floor, "kernels_per_step": kernels,
-               "startup_s": startup, "graph_mem_mb": llm.startup.graph_memory_bytes / 2**20}
+               "startup_s": startup, "graph_mem_mb": llm.compiled.startup.graph_memory_bytes / 2**20}
         if peers:
             with torch.inference_mode():
                 row["hf_eager_ms"] = hf_tpot(hf, batch, new_tokens, static=False) * 1e3

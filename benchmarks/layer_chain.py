@@ -1,7 +1,7 @@
 """Time a batch-1 decode step's layer kernels in the order the step runs them, one
 matrix's GEMV config changed at a time.
 
-    python benchmarks/layer_chain.py [--shapes ...] [--json results/layer_chain.json]
+    python -m benchmarks.layer_chain [--shapes ...] [--json results/layer_chain.json]
 
 A chain of one GEMV repeated (``tune_gemv.py``) misses how neighbours overlap under PDL,
 where each kernel's early reads run while the one before it finishes. Here a CUDA graph
@@ -20,6 +20,7 @@ import triton
 from benchmarks import common
 from benchmarks.tune_gemv import decode_shapes, fused_input
 from tokenspeed.backends.kernels import triton_decode, triton_fused, triton_gemv
+from tokenspeed.ir.rope import cos_sin_table
 
 CONTEXT = 513   # the prompt of decode.py and the row's own key
 PAGE = 16
@@ -42,7 +43,8 @@ def build(shape: str) -> dict:
                 position=position, rows=torch.zeros(1, dtype=torch.int64, device="cuda"),
                 slot=table[0, position // PAGE].long() * PAGE + position % PAGE,
                 kv=torch.randn(len(layers), 2, (pages + 1) * PAGE, kv_heads, head_dim, **bf),
-                cos_sin=triton_fused.rope_cos_sin_cache(head_dim, 4096, device="cuda"),
+                cos_sin=cos_sin_table(1e-4 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim),
+                                      torch.arange(4096, device="cuda")),
                 x=torch.randn(1, c["hidden_size"], **bf), residual=torch.randn(1, c["hidden_size"], **bf))
 
 

@@ -1,6 +1,6 @@
 """Time to first token: our eager prefill against our breakable prefill graphs.
 
-    python benchmarks/prefill.py [--shapes ...] [--lengths 512 2048]
+    python -m benchmarks.prefill [--shapes ...] [--lengths 512 2048]
 """
 
 import argparse
@@ -30,8 +30,8 @@ def bench_shape(shape: str, lengths) -> list[dict]:
         with torch.inference_mode():
             e, g = ttft(eager, length), ttft(graphs, length)
         rows.append({"shape": shape, "new_tokens": length, "eager_ms": e * 1e3, "graph_ms": g * 1e3,
-                     "speedup": e / g, "capture_s": graphs.startup.capture_seconds,
-                     "graphs": graphs.startup.num_graphs})
+                     "speedup": e / g, "capture_s": graphs.compiled.startup.capture_seconds,
+                     "graphs": graphs.compiled.startup.num_graphs})
         print(common.table(rows[-1:], list(rows[-1])), flush=True)
     return rows
 

@@ -1,6 +1,6 @@
 """Where a decode step and a prefill go: graph replay time, host time, top kernels.
 
-    python benchmarks/profile_step.py [--shape llama-3.2-1b] [--batches 1 32]
+    python -m benchmarks.profile_step [--shape llama-3.2-1b] [--batches 1 32]
 """
 
 import argparse
@@ -22,7 +22,7 @@ def top_kernels(fn, n: int = 12) -> str:
 
 
 def decode_rows(llm, batch):
-    pages = PROMPT // llm.page_size + 1
+    pages = PROMPT // llm.compiled.config.page_size + 1
     return [DecodeRow(1, PROMPT, tuple(range(1 + i * pages, 1 + (i + 1) * pages))) for i in range(batch)]
 
 
@@ -38,17 +38,17 @@ def main() -> None:
     greedy = ts.SamplingParams(temperature=0.0)
     with torch.inference_mode():
         for batch in args.batches:
-            rung = bucket_for(llm.decode.ladder, batch)
-            llm.decode.run(decode_rows(llm, batch), [greedy] * batch)
-            graph = llm.decode.graphs[rung]
+            rung = bucket_for(llm.compiled.decode.ladder, batch)
+            llm.compiled.decode.run(decode_rows(llm, batch), [greedy] * batch)
+            graph = llm.compiled.decode.graphs[rung]
             replay = common.gpu_time(graph.replay, iters=50)
-            step = common.gpu_time(lambda: llm.decode.run(decode_rows(llm, batch), [greedy] * batch), iters=50)
+            step = common.gpu_time(lambda: llm.compiled.decode.run(decode_rows(llm, batch), [greedy] * batch), iters=50)
             tpot = our_tpot(llm, batch, 32)
             print(f"\n## {args.shape} decode batch {batch} (rung {rung}): replay {replay * 1e3:.3f} ms, "
                   f"runner step {step * 1e3:.3f} ms, engine TPOT {tpot * 1e3:.3f} ms")
-            view = llm.decode.slots.publish(llm.decode.refresh(decode_rows(llm, batch), batch))
-            sampling = llm.decode.sampling.publish(llm.decode._sampling([greedy] * batch, batch))
-            print(top_kernels(lambda: llm.decode._step(view, sampling, llm.decode.out[:batch])))
+            view = llm.compiled.decode.slots.publish(llm.compiled.decode.refresh(decode_rows(llm, batch), batch))
+            sampling = llm.compiled.decode.sampling.publish(llm.compiled.decode._sampling([greedy] * batch, batch))
+            print(top_kernels(lambda: llm.compiled.decode._step(view, sampling, llm.compiled.decode.out[:batch])))
         prompt = [[100 + j % 900 for j in range(512)]]
         params = ts.SamplingParams(temperature=0.0, max_tokens=1)
         llm.generate(prompt, params)

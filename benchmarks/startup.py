@@ -1,6 +1,6 @@
 """Startup time (trace, lower, kernel compiles, every capture) in fresh processes.
 
-    python benchmarks/startup.py [--shapes llama-3.2-1b qwen2.5-0.5b]
+    python -m benchmarks.startup [--shapes llama-3.2-1b qwen2.5-0.5b]
 
 Each run is a new Python process, so nothing is compiled in memory: ``cold`` starts with
 an empty Triton cache (a fresh machine), ``warm`` reuses the cache the cold run left (every
@@ -30,7 +30,7 @@ start = time.perf_counter()
 llm = ts.LLM(ours, device="cuda", max_num_seqs=32, max_model_len=4096, max_num_batched_tokens=2048,
              num_kv_pages=8192, **({} if workers < 0 else {"compile_workers": workers}))
 seconds = time.perf_counter() - start
-s = llm.startup
+s = llm.compiled.startup
 print(json.dumps({"startup_s": seconds, "precompile_s": s.precompile_seconds,
                   "capture_s": s.capture_seconds, "graphs": s.num_graphs,
                   "variants": s.kernel_variants_precompiled}))

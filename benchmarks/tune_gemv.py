@@ -1,6 +1,6 @@
 """Sweep split-K GEMV configs on the decode shapes of the benchmark models.
 
-    python benchmarks/tune_gemv.py [--rows 1 8] [--json results/tune_gemv.json]
+    python -m benchmarks.tune_gemv [--rows 1 8] [--json results/tune_gemv.json]
 
 Each timing replays a CUDA graph of back-to-back launches over distinct weight copies
 (more bytes than L2 holds), as in a decode step, with PDL as the engine launches it. Each

@@ -132,8 +132,8 @@ def test_refused_generate_leaves_the_engine_untouched(path, bad):
     used = ts.LLM(path, **settings)
     with raises("prompt 2"):
         used.generate([PROMPTS[0], PROMPTS[1], bad, PROMPTS[2]])
-    assert not used.scheduler.has_work
-    assert used.scheduler.allocator.num_free == used.num_pages - 1
+    assert not used.engine.scheduler.has_work
+    assert used.engine.scheduler.allocator.num_free == used.compiled.num_pages - 1
     fresh = ts.LLM(path, **settings)
     got, want = _run(used, PROMPTS), _run(fresh, PROMPTS)
     assert got == want
@@ -166,7 +166,7 @@ def test_llm_settings_must_be_positive(path, name, value):
 def test_max_model_len_above_max_position_embeddings(path):
     with raises("max_model_len=1000", f"max_position_embeddings={MAX_POS}"):
         ts.LLM(path, max_model_len=1000)
-    assert ts.LLM(path, max_model_len=MAX_POS).max_model_len == MAX_POS
+    assert ts.LLM(path, max_model_len=MAX_POS).compiled.limits.max_model_len == MAX_POS
 
 
 def test_negative_max_model_len(path):
@@ -190,13 +190,13 @@ def test_a_failing_step_leaves_nothing_behind(path, monkeypatch):
     prompts = make_prompts((5, 9), seed=3)
     params = ts.SamplingParams(temperature=0, max_tokens=6)
     want = [o.token_ids for o in llm.generate(prompts, params)]
-    launch = llm.decode.launch
-    monkeypatch.setattr(llm.decode, "launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    launch = llm.compiled.decode.launch
+    monkeypatch.setattr(llm.compiled.decode, "launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(prompts, params)
-    monkeypatch.setattr(llm.decode, "launch", launch)
-    assert not llm.scheduler.running and not llm.scheduler.waiting
-    assert llm.scheduler.allocator.num_free == llm.num_pages - 1
+    monkeypatch.setattr(llm.compiled.decode, "launch", launch)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
 

@@ -35,15 +35,15 @@ def test_decode_graph_replay_equals_eager(dtype):
     identical tokens (the decode kernels are batch-invariant), above the ladder too."""
     model = random_model(MID, seed=5).to("cuda", dtype)
     graphs, eager = llm(model, capture_sizes=(1, 2, 4, 8)), llm(model, enforce_eager=True)
-    assert graphs.decode.graphs and not eager.decode.graphs
+    assert graphs.compiled.decode.graphs and not eager.compiled.decode.graphs
     greedy = ts.SamplingParams(temperature=0.0)
     with torch.inference_mode():
         for bs in range(1, 11):  # rungs, between rungs, above the ladder
             rows = _prefilled(eager, bs)
-            graphs.kv_cache.copy_(eager.kv_cache)
+            graphs.compiled.kv_cache.copy_(eager.compiled.kv_cache)
             for _ in range(4):
-                got = graphs.decode.run(rows, [greedy] * bs)
-                want = eager.decode.run(rows, [greedy] * bs)
+                got = graphs.compiled.decode.run(rows, [greedy] * bs)
+                want = eager.compiled.decode.run(rows, [greedy] * bs)
                 assert got == want, f"bs={bs}"
                 rows = [DecodeRow(t, r.position + 1, r.pages) for t, r in zip(want, rows)]
 
@@ -52,7 +52,7 @@ def _prefilled(engine, bs):
     rows, per = [], 6  # pages of 16 for the longest prompt (83 tokens) and 4 decode steps
     for i, p in enumerate(prompts(bs)):
         pages = tuple(range(1 + i * per, 1 + (i + 1) * per))
-        [token] = engine.prefill.run([ExtendChunk(tuple(p), 0, pages, True)], [GREEDY])
+        [token] = engine.compiled.prefill.run([ExtendChunk(tuple(p), 0, pages, True)], [GREEDY])
         rows.append(DecodeRow(token, len(p), pages))
     return rows
 
@@ -100,7 +100,7 @@ def test_float32_tokens_match_hugging_face():
 def test_guard_catches_a_moved_tensor_in_debug_mode(monkeypatch):
     monkeypatch.setenv("TOKENSPEED_GRAPH_DEBUG", "1")
     engine = llm(random_model(MID).to("cuda"))
-    view = engine.decode.slots.view(1)
+    view = engine.compiled.decode.slots.view(1)
     view["slot_mapping"] = view["slot_mapping"].clone()
     with pytest.raises(MovedTensorError, match="meta.slot_mapping"):
         engine.generate(prompts(1), GREEDY)
@@ -120,7 +120,7 @@ PRECOMPILE_CHECK = textwrap.dedent("""
     llm = ts.LLM(random_model(TINY_LLAMA).to("cuda", torch.bfloat16), device="cuda",
                  max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, compile_workers=3)
     new = set(os.listdir(cache)) - seen[0] if seen else set()
-    print(json.dumps([llm.startup.kernel_variants_precompiled, sorted(new)]))
+    print(json.dumps([llm.compiled.startup.kernel_variants_precompiled, sorted(new)]))
 """)
 
 

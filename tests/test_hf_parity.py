@@ -116,7 +116,7 @@ def test_preemption_under_tiny_kv_pool_matches_hf(variant, page_size, monkeypatc
     llm = ts.LLM(checkpoint(variant), page_size=page_size, num_kv_pages=num_kv_pages,
                  max_num_seqs=8, max_num_batched_tokens=64)
     preempted = []
-    sched = llm.scheduler
+    sched = llm.engine.scheduler
     original = sched._preempt
 
     def counting_preempt(request):
@@ -129,7 +129,7 @@ def test_preemption_under_tiny_kv_pool_matches_hf(variant, page_size, monkeypatc
     assert preempted, "the pool was never exhausted: the test does not exercise preemption"
     assert any(n > 0 for _, n in preempted), "no request was preempted mid-generation"
     # every page went back to the pool
-    assert llm.scheduler.allocator.num_free == num_kv_pages - 1
+    assert llm.engine.scheduler.allocator.num_free == num_kv_pages - 1
     # and the engine still serves correctly afterwards
     check_outputs(llm.generate(PROMPTS[:3], GREEDY), PROMPTS[:3], refs[:3], MAX_TOKENS)
 
@@ -139,7 +139,7 @@ def test_tight_pool_with_tiny_token_budget_terminates(lengths, num_kv_pages, bud
     llm = ts.LLM(checkpoint("llama"), page_size=4, num_kv_pages=num_kv_pages, max_num_seqs=2,
                  max_num_batched_tokens=budget)
     calls, limit = [0], 1500
-    original = llm.scheduler.schedule
+    original = llm.engine.scheduler.schedule
 
     def guarded():
         calls[0] += 1
@@ -147,7 +147,7 @@ def test_tight_pool_with_tiny_token_budget_terminates(lengths, num_kv_pages, bud
             raise RuntimeError(f"no termination after {limit} scheduler steps (livelock)")
         return original()
 
-    monkeypatch.setattr(llm.scheduler, "schedule", guarded)
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", guarded)
     prompts = make_prompts(lengths, seed=11)
     max_tokens = 4 if max(lengths) < 20 else MAX_TOKENS
     outs = llm.generate(prompts, ts.SamplingParams(temperature=0, max_tokens=max_tokens))

@@ -1,4 +1,5 @@
-"""Triton kernels against their torch references.
+"""Triton kernels against the torch reference of their op (``reference.py``, the kernels
+the CPU runs).
 
 On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set by
 tests/conftest.py, or here as a fallback before triton is imported) on small fp32 shapes.
@@ -18,6 +19,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from tokenspeed.backends.kernels import reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
+from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
 
 FEW = settings(max_examples=15, deadline=None, derandomize=True)
 HAS_CUDA = torch.cuda.is_available()
@@ -41,6 +43,17 @@ def paged_setup(lengths, page_size, kv_heads, head_dim, layers=2, dtype=torch.fl
         table[r, :count] = order[used:used + count]
         used += count
     return kv.to(dtype).to(device), table.to(device)
+
+
+def as_pages(kv, page_size: int):
+    """A flat ``[L, 2, slots, Hkv, D]`` cache (what Triton kernels take) as the IR's
+    ``[L, 2, pages, P, Hkv, D]`` (what the ops, and so the references, take)."""
+    return kv.unflatten(2, (-1, page_size))
+
+
+def rope_table(head_dim: int, positions: int, theta: float = 10000.0):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return cos_sin_table(inv_freq, torch.arange(positions)).to(DEVICE)
 
 
 def decode_rows(lengths, pad_rows, device=DEVICE):
@@ -68,7 +81,7 @@ def check_attention(fn, lengths, rows, page_size, heads, kv_heads, head_dim, dty
     q = torch.randn(len(positions), heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim ** -0.5
     got = fn(q, kv, 1, table, row_request, positions, scale, page_size, **kwargs)
-    want = reference.paged_attention(q, kv, 1, table, row_request, positions, scale, page_size)
+    want = reference.attention(q, as_pages(kv, page_size), 1, table, row_request, positions, scale)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -126,7 +139,7 @@ def rope_decode_case(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dt
     qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim, device=DEVICE)
     q, k, v = qkv.to(dtype).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     views = (q.view(-1, heads, head_dim), *(t.view(-1, kv_heads, head_dim) for t in (k, v)))
-    cos_sin = triton_fused.rope_cos_sin_cache(head_dim, 4096, device=DEVICE)
+    cos_sin = rope_table(head_dim, 4096)
     return kv, table, row_request, positions, slots, views, cos_sin
 
 
@@ -136,11 +149,9 @@ def check_rope_decode(lengths, pad_rows, page_size, heads, kv_heads, head_dim, d
     kv, table, row_request, positions, slots, (q, k, v), cos_sin = rope_decode_case(
         lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype)
     want_kv = kv.clone()
-    q_rot = triton_fused.rope_and_write_kv_reference(q, k, v, cos_sin, positions, want_kv, 1,
-                                                     slots)
     scale = head_dim ** -0.5
-    want = reference.paged_attention(q_rot, want_kv, 1, table, row_request, positions, scale,
-                                     page_size)
+    want = reference.rope_decode_attention(q, k, v, cos_sin, positions, as_pages(want_kv, page_size),
+                                           1, slots, table, row_request, scale)
     got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, slots, table,
                                               row_request, scale, page_size, **kwargs)
     live = len(lengths)
@@ -213,17 +224,9 @@ def test_write_kv(tokens, kv_heads, head_dim):
     slots[::3] = torch.arange(0, tokens, 3) % page_size  # padding rows into page 0
     slots = slots.to(DEVICE)
     want = kv.clone()
-    reference.write_kv(k, v, want, 1, slots)
+    reference.write_kv(k, v, as_pages(want, page_size), 1, slots)
     triton_cache.write_kv(k, v, kv, 1, slots)
     torch.testing.assert_close(kv[:, :, page_size:], want[:, :, page_size:], atol=0, rtol=0)
-
-
-@FEW
-@given(rows=st.integers(1, 4), width=st.integers(1, 9), factor=st.sampled_from([1, 2, 4]))
-def test_expand_block_table(rows, width, factor):
-    table = torch.randint(0, 50, (rows, width), dtype=torch.int32, device=DEVICE)
-    got = triton_cache.expand_block_table(table, factor)
-    assert torch.equal(got, reference.expand_block_table(table, factor))
 
 
 @FEW
@@ -233,10 +236,9 @@ def test_norms(tokens, hidden):
     if tokens % 2:                                   # leading dims are flattened
         x, res = x[:, None], res[:, None]
     w = torch.randn(hidden, device=DEVICE)
-    torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-6),
-                               triton_fused.rms_norm_reference(x, w, 1e-6))
+    torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
     got = triton_fused.add_rms_norm(x, res, w, 1e-6)
-    want = triton_fused.add_rms_norm_reference(x, res, w, 1e-6)
+    want = reference.add_rms_norm(x, res, w, 1e-6)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
 
@@ -245,19 +247,18 @@ def test_norms(tokens, hidden):
 @given(tokens=st.integers(1, 5), inter=st.sampled_from([8, 24, 96]))
 def test_silu_and_mul(tokens, inter):
     gate_up = torch.randn(tokens, 1, 2 * inter, device=DEVICE) * 3
-    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up),
-                               triton_fused.silu_and_mul_reference(gate_up))
+    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
 
 
 def check_rope(tokens, heads, kv_heads, head_dim, dtype, tol):
-    cache = triton_fused.rope_cos_sin_cache(head_dim, 4096, device=DEVICE)
+    cache = rope_table(head_dim, 4096)
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=DEVICE).to(dtype)
     q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
     positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
     slots = (torch.randperm(64)[:tokens] + 8).to(DEVICE)
     kv = torch.zeros(2, 2, 80, kv_heads, head_dim, device=DEVICE, dtype=dtype)
     want_kv = kv.clone()
-    want = triton_fused.rope_and_write_kv_reference(q, k, v, cache, positions, want_kv, 1, slots)
+    want = reference.rope_write_kv(q, k, v, cache, positions, as_pages(want_kv, 8), 1, slots)
     got = triton_fused.rope_and_write_kv(q, k, v, cache, positions, kv, 1, slots)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kv.float(), want_kv.float(), atol=tol, rtol=tol)
@@ -277,7 +278,7 @@ def test_rope_matches_hf_rotate_half():
     x = torch.randn(2, 1, head_dim, device=DEVICE)
     hf = x * emb.cos()[:, None] + torch.cat([-x[..., 4:], x[..., :4]], -1) * emb.sin()[:, None]
     kv = torch.zeros(1, 2, 8, 1, head_dim, device=DEVICE)
-    cache = triton_fused.rope_cos_sin_cache(head_dim, 32, device=DEVICE)
+    cache = rope_table(head_dim, 32)
     got = triton_fused.rope_and_write_kv(x, x, x, cache, pos, kv, 0,
                                          torch.tensor([1, 2], device=DEVICE))
     torch.testing.assert_close(got, hf, atol=1e-5, rtol=1e-5)
@@ -292,7 +293,7 @@ def test_gemv(m, n, k, bias, splits):
     b = torch.randn(n, device=DEVICE) if bias else None
     config = None if splits is None else (32, 64, splits, 4, 2)
     got = triton_gemv.linear(x, w, b, config=config)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, reference.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
 @FEW
@@ -306,7 +307,7 @@ def test_gated_gemv_is_silu_mul_then_gemv(m, n, k, splits):
     got = triton_gemv.linear(gate_up, w, config=config, gated=True)
     unfused = triton_gemv.linear(triton_fused.silu_and_mul(gate_up), w, config=config)
     assert torch.equal(got, unfused)
-    want = torch.nn.functional.linear(triton_fused.silu_and_mul_reference(gate_up), w)
+    want = reference.gated_linear(gate_up, w, None)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"\[M, 2K\]"):
         triton_gemv.linear(gate_up[:, :k], w, gated=True)
@@ -325,8 +326,8 @@ def test_norm_gemv_is_norm_then_gemv(m, n, k, residual, splits):
     config = None if splits is None else (16, 64, splits, 4, 2)
     out, total = triton_gemv.norm_linear(x, res, norm_w, 1e-6, w, config=config)
     want_total = x + res if residual else x
-    normed = triton_fused.rms_norm_reference(want_total, norm_w, 1e-6)
-    torch.testing.assert_close(out, torch.nn.functional.linear(normed, w), atol=1e-4, rtol=1e-4)
+    [want, *_] = reference.norm_linear(x, res, norm_w, 1e-6, w, None)
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
     assert (total is None) == (not residual)
     if residual:
         assert torch.equal(total, want_total)
@@ -435,7 +436,7 @@ def test_gpu_decode_attention_cuda_graph():
         out = triton_decode.decode_attention(*args, max_context=4096)
     positions.copy_(torch.tensor([3, 37, 3999, 0], device="cuda"))
     graph.replay()
-    want = reference.paged_attention(*args)
+    want = reference.attention(q, as_pages(kv, 16), 0, table, row_request, positions, 0.125)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -445,12 +446,11 @@ def test_gpu_fused_bf16():
     x, res = torch.randn(2, 7, 896, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(896, device="cuda", dtype=torch.bfloat16)
     got = triton_fused.add_rms_norm(x, res, w, 1e-6)
-    want = triton_fused.add_rms_norm_reference(x, res, w, 1e-6)
+    want = reference.add_rms_norm(x, res, w, 1e-6)
     torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
     torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
     gate_up = torch.randn(7, 2 * 4864, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up),
-                               triton_fused.silu_and_mul_reference(gate_up))
+    torch.testing.assert_close(triton_fused.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
     check_rope(9, 14, 2, 64, torch.bfloat16, 2e-2)
 
 

@@ -13,16 +13,16 @@ PROMPTS = make_prompts((1, 5, 17, 40, 9, 3, 28), seed=11)
 def run(prompts, params, **kw):
     llm = ts.LLM(checkpoint("llama"), page_size=4, **kw)
     steps = []
-    launch = llm.decode.launch
+    launch = llm.compiled.decode.launch
 
     def counting(rows, p, chained=False):
         steps.append(chained)
         return launch(rows, p, chained)
 
-    llm.decode.launch = counting
+    llm.compiled.decode.launch = counting
     outs = llm.generate(prompts, params)
     assert llm.engine.in_flight is None
-    assert llm.scheduler.allocator.num_free == llm.num_pages - 1, "pages leaked"
+    assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1, "pages leaked"
     return [o.token_ids for o in outs], [o.finish_reason for o in outs], steps
 
 

@@ -5,13 +5,19 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from tokenspeed.backends.kernels.reference import expand_block_table
 from tokenspeed.backends.metadata import plan_extend, refresh_decode, write_locations
 from tokenspeed.runtime.kv_pool import BlockAllocator, OutOfPages
 from tokenspeed.testing import invariants as inv
 from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases
 
 DECODE_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "row_request")
+
+
+def expand_block_table(block_tables: torch.Tensor, factor: int) -> torch.Tensor:
+    """The same table over pages ``factor`` times smaller: page p becomes pages
+    p*factor .. p*factor + factor - 1 (page 0 stays the null range)."""
+    sub = torch.arange(factor, dtype=block_tables.dtype)
+    return (block_tables[:, :, None] * factor + sub).flatten(1)
 
 
 @given(tables=block_tables(), factor=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([4, 8, 16]),

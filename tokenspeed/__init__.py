@@ -1,9 +1,11 @@
 """tokenspeed: trace -> lower -> compile a Llama-family model, then serve it from a paged cache."""
 
 from tokenspeed import models
-from tokenspeed.ir import fused_ops  # noqa: F401 - registers the fused ops at import, not in a startup
-from tokenspeed.ir.trace import Traced, trace
-from tokenspeed.llm import LLM
-from tokenspeed.sampling_params import RequestOutput, SamplingParams
+from tokenspeed.entrypoints.llm import LLM
+from tokenspeed.runtime.compile_config import CompileConfig
+from tokenspeed.runtime.outputs import RequestOutput
+from tokenspeed.runtime.sampling_params import SamplingParams
+from tokenspeed.stages import Compiled, Lowered, Traced, compile, trace
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Traced", "models", "trace"]
+__all__ = ["LLM", "CompileConfig", "Compiled", "Lowered", "RequestOutput", "SamplingParams",
+           "Traced", "compile", "models", "trace"]

@@ -1,3 +1,3 @@
-from tokenspeed.cli import main
+from tokenspeed.entrypoints.cli import main
 
 main()

@@ -13,7 +13,7 @@ from itertools import chain
 import attrs
 import torch
 
-from tokenspeed.backends.descriptors import DecodeMetadata, ExtendMetadata
+from tokenspeed.ir.descriptors import DecodeMetadata, ExtendMetadata
 
 NULL_PAGE = 0
 

@@ -1,69 +1,130 @@
-"""The two custom ops the IR is built around.
+"""The IR's custom ops: schemas and shape functions, no kernels.
 
-``tokenspeed::write_kv`` stores a layer's keys and values at their write slots and
-``tokenspeed::attention`` attends queries over the paged cache. They are separate ops so
-the row-narrowing pass can see the last cache write: keys and values must be computed for
-every token row, queries only for the rows that are kept. Both are leaves in the FX
-graph; their fake implementations let shape propagation run on fake tensors.
+Models call ``write_kv`` and ``attention``; the decode passes substitute the fused ops for
+runs of plain ops. Each op is a leaf of the FX graph, its fake implementation lets shape
+propagation run on fake tensors, and its kernels come from the backends, which register
+one per device type (``register_kernel``): the IR names what is computed, a backend says
+how. ``write_kv`` and ``attention`` are separate so the row-narrowing pass can see the
+last cache write: keys and values are needed on every token row, queries only on the rows
+that are kept.
 
 The cache is ``kv_cache[layer, 0 | 1, page, offset, kv_head, head_dim]``: the page size
-is part of its shape, so no op needs it as an argument.
+is part of its shape, so no op takes it as an argument. A ``cos_sin`` table is
+``cat(cos, sin)`` of every position's rotary angles (``tokenspeed.ir.rope``).
 """
 
 import torch
 
-from tokenspeed.backends.kernels import dispatch
-from tokenspeed.ir.fused_ops import ROPE_DECODE_ATTENTION
+
+def _op(name: str, mutates_args=()):
+    """Declare ``tokenspeed::name`` with the decorated function's signature as its schema
+    and its body as the shape function; its kernels come from the backends."""
+    def declare(fake):
+        schema = torch.library.infer_schema(fake, mutates_args=mutates_args)
+        op = torch.library.custom_op(f"tokenspeed::{name}", _unregistered(name),
+                                     mutates_args=mutates_args, schema=schema)
+        op.register_fake(fake)
+        return op
+    return declare
 
 
-@torch.library.custom_op("tokenspeed::write_kv", mutates_args=("kv_cache",))
+def _unregistered(name: str):
+    """The kernel of a device no backend registered one for: an error, never a fallback."""
+    def run(*args):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        raise NotImplementedError(f"tokenspeed::{name} has no {device.type} kernel: backends "
+                                  "register theirs when tokenspeed.backends is imported")
+    return run
+
+
+@_op("write_kv", mutates_args=("kv_cache",))
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
              slot_mapping: torch.Tensor) -> None:
-    dispatch.write_kv(k, v, kv_cache, layer, slot_mapping)
-
-
-@write_kv.register_fake
-def _write_kv_fake(k, v, kv_cache, layer, slot_mapping):
+    """Store a layer's keys and values ``[rows, kv_heads, head_dim]`` at their slots."""
     return None
 
 
-@torch.library.custom_op("tokenspeed::attention", mutates_args=())
+@_op("attention")
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
               row_request: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    return dispatch.attention(q, kv_cache, layer, block_tables, row_request, positions, scale)
-
-
-@attention.register_fake
-def _attention_fake(q, kv_cache, layer, block_tables, row_request, positions, scale):
+    """Row r attends causally to positions ``0..positions[r]`` of request
+    ``row_request[r]``, found through ``block_tables``."""
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("tokenspeed::decode_attention", mutates_args=())
+@_op("decode_attention")
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """``attention`` restricted to one row per request: what decode lowering selects."""
-    return dispatch.decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale)
-
-
-@decode_attention.register_fake
-def _decode_attention_fake(q, kv_cache, layer, block_tables, row_request, positions, scale):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("tokenspeed::silu_and_mul", mutates_args=())
+@_op("silu_and_mul")
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a stacked ``[rows, 2 * I]`` projection (gate first)."""
-    return dispatch.silu_and_mul(gate_up)
-
-
-@silu_and_mul.register_fake
-def _silu_and_mul_fake(gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-WRITE_KV = torch.ops.tokenspeed.write_kv.default
-DECODE_ATTENTION = torch.ops.tokenspeed.decode_attention.default
-ATTENTION = torch.ops.tokenspeed.attention.default
-ATTENTION_TARGETS = (torch.ops.tokenspeed.attention, ATTENTION, DECODE_ATTENTION,
-                     ROPE_DECODE_ATTENTION)
-WRITE_KV_TARGETS = (torch.ops.tokenspeed.write_kv, WRITE_KV)
+@_op("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face Llama: float32 statistics, the weight applied in the input dtype."""
+    return torch.empty_like(x)
+
+
+@_op("add_rms_norm")
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> list[torch.Tensor]:
+    """``[rms_norm(x + residual), x + residual]``: the residual add fused into the norm."""
+    return [torch.empty_like(x), torch.empty_like(x)]
+
+
+@_op("rope_write_kv", mutates_args=("kv_cache",))
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                  positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k, write k and v to the cache; returns the rotated q."""
+    return torch.empty_like(q)
+
+
+@_op("rope_decode_attention", mutates_args=("kv_cache",))
+def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                          layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                          row_request: torch.Tensor, scale: float) -> torch.Tensor:
+    """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
+    value and attends, using that key from registers."""
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@_op("linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A linear layer whose kernel the backend chooses by shape (a GEMV for few rows)."""
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@_op("gated_linear")
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(silu_and_mul(gate_up))``: the MLP activation read inside the down projection."""
+    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
+
+
+@_op("norm_linear")
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """``[linear(rms_norm(x + residual)), x + residual]`` (``[linear(rms_norm(x))]`` without
+    a residual): a norm read inside the projection it feeds."""
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return [out] if residual is None else [out, torch.empty_like(x)]
+
+
+OPS = torch.ops.tokenspeed
+WRITE_KV = OPS.write_kv.default
+ATTENTION = OPS.attention.default
+DECODE_ATTENTION = OPS.decode_attention.default
+ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
+ATTENTION_TARGETS = (OPS.attention, ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION)
+WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV)
+OP_NAMES = ("write_kv", "attention", "decode_attention", "silu_and_mul", "rms_norm",
+            "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
+            "norm_linear")

@@ -5,8 +5,10 @@ entry of a lowering's history stays valid and printable.
 """
 
 import attrs
+import torch
 from torch import fx
 
+from tokenspeed.ir.descriptors import leaves
 from tokenspeed.ir.printing import graph_text
 
 STAGES = ("encoder", "narrowing", "decoder", "finish")
@@ -17,14 +19,15 @@ ANNOTATIONS = ("stage", "segment")
 class Segment:
     """A sub-graph with explicit inputs and outputs.
 
-    ``kind`` is ``"graph"`` (captured, one graph per bucket of ``rows``) or ``"break"``
-    (run eagerly with live metadata). ``rows`` names the ladder that pads it: ``"tokens"``
-    (prefill token buckets), ``"view"`` (decoder row buckets) or ``"batch"`` (decode).
+    ``kind`` is ``"graph"`` (captured, one graph per rung of its ladder) or ``"break"``
+    (run eagerly with live metadata). ``ladder`` names the ladder that pads its rows:
+    ``"tokens"`` (prefill token buckets), ``"view"`` (decoder-view buckets), ``"sampled"``
+    (the sampled rows: never padded) or ``"batch"`` (the decode batch ladder).
     """
     name: str
     kind: str
     stage: str
-    rows: str
+    ladder: str
     graph_module: fx.GraphModule = attrs.field(repr=False, eq=False)
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -34,7 +37,7 @@ class Segment:
         env.update(zip(self.outputs, values))
 
     def as_text(self) -> str:
-        head = f"segment {self.name} [{self.kind}, stage={self.stage}, rows={self.rows}]"
+        head = f"segment {self.name} [{self.kind}, stage={self.stage}, ladder={self.ladder}]"
         return f"{head}({', '.join(self.inputs)}) -> ({', '.join(self.outputs)})\n" + \
             graph_text(self.graph_module.graph)
 
@@ -53,6 +56,13 @@ class Program:
 
     def evolve(self, **changes) -> "Program":
         return attrs.evolve(self, **changes)
+
+    def __call__(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        """Run every segment eagerly, in order: the reference for any captured run."""
+        env = {"kv_cache": kv_cache, **leaves(meta)}
+        for segment in self.segments:
+            segment(env)
+        return env[self.output]
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:

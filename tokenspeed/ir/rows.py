@@ -10,7 +10,6 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-ROW_INPUTS = ("input_ids", "positions", "slot_mapping", "row_request")
 PROBE_ROWS = (5, 7)
 PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE = 3, 2, 4, 4
 

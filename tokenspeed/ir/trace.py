@@ -1,63 +1,42 @@
-"""``ts.trace(model) -> Traced``: the first stage of the pipeline.
+"""The tracer: a model's ``forward(kv_cache, meta)`` as one FX graph.
 
-A custom FX tracer keeps norms and rotary embeddings as single calls and turns the
-descriptor argument into one named placeholder per tensor leaf, so the IR says exactly
-which metadata the model reads.
+A module whose class sets ``LEAF_ATTR`` (``ir_leaf = "rms_norm"``, say) stays one call in
+the graph, so the IR reads as the model does and passes can find it by that name without
+importing model classes. The descriptor argument becomes one named placeholder per
+tensor leaf, so the IR says exactly which metadata the model reads.
 """
 
 import operator
 
-import attrs
 import torch
 from torch import fx
 
-from tokenspeed.backends.descriptors import ForwardMetadata, tensor_fields
-from tokenspeed.ir.printing import graph_text
+from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
 from tokenspeed.ir.program import rename
-from tokenspeed.models.layers import RMSNorm, Rotary
 
-LEAF_MODULES = (RMSNorm, Rotary)
+LEAF_ATTR = "ir_leaf"
+
+
+def leaf_kind(module: torch.nn.Module) -> str | None:
+    """What a leaf module computes (``"rms_norm"``, ``"rotary"``), or None."""
+    return getattr(module, LEAF_ATTR, None)
 
 
 class TokenspeedTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, qualname)
+        return leaf_kind(m) is not None or super().is_leaf_module(m, qualname)
 
 
-@attrs.frozen
-class Traced:
-    """A traced model: ``forward(kv_cache, <metadata leaves>) -> logits of sampled rows``."""
-    graph_module: fx.GraphModule
-    config: object
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(n.name for n in self.graph_module.graph.nodes if n.op == "placeholder")
-
-    def as_text(self) -> str:
-        return graph_text(self.graph_module.graph)
-
-    def __call__(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
-        leaves = {n: getattr(meta, n) for n in tensor_fields(ForwardMetadata)}
-        return self.graph_module(kv_cache, **leaves)
-
-    def __str__(self) -> str:
-        return self.as_text()
-
-    def lower(self, mode: str = "decode", **options):
-        from tokenspeed.passes.lower import lower
-        return lower(self, mode, **options)
-
-
-def trace(model: torch.nn.Module) -> Traced:
-    """Trace ``model.forward(kv_cache, meta)`` with ``meta`` a :class:`ForwardMetadata`."""
+def trace_graph(model: torch.nn.Module) -> fx.GraphModule:
+    """Trace ``model.forward(kv_cache, meta)`` with ``meta`` a :class:`ForwardMetadata`;
+    the result is called with the cache and the descriptor's tensors as keywords."""
     names = tensor_fields(ForwardMetadata)
     meta = ForwardMetadata(**{n: fx.PH for n in names}, num_live_rows=0)
     graph = TokenspeedTracer().trace(model, concrete_args={"meta": meta})
     _flatten_signature(graph, names)
     _shorten_names(graph)
     _name_split_parts(graph)
-    return Traced(fx.GraphModule(model, graph, class_name="Traced"), getattr(model, "config", None))
+    return fx.GraphModule(model, graph, class_name="Traced")
 
 
 SHORTER = (("model_layers_", "layer"), ("_self_attn_", "_"), ("_mlp_", "_"), ("model_", ""),

@@ -1,7 +1,8 @@
 """Building blocks of the Llama family, written so that FX tracing keeps them readable.
 
-``RMSNorm`` and ``Rotary`` are leaf modules for the tracer: each shows in the IR as one
-call, and each is row-wise, which the narrowing pass relies on.
+``RMSNorm`` and ``Rotary`` are leaf modules for the tracer (``ir_leaf``): each shows in
+the IR as one call that passes recognise by that name, and each is row-wise, which the
+narrowing pass relies on.
 """
 
 import math
@@ -9,23 +10,29 @@ import math
 import torch
 from torch import nn
 
+from tokenspeed.ir import ops
+from tokenspeed.ir.rope import apply_rotary, cos_sin_table
 from tokenspeed.models.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
+    """``weight * normalised(x)``: what ``tokenspeed::rms_norm`` computes (passes read
+    ``weight`` and ``eps``)."""
+    ir_leaf = "rms_norm"
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding of ``x[rows, heads, head_dim]`` at ``positions[rows]``."""
+    """Rotary position embedding of ``x[rows, heads, head_dim]`` at ``positions[rows]``
+    (passes read ``inv_freq`` to build the fused ops' table)."""
+    ir_leaf = "rotary"
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -49,12 +56,7 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return apply_rotary(x, cos_sin_table(self.inv_freq, positions))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

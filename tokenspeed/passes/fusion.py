@@ -1,6 +1,6 @@
 """Decode fusions: fewer, larger kernels for a step that is launch- and bandwidth-bound.
 
-- ``fuse_norms``: an RMSNorm module becomes ``tokenspeed::rms_norm``; when its input is a
+- ``fuse_norms``: an ``rms_norm`` leaf module becomes ``tokenspeed::rms_norm``; when its input is a
   residual add, the add joins it (``tokenspeed::add_rms_norm`` returns norm and sum).
 - ``fuse_rope_write_kv``: a layer's rotary of q and k and its cache write become one
   ``tokenspeed::rope_write_kv`` reading a cos/sin table.
@@ -20,15 +20,13 @@ import operator
 import torch
 from torch import fx
 
-from tokenspeed.ir import fused_ops  # noqa: F401 - registers the ops
-from tokenspeed.ir.fused_ops import ROPE_DECODE_ATTENTION
-from tokenspeed.ir.ops import DECODE_ATTENTION, WRITE_KV
+from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE_DECODE_ATTENTION, WRITE_KV
 from tokenspeed.ir.program import rename
+from tokenspeed.ir.rope import cos_sin_table
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
-from tokenspeed.models.layers import RMSNorm, Rotary
+from tokenspeed.ir.trace import leaf_kind
 from tokenspeed.passes.manager import graph_pass
 
-ops = torch.ops.tokenspeed
 ROPE_TABLE = "rope_cos_sin"
 
 
@@ -36,12 +34,18 @@ def _module(gm: fx.GraphModule, node: fx.Node):
     return gm.get_submodule(node.target) if node.op == "call_module" else None
 
 
+def _leaf(gm: fx.GraphModule, node: fx.Node, kind: str):
+    """The leaf module ``node`` calls, if it computes ``kind``."""
+    module = _module(gm, node)
+    return module if module is not None and leaf_kind(module) == kind else None
+
+
 @graph_pass("fuse_norms")
 def fuse_norms(gm: fx.GraphModule, *, config, **_) -> None:
     values = fake_values(gm, config, PROBE_ROWS[0])
     for node in list(gm.graph.nodes):
-        norm = _module(gm, node)
-        if isinstance(norm, RMSNorm):
+        norm = _leaf(gm, node, "rms_norm")
+        if norm is not None:
             x = node.args[0]
             residual_add = x.op == "call_function" and x.target is operator.add and \
                 _same_tensor_type(values, x.args)
@@ -209,7 +213,7 @@ def _same_stage(original: fx.Node, *replacements: fx.Node) -> None:
 
 def _query_rotary(gm, k_rot: fx.Node) -> fx.Node | None:
     """The rotary call of the same module on the query (same positions), if any."""
-    if not isinstance(_module(gm, k_rot), Rotary):
+    if _leaf(gm, k_rot, "rotary") is None:
         return None
     for node in gm.graph.nodes:
         if node is not k_rot and node.target == k_rot.target and node.args[1] is k_rot.args[1]:
@@ -217,13 +221,11 @@ def _query_rotary(gm, k_rot: fx.Node) -> fx.Node | None:
     return None
 
 
-def _rope_table(gm: fx.GraphModule, rotary: Rotary, config) -> fx.Node:
-    """One shared cat(cos, sin) table over every position the model supports."""
+def _rope_table(gm: fx.GraphModule, rotary: torch.nn.Module, config) -> fx.Node:
+    """One shared cos/sin table over every position the model supports."""
     if not hasattr(gm, ROPE_TABLE):
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32,
-                                 device=rotary.inv_freq.device)
-        freqs = positions[:, None] * rotary.inv_freq[None, :]
-        gm.register_buffer(ROPE_TABLE, torch.cat((freqs.cos(), freqs.sin()), dim=-1))
+        positions = torch.arange(config.max_position_embeddings, device=rotary.inv_freq.device)
+        gm.register_buffer(ROPE_TABLE, cos_sin_table(rotary.inv_freq, positions))
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last_input):
         return gm.graph.get_attr(ROPE_TABLE)

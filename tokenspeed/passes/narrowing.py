@@ -4,10 +4,13 @@ A row-liveness analysis runs from the outputs back. The sampled-row gather needs
 the decoder view's rows; a cache write needs every row; a row-wise op needs what its
 users need; a row-shaped op reading a row-dependent value that is not row-shaped (a
 tuple from a split, a reshape that folds rows into another dimension) needs every row,
-since such a value cannot be gathered. Values needed by every row form the encoder (run over all tokens); values
-needed only on the view form the decoder (run over the view's rows); each encoder value
-the decoder reads is gathered once, in the narrowing stage, by ``view_rows``.
+since such a value cannot be gathered. Values needed by every row form the encoder (run
+over all tokens); values needed only on the view form the decoder (run over the view's
+rows); each encoder value the decoder reads is gathered once, in the narrowing stage, by
+``view_rows``.
 """
+
+import enum
 
 from torch import fx
 
@@ -16,19 +19,27 @@ from tokenspeed.ir.program import STAGES, rename
 from tokenspeed.ir.rows import row_shaped
 from tokenspeed.passes.manager import graph_pass
 
-NONE, VIEW, ALL = 0, 1, 2
+
+class RowNeed(enum.IntEnum):
+    """Which rows of a value its readers need, ordered: a value needs the most its readers do."""
+    NONE = 0
+    VIEW = 1
+    ALL = 2
+
+
+NONE, VIEW, ALL = RowNeed
 ENCODER, NARROWING, DECODER, FINISH = STAGES
 
 
 @graph_pass("narrow_rows")
 def narrow_rows(gm: fx.GraphModule, *, config, **_) -> None:
     graph = gm.graph
-    rows = row_shaped(gm, config)
+    row_values = row_shaped(gm, config)
     gather = sample_gather(graph)
-    need = row_needs(graph, rows, gather, _ungatherable_readers(graph, rows))
-    stages = assign_stages(graph, rows, need, gather)
+    need = row_needs(graph, row_values, gather, _ungatherable_readers(graph, row_values))
+    stages = assign_stages(graph, row_values, need, gather)
     view_rows, view_samples = _add_view_inputs(graph)
-    _insert_narrowing(graph, rows, stages, view_rows)
+    _insert_narrowing(graph, row_values, stages, view_rows)
     gather.replace_input_with(gather.args[2], view_samples)
     _order_by_stage(graph, stages)
 
@@ -42,39 +53,40 @@ def sample_gather(graph: fx.Graph) -> fx.Node:
                      "meta.sample_rows)) before its head")
 
 
-def row_needs(graph: fx.Graph, rows: set[str], gather: fx.Node, forced=frozenset()) -> dict[fx.Node, int]:
-    """How many rows of each row-shaped value are needed; ``forced`` nodes need all."""
+def row_needs(graph: fx.Graph, row_values: set[str], gather: fx.Node, forced=frozenset()) -> dict[fx.Node, int]:
+    """How many rows of each row-shaped value are needed (``row_values``: the names of
+    the row-shaped values); ``forced`` nodes need all."""
     need: dict[fx.Node, int] = {}
     for node in reversed(graph.nodes):
         if node in forced:
             need[node] = ALL
-        elif node.name in rows:
-            need[node] = max((_need_from(u, need, rows, gather) for u in node.users), default=NONE)
+        elif node.name in row_values:
+            need[node] = max((_need_from(u, need, row_values, gather) for u in node.users), default=NONE)
     return need
 
 
-def _ungatherable_readers(graph: fx.Graph, rows: set[str]) -> set[fx.Node]:
+def _ungatherable_readers(graph: fx.Graph, row_values: set[str]) -> set[fx.Node]:
     """Row-shaped nodes that read a row-dependent value which is not row-shaped."""
     dependent: set[fx.Node] = set()
     for node in graph.nodes:
-        if (node.op == "placeholder" and node.name in rows) or \
+        if (node.op == "placeholder" and node.name in row_values) or \
                 any(i in dependent for i in node.all_input_nodes):
             dependent.add(node)
-    return {n for n in dependent if n.name in rows and
-            any(i in dependent and i.name not in rows for i in n.all_input_nodes)}
+    return {n for n in dependent if n.name in row_values and
+            any(i in dependent and i.name not in row_values for i in n.all_input_nodes)}
 
 
-def _need_from(user: fx.Node, need, rows, gather) -> int:
+def _need_from(user: fx.Node, need, row_values, gather) -> int:
     if user.target in WRITE_KV_TARGETS:
         return ALL
     if user is gather:
         return VIEW
-    if user.name in rows:
+    if user.name in row_values:
         return need[user]
     return ALL  # a consumer that is not row-wise may read every row
 
 
-def assign_stages(graph, rows, need, gather) -> dict[fx.Node, str]:
+def assign_stages(graph, row_values, need, gather) -> dict[fx.Node, str]:
     stages: dict[fx.Node, str] = {}
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -82,7 +94,7 @@ def assign_stages(graph, rows, need, gather) -> dict[fx.Node, str]:
         inputs = [stages[i] for i in node.all_input_nodes if i in stages]
         if node is gather or FINISH in inputs:
             stages[node] = FINISH
-        elif node.name in rows:
+        elif node.name in row_values:
             stages[node] = ENCODER if need[node] == ALL else DECODER
         else:
             stages[node] = max(inputs, key=STAGES.index, default=ENCODER)
@@ -99,10 +111,10 @@ def _add_view_inputs(graph: fx.Graph) -> tuple[fx.Node, fx.Node]:
     return view_rows, view_samples
 
 
-def _insert_narrowing(graph, rows, stages, view_rows) -> None:
+def _insert_narrowing(graph, row_values, stages, view_rows) -> None:
     """Gather every encoder-side row value that a decoder or finish node reads."""
     for value in list(graph.nodes):
-        if value.name not in rows or stages.get(value, ENCODER) != ENCODER:
+        if value.name not in row_values or stages.get(value, ENCODER) != ENCODER:
             continue
         readers = [u for u in value.users if stages.get(u) in (DECODER, FINISH)]
         if not readers:

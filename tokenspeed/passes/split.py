@@ -9,7 +9,7 @@ from tokenspeed.ir.program import Program, Segment
 from tokenspeed.passes.manager import program_pass
 
 EAGER_STAGES = ("narrowing", "finish")
-ROWS_OF_STAGE = {"encoder": "tokens", "model": "tokens", "narrowing": "view", "decoder": "view",
+LADDER_OF_STAGE = {"encoder": "tokens", "model": "tokens", "narrowing": "view", "decoder": "view",
                  "finish": "sampled", "decode": "batch"}
 
 
@@ -29,7 +29,7 @@ def _segment(program: Program, index: int, nodes: list[fx.Node]) -> Segment:
     kind = "break" if is_attention or stage in EAGER_STAGES else "graph"
     gm, inputs, outputs = _extract(program.graph_module, nodes)
     return Segment(name=f"{index:02d}.{stage}.{'attention' if is_attention else kind}", kind=kind,
-                   stage=stage, rows=ROWS_OF_STAGE[stage], graph_module=gm,
+                   stage=stage, ladder=LADDER_OF_STAGE[stage], graph_module=gm,
                    inputs=inputs, outputs=outputs)
 
 

@@ -3,8 +3,8 @@
 Capture = idle refresh (no live rows, placeholder tables of null pages) + capture of the
 whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
 the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
-same slots; batches above the ladder take it. Tokens and accept lengths land in one
-persistent buffer and reach the host in one asynchronous copy: ``launch`` returns a
+same slots; batches above the ladder take it. Tokens land in one persistent buffer and
+reach the host in one asynchronous copy: ``launch`` returns a
 ``DecodeFuture`` at once, so the host can prepare the next step while the GPU runs this
 one; a chained step takes its input tokens from the previous step's output on the device.
 """
@@ -15,24 +15,22 @@ from tokenspeed.runtime.graphs import state_tensors
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample, sample_in_step
 from tokenspeed.runtime.slots import MetadataSlots
-from tokenspeed.sampling_params import SamplingParams
+from tokenspeed.runtime.sampling_params import SamplingParams
 
-WINDOW = 1            # verify window N: 1 candidate per row without a drafter
 PAD_PARAMS = SamplingParams(temperature=0.0)
 
 
 class DecodeRunner:
-    def __init__(self, lowered, kv_cache, backend, max_decode_bs: int, max_pages: int,
+    def __init__(self, program, kv_cache, backend, max_decode_bs: int, max_pages: int,
                  page_size: int, generator: torch.Generator):
-        self.lowered, self.kv_cache, self.backend = lowered, kv_cache, backend
+        self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
         self.generator = generator
         self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # rows' noise keys
         device = kv_cache.device
         self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
         self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs, device)
-        self.out = torch.zeros(max_decode_bs, WINDOW + 1, dtype=torch.int64, device=kv_cache.device)
-        self.out[:, WINDOW] = WINDOW                      # accept lengths: no drafter yet
+        self.out = torch.zeros(max_decode_bs, dtype=torch.int64, device=device)  # tokens
         self.step = torch.zeros(1, dtype=torch.int64, device=device)  # advances the noise
         pinned = kv_cache.is_cuda
         self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
@@ -76,7 +74,7 @@ class DecodeRunner:
         weights it reads."""
         named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
         named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
-        state = state_tensors(*(s.graph_module for s in self.lowered.segments))
+        state = state_tensors(*(s.graph_module for s in self.program.segments))
         return {**named, **state, "kv_cache": self.kv_cache, "out": self.out, "step": self.step}
 
     def run(self, rows, params) -> list[int]:
@@ -89,10 +87,10 @@ class DecodeRunner:
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
-        input_ids, out, tokens, hosts = self._row_views(bs, size)
+        input_ids, out, hosts = self._row_views(bs, size)
         view = self.slots.publish(self.refresh(rows, size))
         if chained:
-            input_ids.copy_(tokens)
+            input_ids.copy_(out)
         settings, filtered = self._settings(params, size)
         sampling = self.sampling.publish(settings)
         if rung is None:
@@ -100,24 +98,24 @@ class DecodeRunner:
         else:
             logits = self.graphs[rung].replay()
         if filtered:  # graphs sample unfiltered; filtered batches resample here
-            tokens.copy_(sample(logits, sampling, self.generator, filtered=True)[:bs])
+            out.copy_(sample(logits, sampling, self.generator, filtered=True)[:bs])
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
         return DecodeFuture(hosts[self._turn], _recorded_event(self.kv_cache.device))
 
     def _row_views(self, bs: int, size: int) -> tuple:
-        """The first ``bs`` rows of the input ids (of the slots' views for ``size``), the
-        output, its tokens and both host copies: built once per pair, as each slice costs
+        """The first ``bs`` rows of the input ids (of the slots' views for ``size``), of the
+        output tokens and of both host copies: built once per pair, as each slice costs
         about a microsecond of every step."""
         if (bs, size) not in self._views:
             self._views[bs, size] = (self.slots.view(size)["input_ids"][:bs], self.out[:bs],
-                                     self.out[:bs, 0], tuple(h[:bs] for h in self.host_out))
+                                     tuple(h[:bs] for h in self.host_out))
         return self._views[bs, size]
 
     def _step(self, view, sampling, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
-        logits = self.lowered(self.kv_cache, view)
-        sample_in_step(logits, sampling, self.step, out[:, 0], self.generator)
+        logits = self.program(self.kv_cache, view)
+        sample_in_step(logits, sampling, self.step, out, self.generator)
         return logits
 
     def _sampling(self, params, size: int) -> SamplingTensors:
@@ -134,7 +132,6 @@ class DecodeRunner:
         return self._last_settings[1:]
 
 
-
 class DecodeFuture:
     """A step's tokens on their way to the host."""
 
@@ -144,7 +141,7 @@ class DecodeFuture:
     def tokens(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host[:, 0].tolist()
+        return self.host.tolist()
 
 
 def _recorded_event(device: torch.device):

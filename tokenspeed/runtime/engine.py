@@ -7,9 +7,12 @@ that stops on a token is found one step late: the extra row's token is dropped.
 """
 
 import attrs
+import torch
 
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
+from tokenspeed.runtime.outputs import RequestOutput
 from tokenspeed.runtime.request import Request
+from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
 
 
@@ -20,13 +23,49 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, prefill, decode, eos_token_ids, max_model_len: int,
+    def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True):
+        """``prefill`` and ``decode``: runners (``run(chunks | rows, params) -> tokens``)."""
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
         self.overlap = overlap
         self.in_flight: InFlight | None = None
+        self._next_id = 0
+
+    def request(self, index: int, prompt, params: SamplingParams) -> Request:
+        """A validated request; raises naming prompt ``index`` before any work starts."""
+        prompt = tuple(int(t) for t in prompt)
+        where = f"prompt {index}"
+        if not prompt:
+            raise ValueError(f"{where} is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"{where}: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} "
+                             f"= {total} exceeds max_model_len={self.max_model_len}")
+        pages, pool = -(-total // self.scheduler.page_size), self.scheduler.allocator.num_pages - 1
+        if pages > pool:
+            raise ValueError(f"{where}: needs {pages} KV pages, the pool has {pool}")
+        self._next_id += 1
+        return Request(self._next_id - 1, prompt, params)
+
+    def run(self, requests: list[Request]) -> list[RequestOutput]:
+        """Serve ``requests`` to completion; a failure drops every request and its pages."""
+        for request in requests:
+            self.scheduler.add(request)
+        try:
+            with torch.inference_mode():
+                while self.has_work:
+                    self.step()
+        except BaseException:
+            self.in_flight = None  # nothing of this call may leak into the next one
+            self.scheduler.abort_all()
+            raise
+        return [r.to_output() for r in requests]
 
     @property
     def has_work(self) -> bool:

@@ -7,7 +7,7 @@ MAX_DECODE_LADDER = 256
 TOKEN_STEPS = ((256, 16), (512, 32), (1024, 64), (2048, 128))
 
 
-def _given(name: str, sizes) -> tuple[int, ...]:
+def given_ladder(name: str, sizes) -> tuple[int, ...]:
     ladder = tuple(sorted(set(int(s) for s in sizes)))
     if not ladder or ladder[0] < 1:
         raise ValueError(f"{name}={sizes!r}: need at least one size, every size >= 1")
@@ -17,7 +17,7 @@ def _given(name: str, sizes) -> tuple[int, ...]:
 def decode_ladder(max_num_seqs: int, capture_sizes=None) -> tuple[int, ...]:
     """1, 2, 4, 8, then steps of 8 up to min(max_num_seqs, 256); ``capture_sizes`` overrides."""
     if capture_sizes is not None:
-        return _given("capture_sizes", capture_sizes)
+        return given_ladder("capture_sizes", capture_sizes)
     top = min(max_num_seqs, MAX_DECODE_LADDER)
     return _capped([1, 2, 4, 8] + list(range(16, MAX_DECODE_LADDER + 1, 8)), top)
 
@@ -26,7 +26,7 @@ def token_buckets(max_num_batched_tokens: int, buckets=None) -> tuple[int, ...]:
     """16..256 by 16, 288..512 by 32, 576..1024 by 64, 1152..2048 by 128; top =
     min(max_num_batched_tokens, 2048)."""
     if buckets is not None:
-        return _given("token_buckets", buckets)
+        return given_ladder("token_buckets", buckets)
     sizes, start = [], 0
     for end, step in TOKEN_STEPS:
         sizes.extend(range(start + step, end + 1, step))
@@ -34,7 +34,7 @@ def token_buckets(max_num_batched_tokens: int, buckets=None) -> tuple[int, ...]:
     return _capped(sizes, min(max_num_batched_tokens, TOKEN_STEPS[-1][0]))
 
 
-def row_buckets(top: int) -> tuple[int, ...]:
+def view_buckets(top: int) -> tuple[int, ...]:
     """Each rung at most 1.5x the one below (so padding stays under 1.5x), up to ``top``."""
     sizes = [1]
     while sizes[-1] < top:

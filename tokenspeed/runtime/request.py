@@ -2,7 +2,8 @@
 
 import attrs
 
-from tokenspeed.sampling_params import RequestOutput, SamplingParams
+from tokenspeed.runtime.outputs import RequestOutput
+from tokenspeed.runtime.sampling_params import SamplingParams
 
 
 @attrs.define

@@ -11,7 +11,7 @@ host can stage step n+1 while the copy for step n may still be queued behind the
 import attrs
 import torch
 
-from tokenspeed.backends.descriptors import tensor_fields
+from tokenspeed.ir.descriptors import tensor_fields
 
 ALIGN = 64
 

@@ -9,68 +9,91 @@ import torch
 from tqdm import tqdm
 
 from tokenspeed.backends.kernels import precompile
+from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.runtime.compile_config import CompileConfig, EngineLimits
 from tokenspeed.runtime.decode_runner import DecodeRunner
 from tokenspeed.runtime.graphs import GraphCapturer
-from tokenspeed.runtime.ladders import decode_ladder, row_buckets, token_buckets as default_buckets
-from tokenspeed.runtime.prefill_graph import PrefillGraph
+from tokenspeed.runtime.ladders import decode_ladder, token_buckets as default_buckets, view_buckets
+from tokenspeed.runtime.prefill_runner import PrefillRunner
 
 
 @attrs.frozen
 class StartupReport:
     decode_ladder: tuple[int, ...]
     token_buckets: tuple[int, ...]
-    row_buckets: tuple[int, ...]
+    view_buckets: tuple[int, ...]
     num_graphs: int
     capture_seconds: float
     graph_memory_bytes: int
     kernel_variants_precompiled: int = 0
     precompile_seconds: float = 0.0
 
+    def as_text(self) -> str:
+        if not self.num_graphs:
+            return "no graphs captured: every batch runs eagerly"
+        return (f"{self.num_graphs} graphs captured in {self.capture_seconds:.1f} s "
+                f"({self.graph_memory_bytes / 2**20:.0f} MiB); decode ladder "
+                f"{_ladder_text(self.decode_ladder)}; token buckets "
+                f"{_ladder_text(self.token_buckets)}; view buckets {_ladder_text(self.view_buckets)}")
+
 
 log = logging.getLogger(__name__)
 
 
-def build_runners(llm, *, max_num_seqs, max_num_batched_tokens, capture_sizes, token_buckets,
-                  view_width, seed, compile_workers: precompile.CompileWorkers):
-    """``compile_workers``: started by the caller, stopped here once the captures' kernels
-    are compiled."""
-    device = llm.kv_cache.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    ladder = decode_ladder(max_num_seqs, capture_sizes) if llm.support.decode_graph else ()
-    tokens = default_buckets(max_num_batched_tokens, token_buckets)
-    rows = row_buckets(view_width * max_num_seqs)
-    max_decode_bs = max((max_num_seqs, *ladder))
-    decode = DecodeRunner(llm.lowered["decode"], llm.kv_cache, llm.backend.leaf, max_decode_bs,
-                          llm.max_pages, llm.page_size, generator)
-    prefill = PrefillGraph(llm.lowered["prefill"], llm.kv_cache, llm.backend.leaf, llm.max_pages,
-                           llm.page_size, view_width, generator, tokens, rows)
+def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: CudaGraphSupport,
+                  config: CompileConfig, limits: EngineLimits,
+                  compile_workers: precompile.CompileWorkers):
+    """The prefill and decode runners over ``kv_cache``, every graph ``support`` allows
+    captured, and the report. ``compile_workers``: started by the caller, stopped here once
+    the captures' kernels are compiled."""
+    device = kv_cache.device
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    ladder = decode_ladder(config.max_num_seqs, config.capture_sizes) if support.decode_graph else ()
+    tokens, views = _prefill_ladders(config, support)
+    decode = DecodeRunner(programs["decode"], kv_cache, backend, max((config.max_num_seqs, *ladder)),
+                          limits.max_pages, config.page_size, generator)
+    prefill = PrefillRunner(programs["prefill"], kv_cache, backend, limits.max_pages,
+                            config.page_size, config.view_width, generator, tokens, views)
     capturer = GraphCapturer(device)
-    sweeps = prefill.capture_sweeps if llm.support.prefill_graph else 0
+    walks = len(prefill.capture_walks())
     start = time.perf_counter()
-    precompiled = _precompile(decode, prefill, ladder, sweeps, compile_workers) \
-        if compile_workers.running and (ladder or sweeps) else 0
+    precompiled = _precompile(decode, prefill, ladder, walks, compile_workers) \
+        if compile_workers.running and (ladder or walks) else 0
     compile_workers.stop()
     compiled, memory = time.perf_counter(), _reserved(device)
-    with torch.inference_mode(), tqdm(total=len(ladder) + sweeps, desc="capturing graphs",
-                                      disable=None, leave=False) as bar:
-        if ladder:
-            decode.capture(capturer, ladder, bar)
-        if sweeps:
-            prefill.capture(capturer, bar)
+    with torch.inference_mode(), tqdm(total=len(ladder) + walks, desc="capturing graphs",
+                                      disable=None if ladder or walks else True, leave=False) as bar:
+        decode.capture(capturer, ladder, bar)
+        prefill.capture(capturer, bar)
     capturer.seal()
-    report = StartupReport(ladder, tokens, rows, capturer.count, time.perf_counter() - compiled,
+    report = StartupReport(ladder, tokens, views, capturer.count, time.perf_counter() - compiled,
                            _reserved(device) - memory, precompiled, compiled - start)
     return prefill, decode, report
 
 
-def _precompile(decode, prefill, ladder, sweeps, pool: precompile.CompileWorkers) -> int:
+def _prefill_ladders(config: CompileConfig, support: CudaGraphSupport) -> tuple[tuple, tuple]:
+    """Token and view buckets, or none when prefill graphs are not captured (then every
+    batch runs unpadded)."""
+    if not support.prefill_graph:
+        return (), ()
+    tokens = default_buckets(config.max_num_batched_tokens, config.token_buckets)
+    return tokens, view_buckets(config.view_width * config.max_num_seqs)
+
+
+def _ladder_text(ladder: tuple[int, ...]) -> str:
+    if len(ladder) <= 6:
+        return str(list(ladder))
+    return f"[{ladder[0]}, {ladder[1]}, {ladder[2]} .. {ladder[-1]}] ({len(ladder)} rungs)"
+
+
+def _precompile(decode, prefill, ladder, walks: int, pool: precompile.CompileWorkers) -> int:
     """Record the kernel variants the captures launch and compile them in the ``pool``'s
     processes (see ``precompile``); returns how many they compiled (none when an earlier
     start on this machine compiled the same set, or when a worker failed)."""
     with torch.inference_mode(), precompile.dry_run() as variants:
         for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
             decode.dry_step(bs)  # is new after two rungs that were not
-        if sweeps:
+        if walks:
             view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
             _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)
             _walk_until_quiet(lambda v: prefill.dry_walk(tokens, v), prefill.view_ladder, variants)

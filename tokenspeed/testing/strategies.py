@@ -1,4 +1,4 @@
-"""Hypothesis strategies for batches, block tables and sequence lengths.
+"""Hypothesis strategies for decode batches, extend batches and block tables.
 
 Every drawn batch is realistic: each request owns distinct non-null pages, exactly as
 many as its positions need.
@@ -71,6 +71,3 @@ def block_tables(max_requests: int = 6, max_pages: int = 8, max_page: int = 64):
     return st.lists(st.lists(st.integers(1, max_page), min_size=1, max_size=max_pages),
                     min_size=1, max_size=max_requests)
 
-
-def sequence_lengths(max_len: int = 256):
-    return st.integers(1, max_len)

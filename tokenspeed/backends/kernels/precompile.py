@@ -183,8 +183,8 @@ def _target():
 
 
 def _package_root() -> str:
-    import tokenspeed
-    return os.path.dirname(os.path.dirname(os.path.abspath(tokenspeed.__file__)))
+    """The folder holding the ``tokenspeed`` package (this file is tokenspeed/backends/kernels/)."""
+    return str(Path(__file__).resolve().parents[3])
 
 
 def compile_variants(variants: list[dict]) -> int:

@@ -1,9 +1,8 @@
-"""Plain-torch reference kernels: the CPU implementation and the oracle for Triton tests.
+"""The torch reference of every IR op: what the CPU runs, and the oracle every Triton
+kernel is tested against. One function per op, with the op's signature.
 
-KV cache layout (one tensor for the whole pool):
-    kv_cache[layer, 0 | 1, slot, kv_head, head_dim]      (0 = K, 1 = V)
-with slot = page * page_size + offset. Page 0 is the null page.
-
+Kernels see the cache as flat slots, ``kv_cache[layer, 0 | 1, slot, kv_head, head_dim]``
+with ``slot = page * page_size + offset`` (``flat_slots``); page 0 is the null page.
 Attention is described per query row, so one formulation serves decode, extend and the
 narrowed decoder view: row r belongs to request ``row_request[r]`` and sits at position
 ``positions[r]``; it attends causally to positions 0..positions[r] of that request,
@@ -12,32 +11,40 @@ found through ``block_tables[row_request[r]]``.
 
 import torch
 
-ROWS_PER_CHUNK = 64
+from tokenspeed.ir.rope import apply_rotary
+
+ROWS_PER_CHUNK = 64  # query rows attended at once: bounds the gathered keys' memory
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-             slot_mapping: torch.Tensor) -> None:
-    kv_cache[layer, 0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[layer, 1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+def flat_slots(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[L, 2, pages, P, Hkv, D]`` -> (``[L, 2, pages * P, Hkv, D]`` view, P)."""
+    return kv_cache.flatten(2, 3), kv_cache.shape[3]
 
 
-def key_slots(block_tables: torch.Tensor, rows: torch.Tensor, length: int,
-              page_size: int) -> torch.Tensor:
+def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
+    flat, _ = flat_slots(kv_cache)
+    flat[layer, 0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[layer, 1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+
+
+def attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+    flat, page_size = flat_slots(kv_cache)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        out[rows] = _attend_rows(q[rows], flat[layer], block_tables, row_request[rows].long(),
+                                 positions[rows].long(), scale, page_size)
+    return out
+
+
+decode_attention = attention  # one row per request is a case of the general formulation
+
+
+def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
     """Slots of positions 0..length-1 for each request in ``rows``: [len(rows), length]."""
     pos = torch.arange(length, device=block_tables.device)
     pages = block_tables[rows][:, pos // page_size].long()
     return pages * page_size + pos % page_size
-
-
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                    block_tables: torch.Tensor, row_request: torch.Tensor,
-                    positions: torch.Tensor, scale: float, page_size: int) -> torch.Tensor:
-    out = torch.empty_like(q)
-    for start in range(0, q.shape[0], ROWS_PER_CHUNK):
-        rows = slice(start, start + ROWS_PER_CHUNK)
-        out[rows] = _attend_rows(q[rows], kv_cache[layer], block_tables, row_request[rows].long(),
-                                 positions[rows].long(), scale, page_size)
-    return out
 
 
 def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size):
@@ -54,27 +61,44 @@ def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size):
     return torch.einsum("qhl,qlhd->qhd", scores.softmax(-1), v).to(q.dtype)
 
 
-def expand_block_table(block_tables: torch.Tensor, factor: int) -> torch.Tensor:
-    """Rewrite a table of pages of size P as one of pages of size P // factor.
-
-    Page p becomes pages p*factor .. p*factor + factor - 1; page 0 stays the null range.
-    """
-    sub = torch.arange(factor, device=block_tables.device, dtype=block_tables.dtype)
-    return (block_tables[:, :, None] * factor + sub).flatten(1)
+def silu_and_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As Hugging Face Llama: fp32 statistics, the weight applied in the input dtype."""
+def rms_norm(x, weight, eps):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x[rows, heads, D]`` from a ``cat(cos, sin)`` table ``[pos, D]``,
-    in the rotate-half convention, with the table cast to x's dtype as HF does."""
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def add_rms_norm(x, residual, weight, eps):
+    total = x + residual
+    return [rms_norm(total, weight, eps), total]
+
+
+def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
+    rows = cos_sin[positions]
+    write_kv(apply_rotary(k, rows), v, kv_cache, layer, slot_mapping)
+    return apply_rotary(q, rows)
+
+
+def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
+                          block_tables, row_request, scale):
+    q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping)
+    return attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale)
+
+
+def linear(x, weight, bias):
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(gate_up, weight, bias):
+    return linear(silu_and_mul(gate_up), weight, bias)
+
+
+def norm_linear(x, residual, norm_weight, eps, weight, bias):
+    if residual is None:
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias)]
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    return [linear(normed, weight, bias), total]

@@ -3,8 +3,8 @@
 ``write_kv`` scatters one token's K and V rows into their cache slots with a single launch
 (one program per token), so the step that feeds attention costs one kernel instead of two
 ``index_copy_`` calls, and it takes K/V as strided views (e.g. slices of a fused QKV
-projection) without a copy. ``expand_block_table`` rewrites a block table onto smaller pages.
-Both read no tensor values on the host and are safe inside CUDA-graph capture.
+projection) without a copy. It reads no tensor values on the host and is safe inside CUDA-graph
+capture.
 
 Layout (see ``reference.py``): ``kv_cache[layer, 0 | 1, slot, kv_head, head_dim]``,
 ``slot = page * page_size + offset``, page 0 is the null page that padding rows write into.
@@ -67,37 +67,3 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
         NUM_HEADS=heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if heads * head_dim >= 1024 else 1, **pdl.launch_options(k.device))
-
-
-@triton.jit
-def _expand_kernel(table_ptr, out_ptr, width, stride_t, stride_o, FACTOR: tl.constexpr,
-                   BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.start(USE_PDL)
-    pdl.wait(USE_PDL)
-    row = tl.program_id(0)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = col < width * FACTOR
-    page = tl.load(table_ptr + row * stride_t + col // FACTOR, mask=mask)
-    tl.store(out_ptr + row * stride_o + col, page * FACTOR + col % FACTOR, mask=mask)
-
-
-def expand_block_table(block_tables: torch.Tensor, factor: int) -> torch.Tensor:
-    """Rewrite a table of pages of size P as one of pages of size P // factor.
-
-    Page p becomes pages p*factor .. p*factor + factor - 1; page 0 stays the null range.
-    """
-    if block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [R, M]; got {tuple(block_tables.shape)}")
-    if factor < 1:
-        raise ValueError(f"factor must be >= 1; got {factor}")
-    block_tables = _unit_last_dim(block_tables)
-    rows, width = block_tables.shape
-    out = torch.empty(rows, width * factor, dtype=block_tables.dtype,
-                      device=block_tables.device)
-    if out.numel() == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(width * factor))
-    grid = (rows, triton.cdiv(width * factor, block))
-    _expand_kernel[grid](block_tables, out, width, block_tables.stride(0), out.stride(0),
-                         FACTOR=factor, BLOCK=block, **pdl.launch_options(out.device))
-    return out

@@ -1,4 +1,4 @@
-"""Fused elementwise Triton kernels for the decoder layer, each with its torch reference.
+"""Fused elementwise Triton kernels for the decoder layer (references in ``reference.py``).
 
 Decode steps are launch- and bandwidth-bound: fusing residual-add with RMSNorm, SiLU with
 the gate*up product, and rotary embedding with the KV-cache write saves a round trip to
@@ -6,16 +6,16 @@ memory and a launch per op. Rounding follows HF Llama so results match a bf16 HF
 the residual sum is rounded to the input dtype before the norm, the normalised hidden is
 cast to the input dtype before the weight multiply, and SiLU is rounded before the product.
 
-Rotary cache layout (vLLM's): ``cos_sin_cache[pos] = cat(cos(pos * inv_freq),
-sin(pos * inv_freq))``, shape [max_pos, D]; HF's cos/sin are ``cat(c, c)`` / ``cat(s, s)``
-(neox / rotate_half convention). ``rope_cos_sin_cache`` builds it.
+Rotary tables are ``tokenspeed.ir.rope.cos_sin_table`` rows over every position; the
+kernel rotates in float32 (the reference in the input dtype, as HF does: within a bf16
+step of each other).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl, reference
+from tokenspeed.backends.kernels import pdl
 
 
 def _num_warps(block: int) -> int:
@@ -81,17 +81,6 @@ def add_rms_norm(x, residual, weight, eps):
     return _norm(x, residual, weight, eps)
 
 
-def rms_norm_reference(x, weight, eps):
-    hidden = x.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * hidden.to(x.dtype)).to(x.dtype)
-
-
-def add_rms_norm_reference(x, residual, weight, eps):
-    new_residual = x + residual
-    return rms_norm_reference(new_residual, weight, eps), new_residual
-
-
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr):
@@ -120,11 +109,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
             num_warps=_num_warps(block), **pdl.launch_options(out.device))
     return out.view(*shape[:-1], inter)
-
-
-def silu_and_mul_reference(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
 
 
 @triton.jit
@@ -206,31 +190,3 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
         BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(k.shape[1]),
         BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl.launch_options(q.device))
     return q_out
-
-
-def rope_cos_sin_cache(head_dim, max_positions, base=10000.0, inv_freq=None, device=None):
-    """[max_positions, head_dim] fp32 cache: cat(cos, sin) of positions * inv_freq.
-
-    ``inv_freq`` (e.g. an HF rotary_emb.inv_freq with rope scaling applied) overrides base.
-    """
-    if inv_freq is None:
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-        inv_freq = 1.0 / (base ** exponent)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device),
-                        inv_freq.float().to(device))
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def rope_and_write_kv_reference(q, k, v, cos_sin_cache, positions, kv_cache, layer,
-                                slot_mapping):
-    c, s = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
-    cos, sin = torch.cat([c, c], -1)[:, None, :], torch.cat([s, s], -1)[:, None, :]
-    q_rot = (q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype)
-    k_rot = (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype)
-    reference.write_kv(k_rot, v, kv_cache, layer, slot_mapping)
-    return q_rot

@@ -1,4 +1,4 @@
-"""User-facing request types: sampling settings and results."""
+"""How a request samples: the settings users pass to ``generate`` (``ts.SamplingParams``)."""
 
 import attrs
 
@@ -29,12 +29,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.top_k == 1
-
-
-@attrs.frozen
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" | "length"
-    text: str | None = None

@@ -39,9 +39,9 @@ def cmd_demo(args) -> None:
     path = args.model or default_model()
     print(f"# model: {path}")
     llm = ts.LLM(path, device=args.device)
-    for lowered in llm.lowered.values():
+    for lowered in llm.compiled.lowered.values():
         print(f"\n# {_summary(lowered)}")
-    prefill = llm.lowered["prefill"]
+    prefill = llm.compiled.lowered["prefill"]
     for stage, segments in prefill.stages.items():
         print(f"\n## prefill stage {stage}\n" + "\n\n".join(s.as_text() for s in segments[-2:]))
     print("\n# pass history (prefill): " + " -> ".join(h.pass_name for h in prefill.history))

@@ -1,0 +1,92 @@
+"""The CUDA kernel of every IR op: Triton, or cuBLAS where it wins.
+
+The kernel is chosen from shapes alone (projections: a GEMV up to ``GEMV_MAX_ROWS`` rows),
+never from tensor values, so eager runs and captured graphs of the same shapes take the
+same kernels. Triton modules are imported on first use, so a CPU process never loads
+Triton. Where a fused form is slower for a shape (see docs/PERFORMANCE.md), the op runs
+as the CUDA kernels of its parts.
+"""
+
+import torch
+
+from tokenspeed.backends.kernels.reference import flat_slots
+
+GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
+
+
+def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
+    from tokenspeed.backends.kernels import triton_cache
+    triton_cache.write_kv(k, v, flat_slots(kv_cache)[0], layer, slot_mapping)
+
+
+def attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+    from tokenspeed.backends.kernels import triton_attention
+    flat, page_size = flat_slots(kv_cache)
+    return triton_attention.extend_attention(q, flat, layer, block_tables, row_request,
+                                             positions, scale, page_size)
+
+
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+    from tokenspeed.backends.kernels import triton_decode
+    flat, page_size = flat_slots(kv_cache)
+    return triton_decode.decode_attention(q, flat, layer, block_tables, row_request,
+                                          positions, scale, page_size)
+
+
+def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
+                          block_tables, row_request, scale):
+    from tokenspeed.backends.kernels import triton_decode
+    flat, page_size = flat_slots(kv_cache)
+    return triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, flat, layer,
+                                               slot_mapping, block_tables, row_request,
+                                               scale, page_size)
+
+
+def silu_and_mul(gate_up):
+    from tokenspeed.backends.kernels import triton_fused
+    return triton_fused.silu_and_mul(gate_up)
+
+
+def rms_norm(x, weight, eps):
+    from tokenspeed.backends.kernels import triton_fused
+    return triton_fused.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    from tokenspeed.backends.kernels import triton_fused
+    return list(triton_fused.add_rms_norm(x, residual, weight, eps))
+
+
+def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
+    from tokenspeed.backends.kernels import triton_fused
+    return triton_fused.rope_and_write_kv(q, k, v, cos_sin, positions, flat_slots(kv_cache)[0],
+                                          layer, slot_mapping)
+
+
+def linear(x, weight, bias):
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        from tokenspeed.backends.kernels import triton_gemv
+        return triton_gemv.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(gate_up, weight, bias):
+    """Fused for one row only: with more, the activation between the loads and ``tl.dot``
+    stalls the GEMV's pipeline."""
+    if gate_up.shape[0] == 1:
+        from tokenspeed.backends.kernels import triton_gemv
+        return triton_gemv.linear(gate_up, weight, bias, gated=True)
+    return linear(silu_and_mul(gate_up), weight, bias)
+
+
+def norm_linear(x, residual, norm_weight, eps, weight, bias):
+    """Fused for one row only: with more, every GEMV program re-reads all rows for the
+    statistics in a loop that is not pipelined."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        from tokenspeed.backends.kernels import triton_gemv
+        out, total = triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        return [out] if total is None else [out, total]
+    if residual is None:
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias)]
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    return [linear(normed, weight, bias), total]

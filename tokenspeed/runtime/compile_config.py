@@ -1,0 +1,90 @@
+"""How a lowered model is compiled: its KV pool, batch limits, ladders and graphs.
+
+``CompileConfig`` is what a user asks for; ``EngineLimits`` is what it comes to for one
+model (its context length bounds ``max_model_len``, which sets the block-table width).
+"""
+
+import os
+
+import attrs
+import torch
+
+from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.runtime.ladders import given_ladder
+
+MAX_COMPILE_WORKERS = 8
+
+
+def _at_least(minimum: int):
+    def check(instance, attribute, value):
+        if value is not None and value < minimum:
+            raise ValueError(f"{attribute.name}={value}: must be >= {minimum}")
+    return check
+
+
+def _sizes(instance, attribute, value):
+    if value is not None:
+        given_ladder(attribute.name, value)
+
+
+@attrs.frozen
+class CompileConfig:
+    """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
+    min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``: rows
+    per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
+    on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
+    ``num_kv_pages``: the pool's pages, page 0 included (default: what fits in 2 GiB on
+    the CPU, 80% of free memory on a GPU); ``compile_workers``: processes that compile the
+    Triton kernels before the captures (default: half the usable cores, at most 8; 0
+    compiles each on first launch)."""
+    device: torch.device = attrs.field(default="cpu", converter=torch.device)
+    page_size: int = attrs.field(default=16, validator=_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
+    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
+    num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2))
+    capture_sizes: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
+    token_buckets: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
+    view_width: int = attrs.field(default=1, validator=_at_least(1))
+    graphs: bool | None = None
+    seed: int = 0
+    compile_workers: int | None = attrs.field(default=None, validator=_at_least(0))
+
+    def graph_support(self, backend_support: CudaGraphSupport) -> CudaGraphSupport:
+        """What gets captured: the backend's support, where graphs are wanted at all."""
+        wanted = self.device.type == "cuda" if self.graphs is None else self.graphs
+        return backend_support if wanted else CudaGraphSupport(False, False)
+
+    def workers_for(self, support: CudaGraphSupport) -> int:
+        """Compile workers to start: none without CUDA graphs (nothing compiles ahead)."""
+        captures = support.decode_graph or support.prefill_graph
+        if not captures or self.device.type != "cuda":
+            return 0
+        return default_workers() if self.compile_workers is None else self.compile_workers
+
+    def resolve(self, model_config) -> "EngineLimits":
+        longest = model_config.max_position_embeddings
+        max_model_len = longest if self.max_model_len is None else self.max_model_len
+        if max_model_len > longest:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, the model's "
+                             f"max_position_embeddings={longest}]")
+        return EngineLimits(max_model_len, -(-max_model_len // self.page_size))
+
+
+@attrs.frozen
+class EngineLimits:
+    max_model_len: int
+    max_pages: int           # block-table width: pages of the longest request
+
+
+def default_workers() -> int:
+    """Half the usable cores, at most 8: the other half stays with this process, which
+    traces, lowers and captures meanwhile (docs/PERFORMANCE.md, startup)."""
+    return min(usable_cores() // 2, MAX_COMPILE_WORKERS)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity and cgroup cpuset), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

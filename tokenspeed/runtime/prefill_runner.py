@@ -1,0 +1,114 @@
+"""Breakable prefill: graph segments replayed per ladder rung, breaks run eagerly.
+
+Encoder graph segments are captured per token bucket, decoder graph segments per
+decoder-view bucket, all in one memory pool; attention, narrowing and finish run eagerly
+with live metadata, and the padded rows of every eager output are zeroed (scrubbed) so no
+undefined rows flow on. A batch above the largest bucket, or any batch when no graphs
+were captured, runs every segment eagerly: one walk over the same segments.
+"""
+
+import torch
+
+from tokenspeed.backends.metadata import kept_rows
+from tokenspeed.ir.descriptors import leaves
+from tokenspeed.runtime.ladders import bucket_for
+from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
+from tokenspeed.runtime.segment_graphs import SegmentGraphs
+from tokenspeed.runtime.slots import MetadataSlots, to_device
+
+TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
+
+
+class PrefillRunner:
+    def __init__(self, program, kv_cache, backend, max_pages: int, page_size: int,
+                 view_width: int, generator: torch.Generator | None, token_ladder, view_ladder):
+        """Empty ladders: no graphs, every batch runs unpadded."""
+        self.program, self.kv_cache, self.backend = program, kv_cache, backend
+        self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
+        self.generator = generator
+        self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
+        self.graphs = SegmentGraphs(("kv_cache", *TOKEN_ROW_FIELDS))
+        top = max(self.token_ladder, default=0)
+        self.slots = MetadataSlots(self.plan([], top), top, kv_cache.device, TOKEN_ROW_FIELDS) \
+            if top else None
+
+    def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
+        """Host-side descriptor; publishing (or ``to_device``) moves it to the device."""
+        return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=len(chunks) + 1,
+                                        max_pages=self.max_pages, page_size=self.page_size,
+                                        view_width=self.view_width, num_view_rows=num_view_rows)
+
+    def capture(self, capturer, progress=None) -> None:
+        """Every token bucket's graphs first, then every view bucket's, largest first.
+
+        All graphs share one pool, where a graph captured later may hold its outputs in
+        memory an earlier capture used for temporaries, so replaying the earlier graph
+        overwrites them. A walk replays one token bucket's graphs and then one view
+        bucket's; captured in that order, no graph a walk replays was captured before the
+        graphs whose outputs it still needs (a view graph never before a token graph), for
+        any pairing of the two buckets at run time."""
+        for ladder, (tokens, view) in self.capture_walks():
+            self._walk(self.slots.publish(self.plan([], tokens, view)), capturer, ladder)
+            if progress is not None:
+                progress.update(1)
+
+    def dry_walk(self, tokens: int, view: int) -> None:
+        """The capture walk of a token bucket and a view bucket, eagerly: under
+        ``precompile.dry_run`` it records the kernel variants the captures will launch."""
+        self._walk(self.slots.publish(self.plan([], tokens, view)))
+
+    def capture_walks(self) -> list[tuple[str, tuple[int, int]]]:
+        """(ladder captured, (token bucket, view bucket)) of each capture walk, in order."""
+        if not self.token_ladder:
+            return []
+        smallest_view, smallest_tokens = min(self.view_ladder), min(self.token_ladder)
+        walks = [("tokens", (t, smallest_view)) for t in sorted(self.token_ladder, reverse=True)]
+        return walks + [("view", (smallest_tokens, v)) for v in sorted(self.view_ladder, reverse=True)]
+
+    def run(self, chunks, params) -> list[int]:
+        """Sampled tokens of the completing chunks, in chunk order."""
+        tokens = sum(len(c.tokens) for c in chunks)
+        views = sum(kept_rows(c, self.view_width) for c in chunks)
+        t, v = bucket_for(self.token_ladder, tokens), bucket_for(self.view_ladder, views)
+        meta = self.plan(chunks, t or tokens, v)
+        meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
+        logits = self._walk(meta)
+        settings = SamplingTensors.build(params, logits.device)
+        return sample(logits, settings, self.generator, needs_filter(params)).tolist()
+
+    def _walk(self, meta, capturer=None, capture_ladder: str | None = None) -> torch.Tensor:
+        """Run every segment; with a capturer, capture the missing graphs of the segments
+        padded by ``capture_ladder`` (others replay if captured, else run eagerly)."""
+        env = {"kv_cache": self.kv_cache, **leaves(meta)}
+        sizes = {"tokens": meta.input_ids.shape[0], "view": meta.view_rows.shape[0]}
+        live = {"tokens": meta.num_live_rows, "view": meta.num_live_view_rows}
+        stable = {id(env[n]) for n in self.graphs.pinned_inputs}
+        for seg in self.program.segments:
+            rung = sizes.get(seg.ladder)
+            if seg.kind == "graph" and (seg.name, rung) in self.graphs:
+                outputs = self.graphs.replay(seg, rung, env)
+            elif seg.kind == "graph" and capturer is not None and seg.ladder == capture_ladder:
+                outputs = self.graphs.capture(capturer, seg, rung, env, stable,
+                                              lambda names, r=rung: self._sources(names, r))
+            else:
+                seg(env)
+                _scrub(seg, env, rung, live.get(seg.ladder))
+                continue
+            env.update(zip(seg.outputs, outputs))
+            stable.update(id(o) for o in outputs)
+        return env[self.program.output]
+
+    def _sources(self, names, rows: int) -> dict[str, torch.Tensor]:
+        """Where pinned inputs live now: the guard compares them with the capture."""
+        views = self.slots.view(rows) if self.slots and rows <= self.slots.capacity else {}
+        return {n: self.kv_cache if n == "kv_cache" else views.get(n) for n in names}
+
+
+def _scrub(seg, env, size, live) -> None:
+    """Zero the padded rows of an eager segment's row-shaped outputs."""
+    if size is None or live is None or live >= size:
+        return
+    for name in seg.outputs:
+        value = env[name]
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
+            value[live:] = 0

@@ -1,0 +1,181 @@
+"""The pipeline in one place: ``trace -> lower -> compile``, each stage a frozen object
+that prints and that the next stage builds from (as JAX's ``jit(f).lower(x).compile()``).
+
+    traced = ts.trace(model)                                  # Traced: the FX graph
+    prefill, decode = traced.lower("prefill"), traced.lower("decode")   # Lowered
+    compiled = ts.compile(prefill, decode, ts.CompileConfig(device="cuda"))
+    compiled.decode.run(rows, params)                         # Compiled: runs a batch
+
+One compile takes both lowered modes: their runners share one KV pool, one graph memory
+pool and one startup (kernel compiles, then captures).
+"""
+
+import attrs
+import networkx as nx
+import torch
+from torch import fx
+
+from tokenspeed.backends.kernels.precompile import CompileWorkers
+from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
+from tokenspeed.ir.printing import graph_text
+from tokenspeed.ir.program import STAGES, Program, Segment
+from tokenspeed.ir.trace import trace_graph
+from tokenspeed.passes.manager import HistoryEntry
+from tokenspeed.passes.pipeline import run_pipeline
+from tokenspeed.runtime.compile_config import CompileConfig, EngineLimits
+from tokenspeed.runtime.decode_runner import DecodeRunner
+from tokenspeed.runtime.kv_pool import allocate_kv_cache, default_num_pages
+from tokenspeed.runtime.prefill_runner import PrefillRunner
+from tokenspeed.runtime.startup import StartupReport, build_runners
+
+
+def trace(model: torch.nn.Module) -> "Traced":
+    """Trace ``model.forward(kv_cache, meta)`` with ``meta`` a :class:`ForwardMetadata`."""
+    return Traced(trace_graph(model), getattr(model, "config", None))
+
+
+@attrs.frozen
+class Traced:
+    """A traced model: ``forward(kv_cache, <metadata leaves>) -> logits of sampled rows``."""
+    graph_module: fx.GraphModule
+    config: object
+
+    def as_text(self) -> str:
+        return graph_text(self.graph_module.graph)
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+    def __call__(self, kv_cache: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """Run the traced graph on the fields every descriptor has (no decoder view)."""
+        return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in tensor_fields(ForwardMetadata)})
+
+    def lower(self, mode: str = "decode", *, narrow: bool = True,
+              decode_graph: bool = True) -> "Lowered":
+        """``narrow`` (prefill): derive the encoder/narrowing/decoder/finish stages.
+        ``decode_graph`` (decode): keep attention inside the one captured segment."""
+        program, history = run_pipeline(self.graph_module, self.config, mode, narrow=narrow,
+                                         decode_graph=decode_graph)
+        return Lowered(mode, program, history, self.config, narrowed=mode == "prefill" and narrow)
+
+
+@attrs.frozen
+class Lowered:
+    """One mode's program: segments (and, for a narrowed prefill, their stages) and the
+    IR after every pass that made it."""
+    mode: str
+    program: Program = attrs.field(repr=False)
+    history: tuple[HistoryEntry, ...] = attrs.field(repr=False)
+    config: object = attrs.field(repr=False)
+    narrowed: bool = False
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.program.segments
+
+    @property
+    def stages(self) -> dict[str, tuple[Segment, ...]]:
+        """Prefill with narrowing: the segments of each stage, in order."""
+        if not self.narrowed:
+            return {}
+        return {s: tuple(seg for seg in self.segments if seg.stage == s) for s in STAGES}
+
+    def as_text(self) -> str:
+        return f"# lowered {self.mode}\n" + self.program.as_text()
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+    def __call__(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        """Run every segment eagerly, in order: the reference for any captured run."""
+        return self.program(kv_cache, meta)
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Segments as nodes; an edge carries the values one segment hands the next."""
+        g = nx.DiGraph()
+        producer = {}
+        for seg in self.segments:
+            g.add_node(seg.name, kind=seg.kind, stage=seg.stage)
+            for value in seg.inputs:
+                if value in producer:
+                    edge = g.get_edge_data(producer[value], seg.name, {"values": []})
+                    g.add_edge(producer[value], seg.name, values=edge["values"] + [value])
+            producer.update({v: seg.name for v in seg.outputs})
+        return g
+
+
+def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileConfig(),
+            backend=None, workers: CompileWorkers | None = None) -> "Compiled":
+    """Bind a KV pool, build both runners and capture every graph, once.
+
+    ``backend``: the backend tree (default: paged attention); lower decode with its
+    ``graph_support().decode_graph``. ``workers``: kernel compile processes the caller
+    started early (``ts.LLM`` starts them before tracing, so their imports overlap it)."""
+    backend = backend or PagedAttentionBackend()
+    support = config.graph_support(backend.graph_support())
+    limits = config.resolve(decode.config)
+    weights = next(decode.program.graph_module.parameters())
+    num_pages = config.num_kv_pages or default_num_pages(
+        decode.config, config.page_size, limits.max_pages, config.max_num_seqs, weights.dtype,
+        config.device)
+    kv_cache = allocate_kv_cache(decode.config, num_pages, config.page_size, weights.dtype,
+                                 config.device)
+    with workers or CompileWorkers(config.workers_for(support)) as started:
+        runners = build_runners({"prefill": prefill.program, "decode": decode.program}, kv_cache,
+                                backend, support, config, limits, started)
+    return Compiled(config, limits, {"prefill": prefill, "decode": decode}, kv_cache, *runners,
+                    support)
+
+
+@attrs.frozen
+class Compiled:
+    """Both runners over one KV pool, graphs captured: ``prefill.run(chunks, params)`` and
+    ``decode.run(rows, params)`` each run a batch and return its sampled tokens."""
+    config: CompileConfig
+    limits: EngineLimits
+    lowered: dict[str, Lowered] = attrs.field(repr=False)
+    kv_cache: torch.Tensor = attrs.field(repr=False)
+    prefill: PrefillRunner = attrs.field(repr=False)
+    decode: DecodeRunner = attrs.field(repr=False)
+    startup: StartupReport
+    support: CudaGraphSupport
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache.shape[2]
+
+    def as_text(self) -> str:
+        """What runs: each segment, whether it replays a graph, and over which ladder."""
+        lines = [f"# compiled for {self.kv_cache.device}: {self.num_pages} KV pages of "
+                 f"{self.config.page_size} tokens, max_model_len={self.limits.max_model_len}",
+                 self.startup.as_text()]
+        captured = {"decode": bool(self.decode.graphs),
+                    "prefill": {name for name, _ in self.prefill.graphs}}
+        for mode, lowered in self.lowered.items():
+            lines.append(f"\n## {mode}")
+            for seg in lowered.segments:
+                how = "graph" if _replays(seg, captured[mode]) else "eager"
+                lines.append(f"  {seg.name:<28} {how:<5} ladder={seg.ladder}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+    def kernels_per_step(self, batch: int) -> int:
+        """CUDA kernels one eager decode step of ``batch`` idle rows launches (its graph
+        replays the same ones), counted with the profiler: CUDA only."""
+        if self.kv_cache.device.type != "cuda":
+            raise ValueError("kernels_per_step counts CUDA kernels: compile for a CUDA device")
+        with torch.inference_mode(), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            self.decode.dry_step(batch)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _replays(seg: Segment, captured) -> bool:
+    if seg.kind != "graph":
+        return False
+    return captured if isinstance(captured, bool) else seg.name in captured
