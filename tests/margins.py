@@ -46,7 +46,7 @@ def greedy_margins(monkeypatch) -> list[float]:
             return sampler(logits, *args, **kwargs)
         return run
 
-    monkeypatch.setattr(decode_runner, "sample_in_step", recorded(decode_runner.sample_in_step))
+    monkeypatch.setattr(decode_runner, "gumbel_argmax", recorded(decode_runner.gumbel_argmax))
     monkeypatch.setattr(prefill_runner, "sample", recorded(prefill_runner.sample))
     return margins
 

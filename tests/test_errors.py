@@ -103,7 +103,7 @@ def test_top_p_outside_unit_interval(top_p):
         ts.SamplingParams(top_p=top_p)
 
 
-@pytest.mark.parametrize("top_k", [-1, -50])
+@pytest.mark.parametrize("top_k", [-2, -50])
 def test_negative_top_k(top_k):
     with raises(f"top_k={top_k}", ">= 0"):
         ts.SamplingParams(top_k=top_k)

@@ -13,6 +13,7 @@ import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.models.random import TINY_LLAMA, random_model
 from tokenspeed.runtime.graphs import MovedTensorError
+from tokenspeed.runtime.sampler import RowSampling
 
 pytestmark = pytest.mark.gpu
 GREEDY = ts.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -42,8 +43,8 @@ def test_decode_graph_replay_equals_eager(dtype):
             rows = _prefilled(eager, bs)
             graphs.compiled.kv_cache.copy_(eager.compiled.kv_cache)
             for _ in range(4):
-                got = graphs.compiled.decode.run(rows, [greedy] * bs)
-                want = eager.compiled.decode.run(rows, [greedy] * bs)
+                got = graphs.compiled.decode.run(rows, [RowSampling(greedy, 0)] * bs)
+                want = eager.compiled.decode.run(rows, [RowSampling(greedy, 0)] * bs)
                 assert got == want, f"bs={bs}"
                 rows = [DecodeRow(t, r.position + 1, r.pages) for t, r in zip(want, rows)]
 
@@ -52,7 +53,7 @@ def _prefilled(engine, bs):
     rows, per = [], 6  # pages of 16 for the longest prompt (83 tokens) and 4 decode steps
     for i, p in enumerate(prompts(bs)):
         pages = tuple(range(1 + i * per, 1 + (i + 1) * per))
-        [token] = engine.compiled.prefill.run([ExtendChunk(tuple(p), 0, pages, True)], [GREEDY])
+        [token] = engine.compiled.prefill.run([ExtendChunk(tuple(p), 0, pages, True)], [RowSampling(GREEDY, 0)])
         rows.append(DecodeRow(token, len(p), pages))
     return rows
 

@@ -46,17 +46,17 @@ class Recorder:
     def __init__(self, llm):
         self.extend_batches, self.decode_batches = [], []
         prefill, decode = llm.engine.prefill, llm.engine.decode
-        prefill_run, decode_launch = prefill.run, decode.launch  # every decode step launches
+        prefill_launch, decode_launch = prefill.launch, decode.launch  # every step launches
 
-        def run_prefill(chunks, *args, **kwargs):
+        def launch_prefill(chunks, *args, **kwargs):
             self.extend_batches.append([(len(c.tokens), c.start, c.completes) for c in chunks])
-            return prefill_run(chunks, *args, **kwargs)
+            return prefill_launch(chunks, *args, **kwargs)
 
         def launch_decode(rows, *args, **kwargs):
             self.decode_batches.append(len(rows))
             return decode_launch(rows, *args, **kwargs)
 
-        prefill.run, decode.launch = run_prefill, launch_decode
+        prefill.launch, decode.launch = launch_prefill, launch_decode
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -20,6 +20,8 @@ from tokenspeed.backends.kernels import reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
 from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
+from tokenspeed.runtime.sampler import POSITION_KEY, RowSampling, sample  # noqa: E402
+import tokenspeed as ts  # noqa: E402
 
 FEW = settings(max_examples=15, deadline=None, derandomize=True)
 HAS_CUDA = torch.cuda.is_available()
@@ -343,10 +345,10 @@ def test_gemv_rejects_large_m():
         triton_gemv.linear(torch.zeros(17, 4), torch.zeros(4, 4))
 
 
-def gumbel(logits, temperature, top_k, seeds, block=16, step=None):
-    step = torch.zeros(1, dtype=torch.int64) if step is None else step
+def gumbel(logits, temperature, top_k, seeds, block=16, positions=None):
+    positions = torch.zeros(len(seeds), dtype=torch.int64) if positions is None else positions
     return triton_sampling.gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE),
-                                         top_k.to(DEVICE), seeds.to(DEVICE), step.to(DEVICE),
+                                         top_k.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE),
                                          block=block)
 
 
@@ -361,7 +363,10 @@ def test_greedy_sampling_is_first_argmax(rows, vocab, data):
     assert got.cpu().tolist() == logits.argmax(-1).tolist()
 
 
-def test_sampling_follows_the_softmax_and_its_seeds():
+def test_sampling_follows_the_softmax_and_its_keys():
+    """The kernel's draws follow the tempered softmax, as the torch reference's do (the
+    two use different random streams, so they agree in distribution, not draw by draw);
+    the noise is keyed by seed and position."""
     rows, probs = 256, torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = probs.log().expand(rows, 4).contiguous()
     ones, sampled = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
@@ -374,11 +379,15 @@ def test_sampling_follows_the_softmax_and_its_seeds():
     assert torch.equal(tokens[few], again)
     other = gumbel(logits[few], ones[few], sampled[few], seeds[few] + 1, block=4).cpu()
     assert not torch.equal(tokens[few], other)
-    step = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    gumbel(logits[few], ones[few], sampled[few], seeds[few], block=4, step=step)
-    assert step.item() == 1                                       # the counter advanced
-    shifted = gumbel(logits[few], ones[few], sampled[few], seeds[few], block=4, step=step)
-    assert torch.equal(shifted.cpu(), other)                      # seed + step keys the noise
+    positions = torch.arange(16)
+    moved = gumbel(logits[few], ones[few], sampled[few], seeds[few], block=4, positions=positions)
+    assert not torch.equal(moved.cpu(), tokens[few])               # the position keys the noise
+    shifted = gumbel(logits[few], ones[few], sampled[few], seeds[few] - positions * POSITION_KEY,
+                     block=4, positions=positions)
+    assert torch.equal(shifted.cpu(), tokens[few])                 # key = seed + position * K
+    reference = sample(logits, [RowSampling(ts.SamplingParams(), int(s)) for s in seeds],
+                       torch.zeros(rows, dtype=torch.int64)).tokens
+    torch.testing.assert_close(torch.bincount(reference, minlength=4) / rows, probs, atol=0.1, rtol=0)
     cold = gumbel(logits[few], torch.full((16,), 1e-6), sampled[few], seeds[few], block=4)
     assert (cold.cpu() == 3).all()                                # temperature -> 0 is argmax
 
@@ -387,7 +396,7 @@ def test_sampling_rejects_mismatched_settings():
     with pytest.raises(ValueError, match=r"top_k must be \[2\]"):
         triton_sampling.gumbel_argmax(torch.zeros(2, 5), torch.ones(2),
                                       torch.ones(3, dtype=torch.int64), torch.zeros(2),
-                                      torch.zeros(1, dtype=torch.int64))
+                                      torch.zeros(2, dtype=torch.int64))
 
 
 # --- GPU, bf16, real shapes -------------------------------------------------------------
@@ -495,19 +504,23 @@ def test_gpu_gated_gemv_is_exact(m):
 @gpu
 @pytest.mark.gpu
 def test_gpu_sampling_in_a_graph():
-    """Greedy rows are argmax at the real vocabulary; each replay draws new noise."""
+    """Greedy rows are argmax at the real vocabulary; a replay at new positions draws new
+    noise, one at the same positions the same tokens."""
     rows, vocab = 32, 151936
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
     top_k = torch.tensor([1, 0] * (rows // 2), device="cuda")
     temperature = torch.ones(rows, device="cuda")
-    seeds, step = torch.arange(rows, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
+    seeds, positions = torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.int64, device="cuda")
     out = torch.zeros(rows, 2, dtype=torch.int64, device="cuda")
-    triton_sampling.gumbel_argmax(logits, temperature, top_k, seeds, step, out=out[:, 0])
+    triton_sampling.gumbel_argmax(logits, temperature, top_k, seeds, positions, out=out[:, 0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_sampling.gumbel_argmax(logits, temperature, top_k, seeds, step, out=out[:, 0])
+        triton_sampling.gumbel_argmax(logits, temperature, top_k, seeds, positions, out=out[:, 0])
     graph.replay()
     first = out[:, 0].clone()
     assert torch.equal(first[::2], logits[::2].float().argmax(-1))
+    graph.replay()
+    assert torch.equal(out[:, 0], first)
+    positions += 1
     graph.replay()
     assert torch.equal(out[::2, 0], first[::2]) and not torch.equal(out[1::2, 0], first[1::2])

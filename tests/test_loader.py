@@ -90,10 +90,12 @@ def test_unsupported_architecture_is_named(arch):
         ts.LLM(path)
 
 
-def test_missing_architectures_field():
+def test_missing_architectures_field_falls_back_to_model_type():
     path = copy_checkpoint("llama")
     edit_config(path, architectures=None)
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    assert ts.models.load(path).config.architecture == "LlamaForCausalLM"
+    edit_config(path, model_type=None)
+    with pytest.raises(ValueError, match="unsupported architecture .none given, model_type=None"):
         ts.models.load(path)
 
 

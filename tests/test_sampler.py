@@ -1,4 +1,5 @@
-"""The sampler: greedy is argmax, top-k / top-p restrict the support, seeds reproduce."""
+"""The sampler: greedy is argmax, top-k / top-p / min-p restrict the support, penalties
+and min_tokens act as OpenAI and Hugging Face define them, keyed noise reproduces."""
 
 import math
 
@@ -7,14 +8,17 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.runtime.sampler import SamplingTensors, sample
+from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, sample
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True)
 
 
-def tensors(params, rows=None):
+def sampled(logits, params, rows=None, seed=0, positions=None, **row_fields):
+    """Sample every row of ``logits``; row i draws with seed ``seed * 1000003 + i``."""
     params = list(params) if rows is None else [params] * rows
-    return SamplingTensors.build(params, "cpu")
+    sampling = [RowSampling(p, seed * 1000003 + i, **row_fields) for i, p in enumerate(params)]
+    positions = torch.zeros(len(params), dtype=torch.int64) if positions is None else positions
+    return sample(logits, sampling, positions).tokens
 
 
 def gen(seed=0):
@@ -55,21 +59,21 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
 def test_greedy_top_k_1_is_argmax(logits, seed):
     for params in (ts.SamplingParams(temperature=0), ts.SamplingParams(top_k=1),
                    ts.SamplingParams(top_k=1, temperature=0.7, top_p=0.3)):
-        got = sample(logits, tensors(params, logits.shape[0]), gen(seed))
+        got = sampled(logits, params, logits.shape[0], seed=seed)
         assert torch.equal(got, first_argmax(logits)), params
 
 
 @FAST
 @given(logits=logits_batches(tie_heavy=True), seed=st.integers(0, 2**31 - 1))
 def test_greedy_ties_pick_the_first_index(logits, seed):
-    got = sample(logits, tensors(ts.SamplingParams(temperature=0), logits.shape[0]), gen(seed))
+    got = sampled(logits, ts.SamplingParams(temperature=0), logits.shape[0], seed=seed)
     assert torch.equal(got, first_argmax(logits))
 
 
 def test_greedy_explicit_ties():
     logits = torch.tensor([[1.0, 5.0, 5.0, 2.0], [9.0, 9.0, 9.0, 9.0], [0.0, -1.0, 3.0, 3.0]])
     for seed in range(5):
-        got = sample(logits, tensors(ts.SamplingParams(temperature=0), 3), gen(seed))
+        got = sampled(logits, ts.SamplingParams(temperature=0), 3, seed=seed)
         assert got.tolist() == [1, 0, 2]
 
 
@@ -88,7 +92,7 @@ def test_mixed_rows_greedy_rows_stay_argmax():
     params = [ts.SamplingParams(temperature=0) if i % 2 else ts.SamplingParams(temperature=1.5)
               for i in range(8)]
     for seed in range(10):
-        got = sample(logits, tensors(params), gen(seed))
+        got = sampled(logits, params, seed=seed)
         assert torch.equal(got[1::2], logits[1::2].argmax(-1))
 
 
@@ -109,7 +113,7 @@ def test_top_k_samples_only_among_the_k_largest(data):
     params = ts.SamplingParams(temperature=temperature, top_k=k)
     allowed = logits.topk(k, dim=-1).indices
     reps = 40
-    draws = sample(logits.repeat(reps, 1), tensors(params, rows * reps), gen(seed)).view(reps, rows)
+    draws = sampled(logits.repeat(reps, 1), params, rows * reps, seed=seed).view(reps, rows)
     for r in range(rows):
         assert set(draws[:, r].tolist()) <= set(allowed[r].tolist())
     if k > 1:  # with flat logits more than one of the k shows up
@@ -118,7 +122,7 @@ def test_top_k_samples_only_among_the_k_largest(data):
 
 def test_top_k_larger_than_vocab_is_no_restriction():
     logits = torch.zeros(1, 5)
-    draws = {int(sample(logits, tensors(ts.SamplingParams(top_k=100), 1), gen(s))) for s in range(200)}
+    draws = {int(sampled(logits, ts.SamplingParams(top_k=100), 1, seed=s)) for s in range(200)}
     assert draws == set(range(5))
 
 
@@ -150,7 +154,7 @@ def test_top_p_restricts_to_the_nucleus(data):
     allowed = nucleus(probs, top_p)
     params = ts.SamplingParams(temperature=temperature, top_p=top_p)
     seed = data.draw(st.integers(0, 2**31 - 1))
-    draws = set(sample(logits.expand(60, -1).contiguous(), tensors(params, 60), gen(seed)).tolist())
+    draws = set(sampled(logits.expand(60, -1).contiguous(), params, 60, seed=seed).tolist())
     assert draws <= allowed, (draws - allowed, sorted(allowed))
     # the most likely token is always in the nucleus
     assert int(probs.argmax()) in allowed
@@ -159,18 +163,18 @@ def test_top_p_restricts_to_the_nucleus(data):
 def test_top_p_explicit_nucleus():
     probs = torch.tensor([0.05, 0.5, 0.3, 0.15])
     logits = probs.log()[None].expand(4000, -1).contiguous()
-    draws = sample(logits, tensors(ts.SamplingParams(top_p=0.7), 4000), gen(3))
+    draws = sampled(logits, ts.SamplingParams(top_p=0.7), 4000, seed=3)
     assert set(draws.tolist()) == {1, 2}          # 0.5 + 0.3 >= 0.7
-    draws = sample(logits, tensors(ts.SamplingParams(top_p=0.85), 4000), gen(3))
+    draws = sampled(logits, ts.SamplingParams(top_p=0.85), 4000, seed=3)
     assert set(draws.tolist()) == {1, 2, 3}
-    draws = sample(logits, tensors(ts.SamplingParams(top_p=0.4), 4000), gen(3))
+    draws = sampled(logits, ts.SamplingParams(top_p=0.4), 4000, seed=3)
     assert set(draws.tolist()) == {1}
 
 
 def test_top_p_exact_boundary_keeps_the_smallest_nucleus():
     # two equally likely tokens, p = 0.5 each: the first alone already has mass 0.5
     logits = torch.zeros(2000, 2)
-    draws = sample(logits, tensors(ts.SamplingParams(top_p=0.5), 2000), gen(0))
+    draws = sampled(logits, ts.SamplingParams(top_p=0.5), 2000, seed=0)
     assert len(set(draws.tolist())) == 1
 
 
@@ -178,7 +182,7 @@ def test_top_k_and_top_p_combine():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     logits = probs.log()[None].expand(3000, -1).contiguous()
     # top_k=3 renormalises to 4/9, 3/9, 2/9; top_p=0.7 then keeps {0, 1}
-    draws = sample(logits, tensors(ts.SamplingParams(top_k=3, top_p=0.7), 3000), gen(1))
+    draws = sampled(logits, ts.SamplingParams(top_k=3, top_p=0.7), 3000, seed=1)
     assert set(draws.tolist()) == {0, 1}
 
 
@@ -186,8 +190,8 @@ def test_sampling_follows_softmax_with_temperature():
     logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
     n = 40000
     for temperature in (0.5, 1.0, 2.0):
-        draws = sample(logits[None].expand(n, -1).contiguous(),
-                       tensors(ts.SamplingParams(temperature=temperature), n), gen(7))
+        draws = sampled(logits[None].expand(n, -1).contiguous(),
+                        ts.SamplingParams(temperature=temperature), n, seed=7)
         freq = torch.bincount(draws, minlength=4).double() / n
         expected = (logits.double() / temperature).softmax(-1)
         # 5 standard deviations of a binomial proportion
@@ -198,32 +202,105 @@ def test_sampling_follows_softmax_with_temperature():
 # ---------------------------------------------------------------- reproducibility
 
 
-def test_seeded_generator_is_reproducible():
+def test_noise_is_keyed_by_seed_and_position():
+    """A row's draw depends on its seed and position only: not on its batch or its row."""
     torch.manual_seed(0)
     logits = torch.randn(16, 100)
-    params = tensors([ts.SamplingParams(temperature=1.0, top_p=0.9, top_k=20)] * 16)
-    a = sample(logits, params, gen(123))
-    b = sample(logits, params, gen(123))
-    assert torch.equal(a, b)
-    others = [sample(logits, params, gen(s)) for s in (1, 2, 3)]
-    assert any(not torch.equal(a, o) for o in others)
+    params = ts.SamplingParams(temperature=1.0, top_p=0.9, top_k=20)
+    rows = [RowSampling(params, seed) for seed in range(16)]
+    positions = torch.arange(16) * 7
+    a = sample(logits, rows, positions).tokens
+    assert torch.equal(a, sample(logits, rows, positions).tokens)
+    flipped = sample(logits.flip(0), rows[::-1], positions.flip(0)).tokens
+    assert torch.equal(flipped.flip(0), a)                       # any batch order
+    alone = [int(sample(logits[i:i + 1], rows[i:i + 1], positions[i:i + 1]).tokens) for i in range(3)]
+    assert alone == a[:3].tolist()                                # any batch size
+    moved = sample(logits, rows, positions + 1).tokens
+    reseeded = sample(logits, [RowSampling(params, seed + 100) for seed in range(16)], positions).tokens
+    assert not torch.equal(a, moved) and not torch.equal(a, reseeded)
 
 
 def test_sample_returns_one_index_per_row_in_range():
     torch.manual_seed(1)
     logits = torch.randn(5, 33)
-    out = sample(logits, tensors(ts.SamplingParams(), 5), gen(0))
+    out = sampled(logits, ts.SamplingParams(), 5, seed=0)
     assert out.shape == (5,) and out.dtype == torch.int64
     assert int(out.min()) >= 0 and int(out.max()) < 33
 
 
 def test_sampling_tensors_build():
     params = [ts.SamplingParams(temperature=0.5, top_k=3, top_p=0.9), ts.SamplingParams(temperature=0)]
-    s = SamplingTensors.build(params, "cpu")
+    s = SamplingTensors.build([RowSampling(p, seed) for p, seed in zip(params, (11, 12))], "cpu")
     assert s.temperature.tolist() == [0.5, 0.0]
     assert s.top_k.tolist() == [3, 1]
-    assert [round(x, 6) for x in s.top_p.tolist()] == [0.9, 1.0]
-    assert math.isclose(s.top_p[0].item(), 0.9, rel_tol=1e-6)
+    assert s.seed.tolist() == [11, 12]
+
+
+# ---------------------------------------------------------------- min-p, penalties, min_tokens, logprobs
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    logits = probs.log()[None].expand(3000, -1).contiguous()
+    draws = sampled(logits, ts.SamplingParams(min_p=0.2), 3000, seed=2)   # keeps p >= 0.1
+    assert set(draws.tolist()) == {0, 1, 2}
+
+
+def test_repetition_penalty_is_hugging_faces():
+    """HF: a seen token's logit is divided by the penalty if positive, else multiplied."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.1]])
+    params = ts.SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sampled(logits, params, 1, prompt=(0,)).tolist() == [1]    # 2.0 -> 1.0 < 1.9
+    assert sampled(logits, ts.SamplingParams(temperature=0), 1, prompt=(0,)).tolist() == [0]
+    flat = torch.tensor([[-1.0, -1.1, -5.0]])
+    assert sampled(flat, params, 1, output=[0]).tolist() == [1]        # -1.0 -> -2.0 < -1.1
+
+
+def test_presence_and_frequency_penalties_are_openais():
+    """OpenAI: logit -= frequency * count + presence * (count > 0), over generated tokens."""
+    logits = torch.tensor([[3.0, 2.5, 1.0]])
+    output = [0, 0, 1]
+    greedy = dict(temperature=0)
+    assert sampled(logits, ts.SamplingParams(**greedy, frequency_penalty=0.6), 1,
+                   output=output).tolist() == [1]                     # 1.8, 1.9, 1.0
+    assert sampled(logits, ts.SamplingParams(**greedy, presence_penalty=0.9), 1,
+                   output=output).tolist() == [0]                     # 2.1, 1.6, 1.0
+    assert sampled(logits, ts.SamplingParams(**greedy, presence_penalty=1.5, frequency_penalty=0.3),
+                   1, output=output).tolist() == [2]                  # 0.9, 0.7, 1.0
+    assert sampled(torch.tensor([[3.0, 2.9]]), ts.SamplingParams(**greedy, presence_penalty=2.0), 1,
+                   prompt=(0,)).tolist() == [0]                       # the prompt is not counted
+
+
+def test_min_tokens_masks_the_stop_ids_until_reached():
+    logits = torch.tensor([[5.0, 1.0, 0.5]])
+    params = ts.SamplingParams(temperature=0, min_tokens=2)
+    assert sampled(logits, params, 1, output=[2], stop_ids=(0,)).tolist() == [1]
+    assert sampled(logits, params, 1, output=[2, 1], stop_ids=(0,)).tolist() == [0]
+
+
+def test_logprobs_are_the_models_and_name_the_sampled_token():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 20)
+    rows = [RowSampling(ts.SamplingParams(temperature=0.8, logprobs=k), i) for i, k in enumerate((0, 2, 5))]
+    result = sample(logits, rows, torch.zeros(3, dtype=torch.int64))
+    host = result.logprobs.to_host(rows, result.tokens.tolist())
+    expected = logits.log_softmax(-1)
+    for row, (lp, token) in enumerate(zip(host, result.tokens.tolist())):
+        assert lp.token_id == token and math.isclose(lp.logprob, float(expected[row, token]), rel_tol=1e-5)
+        assert list(lp.top) == expected[row].topk(len(lp.top)).indices.tolist()
+    assert [len(lp.top) for lp in host] == [0, 2, 5]
+
+
+def test_a_row_that_needs_no_processing_draws_alike_on_both_routes():
+    """Greedy and plain-temperature rows get the same token whether or not another row in
+    the batch sends it through the processed route (top-p here)."""
+    torch.manual_seed(4)
+    logits = torch.randn(4, 50)
+    plain = [RowSampling(ts.SamplingParams(temperature=t), i) for i, t in enumerate((0.0, 0.7, 1.3, 1.0))]
+    mixed = plain[:3] + [RowSampling(ts.SamplingParams(top_p=0.5), 3)]
+    positions = torch.arange(4)
+    assert sample(logits, plain, positions).tokens[:3].tolist() == \
+        sample(logits, mixed, positions).tokens[:3].tolist()
 
 
 # ---------------------------------------------------------------- through the LLM

@@ -1,77 +1,114 @@
-"""``tokenspeed`` command line: demo, inspect, generate."""
+"""``tokenspeed`` command line: generate, chat, inspect, bench (and serve).
+
+Every command runs the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hugging
+Face directory or a GGUF file. A bad argument or input ends the command with one line
+on stderr, not a traceback.
+"""
 
 import argparse
-import os
-from pathlib import Path
+import sys
 
 import torch
 
-import tokenspeed as ts
-from tokenspeed.models.random import TINY_LLAMA, save_random
-
-DEFAULT_MODEL_DIR = Path(os.environ.get("TOKENSPEED_HOME", Path.home() / ".cache" / "tokenspeed")) / "tiny-llama"
-
-
-def default_model() -> Path:
-    """The embedded default: a small random Llama, built and saved on first use."""
-    if not (DEFAULT_MODEL_DIR / "config.json").exists():
-        save_random(TINY_LLAMA, DEFAULT_MODEL_DIR, seed=0)
-    return DEFAULT_MODEL_DIR
-
-
-def cmd_inspect(args) -> None:
-    model = ts.models.load(args.model or default_model(), device=args.device)
-    traced = ts.trace(model)
-    for mode in ("prefill", "decode"):
-        lowered = traced.lower(mode)
-        print(lowered.as_text() if args.full else _summary(lowered))
-
-
-def cmd_generate(args) -> None:
-    llm = ts.LLM(args.model or default_model(), device=args.device, enforce_eager=args.enforce_eager)
-    prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
-    params = ts.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    for out in llm.generate(prompts, params):
-        print(f"prompt {list(out.prompt_token_ids)} -> {list(out.token_ids)} ({out.finish_reason})")
-
-
-def cmd_demo(args) -> None:
-    path = args.model or default_model()
-    print(f"# model: {path}")
-    llm = ts.LLM(path, device=args.device)
-    for lowered in llm.compiled.lowered.values():
-        print(f"\n# {_summary(lowered)}")
-    prefill = llm.compiled.lowered["prefill"]
-    for stage, segments in prefill.stages.items():
-        print(f"\n## prefill stage {stage}\n" + "\n\n".join(s.as_text() for s in segments[-2:]))
-    print("\n# pass history (prefill): " + " -> ".join(h.pass_name for h in prefill.history))
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
-    for out in llm.generate(prompts, ts.SamplingParams(temperature=0.0, max_tokens=8)):
-        print(f"prompt {list(out.prompt_token_ids)} -> {list(out.token_ids)} ({out.finish_reason})")
-
-
-def _summary(lowered) -> str:
-    kinds = [s.kind for s in lowered.segments]
-    return (f"{lowered.mode}: {len(kinds)} segments ({kinds.count('graph')} graph, "
-            f"{kinds.count('break')} break); " + ", ".join(s.name for s in lowered.segments))
+from tokenspeed.entrypoints import bench, inspect_cmd
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="tokenspeed")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn in (("demo", cmd_demo), ("inspect", cmd_inspect), ("generate", cmd_generate)):
-        p = sub.add_parser(name)
-        p.add_argument("--model", default=None, help="Hugging Face model directory (default: tiny random Llama)")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.set_defaults(fn=fn)
-    sub.choices["inspect"].add_argument("--full", action="store_true", help="print every segment's IR")
-    gen = sub.choices["generate"]
-    gen.add_argument("--prompt", action="append", required=True, help="comma-separated token ids")
-    gen.add_argument("--max-tokens", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--enforce-eager", action="store_true")
-    args = parser.parse_args(argv)
-    args.fn(args)
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+        sys.exit(f"tokenspeed {args.command}: error: {exc}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="tokenspeed", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True)
+    generate = _engine_command(commands, "generate", "complete a prompt, streaming the text", cmd_generate)
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_options(generate)
+    chat = _engine_command(commands, "chat", "talk to the model (an empty line or Ctrl-D ends)", cmd_chat)
+    chat.add_argument("--system", default=None, help="a system message")
+    _sampling_options(chat, max_tokens=256)
+    inspect_cmd.add_command(commands)
+    bench.add_command(commands, _engine_options)
+    return top
+
+
+def _engine_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
+    command = commands.add_parser(name, help=help_text, description=help_text)
+    _engine_options(command)
+    command.set_defaults(run=run)
+    return command
+
+
+def _engine_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--model", default=None,
+                         help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    command.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    command.add_argument("--max-model-len", type=int, default=None)
+    command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
+
+
+def _sampling_options(command: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    command.add_argument("--max-tokens", type=int, default=max_tokens)
+    command.add_argument("--temperature", type=float, default=0.0)
+    command.add_argument("--top-p", type=float, default=1.0)
+    command.add_argument("--top-k", type=int, default=0)
+    command.add_argument("--seed", type=int, default=None)
+    command.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def load_llm(args, **options):
+    from tokenspeed.entrypoints.llm import LLM
+    if args.max_model_len is not None:
+        options["max_model_len"] = args.max_model_len
+    return LLM(args.model, device=args.device, dtype=args.dtype,
+               enforce_eager=args.enforce_eager, **options)
+
+
+def sampling(args):
+    from tokenspeed.runtime.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def cmd_generate(args) -> None:
+    params = sampling(args)   # refused before the model loads
+    llm, prompt = load_llm(args, max_num_seqs=1), args.prompt
+    if args.chat:
+        prompt = {"prompt": llm._require_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False)}
+    for piece in llm.stream(prompt, params):
+        print(piece, end="", flush=True)
+    print()
+
+
+def cmd_chat(args) -> None:
+    params = sampling(args)
+    llm = load_llm(args, max_num_seqs=1)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while (line := _read_line()):
+        history.append({"role": "user", "content": line})
+        prompt = llm._require_tokenizer().apply_chat_template(history, tokenize=False)
+        reply = []
+        for piece in llm.stream({"prompt": prompt}, params):
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _read_line() -> str:
+    try:
+        return input("> ").strip()
+    except EOFError:
+        return ""
 
 
 if __name__ == "__main__":

@@ -1,74 +1,256 @@
-"""``ts.LLM``: load -> trace -> lower -> compile -> an engine, and ``generate``."""
+"""``ts.LLM``: load -> trace -> lower -> compile -> an engine; ``generate``, ``chat``, ``stream``.
 
-from collections.abc import Sequence
+Several threads may call one ``LLM``: their requests join the same running batch (each
+caller steps the engine under one lock while its own requests are unfinished) and each
+gets exactly its own outputs.
+"""
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.entrypoints.prompts import Prompt, parse_prompts
+from tokenspeed.entrypoints.text_stream import TextStream
+from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.loader import load
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.kv_pool import BlockAllocator
-from tokenspeed.runtime.outputs import RequestOutput
+from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
+from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
+from tokenspeed.tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
 
 
 class LLM:
-    def __init__(self, model, device="cpu", dtype=None, *, enforce_eager: bool = False,
-                 overlap: bool = True, backend=None, **compile_options):
-        """``model``: a Hugging Face directory, a GGUF file or a tokenspeed model.
-        ``compile_options``: any :class:`CompileConfig` field (``page_size``,
+    def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None,
+                 enforce_eager: bool = False, overlap: bool = True, backend=None,
+                 **compile_options):
+        """``model``: a Hugging Face directory, a GGUF file or a tokenspeed model (default:
+        the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
+        the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
+        path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
         ``compile_workers``). ``enforce_eager``: no graphs, as ``graphs=False``.
-        ``overlap``: prepare decode step n+1 while step n runs, so the host's work for a
-        step hides behind the GPU (``False`` reads every step's tokens first)."""
-        if enforce_eager:
-            if compile_options.get("graphs"):
-                raise ValueError("enforce_eager=True and graphs=True contradict each other")
-            compile_options["graphs"] = False
-        config = CompileConfig(device=device, **compile_options)
+        ``overlap``: prepare decode step n+1 while step n runs."""
+        model = default_model_path() if model is None else model
+        config = CompileConfig(device=checked_device(device),
+                               **_graphs_option(enforce_eager, compile_options))
         backend = backend or PagedAttentionBackend()
         wanted = config.graph_support(backend.graph_support())
         with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
-            self.model = _as_model(model, dtype, config.device)
+            reader = _gguf_reader(model)  # model and tokenizer read one parse of the file
+            self.model = _as_model(model, checked_dtype(dtype), config.device, reader)
+            self.tokenizer = _tokenizer(tokenizer, model, reader)
             self.traced = stages.trace(self.model)
             decode_graph = backend.graph_support().decode_graph
             self.compiled = stages.compile(self.traced.lower("prefill"),
                                            self.traced.lower("decode", decode_graph=decode_graph),
                                            config, backend, workers)
-        self.engine = Engine(Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
-                                       config.max_num_seqs, config.max_num_batched_tokens),
-                             self.compiled.prefill, self.compiled.decode, self.model.config,
-                             self.compiled.limits.max_model_len, overlap)
+        scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
+                              config.max_num_seqs, config.max_num_batched_tokens)
+        self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
+                             self.model.config, self.compiled.limits.max_model_len, overlap,
+                             config.seed)
+        self._lock = threading.Lock()
+        self._streams: dict[Request, TextStream] = {}
 
     @property
     def config(self):
         return self.model.config
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts))
-        requests = [self.engine.request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        return self.engine.run(requests)
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text, token ids or prompt dicts; see ``prompts``)."""
+        parsed = parse_prompts(prompts, self.tokenizer)
+        params = _per_prompt(sampling_params, len(parsed))
+        for i, (prompt, p) in enumerate(zip(parsed, params)):
+            self.engine.check(i, prompt.token_ids, p)
+        groups = self._add(parsed, params)
+        with _Progress(groups, use_tqdm) as progress:
+            self._serve([r for g in groups for r in g], progress.update)
+        return [self._output(prompt, group) for prompt, group in zip(parsed, groups)]
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
+        such lists) through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt": self._require_tokenizer().apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, tokenize=False)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """The text of one prompt's completion, piece by piece as it is generated."""
+        [parsed] = parse_prompts(prompt, self.tokenizer)
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream takes one completion: n={params.n}")
+        self.engine.check(0, parsed.token_ids, params)
+        [[request]] = self._add([parsed], [params])
+        try:
+            while not request.finished:
+                self._serve([request], lambda finished: None, steps=1)
+                yield self._streams[request].take_unread()
+        finally:
+            with self._lock:
+                self.engine.finish(request, "abort")   # a consumer that stopped early
+                self._streams.pop(request, None)
+
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
+        with self._lock:
+            groups = [self.engine.add(p.token_ids, sp) for p, sp in zip(prompts, params)]
+            if self.tokenizer is not None:
+                self._streams.update({r: TextStream(self.tokenizer, r.params) for g in groups for r in g})
+            return groups
+
+    def _serve(self, requests: list[Request], on_finish, steps: int | None = None) -> None:
+        """Step the engine until ``requests`` finish (or ``steps`` steps ran); every step
+        advances every caller's requests and their text."""
+        done = 0
+        while not all(r.finished for r in requests) and (steps is None or done < steps):
+            with self._lock, torch.inference_mode():
+                if all(r.finished for r in requests):
+                    break
+                try:
+                    finished = self.engine.step()
+                except BaseException:
+                    self.engine.abort_all()
+                    raise
+                finished += self._update_text()
+            done += 1
+            for request in finished:
+                if request in requests:
+                    on_finish(request)
+
+    def _update_text(self) -> list[Request]:
+        """Read new tokens into every open stream; a stop string finishes its request."""
+        stopped = []
+        for request, stream in self._streams.items():
+            if stream.seen < len(request.output) or (request.finished and not stream.closed):
+                stream.update(request.output, request.finished)
+                if stream.stop_string is not None and not request.finished:
+                    self.engine.finish(request, "stop", stream.stop_string)
+                    stopped.append(request)
+        return stopped
+
+    def _output(self, prompt: Prompt, group: list[Request]) -> RequestOutput:
+        with self._lock:
+            streams = [self._streams.pop(r, None) for r in group]
+        completions = tuple(r.completion() if s is None else r.completion(s.text, s.kept_tokens)
+                            for r, s in zip(group, streams))
+        first = [r.first_token_time for r in group if r.first_token_time is not None]
+        metrics = RequestMetrics(group[0].arrival_time, min(first, default=None),
+                                 max(r.finish_time for r in group), len(prompt.token_ids),
+                                 sum(len(c.token_ids) for c in completions))
+        return RequestOutput(group[0].id, prompt.token_ids, completions, metrics, prompt.text)
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: load the model from a path, or "
+                             "pass tokenizer=")
+        return self.tokenizer
 
 
-def _as_model(model, dtype, device):
+class _Progress:
+    """A bar over a ``generate`` call's prompts, with input and output tokens per second."""
+
+    def __init__(self, groups: list[list[Request]], enabled: bool):
+        self.left = {id(r): g for g in groups for r in g}
+        self.bar = tqdm(total=len(groups), desc="generating", unit="prompt", disable=not enabled,
+                        dynamic_ncols=True)
+        self.start, self.prompt_tokens, self.output_tokens = time.perf_counter(), 0, 0
+
+    def update(self, request: Request) -> None:
+        group = self.left.pop(id(request))
+        if all(r.finished for r in group) and not any(id(r) in self.left for r in group):
+            self.prompt_tokens += len(group[0].prompt)
+            self.output_tokens += sum(len(r.output) for r in group)
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            self.bar.set_postfix_str(f"input {self.prompt_tokens / elapsed:.0f} tok/s, "
+                                     f"output {self.output_tokens / elapsed:.0f} tok/s")
+            self.bar.update(1)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def checked_device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but no CUDA GPU is available here: use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r}: tokenspeed runs on cpu or cuda")
+    return device
+
+
+def checked_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)} or a torch dtype")
+
+
+def _graphs_option(enforce_eager: bool, options: dict) -> dict:
+    if not enforce_eager:
+        return options
+    if options.get("graphs"):
+        raise ValueError("enforce_eager=True and graphs=True contradict each other")
+    return {**options, "graphs": False}
+
+
+def _gguf_reader(model):
+    return PlainGGUFReader(model) if isinstance(model, (str, Path)) and is_gguf(model) and \
+        Path(model).is_file() else None
+
+
+def _as_model(model, dtype, device, reader=None):
     if isinstance(model, (str, Path)):
-        return load(model, dtype=dtype, device=device)
+        return load(model, dtype=dtype, device=device, gguf_reader=reader)
     if not hasattr(model, "config"):
         raise TypeError(f"expected a checkpoint path or a tokenspeed model, got {type(model).__name__}")
     return model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
 
 
+def _tokenizer(tokenizer, model, reader=None) -> Tokenizer | None:
+    """The tokenizer asked for, else the model path's if it brings one (a directory of
+    weights alone serves token-id prompts only)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = Path(model) if isinstance(model, (str, Path)) else None
+    if path is None or (path.is_dir() and not (path / "tokenizer.json").is_file()):
+        return None
+    return load_tokenizer(path, reader)
+
+
 def _per_prompt(params, n: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * n
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
     params = list(params)
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(bad).__name__}")
     return params

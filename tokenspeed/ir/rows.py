@@ -1,20 +1,20 @@
 """Which values of a graph are token-row shaped.
 
-Shapes are propagated twice on fake tensors with two different row counts; a value
-whose leading dimension follows the row count is row-shaped. Nothing about the model is
-assumed beyond the descriptor's inputs.
+Shapes are propagated twice, with two different row counts, on meta tensors (the weights
+swapped for meta copies: shapes and dtypes only, no memory, no kernels); a value whose
+leading dimension follows the row count is row-shaped. Nothing about the model is
+assumed beyond the descriptor's inputs. The IR's ops run on meta tensors through their
+shape functions.
 """
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 PROBE_ROWS = (5, 7)
 PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE = 3, 2, 4, 4
 
 
-def example_inputs(config, rows: int, device="cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
+def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Small inputs of the traced signature, with ``rows`` token rows."""
     cache = (config.num_layers, 2, PROBE_PAGES, PROBE_PAGE_SIZE, config.num_kv_heads, config.head_dim)
     long = dict(dtype=torch.int64, device=device)
@@ -28,16 +28,36 @@ def example_inputs(config, rows: int, device="cpu", dtype=torch.float32) -> dict
     }
 
 
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, state: dict[str, torch.Tensor]):
+        super().__init__(gm)
+        self.state, self.values = state, {}
+
+    def fetch_attr(self, target: str):
+        return self.state[target] if target in self.state else super().fetch_attr(target)
+
+    def call_module(self, target, args, kwargs):
+        with torch.nn.utils.stateless._reparametrize_module(
+                self.module.get_submodule(target), _prefixed(self.state, target)):
+            return super().call_module(target, args, kwargs)
+
+    def run_node(self, node):
+        self.values[node.name] = value = super().run_node(node)
+        return value
+
+
 def fake_values(gm: fx.GraphModule, config, rows: int) -> dict[str, object]:
-    """Every node's value (fake tensors: shapes and dtypes only) on ``rows`` token rows."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    weights = [*gm.parameters(), *gm.buffers()]
-    inputs = example_inputs(config, rows, weights[0].device if weights else "cpu")
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    with mode:
-        fakes = [mode.from_tensor(inputs[n]) for n in names]
-    FakeTensorProp(gm, mode).propagate(*fakes)
-    return {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    """Every node's value (meta tensors: shapes and dtypes only) on ``rows`` token rows."""
+    state = {n: torch.empty_like(t, device="meta")
+             for n, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]}
+    inputs = example_inputs(config, rows)
+    recorder = _Recorder(gm, state)
+    recorder.run(*[inputs[n.name] for n in gm.graph.nodes if n.op == "placeholder"])
+    return recorder.values
+
+
+def _prefixed(state: dict, prefix: str) -> dict:
+    return {n[len(prefix) + 1:]: t for n, t in state.items() if n.startswith(prefix + ".")}
 
 
 def leading_dims(gm: fx.GraphModule, config, rows: int) -> dict[str, int | None]:

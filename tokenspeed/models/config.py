@@ -1,8 +1,18 @@
-"""The model configuration tokenspeed understands, read from a Hugging Face config.json."""
+"""The model configuration tokenspeed understands, read from a Hugging Face config.json.
+
+Strict: every config field that changes the computation is either implemented here or
+rejected with a ValueError naming the field and its value. A checkpoint the engine
+cannot honour fails at load instead of generating wrong tokens.
+"""
 
 import attrs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers runs both as torch's SiLU
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 @attrs.frozen
@@ -50,10 +60,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        arch = (hf.get("architectures") or ["<none>"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        """Raises ValueError naming the field for anything missing or not supported."""
+        arch = architecture(hf)
+        check_supported(hf)
         heads = hf["num_attention_heads"]
         return cls(
             architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -61,12 +70,91 @@ class ModelConfig:
             num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=_rope_scaling(hf),
             num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf))
+
+
+def architecture(hf: dict) -> str:
+    """``architectures[0]`` (a plain string is one name), else the one ``model_type`` names."""
+    names = hf.get("architectures")
+    names = [names] if isinstance(names, str) else names or []
+    arch = names[0] if names else MODEL_TYPES.get(hf.get("model_type"))
+    if arch in SUPPORTED_ARCHITECTURES:
+        return arch
+    found = repr(arch) if arch else f"(none given, model_type={hf.get('model_type')!r})"
+    raise ValueError(f"unsupported architecture {found}; supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)} (or model_type {', '.join(MODEL_TYPES)})")
+
+
+def check_supported(hf: dict) -> None:
+    """Every field tokenspeed does not implement, rejected when it would change the result."""
+    missing = [f for f in REQUIRED_FIELDS if hf.get(f) is None]
+    if missing:
+        raise ValueError(f"config is missing required field(s) {', '.join(missing)}")
+    for check in (_check_activation, _check_biases, _check_rope, _check_sliding_window,
+                  _check_quantization):
+        check(hf)
+
+
+def _unsupported(field: str, value, why: str) -> ValueError:
+    return ValueError(f"unsupported config {field}={value!r}: {why}")
+
+
+def _check_activation(hf: dict) -> None:
+    for field in ("hidden_act", "hidden_activation"):
+        if hf.get(field) is not None and hf[field] not in SUPPORTED_ACTIVATIONS:
+            raise _unsupported(field, hf[field], "tokenspeed's MLP is SiLU-gated (silu only)")
+
+
+def _check_biases(hf: dict) -> None:
+    if hf.get("mlp_bias"):
+        raise _unsupported("mlp_bias", hf["mlp_bias"], "the MLP projections have no bias")
+
+
+def _check_rope(hf: dict) -> None:
+    params = _rope_parameters(hf)
+    for factor in (hf.get("partial_rotary_factor"), params.get("partial_rotary_factor")):
+        if factor is not None and factor != 1:
+            raise _unsupported("partial_rotary_factor", factor, "RoPE rotates the whole head (1.0 only)")
+    kind = _rope_type(params)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported config rope_type={kind!r} (rope_parameters or rope_scaling); "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _check_sliding_window(hf: dict) -> None:
+    """Qwen's ``use_sliding_window`` or ``sliding_attention`` layers, and a Mistral-style
+    ``sliding_window`` (no ``use_sliding_window`` key), are rejected unless the window
+    spans every position the model takes (then it never binds)."""
+    window, limit = hf.get("sliding_window"), _max_positions(hf)
+    if window is not None and window >= limit:
+        return
+    if hf.get("use_sliding_window"):
+        field, value = "use_sliding_window", True
+    elif "sliding_attention" in (hf.get("layer_types") or ()):
+        field, value = "layer_types", "sliding_attention"
+    elif window is not None and "use_sliding_window" not in hf:
+        field, value = "sliding_window", window
+    else:
+        return
+    raise _unsupported(field, value, f"sliding-window attention (sliding_window={window}, "
+                                     f"max_position_embeddings={limit}) is not implemented")
+
+
+def _check_quantization(hf: dict) -> None:
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise _unsupported("quantization_config", method, "quantized Hugging Face checkpoints "
+                                                          "are not supported (GGUF files are)")
+
+
+def _max_positions(hf: dict) -> int:
+    return hf.get("max_position_embeddings") or 4096
 
 
 def eos_ids(hf: dict) -> tuple[int, ...]:
@@ -76,8 +164,17 @@ def eos_ids(hf: dict) -> tuple[int, ...]:
 
 def _rope_parameters(hf: dict) -> dict:
     """transformers 5 moved rope settings into ``rope_parameters``; older configs use
-    ``rope_theta`` and ``rope_scaling`` at the top level."""
-    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    ``rope_theta`` and ``rope_scaling`` at the top level. Settings per layer type (a dict
+    of dicts) are rejected: every layer here rotates the same way."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise _unsupported("rope_parameters", params, f"per-layer-type settings {nested}")
+    return params
+
+
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type", params.get("type")) or "default"
 
 
 def _rope_theta(hf: dict) -> float:
@@ -85,12 +182,16 @@ def _rope_theta(hf: dict) -> float:
 
 
 def _rope_scaling(hf: dict) -> RopeScaling | None:
+    """Llama 3 scaling; the pretraining length comes from where transformers reads it (a
+    top-level ``original_max_position_embeddings`` first, then max_position_embeddings)."""
     params = _rope_parameters(hf)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
+    if _rope_type(params) == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if params.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_type='llama3' is missing {', '.join(missing)} in rope_parameters")
+    original = hf.get("original_max_position_embeddings") or \
+        params.get("original_max_position_embeddings") or _max_positions(hf)
     return RopeScaling(factor=params["factor"], low_freq_factor=params["low_freq_factor"],
                        high_freq_factor=params["high_freq_factor"],
-                       original_max_position_embeddings=params["original_max_position_embeddings"])
+                       original_max_position_embeddings=original)

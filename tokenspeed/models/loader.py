@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors) into our model.
+"""Load a Hugging Face checkpoint directory (config.json + safetensors), or a GGUF file
+(read by ``tokenspeed.models.gguf`` as the same Hugging Face tensors), into our model.
 
 Tensors are read straight into freshly allocated parameters (the model is built on the
 meta device first, so nothing is initialised twice).
@@ -10,7 +11,9 @@ from pathlib import Path
 import attrs
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
+from tokenspeed.models import gguf as gguf_file
 from tokenspeed.models.config import ModelConfig, eos_ids
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
 
@@ -41,13 +44,24 @@ def read_config(path) -> ModelConfig:
     return config
 
 
-def load(path, dtype=None, device="cpu") -> LlamaForCausalLM:
-    """``dtype=None`` keeps the checkpoint's ``torch_dtype``/``dtype`` (float32 if absent)."""
+def load(path, dtype=None, device="cpu", gguf_reader=None) -> LlamaForCausalLM:
+    """A Hugging Face directory, or a ``.gguf`` file (``gguf_reader``: that file already
+    opened with ``gguf.GGUFReader``). ``dtype=None`` keeps the directory's
+    ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``."""
+    if gguf_file.is_gguf(path):
+        return _load_gguf(path, dtype, device, gguf_reader)
     config = read_config(path)
     hf = json.loads((Path(path) / "config.json").read_text())
     dtype = dtype or getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
     model = build(config, dtype, device)
     _load_tensors(model, safetensors_files(Path(path)))
+    return model.eval()
+
+
+def _load_gguf(path, dtype, device, reader) -> LlamaForCausalLM:
+    checkpoint = gguf_file.open_gguf(path, reader)
+    model = build(checkpoint.config, dtype or checkpoint.dtype, device)
+    load_state_dict(model, checkpoint.tensors())
     return model.eval()
 
 
@@ -77,7 +91,8 @@ def load_state_dict(model: torch.nn.Module, state) -> None:
     """Load Hugging Face tensors (a dict, or (name, tensor) pairs) into ``model``."""
     params = dict(model.named_parameters(remove_duplicate=False))
     unexpected, loaded = [], set()
-    for name, tensor in state.items() if isinstance(state, dict) else state:
+    pairs = state.items() if isinstance(state, dict) else state
+    for name, tensor in tqdm(pairs, desc="loading weights", unit="tensor", disable=None, leave=False):
         if not name.endswith(IGNORED_SUFFIXES):
             _load_one(model, params, name, tensor, loaded, unexpected)
     _check_complete(model, loaded, unexpected)

@@ -33,7 +33,7 @@ class CompileConfig:
     min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``: rows
     per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
     on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
-    ``num_kv_pages``: the pool's pages, page 0 included (default: what fits in 2 GiB on
+    ``num_kv_pages``: the pool's pages, page 0 included (default: what fits in 512 MiB on
     the CPU, 80% of free memory on a GPU); ``compile_workers``: processes that compile the
     Triton kernels before the captures (default: half the usable cores, at most 8; 0
     compiles each on first launch)."""

@@ -4,38 +4,38 @@ Capture = idle refresh (no live rows, placeholder tables of null pages) + captur
 whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
 the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
 same slots; batches above the ladder take it. Tokens land in one persistent buffer and
-reach the host in one asynchronous copy: ``launch`` returns a
-``DecodeFuture`` at once, so the host can prepare the next step while the GPU runs this
-one; a chained step takes its input tokens from the previous step's output on the device.
+reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
+so the host can prepare the next step while the GPU runs this one; a chained step takes
+its input tokens from the previous step's output on the device. Rows whose sampling needs
+more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are resampled
+from the step's logits before the copy.
 """
 
 import torch
 
 from tokenspeed.runtime.graphs import state_tensors
 from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample, sample_in_step
-from tokenspeed.runtime.slots import MetadataSlots
+from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
 from tokenspeed.runtime.sampling_params import SamplingParams
+from tokenspeed.runtime.slots import MetadataSlots
+from tokenspeed.runtime.step_future import StepFuture, recorded_event
 
-PAD_PARAMS = SamplingParams(temperature=0.0)
+PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 
 
 class DecodeRunner:
     def __init__(self, program, kv_cache, backend, max_decode_bs: int, max_pages: int,
-                 page_size: int, generator: torch.Generator):
+                 page_size: int):
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
-        self.generator = generator
-        self.seeds = torch.Generator().manual_seed(generator.initial_seed())  # rows' noise keys
         device = kv_cache.device
         self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
-        self.sampling = MetadataSlots(self._sampling([], max_decode_bs), max_decode_bs, device)
+        self.sampling = MetadataSlots(self._padded([], max_decode_bs), max_decode_bs, device)
         self.out = torch.zeros(max_decode_bs, dtype=torch.int64, device=device)  # tokens
-        self.step = torch.zeros(1, dtype=torch.int64, device=device)  # advances the noise
         pinned = kv_cache.is_cuda
         self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self._last_settings = ((), None, False)  # (key, settings, needs filter)
+        self._last_settings = ((), None)  # (key, settings): unchanged settings republish free
         self._views: dict[tuple[int, int], tuple] = {}
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
@@ -57,17 +57,12 @@ class DecodeRunner:
 
     def dry_step(self, bs: int) -> None:
         """Rung ``bs``'s idle step, eagerly: under ``precompile.dry_run`` it records the
-        kernel variants its capture will launch. The noise keys, the generator and the
-        step counter are left as they were, so a start samples alike with or without it."""
-        seeds, noise, step = self.seeds.get_state(), self.generator.get_state(), self.step.clone()
+        kernel variants its capture will launch (sampling keeps no state to restore)."""
         self._step(*self._idle(bs), self.out[:bs])
-        self.seeds.set_state(seeds)
-        self.generator.set_state(noise)
-        self.step.copy_(step)
 
     def _idle(self, bs: int) -> tuple:
         """Published idle metadata and sampling settings of rung ``bs``: no live rows."""
-        return self.slots.publish(self.refresh((), bs)), self.sampling.publish(self._sampling([], bs))
+        return self.slots.publish(self.refresh((), bs)), self.sampling.publish(self._padded([], bs))
 
     def reach(self, bs: int) -> dict[str, torch.Tensor]:
         """Every tensor the step for ``bs`` reads or writes through the slots, and the
@@ -75,13 +70,13 @@ class DecodeRunner:
         named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
         named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
         state = state_tensors(*(s.graph_module for s in self.program.segments))
-        return {**named, **state, "kv_cache": self.kv_cache, "out": self.out, "step": self.step}
+        return {**named, **state, "kv_cache": self.kv_cache, "out": self.out}
 
-    def run(self, rows, params) -> list[int]:
+    def run(self, rows, sampling: list[RowSampling]) -> list[int]:
         """One sampled token per row."""
-        return self.launch(rows, params).tokens()
+        return self.launch(rows, sampling).tokens()
 
-    def launch(self, rows, params, chained: bool = False) -> "DecodeFuture":
+    def launch(self, rows, sampling: list[RowSampling], chained: bool = False) -> StepFuture:
         """Enqueue one step. ``chained``: row i's input token is row i's output of the
         previous step, still on the device (``rows[i].token`` is ignored)."""
         bs = len(rows)
@@ -91,17 +86,14 @@ class DecodeRunner:
         view = self.slots.publish(self.refresh(rows, size))
         if chained:
             input_ids.copy_(out)
-        settings, filtered = self._settings(params, size)
-        sampling = self.sampling.publish(settings)
-        if rung is None:
-            logits = self._step(view, sampling, out)
-        else:
-            logits = self.graphs[rung].replay()
-        if filtered:  # graphs sample unfiltered; filtered batches resample here
-            out.copy_(sample(logits, sampling, self.generator, filtered=True)[:bs])
+        settings = self.sampling.publish(self._settings(sampling, size))
+        logits = self._step(view, settings, out) if rung is None else self.graphs[rung].replay()
+        logprobs = None
+        if any(r.needs_processing for r in sampling):
+            logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
-        return DecodeFuture(hosts[self._turn], _recorded_event(self.kv_cache.device))
+        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs)
 
     def _row_views(self, bs: int, size: int) -> tuple:
         """The first ``bs`` rows of the input ids (of the slots' views for ``size``), of the
@@ -112,41 +104,20 @@ class DecodeRunner:
                                      tuple(h[:bs] for h in self.host_out))
         return self._views[bs, size]
 
-    def _step(self, view, sampling, out):
+    def _step(self, view, sampling: SamplingTensors, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self.program(self.kv_cache, view)
-        sample_in_step(logits, sampling, self.step, out, self.generator)
+        gumbel_argmax(logits, sampling, view.positions, out)
         return logits
 
-    def _sampling(self, params, size: int) -> SamplingTensors:
-        padded = list(params) + [PAD_PARAMS] * (size - len(params))
-        return SamplingTensors.build(padded, "cpu", torch.randint(2**62, (size,), generator=self.seeds))
+    def _padded(self, sampling: list[RowSampling], size: int) -> SamplingTensors:
+        return SamplingTensors.build(list(sampling) + [PAD_ROW] * (size - len(sampling)), "cpu")
 
-    def _settings(self, params, size: int) -> tuple[SamplingTensors, bool]:
-        """``params``' settings padded to ``size`` and whether they need the filter. A
-        batch's params rarely change between steps, so equal ones get back the same
-        settings object, which the slots republish for free."""
-        key = (size, *params)
+    def _settings(self, sampling: list[RowSampling], size: int) -> SamplingTensors:
+        """The rows' settings padded to ``size``. A request's settings and seed never
+        change, so a batch's are mostly those of the step before: equal ones get back the
+        same object, which the slots republish for free."""
+        key = (size, *((r.params, r.seed) for r in sampling))
         if key != self._last_settings[0]:
-            self._last_settings = (key, self._sampling(params, size), needs_filter(params))
-        return self._last_settings[1:]
-
-
-class DecodeFuture:
-    """A step's tokens on their way to the host."""
-
-    def __init__(self, host: torch.Tensor, event):
-        self.host, self.event = host, event
-
-    def tokens(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
-def _recorded_event(device: torch.device):
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+            self._last_settings = (key, self._padded(sampling, size))
+        return self._last_settings[1]

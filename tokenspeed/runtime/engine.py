@@ -3,17 +3,24 @@
 With ``overlap``, a decode batch is launched and left in flight; the next step launches
 the same rows again (their input tokens fed on the device) before reading the first
 one's tokens, so the host's scheduling and metadata work hides behind the GPU. A request
-that stops on a token is found one step late: the extra row's token is dropped.
+that stops on a token is found one step late: the extra row's token is dropped. Rows whose
+sampling reads the tokens generated so far (penalties, ``min_tokens``) are not chained.
+
+The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
+
+import time
 
 import attrs
 import torch
 
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
-from tokenspeed.runtime.outputs import RequestOutput
+from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
+
+SEED_BITS = 62
 
 
 @attrs.frozen
@@ -24,23 +31,24 @@ class InFlight:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
-                 overlap: bool = True):
-        """``prefill`` and ``decode``: runners (``run(chunks | rows, params) -> tokens``)."""
+                 overlap: bool = True, seed: int = 0):
+        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
+        ``seed`` draws the noise seeds of requests that bring none."""
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
         self.overlap = overlap
         self.in_flight: InFlight | None = None
+        self.seeds = torch.Generator().manual_seed(seed)
         self._next_id = 0
 
-    def request(self, index: int, prompt, params: SamplingParams) -> Request:
-        """A validated request; raises naming prompt ``index`` before any work starts."""
-        prompt = tuple(int(t) for t in prompt)
+    def check(self, index: int, prompt: tuple[int, ...], params: SamplingParams) -> None:
+        """Refuse, naming prompt ``index``, what this engine cannot serve."""
         where = f"prompt {index}"
         if not prompt:
             raise ValueError(f"{where} is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         total = len(prompt) + params.max_tokens
@@ -50,22 +58,35 @@ class Engine:
         pages, pool = -(-total // self.scheduler.page_size), self.scheduler.allocator.num_pages - 1
         if pages > pool:
             raise ValueError(f"{where}: needs {pages} KV pages, the pool has {pool}")
-        self._next_id += 1
-        return Request(self._next_id - 1, prompt, params)
 
-    def run(self, requests: list[Request]) -> list[RequestOutput]:
-        """Serve ``requests`` to completion; a failure drops every request and its pages."""
-        for request in requests:
-            self.scheduler.add(request)
-        try:
-            with torch.inference_mode():
-                while self.has_work:
-                    self.step()
-        except BaseException:
-            self.in_flight = None  # nothing of this call may leak into the next one
-            self.scheduler.abort_all()
-            raise
-        return [r.to_output() for r in requests]
+    def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
+        """Queue ``params.n`` samples of a checked prompt; the later ones share its pages."""
+        base = params.seed if params.seed is not None else \
+            int(torch.randint(2**SEED_BITS, (1,), generator=self.seeds))
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        requests = []
+        for index in range(params.n):
+            requests.append(Request(self._next_id, prompt, params, (base + index) % 2**SEED_BITS,
+                                    index, requests[0] if requests else None, stop_ids))
+            self._next_id += 1
+            self.scheduler.add(requests[-1])
+        return requests
+
+    def finish(self, request: Request, reason: str, stop_reason=None) -> None:
+        """End ``request`` now (a stop string, an abort): its pages return at once; a
+        token of it still in flight is dropped."""
+        if request.finished:
+            return
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.finish_time = time.time()
+        self.scheduler.finish(request)
+
+    def abort_all(self) -> None:
+        """After a failed step: nothing of it may leak into the next one."""
+        self.in_flight = None
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.finish(request, "abort")
 
     @property
     def has_work(self) -> bool:
@@ -79,24 +100,25 @@ class Engine:
             return self._collect(flight)
         batch = self.scheduler.schedule()
         if batch.kind == "decode" and batch.requests and self.overlap:
-            future = self.decode.launch(_decode_rows(batch.requests),
-                                        [r.params for r in batch.requests])
-            self.in_flight = InFlight(batch.requests, future)
+            self.in_flight = InFlight(batch.requests, self.decode.launch(
+                _decode_rows(batch.requests), [r.sampling for r in batch.requests]))
             return []
         if not batch.requests:  # validation guarantees a lone request fits: never spin
             raise RuntimeError(f"no batch could be scheduled for {len(self.scheduler.waiting)} waiting "
                                f"requests ({self.scheduler.allocator.num_free} free KV pages)")
         sampled = [r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens]
-        tokens = self._forward(batch, [r.params for r in sampled])
+        future = self._launch(batch, sampled)
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.num_cached += n
-        return [r for r, t in zip(sampled, tokens) if self._append(r, t)]
+        return [r for r, t, lp in zip(sampled, future.tokens(), future.logprobs())
+                if self._append(r, t, lp)]
 
     def _chain(self, flight: InFlight) -> InFlight | None:
         """Launch the same rows once more, if nothing else waits and pages allow."""
         requests, scheduler = flight.requests, self.scheduler
         if scheduler.waiting or len(scheduler.running) != len(requests) or \
-                not any(self._wants_another(r) for r in requests):
+                not any(self._wants_another(r) for r in requests) or \
+                any(r.sampling.reads_history for r in requests):
             return None
         rows = []
         for request in requests:  # one pass over the rows: this is host time of every step
@@ -104,7 +126,7 @@ class Engine:
             if not scheduler.grow(request, position + 1):
                 return None
             rows.append(DecodeRow(0, position, tuple(request.pages)))
-        return InFlight(requests, self.decode.launch(rows, [r.params for r in requests], chained=True))
+        return InFlight(requests, self.decode.launch(rows, [r.sampling for r in requests], chained=True))
 
     def _wants_another(self, request: Request) -> bool:
         """Whether ``request`` can still need a token after the one in flight."""
@@ -113,32 +135,36 @@ class Engine:
 
     def _collect(self, flight: InFlight) -> list[Request]:
         finished = []
-        for request, token in zip(flight.requests, flight.future.tokens()):
-            if request.finish_reason is None:  # else it stopped a step earlier: drop the row
+        future = flight.future
+        for request, token, logprobs in zip(flight.requests, future.tokens(), future.logprobs()):
+            if not request.finished:  # else it stopped a step earlier: drop the row
                 request.num_cached += 1
-                if self._append(request, token):
+                if self._append(request, token, logprobs):
                     finished.append(request)
         return finished
 
-    def _forward(self, batch: ScheduledBatch, params) -> list[int]:
+    def _launch(self, batch: ScheduledBatch, sampled: list[Request]):
+        sampling = [r.sampling for r in sampled]
         if batch.kind == "decode":
-            return self.decode.run(_decode_rows(batch.requests), params)
+            return self.decode.launch(_decode_rows(batch.requests), sampling)
         chunks = [ExtendChunk(r.tokens[r.num_cached:r.num_cached + n], r.num_cached, tuple(r.pages),
                               r.num_cached + n == r.num_tokens)
                   for r, n in zip(batch.requests, batch.chunk_lens)]
-        return self.prefill.run(chunks, params)
+        return self.prefill.launch(chunks, sampling)
 
-    def _append(self, request: Request, token: int) -> bool:
+    def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
+        """Add a sampled token; True when it ends the request."""
         request.output.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        if request.first_token_time is None:
+            request.first_token_time = time.time()
         p = request.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            request.finish_reason = "stop"
+        if token in request.stop_ids and len(request.output) >= p.min_tokens:
+            self.finish(request, "stop", token if token in p.stop_token_ids else None)
         elif len(request.output) >= p.max_tokens or request.num_tokens >= self.max_model_len:
-            request.finish_reason = "length"
-        else:
-            return False
-        self.scheduler.finish(request)
-        return True
+            self.finish(request, "length")
+        return request.finished
 
 
 def _decode_rows(requests) -> list[DecodeRow]:

@@ -12,20 +12,20 @@ import torch
 from tokenspeed.backends.metadata import kept_rows
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import SamplingTensors, needs_filter, sample
+from tokenspeed.runtime.sampler import RowSampling, sample
 from tokenspeed.runtime.segment_graphs import SegmentGraphs
 from tokenspeed.runtime.slots import MetadataSlots, to_device
+from tokenspeed.runtime.step_future import StepFuture, recorded_event
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
 
 class PrefillRunner:
     def __init__(self, program, kv_cache, backend, max_pages: int, page_size: int,
-                 view_width: int, generator: torch.Generator | None, token_ladder, view_ladder):
+                 view_width: int, token_ladder, view_ladder):
         """Empty ladders: no graphs, every batch runs unpadded."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
-        self.generator = generator
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
         self.graphs = SegmentGraphs(("kv_cache", *TOKEN_ROW_FIELDS))
         top = max(self.token_ladder, default=0)
@@ -65,16 +65,21 @@ class PrefillRunner:
         walks = [("tokens", (t, smallest_view)) for t in sorted(self.token_ladder, reverse=True)]
         return walks + [("view", (smallest_tokens, v)) for v in sorted(self.view_ladder, reverse=True)]
 
-    def run(self, chunks, params) -> list[int]:
+    def run(self, chunks, sampling: list[RowSampling]) -> list[int]:
         """Sampled tokens of the completing chunks, in chunk order."""
+        return self.launch(chunks, sampling).tokens()
+
+    def launch(self, chunks, sampling: list[RowSampling]) -> StepFuture:
+        """Run the chunks; ``sampling``: one row per completing chunk, in chunk order."""
         tokens = sum(len(c.tokens) for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
         t, v = bucket_for(self.token_ladder, tokens), bucket_for(self.view_ladder, views)
         meta = self.plan(chunks, t or tokens, v)
         meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
         logits = self._walk(meta)
-        settings = SamplingTensors.build(params, logits.device)
-        return sample(logits, settings, self.generator, needs_filter(params)).tolist()
+        sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows))
+        return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),
+                          sampling, sampled.logprobs)
 
     def _walk(self, meta, capturer=None, capture_ladder: str | None = None) -> torch.Tensor:
         """Run every segment; with a capturer, capture the missing graphs of the segments

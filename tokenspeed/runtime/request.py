@@ -1,20 +1,36 @@
-"""A request's life: prompt, generated tokens, the pages holding its cache."""
+"""A request's life: prompt, generated tokens, the pages holding its cache, its timings.
+
+A prompt with ``n`` samples becomes ``n`` requests; each after the first names the first
+as ``share_from`` and reuses the full KV pages of its prompt instead of computing them.
+"""
+
+import time
 
 import attrs
 
-from tokenspeed.runtime.outputs import RequestOutput
+from tokenspeed.runtime.outputs import CompletionOutput, TokenLogprobs
+from tokenspeed.runtime.sampler import RowSampling
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 
-@attrs.define
+@attrs.define(eq=False)
 class Request:
     id: int
     prompt: tuple[int, ...]
     params: SamplingParams
+    seed: int
+    index: int = 0                         # which of its prompt's n samples
+    share_from: "Request | None" = None
+    stop_ids: tuple[int, ...] = ()         # end-of-sequence and stop_token_ids
     output: list[int] = attrs.Factory(list)
+    logprobs: list[TokenLogprobs] = attrs.Factory(list)
     pages: list[int] = attrs.Factory(list)
-    num_cached: int = 0          # tokens whose K/V are in the cache
+    num_cached: int = 0                    # tokens whose K/V are in the cache
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    arrival_time: float = attrs.Factory(time.time)
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -33,5 +49,18 @@ class Request:
     def num_uncached(self) -> int:
         return self.num_tokens - self.num_cached
 
-    def to_output(self) -> RequestOutput:
-        return RequestOutput(self.id, self.prompt, tuple(self.output), self.finish_reason)
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    sampling: RowSampling = attrs.field(init=False)  # its sampled rows (reads output live)
+
+    def __attrs_post_init__(self):
+        self.sampling = RowSampling(self.params, self.seed, self.prompt, self.output, self.stop_ids)
+
+    def completion(self, text: str | None = None, num_tokens: int | None = None) -> CompletionOutput:
+        """``num_tokens``: keep only the first tokens (those up to a stop string)."""
+        kept = slice(None) if num_tokens is None else slice(num_tokens)
+        logprobs = tuple(self.logprobs[kept]) if self.params.logprobs is not None else None
+        return CompletionOutput(self.index, tuple(self.output[kept]), self.finish_reason, text,
+                                self.stop_reason, logprobs)

@@ -1,68 +1,180 @@
-"""One sampling route for every row: temperature, top-k, top-p, then Gumbel-max.
+"""One sampling route for every row: Gumbel-max over ``logits / temperature``, keyed noise.
 
-Greedy is ``top_k = 1``: only the largest logits survive the top-k mask and those rows
-get no noise, so the result is exactly ``argmax`` (first index on ties). Inside the
-captured decode step on CUDA, the unfiltered route is one Triton kernel pair whose noise
-is keyed by each row's seed plus a device step counter (``sample_in_step``).
+Greedy is ``top_k = 1``: such rows get no noise and no temperature, so the result is
+exactly ``argmax`` (first index on ties). Every other row adds Gumbel noise drawn from a
+key of its request's seed and its position, so a request samples the same tokens whatever
+else shares its batch, in a captured graph or not, and a preempted request that recomputes
+draws the same again. On CUDA the draw is one Triton kernel pair (``gumbel_argmax``), the
+captured decode step's sampler; elsewhere the torch reference.
+
+Rows that need more than that (penalties, ``min_tokens`` masks, top-k/top-p/min-p masks,
+log-probabilities) are processed after the step, in torch, then drawn by the same keyed
+Gumbel-max with their temperature already applied: a row that needs nothing of it gets
+the same token on either route.
 """
+
+from collections.abc import Sequence
 
 import attrs
 import torch
 
+from tokenspeed.runtime.outputs import TokenLogprobs
+from tokenspeed.runtime.sampling_params import SamplingParams
+
 MIN_TEMPERATURE = 1e-5
+POSITION_KEY = 2654435761  # odd multiplier spreading positions over the noise keys
+
+
+@attrs.frozen
+class RowSampling:
+    """One sampled row: its settings, its noise seed, and the tokens its penalties and
+    ``min_tokens`` read (``output`` may be the request's live list)."""
+    params: SamplingParams
+    seed: int
+    prompt: Sequence[int] = ()
+    output: Sequence[int] = ()
+    stop_ids: tuple[int, ...] = ()   # masked while fewer than min_tokens outputs exist
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether this row's scores depend on the tokens generated so far."""
+        return self.params.penalized or len(self.output) < self.params.min_tokens
+
+    @property
+    def needs_processing(self) -> bool:
+        p = self.params
+        return self.reads_history or p.top_k > 1 or p.top_p < 1 or p.min_p > 0 or \
+            p.logprobs is not None
 
 
 @attrs.frozen
 class SamplingTensors:
-    """Per-row settings, one tensor each: ``[rows]``; ``seed`` keys the row's noise in
-    ``sample_in_step``."""
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seed: torch.Tensor
+    """What the in-graph sampler reads, one ``[rows]`` tensor each."""
+    temperature: torch.Tensor   # float32
+    top_k: torch.Tensor         # int64; 1 marks a greedy row (other values are not applied)
+    seed: torch.Tensor          # int64
 
     @classmethod
-    def build(cls, params, device, seeds: torch.Tensor | None = None) -> "SamplingTensors":
-        """``seeds`` matter only to ``sample_in_step``; other routes draw from a generator."""
-        seeds = torch.zeros(len(params), dtype=torch.int64) if seeds is None else seeds
-        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                   seeds.to(device, torch.int64))
+    def build(cls, rows: Sequence[RowSampling], device) -> "SamplingTensors":
+        return cls(torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device),
+                   torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=device),
+                   torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device))
 
 
-def needs_filter(params) -> bool:
-    """Whether any row's top-k/top-p mask can drop a token other than by greedy's argmax."""
-    return any(p.top_k > 1 or p.top_p < 1 for p in params)
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return seeds + positions.to(torch.int64) * POSITION_KEY
 
 
-def sample(logits: torch.Tensor, s: SamplingTensors, generator: torch.Generator | None = None,
-           filtered: bool = True) -> torch.Tensor:
-    """``filtered=False`` skips the top-k/top-p mask, which is the identity when no row has
-    ``top_k > 1`` or ``top_p < 1`` (greedy rows only keep their maximum either way); it
-    saves a sort over the vocabulary on every step of such batches."""
-    greedy = (s.top_k == 1)[:, None]
-    scores = logits.float()
-    scores = torch.where(greedy, scores, scores / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None])
-    if filtered:
-        scores = _top_k_top_p(scores, s.top_k, s.top_p)
-    uniform = torch.rand(scores.shape, generator=generator, device=scores.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp_(1e-10, 1.0 - 1e-7)))
-    return torch.argmax(scores + torch.where(greedy, 0.0, gumbel), dim=-1)
-
-
-def sample_in_step(logits: torch.Tensor, s: SamplingTensors, step: torch.Tensor,
-                   out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The captured step's sampler, unfiltered, writing into ``out``: on CUDA two Triton
-    launches instead of ten passes over the vocabulary, noise keyed by ``s.seed + step``
-    (``step`` advances on the device, so each replay draws anew); elsewhere ``sample``."""
+def gumbel_argmax(logits: torch.Tensor, s: SamplingTensors, positions: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+    """``argmax(logits / temperature + Gumbel noise)`` per row (plain argmax for greedy
+    rows) into ``out``: the Triton kernels on CUDA, the torch reference elsewhere."""
     if logits.is_cuda:
         from tokenspeed.backends.kernels import triton_sampling
-        return triton_sampling.gumbel_argmax(logits, s.temperature, s.top_k, s.seed, step, out=out)
-    return out.copy_(sample(logits, s, generator, filtered=False))
+        return triton_sampling.gumbel_argmax(logits, s.temperature, s.top_k, s.seed, positions,
+                                             out=out)
+    return out.copy_(gumbel_argmax_reference(logits, s, positions))
 
 
-def _top_k_top_p(scores, top_k, top_p):
+def gumbel_argmax_reference(logits: torch.Tensor, s: SamplingTensors,
+                            positions: torch.Tensor) -> torch.Tensor:
+    scores = logits.float()
+    greedy = (s.top_k == 1)[:, None]
+    tempered = scores / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    noise = torch.stack([_uniform(int(k), scores.shape[1]) for k in noise_keys(s.seed, positions)]) \
+        if scores.shape[0] else scores
+    gumbel = -torch.log(-torch.log(noise.clamp_(1e-10, 1.0 - 1e-7)))
+    return torch.argmax(torch.where(greedy, scores, tempered + gumbel), dim=-1)
+
+
+def _uniform(key: int, size: int) -> torch.Tensor:
+    return torch.rand(size, generator=torch.Generator().manual_seed(key & (2**64 - 1)))
+
+
+@attrs.frozen
+class Sampled:
+    tokens: torch.Tensor                       # [rows] int64, on the logits' device
+    logprobs: "LogprobTensors | None"
+
+
+@attrs.frozen
+class LogprobTensors:
+    """Raw log-probabilities (of the model's distribution) of the sampled tokens and of
+    the ``top`` most likely ones per row."""
+    sampled: torch.Tensor      # [rows] float32
+    top_ids: torch.Tensor      # [rows, top] int64
+    top_values: torch.Tensor   # [rows, top] float32
+
+    def to_host(self, rows: Sequence[RowSampling], tokens: Sequence[int]) -> list[TokenLogprobs | None]:
+        sampled, ids, values = self.sampled.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return [None if r.params.logprobs is None else
+                TokenLogprobs(t, lp, dict(zip(i[:r.params.logprobs], v[:r.params.logprobs])))
+                for r, t, lp, i, v in zip(rows, tokens, sampled, ids, values)]
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
+           out: torch.Tensor | None = None) -> Sampled:
+    """Process the rows that need it, then draw every row by the keyed Gumbel-max."""
+    out = torch.empty(len(rows), dtype=torch.int64, device=logits.device) if out is None else out
+    settings = SamplingTensors.build(rows, logits.device)
+    if not any(r.needs_processing for r in rows):
+        return Sampled(gumbel_argmax(logits, settings, positions, out), None)
+    scores = _processed(logits.float(), rows, settings)
+    tempered = attrs.evolve(settings, temperature=torch.ones_like(settings.temperature))
+    tokens = gumbel_argmax(scores, tempered, positions, out)
+    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    return Sampled(tokens, _logprobs(logits, tokens, max(wanted)) if wanted else None)
+
+
+def _processed(scores: torch.Tensor, rows: Sequence[RowSampling], s: SamplingTensors) -> torch.Tensor:
+    if any(r.reads_history for r in rows):
+        scores = _penalized(scores, rows)
+    greedy = (s.top_k == 1)[:, None]
+    scores = torch.where(greedy, scores, scores / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None])
+    if any(r.params.min_p > 0 for r in rows):
+        scores = _min_p(scores, torch.tensor([r.params.min_p for r in rows], device=scores.device))
+    if any(r.params.top_k > 1 or r.params.top_p < 1 for r in rows):
+        scores = top_k_top_p(scores, s.top_k, torch.tensor([r.params.top_p for r in rows],
+                                                             device=scores.device))
+    return scores
+
+
+def _penalized(scores: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """Repetition (HF: over prompt and output), presence and frequency (OpenAI: over the
+    output) penalties, then ``min_tokens``' masks."""
+    vocab, device = scores.shape[1], scores.device
+    output = _counts([r.output if r.params.penalized else () for r in rows], vocab, device)
+    seen = _counts([(*r.prompt, *r.output) if r.params.repetition_penalty != 1 else ()
+                    for r in rows], vocab, device) > 0
+    column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # noqa: E731
+    repetition = column([r.params.repetition_penalty for r in rows])
+    scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
+    scores = scores - column([r.params.frequency_penalty for r in rows]) * output
+    scores = scores - column([r.params.presence_penalty for r in rows]) * (output > 0)
+    for i, r in enumerate(rows):
+        if len(r.output) < r.params.min_tokens and r.stop_ids:
+            scores[i, list(r.stop_ids)] = float("-inf")
+    return scores
+
+
+def _counts(token_lists, vocab: int, device) -> torch.Tensor:
+    """``[rows, vocab]`` float32 occurrence counts of each row's tokens."""
+    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            ids = torch.tensor(list(tokens), dtype=torch.int64, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+    return counts
+
+
+def _min_p(scores: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the most likely one."""
+    probs = scores.softmax(-1)
+    drop = probs < min_p[:, None] * probs.max(-1, keepdim=True).values
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask by rank, not by value, so ties at the boundary cannot widen the set; the
     stable sort ranks tied tokens by index, as argmax does."""
     vocab = scores.shape[-1]
@@ -73,3 +185,9 @@ def _top_k_top_p(scores, top_k, top_p):
     before = probs.cumsum(-1) - probs            # mass strictly above each ranked token
     drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)  # the smallest nucleus
     return scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> LogprobTensors:
+    logprobs = logits.float().log_softmax(-1)
+    values, ids = logprobs.topk(max(top, 1), dim=-1)
+    return LogprobTensors(logprobs.gather(1, tokens[:, None])[:, 0], ids, values)

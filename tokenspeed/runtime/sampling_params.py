@@ -1,31 +1,125 @@
-"""How a request samples: the settings users pass to ``generate`` (``ts.SamplingParams``)."""
+"""How a request samples: the settings users pass to ``generate`` (``ts.SamplingParams``).
+
+Every field is checked for its type and range when the record is made, so a bad value is
+refused with its name before any work starts. Values follow vLLM and OpenAI: ``top_k=0``
+(or -1) disables top-k; ``temperature=0`` is greedy, normalised to ``top_k=1`` so every
+row takes one sampling route; penalties have OpenAI's (presence, frequency: over the
+generated tokens) and Hugging Face's (repetition: over prompt and generated tokens)
+meaning.
+"""
+
+import math
+import numbers
 
 import attrs
 
+MAX_LOGPROBS = 20
 
-def _check(name, ok, value, limit):
-    if not ok:
-        raise ValueError(f"{name}={value!r}: must be {limit}")
+
+def _fail(name, value, limit):
+    raise ValueError(f"{name}={value!r}: must be {limit}")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int_at_least(minimum: int):
+    def check(instance, attribute, value):
+        if not _integer(value) or value < minimum:
+            _fail(attribute.name, value, f"an integer >= {minimum}")
+    return check
+
+
+def _real_in(low: float, high: float, low_open: bool = False):
+    def check(instance, attribute, value):
+        inside = _real(value) and (low < value if low_open else low <= value) and value <= high
+        if not inside:
+            bound = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else \
+                f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+            _fail(attribute.name, value, f"a finite number {bound}")
+    return check
+
+
+def _strings(value) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value) if value is not None else ()
+
+
+def _check_stop(instance, attribute, value):
+    if not all(isinstance(s, str) and s for s in value):
+        _fail("stop", value, "a non-empty string or a list of non-empty strings")
+
+
+def _token_ids(value) -> tuple:
+    if isinstance(value, (str, bytes)):
+        _fail("stop_token_ids", value, "a list of token ids")
+    return tuple(value)
+
+
+def _check_token_ids(instance, attribute, value):
+    if not all(_integer(t) and t >= 0 for t in value):
+        _fail(attribute.name, value, "a list of token ids (integers >= 0)")
+
+
+def _check_seed(instance, attribute, value):
+    if value is not None and not _integer(value):
+        _fail("seed", value, "an integer or None")
+
+
+def _check_logprobs(instance, attribute, value):
+    if value is not None and (not _integer(value) or not 0 <= value <= MAX_LOGPROBS):
+        _fail("logprobs", value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+
+
+def _check_bool(instance, attribute, value):
+    if not isinstance(value, bool):
+        _fail(attribute.name, value, "True or False")
+
+
+def _top_k(value):
+    return 0 if value == -1 and _integer(value) else value
 
 
 @attrs.frozen
 class SamplingParams:
-    """``temperature=0`` (greedy) is normalised to ``top_k=1``: one sampling route for all."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-    ignore_eos: bool = False
+    """``n``: completions per prompt (they share the prompt's full KV pages);
+    ``logprobs``: how many top log-probabilities to return with each sampled token (its
+    own always comes with them); ``seed``: makes this request's samples reproducible,
+    whatever else is in the batch; ``min_tokens``: EOS and ``stop_token_ids`` are masked,
+    and ``stop`` strings not matched, until that many tokens exist."""
+    n: int = attrs.field(default=1, validator=_int_at_least(1))
+    temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, math.inf))
+    top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
+    top_k: int = attrs.field(default=0, converter=_top_k, validator=_int_at_least(0))
+    min_p: float = attrs.field(default=0.0, validator=_real_in(0.0, 1.0))
+    presence_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_real_in(0.0, math.inf, low_open=True))
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
+    min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_check_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids,
+                                                  validator=_check_token_ids)
+    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+    logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
+    skip_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
 
     def __attrs_post_init__(self):
-        _check("temperature", self.temperature >= 0, self.temperature, ">= 0")
-        _check("top_p", 0 < self.top_p <= 1, self.top_p, "in (0, 1]")
-        _check("top_k", self.top_k >= 0, self.top_k, ">= 0 (0 disables top-k)")
-        _check("max_tokens", self.max_tokens >= 1, self.max_tokens, ">= 1")
+        if self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
         if self.temperature == 0:
             object.__setattr__(self, "top_k", 1)
 
     @property
     def greedy(self) -> bool:
         return self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or \
+            self.repetition_penalty != 1

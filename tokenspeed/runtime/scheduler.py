@@ -3,7 +3,9 @@
 Every step is either an extend batch (prompt chunks, plus the decode rows that fit the
 token budget) or, when no prompt work is pending, a decode batch. When pages run out a
 decode batch preempts the newest request: its pages are freed and it is recomputed later,
-so no live request is ever corrupted.
+so no live request is ever corrupted. A request that shares its prompt's pages with an
+earlier sample of the same prompt waits until that one has computed them, then holds
+them too and computes only the rest.
 """
 
 from collections import deque
@@ -48,12 +50,15 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drop every request and return its pages (after a step failed)."""
-        for request in list(self.running):
+        for request in list(self.running) + list(self.waiting):
             self.finish(request)
-        self.waiting.clear()
 
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
+        """Take ``request`` out of the queues and return its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self._release(request)
 
     def _schedule_extend(self) -> ScheduledBatch:
@@ -62,6 +67,9 @@ class Scheduler:
         for request in prefilling:
             budget = self._take(request, budget, picked)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            if self._awaits_shared_pages(self.waiting[0]):
+                break
+            self._attach_shared_pages(self.waiting[0])
             left = self._take(self.waiting[0], budget, picked)
             if left == budget:
                 break
@@ -72,6 +80,24 @@ class Scheduler:
             for request in [r for r in self.running if r.num_uncached == 1 and id(r) not in taken]:
                 budget = self._take(request, budget, picked)
         return ScheduledBatch("extend", tuple(r for r, _ in picked), tuple(n for _, n in picked))
+
+    def _awaits_shared_pages(self, request: Request) -> bool:
+        """Whether the sample ``request`` shares pages with is still computing them."""
+        source = request.share_from
+        if source is None or request.pages or source.finished:
+            return False
+        return source in self.waiting or (source in self.running and source.num_uncached > 1)
+
+    def _attach_shared_pages(self, request: Request) -> None:
+        """Hold the full pages of the prompt that ``share_from`` computed (the last prompt
+        token is always computed anew: its logits give this sample's first token)."""
+        source = request.share_from
+        if source is None or request.pages or source.finished:
+            return
+        full = min((len(request.prompt) - 1) // self.page_size, source.num_cached // self.page_size,
+                   len(source.pages))
+        request.pages = self.allocator.share(source.pages[:full])
+        request.num_cached = full * self.page_size
 
     def _take(self, request: Request, budget: int, picked: list) -> int:
         """Add up to ``budget`` of ``request``'s uncached tokens if pages allow; new budget."""

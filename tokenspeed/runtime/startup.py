@@ -47,13 +47,12 @@ def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: Cuda
     captured, and the report. ``compile_workers``: started by the caller, stopped here once
     the captures' kernels are compiled."""
     device = kv_cache.device
-    generator = torch.Generator(device=device).manual_seed(config.seed)
     ladder = decode_ladder(config.max_num_seqs, config.capture_sizes) if support.decode_graph else ()
     tokens, views = _prefill_ladders(config, support)
     decode = DecodeRunner(programs["decode"], kv_cache, backend, max((config.max_num_seqs, *ladder)),
-                          limits.max_pages, config.page_size, generator)
+                          limits.max_pages, config.page_size)
     prefill = PrefillRunner(programs["prefill"], kv_cache, backend, limits.max_pages,
-                            config.page_size, config.view_width, generator, tokens, views)
+                            config.page_size, config.view_width, tokens, views)
     capturer = GraphCapturer(device)
     walks = len(prefill.capture_walks())
     start = time.perf_counter()

@@ -4,11 +4,12 @@ The torch route (upcast, scale, uniform noise, two logs, add, argmax) is about t
 each a pass over ``[rows, vocab]``; at batch 32 and a 150k vocabulary that is most of a
 millisecond. Here each program scores one block of one row and keeps its best (value,
 index); a second launch picks each row's best block. Scores follow
-``tokenspeed.runtime.sampler.sample(filtered=False)``: greedy rows (``top_k == 1``) take
+``tokenspeed.runtime.sampler.gumbel_argmax_reference``: greedy rows (``top_k == 1``) take
 the raw logit (so the result is argmax, first index on ties), the others
-``logit / temperature + Gumbel noise``. The noise is Philox keyed by the row's seed plus
-a step counter on the device that every call advances, so a captured graph draws fresh
-noise on each replay with unchanged settings, and a run is reproducible from its seeds.
+``logit / temperature + Gumbel noise``. The noise is Philox keyed by the row's seed and
+its position (``seed + position * POSITION_KEY``), read on the device: a captured graph
+draws fresh noise at every step with unchanged settings, and a request samples the same
+tokens whatever else is in its batch.
 """
 
 import torch
@@ -18,13 +19,14 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 
 MIN_TEMPERATURE = 1e-5
+POSITION_KEY = 2654435761  # as tokenspeed.runtime.sampler.POSITION_KEY
 BLOCK = 4096
 
 
 @triton.jit
-def _block_best_kernel(logits_ptr, temp_ptr, top_k_ptr, seed_ptr, step_ptr, best_val_ptr,
+def _block_best_kernel(logits_ptr, temp_ptr, top_k_ptr, seed_ptr, pos_ptr, best_val_ptr,
                        best_idx_ptr, vocab, stride_row, num_blocks, MIN_T: tl.constexpr,
-                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                       KEY: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -35,7 +37,8 @@ def _block_best_kernel(logits_ptr, temp_ptr, top_k_ptr, seed_ptr, step_ptr, best
                 other=float("-inf")).to(tl.float32)
     greedy = tl.load(top_k_ptr + row) == 1
     temperature = tl.maximum(tl.load(temp_ptr + row), MIN_T)
-    u = tl.rand(tl.load(seed_ptr + row) + tl.load(step_ptr), cols)
+    key = tl.load(seed_ptr + row) + tl.load(pos_ptr + row).to(tl.int64) * KEY
+    u = tl.rand(key, cols)
     u = tl.minimum(tl.maximum(u, 1e-10), 1.0 - 1e-7)
     noisy = x / temperature - tl.log(-tl.log(u))
     score = tl.where(greedy, x, tl.where(mask, noisy, float("-inf")))
@@ -45,9 +48,8 @@ def _block_best_kernel(logits_ptr, temp_ptr, top_k_ptr, seed_ptr, step_ptr, best
 
 
 @triton.jit
-def _row_best_kernel(best_val_ptr, best_idx_ptr, out_ptr, step_ptr, num_blocks, stride_out,
+def _row_best_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_blocks, stride_out,
                      BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Also advances the step counter (row 0; every read of it is in the kernel before)."""
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -57,25 +59,23 @@ def _row_best_kernel(best_val_ptr, best_idx_ptr, out_ptr, step_ptr, num_blocks, 
     winner = tl.argmax(val, 0, tie_break_left=True)
     token = tl.load(best_idx_ptr + row * num_blocks + winner)
     tl.store(out_ptr + row * stride_out, token.to(tl.int64))
-    tl.store(step_ptr, tl.load(step_ptr) + 1, mask=row == 0)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  seeds: torch.Tensor, step: torch.Tensor, out: torch.Tensor = None,
+                  seeds: torch.Tensor, positions: torch.Tensor, out: torch.Tensor = None,
                   block: int = BLOCK) -> torch.Tensor:
     """One token per row of ``logits [rows, vocab]``; per-row ``temperature``, ``top_k``
-    (1 means greedy; other values are not applied here) and ``seeds`` (int64); ``step``
-    ([1] int64) is added to every seed and incremented. Writes the tokens into ``out``
+    (1 means greedy; other values are not applied here), ``seeds`` (int64) and
+    ``positions`` (which key the noise with the seeds). Writes the tokens into ``out``
     ([rows] int64, may be strided) when given; ``block`` (a power of two) is the
     vocabulary slice of one program."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds)):
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds),
+                    ("positions", positions)):
         if t.shape != (rows,):
             raise ValueError(f"{name} must be [{rows}]; got {tuple(t.shape)}")
-    if step.shape != (1,) or step.dtype != torch.int64:
-        raise ValueError(f"step must be a [1] int64 counter; got {tuple(step.shape)} {step.dtype}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
     if rows == 0 or vocab == 0:
         return out
@@ -85,8 +85,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     best_idx = torch.empty((rows, num_blocks), dtype=torch.int32, device=logits.device)
     launch = pdl.launch_options(logits.device)
     _block_best_kernel[(rows, num_blocks)](
-        logits, temperature, top_k, seeds, step, best_val, best_idx, vocab, logits.stride(0),
-        num_blocks, MIN_T=MIN_TEMPERATURE, BLOCK=block, num_warps=8, **launch)
-    _row_best_kernel[(rows,)](best_val, best_idx, out, step, num_blocks, out.stride(0),
+        logits, temperature, top_k, seeds, positions, best_val, best_idx, vocab, logits.stride(0),
+        num_blocks, MIN_T=MIN_TEMPERATURE, KEY=POSITION_KEY, BLOCK=block, num_warps=8, **launch)
+    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0),
                               BLOCKS=triton.next_power_of_2(num_blocks), num_warps=1, **launch)
     return out

@@ -1,0 +1,56 @@
+"""``tokenspeed inspect``: print a model's lowered program (segments, stages, the pass
+history) and, with ``--dot``, write its segment graph for Graphviz."""
+
+import networkx as nx
+
+from tokenspeed import stages
+from tokenspeed.models.gguf import default_model_path
+from tokenspeed.models.loader import load
+
+
+def add_command(commands) -> None:
+    command = commands.add_parser("inspect", help="print the lowered program of a model",
+                                  description=__doc__)
+    command.add_argument("--model", default=None,
+                         help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2)")
+    command.add_argument("--mode", choices=("prefill", "decode"), default="prefill")
+    command.add_argument("--full", action="store_true", help="print every segment's IR")
+    command.add_argument("--history", action="store_true", help="print the IR after every pass")
+    command.add_argument("--dot", default=None, metavar="FILE", help="write the segment graph as DOT")
+    command.set_defaults(run=run)
+
+
+def run(args) -> None:
+    model = load(args.model or default_model_path())
+    lowered = stages.trace(model).lower(args.mode)
+    print(summary(lowered))
+    for stage, segments in lowered.stages.items():
+        print(f"  stage {stage}: " + ", ".join(s.name for s in segments))
+    print("pass history: " + " -> ".join(h.pass_name for h in lowered.history))
+    if args.full:
+        print("\n" + lowered.as_text())
+    if args.history:
+        for entry in lowered.history:
+            print(f"\n# after {entry.pass_name}\n{entry.text}")
+    if args.dot:
+        write_dot(lowered, args.dot)
+        print(f"segment graph written to {args.dot}")
+
+
+def summary(lowered) -> str:
+    kinds = [s.kind for s in lowered.segments]
+    return (f"{lowered.mode}: {len(kinds)} segments ({kinds.count('graph')} graph, "
+            f"{kinds.count('break')} break)")
+
+
+def write_dot(lowered, path: str) -> None:
+    """Graphviz DOT of ``lowered.to_networkx()``: graph segments as boxes, breaks as
+    ellipses, edges labelled with the values they carry."""
+    g = nx.DiGraph()
+    for name, data in lowered.to_networkx().nodes(data=True):
+        g.add_node(name, shape="box" if data["kind"] == "graph" else "ellipse",
+                   label=f"{name}\n{data['stage']}")
+    for a, b, data in lowered.to_networkx().edges(data=True):
+        values = data["values"]
+        g.add_edge(a, b, label=", ".join(values[:3]) + (" ..." if len(values) > 3 else ""))
+    nx.nx_pydot.write_dot(g, path)

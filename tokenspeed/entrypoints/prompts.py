@@ -1,0 +1,74 @@
+"""What ``generate`` accepts, checked rather than coerced: a string, a list of strings, a
+list of token ids (one prompt), a list of token-id lists, or prompt dicts
+(``{"prompt": text}``, ``{"prompt_token_ids": ids}``). A bad prompt is refused naming its
+index and the bad value."""
+
+import numbers
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Prompt:
+    token_ids: tuple[int, ...]
+    text: str | None = None
+
+
+def parse_prompts(prompts, tokenizer) -> list[Prompt]:
+    if isinstance(prompts, (str, Mapping)) or _is_token_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise TypeError(f"prompts must be a string, token ids, a prompt dict or a list of them; "
+                        f"got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("no prompts given")
+    return [_one(i, p, tokenizer) for i, p in enumerate(prompts)]
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) and \
+        all(_is_token_id(t) for t in value)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _one(index: int, prompt, tokenizer) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(tuple(encode(tokenizer, prompt, f"prompt {index}")), prompt)
+    if isinstance(prompt, Mapping):
+        return _from_dict(index, prompt, tokenizer)
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        return Prompt(token_ids(prompt, f"prompt {index}"))
+    raise TypeError(f"prompt {index}: expected a string, a list of token ids or a prompt dict, "
+                    f"got {type(prompt).__name__} {prompt!r}")
+
+
+def _from_dict(index: int, prompt: Mapping, tokenizer) -> Prompt:
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    if len(keys) != 1 or set(prompt) - keys:
+        raise ValueError(f"prompt {index}: a prompt dict has exactly one key, 'prompt' or "
+                         f"'prompt_token_ids'; got {sorted(prompt)}")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"prompt {index}: 'prompt' must be a string, got {prompt['prompt']!r}")
+        return _one(index, prompt["prompt"], tokenizer)
+    return Prompt(token_ids(prompt["prompt_token_ids"], f"prompt {index}"))
+
+
+def token_ids(values, where: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{where}: token ids must be a list of integers, got {values!r}")
+    bad = next((t for t in values if not _is_token_id(t)), None)
+    if bad is not None:
+        raise TypeError(f"{where}: token ids must be integers, got {bad!r} ({type(bad).__name__})")
+    return tuple(int(t) for t in values)
+
+
+def encode(tokenizer, text: str, where: str) -> list[int]:
+    if tokenizer is None:
+        raise ValueError(f"{where} is text, but this engine has no tokenizer: pass token ids, or "
+                         "a model path (or tokenizer=) that brings one")
+    return tokenizer.encode(text)

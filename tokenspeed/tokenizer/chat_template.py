@@ -1,0 +1,94 @@
+"""Chat templates rendered with jinja2 the way transformers renders them.
+
+A model's chat template is written against transformers' jinja environment: a sandbox
+with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a
+``tojson`` that does not HTML-escape, ``{% break %}``/``{% continue %}`` and the
+``{% generation %}`` tag. Anything less and the same template renders different text
+(or fails), so this module rebuilds that environment.
+"""
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import attrs
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class NoChatTemplateError(ValueError):
+    """The model ships no chat template, so a conversation cannot be turned into a prompt."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body unchanged.
+
+    Training templates mark the assistant's text with it (transformers uses the marks
+    to build an assistant-token mask). Serving needs no mask, but without a parser
+    for the tag such a template does not compile at all.
+    """
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)  # a scope, as transformers' call block has
+
+
+def _raise_exception(message: str):
+    """Templates call this to reject a conversation they cannot render (e.g. bad roles)."""
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' ``tojson``: plain ``json.dumps``; jinja's own escapes ``<>&'``."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """Templates (Llama 3.x) stamp today's date into the system prompt with this."""
+    return datetime.now().strftime(format)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """A fresh environment per template: no state is shared between tokenizers."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _without_none(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop ``key: None`` as transformers does: templates test for a key, not for None."""
+    return {key: value for key, value in message.items() if value is not None}
+
+
+@attrs.frozen
+class ChatTemplate:
+    """A compiled chat template; ``source`` is the jinja text it came from."""
+
+    source: str
+    template: jinja2.Template = attrs.field(eq=False, repr=False)
+
+    @classmethod
+    def compile(cls, source: str) -> "ChatTemplate":
+        return cls(source, _environment().from_string(source))
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+               special_tokens: Mapping[str, str], **kwargs) -> str:
+        """The prompt text for one conversation.
+
+        ``special_tokens`` are the ``bos_token``-style variables; ``kwargs`` reach the
+        template as further variables (``tools``, ``documents``, ``enable_thinking``, ...)
+        and override the special tokens, as in transformers.
+        """
+        variables = {"tools": None, "documents": None, **special_tokens, **kwargs}
+        return self.template.render(messages=[_without_none(m) for m in messages],
+                                    add_generation_prompt=add_generation_prompt, **variables)

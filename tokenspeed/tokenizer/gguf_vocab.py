@@ -1,0 +1,67 @@
+"""The ``tokenizer.*`` metadata of a GGUF file, read with ``gguf.GGUFReader``.
+
+A GGUF carries no tokenizer.json: llama.cpp stores the vocabulary, merges, token
+types and special ids as metadata. This reads them into one record; the builders
+turn it into a ``tokenizers.Tokenizer``.
+"""
+
+from pathlib import Path
+
+import attrs
+import gguf
+
+# llama.cpp's token types (gguf.TokenType): what each vocabulary entry is.
+CONTROL = int(gguf.TokenType.CONTROL)            # <|im_start|>, </s>: special, never split
+USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # <think>: matched whole, but ordinary text
+
+
+@attrs.frozen
+class GGUFVocab:
+    """One GGUF's tokenizer, as the file states it (``None``: the key is absent)."""
+
+    model: str                           # tokenizer.ggml.model: "gpt2" (byte-level), "llama" (SentencePiece)
+    pre: str | None                      # tokenizer.ggml.pre: the pre-tokenizer's name
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    scores: tuple[float, ...] | None
+    merges: tuple[str, ...] | None
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    end_of_turn_ids: tuple[int, ...]     # eot / eom: chat turns end here, not at eos
+    add_bos: bool | None
+    add_eos: bool | None
+    add_space_prefix: bool | None
+    chat_template: str | None
+
+
+def _reader_get(reader: gguf.GGUFReader, key: str):
+    """A field's Python value (str, int, bool, list), or None when the file lacks it."""
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _as_tuple(value) -> tuple | None:
+    return None if value is None else tuple(value)
+
+
+def read_gguf_vocab(path: str | Path, reader: gguf.GGUFReader | None = None) -> GGUFVocab:
+    """Read the tokenizer metadata; a file without ``tokenizer.ggml.model`` is an error.
+    ``reader``: the file already opened (parsing its metadata takes seconds)."""
+    reader = reader or gguf.GGUFReader(path)
+    ggml = {key: _reader_get(reader, f"tokenizer.ggml.{key}") for key in (
+        "model", "pre", "tokens", "token_type", "scores", "merges", "bos_token_id", "eos_token_id",
+        "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id", "add_bos_token",
+        "add_eos_token", "add_space_prefix")}
+    if ggml["model"] is None or ggml["tokens"] is None:
+        raise ValueError(f"{path}: no tokenizer in this GGUF (tokenizer.ggml.model/tokens missing)")
+    return GGUFVocab(
+        model=ggml["model"], pre=ggml["pre"], tokens=tuple(ggml["tokens"]),
+        token_types=_as_tuple(ggml["token_type"]) or (), scores=_as_tuple(ggml["scores"]),
+        merges=_as_tuple(ggml["merges"]), bos_id=ggml["bos_token_id"], eos_id=ggml["eos_token_id"],
+        unk_id=ggml["unknown_token_id"], pad_id=ggml["padding_token_id"],
+        end_of_turn_ids=tuple(i for i in (ggml["eot_token_id"], ggml["eom_token_id"]) if i is not None),
+        add_bos=ggml["add_bos_token"], add_eos=ggml["add_eos_token"],
+        add_space_prefix=ggml["add_space_prefix"],
+        chat_template=_reader_get(reader, "tokenizer.chat_template"))

@@ -1,0 +1,77 @@
+"""A tokenizer from a Hugging Face model directory.
+
+``tokenizer.json`` is the backend as the model's authors saved it, BOS/EOS framing
+included: its post-processor decides whether ``encode`` adds BOS, and transformers 5
+ignores ``add_bos_token``/``add_eos_token`` in the config when a tokenizer.json exists, so
+this does too. The rest is what transformers layers on top, read from
+``tokenizer_config.json`` (special tokens, the chat template), ``special_tokens_map.json``
+(older saves keep the special tokens there), ``chat_template.jinja`` (newer saves keep
+the template there) and ``generation_config.json`` (the ids that end a generation).
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
+
+from tokenspeed.tokenizer.chat_template import ChatTemplate
+from tokenspeed.tokenizer.parts import TokenizerParts
+from tokenspeed.tokenizer.special_tokens import SpecialTokens, unique_ids
+
+_NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _added_token(value: str | dict[str, Any]) -> AddedToken:
+    """A special token as the config writes it: a string, or an AddedToken dict with its flags."""
+    if isinstance(value, str):
+        return AddedToken(value, normalized=False, special=True)
+    flags = {key: value[key] for key in _ADDED_TOKEN_FLAGS if key in value}
+    return AddedToken(value["content"], **{"special": True, **flags})
+
+
+def _named_tokens(config: dict[str, Any], backend: Backend) -> dict[str, str | None]:
+    """The named special tokens, added to the backend as special when they are not yet
+    (transformers does the same, so they match whole and ``skip_special_tokens`` drops them)."""
+    tokens = {name: _added_token(config[name]) for name in _NAMED if config.get(name)}
+    backend.add_special_tokens(list(tokens.values()))
+    return {name: tokens[name].content if name in tokens else None for name in _NAMED}
+
+
+def _generation_eos_ids(directory: Path) -> tuple[int, ...]:
+    """``eos_token_id`` of generation_config.json: chat models list their end-of-turn ids there."""
+    ids = _json(directory / "generation_config.json").get("eos_token_id")
+    return tuple(ids) if isinstance(ids, list) else (() if ids is None else (ids,))
+
+
+def _chat_template_source(directory: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja if present, else tokenizer_config's ``chat_template`` (a string,
+    or a list of named templates of which "default" is the one transformers uses)."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        return next((t["template"] for t in source if t.get("name") == "default"), None)
+    return source
+
+
+def read_hf_dir(directory: str | Path) -> TokenizerParts:
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{directory}: no tokenizer.json (a Hugging Face model directory has one)")
+    backend = Backend.from_file(str(directory / "tokenizer.json"))
+    config = {**_json(directory / "special_tokens_map.json"), **_json(directory / "tokenizer_config.json")}
+    named = _named_tokens(config, backend)
+    eos_id = backend.token_to_id(named["eos_token"]) if named["eos_token"] else None
+    bos_id = backend.token_to_id(named["bos_token"]) if named["bos_token"] else None
+    special = SpecialTokens(**named, bos_token_id=bos_id,
+                            eos_token_ids=unique_ids((eos_id, *_generation_eos_ids(directory))))
+    source = _chat_template_source(directory, config)
+    return TokenizerParts(backend, special, ChatTemplate.compile(source) if source else None)

@@ -1,0 +1,105 @@
+"""``Tokenizer``: text <-> ids and conversations -> prompts, without transformers at run time."""
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from tokenizers import Tokenizer as Backend
+
+from tokenspeed.tokenizer.byte_fallback import byte_fallback_ids
+from tokenspeed.tokenizer.chat_template import ChatTemplate, NoChatTemplateError
+from tokenspeed.tokenizer.gguf_tokenizer import read_gguf
+from tokenspeed.tokenizer.hf_dir import read_hf_dir
+from tokenspeed.tokenizer.parts import TokenizerParts
+from tokenspeed.tokenizer.special_tokens import SpecialTokens
+
+GGUF_MAGIC = b"GGUF"
+
+
+@attrs.frozen
+class Tokenizer:
+    """A ``tokenizers`` backend with the special tokens and chat template of one model.
+
+    Build it with ``Tokenizer.from_pretrained(path)`` (a Hugging Face model directory
+    or a ``.gguf`` file). ``encode``/``decode``/``apply_chat_template`` give the ids and
+    text transformers gives for the same model.
+    """
+
+    backend: Backend = attrs.field(repr=False)
+    special: SpecialTokens
+    chat_template: ChatTemplate | None = attrs.field(default=None, repr=False)
+    byte_fallback_ids: frozenset[int] = attrs.field(init=False, repr=False)
+    """Ids whose text waits for the next token (see ``byte_fallback``); found once, used per token."""
+
+    special_token_ids: frozenset[int] = attrs.field(init=False, repr=False)
+    """Ids ``decode(..., skip_special_tokens=True)`` drops."""
+
+    @byte_fallback_ids.default
+    def _find_byte_fallback_ids(self) -> frozenset[int]:
+        return byte_fallback_ids(self.backend)
+
+    @special_token_ids.default
+    def _find_special_token_ids(self) -> frozenset[int]:
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+        return load_tokenizer(path)
+
+    @classmethod
+    def from_parts(cls, parts: TokenizerParts) -> "Tokenizer":
+        return cls(parts.backend, parts.special, parts.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of ``text``; special tokens written in it are kept whole. With
+        ``add_special_tokens`` the model's framing (BOS, when it wants one) is added."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """How many ids the tokenizer knows, added tokens included (transformers' ``len(tokenizer)``)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.special.bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (EOS, and the end-of-turn ids the model declares)."""
+        return self.special.eos_token_ids
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = True, **kwargs) -> list[int] | str:
+        """One conversation as the model's prompt: ids, or the text with ``tokenize=False``.
+
+        The rendered text already holds every special token the template writes, so it
+        is encoded without adding any (as transformers does). ``kwargs`` become template
+        variables (``tools``, ``enable_thinking``, ...).
+        """
+        if self.chat_template is None:
+            raise NoChatTemplateError("this model has no chat template; pass a prompt (text or ids) instead")
+        text = self.chat_template.render(messages, add_generation_prompt,
+                                         self.special.template_variables(), **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
+def load_tokenizer(path: str | Path, gguf_reader=None) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory or of a ``.gguf`` file
+    (``gguf_reader``: that file already opened with ``gguf.GGUFReader``)."""
+    path = Path(path)
+    if path.is_dir():
+        return Tokenizer.from_parts(read_hf_dir(path))
+    if path.is_file() and _is_gguf(path):
+        return Tokenizer.from_parts(read_gguf(path, gguf_reader))
+    raise FileNotFoundError(f"{path}: neither a model directory (with tokenizer.json) nor a GGUF file")
