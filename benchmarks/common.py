@@ -10,6 +10,12 @@ from pathlib import Path
 import torch
 
 SHAPES = {
+    "smollm2-135m": {  # the embedded default model's shape (weights random here: speed only)
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "eos_token_id": 2,
+    },
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
         "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,

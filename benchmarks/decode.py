@@ -36,7 +36,7 @@ def hf_tpot(model, batch: int, new_tokens: int, static: bool) -> float:
 def our_tpot(llm, batch: int, new_tokens: int) -> float:
     prompts = [[100 + (7 * i + j) % 900 for j in range(PROMPT)] for i in range(batch)]
     run = lambda n: llm.generate(prompts, ts.SamplingParams(  # noqa: E731
-        temperature=0.0, max_tokens=n, ignore_eos=True))
+        temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     run(4)
     return (common.median_time(lambda: run(new_tokens + 1), 3) -
             common.median_time(lambda: run(1), 3)) / new_tokens

@@ -14,8 +14,8 @@ from benchmarks import common
 def ttft(llm, length: int) -> float:
     prompt = [[100 + j % 900 for j in range(length)]]
     params = ts.SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate(prompt, params)
-    return common.median_time(lambda: llm.generate(prompt, params), 5)
+    llm.generate(prompt, params, use_tqdm=False)
+    return common.median_time(lambda: llm.generate(prompt, params, use_tqdm=False), 5)
 
 
 def bench_shape(shape: str, lengths) -> list[dict]:

@@ -12,6 +12,7 @@ from benchmarks import common
 from benchmarks.decode import PROMPT, our_tpot
 from tokenspeed.backends.metadata import DecodeRow
 from tokenspeed.runtime.ladders import bucket_for
+from tokenspeed.runtime.sampler import RowSampling
 
 
 def top_kernels(fn, n: int = 12) -> str:
@@ -39,22 +40,22 @@ def main() -> None:
     with torch.inference_mode():
         for batch in args.batches:
             rung = bucket_for(llm.compiled.decode.ladder, batch)
-            llm.compiled.decode.run(decode_rows(llm, batch), [greedy] * batch)
+            llm.compiled.decode.run(decode_rows(llm, batch), [RowSampling(greedy, 0)] * batch)
             graph = llm.compiled.decode.graphs[rung]
             replay = common.gpu_time(graph.replay, iters=50)
-            step = common.gpu_time(lambda: llm.compiled.decode.run(decode_rows(llm, batch), [greedy] * batch), iters=50)
+            step = common.gpu_time(lambda: llm.compiled.decode.run(decode_rows(llm, batch), [RowSampling(greedy, 0)] * batch), iters=50)
             tpot = our_tpot(llm, batch, 32)
             print(f"\n## {args.shape} decode batch {batch} (rung {rung}): replay {replay * 1e3:.3f} ms, "
                   f"runner step {step * 1e3:.3f} ms, engine TPOT {tpot * 1e3:.3f} ms")
             view = llm.compiled.decode.slots.publish(llm.compiled.decode.refresh(decode_rows(llm, batch), batch))
-            sampling = llm.compiled.decode.sampling.publish(llm.compiled.decode._sampling([greedy] * batch, batch))
-            print(top_kernels(lambda: llm.compiled.decode._step(view, sampling, llm.compiled.decode.out[:batch])))
+            sampling = llm.compiled.decode.sampling.publish(llm.compiled.decode._padded([RowSampling(greedy, 0)] * batch, batch))
+            print(top_kernels(lambda: llm.compiled.decode.step(view, sampling, llm.compiled.decode.out[:batch])))
         prompt = [[100 + j % 900 for j in range(512)]]
         params = ts.SamplingParams(temperature=0.0, max_tokens=1)
-        llm.generate(prompt, params)
+        llm.generate(prompt, params, use_tqdm=False)
         print("\n## prefill 512 tokens, graphs:",
-              f"{common.median_time(lambda: llm.generate(prompt, params), 5) * 1e3:.3f} ms")
-        print(top_kernels(lambda: llm.generate(prompt, params)))
+              f"{common.median_time(lambda: llm.generate(prompt, params, use_tqdm=False), 5) * 1e3:.3f} ms")
+        print(top_kernels(lambda: llm.generate(prompt, params, use_tqdm=False)))
 
 
 if __name__ == "__main__":

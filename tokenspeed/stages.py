@@ -168,10 +168,12 @@ class Compiled:
         replays the same ones), counted with the profiler: CUDA only."""
         if self.kv_cache.device.type != "cuda":
             raise ValueError("kernels_per_step counts CUDA kernels: compile for a CUDA device")
-        with torch.inference_mode(), torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            self.decode.dry_step(batch)
+        with torch.inference_mode():
+            inputs = self.decode.idle_inputs(batch)     # published before: no copies counted
             torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                self.decode.step(*inputs)
+                torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 

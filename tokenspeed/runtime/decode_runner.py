@@ -48,9 +48,9 @@ class DecodeRunner:
         """Largest rung first, so smaller graphs reuse the shared pool's memory."""
         self.ladder = ladder
         for bs in sorted(ladder, reverse=True):
-            view, sampling = self._idle(bs)
+            view, sampling, out = self.idle_inputs(bs)
             self.graphs[bs] = capturer.capture(
-                f"decode[bs={bs}]", lambda v=view, s=sampling, o=self.out[:bs]: self._step(v, s, o),
+                f"decode[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o),
                 reach=lambda bs=bs: self.reach(bs))
             if progress is not None:
                 progress.update(1)
@@ -58,11 +58,13 @@ class DecodeRunner:
     def dry_step(self, bs: int) -> None:
         """Rung ``bs``'s idle step, eagerly: under ``precompile.dry_run`` it records the
         kernel variants its capture will launch (sampling keeps no state to restore)."""
-        self._step(*self._idle(bs), self.out[:bs])
+        self.step(*self.idle_inputs(bs))
 
-    def _idle(self, bs: int) -> tuple:
-        """Published idle metadata and sampling settings of rung ``bs``: no live rows."""
-        return self.slots.publish(self.refresh((), bs)), self.sampling.publish(self._padded([], bs))
+    def idle_inputs(self, bs: int) -> tuple:
+        """The step's inputs for rung ``bs`` with no live rows: the published metadata and
+        sampling settings, and the output rows."""
+        return (self.slots.publish(self.refresh((), bs)), self.sampling.publish(self._padded([], bs)),
+                self.out[:bs])
 
     def reach(self, bs: int) -> dict[str, torch.Tensor]:
         """Every tensor the step for ``bs`` reads or writes through the slots, and the
@@ -87,7 +89,7 @@ class DecodeRunner:
         if chained:
             input_ids.copy_(out)
         settings = self.sampling.publish(self._settings(sampling, size))
-        logits = self._step(view, settings, out) if rung is None else self.graphs[rung].replay()
+        logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
         logprobs = None
         if any(r.needs_processing for r in sampling):
             logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
@@ -104,7 +106,7 @@ class DecodeRunner:
                                      tuple(h[:bs] for h in self.host_out))
         return self._views[bs, size]
 
-    def _step(self, view, sampling: SamplingTensors, out):
+    def step(self, view, sampling: SamplingTensors, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self.program(self.kv_cache, view)
         gumbel_argmax(logits, sampling, view.positions, out)
@@ -117,7 +119,7 @@ class DecodeRunner:
         """The rows' settings padded to ``size``. A request's settings and seed never
         change, so a batch's are mostly those of the step before: equal ones get back the
         same object, which the slots republish for free."""
-        key = (size, *((r.params, r.seed) for r in sampling))
+        key = (size, *sampling)  # rows are kept per request: compared by identity first
         if key != self._last_settings[0]:
             self._last_settings = (key, self._padded(sampling, size))
         return self._last_settings[1]

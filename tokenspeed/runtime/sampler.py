@@ -28,23 +28,30 @@ POSITION_KEY = 2654435761  # odd multiplier spreading positions over the noise k
 @attrs.frozen
 class RowSampling:
     """One sampled row: its settings, its noise seed, and the tokens its penalties and
-    ``min_tokens`` read (``output`` may be the request's live list)."""
+    ``min_tokens`` read (``output`` may be the request's live list). What the settings
+    alone decide is worked out once: these are read for every row of every step."""
     params: SamplingParams
     seed: int
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()   # masked while fewer than min_tokens outputs exist
+    masks_or_logprobs: bool = attrs.field(init=False)
+
+    @masks_or_logprobs.default
+    def _masks_or_logprobs(self) -> bool:
+        p = self.params
+        return p.penalized or p.top_k > 1 or p.top_p < 1 or p.min_p > 0 or p.logprobs is not None
 
     @property
     def reads_history(self) -> bool:
         """Whether this row's scores depend on the tokens generated so far."""
-        return self.params.penalized or len(self.output) < self.params.min_tokens
+        p = self.params
+        return p.penalized or (p.min_tokens > 0 and len(self.output) < p.min_tokens)
 
     @property
     def needs_processing(self) -> bool:
-        p = self.params
-        return self.reads_history or p.top_k > 1 or p.top_p < 1 or p.min_p > 0 or \
-            p.logprobs is not None
+        return self.masks_or_logprobs or (self.params.min_tokens > 0 and
+                                          len(self.output) < self.params.min_tokens)
 
 
 @attrs.frozen
