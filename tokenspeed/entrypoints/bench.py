@@ -32,6 +32,8 @@ def add_command(commands, engine_options) -> None:
     throughput.add_argument("--max-num-seqs", type=int, default=64)
     throughput.add_argument("--output-json", default=None)
     throughput.set_defaults(run=run_throughput)
+    from tokenspeed.entrypoints import bench_serve
+    bench_serve.add_command(bench)
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -33,6 +33,12 @@ def parser() -> argparse.ArgumentParser:
     chat = _engine_command(commands, "chat", "talk to the model (an empty line or Ctrl-D ends)", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")
     _sampling_options(chat, max_tokens=256)
+    serve = _engine_command(commands, "serve", "an OpenAI-compatible HTTP server", cmd_serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send")
+    serve.add_argument("--max-num-seqs", type=int, default=64)
     inspect_cmd.add_command(commands)
     bench.add_command(commands, _engine_options)
     return top
@@ -102,6 +108,20 @@ def cmd_chat(args) -> None:
             print(piece, end="", flush=True)
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_serve(args) -> None:
+    from tokenspeed.entrypoints.openai.server import serve
+    llm = load_llm(args, max_num_seqs=args.max_num_seqs)
+    name = args.served_model_name or _model_name(args.model)
+    serve(llm, name, host=args.host, port=args.port, api_key=args.api_key)
+
+
+def _model_name(model) -> str:
+    from pathlib import Path
+
+    from tokenspeed.models.gguf import default_model_path
+    return Path(model or default_model_path()).name.removesuffix(".gguf")
 
 
 def _read_line() -> str:

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible server, on a free loopback port, driven by the official ``openai``
+client and plain HTTP: answers equal offline ``generate``, streams join to the answer,
+16 clients at once each get their own, a client that leaves frees its pages, bad input
+is a 400 naming the field (and the server serves on), auth, size limits, internal errors."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import tokenspeed as ts
+from tokenspeed.entrypoints.openai.server import create_app
+
+from text_models import text_model_dir
+
+KEY = "sesame"
+MODEL = "tiny-text"
+GREEDY = ts.SamplingParams(temperature=0, max_tokens=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return ts.LLM(text_model_dir(), page_size=4, max_num_seqs=8, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def base_url(llm):
+    port = free_port()
+    app = create_app(llm, MODEL, api_key=KEY, max_body_bytes=64 << 10)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+
+
+def post(base_url, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{base_url}{path}", content=content, headers={**headers, "content-type": "application/json"},
+                      timeout=30, **kw)
+
+
+def metric(base_url, name) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_completion_equals_offline_generate(client, llm):
+    got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=10, temperature=0)
+    want = llm.generate("The sea is", GREEDY, use_tqdm=False)[0]
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids) and got.usage.completion_tokens == 10
+
+
+def test_chat_equals_offline_chat(client, llm):
+    messages = [{"role": "user", "content": "Hello!"}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    want = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+
+
+def test_several_prompts_and_samples(client, llm):
+    got = client.completions.create(model=MODEL, prompt=["One", "Two"], max_tokens=5, n=2, seed=3,
+                                    temperature=1.0)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    offline = llm.generate(["One", "Two"], ts.SamplingParams(max_tokens=5, n=2, seed=3), use_tqdm=False)
+    assert [c.text for c in got.choices] == [c.text for o in offline for c in o.outputs]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_join_to_the_answer(client, chat):
+    kw = dict(model=MODEL, max_tokens=12, temperature=0)
+    if chat:
+        kw["messages"] = [{"role": "user", "content": "Tell me a story"}]
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    else:
+        kw["prompt"] = "Tell me a story"
+        whole = client.completions.create(**kw).choices[0].text
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert len(pieces) > 2 and "".join(pieces) == whole
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_a_stream_ends_with_done(base_url):
+    with httpx.stream("POST", f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Hi", "max_tokens": 3, "stream": True}, timeout=30) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_sixteen_concurrent_clients_each_get_their_own(client, llm):
+    prompts = [f"Client {i} says" for i in range(16)]
+    want = [o.text for o in llm.generate(prompts, ts.SamplingParams(temperature=0, max_tokens=8),
+                                         use_tqdm=False)]
+    got = [None] * 16
+
+    def ask(i):
+        got[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8,
+                                           temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_a_client_that_leaves_frees_its_pages(base_url):
+    body = {"prompt": "A long story begins", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert metric(base_url, "tokenspeed_kv_pages_in_use") > 0
+    for _ in range(100):
+        if metric(base_url, "tokenspeed_kv_pages_in_use") == 0 and \
+                metric(base_url, "tokenspeed_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(base_url, "tokenspeed_kv_pages_in_use") == 0
+    assert metric(base_url, "tokenspeed_requests_running") == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "model": "gpt-9"}, "model"),
+    ({"prompt": "x " * 200, "max_tokens": 100}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": [1.5, 2]}, "prompt"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "frobnicate": True}, "frobnicate"),
+    ({"max_tokens": 4}, "prompt"),
+])
+def test_bad_requests_are_400_naming_the_field(base_url, client, body, param):
+    response = post(base_url, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == 400 and error["message"] and error["type"]
+    assert client.completions.create(model=MODEL, prompt="still", max_tokens=2).choices[0].text is not None
+
+
+def test_malformed_json_and_bad_chat(base_url):
+    response = post(base_url, "/v1/completions", "{not json")
+    assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
+    response = post(base_url, "/v1/chat/completions", {"messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = post(base_url, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_an_api_key_is_required_on_v1(base_url):
+    assert post(base_url, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
+    wrong = post(base_url, "/v1/completions", {"prompt": "x"}, key="nope")
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{base_url}/health").status_code == 200           # outside /v1
+
+
+def test_a_body_over_the_limit_is_413(base_url):
+    response = post(base_url, "/v1/completions", {"prompt": "x" * (70 << 10)})
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
+def test_models_tokenize_detokenize(base_url, llm):
+    models = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    tokens = post(base_url, "/tokenize", {"prompt": "Hello world"}).json()
+    assert tokens["tokens"] == llm.tokenizer.encode("Hello world") and tokens["count"] == len(tokens["tokens"])
+    assert post(base_url, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == "Hello world"
+    assert post(base_url, "/detokenize", {"tokens": [10**9]}).status_code == 400
+
+
+def test_an_internal_error_fails_its_request_and_the_server_serves_on(base_url, client, llm, monkeypatch):
+    step = llm.engine.step
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a kernel fell over")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", broken)
+    response = post(base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3})
+    assert response.status_code == 500 and "a kernel fell over" in response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="again", max_tokens=2).choices[0].text is not None
+    assert metric(base_url, "tokenspeed_kv_pages_in_use") == 0
+
+
+def test_logprobs_in_both_apis(client):
+    got = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, logprobs=2, temperature=0)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == 3 and all(len(top) == 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2, temperature=0)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)

@@ -1,0 +1,146 @@
+"""The OpenAI request bodies, checked strictly (types are not coerced; unknown fields are
+refused), and what they become: prompts and ``SamplingParams``. vLLM's extra sampling
+fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``) are accepted too."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenspeed.runtime.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An answer other than 200: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "BadRequestError"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        given = {k: getattr(self, k) for k in defaults if getattr(self, k) is not None}
+        return sampling_params(**{**defaults, **given}, n=self.n, max_tokens=max_tokens,
+                               stop=self.stop, seed=self.seed, logprobs=logprobs,
+                               presence_penalty=self.presence_penalty,
+                               frequency_penalty=self.frequency_penalty, min_p=self.min_p,
+                               repetition_penalty=self.repetition_penalty,
+                               min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                               stop_token_ids=self.stop_token_ids or (),
+                               skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> None:
+        for name in ("echo", "suffix", "best_of"):
+            if getattr(self, name) not in (None, False) and not (name == "best_of" and self.best_of == self.n):
+                raise APIError(400, f"{name} is not supported", name)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content if not isinstance(self.content, list) else \
+            "".join(part.text for part in self.content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> None:
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format other than text is not supported", "response_format")
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def sampling_params(**fields) -> SamplingParams:
+    """``SamplingParams`` from request fields; a refused value is a 400 naming it (the
+    record's messages start with ``name=value``)."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise APIError(400, str(exc), str(exc).split("=", 1)[0]) from exc

@@ -1,0 +1,145 @@
+"""OpenAI response bodies and stream chunks, for completions and chat completions.
+
+A prompt's completion ``i`` is choice ``prompt index * n + i``. Streams send, per choice,
+only deltas that carry text or a finish; chat streams open each choice with its role.
+"""
+
+import time
+
+import attrs
+
+OWNER = "tokenspeed"
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, update) -> "Usage":
+        return Usage(self.prompt_tokens + update.num_prompt_tokens,
+                     self.completion_tokens + update.num_output_tokens)
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def model_list(name: str, max_model_len: int, vocab_size: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                        "owned_by": OWNER, "max_model_len": max_model_len,
+                                        "vocab_size": vocab_size}]}
+
+
+@attrs.frozen
+class Completion:
+    """One choice gathered from its deltas."""
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+def gather(updates, n: int, prompt_index: int) -> list[Completion]:
+    parts = {i: [] for i in range(n)}
+    for update in updates:
+        for delta in update.deltas:
+            parts[delta.index].append(delta)
+    return [Completion(prompt_index * n + i, "".join(d.text for d in ds),
+                       tuple(t for d in ds for t in d.token_ids),
+                       tuple(lp for d in ds for lp in d.logprobs),
+                       ds[-1].finish_reason if ds else "abort", ds[-1].stop_reason if ds else None)
+            for i, ds in parts.items()]
+
+
+class _Format:
+    object_name = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, tokenizer, n: int):
+        self.model, self.tokenizer, self.n = model, tokenizer, n
+
+    def _envelope(self, object_name: str, request_id: str, created: int) -> dict:
+        return {"id": f"{self.id_prefix}-{request_id}", "object": object_name, "created": created,
+                "model": self.model}
+
+    def complete(self, per_prompt, created: int, request_id: str) -> dict:
+        choices, usage = [], Usage()
+        for index, updates in enumerate(per_prompt):
+            choices += [self.choice(c) for c in gather(updates, self.n, index)]
+            usage = usage.add(updates[-1])
+        return {**self._envelope(self.object_name, request_id, created), "choices": choices,
+                "usage": usage.body()}
+
+    def chunks(self, index: int, update, request_id: str, created: int) -> list[dict]:
+        envelope = self._envelope(self.chunk_object, request_id, created)
+        return [{**envelope, "choices": [self.delta_choice(index * self.n + d.index, d)]}
+                for d in update.deltas if d.text or d.token_ids or d.finish_reason]
+
+    def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
+        return []
+
+    def usage_chunk(self, usage: Usage, request_id: str, created: int) -> dict:
+        return {**self._envelope(self.chunk_object, request_id, created), "choices": [],
+                "usage": usage.body()}
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
+
+
+class CompletionFormat(_Format):
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def choice(self, c: Completion) -> dict:
+        return {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def delta_choice(self, index: int, d) -> dict:
+        return {"index": index, "text": d.text, "logprobs": self.logprobs(d.logprobs),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def logprobs(self, logprobs) -> dict | None:
+        if not logprobs:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top.items()} for lp in logprobs],
+                "text_offset": offsets}
+
+
+class ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def choice(self, c: Completion) -> dict:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
+        envelope = self._envelope(self.chunk_object, request_id, created)
+        return [{**envelope, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+                for i in range(num_prompts * self.n)]
+
+    def delta_choice(self, index: int, d) -> dict:
+        return {"index": index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": self.logprobs(d.logprobs), "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason}
+
+    def logprobs(self, logprobs) -> dict | None:
+        if not logprobs:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top.items()]}
+                            for lp in logprobs]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

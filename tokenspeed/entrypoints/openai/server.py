@@ -1,0 +1,274 @@
+"""``tokenspeed serve``: an OpenAI-compatible server over one engine loop.
+
+Handlers parse and check a request, submit its prompts to the ``EngineLoop`` and read
+their updates from an asyncio queue the loop's thread feeds; they never touch the engine.
+Every refusal is an OpenAI error body naming the field; an internal error fails only its
+request (500); a client that disconnects has its requests aborted at the next step.
+"""
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from tokenspeed.entrypoints.engine_loop import EngineLoop
+from tokenspeed.entrypoints.openai import responses
+from tokenspeed.entrypoints.openai.metrics import ServerMetrics
+from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                    DetokenizeRequest, TokenizeRequest)
+from tokenspeed.entrypoints.prompts import Prompt, parse_prompts
+
+MAX_BODY_BYTES = 4 << 20
+DISCONNECT_POLL_S = 0.5
+
+
+class Server:
+    """What the handlers share: the engine's face, its loop, the served name and limits."""
+
+    def __init__(self, llm, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServerMetrics(llm.compiled.num_pages)
+        self.loop = EngineLoop(llm, self.metrics)
+
+    async def read(self, request: Request, model):
+        """The body as ``model``: 413 past the size limit, 400 for bad JSON or fields."""
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                raise APIError(413, f"request body over {self.max_body_bytes} bytes", None,
+                               "RequestTooLargeError")
+        try:
+            body = model.model_validate_json(bytes(raw))
+        except ValidationError as exc:
+            raise APIError(400, *_validation_message(exc)) from exc
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(400, f"model {body.model!r} is not served here (serving {self.model_name!r})",
+                           "model", "NotFoundError")
+        return body
+
+    def check(self, prompts: list[Prompt], params, field: str) -> None:
+        for i, prompt in enumerate(prompts):
+            try:
+                self.llm.engine.check(i, prompt.token_ids, params)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else field) from exc
+
+    def submit(self, prompts: list[Prompt], params) -> tuple[list, asyncio.Queue]:
+        """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
+        updates, loop = asyncio.Queue(), asyncio.get_running_loop()
+        submissions = [self.loop.submit(p, params, lambda u, i=i: loop.call_soon_threadsafe(
+            updates.put_nowait, (i, u))) for i, p in enumerate(prompts)]
+        return submissions, updates
+
+    def abort(self, submissions) -> None:
+        for submission in submissions:
+            if not submission.done:
+                self.loop.abort(submission)
+
+    async def collect(self, request: Request, submissions, updates) -> list:
+        """Every prompt's updates, in order, until all finish; aborts if the client leaves."""
+        per_prompt, pending = [[] for _ in submissions], set(range(len(submissions)))
+        try:
+            while pending:
+                try:
+                    index, update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(499, "client disconnected") from None
+                    continue
+                if update.error:
+                    raise APIError(500, f"the request failed in the engine: {update.error}", None,
+                                   "InternalServerError")
+                per_prompt[index].append(update)
+                if update.finished:
+                    pending.discard(index)
+        finally:
+            self.abort(submissions)
+        return per_prompt
+
+
+def create_app(llm, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    server = Server(llm, model_name, api_key, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="tokenspeed", lifespan=lifespan)
+    app.state.server = server
+    _errors(app)
+    _auth(app, server)
+    _routes(app, server)
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def _auth(app: FastAPI, server: Server) -> None:
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if server.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", None,
+                                 "AuthenticationError")
+                return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+
+def _routes(app: FastAPI, server: Server) -> None:
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if server.loop.thread.is_alive() else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return responses.model_list(server.model_name, server.llm.compiled.limits.max_model_len,
+                                    server.llm.config.vocab_size)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await server.read(request, CompletionRequest)
+        body.unsupported()
+        prompts = _prompts(body.prompt, server.llm.tokenizer)
+        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs)
+        return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
+            server.model_name, server.llm.tokenizer, params.n))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await server.read(request, ChatCompletionRequest)
+        body.unsupported()
+        prompts = [_chat_prompt(server, body.messages, body.add_generation_prompt)]
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count())
+        return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
+            server.model_name, server.llm.tokenizer, params.n))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await server.read(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        tokenizer = _tokenizer(server)
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens) \
+            if body.prompt is not None else \
+            _chat_prompt(server, body.messages, body.add_generation_prompt).token_ids
+        return {"tokens": list(ids), "count": len(ids),
+                "max_model_len": server.llm.compiled.limits.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await server.read(request, DetokenizeRequest)
+        vocab = server.llm.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": _tokenizer(server).decode(body.tokens)}
+
+
+async def _answer(server: Server, request: Request, body, prompts, params, field: str, fmt):
+    server.check(prompts, params, field)
+    submissions, updates = server.submit(prompts, params)
+    if body.stream:
+        return StreamingResponse(_stream(server, submissions, updates, fmt, body.include_usage),
+                                 media_type="text/event-stream")
+    per_prompt = await server.collect(request, submissions, updates)
+    return fmt.complete(per_prompt, created=int(time.time()), request_id=uuid.uuid4().hex)
+
+
+async def _stream(server: Server, submissions, updates, fmt, include_usage: bool):
+    request_id, created = uuid.uuid4().hex, int(time.time())
+    pending, usage = set(range(len(submissions))), responses.Usage()
+    try:
+        yield _event(fmt.first_chunks(request_id, created, len(submissions)))
+        while pending:
+            index, update = await updates.get()
+            if update.error:
+                yield f"data: {json.dumps(APIError(500, update.error, None, 'InternalServerError').body())}\n\n"
+                return
+            yield _event(fmt.chunks(index, update, request_id, created))
+            if update.finished:
+                pending.discard(index)
+                usage = usage.add(update)
+        if include_usage:
+            yield _event([fmt.usage_chunk(usage, request_id, created)])
+        yield "data: [DONE]\n\n"
+    finally:
+        server.abort(submissions)
+
+
+def _event(chunks: list[dict]) -> str:
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+
+
+def _prompts(prompt, tokenizer) -> list[Prompt]:
+    try:
+        return parse_prompts(prompt, tokenizer)
+    except (TypeError, ValueError) as exc:
+        raise APIError(400, str(exc), "prompt") from exc
+
+
+def _chat_prompt(server: Server, messages, add_generation_prompt: bool) -> Prompt:
+    tokenizer = _tokenizer(server)
+    try:
+        text = tokenizer.apply_chat_template([m.as_template_message() for m in messages],
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+    except ValueError as exc:
+        raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
+    return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
+
+
+def _max_tokens(server: Server, requested: int | None, prompts: list[Prompt]) -> int:
+    """``None`` (chat's default): as many as the context leaves the longest prompt."""
+    if requested is not None:
+        return requested
+    room = server.llm.compiled.limits.max_model_len - max(len(p.token_ids) for p in prompts)
+    return max(room, 1)
+
+
+def _tokenizer(server: Server):
+    if server.llm.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+    return server.llm.tokenizer
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    error = exc.errors()[0]
+    if error["type"] == "json_invalid":
+        return f"invalid JSON: {error['msg']}", None
+    location = [str(part) for part in error["loc"] if not isinstance(part, int) or error["loc"][0] != part]
+    param = ".".join(str(p) for p in error["loc"][:1]) if error["loc"] else None
+    return f"{'.'.join(location) or 'body'}: {error['msg']}", param
+
+
+def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None) -> None:
+    uvicorn.run(create_app(llm, model_name, api_key), host=host, port=port, log_level="info")
