@@ -11,20 +11,23 @@ shape (speed only); prompts are random token ids, outputs a fixed length.
 """
 
 import argparse
-import asyncio
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 import uvicorn
 
 import tokenspeed as ts
 from benchmarks import common
-from tokenspeed.entrypoints import bench_serve
 from tokenspeed.entrypoints.bench import random_prompts
 from tokenspeed.entrypoints.openai.server import create_app
-from tokenspeed.models.random import random_model
+from tokenspeed.models.random import TINY_LLAMA, random_model
 
 
 def start_server(llm, port: int):
@@ -37,7 +40,7 @@ def start_server(llm, port: int):
 
 
 def offline(llm, prompts, output_len: int, concurrency: int) -> dict:
-    params = ts.SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    params = ts.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:concurrency], params, use_tqdm=False)               # warm up
     start = time.perf_counter()
     outputs = []
@@ -49,13 +52,19 @@ def offline(llm, prompts, output_len: int, concurrency: int) -> dict:
             "offline_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed}
 
 
-def served(port: int, prompts, output_len: int, concurrency: int) -> dict:
-    spec = bench_serve.LoadSpec(f"http://127.0.0.1:{port}", "bench", prompts, output_len,
-                                float("inf"), concurrency)
-    asyncio.run(bench_serve.drive(bench_serve.LoadSpec(spec.base_url, "bench", prompts[:concurrency],
-                                                       output_len, float("inf"), concurrency)))
-    results, duration = asyncio.run(bench_serve.drive(spec))
-    s = bench_serve.summarize(results, duration)
+def served(port: int, num_prompts: int, input_len: int, output_len: int, concurrency: int,
+           seed: int) -> dict:
+    """``tokenspeed bench serve`` in its own process, as a client would be (in this one it
+    would take the interpreter lock from the server it measures)."""
+    with tempfile.TemporaryDirectory() as folder:
+        summary = Path(folder) / "summary.json"
+        for prompts, out in ((concurrency, None), (num_prompts, summary)):   # warm-up, then measure
+            command = [sys.executable, "-m", "tokenspeed", "bench", "serve", "--base-url",
+                       f"http://127.0.0.1:{port}", "--num-prompts", str(prompts), "--input-len",
+                       str(input_len), "--output-len", str(output_len), "--max-concurrency",
+                       str(concurrency), "--seed", str(seed)] + (["--output-json", str(out)] if out else [])
+            subprocess.run(command, check=True, capture_output=True)
+        s = json.loads(summary.read_text())
     return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
             "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
             "itl_p50_ms": s["itl_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
@@ -74,13 +83,15 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = random_model(common.SHAPES[args.shape], dtype=dtype, device=device)
+    shape = TINY_LLAMA if args.shape == "tiny" else common.SHAPES[args.shape]   # tiny: CPU trials
+    model = random_model(shape, dtype=dtype, device=device)
     llm = ts.LLM(model, device=device, max_num_seqs=max(args.concurrency),
                  max_model_len=args.input_len + args.output_len + 16)
     server, rows = start_server(llm, args.port), []
     for c in args.concurrency:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
-        row = {"shape": args.shape, "clients": c, **served(args.port, prompts, args.output_len, c),
+        row = {"shape": args.shape, "clients": c,
+               **served(args.port, len(prompts), args.input_len, args.output_len, c, seed=c),
                **offline(llm, prompts, args.output_len, c)}
         row["tpot_ratio"] = row["tpot_p50_ms"] / row["offline_tpot_ms"]
         row["throughput_ratio"] = row["served_tok_s"] / row["offline_tok_s"]

@@ -94,8 +94,8 @@ async def _limited(limit, client, spec: LoadSpec, prompt) -> RequestResult:
 
 
 async def one_request(client, spec: LoadSpec, prompt) -> RequestResult:
-    body = {"prompt": prompt, "max_tokens": spec.output_len, "min_tokens": spec.output_len,
-            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"prompt": prompt, "max_tokens": spec.output_len, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
     if spec.model:
         body["model"] = spec.model
     start, times, usage = time.perf_counter(), [], None

@@ -2,7 +2,9 @@
 
 A server's handlers call ``submit`` (from any thread or event loop) and receive each
 completion's new text and tokens after every engine step through their ``on_update``
-callback; requests from many callers join the running batch between steps. ``abort``
+callback, all of a step's updates handed over at once (``deliver``: one wake-up of the
+server's event loop per step, not one per request); requests from many callers join the
+running batch between steps. ``abort``
 (a client that went away) finishes a request before the next step, returning its pages.
 Nothing a request does stops the loop: a failing step fails the requests in it and the
 loop serves on.
@@ -55,10 +57,14 @@ class Submission:
 
 
 class EngineLoop:
-    def __init__(self, llm, metrics=None):
+    def __init__(self, llm, metrics=None, deliver=None):
         """``metrics``: an object with ``admitted(submission)``, ``completed(request)`` and
-        ``refresh(engine)`` (after every step and every batch of arrivals), or None."""
+        ``refresh(engine)`` (after every step and every batch of arrivals), or None.
+        ``deliver(pairs)``: runs ``on_update(update)`` for each ``(on_update, update)``
+        where the callers want it (default: here, on the loop's thread)."""
         self.llm, self.metrics = llm, metrics
+        self.deliver = deliver or call_each
+        self._outbox: list = []
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: list[Submission] = []
         self._stop = threading.Event()
@@ -88,6 +94,9 @@ class EngineLoop:
             self._admit(block=not self.llm.engine.has_work)
             if self.llm.engine.has_work:
                 self._step()
+            if self._outbox:
+                outbox, self._outbox = self._outbox, []
+                self.deliver(outbox)
             if self.metrics is not None:
                 self.metrics.refresh(self.llm.engine)
 
@@ -138,8 +147,8 @@ class EngineLoop:
             return
         if finished:
             self._retire(submission)
-        submission.on_update(GroupUpdate(deltas, finished, len(submission.prompt.token_ids),
-                                         sum(submission.sent_tokens)))
+        self._outbox.append((submission.on_update, GroupUpdate(
+            deltas, finished, len(submission.prompt.token_ids), sum(submission.sent_tokens))))
 
     def _delta(self, submission: Submission, index: int) -> CompletionDelta:
         request = submission.requests[index]
@@ -165,4 +174,10 @@ class EngineLoop:
     def _fail_all(self, message: str) -> None:
         for submission in list(self.live):
             self._retire(submission)
-            submission.on_update(GroupUpdate((), True, len(submission.prompt.token_ids), 0, message))
+            self._outbox.append((submission.on_update, GroupUpdate(
+                (), True, len(submission.prompt.token_ids), 0, message)))
+
+
+def call_each(pairs) -> None:
+    for on_update, update in pairs:
+        on_update(update)

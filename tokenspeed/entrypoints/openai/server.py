@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from tokenspeed.entrypoints.engine_loop import EngineLoop
+from tokenspeed.entrypoints.engine_loop import EngineLoop, call_each
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -38,7 +38,12 @@ class Server:
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(llm.compiled.num_pages)
-        self.loop = EngineLoop(llm, self.metrics)
+        self.loop = EngineLoop(llm, self.metrics, self._deliver)
+        self.event_loop: asyncio.AbstractEventLoop | None = None   # set when serving starts
+
+    def _deliver(self, pairs) -> None:
+        """From the engine's thread: one wake-up of the event loop for a step's updates."""
+        self.event_loop.call_soon_threadsafe(call_each, pairs)
 
     async def read(self, request: Request, model):
         """The body as ``model``: 413 past the size limit, 400 for bad JSON or fields."""
@@ -66,9 +71,9 @@ class Server:
 
     def submit(self, prompts: list[Prompt], params) -> tuple[list, asyncio.Queue]:
         """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
-        updates, loop = asyncio.Queue(), asyncio.get_running_loop()
-        submissions = [self.loop.submit(p, params, lambda u, i=i: loop.call_soon_threadsafe(
-            updates.put_nowait, (i, u))) for i, p in enumerate(prompts)]
+        updates = asyncio.Queue()
+        submissions = [self.loop.submit(p, params, lambda u, i=i: updates.put_nowait((i, u)))
+                       for i, p in enumerate(prompts)]
         return submissions, updates
 
     def abort(self, submissions) -> None:
@@ -104,6 +109,7 @@ def create_app(llm, model_name: str, api_key: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        server.event_loop = asyncio.get_running_loop()
         server.loop.start()
         yield
         server.loop.stop()
@@ -127,16 +133,28 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=500)
 
 
-def _auth(app: FastAPI, server: Server) -> None:
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+class RequireKey:
+    """ASGI middleware: every ``/v1`` route needs ``Authorization: Bearer KEY``. Plain ASGI,
+    not Starlette's ``BaseHTTPMiddleware``, which relays every streamed chunk through a
+    memory stream of its own (per token, per client)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", None,
                                  "AuthenticationError")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _auth(app: FastAPI, server: Server) -> None:
+    if server.api_key:
+        app.add_middleware(RequireKey, api_key=server.api_key)
 
 
 def _routes(app: FastAPI, server: Server) -> None:
