@@ -8,6 +8,8 @@ import time
 
 import attrs
 
+from tokenspeed.entrypoints.engine_loop import CompletionDelta
+
 OWNER = "tokenspeed"
 
 
@@ -31,26 +33,16 @@ def model_list(name: str, max_model_len: int, vocab_size: int) -> dict:
                                         "vocab_size": vocab_size}]}
 
 
-@attrs.frozen
-class Completion:
-    """One choice gathered from its deltas."""
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-def gather(updates, n: int, prompt_index: int) -> list[Completion]:
+def gather(updates, n: int, prompt_index: int) -> list[CompletionDelta]:
+    """Each completion whole (its deltas joined), indexed as a choice of the response."""
     parts = {i: [] for i in range(n)}
     for update in updates:
         for delta in update.deltas:
             parts[delta.index].append(delta)
-    return [Completion(prompt_index * n + i, "".join(d.text for d in ds),
-                       tuple(t for d in ds for t in d.token_ids),
-                       tuple(lp for d in ds for lp in d.logprobs),
-                       ds[-1].finish_reason if ds else "abort", ds[-1].stop_reason if ds else None)
+    return [CompletionDelta(prompt_index * n + i, "".join(d.text for d in ds),
+                            tuple(t for d in ds for t in d.token_ids),
+                            tuple(lp for d in ds for lp in d.logprobs),
+                            ds[-1].finish_reason if ds else "abort", ds[-1].stop_reason if ds else None)
             for i, ds in parts.items()]
 
 
@@ -94,7 +86,7 @@ class CompletionFormat(_Format):
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def choice(self, c: Completion) -> dict:
+    def choice(self, c: CompletionDelta) -> dict:
         return {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -117,7 +109,7 @@ class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def choice(self, c: Completion) -> dict:
+    def choice(self, c: CompletionDelta) -> dict:
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
