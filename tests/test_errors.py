@@ -109,6 +109,25 @@ def test_negative_top_k(top_k):
         ts.SamplingParams(top_k=top_k)
 
 
+@pytest.mark.parametrize("field, value, limit", [
+    ("max_tokens", 2.5, "an integer"), ("top_k", 2.5, "an integer"), ("n", True, "an integer"),
+    ("temperature", float("inf"), "finite"), ("temperature", "0.5", "finite"),
+    ("stop_token_ids", "ab", "a list of token ids"), ("stop_token_ids", [1, -2], "integers >= 0"),
+    ("stop", ["ok", 5], "non-empty string"), ("seed", 1.0, "an integer or None"),
+    ("logprobs", 21, "[0, 20]"), ("min_p", 1.5, "[0, 1]"), ("presence_penalty", 3, "[-2, 2]"),
+    ("repetition_penalty", 0, "> 0"), ("ignore_eos", "yes", "True or False"),
+])
+def test_sampling_params_check_types_and_ranges(field, value, limit):
+    shown = repr(tuple(value)) if isinstance(value, list) else repr(value)  # lists are kept as tuples
+    with raises(f"{field}={shown}", limit):
+        ts.SamplingParams(**{field: value})
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused(llm):
+    with raises("prompt 0", str(VOCAB + 5), str(VOCAB)):
+        llm.generate([[5, 6]], ts.SamplingParams(stop_token_ids=[3, VOCAB + 5]))
+
+
 def test_valid_edges_are_accepted():
     ts.SamplingParams(temperature=0, top_p=1.0, top_k=0, max_tokens=1)
     ts.SamplingParams(top_p=1e-6)

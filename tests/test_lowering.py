@@ -1,5 +1,5 @@
 """Traced and lowered programs compute what the module computes; the narrowing keeps the
-sampled rows exact (DESIGN.md invariant 7); the lowered structure is what the passes say."""
+sampled rows exact (docs/DESIGN.md invariant 7); the lowered structure is what the passes say."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Property tests of the slot and padding invariants (DESIGN.md invariants 1-3) and the allocator."""
+"""Property tests of the slot and padding invariants (docs/DESIGN.md invariants 1-3) and the allocator."""
 
 import pytest
 import torch

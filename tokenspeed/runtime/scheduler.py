@@ -48,11 +48,6 @@ class Scheduler:
                 return batch
             self._preempt(self.running[-1])
 
-    def abort_all(self) -> None:
-        """Drop every request and return its pages (after a step failed)."""
-        for request in list(self.running) + list(self.waiting):
-            self.finish(request)
-
     def finish(self, request: Request) -> None:
         """Take ``request`` out of the queues and return its pages."""
         if request in self.running:
@@ -72,6 +67,7 @@ class Scheduler:
             self._attach_shared_pages(self.waiting[0])
             left = self._take(self.waiting[0], budget, picked)
             if left == budget:
+                self._release(self.waiting[0])  # a waiting request holds no pages
                 break
             budget = left
             self.running.append(self.waiting.popleft())

@@ -1,7 +1,7 @@
 """Compile the Triton kernel variants a startup needs in parallel worker processes.
 
-On a fresh machine each kernel variant compiles on its first launch, one after another:
-35 variants took about 20 of the 30 seconds of a Llama-3.2-1B startup on the H200. Here a
+On a fresh machine each kernel variant compiles on its first launch, one after another,
+which was most of a cold GPU startup (docs/PERFORMANCE.md, startup). Here a
 dry run records every variant without compiling or launching it (Triton skips both when
 its ``jit_cache_hook`` returns True), worker processes compile the variants (and, where
 Triton builds one, their launchers) into Triton's on-disk cache, and the captures then

@@ -207,7 +207,7 @@ def choose_config(m: int, n: int, k: int, sm_count: int, normed: bool = False):
         block_n, block_k, warps = (8, 2048, 8) if k >= 4096 else (2 if n <= 4096 else 4, 1024, 4)
         n_blocks = triton.cdiv(n, block_n)
         splits = 1
-        if n_blocks < sm_count:  # e.g. the 0.5B down projection: 26 us a step faster split
+        if n_blocks < sm_count:  # e.g. the 0.5B down projection (docs/PERFORMANCE.md)
             splits, block_k = min(4, triton.cdiv(2 * sm_count, n_blocks)), 1024
         stages = 3
     else:

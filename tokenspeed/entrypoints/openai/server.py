@@ -2,8 +2,9 @@
 
 Handlers parse and check a request, submit its prompts to the ``EngineLoop`` and read
 their updates from an asyncio queue the loop's thread feeds; they never touch the engine.
-Every refusal is an OpenAI error body naming the field; an internal error fails only its
-request (500); a client that disconnects has its requests aborted at the next step.
+Every refusal is an OpenAI error body naming the field; an internal error is a 500 (a
+failing engine step fails the requests then in the engine) and the server serves on; a
+client that disconnects has its requests aborted at the next step.
 """
 
 import asyncio
@@ -13,6 +14,7 @@ import secrets
 import time
 import uuid
 
+import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -65,7 +67,7 @@ class Server:
     def check(self, prompts: list[Prompt], params, field: str) -> None:
         for i, prompt in enumerate(prompts):
             try:
-                self.llm.engine.check(i, prompt.token_ids, params)
+                self.llm._check(i, prompt, params)
             except ValueError as exc:
                 raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else field) from exc
 
@@ -84,13 +86,16 @@ class Server:
     async def collect(self, request: Request, submissions, updates) -> list:
         """Every prompt's updates, in order, until all finish; aborts if the client leaves."""
         per_prompt, pending = [[] for _ in submissions], set(range(len(submissions)))
+        checked = time.monotonic()
         try:
             while pending:
+                if time.monotonic() - checked > DISCONNECT_POLL_S:   # on a clock: updates
+                    checked = time.monotonic()                          # may never pause
+                    if await request.is_disconnected():
+                        raise APIError(499, "client disconnected")
                 try:
                     index, update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise APIError(499, "client disconnected") from None
                     continue
                 if update.error:
                     raise APIError(500, f"the request failed in the engine: {update.error}", None,
@@ -259,7 +264,7 @@ def _chat_prompt(server: Server, messages, add_generation_prompt: bool) -> Promp
     try:
         text = tokenizer.apply_chat_template([m.as_template_message() for m in messages],
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
-    except ValueError as exc:
+    except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
     return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
 
