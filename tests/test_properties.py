@@ -6,7 +6,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tokenspeed.backends.metadata import plan_extend, refresh_decode, write_locations
-from tokenspeed.runtime.kv_pool import BlockAllocator, OutOfPages
+from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.testing import invariants as inv
 from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases
 

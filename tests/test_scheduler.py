@@ -7,7 +7,7 @@ import types
 from hypothesis import given, settings, strategies as st
 
 from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.kv_pool import BlockAllocator
+from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
 
@@ -32,8 +32,9 @@ class CountingRunner:
         return Future(len(sampling))
 
 
-def engine(num_pages: int, page_size: int, max_num_seqs: int, budget: int, overlap: bool) -> Engine:
-    scheduler = Scheduler(BlockAllocator(num_pages), page_size, max_num_seqs, budget)
+def engine(num_pages: int, page_size: int, max_num_seqs: int, budget: int, overlap: bool,
+           prefix_caching: bool = False) -> Engine:
+    scheduler = Scheduler(BlockAllocator(num_pages), page_size, max_num_seqs, budget, prefix_caching)
     runner = CountingRunner()
     config = types.SimpleNamespace(eos_token_ids=(0,), vocab_size=VOCAB)
     return Engine(scheduler, runner, runner, config, 1000, overlap=overlap)
@@ -53,14 +54,16 @@ def test_a_waiting_sample_does_not_keep_pages_it_could_not_use():
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(data=st.data(), page_size=st.sampled_from([1, 2, 4]), overlap=st.booleans(),
-       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 32))
+       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 32), prefix_caching=st.booleans())
 def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size, overlap,
-                                                                 max_num_seqs, budget):
+                                                                 max_num_seqs, budget, prefix_caching):
+    """Prompts start alike (one of two prefixes) so that caching finds pages to share."""
     num_pages = data.draw(st.integers(2, 24))
-    eng = engine(num_pages, page_size, max_num_seqs, budget, overlap)
+    eng = engine(num_pages, page_size, max_num_seqs, budget, overlap, prefix_caching)
     requests = []
     for i in range(data.draw(st.integers(1, 6))):
-        prompt = tuple(range(1, 1 + data.draw(st.integers(1, 12))))
+        start = data.draw(st.sampled_from([1, 50]))
+        prompt = tuple(range(start, start + data.draw(st.integers(1, 12))))
         params = SamplingParams(n=data.draw(st.integers(1, 3)), max_tokens=data.draw(st.integers(1, 8)),
                                 ignore_eos=True, seed=i)
         try:
@@ -72,8 +75,14 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
         if not eng.has_work:
             break
         eng.step()
-        held = [p for r in eng.scheduler.running + list(eng.scheduler.waiting) for p in r.pages]
+        running = eng.scheduler.running
+        held = [p for r in running for p in r.pages]
         assert 0 not in held
+        for page in set(held):   # every holder is counted, and only held pages are
+            assert eng.scheduler.allocator.holders(page) == held.count(page)
+        for r in running:        # a page written by two requests holds one content only
+            writable = r.pages[r.num_cached // page_size:]
+            assert all(eng.scheduler.allocator.holders(p) == 1 for p in writable)
         assert all(not r.pages for r in eng.scheduler.waiting)  # waiting holds no pages
     assert not eng.has_work
     assert all(r.finish_reason == "length" and len(r.output) == r.params.max_tokens for r in requests)

@@ -134,7 +134,9 @@ def test_graphs_and_eager_sample_a_seeded_request_alike():
         texts(graphed.generate(PROMPTS, params, use_tqdm=False))
 
 
-def test_n_samples_share_the_prompt_pages_and_equal_separate_requests(llm, monkeypatch):
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_samples_share_the_prompt_pages_and_equal_separate_requests(prefix_caching, monkeypatch):
+    llm = ts.LLM(text_model_dir(), page_size=4, max_num_seqs=8, enable_prefix_caching=prefix_caching)
     prompt = PROMPTS[2] * 2                   # several full pages of 4 tokens
     shared = []
     allocator = llm.engine.scheduler.allocator
@@ -142,7 +144,9 @@ def test_n_samples_share_the_prompt_pages_and_equal_separate_requests(llm, monke
     monkeypatch.setattr(allocator, "share", lambda pages: shared.append(len(pages)) or share(pages))
     params = ts.SamplingParams(temperature=1.0, max_tokens=8, seed=50, n=3, logprobs=2)
     [out] = llm.generate(prompt, params, use_tqdm=False)
+    shared = [n for n in shared if n]         # the first sample found nothing to share
     assert [c.index for c in out.outputs] == [0, 1, 2] and len(shared) == 2 and min(shared) > 1
+    assert out.metrics.num_cached_tokens == 0             # of the first sample
     for i, completion in enumerate(out.outputs):
         alone = ts.SamplingParams(temperature=1.0, max_tokens=8, seed=50 + i, logprobs=2)
         assert completion.token_ids == llm.generate(prompt, alone, use_tqdm=False)[0].token_ids

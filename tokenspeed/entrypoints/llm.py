@@ -22,7 +22,7 @@ from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.loader import load
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.kv_pool import BlockAllocator
+from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
@@ -35,8 +35,8 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.flo
 
 class LLM:
     def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None,
-                 enforce_eager: bool = False, overlap: bool = True, backend=None,
-                 **compile_options):
+                 enforce_eager: bool = False, overlap: bool = True,
+                 enable_prefix_caching: bool = True, backend=None, **compile_options):
         """``model``: a Hugging Face directory, a GGUF file or a tokenspeed model (default:
         the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
@@ -44,7 +44,8 @@ class LLM:
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
         ``compile_workers``). ``enforce_eager``: no graphs, as ``graphs=False``.
-        ``overlap``: prepare decode step n+1 while step n runs."""
+        ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
+        requests reuse the cached pages of prompts that start alike."""
         model = default_model_path() if model is None else model
         config = CompileConfig(device=checked_device(device),
                                **_graphs_option(enforce_eager, compile_options))
@@ -60,7 +61,8 @@ class LLM:
                                            self.traced.lower("decode", decode_graph=decode_graph),
                                            config, backend, workers)
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
-                              config.max_num_seqs, config.max_num_batched_tokens)
+                              config.max_num_seqs, config.max_num_batched_tokens,
+                              enable_prefix_caching)
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
                              config.seed)
@@ -186,7 +188,8 @@ class LLM:
         first = [r.first_token_time for r in group if r.first_token_time is not None]
         metrics = RequestMetrics(group[0].arrival_time, min(first, default=None),
                                  max(r.finish_time for r in group), len(prompt.token_ids),
-                                 sum(len(c.token_ids) for c in completions))
+                                 sum(len(c.token_ids) for c in completions),
+                                 group[0].num_cached_prompt_tokens)
         return RequestOutput(group[0].id, prompt.token_ids, completions, metrics, prompt.text)
 
     def _require_tokenizer(self) -> Tokenizer:

@@ -110,6 +110,7 @@ class Engine:
         future = self._launch(batch, sampled)
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.num_cached += n
+            self.scheduler.remember_full_pages(request)
         return [r for r, t, lp in zip(sampled, future.tokens(), future.logprobs())
                 if self._append(r, t, lp)]
 
@@ -139,6 +140,7 @@ class Engine:
         for request, token, logprobs in zip(flight.requests, future.tokens(), future.logprobs()):
             if not request.finished:  # else it stopped a step earlier: drop the row
                 request.num_cached += 1
+                self.scheduler.remember_full_pages(request)
                 if self._append(request, token, logprobs):
                     finished.append(request)
         return finished

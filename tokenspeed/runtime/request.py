@@ -26,6 +26,9 @@ class Request:
     logprobs: list[TokenLogprobs] = attrs.Factory(list)
     pages: list[int] = attrs.Factory(list)
     num_cached: int = 0                    # tokens whose K/V are in the cache
+    num_cached_prompt_tokens: int = 0      # of the prompt, found cached when admitted
+    page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
+    num_pages_remembered: int = 0          # of its pages, those the allocator knows by digest
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     arrival_time: float = attrs.Factory(time.time)

@@ -3,16 +3,21 @@
 Every step is either an extend batch (prompt chunks, plus the decode rows that fit the
 token budget) or, when no prompt work is pending, a decode batch. When pages run out a
 decode batch preempts the newest request: its pages are freed and it is recomputed later,
-so no live request is ever corrupted. A request that shares its prompt's pages with an
-earlier sample of the same prompt waits until that one has computed them, then holds
-them too and computes only the rest.
+so no live request is ever corrupted.
+
+With prefix caching, a request admitted takes the cached pages of its longest cached
+prefix (``page_digests``) and computes only the rest, and every page a request fills is
+remembered for the next one. Without it, the samples of one prompt still share its pages.
+Either way a later sample waits until the first has computed the prompt, and the last
+prompt token is always computed anew (its logits give the request's first token).
 """
 
 from collections import deque
 
 import attrs
 
-from tokenspeed.runtime.kv_pool import BlockAllocator, OutOfPages
+from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
+from tokenspeed.runtime.page_digests import page_digests
 from tokenspeed.runtime.request import Request
 
 
@@ -25,8 +30,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, prefix_caching: bool = False):
         self.allocator, self.page_size = allocator, page_size
+        self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -85,15 +91,32 @@ class Scheduler:
         return source in self.waiting or (source in self.running and source.num_uncached > 1)
 
     def _attach_shared_pages(self, request: Request) -> None:
-        """Hold the full pages of the prompt that ``share_from`` computed (the last prompt
-        token is always computed anew: its logits give this sample's first token)."""
-        source = request.share_from
-        if source is None or request.pages or source.finished:
+        """Hold the full pages already computed for this request's tokens: the cached ones
+        with prefix caching, else those of the sample it shares a prompt with."""
+        if request.pages:
             return
-        full = min((len(request.prompt) - 1) // self.page_size, source.num_cached // self.page_size,
-                   len(source.pages))
-        request.pages = self.allocator.share(source.pages[:full])
-        request.num_cached = full * self.page_size
+        usable = (request.num_tokens - 1) // self.page_size   # the last token is computed
+        if self.prefix_caching:
+            pages = self.allocator.cached_prefix(page_digests(request, usable, self.page_size))
+        elif request.share_from is not None and not request.share_from.finished:
+            source = request.share_from
+            pages = source.pages[:min(usable, source.num_cached // self.page_size, len(source.pages))]
+        else:
+            return
+        request.pages, request.num_pages_remembered = self.allocator.share(pages), len(pages)
+        request.num_cached = len(pages) * self.page_size
+        if request.first_token_time is None:
+            request.num_cached_prompt_tokens = request.num_cached
+
+    def remember_full_pages(self, request: Request) -> None:
+        """Let the allocator know the pages ``request`` has filled since the last call."""
+        full = min(request.num_cached // self.page_size, len(request.pages))
+        if not self.prefix_caching or full <= request.num_pages_remembered:
+            return
+        digests = page_digests(request, full, self.page_size)
+        for index in range(request.num_pages_remembered, full):
+            self.allocator.remember(request.pages[index], digests[index])
+        request.num_pages_remembered = full
 
     def _take(self, request: Request, budget: int, picked: list) -> int:
         """Add up to ``budget`` of ``request``'s uncached tokens if pages allow; new budget."""
@@ -133,4 +156,4 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.allocator.free(request.pages)
-        request.pages, request.num_cached = [], 0
+        request.pages, request.num_cached, request.num_pages_remembered = [], 0, 0
