@@ -48,7 +48,7 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
     ours = common.our_model(shape, hf)
     start = time.perf_counter()
     kw = dict(device="cuda", max_num_seqs=max(batches), max_model_len=4096, max_num_batched_tokens=2048,
-              num_kv_pages=8192)
+              num_kv_pages=8192, enable_prefix_caching=False)  # the repeated prompts would hit
     llm = ts.LLM(ours, **kw)
     startup = time.perf_counter() - start
     synchronous = ts.LLM(ours, overlap=False, **kw)

@@ -23,7 +23,7 @@ def bench_shape(shape: str, lengths) -> list[dict]:
     ours = common.our_model(shape, hf)
     del hf
     kw = dict(device="cuda", max_num_seqs=32, max_model_len=4096, max_num_batched_tokens=2048,
-              num_kv_pages=8192)
+              num_kv_pages=8192, enable_prefix_caching=False)  # each timing computes the prompt
     rows = []
     eager, graphs = ts.LLM(ours, enforce_eager=True, **kw), ts.LLM(ours, **kw)
     for length in lengths:

@@ -35,7 +35,8 @@ def main() -> None:
     hf = common.hf_model(args.shape)
     ours = common.our_model(args.shape, hf)
     del hf
-    llm = ts.LLM(ours, device="cuda", max_num_seqs=max(args.batches), max_model_len=4096)
+    llm = ts.LLM(ours, device="cuda", max_num_seqs=max(args.batches), max_model_len=4096,
+                 enable_prefix_caching=False)
     greedy = ts.SamplingParams(temperature=0.0)
     with torch.inference_mode():
         for batch in args.batches:

@@ -7,7 +7,8 @@ Per concurrency: TTFT, TPOT and inter-token latency (p50, p99) and output tokens
 through the server; offline, the median per-request TPOT and output tokens/s of
 ``generate`` over the same prompts. Targets: server TPOT within 1.1x of offline at 16
 clients, and at 64 clients at least 0.8x of offline throughput. Random weights of the
-shape (speed only); prompts are random token ids, outputs a fixed length.
+shape (speed only); prompts are random token ids, outputs a fixed length; prefix caching
+off (the warm-up repeats the first prompts).
 """
 
 import argparse
@@ -85,7 +86,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = TINY_LLAMA if args.shape == "tiny" else common.SHAPES[args.shape]   # tiny: CPU trials
     model = random_model(shape, dtype=dtype, device=device)
-    llm = ts.LLM(model, device=device, max_num_seqs=max(args.concurrency),
+    llm = ts.LLM(model, device=device, max_num_seqs=max(args.concurrency), enable_prefix_caching=False,
                  max_model_len=args.input_len + args.output_len + 16)
     server, rows = start_server(llm, args.port), []
     for c in args.concurrency:

@@ -54,7 +54,7 @@ def _fixed_length(output_len: int) -> SamplingParams:
 
 def run_latency(args) -> None:
     from tokenspeed.entrypoints.cli import load_llm
-    llm = load_llm(args, max_num_seqs=args.batch_size)
+    llm = load_llm(args, max_num_seqs=args.batch_size, enable_prefix_caching=False)  # repeats
     prompts = random_prompts(args.batch_size, args.input_len, llm.config.vocab_size)
     params = _fixed_length(args.output_len)
     for _ in range(args.num_iters_warmup):
@@ -73,7 +73,7 @@ def run_latency(args) -> None:
 
 def run_throughput(args) -> None:
     from tokenspeed.entrypoints.cli import load_llm
-    llm = load_llm(args, max_num_seqs=args.max_num_seqs)
+    llm = load_llm(args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.config.vocab_size)
     params = _fixed_length(args.output_len)
     llm.generate(prompts[:min(len(prompts), args.max_num_seqs)], params, use_tqdm=False)  # warm up
