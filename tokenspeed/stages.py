@@ -131,8 +131,9 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
 
 @attrs.frozen
 class Compiled:
-    """Both runners over one KV pool, graphs captured: ``prefill.run(chunks, params)`` and
-    ``decode.run(rows, params)`` each run a batch and return its sampled tokens."""
+    """Both runners over one KV pool, graphs captured: ``prefill.run(chunks, sampling)`` and
+    ``decode.run(rows, sampling)`` each run a batch (``sampling``: a ``RowSampling`` per
+    sampled row) and return its sampled tokens."""
     config: CompileConfig
     limits: EngineLimits
     lowered: dict[str, Lowered] = attrs.field(repr=False)
@@ -151,12 +152,13 @@ class Compiled:
         lines = [f"# compiled for {self.kv_cache.device}: {self.num_pages} KV pages of "
                  f"{self.config.page_size} tokens, max_model_len={self.limits.max_model_len}",
                  self.startup.as_text()]
-        captured = {"decode": bool(self.decode.graphs),
-                    "prefill": {name for name, _ in self.prefill.graphs}}
+        replayed = {"prefill": {name for name, _ in self.prefill.graphs},
+                    "decode": {s.name for s in self.lowered["decode"].segments
+                               if s.kind == "graph" and self.decode.graphs}}
         for mode, lowered in self.lowered.items():
             lines.append(f"\n## {mode}")
             for seg in lowered.segments:
-                how = "graph" if _replays(seg, captured[mode]) else "eager"
+                how = "graph" if seg.name in replayed[mode] else "eager"
                 lines.append(f"  {seg.name:<28} {how:<5} ladder={seg.ladder}")
         return "\n".join(lines)
 
@@ -176,8 +178,3 @@ class Compiled:
                 torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
-
-def _replays(seg: Segment, captured) -> bool:
-    if seg.kind != "graph":
-        return False
-    return captured if isinstance(captured, bool) else seg.name in captured

@@ -20,9 +20,9 @@ from tokenspeed.entrypoints.prompts import Prompt, parse_prompts
 from tokenspeed.entrypoints.text_stream import TextStream
 from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.loader import load
+from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
