@@ -87,8 +87,7 @@ def cmd_generate(args) -> None:
     params = sampling(args)   # refused before the model loads
     llm, prompt = load_llm(args, max_num_seqs=1), args.prompt
     if args.chat:
-        prompt = {"prompt": llm._require_tokenizer().apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False)}
+        prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
     for piece in llm.stream(prompt, params):
         print(piece, end="", flush=True)
     print()
@@ -101,9 +100,8 @@ def cmd_chat(args) -> None:
     print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
     while (line := _read_line()):
         history.append({"role": "user", "content": line})
-        prompt = llm._require_tokenizer().apply_chat_template(history, tokenize=False)
         reply = []
-        for piece in llm.stream({"prompt": prompt}, params):
+        for piece in llm.stream(llm.chat_prompt(history), params):
             reply.append(piece)
             print(piece, end="", flush=True)
         print()

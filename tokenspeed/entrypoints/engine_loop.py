@@ -14,7 +14,6 @@ import queue
 import threading
 
 import attrs
-import torch
 
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.runtime.request import Request
@@ -115,7 +114,7 @@ class EngineLoop:
         if submission.aborted:
             self._abort(submission)
         elif not submission.requests:
-            [submission.requests] = self.llm._add([submission.prompt], [submission.params])
+            [submission.requests] = self.llm.add([submission.prompt], [submission.params])
             submission.sent_tokens = [0] * len(submission.requests)
             self.live.append(submission)
             if self.metrics is not None:
@@ -124,19 +123,13 @@ class EngineLoop:
     def _abort(self, submission: Submission) -> None:
         if submission.done:  # it finished before the abort arrived
             return
-        with self.llm._lock:
-            for request in submission.requests:
-                self.llm.engine.finish(request, "abort")
+        self.llm.abort(submission.requests)
         self._publish(submission)
 
     def _step(self) -> None:
         try:
-            with self.llm._lock, torch.inference_mode():
-                self.llm.engine.step()
-                self.llm._update_text()
+            self.llm.step()
         except Exception as exc:  # noqa: BLE001 - the requests fail, the loop serves on
-            with self.llm._lock:
-                self.llm.engine.abort_all()
             self._fail_all(f"{type(exc).__name__}: {exc}")
             return
         for submission in list(self.live):
@@ -154,7 +147,7 @@ class EngineLoop:
 
     def _delta(self, submission: Submission, index: int) -> CompletionDelta:
         request = submission.requests[index]
-        stream = self.llm._streams.get(request)
+        stream = self.llm.text_of(request)
         kept = len(request.output) if stream is None or stream.kept_tokens is None else stream.kept_tokens
         start, submission.sent_tokens[index] = submission.sent_tokens[index], kept
         text = stream.take_unread() if stream is not None else ""
@@ -166,9 +159,7 @@ class EngineLoop:
         submission.done = True
         if submission in self.live:
             self.live.remove(submission)
-        with self.llm._lock:
-            for request in submission.requests:
-                self.llm._streams.pop(request, None)
+        self.llm.release(submission.requests)
         if self.metrics is not None:
             for request in submission.requests:
                 self.metrics.completed(request)

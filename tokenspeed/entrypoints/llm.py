@@ -2,7 +2,8 @@
 
 Several threads may call one ``LLM``: their requests join the same running batch (each
 caller steps the engine under one lock while its own requests are unfinished) and each
-gets exactly its own outputs.
+gets exactly its own outputs. The server's engine loop drives the same engine through the
+same methods (``check``, ``add``, ``step``, ``abort``, ``text_of``, ``release``).
 """
 
 import threading
@@ -82,14 +83,15 @@ class LLM:
     def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(parsed))
         for i, (prompt, p) in enumerate(zip(parsed, params)):
-            self._check(i, prompt, p)
-        groups = self._add(parsed, params)
+            self.check(i, prompt, p)
+        groups = self.add(parsed, params)
         requests = [r for g in groups for r in g]
         try:
             with _Progress(groups, use_tqdm) as progress:
                 self._serve(requests, progress.update)
         except BaseException:
-            self._abandon(requests)   # an interrupt: nothing of this call runs on
+            self.abort(requests)   # an interrupt: nothing of this call runs on
+            self.release(requests)
             raise
         return [self._output(prompt, group) for prompt, group in zip(parsed, groups)]
 
@@ -98,11 +100,16 @@ class LLM:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
         such lists) through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self._require_tokenizer()
-        prompts = [Prompt(tuple(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)),
-                          tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                        tokenize=False)) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self._generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> Prompt:
+        """One conversation as a prompt: the template's text and its tokens (the template
+        writes the special tokens it wants; none are added again)."""
+        tokenizer = self._require_tokenizer()
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+        return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """The text of one prompt's completion, piece by piece as it is generated."""
@@ -111,18 +118,25 @@ class LLM:
         if params.n != 1:
             raise ValueError(f"stream takes one completion: n={params.n}")
         self._require_tokenizer()
-        self._check(0, parsed, params)
-        [[request]] = self._add([parsed], [params])
+        self.check(0, parsed, params)
+        [[request]] = self.add([parsed], [params])
         try:
             while not request.finished:
                 self._serve([request], lambda finished: None, steps=1)
-                yield self._streams[request].take_unread()
+                yield self.text_of(request).take_unread()
         finally:
-            with self._lock:
-                self.engine.finish(request, "abort")   # a consumer that stopped early
-                self._streams.pop(request, None)
+            self.abort([request])   # a consumer that stopped early
+            self.release([request])
 
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
+    def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
+        """Refuse, naming prompt ``index``, what this engine cannot serve."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"prompt {index}: stop strings need a tokenizer, and this engine has "
+                             "none: use stop_token_ids")
+        self.engine.check(index, prompt.token_ids, params)
+
+    def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
+        """Queue checked prompts; each becomes its ``n`` requests (and their text streams)."""
         with self._lock:
             groups = [self.engine.add(p.token_ids, sp) for p, sp in zip(prompts, params)]
             if self.tokenizer is not None:
@@ -135,22 +149,46 @@ class LLM:
         step another caller ran: each is reported to ``on_finish`` once, whoever stepped."""
         unreported, done, failures = list(requests), 0, self._failures
         while unreported and (steps is None or done < steps):
-            with self._lock, torch.inference_mode():
+            with self._lock:
                 if self._failures != failures and any(r.finish_reason == "abort" for r in unreported):
                     raise RuntimeError("the engine failed in a step another caller ran; "
                                        "its requests were aborted") from self._failure
                 if not all(r.finished for r in unreported):
-                    try:
-                        self.engine.step()
-                    except BaseException as exc:
-                        self._failures, self._failure = self._failures + 1, exc
-                        self.engine.abort_all()
-                        raise
-                    self._update_text()
+                    self._step()
             done += 1
             for request in [r for r in unreported if r.finished]:
                 on_finish(request)
             unreported = [r for r in unreported if not r.finished]
+
+    def step(self) -> None:
+        """One engine step for everyone's requests, and their text. A step that fails
+        aborts every request then in the engine, and raises."""
+        with self._lock:
+            self._step()
+
+    def _step(self) -> None:
+        with torch.inference_mode():
+            try:
+                self.engine.step()
+            except BaseException as exc:
+                self._failures, self._failure = self._failures + 1, exc
+                self.engine.abort_all()
+                raise
+            self._update_text()
+
+    def abort(self, requests: list[Request]) -> None:
+        """Finish the unfinished ``requests`` now, returning their pages."""
+        with self._lock:
+            for request in requests:
+                self.engine.finish(request, "abort")
+
+    def text_of(self, request: Request) -> TextStream | None:
+        return self._streams.get(request)
+
+    def release(self, requests: list[Request]) -> list[TextStream | None]:
+        """Forget the text streams of finished ``requests``; returns them."""
+        with self._lock:
+            return [self._streams.pop(r, None) for r in requests]
 
     def _update_text(self) -> None:
         """Read new tokens into every open stream; a stop string finishes its request."""
@@ -168,21 +206,8 @@ class LLM:
         else:
             self.engine.finish(request, "stop", stop_string)
 
-    def _check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"prompt {index}: stop strings need a tokenizer, and this engine has "
-                             "none: use stop_token_ids")
-        self.engine.check(index, prompt.token_ids, params)
-
-    def _abandon(self, requests: list[Request]) -> None:
-        with self._lock:
-            for request in requests:
-                self.engine.finish(request, "abort")
-                self._streams.pop(request, None)
-
     def _output(self, prompt: Prompt, group: list[Request]) -> RequestOutput:
-        with self._lock:
-            streams = [self._streams.pop(r, None) for r in group]
+        streams = self.release(group)
         completions = tuple(r.completion() if s is None else r.completion(s.text, s.kept_tokens)
                             for r, s in zip(group, streams))
         first = [r.first_token_time for r in group if r.first_token_time is not None]

@@ -1,7 +1,7 @@
 """What ``generate`` accepts, checked rather than coerced: a string, a list of strings, a
 list of token ids (one prompt), a list of token-id lists, or prompt dicts
-(``{"prompt": text}``, ``{"prompt_token_ids": ids}``). A bad prompt is refused naming its
-index and the bad value."""
+(``{"prompt": text}``, ``{"prompt_token_ids": ids}``), or ``Prompt`` records (a chat
+prompt, say). A bad prompt is refused naming its index and the bad value."""
 
 import numbers
 from collections.abc import Mapping, Sequence
@@ -16,7 +16,7 @@ class Prompt:
 
 
 def parse_prompts(prompts, tokenizer) -> list[Prompt]:
-    if isinstance(prompts, (str, Mapping)) or _is_token_ids(prompts):
+    if isinstance(prompts, (str, Mapping, Prompt)) or _is_token_ids(prompts):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(f"prompts must be a string, token ids, a prompt dict or a list of them; "
@@ -36,6 +36,8 @@ def _is_token_id(value) -> bool:
 
 
 def _one(index: int, prompt, tokenizer) -> Prompt:
+    if isinstance(prompt, Prompt):
+        return prompt
     if isinstance(prompt, str):
         return Prompt(tuple(encode(tokenizer, prompt, f"prompt {index}")), prompt)
     if isinstance(prompt, Mapping):

@@ -67,7 +67,7 @@ class Server:
     def check(self, prompts: list[Prompt], params, field: str) -> None:
         for i, prompt in enumerate(prompts):
             try:
-                self.llm._check(i, prompt, params)
+                self.llm.check(i, prompt, params)
             except ValueError as exc:
                 raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else field) from exc
 
@@ -260,13 +260,11 @@ def _prompts(prompt, tokenizer) -> list[Prompt]:
 
 
 def _chat_prompt(server: Server, messages, add_generation_prompt: bool) -> Prompt:
-    tokenizer = _tokenizer(server)
+    _tokenizer(server)
     try:
-        text = tokenizer.apply_chat_template([m.as_template_message() for m in messages],
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+        return server.llm.chat_prompt([m.as_template_message() for m in messages], add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
-    return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
 
 
 def _max_tokens(server: Server, requested: int | None, prompts: list[Prompt]) -> int:
