@@ -1,4 +1,4 @@
-"""Serving: the OpenAI server (in-process, on loopback) under 1, 16 and 64 concurrent
+"""Serving: the OpenAI server (on loopback, its engine in its own process) under 1, 16 and 64 concurrent
 streaming clients, against offline ``generate`` of the same requests.
 
     python -m benchmarks.serve [--shape smollm2-135m] [--concurrency 1 16 64]
@@ -12,6 +12,7 @@ off (the warm-up repeats the first prompts).
 """
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -27,15 +28,29 @@ import uvicorn
 import tokenspeed as ts
 from benchmarks import common
 from tokenspeed.entrypoints.bench import random_prompts
+from tokenspeed.entrypoints.bench_serve import RequestResult, summarize
+from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
+CLIENTS_PER_PROCESS = 16
 
-def start_server(llm, port: int):
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, "bench"), host="127.0.0.1", port=port,
+
+def bench_llm(shape: str, device: str, **options):
+    """The benchmark's engine; module-level, so the server's engine process can build it."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = random_model(TINY_LLAMA if shape == "tiny" else common.SHAPES[shape], dtype=dtype, device=device)
+    return ts.LLM(model, device=device, **options)
+
+
+def start_server(spec: EngineSpec, port: int):
+    server = uvicorn.Server(uvicorn.Config(create_app(spec, "bench"), host="127.0.0.1", port=port,
                                            log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start (see its log above)")
         time.sleep(0.05)
     return server
 
@@ -55,26 +70,43 @@ def offline(llm, prompts, output_len: int, concurrency: int) -> dict:
 
 def served(port: int, num_prompts: int, input_len: int, output_len: int, concurrency: int,
            seed: int) -> dict:
-    """``tokenspeed bench serve`` in its own process, as a client would be (in this one it
-    would take the interpreter lock from the server it measures)."""
-    with tempfile.TemporaryDirectory() as folder:
-        summary = Path(folder) / "summary.json"
-        for prompts, out in ((concurrency, None), (num_prompts, summary)):   # warm-up, then measure
-            command = [sys.executable, "-m", "tokenspeed", "bench", "serve", "--base-url",
-                       f"http://127.0.0.1:{port}", "--num-prompts", str(prompts), "--input-len",
-                       str(input_len), "--output-len", str(output_len), "--max-concurrency",
-                       str(concurrency), "--seed", str(seed)] + (["--output-json", str(out)] if out else [])
-            subprocess.run(command, check=True, capture_output=True)
-        s = json.loads(summary.read_text())
+    """``tokenspeed bench serve`` in processes of their own, as clients would be: one
+    process per 16 clients (one Python client parses ~10k events/s, less than the server
+    sends at 64 clients), their requests' figures merged."""
+    processes = -(-concurrency // CLIENTS_PER_PROCESS)
+    for prompts in (concurrency, num_prompts):                            # warm-up, then measure
+        results, duration = _clients(port, prompts, input_len, output_len, concurrency, processes, seed)
+    s = summarize(results, duration)
     return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
             "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
             "itl_p50_ms": s["itl_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
             "served_tok_s": s["output_throughput"], "failed": s["failed"]}
 
 
+def _clients(port, num_prompts, input_len, output_len, concurrency, processes, seed):
+    with tempfile.TemporaryDirectory() as folder:
+        running = []
+        for k in range(processes):
+            out = Path(folder) / f"client{k}.json"
+            command = [sys.executable, "-m", "tokenspeed", "bench", "serve", "--base-url",
+                       f"http://127.0.0.1:{port}", "--num-prompts", str(num_prompts // processes),
+                       "--input-len", str(input_len), "--output-len", str(output_len),
+                       "--max-concurrency", str(concurrency // processes), "--seed", str(seed * 100 + k),
+                       "--output-json", str(out)]
+            running.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+        results, duration = [], 0.0
+        for process, out in running:
+            if process.wait() != 0:
+                raise RuntimeError(f"a client failed: {process.stderr.read().decode()}")
+            s = json.loads(out.read_text())
+            results += [RequestResult(**{**r, "itl": tuple(r["itl"])}) for r in s["requests"]]
+            duration = max(duration, s["duration_s"])
+    return results, duration
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--shape", default="smollm2-135m", help="a benchmark shape, or tiny (CPU trials)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -83,12 +115,11 @@ def main() -> None:
     parser.add_argument("--json", default="results/serve.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shape = TINY_LLAMA if args.shape == "tiny" else common.SHAPES[args.shape]   # tiny: CPU trials
-    model = random_model(shape, dtype=dtype, device=device)
-    llm = ts.LLM(model, device=device, max_num_seqs=max(args.concurrency), enable_prefix_caching=False,
-                 max_model_len=args.input_len + args.output_len + 16)
-    server, rows = start_server(llm, args.port), []
+    build = functools.partial(bench_llm, args.shape, device, max_num_seqs=max(args.concurrency),
+                              enable_prefix_caching=False, num_kv_pages=4096,
+                              max_model_len=args.input_len + args.output_len + 16)
+    llm = build()                                  # offline, in this process
+    server, rows = start_server(EngineSpec(build), args.port), []   # its twin, in the server's
     for c in args.concurrency:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
         row = {"shape": args.shape, "clients": c,

@@ -3,6 +3,8 @@ client and plain HTTP: answers equal offline ``generate``, streams join to the a
 16 clients at once each get their own, a client that leaves frees its pages, bad input
 is a 400 naming the field (and the server serves on), auth, size limits, internal errors."""
 
+import contextlib
+import functools
 import json
 import socket
 import threading
@@ -14,13 +16,16 @@ import pytest
 import uvicorn
 
 import tokenspeed as ts
+from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app
 
-from text_models import text_model_dir
+from text_models import llm_failing_on, text_model_dir
 
 KEY = "sesame"
 MODEL = "tiny-text"
 GREEDY = ts.SamplingParams(temperature=0, max_tokens=10)
+OPTIONS = dict(page_size=4, max_num_seqs=8, max_model_len=256)
+POISON = 4321           # a prompt holding this token makes the engine's step fail
 
 
 def free_port() -> int:
@@ -31,23 +36,33 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def llm():
-    return ts.LLM(text_model_dir(), page_size=4, max_num_seqs=8, max_model_len=256)
+    return ts.LLM(text_model_dir(), **OPTIONS)
 
 
-@pytest.fixture(scope="module")
-def base_url(llm):
+@contextlib.contextmanager
+def running(app):
+    """``app`` served on a free loopback port; yields its base URL."""
     port = free_port()
-    app = create_app(llm, MODEL, api_key=KEY, max_body_bytes=64 << 10)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    for _ in range(200):
-        if server.started:
+    for _ in range(1200):
+        if server.started or not thread.is_alive():
             break
         time.sleep(0.05)
+    assert server.started, "the server did not start"
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """The server, its engine (the same model as ``llm``) in its own process."""
+    path = str(text_model_dir())
+    spec = EngineSpec(functools.partial(llm_failing_on, path, POISON, **OPTIONS), path)
+    with running(create_app(spec, MODEL, api_key=KEY, max_body_bytes=64 << 10)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +152,7 @@ def test_a_client_that_leaves_frees_its_pages(base_url):
                       json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
+        assert next(lines) == "" and next(lines).startswith("data: ")      # generating
         assert metric(base_url, "tokenspeed_kv_pages_in_use") > 0
     for _ in range(100):
         if metric(base_url, "tokenspeed_kv_pages_in_use") == 0 and \
@@ -200,21 +216,12 @@ def test_models_tokenize_detokenize(base_url, llm):
     assert post(base_url, "/detokenize", {"tokens": [10**9]}).status_code == 400
 
 
-def test_an_internal_error_fails_its_request_and_the_server_serves_on(base_url, client, llm, monkeypatch):
-    step = llm.engine.step
-    calls = []
-
-    def broken():
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("a kernel fell over")
-        return step()
-
-    monkeypatch.setattr(llm.engine, "step", broken)
-    response = post(base_url, "/v1/completions", {"prompt": "x", "max_tokens": 3})
+def test_an_internal_error_fails_its_request_and_the_server_serves_on(base_url, client):
+    response = post(base_url, "/v1/completions", {"prompt": [5, POISON, 6], "max_tokens": 3})
     assert response.status_code == 500 and "a kernel fell over" in response.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="again", max_tokens=2).choices[0].text is not None
     assert metric(base_url, "tokenspeed_kv_pages_in_use") == 0
+    assert httpx.get(f"{base_url}/health").status_code == 200
 
 
 def test_logprobs_in_both_apis(client):
@@ -240,3 +247,19 @@ def test_each_finished_request_is_counted_once(base_url, client):
             list(response)
     time.sleep(0.3)
     assert finished() - before == 3
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_the_health_check():
+    path = str(text_model_dir())
+    app = create_app(EngineSpec(functools.partial(ts.LLM, path, **OPTIONS), path), MODEL)
+    with running(app) as url:
+        body = {"prompt": "A long story begins", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            app.state.server.engine.process.kill()
+            rest = [line for line in lines if line]
+        assert "the engine process exited" in rest[-1] and "[DONE]" not in rest[-1]
+        assert httpx.get(f"{url}/health").status_code == 503
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert after.status_code == 503 and "not running" in after.json()["error"]["message"]

@@ -49,3 +49,20 @@ def text_model_dir():
         "bos_token": special.bos_token, "eos_token": special.eos_token,
         "unk_token": special.unk_token, "chat_template": tokenizer.chat_template.source}))
     return path
+
+
+def llm_failing_on(path: str, poison: int, **options):
+    """An ``LLM`` of ``path`` whose step raises while a prompt holding the token ``poison``
+    is queued: a stand-in for a kernel that falls over, built inside a server's engine
+    process (a module-level function, so the engine spec pickles)."""
+    import tokenspeed as ts
+    llm = ts.LLM(path, **options)
+    engine, step = llm.engine, llm.engine.step
+
+    def failing_step():
+        queued = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+        if any(poison in r.prompt for r in queued):
+            raise RuntimeError("a kernel fell over")
+        return step()
+    engine.step = failing_step
+    return llm

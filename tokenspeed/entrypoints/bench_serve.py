@@ -59,9 +59,9 @@ def run(args) -> None:
     results, duration = asyncio.run(drive(spec))
     summary = summarize(results, duration)
     print(report(summary))
-    if args.output_json:
+    if args.output_json:   # with every request's figures, so runs in several processes merge
         with open(args.output_json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, "requests": [attrs.asdict(r) for r in results]}, f, indent=2)
 
 
 def served_model(base_url: str, api_key: str | None) -> dict:
@@ -106,6 +106,9 @@ async def one_request(client, spec: LoadSpec, prompt) -> RequestResult:
             async for line in response.aiter_lines():
                 chunk = line.removeprefix("data: ")
                 if not line.startswith("data: ") or chunk == "[DONE]":
+                    continue
+                if '"usage"' not in chunk:   # a token's chunk: its time is all we need (JSON
+                    times.append(time.perf_counter())   # parsing would make this client the bottleneck)
                     continue
                 data = json.loads(chunk)
                 if data.get("choices"):

@@ -71,10 +71,14 @@ def _sampling_options(command: argparse.ArgumentParser, max_tokens: int = 128) -
 
 def load_llm(args, **options):
     from tokenspeed.entrypoints.llm import LLM
+    return LLM(args.model, **llm_options(args, **options))
+
+
+def llm_options(args, **options) -> dict:
+    """``LLM`` keyword arguments from the engine options on the command line."""
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
-    return LLM(args.model, device=args.device, dtype=args.dtype,
-               enforce_eager=args.enforce_eager, **options)
+    return dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, **options)
 
 
 def sampling(args):
@@ -109,10 +113,16 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    from tokenspeed.entrypoints.engine_process import EngineSpec, EngineStartError
+    from tokenspeed.entrypoints.llm import checked_device, checked_dtype
     from tokenspeed.entrypoints.openai.server import serve
-    llm = load_llm(args, max_num_seqs=args.max_num_seqs)
+    checked_device(args.device), checked_dtype(args.dtype)   # refused here, not in the engine process
+    spec = EngineSpec.of(args.model, **llm_options(args, max_num_seqs=args.max_num_seqs))
     name = args.served_model_name or _model_name(args.model)
-    serve(llm, name, host=args.host, port=args.port, api_key=args.api_key)
+    try:
+        serve(spec, name, host=args.host, port=args.port, api_key=args.api_key)
+    except EngineStartError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _model_name(model) -> str:

@@ -1,17 +1,21 @@
-"""One thread owns the engine and steps it; callers only enqueue and read updates.
+"""One thread owns the engine and steps it; callers only enqueue and read reports.
 
-A server's handlers call ``submit`` (from any thread or event loop) and receive each
-completion's new text and tokens after every engine step through their ``on_update``
-callback, all of a step's updates handed over at once (``deliver``: one wake-up of the
-server's event loop per step, not one per request); requests from many callers join the
-running batch between steps. ``abort`` (a client that went away) finishes a request
-before the next step, returning its pages. Nothing a request does stops the loop: a step
-that fails takes every request then in the engine with it (their pages return, each
-caller gets the error) and the loop serves on.
+The server's engine process (``engine_process``) feeds ``inbox`` with ``Submit`` and
+``Abort`` records and hands each ``StepReport`` to its caller: the updates of every
+request that gained text or tokens in the step (one report per step, not one message per
+request), the engine's load, and the requests that completed. Requests from many callers
+join the running batch between steps; an abort (a client that went away) finishes its
+request before the next step, returning its pages. Nothing a request does stops the loop:
+a step that fails takes every request then in the engine with it (their pages return,
+each caller gets the error) and the loop serves on.
+
+The records are NamedTuples: a report crosses a process boundary every step, and tuples
+pickle several times faster than attrs classes.
 """
 
 import queue
 import threading
+from typing import NamedTuple
 
 import attrs
 
@@ -22,8 +26,17 @@ from tokenspeed.runtime.sampling_params import SamplingParams
 IDLE_WAIT_S = 0.5
 
 
-@attrs.frozen
-class CompletionDelta:
+class Submit(NamedTuple):
+    key: int                   # the caller's name for this prompt's requests
+    prompt: Prompt
+    params: SamplingParams
+
+
+class Abort(NamedTuple):
+    key: int
+
+
+class CompletionDelta(NamedTuple):
     """What one completion gained in a step."""
     index: int
     text: str
@@ -33,8 +46,7 @@ class CompletionDelta:
     stop_reason: str | int | None
 
 
-@attrs.frozen
-class GroupUpdate:
+class GroupUpdate(NamedTuple):
     """A prompt's completions after a step; ``finished`` once all are; ``error`` when a
     step failed and took the request with it."""
     deltas: tuple[CompletionDelta, ...]
@@ -44,28 +56,43 @@ class GroupUpdate:
     error: str | None = None
 
 
+class EngineLoad(NamedTuple):
+    running: int
+    waiting: int
+    pages_in_use: int
+
+
+class Completed(NamedTuple):
+    """One finished completion, for the server's metrics (seconds; None where undefined)."""
+    num_output_tokens: int
+    finish_reason: str
+    time_to_first_token: float | None
+    time_per_output_token: float | None
+
+
+class StepReport(NamedTuple):
+    updates: list[tuple[int, GroupUpdate]]
+    load: EngineLoad
+    completed: list[Completed]
+
+
 @attrs.define(eq=False)
 class Submission:
+    key: int
     prompt: Prompt
     params: SamplingParams
-    on_update: object
     requests: list[Request] = attrs.Factory(list)
     sent_tokens: list[int] = attrs.Factory(list)
-    aborted: bool = False
-    done: bool = False
 
 
 class EngineLoop:
-    def __init__(self, llm, metrics=None, deliver=None):
-        """``metrics``: an object with ``admitted(submission)``, ``completed(request)`` and
-        ``refresh(engine)`` (after every step and every batch of arrivals), or None.
-        ``deliver(pairs)``: runs ``on_update(update)`` for each ``(on_update, update)``
-        where the callers want it (default: here, on the loop's thread)."""
-        self.llm, self.metrics = llm, metrics
-        self.deliver = deliver or call_each
-        self._outbox: list = []
+    def __init__(self, llm, report):
+        """``report(StepReport)`` runs on the loop's thread after every step that changed
+        something a caller sees."""
+        self.llm, self.report = llm, report
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: list[Submission] = []
+        self.live: dict[int, Submission] = {}
+        self._updates, self._completed, self._load = [], [], None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tokenspeed-engine", daemon=True)
 
@@ -78,51 +105,37 @@ class EngineLoop:
         self.inbox.put(None)
         self.thread.join()
 
-    def submit(self, prompt: Prompt, params: SamplingParams, on_update) -> Submission:
-        """Queue a checked prompt; ``on_update(GroupUpdate)`` runs on the loop's thread."""
-        submission = Submission(prompt, params, on_update)
-        self.inbox.put(submission)
-        return submission
-
-    def abort(self, submission: Submission) -> None:
-        submission.aborted = True
-        self.inbox.put(submission)
-
     def _run(self) -> None:
         while not self._stop.is_set():
             self._admit(block=not self.llm.engine.has_work)
             if self.llm.engine.has_work:
                 self._step()
-            if self._outbox:
-                outbox, self._outbox = self._outbox, []
-                self.deliver(outbox)
-            if self.metrics is not None:
-                self.metrics.refresh(self.llm.engine)
+            load = self._engine_load()
+            if self._updates or self._completed or load != self._load:
+                report = StepReport(self._updates, load, self._completed)
+                self._updates, self._completed, self._load = [], [], load
+                self.report(report)
 
     def _admit(self, block: bool) -> None:
         """Take what arrived: new submissions join, aborted ones leave."""
         try:
             item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
             while True:
-                if item is not None:
+                if isinstance(item, Submit):
                     self._take(item)
+                elif isinstance(item, Abort) and item.key in self.live:
+                    self._abort(self.live[item.key])
                 item = self.inbox.get_nowait()
         except queue.Empty:
             return
 
-    def _take(self, submission: Submission) -> None:
-        if submission.aborted:
-            self._abort(submission)
-        elif not submission.requests:
-            [submission.requests] = self.llm.add([submission.prompt], [submission.params])
-            submission.sent_tokens = [0] * len(submission.requests)
-            self.live.append(submission)
-            if self.metrics is not None:
-                self.metrics.admitted(submission)
+    def _take(self, submit: Submit) -> None:
+        submission = Submission(*submit)
+        [submission.requests] = self.llm.add([submission.prompt], [submission.params])
+        submission.sent_tokens = [0] * len(submission.requests)
+        self.live[submission.key] = submission
 
     def _abort(self, submission: Submission) -> None:
-        if submission.done:  # it finished before the abort arrived
-            return
         self.llm.abort(submission.requests)
         self._publish(submission)
 
@@ -132,7 +145,7 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - the requests fail, the loop serves on
             self._fail_all(f"{type(exc).__name__}: {exc}")
             return
-        for submission in list(self.live):
+        for submission in list(self.live.values()):
             self._publish(submission)
 
     def _publish(self, submission: Submission) -> None:
@@ -142,7 +155,7 @@ class EngineLoop:
             return
         if finished:
             self._retire(submission)
-        self._outbox.append((submission.on_update, GroupUpdate(
+        self._updates.append((submission.key, GroupUpdate(
             deltas, finished, len(submission.prompt.token_ids), sum(submission.sent_tokens))))
 
     def _delta(self, submission: Submission, index: int) -> CompletionDelta:
@@ -156,21 +169,26 @@ class EngineLoop:
                                request.finish_reason, request.stop_reason)
 
     def _retire(self, submission: Submission) -> None:
-        submission.done = True
-        if submission in self.live:
-            self.live.remove(submission)
+        del self.live[submission.key]
         self.llm.release(submission.requests)
-        if self.metrics is not None:
-            for request in submission.requests:
-                self.metrics.completed(request)
+        self._completed += [completed(r) for r in submission.requests]
 
     def _fail_all(self, message: str) -> None:
-        for submission in list(self.live):
+        for submission in list(self.live.values()):
             self._retire(submission)
-            self._outbox.append((submission.on_update, GroupUpdate(
+            self._updates.append((submission.key, GroupUpdate(
                 (), True, len(submission.prompt.token_ids), 0, message)))
 
+    def _engine_load(self) -> EngineLoad:
+        scheduler = self.llm.engine.scheduler
+        in_use = scheduler.allocator.num_pages - 1 - scheduler.allocator.num_free
+        return EngineLoad(len(scheduler.running), len(scheduler.waiting), in_use)
 
-def call_each(pairs) -> None:
-    for on_update, update in pairs:
-        on_update(update)
+
+def completed(request: Request) -> Completed:
+    ttft = tpot = None
+    if request.first_token_time is not None:
+        ttft = request.first_token_time - request.arrival_time
+        if len(request.output) > 1 and request.finish_time is not None:
+            tpot = (request.finish_time - request.first_token_time) / (len(request.output) - 1)
+    return Completed(len(request.output), request.finish_reason or "abort", ttft, tpot)

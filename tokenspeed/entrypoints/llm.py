@@ -17,7 +17,7 @@ from tqdm import tqdm
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.paged import PagedAttentionBackend
-from tokenspeed.entrypoints.prompts import Prompt, parse_prompts
+from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
 from tokenspeed.entrypoints.text_stream import TextStream
 from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.loader import load
@@ -104,12 +104,8 @@ class LLM:
         return self._generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> Prompt:
-        """One conversation as a prompt: the template's text and its tokens (the template
-        writes the special tokens it wants; none are added again)."""
-        tokenizer = self._require_tokenizer()
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
-        return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
+        """One conversation as a prompt, through the model's chat template."""
+        return chat_prompt(self._require_tokenizer(), messages, add_generation_prompt)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """The text of one prompt's completion, piece by piece as it is generated."""
@@ -130,10 +126,7 @@ class LLM:
 
     def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
         """Refuse, naming prompt ``index``, what this engine cannot serve."""
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"prompt {index}: stop strings need a tokenizer, and this engine has "
-                             "none: use stop_token_ids")
-        self.engine.check(index, prompt.token_ids, params)
+        check_request(self.engine.limits, self.tokenizer is not None, index, prompt, params)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
         """Queue checked prompts; each becomes its ``n`` requests (and their text streams)."""

@@ -16,6 +16,7 @@ import torch
 
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.runtime.outputs import TokenLogprobs
+from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
@@ -43,21 +44,14 @@ class Engine:
         self.seeds = torch.Generator().manual_seed(seed)
         self._next_id = 0
 
+    @property
+    def limits(self) -> PromptLimits:
+        return PromptLimits(self.vocab_size, self.max_model_len, self.scheduler.page_size,
+                            self.scheduler.allocator.num_pages - 1)
+
     def check(self, index: int, prompt: tuple[int, ...], params: SamplingParams) -> None:
         """Refuse, naming prompt ``index``, what this engine cannot serve."""
-        where = f"prompt {index}"
-        if not prompt:
-            raise ValueError(f"{where} is empty")
-        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"{where}: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} "
-                             f"= {total} exceeds max_model_len={self.max_model_len}")
-        pages, pool = -(-total // self.scheduler.page_size), self.scheduler.allocator.num_pages - 1
-        if pages > pool:
-            raise ValueError(f"{where}: needs {pages} KV pages, the pool has {pool}")
+        check_prompt(self.limits, index, prompt, params)
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
         """Queue ``params.n`` samples of a checked prompt; the later ones share its pages."""

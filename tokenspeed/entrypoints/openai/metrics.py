@@ -4,13 +4,14 @@ output token, and token counters."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenspeed.entrypoints.engine_loop import StepReport
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class ServerMetrics:
-    def __init__(self, num_pages: int):
+    def __init__(self):
         self.registry = CollectorRegistry()
-        self.usable_pages = num_pages - 1
         r = self.registry
         self.running = Gauge("tokenspeed_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("tokenspeed_requests_waiting", "Requests waiting to be scheduled", registry=r)
@@ -25,23 +26,21 @@ class ServerMetrics:
         self.finished = Counter("tokenspeed_requests_finished", "Finished requests", ["finish_reason"],
                                 registry=r)
 
-    def admitted(self, submission) -> None:
-        self.prompt_tokens.inc(len(submission.prompt.token_ids) * len(submission.requests))
+    def admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
 
-    def refresh(self, engine) -> None:
-        scheduler = engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.pages.set(self.usable_pages - scheduler.allocator.num_free)
-
-    def completed(self, request) -> None:
-        """Called once per finished completion (from the loop's thread)."""
-        self.generation_tokens.inc(len(request.output))
-        self.finished.labels(request.finish_reason or "abort").inc()
-        if request.first_token_time is not None:
-            self.ttft.observe(request.first_token_time - request.arrival_time)
-            if len(request.output) > 1 and request.finish_time is not None:
-                self.tpot.observe((request.finish_time - request.first_token_time) / (len(request.output) - 1))
+    def observe(self, report: StepReport) -> None:
+        """The engine's load after a step and the completions that finished in it."""
+        self.running.set(report.load.running)
+        self.waiting.set(report.load.waiting)
+        self.pages.set(report.load.pages_in_use)
+        for done in report.completed:
+            self.generation_tokens.inc(done.num_output_tokens)
+            self.finished.labels(done.finish_reason).inc()
+            if done.time_to_first_token is not None:
+                self.ttft.observe(done.time_to_first_token)
+            if done.time_per_output_token is not None:
+                self.tpot.observe(done.time_per_output_token)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

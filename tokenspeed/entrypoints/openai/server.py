@@ -1,14 +1,15 @@
-"""``tokenspeed serve``: an OpenAI-compatible server over one engine loop.
+"""``tokenspeed serve``: an OpenAI-compatible server over an engine in its own process.
 
-Handlers parse and check a request, submit its prompts to the ``EngineLoop`` and read
-their updates from an asyncio queue the loop's thread feeds; they never touch the engine.
-Every refusal is an OpenAI error body naming the field; an internal error is a 500 (a
-failing engine step fails the requests then in the engine) and the server serves on; a
-client that disconnects has its requests aborted at the next step.
+Handlers parse and check a request, submit its prompts to the engine process
+(``engine_process``) and read their updates from an asyncio queue that its reports feed;
+they never touch the engine. Every refusal is an OpenAI error body naming the field; an
+internal error is a 500 (a failing engine step fails the requests then in the engine) and
+the server serves on; a client that disconnects has its requests aborted at the next step.
 """
 
 import asyncio
 import contextlib
+import itertools
 import json
 import secrets
 import time
@@ -21,31 +22,62 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from tokenspeed.entrypoints.engine_loop import EngineLoop, call_each
+from tokenspeed.entrypoints.engine_loop import GroupUpdate, StepReport
+from tokenspeed.entrypoints.engine_process import EngineClient, EngineSpec
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
-from tokenspeed.entrypoints.prompts import Prompt, parse_prompts
+from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
+from tokenspeed.tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 4 << 20
 DISCONNECT_POLL_S = 0.5
 
 
 class Server:
-    """What the handlers share: the engine's face, its loop, the served name and limits."""
+    """What the handlers share: the engine process, the tokenizer, the served name, the
+    metrics, and the callbacks of the prompts in flight (by key)."""
 
-    def __init__(self, llm, model_name: str, api_key: str | None = None,
+    def __init__(self, spec: EngineSpec, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES):
-        self.llm, self.model_name, self.api_key = llm, model_name, api_key
-        self.max_body_bytes = max_body_bytes
-        self.metrics = ServerMetrics(llm.compiled.num_pages)
-        self.loop = EngineLoop(llm, self.metrics, self._deliver)
+        self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
+        self.tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer is not None else None
+        self.metrics = ServerMetrics()
+        self.engine = EngineClient(spec, self._on_report, self._on_exit)
         self.event_loop: asyncio.AbstractEventLoop | None = None   # set when serving starts
+        self._callbacks: dict[int, object] = {}
+        self._keys = itertools.count()
 
-    def _deliver(self, pairs) -> None:
-        """From the engine's thread: one wake-up of the event loop for a step's updates."""
-        self.event_loop.call_soon_threadsafe(call_each, pairs)
+    async def start(self) -> None:
+        """Start the engine (unless started already), then take its reports on this loop."""
+        self.event_loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self.engine.start)
+        self.engine.listen()
+
+    @property
+    def limits(self):
+        return self.engine.info.limits
+
+    def _on_report(self, report: StepReport) -> None:
+        """From the reader thread: one wake-up of the event loop per engine step."""
+        self.event_loop.call_soon_threadsafe(self._dispatch, report)
+
+    def _dispatch(self, report: StepReport) -> None:
+        self.metrics.observe(report)
+        for key, update in report.updates:
+            callback = self._callbacks.pop(key) if update.finished else self._callbacks.get(key)
+            if callback is not None:
+                callback(update)
+
+    def _on_exit(self, message: str) -> None:
+        """From the reader thread: the engine process died; its requests fail."""
+        def fail_all():
+            callbacks, self._callbacks = self._callbacks, {}
+            for callback in callbacks.values():
+                callback(GroupUpdate((), True, 0, 0, message))
+        with contextlib.suppress(RuntimeError):   # the event loop may be closing too
+            self.event_loop.call_soon_threadsafe(fail_all)
 
     async def read(self, request: Request, model):
         """The body as ``model``: 413 past the size limit, 400 for bad JSON or fields."""
@@ -67,25 +99,32 @@ class Server:
     def check(self, prompts: list[Prompt], params, field: str) -> None:
         for i, prompt in enumerate(prompts):
             try:
-                self.llm.check(i, prompt, params)
+                check_request(self.limits, self.engine.info.has_tokenizer, i, prompt, params)
             except ValueError as exc:
                 raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else field) from exc
 
-    def submit(self, prompts: list[Prompt], params) -> tuple[list, asyncio.Queue]:
+    def submit(self, prompts: list[Prompt], params) -> tuple[list[int], asyncio.Queue]:
         """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
-        updates = asyncio.Queue()
-        submissions = [self.loop.submit(p, params, lambda u, i=i: updates.put_nowait((i, u)))
-                       for i, p in enumerate(prompts)]
-        return submissions, updates
+        if not self.engine.alive:
+            raise APIError(503, f"the engine is not running (exit code {self.engine.process.exitcode})",
+                           None, "ServiceUnavailableError")
+        updates, keys = asyncio.Queue(), []
+        for i, prompt in enumerate(prompts):
+            keys.append(next(self._keys))
+            self._callbacks[keys[-1]] = lambda u, i=i: updates.put_nowait((i, u))
+            self.engine.submit(keys[-1], prompt, params)
+            self.metrics.admitted(len(prompt.token_ids) * params.n)
+        return keys, updates
 
-    def abort(self, submissions) -> None:
-        for submission in submissions:
-            if not submission.done:
-                self.loop.abort(submission)
+    def abort(self, keys) -> None:
+        """Stop the prompts of ``keys`` that have not finished."""
+        for key in keys:
+            if self._callbacks.pop(key, None) is not None:
+                self.engine.abort(key)
 
-    async def collect(self, request: Request, submissions, updates) -> list:
+    async def collect(self, request: Request, keys, updates) -> list:
         """Every prompt's updates, in order, until all finish; aborts if the client leaves."""
-        per_prompt, pending = [[] for _ in submissions], set(range(len(submissions)))
+        per_prompt, pending = [[] for _ in keys], set(range(len(keys)))
         checked = time.monotonic()
         try:
             while pending:
@@ -104,20 +143,20 @@ class Server:
                 if update.finished:
                     pending.discard(index)
         finally:
-            self.abort(submissions)
+            self.abort(keys)
         return per_prompt
 
 
-def create_app(llm, model_name: str, api_key: str | None = None,
+def create_app(spec: EngineSpec, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    server = Server(llm, model_name, api_key, max_body_bytes)
+    """The app; its engine process starts (and stops) with the app's lifespan."""
+    server = Server(spec, model_name, api_key, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.event_loop = asyncio.get_running_loop()
-        server.loop.start()
+        await server.start()
         yield
-        server.loop.stop()
+        server.engine.stop()
 
     app = FastAPI(title="tokenspeed", lifespan=lifespan)
     app.state.server = server
@@ -165,7 +204,7 @@ def _auth(app: FastAPI, server: Server) -> None:
 def _routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if server.loop.thread.is_alive() else 503)
+        return Response(status_code=200 if server.engine.alive else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -173,17 +212,17 @@ def _routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return responses.model_list(server.model_name, server.llm.compiled.limits.max_model_len,
-                                    server.llm.config.vocab_size)
+        return responses.model_list(server.model_name, server.limits.max_model_len,
+                                    server.limits.vocab_size)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await server.read(request, CompletionRequest)
         body.unsupported()
-        prompts = _prompts(body.prompt, server.llm.tokenizer)
+        prompts = _prompts(body.prompt, server.tokenizer)
         params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
-            server.model_name, server.llm.tokenizer, params.n))
+            server.model_name, server.tokenizer, params.n))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -193,7 +232,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count())
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
-            server.model_name, server.llm.tokenizer, params.n))
+            server.model_name, server.tokenizer, params.n))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -205,12 +244,12 @@ def _routes(app: FastAPI, server: Server) -> None:
             if body.prompt is not None else \
             _chat_prompt(server, body.messages, body.add_generation_prompt).token_ids
         return {"tokens": list(ids), "count": len(ids),
-                "max_model_len": server.llm.compiled.limits.max_model_len}
+                "max_model_len": server.limits.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await server.read(request, DetokenizeRequest)
-        vocab = server.llm.config.vocab_size
+        vocab = server.limits.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
@@ -219,33 +258,44 @@ def _routes(app: FastAPI, server: Server) -> None:
 
 async def _answer(server: Server, request: Request, body, prompts, params, field: str, fmt):
     server.check(prompts, params, field)
-    submissions, updates = server.submit(prompts, params)
+    keys, updates = server.submit(prompts, params)
     if body.stream:
-        return StreamingResponse(_stream(server, submissions, updates, fmt, body.include_usage),
+        return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage),
                                  media_type="text/event-stream")
-    per_prompt = await server.collect(request, submissions, updates)
+    per_prompt = await server.collect(request, keys, updates)
     return fmt.complete(per_prompt, created=int(time.time()), request_id=uuid.uuid4().hex)
 
 
-async def _stream(server: Server, submissions, updates, fmt, include_usage: bool):
+async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
     request_id, created = uuid.uuid4().hex, int(time.time())
-    pending, usage = set(range(len(submissions))), responses.Usage()
+    pending, usage = set(range(len(keys))), responses.Usage()
     try:
-        yield _event(fmt.first_chunks(request_id, created, len(submissions)))
+        yield _event(fmt.first_chunks(request_id, created, len(keys)))
         while pending:
-            index, update = await updates.get()
-            if update.error:
-                yield f"data: {json.dumps(APIError(500, update.error, None, 'InternalServerError').body())}\n\n"
-                return
-            yield _event(fmt.chunks(index, update, request_id, created))
-            if update.finished:
-                pending.discard(index)
-                usage = usage.add(update)
+            events = []
+            for index, update in await _arrived(updates):   # one write for all that arrived
+                if update.error:
+                    yield f"data: {json.dumps(APIError(500, update.error, None, 'InternalServerError').body())}\n\n"
+                    return
+                events.append(_event(fmt.chunks(index, update, request_id, created)))
+                if update.finished:
+                    pending.discard(index)
+                    usage = usage.add(update)
+            yield "".join(events)
         if include_usage:
             yield _event([fmt.usage_chunk(usage, request_id, created)])
         yield "data: [DONE]\n\n"
     finally:
-        server.abort(submissions)
+        server.abort(keys)
+
+
+async def _arrived(updates: asyncio.Queue) -> list:
+    """The next update and every one queued behind it: a stream that fell behind the engine
+    catches up in one write instead of one per token."""
+    arrived = [await updates.get()]
+    while not updates.empty():
+        arrived.append(updates.get_nowait())
+    return arrived
 
 
 def _event(chunks: list[dict]) -> str:
@@ -262,7 +312,7 @@ def _prompts(prompt, tokenizer) -> list[Prompt]:
 def _chat_prompt(server: Server, messages, add_generation_prompt: bool) -> Prompt:
     _tokenizer(server)
     try:
-        return server.llm.chat_prompt([m.as_template_message() for m in messages], add_generation_prompt)
+        return chat_prompt(server.tokenizer, [m.as_template_message() for m in messages], add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
 
@@ -271,14 +321,14 @@ def _max_tokens(server: Server, requested: int | None, prompts: list[Prompt]) ->
     """``None`` (chat's default): as many as the context leaves the longest prompt."""
     if requested is not None:
         return requested
-    room = server.llm.compiled.limits.max_model_len - max(len(p.token_ids) for p in prompts)
+    room = server.limits.max_model_len - max(len(p.token_ids) for p in prompts)
     return max(room, 1)
 
 
 def _tokenizer(server: Server):
-    if server.llm.tokenizer is None:
+    if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-    return server.llm.tokenizer
+    return server.tokenizer
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -290,6 +340,9 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{'.'.join(location) or 'body'}: {error['msg']}", param
 
 
-def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None) -> None:
-    uvicorn.run(create_app(llm, model_name, api_key), host=host, port=port, log_level="info")
+    """Start the engine (an ``EngineStartError`` says why it could not), then serve."""
+    app = create_app(spec, model_name, api_key)
+    app.state.server.engine.start()
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,150 @@
+"""The server's engine in a process of its own.
+
+Streaming to many clients is Python work per token (JSON, server-sent events, the HTTP
+writes), and so is stepping the engine; in one process they take turns on one interpreter
+lock, and every token a client receives lengthens the next step (docs/PERFORMANCE.md,
+serving). So, as vLLM's engine core does, the engine and its loop run in a child process
+and the HTTP process only sends ``Submit``/``Abort`` records down a pipe and reads one
+``StepReport`` per step back.
+
+``EngineSpec.build`` makes the ``LLM`` inside the child: any picklable callable (a path
+and options through ``functools.partial(LLM, ...)``, or a module-level factory).
+"""
+
+import contextlib
+import functools
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import attrs
+
+from tokenspeed.entrypoints.engine_loop import Abort, EngineLoop, StepReport, Submit
+from tokenspeed.runtime.prompt_limits import PromptLimits
+
+START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
+STOP_TIMEOUT_S = 10.0
+
+
+@attrs.frozen
+class EngineSpec:
+    """``build()`` returns the ``LLM`` (called in the child); ``tokenizer``: where the HTTP
+    process loads the same tokenizer from (a model path), or None for token ids only."""
+    build: Callable
+    tokenizer: str | None = None
+
+    @classmethod
+    def of(cls, model, **options) -> "EngineSpec":
+        """``ts.LLM(model, **options)``, its tokenizer read from the same path."""
+        from tokenspeed.entrypoints.llm import LLM
+        from tokenspeed.models.gguf import default_model_path
+        path = str(model if model is not None else default_model_path())
+        return cls(functools.partial(LLM, path, **options), path)
+
+
+class EngineInfo(NamedTuple):
+    """What the HTTP process learns of the engine once it has started."""
+    limits: PromptLimits
+    has_tokenizer: bool
+
+
+class EngineFailed(NamedTuple):
+    message: str
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine (the message says why)."""
+
+
+class EngineClient:
+    """The HTTP side: starts the child, sends it work, hands each report to ``on_report``
+    (on a reader thread) and ``on_exit(message)`` once if the child goes away unasked."""
+
+    def __init__(self, spec: EngineSpec, on_report: Callable[[StepReport], None],
+                 on_exit: Callable[[str], None]):
+        self.spec, self.on_report, self.on_exit = spec, on_report, on_exit
+        self.info: EngineInfo | None = None
+        self._stopping = False
+        self._send_lock = threading.Lock()
+        context = multiprocessing.get_context("spawn")   # CUDA cannot cross a fork
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=engine_main, args=(spec, child_conn), daemon=True,
+                                       name="tokenspeed-engine")
+        self._reader = threading.Thread(target=self._read, name="tokenspeed-engine-reader", daemon=True)
+
+    def start(self) -> EngineInfo:
+        """Start the child and wait until its engine is ready (blocking); once."""
+        if self.info is not None:
+            return self.info
+        self.process.start()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            raise EngineStartError(f"the engine process did not start in {START_TIMEOUT_S:.0f} s")
+        first = self._receive()
+        if not isinstance(first, EngineInfo):
+            self.process.join()
+            raise EngineStartError(f"the engine process failed to start: {first.message}")
+        self.info = first
+        return first
+
+    def listen(self) -> None:
+        """Start handing reports to ``on_report`` (those sent meanwhile wait in the pipe)."""
+        if not self._reader.is_alive():
+            self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive() and self._reader.is_alive()
+
+    def submit(self, key: int, prompt, params) -> None:
+        """Queue a checked prompt; its updates will carry ``key`` (the caller's, unique)."""
+        with self._send_lock:
+            self._conn.send(Submit(key, prompt, params))
+
+    def abort(self, key: int) -> None:
+        with self._send_lock:
+            self._conn.send(Abort(key))
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.process.is_alive():
+            with self._send_lock, contextlib.suppress(OSError):   # it may be exiting already
+                self._conn.send(None)
+            self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+
+    def _receive(self):
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            return EngineFailed(f"the engine process exited (code {self.process.exitcode})")
+
+    def _read(self) -> None:
+        while isinstance(report := self._receive(), StepReport):
+            self.on_report(report)
+        if not self._stopping:
+            self.on_exit(report.message)
+
+
+def engine_main(spec: EngineSpec, conn) -> None:
+    """The child: build the engine, report ready, relay records to its loop until told to
+    stop or the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    try:
+        llm = spec.build()
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    loop = EngineLoop(llm, conn.send)
+    conn.send(EngineInfo(llm.engine.limits, llm.tokenizer is not None))
+    loop.start()
+    try:
+        while (record := conn.recv()) is not None:
+            loop.inbox.put(record)
+    except (EOFError, OSError):
+        pass
+    loop.stop()
