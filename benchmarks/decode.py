@@ -2,8 +2,10 @@
 
     python -m benchmarks.decode [--shapes qwen2.5-0.5b llama-3.2-1b] [--batches 1 8 32]
 
-Peers measured in the same run: Hugging Face eager, Hugging Face with a static cache and
-torch.compile(mode="reduce-overhead"). Floor: weight bytes + KV bytes read per step over
+Peers measured in the same run: Hugging Face eager ``generate``; ``generate`` with a static
+cache and torch.compile(mode="reduce-overhead") (``hf_generate_compile_ms``); and, as its best
+user would time it, a plain greedy loop over a ``StaticCache`` with the one-token forward
+compiled in that mode (``hf_compile_ms``, the speedup's peer). Floor: weight bytes + KV bytes read per step over
 the measured device-to-device copy bandwidth. ``ours_ms`` is the default engine (overlapped
 decoding); ``ours_sync_ms`` reads every step's tokens before preparing the next.
 """
@@ -31,6 +33,27 @@ def hf_tpot(model, batch: int, new_tokens: int, static: bool) -> float:
     run(new_tokens)  # warm-up (compiles when static)
     return (common.median_time(lambda: run(new_tokens + 1), 3) -
             common.median_time(lambda: run(1), 3)) / new_tokens
+
+
+def hf_loop_tpot(model, batch: int, new_tokens: int) -> float:
+    """A greedy loop over a ``StaticCache``: the prompt eager, each one-token step a compiled
+    (CUDA-graph) call; none of ``generate``'s per-step bookkeeping."""
+    from transformers import StaticCache
+    ids = torch.randint(100, 1000, (batch, PROMPT), device="cuda")
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + new_tokens + 1)
+    forward = torch.compile(lambda token, position: model(
+        token, cache_position=position, past_key_values=cache, use_cache=True).logits,
+        mode="reduce-overhead", fullgraph=True)
+
+    def run(steps: int) -> None:
+        cache.reset()
+        logits = model(ids, cache_position=torch.arange(PROMPT, device="cuda"),
+                       past_key_values=cache, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+        for step in range(steps):
+            token = forward(token, torch.tensor([PROMPT + step], device="cuda"))[:, -1:].argmax(-1).clone()
+    run(new_tokens)  # warm-up: compiles and records the graphs
+    return (common.median_time(lambda: run(new_tokens + 1), 3) - common.median_time(lambda: run(1), 3)) / new_tokens
 
 
 def our_tpot(llm, batch: int, new_tokens: int) -> float:
@@ -66,7 +89,8 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
         if peers:
             with torch.inference_mode():
                 row["hf_eager_ms"] = hf_tpot(hf, batch, new_tokens, static=False) * 1e3
-                row["hf_compile_ms"] = hf_tpot(hf, batch, new_tokens, static=True) * 1e3
+                row["hf_generate_compile_ms"] = hf_tpot(hf, batch, new_tokens, static=True) * 1e3
+                row["hf_compile_ms"] = hf_loop_tpot(hf, batch, new_tokens) * 1e3
             row["x_vs_compile"] = row["hf_compile_ms"] / row["ours_ms"]
         rows.append(row)
         done.append(row)
@@ -91,8 +115,8 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         bench_shape(shape, args.batches, args.new_tokens, bandwidth, not args.no_peers, rows, args.json)
-    columns = ["shape", "batch", "ours_ms", "ours_sync_ms", "floor_ms", "x_floor", "hf_eager_ms", "hf_compile_ms",
-               "x_vs_compile", "kernels_per_step", "startup_s", "graph_mem_mb"]
+    columns = ["shape", "batch", "ours_ms", "ours_sync_ms", "floor_ms", "x_floor", "hf_eager_ms",
+               "hf_generate_compile_ms", "hf_compile_ms", "x_vs_compile", "kernels_per_step", "startup_s", "graph_mem_mb"]
     print(f"\n# decode, bf16, prompt {PROMPT}, {common.device_name()}, commit {common.git_commit()}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(common.table(rows, columns))

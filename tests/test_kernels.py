@@ -200,10 +200,20 @@ def test_extend_long_request_spans_tiles_and_pages():
 
 
 def test_extend_tile_plan_never_mixes_requests():
-    row_request = torch.tensor([0] * 5 + [2] * 17 + [1] * 1)
-    plan = triton_attention.extend_tile_plan(row_request, 16)
-    assert plan.first.tolist() == [0, 5, 21, 22] and plan.count.tolist() == [5, 16, 1, 1]
-    assert triton_attention.extend_tile_plan(row_request).block_m == 32
+    row_request = torch.tensor([0] * 5 + [2] * 17 + [1] * 1, device=DEVICE)
+    plan = triton_attention.extend_tile_plan(row_request, max_runs=3, block_m=16)
+    assert plan.first.tolist() == [0, 5, 21, 22, 23, 23]   # an unused tile starts at the end
+
+
+@FEW
+@given(runs=st.lists(st.integers(1, 70), min_size=1, max_size=6), block_m=st.sampled_from([16, 64]))
+def test_extend_tile_plan_covers_every_row_once(runs, block_m):
+    row_request = torch.tensor([r for r, n in enumerate(runs) for _ in range(n)], device=DEVICE)
+    first = triton_attention.extend_tile_plan(row_request, len(runs), block_m).first.tolist()
+    tiles = [(a, b) for a, b in zip(first, first[1:]) if b > a]
+    assert [row for a, b in tiles for row in range(a, b)] == list(range(len(row_request)))
+    assert all(b - a <= block_m and len(set(row_request[a:b].tolist())) == 1 for a, b in tiles)
+    assert len(tiles) == sum(-(-n // block_m) for n in runs)
 
 
 def test_attention_rejects_bad_shapes():

@@ -6,8 +6,10 @@ Semantics match ``reference.paged_attention``: query row r attends causally to p
 query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32.
 
 ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
-request share every key block through ``tl.dot``; the tile plan is built on the host (one
-sync), once per batch if the caller passes it to every layer.
+request share every key block through ``tl.dot``. The tile plan is built on the device by
+one small kernel before each attention: a plan built on the host read ``row_request``
+back, a sync in every layer of every prefill step that left the GPU idle while the host
+caught up (docs/PERFORMANCE.md, throughput).
 """
 
 from typing import NamedTuple
@@ -25,6 +27,7 @@ EXTEND_BLOCK_M = 64
 EXTEND_BLOCK_N = 64
 EXTEND_WARPS = 4
 EXTEND_STAGES = 2
+TILE_PLAN_BLOCK = 1024
 
 
 @triton.jit
@@ -81,7 +84,7 @@ def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, 
 
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_first_ptr,
-                   tile_count_ptr, qk_scale, stride_qr, stride_qh, stride_or, stride_oh,
+                   qk_scale, stride_qr, stride_qh, stride_or, stride_oh,
                    stride_bt, stride_slot, stride_kvh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -90,12 +93,13 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
     pdl.wait(USE_PDL)
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    first = tl.load(tile_first_ptr + tile).to(tl.int64)
-    count = tl.load(tile_count_ptr + tile)
+    first = tl.load(tile_first_ptr + tile)
+    count = tl.minimum(tl.load(tile_first_ptr + tile + 1) - first, BLOCK_M)   # 0: an unused tile
+    first = first.to(tl.int64)
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     rows = first + r
-    req = tl.load(req_ptr + first).to(tl.int64)
+    req = tl.load(req_ptr + first, mask=count > 0, other=0).to(tl.int64)
     pos = tl.load(pos_ptr + rows, mask=r < count, other=-1).to(tl.int32)
     qmask = (r[:, None] < count) & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + rows[:, None] * stride_qr + head * stride_qh + d[None, :], mask=qmask,
@@ -160,46 +164,64 @@ def sm_count(device: torch.device) -> int:
 
 
 class ExtendPlan(NamedTuple):
-    """Tiles of one extend batch: ``first[t]``/``count[t]`` rows of one request each."""
+    """Tiles of one extend batch: tile t holds the rows ``[first[t], first[t + 1])`` of
+    one request, at most ``block_m`` of them; ``first`` ends with the number of rows."""
     first: torch.Tensor
-    count: torch.Tensor
     block_m: int
 
 
-def extend_tile_plan(row_request: torch.Tensor, block_m: int = None) -> ExtendPlan:
-    """Cut each run of equal row_request into tiles of at most block_m rows (host side).
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
 
-    The plan depends only on row_request, so compute it once per batch and pass it to
-    every layer's ``extend_attention``. block_m defaults to 16..64 by the longest run."""
-    runs = row_request.cpu()
-    _, counts = torch.unique_consecutive(runs, return_counts=True)
-    if block_m is None:
-        longest = int(counts.max()) if len(counts) else 1
-        block_m = min(EXTEND_BLOCK_M, max(16, triton.next_power_of_2(longest)))
-    run_first = torch.cumsum(counts, 0) - counts
-    tiles = (counts + block_m - 1) // block_m
-    run = torch.repeat_interleave(torch.arange(len(counts)), tiles)
-    index = torch.arange(len(run)) - (torch.cumsum(tiles, 0) - tiles)[run]
-    first = run_first[run] + index * block_m
-    count = torch.clamp(counts[run] - index * block_m, max=block_m)
-    device = row_request.device
-    return ExtendPlan(first.to(device, torch.int32), count.to(device, torch.int32), block_m)
+
+@triton.jit
+def _tile_plan_kernel(req_ptr, first_ptr, rows, max_tiles, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: a tile starts at every run start of ``row_request`` and every BLOCK_M
+    rows into a run; their rows, in order, go to ``first`` (the rest of it holds ``rows``)."""
+    for base in range(0, max_tiles + 1, BLOCK):
+        offs = base + tl.arange(0, BLOCK)
+        tl.store(first_ptr + offs, rows, mask=offs <= max_tiles)
+    tl.debug_barrier()
+    run_start = tl.program_id(0) * 0
+    tiles = tl.program_id(0) * 0
+    for base in range(0, rows, BLOCK):
+        offs = base + tl.arange(0, BLOCK)
+        live = offs < rows
+        req = tl.load(req_ptr + offs, mask=live, other=-1)
+        prev = tl.load(req_ptr + offs - 1, mask=live & (offs > 0), other=-1)
+        starts = tl.associative_scan(tl.where(live & (req != prev), offs, run_start), 0, _maximum)
+        is_tile = live & ((offs - starts) % BLOCK_M == 0)
+        ids = tiles + tl.cumsum(is_tile.to(tl.int32), 0) - 1
+        tl.store(first_ptr + ids, offs, mask=is_tile)
+        tiles += tl.sum(is_tile.to(tl.int32), 0)
+        run_start = tl.max(starts, 0)
+
+
+def extend_tile_plan(row_request: torch.Tensor, max_runs: int, block_m: int = EXTEND_BLOCK_M) -> ExtendPlan:
+    """The tiles of a batch whose ``row_request`` has at most ``max_runs`` runs of equal
+    values, built on the device without a sync (the grid is sized for the most tiles)."""
+    rows = row_request.shape[0]
+    max_tiles = -(-rows // block_m) + min(rows, max_runs)
+    first = torch.empty(max_tiles + 1, dtype=torch.int32, device=row_request.device)
+    _tile_plan_kernel[(1,)](row_request, first, rows, max_tiles, BLOCK_M=block_m, BLOCK=TILE_PLAN_BLOCK)
+    return ExtendPlan(first, block_m)
 
 
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
                      page_size, plan: ExtendPlan = None):
-    """Ragged causal attention of many rows per request (prefix hits included); eager only
-    unless ``plan`` (from ``extend_tile_plan``) is given, which removes every host sync."""
+    """Ragged causal attention of many rows per request (prefix hits included); ``plan``
+    (``extend_tile_plan``'s) is built here unless given."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)
     if rows == 0:
         return out
     q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
-    plan = plan if plan is not None else extend_tile_plan(row_request)
+    plan = plan if plan is not None else extend_tile_plan(row_request, block_tables.shape[0])
     block_n = EXTEND_BLOCK_N if head_dim <= 128 else 32
-    _extend_kernel[(len(plan.first), heads)](
-        q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first, plan.count,
+    _extend_kernel[(len(plan.first) - 1, heads)](
+        q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
