@@ -87,3 +87,26 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
     assert not eng.has_work
     assert all(r.finish_reason == "length" and len(r.output) == r.params.max_tokens for r in requests)
     assert eng.scheduler.allocator.num_free == num_pages - 1
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=8), budget=st.integers(2, 16))
+def test_a_long_prompt_never_stalls_the_requests_already_generating(lengths, budget):
+    """Every step with prompt work carries every request ready to decode (while they need
+    at most half the token budget, and the pool is ample)."""
+    eng = engine(400, 4, 8, budget, overlap=False)
+    for i, n in enumerate(lengths):
+        eng.add(tuple(range(1, n + 1)), SamplingParams(max_tokens=6, ignore_eos=True, seed=i))
+    schedule, extends_with_decodes = eng.scheduler.schedule, []
+
+    def checked():
+        ready = {id(r) for r in eng.scheduler.running if r.num_uncached == 1}
+        batch = schedule()
+        if batch.kind == "extend" and ready and len(ready) <= budget // 2:
+            assert ready <= {id(r) for r in batch.requests}
+            extends_with_decodes.append(batch)
+        return batch
+    eng.scheduler.schedule = checked
+    while eng.has_work:
+        eng.step()
+    assert all(sum(b.chunk_lens) <= budget for b in extends_with_decodes)

@@ -7,20 +7,25 @@ import hashlib
 from array import array
 
 DIGEST_BYTES = 16
+TOKEN_BYTES = 8      # a token id as a signed 64-bit integer
 
 
 def page_digests(request, num_pages: int, page_size: int) -> list[bytes]:
     """The digests of ``request``'s first ``num_pages`` pages (prompt then output tokens),
-    computed once each and kept on the request."""
+    computed once each and kept on the request; the new pages' tokens become bytes in one
+    conversion (per-page lists took ~2 ms of an 8k-token prompt's admission)."""
     digests = request.page_digests
-    for page in range(len(digests), num_pages):
-        tokens = _tokens(request.prompt, request.output, page * page_size, (page + 1) * page_size)
-        parent = digests[-1] if digests else b""
-        digests.append(hashlib.blake2b(parent + array("q", tokens).tobytes(),
-                                       digest_size=DIGEST_BYTES).digest())
+    if len(digests) < num_pages:
+        data = _token_bytes(request.prompt, request.output, len(digests) * page_size, num_pages * page_size)
+        step, parent = page_size * TOKEN_BYTES, digests[-1] if digests else b""
+        for offset in range(0, len(data), step):
+            parent = hashlib.blake2b(parent + data[offset:offset + step], digest_size=DIGEST_BYTES).digest()
+            digests.append(parent)
     return digests[:num_pages]
 
 
-def _tokens(prompt, output, start: int, end: int) -> list[int]:
+def _token_bytes(prompt, output, start: int, end: int) -> bytes:
     split = len(prompt)
-    return [*prompt[start:min(end, split)], *output[max(start - split, 0):max(end - split, 0)]]
+    tokens = array("q", prompt[start:min(end, split)])
+    tokens.extend(output[max(start - split, 0):max(end - split, 0)])
+    return tokens.tobytes()

@@ -1,7 +1,7 @@
 """Continuous batching with chunked prefill, page allocation and preemption.
 
-Every step is either an extend batch (prompt chunks, plus the decode rows that fit the
-token budget) or, when no prompt work is pending, a decode batch. When pages run out a
+Every step is either an extend batch (prompt chunks, plus the decode rows, whose tokens
+come out of the budget first) or, when no prompt work is pending, a decode batch. When pages run out a
 decode batch preempts the newest request: its pages are freed and it is recomputed later,
 so no live request is ever corrupted.
 
@@ -63,9 +63,13 @@ class Scheduler:
         self._release(request)
 
     def _schedule_extend(self) -> ScheduledBatch:
-        budget, picked = self.max_num_batched_tokens, []
-        prefilling = [r for r in self.running if r.num_uncached > 1]
-        for request in prefilling:
+        """Prompt chunks and, with them, the decode rows: their tokens are set aside first
+        (up to half the budget, so prompts always advance), so a long prompt never stalls
+        the requests already generating."""
+        decoding = [r for r in self.running if r.num_uncached == 1]
+        reserved = min(len(decoding), self.max_num_batched_tokens // 2)
+        budget, picked = self.max_num_batched_tokens - reserved, []
+        for request in [r for r in self.running if r.num_uncached > 1]:
             budget = self._take(request, budget, picked)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             if self._awaits_shared_pages(self.waiting[0]):
@@ -78,8 +82,8 @@ class Scheduler:
             budget = left
             self.running.append(self.waiting.popleft())
         if picked:
-            taken = {id(r) for r, _ in picked}
-            for request in [r for r in self.running if r.num_uncached == 1 and id(r) not in taken]:
+            budget += reserved
+            for request in decoding:
                 budget = self._take(request, budget, picked)
         return ScheduledBatch("extend", tuple(r for r, _ in picked), tuple(n for _, n in picked))
 
