@@ -34,6 +34,7 @@ from tokenspeed.entrypoints.openai.server import create_app
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 CLIENTS_PER_PROCESS = 16
+CLIENT_START_S = 5.0     # a client process imports and asks for the model list meanwhile
 
 
 def bench_llm(shape: str, device: str, **options):
@@ -52,7 +53,7 @@ def start_server(spec: EngineSpec, port: int):
         if not thread.is_alive():
             raise RuntimeError("the server did not start (see its log above)")
         time.sleep(0.05)
-    return server
+    return server, thread
 
 
 def offline(llm, prompts, output_len: int, concurrency: int) -> dict:
@@ -72,7 +73,8 @@ def served(port: int, num_prompts: int, input_len: int, output_len: int, concurr
            seed: int) -> dict:
     """``tokenspeed bench serve`` in processes of their own, as clients would be: one
     process per 16 clients (one Python client parses ~10k events/s, less than the server
-    sends at 64 clients), their requests' figures merged."""
+    sends at 64 clients), all starting at one wall-clock time, their requests' figures
+    merged over the span from the first start to the last end."""
     processes = -(-concurrency // CLIENTS_PER_PROCESS)
     for prompts in (concurrency, num_prompts):                            # warm-up, then measure
         results, duration = _clients(port, prompts, input_len, output_len, concurrency, processes, seed)
@@ -85,23 +87,23 @@ def served(port: int, num_prompts: int, input_len: int, output_len: int, concurr
 
 def _clients(port, num_prompts, input_len, output_len, concurrency, processes, seed):
     with tempfile.TemporaryDirectory() as folder:
-        running = []
+        running, start_at = [], time.time() + CLIENT_START_S
         for k in range(processes):
             out = Path(folder) / f"client{k}.json"
             command = [sys.executable, "-m", "tokenspeed", "bench", "serve", "--base-url",
                        f"http://127.0.0.1:{port}", "--num-prompts", str(num_prompts // processes),
                        "--input-len", str(input_len), "--output-len", str(output_len),
                        "--max-concurrency", str(concurrency // processes), "--seed", str(seed * 100 + k),
-                       "--output-json", str(out)]
+                       "--output-json", str(out), "--start-at", str(start_at)]
             running.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
-        results, duration = [], 0.0
+        results, spans = [], []
         for process, out in running:
             if process.wait() != 0:
                 raise RuntimeError(f"a client failed: {process.stderr.read().decode()}")
             s = json.loads(out.read_text())
             results += [RequestResult(**{**r, "itl": tuple(r["itl"])}) for r in s["requests"]]
-            duration = max(duration, s["duration_s"])
-    return results, duration
+            spans.append((s["start_time"], s["end_time"]))
+    return results, max(end for _, end in spans) - min(start for start, _ in spans)
 
 
 def main() -> None:
@@ -110,7 +112,7 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--waves", type=int, default=4, help="prompts per run = waves * concurrency")
+    parser.add_argument("--waves", type=int, default=8, help="prompts per run = waves * concurrency")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--json", default="results/serve.json")
     args = parser.parse_args()
@@ -119,7 +121,7 @@ def main() -> None:
                               enable_prefix_caching=False, num_kv_pages=4096,
                               max_model_len=args.input_len + args.output_len + 16)
     llm = build()                                  # offline, in this process
-    server, rows = start_server(EngineSpec(build), args.port), []   # its twin, in the server's
+    (server, thread), rows = start_server(EngineSpec(build), args.port), []   # its twin, in the server's
     for c in args.concurrency:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
         row = {"shape": args.shape, "clients": c,
@@ -130,6 +132,7 @@ def main() -> None:
         rows.append(row)
         print(common.table([row], list(row)), flush=True)
     server.should_exit = True
+    thread.join()            # the app's shutdown stops the engine process
     print(f"\n# serving, {args.shape}, {common.device_name()}, commit {common.git_commit()}")
     print(common.table(rows, list(rows[0])))
     common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(), "rows": rows})

@@ -79,7 +79,22 @@ def sampling_kernels():
     assert "griddepcontrol.wait" in best.asm["ptx"] and row.asm["ptx"]
 
 
-@pytest.mark.parametrize("check", ["gemv_variants", "decode_kernels", "sampling_kernels"])
+def extend_kernels():
+    """Extend attention and the device tile plan it reads."""
+    from tokenspeed.backends.kernels import triton_attention as a
+    plan = compile_sm90(a._tile_plan_kernel, dict(req_ptr="*i64", first_ptr="*i32", rows="i32",
+                                                  max_tiles="i32"), dict(BLOCK_M=64, BLOCK=1024))
+    names = a._extend_kernel.arg_names
+    signature = {**dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
+                        pos_ptr="*i64", out_ptr="*bf16", tile_first_ptr="*i32", qk_scale="fp32"),
+                 **{n: "i32" for n in names if n.startswith("stride")}}
+    extend = compile_sm90(a._extend_kernel, signature, dict(
+        GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32",
+        USE_PDL=True))
+    assert plan.asm["ptx"] and "griddepcontrol.wait" in extend.asm["ptx"]
+
+
+@pytest.mark.parametrize("check", ["gemv_variants", "decode_kernels", "sampling_kernels", "extend_kernels"])
 def test_kernels_compile_for_sm90(check):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

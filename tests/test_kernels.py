@@ -534,3 +534,9 @@ def test_gpu_sampling_in_a_graph():
     positions += 1
     graph.replay()
     assert torch.equal(out[::2, 0], first[::2]) and not torch.equal(out[1::2, 0], first[1::2])
+
+
+def test_extend_tile_plan_stays_inside_its_buffer():
+    """Rows of two requests interleaved (outside the contract): 80 runs, room for 2 + 2."""
+    plan = triton_attention.extend_tile_plan(torch.tensor([0, 1] * 40, device=DEVICE), max_runs=2)
+    assert plan.first.tolist() == [0, 1, 2, 3, 80]

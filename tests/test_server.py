@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 
 import tokenspeed as ts
+from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
 from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app
 
@@ -263,3 +264,36 @@ def test_an_engine_process_that_dies_fails_its_requests_and_the_health_check():
         assert httpx.get(f"{url}/health").status_code == 503
         after = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert after.status_code == 503 and "not running" in after.json()["error"]["message"]
+
+
+def test_clients_that_leave_take_nothing_from_the_others(base_url, client, llm):
+    """Aborted prompts' last updates share reports with other prompts' tokens: a client
+    that stays gets every token while others come and go."""
+    want = llm.generate("Stay with me", ts.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].text
+    got = []
+    stayer = threading.Thread(target=lambda: got.append(client.completions.create(
+        model=MODEL, prompt="Stay with me", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})))
+    stayer.start()
+    for i in range(6):
+        body = {"prompt": f"Leaver {i}", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json=body, timeout=30) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+    stayer.join(timeout=60)
+    assert got and got[0].choices[0].text == want
+
+
+def test_a_weights_only_directory_serves_token_ids(tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((text_model_dir() / name).read_bytes())
+    assert EngineSpec.of(tmp_path).tokenizer is None
+    assert EngineSpec.of(text_model_dir()).tokenizer == str(text_model_dir())
+
+
+def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
+    reports, crashes = [], []
+    loop = EngineLoop(llm, reports.append, crashes.append).start()
+    loop.inbox.put(Submit(0, "not a prompt record", GREEDY))
+    loop.thread.join(timeout=30)
+    assert not loop.thread.is_alive() and "the engine loop failed" in crashes[0]

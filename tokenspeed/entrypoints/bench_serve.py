@@ -47,6 +47,9 @@ def add_command(bench) -> None:
     serve.add_argument("--max-concurrency", type=int, default=None)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--output-json", default=None)
+    serve.add_argument("--start-at", type=float, default=None,
+                       help="wall-clock time (seconds since the epoch) to start sending at, so "
+                            "several client processes start together")
     serve.set_defaults(run=run)
 
 
@@ -56,12 +59,16 @@ def run(args) -> None:
     prompts = random_prompts(args.num_prompts, args.input_len, served["vocab_size"], args.seed)
     spec = LoadSpec(args.base_url, args.model or served["id"], prompts, args.output_len,
                     args.request_rate, args.max_concurrency, args.api_key, args.seed)
+    if args.start_at is not None:
+        time.sleep(max(0.0, args.start_at - time.time()))
+    started = time.time()
     results, duration = asyncio.run(drive(spec))
     summary = summarize(results, duration)
     print(report(summary))
-    if args.output_json:   # with every request's figures, so runs in several processes merge
+    if args.output_json:   # every request's figures and the wall-clock span: runs merge
         with open(args.output_json, "w") as f:
-            json.dump({**summary, "requests": [attrs.asdict(r) for r in results]}, f, indent=2)
+            json.dump({**summary, "start_time": started, "end_time": started + duration,
+                       "requests": [attrs.asdict(r) for r in results]}, f, indent=2)
 
 
 def served_model(base_url: str, api_key: str | None) -> dict:

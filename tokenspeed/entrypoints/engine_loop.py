@@ -86,10 +86,11 @@ class Submission:
 
 
 class EngineLoop:
-    def __init__(self, llm, report):
+    def __init__(self, llm, report, crashed):
         """``report(StepReport)`` runs on the loop's thread after every step that changed
-        something a caller sees."""
-        self.llm, self.report = llm, report
+        something a caller sees; ``crashed(message)`` once if the loop itself fails (not
+        a step: those fail their requests), after which it reports nothing."""
+        self.llm, self.report, self.crashed = llm, report, crashed
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[int, Submission] = {}
         self._updates, self._completed, self._load = [], [], None
@@ -106,6 +107,12 @@ class EngineLoop:
         self.thread.join()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - its owner must hear of it
+            self.crashed(f"the engine loop failed: {type(exc).__name__}: {exc}")
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             self._admit(block=not self.llm.engine.has_work)
             if self.llm.engine.has_work:

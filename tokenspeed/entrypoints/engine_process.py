@@ -26,6 +26,7 @@ from tokenspeed.runtime.prompt_limits import PromptLimits
 
 START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
 STOP_TIMEOUT_S = 10.0
+EXIT_WAIT_S = 1.0
 
 
 @attrs.frozen
@@ -38,10 +39,10 @@ class EngineSpec:
     @classmethod
     def of(cls, model, **options) -> "EngineSpec":
         """``ts.LLM(model, **options)``, its tokenizer read from the same path."""
-        from tokenspeed.entrypoints.llm import LLM
+        from tokenspeed.entrypoints.llm import LLM, tokenizer_path
         from tokenspeed.models.gguf import default_model_path
         path = str(model if model is not None else default_model_path())
-        return cls(functools.partial(LLM, path, **options), path)
+        return cls(functools.partial(LLM, path, **options), tokenizer_path(path))
 
 
 class EngineInfo(NamedTuple):
@@ -121,6 +122,7 @@ class EngineClient:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
+            self.process.join(EXIT_WAIT_S)   # reaped, so its exit code is known
             return EngineFailed(f"the engine process exited (code {self.process.exitcode})")
 
     def _read(self) -> None:
@@ -139,7 +141,7 @@ def engine_main(spec: EngineSpec, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
-    loop = EngineLoop(llm, conn.send)
+    loop = EngineLoop(llm, conn.send, lambda message: conn.send(EngineFailed(message)))
     conn.send(EngineInfo(llm.engine.limits, llm.tokenizer is not None))
     loop.start()
     try:

@@ -291,10 +291,14 @@ def _tokenizer(tokenizer, model, reader=None) -> Tokenizer | None:
         return tokenizer
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
-    path = Path(model) if isinstance(model, (str, Path)) else None
-    if path is None or (path.is_dir() and not (path / "tokenizer.json").is_file()):
-        return None
-    return load_tokenizer(path, reader)
+    path = tokenizer_path(model) if isinstance(model, (str, Path)) else None
+    return None if path is None else load_tokenizer(path, reader)
+
+
+def tokenizer_path(model: str | Path) -> str | None:
+    """The model path, if it brings a tokenizer (a directory of weights alone does not)."""
+    path = Path(model)
+    return None if path.is_dir() and not (path / "tokenizer.json").is_file() else str(model)
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

@@ -1,7 +1,7 @@
 """Continuous batching with chunked prefill, page allocation and preemption.
 
-Every step is either an extend batch (prompt chunks, plus the decode rows, whose tokens
-come out of the budget first) or, when no prompt work is pending, a decode batch. When pages run out a
+Every step is either an extend batch (prompt chunks, plus the decode rows, which take
+their tokens and pages first) or, when no prompt work is pending, a decode batch. When pages run out a
 decode batch preempts the newest request: its pages are freed and it is recomputed later,
 so no live request is ever corrupted.
 
@@ -63,14 +63,30 @@ class Scheduler:
         self._release(request)
 
     def _schedule_extend(self) -> ScheduledBatch:
-        """Prompt chunks and, with them, the decode rows: their tokens are set aside first
-        (up to half the budget, so prompts always advance), so a long prompt never stalls
-        the requests already generating."""
+        """Prompt chunks and, with them, the decode rows, which come first for tokens and
+        pages (up to half the budget, so prompts always advance): a long prompt never
+        stalls the requests already generating. No prompt work, no extend batch."""
         decoding = [r for r in self.running if r.num_uncached == 1]
-        reserved = min(len(decoding), self.max_num_batched_tokens // 2)
-        budget, picked = self.max_num_batched_tokens - reserved, []
+        first = decoding[:self.max_num_batched_tokens // 2]
+        decodes: list = []
+        budget = self._take_all(first, self.max_num_batched_tokens, decodes)
+        prompts: list = []
         for request in [r for r in self.running if r.num_uncached > 1]:
+            budget = self._take(request, budget, prompts)
+        budget = self._admit(budget, prompts)
+        if not prompts:
+            return ScheduledBatch("extend", (), ())
+        self._take_all(decoding[len(first):], budget, decodes)
+        picked = decodes + prompts
+        return ScheduledBatch("extend", tuple(r for r, _ in picked), tuple(n for _, n in picked))
+
+    def _take_all(self, requests, budget: int, picked: list) -> int:
+        for request in requests:
             budget = self._take(request, budget, picked)
+        return budget
+
+    def _admit(self, budget: int, picked: list) -> int:
+        """Waiting requests join while seats, budget and pages allow; the budget left."""
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             if self._awaits_shared_pages(self.waiting[0]):
                 break
@@ -81,11 +97,7 @@ class Scheduler:
                 break
             budget = left
             self.running.append(self.waiting.popleft())
-        if picked:
-            budget += reserved
-            for request in decoding:
-                budget = self._take(request, budget, picked)
-        return ScheduledBatch("extend", tuple(r for r, _ in picked), tuple(n for _, n in picked))
+        return budget
 
     def _awaits_shared_pages(self, request: Request) -> bool:
         """Whether the sample ``request`` shares pages with is still computing them."""

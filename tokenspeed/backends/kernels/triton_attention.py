@@ -178,11 +178,8 @@ def _maximum(a, b):
 @triton.jit
 def _tile_plan_kernel(req_ptr, first_ptr, rows, max_tiles, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """One program: a tile starts at every run start of ``row_request`` and every BLOCK_M
-    rows into a run; their rows, in order, go to ``first`` (the rest of it holds ``rows``)."""
-    for base in range(0, max_tiles + 1, BLOCK):
-        offs = base + tl.arange(0, BLOCK)
-        tl.store(first_ptr + offs, rows, mask=offs <= max_tiles)
-    tl.debug_barrier()
+    rows into a run; their rows, in order, go to ``first`` (the rest of it holds ``rows``,
+    written after, to entries the tiles did not take)."""
     run_start = tl.program_id(0) * 0
     tiles = tl.program_id(0) * 0
     for base in range(0, rows, BLOCK):
@@ -193,14 +190,19 @@ def _tile_plan_kernel(req_ptr, first_ptr, rows, max_tiles, BLOCK_M: tl.constexpr
         starts = tl.associative_scan(tl.where(live & (req != prev), offs, run_start), 0, _maximum)
         is_tile = live & ((offs - starts) % BLOCK_M == 0)
         ids = tiles + tl.cumsum(is_tile.to(tl.int32), 0) - 1
-        tl.store(first_ptr + ids, offs, mask=is_tile)
+        tl.store(first_ptr + ids, offs, mask=is_tile & (ids < max_tiles))
         tiles += tl.sum(is_tile.to(tl.int32), 0)
         run_start = tl.max(starts, 0)
+    for base in range(0, max_tiles + 1, BLOCK):
+        offs = base + tl.arange(0, BLOCK)
+        tl.store(first_ptr + offs, rows, mask=(offs >= tl.minimum(tiles, max_tiles)) & (offs <= max_tiles))
 
 
 def extend_tile_plan(row_request: torch.Tensor, max_runs: int, block_m: int = EXTEND_BLOCK_M) -> ExtendPlan:
     """The tiles of a batch whose ``row_request`` has at most ``max_runs`` runs of equal
-    values, built on the device without a sync (the grid is sized for the most tiles)."""
+    values, built on the device without a sync (the grid is sized for the most tiles).
+    Extend batches keep each request's rows together (``plan_extend``, the decoder view),
+    so their runs are at most the table's rows; tiles past the bound are never written."""
     rows = row_request.shape[0]
     max_tiles = -(-rows // block_m) + min(rows, max_runs)
     first = torch.empty(max_tiles + 1, dtype=torch.int32, device=row_request.device)
@@ -210,8 +212,8 @@ def extend_tile_plan(row_request: torch.Tensor, max_runs: int, block_m: int = EX
 
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
                      page_size, plan: ExtendPlan = None):
-    """Ragged causal attention of many rows per request (prefix hits included); ``plan``
-    (``extend_tile_plan``'s) is built here unless given."""
+    """Ragged causal attention of many rows per request (prefix hits included), each
+    request's rows together; ``plan`` (``extend_tile_plan``'s) is built here unless given."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)

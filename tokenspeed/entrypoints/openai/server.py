@@ -64,9 +64,11 @@ class Server:
         self.event_loop.call_soon_threadsafe(self._dispatch, report)
 
     def _dispatch(self, report: StepReport) -> None:
+        """Each update to its prompt's handler; a prompt aborted here (its client left)
+        has no handler any more, and its last update is dropped."""
         self.metrics.observe(report)
         for key, update in report.updates:
-            callback = self._callbacks.pop(key) if update.finished else self._callbacks.get(key)
+            callback = self._callbacks.pop(key, None) if update.finished else self._callbacks.get(key)
             if callback is not None:
                 callback(update)
 
@@ -105,22 +107,27 @@ class Server:
 
     def submit(self, prompts: list[Prompt], params) -> tuple[list[int], asyncio.Queue]:
         """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
-        if not self.engine.alive:
-            raise APIError(503, f"the engine is not running (exit code {self.engine.process.exitcode})",
-                           None, "ServiceUnavailableError")
         updates, keys = asyncio.Queue(), []
-        for i, prompt in enumerate(prompts):
-            keys.append(next(self._keys))
-            self._callbacks[keys[-1]] = lambda u, i=i: updates.put_nowait((i, u))
-            self.engine.submit(keys[-1], prompt, params)
-            self.metrics.admitted(len(prompt.token_ids) * params.n)
+        try:
+            if not self.engine.alive:
+                raise OSError("the engine process is gone")
+            for i, prompt in enumerate(prompts):
+                keys.append(next(self._keys))
+                self._callbacks[keys[-1]] = lambda u, i=i: updates.put_nowait((i, u))
+                self.engine.submit(keys[-1], prompt, params)
+                self.metrics.admitted(len(prompt.token_ids) * params.n)
+        except OSError as exc:
+            self.abort(keys)
+            raise APIError(503, f"the engine is not running ({exc}; exit code "
+                           f"{self.engine.process.exitcode})", None, "ServiceUnavailableError") from exc
         return keys, updates
 
     def abort(self, keys) -> None:
         """Stop the prompts of ``keys`` that have not finished."""
         for key in keys:
             if self._callbacks.pop(key, None) is not None:
-                self.engine.abort(key)
+                with contextlib.suppress(OSError):   # a dead engine has nothing to abort
+                    self.engine.abort(key)
 
     async def collect(self, request: Request, keys, updates) -> list:
         """Every prompt's updates, in order, until all finish; aborts if the client leaves."""
@@ -275,7 +282,8 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
             events = []
             for index, update in await _arrived(updates):   # one write for all that arrived
                 if update.error:
-                    yield f"data: {json.dumps(APIError(500, update.error, None, 'InternalServerError').body())}\n\n"
+                    error = APIError(500, update.error, None, "InternalServerError").body()
+                    yield "".join(events) + f"data: {json.dumps(error)}\n\n"
                     return
                 events.append(_event(fmt.chunks(index, update, request_id, created)))
                 if update.finished:
