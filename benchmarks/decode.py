@@ -1,6 +1,7 @@
 """Decode time per output token against Hugging Face peers and the memory floor.
 
     python -m benchmarks.decode [--shapes qwen2.5-0.5b llama-3.2-1b] [--batches 1 8 32]
+    python -m benchmarks.decode --speculative 4 --batches 1 16      (speculative decoding rows)
 
 Peers measured in the same run: Hugging Face eager ``generate``; ``generate`` with a static
 cache and torch.compile(mode="reduce-overhead") (``hf_generate_compile_ms``); and, as its best
@@ -12,6 +13,7 @@ decoding); ``ours_sync_ms`` reads every step's tokens before preparing the next.
 
 import argparse
 import gc
+import statistics
 import time
 
 import torch
@@ -103,6 +105,43 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
     return rows
 
 
+REPETITIVE = ["Repeat this text exactly, twice: The quick brown fox jumps over the lazy dog while the "
+              "farmer watches from the old wooden fence.",
+              "Continue this list in the same pattern: 1. apples 2. pears 3. apples 4. pears 5.",
+              "Copy this code and add a docstring to it:\ndef add(a, b):\n    return a + b\n\n"
+              "def sub(a, b):\n    return a - b"]
+FREE_FORM = ["Write a short story about a lighthouse keeper.", "Explain how rain forms.",
+             "Describe your ideal weekend in detail."]
+
+
+def speculative_rows(num_tokens: int, batches, new_tokens: int) -> list[dict]:
+    """The default model (bf16 on a GPU) with and without n-gram speculation, on prompts
+    that invite repetition and on free-form ones: time per output token and accept length."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if device == "cuda" else None
+    kw = dict(device=device, dtype=dtype, max_num_seqs=max(batches), enable_prefix_caching=False)
+    plain = ts.LLM(**kw)
+    speculative = ts.LLM(speculative=ts.SpeculativeConfig(num_tokens=num_tokens), **kw)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    rows = []
+    for workload, texts in (("repetitive", REPETITIVE), ("free-form", FREE_FORM)):
+        for batch in batches:
+            chats = [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(batch)]
+            row = {"workload": workload, "batch": batch}
+            for name, llm in (("plain", plain), ("speculative", speculative)):
+                llm.chat(chats, params, use_tqdm=False)                      # warm-up
+                outputs = llm.chat(chats, params, use_tqdm=False)
+                row[f"{name}_ms"] = statistics.median(
+                    (o.metrics.finish_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+                    for o in outputs) * 1e3
+                if name == "speculative":
+                    row["accept_length"] = statistics.mean(o.metrics.mean_accept_length or 1.0 for o in outputs)
+            row["speedup"] = row["plain_ms"] / row["speculative_ms"]
+            rows.append(row)
+            print(common.table([row], list(row)), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
@@ -110,7 +149,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--json", default="results/decode.json")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="instead: the default model with K n-gram drafts per step against none")
     args = parser.parse_args()
+    if args.speculative:
+        rows = speculative_rows(args.speculative, args.batches, args.new_tokens)
+        print(f"\n# speculative decoding (n-gram, {args.speculative} drafts), default model, "
+              f"{common.device_name()}, commit {common.git_commit()}")
+        print(common.table(rows, list(rows[0])))
+        common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
+                                      "rows": rows})
+        return
     bandwidth = common.copy_bandwidth()
     rows = []
     for shape in args.shapes:

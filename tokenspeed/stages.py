@@ -107,12 +107,15 @@ class Lowered:
 
 
 def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileConfig(),
-            backend=None, workers: CompileWorkers | None = None) -> "Compiled":
+            backend=None, workers: CompileWorkers | None = None,
+            verify: Lowered | None = None, verify_window: int = 1) -> "Compiled":
     """Bind a KV pool, build both runners and capture every graph, once.
 
     ``backend``: the backend tree (default: paged attention); lower decode with its
     ``graph_support().decode_graph``. ``workers``: kernel compile processes the caller
-    started early (``ts.LLM`` starts them before tracing, so their imports overlap it)."""
+    started early (``ts.LLM`` starts them before tracing, so their imports overlap it).
+    ``verify``: decode lowered in verify mode, for speculative decoding's windows of up to
+    ``verify_window`` rows per request (a third runner over the same pool)."""
     backend = backend or PagedAttentionBackend()
     support = config.graph_support(backend.graph_support())
     limits = config.resolve(decode.config)
@@ -123,10 +126,10 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     kv_cache = allocate_kv_cache(decode.config, num_pages, config.page_size, weights.dtype,
                                  config.device)
     with workers or CompileWorkers(config.workers_for(support)) as started:
-        runners = build_runners({"prefill": prefill.program, "decode": decode.program}, kv_cache,
-                                backend, support, config, limits, started)
-    return Compiled(config, limits, {"prefill": prefill, "decode": decode}, kv_cache, *runners,
-                    support)
+        lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
+        runners = build_runners({mode: lo.program for mode, lo in lowered.items()}, kv_cache,
+                                backend, support, config, limits, started, verify_window)
+    return Compiled(config, limits, lowered, kv_cache, *runners, support)
 
 
 @attrs.frozen
@@ -140,6 +143,7 @@ class Compiled:
     kv_cache: torch.Tensor = attrs.field(repr=False)
     prefill: PrefillRunner = attrs.field(repr=False)
     decode: DecodeRunner = attrs.field(repr=False)
+    verify: DecodeRunner | None = attrs.field(repr=False)
     startup: StartupReport
     support: CudaGraphSupport
 
@@ -152,9 +156,11 @@ class Compiled:
         lines = [f"# compiled for {self.kv_cache.device}: {self.num_pages} KV pages of "
                  f"{self.config.page_size} tokens, max_model_len={self.limits.max_model_len}",
                  self.startup.as_text()]
-        replayed = {"prefill": {name for name, _ in self.prefill.graphs},
-                    "decode": {s.name for s in self.lowered["decode"].segments
-                               if s.kind == "graph" and self.decode.graphs}}
+        replayed = {"prefill": {name for name, _ in self.prefill.graphs}}
+        for mode, runner in (("decode", self.decode), ("verify", self.verify)):
+            if mode in self.lowered:
+                replayed[mode] = {s.name for s in self.lowered[mode].segments
+                                  if s.kind == "graph" and runner.graphs}
         for mode, lowered in self.lowered.items():
             lines.append(f"\n## {mode}")
             for seg in lowered.segments:

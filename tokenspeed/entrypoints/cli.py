@@ -58,6 +58,8 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     command.add_argument("--max-model-len", type=int, default=None)
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
+    command.add_argument("--speculative-tokens", type=int, default=0,
+                         help="verify up to K n-gram drafts per decode step (0: off; outputs are unchanged)")
 
 
 def _sampling_options(command: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -76,8 +78,11 @@ def load_llm(args, **options):
 
 def llm_options(args, **options) -> dict:
     """``LLM`` keyword arguments from the engine options on the command line."""
+    from tokenspeed.runtime.speculative import SpeculativeConfig
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
+    if args.speculative_tokens:
+        options["speculative"] = SpeculativeConfig(num_tokens=args.speculative_tokens)
     return dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, **options)
 
 

@@ -28,6 +28,7 @@ from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
+from tokenspeed.runtime.speculative import SpeculativeConfig
 from tokenspeed.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -37,7 +38,8 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.flo
 class LLM:
     def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None,
                  enforce_eager: bool = False, overlap: bool = True,
-                 enable_prefix_caching: bool = True, backend=None, **compile_options):
+                 enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
+                 backend=None, **compile_options):
         """``model``: a Hugging Face directory, a GGUF file or a tokenspeed model (default:
         the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
@@ -46,7 +48,10 @@ class LLM:
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
         ``compile_workers``). ``enforce_eager``: no graphs, as ``graphs=False``.
         ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
-        requests reuse the cached pages of prompts that start alike."""
+        requests reuse the cached pages of prompts that start alike. ``speculative``: decode
+        steps verify drafted tokens (``ts.SpeculativeConfig``; outputs are unchanged)."""
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
         model = default_model_path() if model is None else model
         config = CompileConfig(device=checked_device(device),
                                **_graphs_option(enforce_eager, compile_options))
@@ -58,15 +63,17 @@ class LLM:
             self.tokenizer = _tokenizer(tokenizer, model, reader)
             self.traced = stages.trace(self.model)
             decode_graph = backend.graph_support().decode_graph
+            verify = self.traced.lower("verify", decode_graph=decode_graph) if speculative else None
             self.compiled = stages.compile(self.traced.lower("prefill"),
                                            self.traced.lower("decode", decode_graph=decode_graph),
-                                           config, backend, workers)
+                                           config, backend, workers, verify,
+                                           speculative.window if speculative else 1)
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
                               enable_prefix_caching)
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
-                             config.seed)
+                             config.seed, self.compiled.verify, speculative)
         self._lock = threading.Lock()
         self._streams: dict[Request, TextStream] = {}
         self._failures, self._failure = 0, None   # failed steps so far, and the last error
@@ -204,10 +211,12 @@ class LLM:
         completions = tuple(r.completion() if s is None else r.completion(s.text, s.kept_tokens)
                             for r, s in zip(group, streams))
         first = [r.first_token_time for r in group if r.first_token_time is not None]
+        windows = sum(r.num_verify_steps for r in group)
         metrics = RequestMetrics(group[0].arrival_time, min(first, default=None),
                                  max(r.finish_time for r in group), len(prompt.token_ids),
                                  sum(len(c.token_ids) for c in completions),
-                                 group[0].num_cached_prompt_tokens)
+                                 group[0].num_cached_prompt_tokens,
+                                 sum(r.num_verified_tokens for r in group) / windows if windows else None)
         return RequestOutput(group[0].id, prompt.token_ids, completions, metrics, prompt.text)
 
     def _require_tokenizer(self) -> Tokenizer:

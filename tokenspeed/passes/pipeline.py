@@ -13,13 +13,17 @@ from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
 from tokenspeed.passes.split import split_segments
 
-MODES = ("prefill", "decode")
+MODES = ("prefill", "decode", "verify")
 
 
 def pipeline(mode: str, narrow: bool, decode_graph: bool) -> list:
+    """``verify`` is decode for windows of several rows per request: each row reads keys
+    other rows of its request write in the same step, so the cache writes stay a kernel of
+    their own, ahead of the attention (the fused kernel writes and attends per row)."""
     if mode == "prefill":
         return ([narrow_rows] if narrow else []) + [fuse_norms, attention_breaks, split_segments]
-    return [decode_kernels, fuse_norms, fuse_rope_write_kv, fuse_rope_decode_attention,
+    fused = [fuse_rope_decode_attention] if mode == "decode" else []
+    return [decode_kernels, fuse_norms, fuse_rope_write_kv, *fused,
             select_linear, fuse_gated_linear, fuse_norm_linear,
             whole_graph if decode_graph else attention_breaks, split_segments]
 

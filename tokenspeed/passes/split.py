@@ -24,7 +24,7 @@ def split_segments(program: Program, **_) -> Program:
 
 
 def _segment(program: Program, index: int, nodes: list[fx.Node]) -> Segment:
-    stage = nodes[0].meta.get("stage", "decode" if program.mode == "decode" else "model")
+    stage = nodes[0].meta.get("stage", "decode" if program.mode in ("decode", "verify") else "model")
     is_attention = any(n.target in ATTENTION_TARGETS for n in nodes) and len(nodes) == 1
     kind = "break" if is_attention or stage in EAGER_STAGES else "graph"
     gm, inputs, outputs = _extract(program.graph_module, nodes)

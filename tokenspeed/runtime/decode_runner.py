@@ -44,13 +44,13 @@ class DecodeRunner:
         """Host-side descriptor; publishing moves it to the device in one copy."""
         return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size)
 
-    def capture(self, capturer, ladder: tuple[int, ...], progress=None) -> None:
+    def capture(self, capturer, ladder: tuple[int, ...], progress=None, name: str = "decode") -> None:
         """Largest rung first, so smaller graphs reuse the shared pool's memory."""
         self.ladder = ladder
         for bs in sorted(ladder, reverse=True):
             view, sampling, out = self.idle_inputs(bs)
             self.graphs[bs] = capturer.capture(
-                f"decode[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o),
+                f"{name}[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o),
                 reach=lambda bs=bs: self.reach(bs))
             if progress is not None:
                 progress.update(1)

@@ -20,6 +20,7 @@ from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
+from tokenspeed.runtime.speculative import SpeculativeConfig
 
 SEED_BITS = 62
 
@@ -32,10 +33,15 @@ class InFlight:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
-                 overlap: bool = True, seed: int = 0):
+                 overlap: bool = True, seed: int = 0, verify=None,
+                 speculative: SpeculativeConfig | None = None):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
-        ``seed`` draws the noise seeds of requests that bring none."""
+        ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
+        of speculative windows, with ``speculative`` saying how drafts are proposed."""
+        if (verify is None) != (speculative is None):
+            raise ValueError("speculative decoding needs both a verify runner and its config")
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
+        self.verify, self.speculative = verify, speculative
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
@@ -93,6 +99,9 @@ class Engine:
             self.in_flight = self._chain(flight)
             return self._collect(flight)
         batch = self.scheduler.schedule()
+        drafts = self._drafts(batch) if self.speculative is not None else None
+        if drafts and any(drafts):
+            return self._verify(batch.requests, drafts)
         if batch.kind == "decode" and batch.requests and self.overlap:
             self.in_flight = InFlight(batch.requests, self.decode.launch(
                 _decode_rows(batch.requests), [r.sampling for r in batch.requests]))
@@ -113,7 +122,8 @@ class Engine:
         requests, scheduler = flight.requests, self.scheduler
         if scheduler.waiting or len(scheduler.running) != len(requests) or \
                 not any(self._wants_another(r) for r in requests) or \
-                any(r.sampling.reads_history for r in requests):
+                any(r.sampling.reads_history for r in requests) or \
+                (self.speculative is not None and any(self._draft(r) for r in requests)):
             return None
         rows = []
         for request in requests:  # one pass over the rows: this is host time of every step
@@ -122,6 +132,46 @@ class Engine:
                 return None
             rows.append(DecodeRow(0, position, tuple(request.pages)))
         return InFlight(requests, self.decode.launch(rows, [r.sampling for r in requests], chained=True))
+
+    def _drafts(self, batch: ScheduledBatch) -> list[tuple[int, ...]] | None:
+        """Each decode row's drafts (none where the request's sampling reads its history)."""
+        return [self._draft(r) for r in batch.requests] if batch.kind == "decode" else None
+
+    def _draft(self, request: Request) -> tuple[int, ...]:
+        if request.sampling.reads_history:
+            return ()
+        room = min(request.params.max_tokens - len(request.output), self.max_model_len - request.num_tokens) - 1
+        return self.speculative.propose(request.tokens, room)
+
+    def _verify(self, requests, drafts) -> list[Request]:
+        """One window per request, its last token then its drafts; each request keeps the
+        samples while every draft equals the sample before it (module ``speculative``)."""
+        rows, sampling, widths = [], [], []
+        for request, draft in zip(requests, drafts):
+            if not self.scheduler.grow(request, request.num_tokens + len(draft)):
+                draft = ()
+            position, pages = request.num_tokens - 1, tuple(request.pages)
+            rows += [DecodeRow(t, position + j, pages) for j, t in enumerate((request.last_token, *draft))]
+            sampling += [request.sampling] * (1 + len(draft))
+            widths.append(1 + len(draft))
+        future = self.verify.launch(rows, sampling)
+        tokens, logprobs, finished, row = future.tokens(), future.logprobs(), [], 0
+        for request, draft, width in zip(requests, drafts, widths):
+            kept = self._keep(request, draft, tokens[row:row + width], logprobs[row:row + width])
+            request.record_verify(kept)
+            if request.finished:
+                finished.append(request)
+            row += width
+        return finished
+
+    def _keep(self, request: Request, draft, tokens, logprobs) -> int:
+        """Append the window's samples while the drafts match them; how many were kept."""
+        for j, (token, lp) in enumerate(zip(tokens, logprobs)):
+            request.num_cached += 1        # row j's input is now a token of the request
+            self.scheduler.remember_full_pages(request)
+            if self._append(request, token, lp) or j == len(tokens) - 1 or draft[j] != token:
+                return j + 1
+        return len(tokens)
 
     def _wants_another(self, request: Request) -> bool:
         """Whether ``request`` can still need a token after the one in flight."""

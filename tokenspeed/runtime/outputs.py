@@ -17,13 +17,15 @@ class TokenLogprobs:
 @attrs.frozen
 class RequestMetrics:
     """Wall-clock times (``time.time()``) and token counts of one request (all its samples);
-    ``num_cached_tokens``: prompt tokens its first sample found cached (not computed)."""
+    ``num_cached_tokens``: prompt tokens its first sample found cached (not computed);
+    ``mean_accept_length``: tokens kept per speculative window (None without speculation)."""
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    mean_accept_length: float | None = None
 
 
 @attrs.frozen

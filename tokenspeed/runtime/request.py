@@ -29,6 +29,8 @@ class Request:
     num_cached_prompt_tokens: int = 0      # of the prompt, found cached when admitted
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
     num_pages_remembered: int = 0          # of its pages, those the allocator knows by digest
+    num_verify_steps: int = 0              # speculative windows it took part in
+    num_verified_tokens: int = 0           # tokens those windows kept
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     arrival_time: float = attrs.Factory(time.time)
@@ -55,6 +57,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def record_verify(self, kept: int) -> None:
+        self.num_verify_steps += 1
+        self.num_verified_tokens += kept
 
     sampling: RowSampling = attrs.field(init=False)  # its sampled rows (reads output live)
 

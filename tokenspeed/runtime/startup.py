@@ -42,32 +42,43 @@ log = logging.getLogger(__name__)
 
 def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: CudaGraphSupport,
                   config: CompileConfig, limits: EngineLimits,
-                  compile_workers: precompile.CompileWorkers):
-    """The prefill and decode runners over ``kv_cache``, every graph ``support`` allows
-    captured, and the report. ``compile_workers``: started by the caller, stopped here once
-    the captures' kernels are compiled."""
+                  compile_workers: precompile.CompileWorkers, verify_window: int = 1):
+    """The prefill and decode runners (and a verify runner, when ``programs`` has one, for
+    windows of ``verify_window`` rows per request) over ``kv_cache``, every graph
+    ``support`` allows captured, and the report. ``compile_workers``: started by the
+    caller, stopped here once the captures' kernels are compiled."""
     device = kv_cache.device
     ladder = decode_ladder(config.max_num_seqs, config.capture_sizes) if support.decode_graph else ()
     tokens, views = _prefill_ladders(config, support)
     decode = DecodeRunner(programs["decode"], kv_cache, backend, max((config.max_num_seqs, *ladder)),
                           limits.max_pages, config.page_size)
+    verify, verify_ladder = None, ()
+    if "verify" in programs:
+        rows = config.max_num_seqs * verify_window
+        verify_ladder = decode_ladder(rows) if support.decode_graph else ()
+        verify = DecodeRunner(programs["verify"], kv_cache, backend, max((rows, *verify_ladder)),
+                              limits.max_pages, config.page_size)
     prefill = PrefillRunner(programs["prefill"], kv_cache, backend, limits.max_pages,
                             config.page_size, config.view_width, tokens, views)
     capturer = GraphCapturer(device)
     walks = len(prefill.capture_walks())
     start = time.perf_counter()
-    precompiled = _precompile(decode, prefill, ladder, walks, compile_workers) \
+    steps = [(decode, ladder), *([(verify, verify_ladder)] if verify is not None else [])]
+    precompiled = _precompile(steps, prefill, walks, compile_workers) \
         if compile_workers.running and (ladder or walks) else 0
     compile_workers.stop()
     compiled, memory = time.perf_counter(), _reserved(device)
-    with torch.inference_mode(), tqdm(total=len(ladder) + walks, desc="capturing graphs",
-                                      disable=None if ladder or walks else True, leave=False) as bar:
+    total = len(ladder) + len(verify_ladder) + walks
+    with torch.inference_mode(), tqdm(total=total, desc="capturing graphs",
+                                      disable=None if total else True, leave=False) as bar:
         decode.capture(capturer, ladder, bar)
+        if verify is not None:
+            verify.capture(capturer, verify_ladder, bar, name="verify")
         prefill.capture(capturer, bar)
     capturer.seal()
     report = StartupReport(ladder, tokens, views, capturer.count, time.perf_counter() - compiled,
                            _reserved(device) - memory, precompiled, compiled - start)
-    return prefill, decode, report
+    return prefill, decode, verify, report
 
 
 def _prefill_ladders(config: CompileConfig, support: CudaGraphSupport) -> tuple[tuple, tuple]:
@@ -85,13 +96,15 @@ def _ladder_text(ladder: tuple[int, ...]) -> str:
     return f"[{ladder[0]}, {ladder[1]}, {ladder[2]} .. {ladder[-1]}] ({len(ladder)} rungs)"
 
 
-def _precompile(decode, prefill, ladder, walks: int, pool: precompile.CompileWorkers) -> int:
-    """Record the kernel variants the captures launch and compile them in the ``pool``'s
-    processes (see ``precompile``); returns how many they compiled (none when an earlier
-    start on this machine compiled the same set, or when a worker failed)."""
+def _precompile(steps, prefill, walks: int, pool: precompile.CompileWorkers) -> int:
+    """Record the kernel variants the captures launch (``steps``: each decode-like runner
+    with its ladder) and compile them in the ``pool``'s processes (see ``precompile``);
+    returns how many they compiled (none when an earlier start on this machine compiled
+    the same set, or when a worker failed)."""
     with torch.inference_mode(), precompile.dry_run() as variants:
-        for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
-            decode.dry_step(bs)  # is new after two rungs that were not
+        for runner, ladder in steps:
+            for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
+                runner.dry_step(bs)  # is new after two rungs that were not
         if walks:
             view, tokens = min(prefill.view_ladder), min(prefill.token_ladder)
             _walk_until_quiet(lambda t: prefill.dry_walk(t, view), prefill.token_ladder, variants)

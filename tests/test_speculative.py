@@ -1,0 +1,122 @@
+"""Speculative decoding: whatever the drafts, the outputs are plain decoding's, token for
+token, greedy and seeded sampling alike, with graphs, preemption and prefix caching; the
+n-gram proposer proposes what followed an earlier occurrence; bad configurations are
+refused."""
+
+import functools
+import random
+import types
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.models.random import TINY_LLAMA, random_model
+from tokenspeed.runtime.speculative import propose_ngram
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], list(range(30, 60))]
+
+
+@functools.lru_cache(maxsize=None)
+def engines(graphs: bool, num_kv_pages: int | None = None):
+    model = random_model(TINY_LLAMA)
+    kw = dict(max_num_seqs=4, graphs=graphs, num_kv_pages=num_kv_pages, page_size=4)
+    return ts.LLM(model, **kw), ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3), **kw)
+
+
+class ScriptedDrafts:
+    """Drafts that follow plain decoding's output with probability ``right``, else random
+    tokens: windows that are kept whole, in part and not at all."""
+
+    def __init__(self, truth: list[list[int]], right: float, seed: int):
+        self.truth, self.right, self.rng = truth, right, random.Random(seed)
+
+    def propose(self, tokens, limit: int) -> tuple[int, ...]:
+        k = self.rng.randint(0, min(3, limit)) if limit > 0 else 0
+        for full in self.truth:
+            if full[:len(tokens)] == list(tokens) and self.rng.random() < self.right:
+                return tuple(full[len(tokens):len(tokens) + k])
+        return tuple(self.rng.randrange(TINY_LLAMA["vocab_size"]) for _ in range(k))
+
+
+def outputs(llm, params):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(temperature=st.sampled_from([0.0, 1.0]), right=st.sampled_from([0.0, 0.5, 0.9]),
+       graphs=st.booleans(), stop=st.booleans(), seed=st.integers(0, 3))
+def test_any_drafts_give_plain_decodings_tokens(temperature, right, graphs, stop, seed):
+    plain, speculative = engines(graphs)
+    params = ts.SamplingParams(temperature=temperature, max_tokens=24, seed=seed, ignore_eos=True)
+    want = outputs(plain, params)
+    if stop:   # a stop token inside some window: the request ends there, as plainly
+        params = ts.SamplingParams(temperature=temperature, max_tokens=24, seed=seed, ignore_eos=True,
+                                   stop_token_ids=[want[0][5]])
+        want = outputs(plain, params)
+    truth = [p + list(w) for p, w in zip(PROMPTS, want)]
+    speculative.engine.speculative = ScriptedDrafts(truth, right, seed)
+    got = speculative.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert all(1 <= o.metrics.mean_accept_length <= 4 for o in got if o.metrics.mean_accept_length)
+    assert speculative.engine.scheduler.allocator.num_free == speculative.compiled.num_pages - 1
+
+
+def test_ngram_drafts_are_kept_on_text_that_repeats():
+    plain, speculative = engines(False)
+    speculative.engine.speculative = ts.SpeculativeConfig(num_tokens=3)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    got = speculative.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == outputs(plain, params)
+    assert max(o.metrics.mean_accept_length for o in got) > 1.5
+
+
+def test_a_tiny_pool_preempts_and_caches_alike():
+    plain, speculative = engines(False, num_kv_pages=24)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = outputs(plain, params)
+    speculative.engine.speculative = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.8, 1)
+    assert outputs(speculative, params) == want
+    assert outputs(speculative, params) == want      # again, from the prefix cache
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 5), max_size=30), k=st.integers(1, 4), n_max=st.integers(1, 4))
+def test_ngram_proposals_continue_an_earlier_occurrence(tokens, k, n_max):
+    draft = propose_ngram(tokens, k, n_max)
+    assert len(draft) <= k
+    if draft:
+        matches = [(n, s) for n in range(1, n_max + 1) for s in range(len(tokens) - n)
+                   if tokens[s:s + n] == tokens[len(tokens) - n:] and tuple(tokens[s + n:s + n + len(draft)]) == draft]
+        assert matches
+    if len(set(tokens)) == len(tokens):
+        assert draft == ()
+
+
+def test_ngram_prefers_the_longest_and_latest_match():
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], 2, 3) == (9, 2)    # [1, 2, 3] beats [2, 3]
+    assert propose_ngram([5, 1, 5, 2, 5], 1, 1) == (2,)                      # the latest 5
+    assert propose_ngram([256, 1, 256], 2, 1) == (1, 256)                   # whole tokens only
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(num_tokens=0), ValueError, "num_tokens=0"),
+    (dict(method="medusa"), ValueError, "method='medusa'"),
+    (dict(method="draft"), NotImplementedError, "not built yet"),
+    (dict(ngram_min=3, ngram_max=2), ValueError, "ngram_min=3 > ngram_max=2"),
+])
+def test_bad_speculative_configs_are_refused(options, error, match):
+    with pytest.raises(error, match=match):
+        ts.SpeculativeConfig(**options)
+
+
+def test_speculative_must_be_a_config():
+    with pytest.raises(TypeError, match="SpeculativeConfig"):
+        ts.LLM(random_model(TINY_LLAMA), speculative="ngram")
+
+
+def test_a_verify_runner_needs_its_config():
+    with pytest.raises(ValueError, match="both"):
+        from tokenspeed.runtime.engine import Engine
+        Engine(None, None, None, types.SimpleNamespace(eos_token_ids=(), vocab_size=1), 8,
+               verify=object())

@@ -1,0 +1,73 @@
+"""Speculative decoding: a request's decode step verifies a window of candidate tokens.
+
+Row 0 of a request's window is its last token, rows 1..k are drafts; every row is
+sampled as a plain decode row at its position (the keyed Gumbel-max, so a row samples
+exactly what plain decoding would sample there given the same prefix), and the request
+keeps the samples while each draft equals the sample before it. With drafts that are
+proposed deterministically (``ngram``), keeping a sample when it equals the draft is
+rejection sampling with a one-hot proposal: greedy and sampled outputs are those of plain
+decoding, token for token. A request with no draft verifies a window of one row.
+
+``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier
+occurrence of the longest suffix of the request's own tokens (``ngram_max`` down to
+``ngram_min`` tokens): no extra model. It finds nothing on text that does not repeat, and
+then the step is a plain decode step.
+"""
+
+from array import array
+
+import attrs
+
+METHODS = ("ngram",)
+
+
+def _at_least_one(instance, attribute, value):
+    if value < 1:
+        raise ValueError(f"speculative {attribute.name}={value}: must be >= 1")
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """``num_tokens``: drafts per step (the verify window is ``num_tokens + 1`` rows)."""
+    method: str = "ngram"
+    num_tokens: int = attrs.field(default=3, validator=_at_least_one)
+    ngram_max: int = attrs.field(default=4, validator=_at_least_one)
+    ngram_min: int = attrs.field(default=1, validator=_at_least_one)
+
+    def __attrs_post_init__(self):
+        if self.method == "draft":
+            raise NotImplementedError("speculative method 'draft' (a draft model) is not built yet; "
+                                      "use method='ngram'")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method={self.method!r}: expected one of {METHODS}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative ngram_min={self.ngram_min} > ngram_max={self.ngram_max}")
+
+    @property
+    def window(self) -> int:
+        return self.num_tokens + 1
+
+    def propose(self, tokens, limit: int) -> tuple[int, ...]:
+        """Up to ``min(num_tokens, limit)`` drafts to follow ``tokens``."""
+        limit = min(self.num_tokens, limit)
+        return propose_ngram(tokens, limit, self.ngram_max, self.ngram_min) if limit > 0 else ()
+
+
+ITEM = array("q").itemsize
+
+
+def propose_ngram(tokens, k: int, n_max: int, n_min: int = 1) -> tuple[int, ...]:
+    """The (up to) ``k`` tokens after the latest earlier occurrence of the longest suffix
+    n-gram of ``tokens`` (``n_max`` down to ``n_min``); () if none recurs. The search runs
+    over the tokens' bytes (``bytes.rfind``), not a Python loop per position."""
+    data = array("q", tokens).tobytes()
+    count = len(data) // ITEM
+    for n in range(min(n_max, count - 1), n_min - 1, -1):
+        pattern = data[(count - n) * ITEM:]
+        end = (count - 1) * ITEM          # an occurrence must end before the last token
+        while (found := data.rfind(pattern, 0, end)) >= 0:
+            if found % ITEM == 0:
+                start = found // ITEM + n
+                return tuple(tokens[start:start + k])
+            end = found + len(pattern) - 1
+    return ()
