@@ -297,3 +297,17 @@ def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
     loop.inbox.put(Submit(0, "not a prompt record", GREEDY))
     loop.thread.join(timeout=30)
     assert not loop.thread.is_alive() and "the engine loop failed" in crashes[0]
+
+
+def test_a_speculative_server_streams_what_plain_decoding_says(llm):
+    path = str(text_model_dir())
+    spec = EngineSpec(functools.partial(ts.LLM, path, speculative=ts.SpeculativeConfig(num_tokens=3),
+                                        **OPTIONS), path)
+    prompt = "one two three one two three one two"
+    want = llm.generate(prompt, ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].text
+    with running(create_app(spec, MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want

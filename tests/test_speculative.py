@@ -120,3 +120,23 @@ def test_a_verify_runner_needs_its_config():
         from tokenspeed.runtime.engine import Engine
         Engine(None, None, None, types.SimpleNamespace(eos_token_ids=(), vocab_size=1), 8,
                verify=object())
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off():
+    """Drafts that are always wrong: proposals get rarer (2, 4, 8.. tokens apart), and the
+    output is still plain decoding's."""
+    plain, speculative = engines(False)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    want = plain.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0].token_ids
+    wrong = next(t for t in range(TINY_LLAMA["vocab_size"]) if t not in want)
+    engine, windows = speculative.engine, []
+    engine.speculative = types.SimpleNamespace(propose=lambda tokens, limit: (wrong,) * min(3, limit))
+    verify = engine._verify
+    engine._verify = lambda requests, drafts: windows.append(requests[0].num_tokens) or verify(requests, drafts)
+    try:
+        got = speculative.generate(PROMPTS[2], params, use_tqdm=False)[0]
+    finally:
+        del engine._verify
+    assert got.outputs[0].token_ids == want and got.metrics.mean_accept_length == 1.0
+    gaps = [b - a for a, b in zip(windows, windows[1:])]
+    assert len(windows) <= 7 and gaps == sorted(gaps) and gaps[-1] >= 16, windows

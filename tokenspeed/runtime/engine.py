@@ -138,10 +138,10 @@ class Engine:
         return [self._draft(r) for r in batch.requests] if batch.kind == "decode" else None
 
     def _draft(self, request: Request) -> tuple[int, ...]:
-        if request.sampling.reads_history:
+        if request.sampling.reads_history or request.num_tokens < request.drafts_from:
             return ()
         room = min(request.params.max_tokens - len(request.output), self.max_model_len - request.num_tokens) - 1
-        return self.speculative.propose(request.tokens, room)
+        return self.speculative.propose(request.token_array(), room)
 
     def _verify(self, requests, drafts) -> list[Request]:
         """One window per request, its last token then its drafts; each request keeps the
@@ -158,7 +158,7 @@ class Engine:
         tokens, logprobs, finished, row = future.tokens(), future.logprobs(), [], 0
         for request, draft, width in zip(requests, drafts, widths):
             kept = self._keep(request, draft, tokens[row:row + width], logprobs[row:row + width])
-            request.record_verify(kept)
+            request.record_verify(kept, width - 1)
             if request.finished:
                 finished.append(request)
             row += width

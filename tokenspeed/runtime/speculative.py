@@ -11,7 +11,8 @@ decoding, token for token. A request with no draft verifies a window of one row.
 ``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier
 occurrence of the longest suffix of the request's own tokens (``ngram_max`` down to
 ``ngram_min`` tokens): no extra model. It finds nothing on text that does not repeat, and
-then the step is a plain decode step.
+then the step is a plain decode step; a request whose drafts keep failing backs off
+(``backoff_tokens``).
 """
 
 from array import array
@@ -32,7 +33,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_tokens: int = attrs.field(default=3, validator=_at_least_one)
     ngram_max: int = attrs.field(default=4, validator=_at_least_one)
-    ngram_min: int = attrs.field(default=1, validator=_at_least_one)
+    ngram_min: int = attrs.field(default=2, validator=_at_least_one)   # one token matches too often
 
     def __attrs_post_init__(self):
         if self.method == "draft":
@@ -54,13 +55,21 @@ class SpeculativeConfig:
 
 
 ITEM = array("q").itemsize
+MAX_BACKOFF_TOKENS = 64
+
+
+def backoff_tokens(misses: int) -> int:
+    """Tokens to generate without drafts after ``misses`` windows in a row kept none of
+    theirs: a window costs more than a plain step (no overlap, the unfused kernels), so
+    text that does not repeat soon stops paying for it."""
+    return min(2 ** misses, MAX_BACKOFF_TOKENS)
 
 
 def propose_ngram(tokens, k: int, n_max: int, n_min: int = 1) -> tuple[int, ...]:
     """The (up to) ``k`` tokens after the latest earlier occurrence of the longest suffix
     n-gram of ``tokens`` (``n_max`` down to ``n_min``); () if none recurs. The search runs
     over the tokens' bytes (``bytes.rfind``), not a Python loop per position."""
-    data = array("q", tokens).tobytes()
+    data = (tokens if isinstance(tokens, array) else array("q", tokens)).tobytes()
     count = len(data) // ITEM
     for n in range(min(n_max, count - 1), n_min - 1, -1):
         pattern = data[(count - n) * ITEM:]
@@ -68,6 +77,6 @@ def propose_ngram(tokens, k: int, n_max: int, n_min: int = 1) -> tuple[int, ...]
         while (found := data.rfind(pattern, 0, end)) >= 0:
             if found % ITEM == 0:
                 start = found // ITEM + n
-                return tuple(tokens[start:start + k])
+                return tuple(tokens[start:start + k])   # an array's slice is an array
             end = found + len(pattern) - 1
     return ()
