@@ -146,19 +146,20 @@ class Engine:
     def _verify(self, requests, drafts) -> list[Request]:
         """One window per request, its last token then its drafts; each request keeps the
         samples while every draft equals the sample before it (module ``speculative``)."""
-        rows, sampling, widths = [], [], []
+        rows, sampling, windows = [], [], []
         for request, draft in zip(requests, drafts):
             if not self.scheduler.grow(request, request.num_tokens + len(draft)):
-                draft = ()
+                draft = ()                   # no pages for the drafts: a plain row
             position, pages = request.num_tokens - 1, tuple(request.pages)
             rows += [DecodeRow(t, position + j, pages) for j, t in enumerate((request.last_token, *draft))]
             sampling += [request.sampling] * (1 + len(draft))
-            widths.append(1 + len(draft))
+            windows.append(draft)
         future = self.verify.launch(rows, sampling)
         tokens, logprobs, finished, row = future.tokens(), future.logprobs(), [], 0
-        for request, draft, width in zip(requests, drafts, widths):
+        for request, draft in zip(requests, windows):
+            width = 1 + len(draft)
             kept = self._keep(request, draft, tokens[row:row + width], logprobs[row:row + width])
-            request.record_verify(kept, width - 1)
+            request.record_verify(kept, len(draft))
             if request.finished:
                 finished.append(request)
             row += width
