@@ -110,3 +110,16 @@ def test_a_long_prompt_never_stalls_the_requests_already_generating(lengths, bud
     while eng.has_work:
         eng.step()
     assert all(sum(b.chunk_lens) <= budget for b in extends_with_decodes)
+
+
+def test_a_readmitted_sample_shares_only_its_prompts_pages():
+    """Without prefix caching a preempted sample takes its sibling's pages again: those of
+    the prompt only, since past it the two samples' tokens (and so their keys) differ."""
+    eng = engine(40, 4, 8, 64, overlap=False)
+    first, second = eng.add(tuple(range(1, 9)), SamplingParams(n=2, max_tokens=20, ignore_eos=True, seed=1))
+    while len(second.output) < 12:
+        eng.step()
+    eng.scheduler._preempt(second)
+    eng.scheduler._attach_shared_pages(second)
+    assert 0 < len(second.pages) <= len(second.prompt) // 4 and second.num_cached == 8
+    assert second.pages == first.pages[:len(second.pages)]

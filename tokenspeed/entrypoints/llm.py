@@ -195,8 +195,9 @@ class LLM:
         for request, stream in self._streams.items():
             if stream.seen < len(request.output) or (request.finished and not stream.closed):
                 stream.update(request.output, request.finished)
-                if stream.stop_string is not None and request.finish_reason != "stop":
-                    self._stopped_by_text(request, stream.stop_string)
+                if stream.stop_string is not None and request.stop_reason != stream.stop_string and \
+                        (request.finish_reason != "stop" or stream.kept_tokens < len(request.output)):
+                    self._stopped_by_text(request, stream.stop_string)   # it came first
 
     def _stopped_by_text(self, request: Request, stop_string: str) -> None:
         """A stop string ends the request, also one that its length limit ended in the

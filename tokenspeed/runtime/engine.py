@@ -141,7 +141,10 @@ class Engine:
         if request.sampling.reads_history or request.num_tokens < request.drafts_from:
             return ()
         room = min(request.params.max_tokens - len(request.output), self.max_model_len - request.num_tokens) - 1
-        return self.speculative.propose(request.token_array(), room)
+        draft = self.speculative.propose(request.token_array(), room)
+        if not draft and room > 0:
+            request.note_drafts(False)
+        return draft
 
     def _verify(self, requests, drafts) -> list[Request]:
         """One window per request, its last token then its drafts; each request keeps the

@@ -68,8 +68,13 @@ class Request:
         self.num_verify_steps += 1
         self.num_verified_tokens += kept
         if drafted:
-            self.draft_misses = self.draft_misses + 1 if kept == 1 else 0
-            self.drafts_from = self.num_tokens + backoff_tokens(self.draft_misses) if self.draft_misses else 0
+            self.note_drafts(kept > 1)
+
+    def note_drafts(self, useful: bool) -> None:
+        """After drafts that were all rejected, or none found, wait ever longer before
+        drafting again (searching costs host time every step; a window, GPU time)."""
+        self.draft_misses = 0 if useful else self.draft_misses + 1
+        self.drafts_from = self.num_tokens + backoff_tokens(self.draft_misses) if self.draft_misses else 0
 
     def token_array(self) -> array:
         """``tokens`` as an array of int64, kept and extended by the new outputs on each call

@@ -115,8 +115,9 @@ class Scheduler:
         if self.prefix_caching:
             pages = self.allocator.cached_prefix(page_digests(request, usable, self.page_size))
         elif request.share_from is not None and not request.share_from.finished:
-            source = request.share_from
-            pages = source.pages[:min(usable, source.num_cached // self.page_size, len(source.pages))]
+            source = request.share_from   # only the prompt's pages: past it, their tokens differ
+            shared = min(usable, len(request.prompt) // self.page_size, source.num_cached // self.page_size)
+            pages = source.pages[:min(shared, len(source.pages))]
         else:
             return
         request.pages, request.num_pages_remembered = self.allocator.share(pages), len(pages)

@@ -2,11 +2,14 @@
 
 Row 0 of a request's window is its last token, rows 1..k are drafts; every row is
 sampled as a plain decode row at its position (the keyed Gumbel-max, so a row samples
-exactly what plain decoding would sample there given the same prefix), and the request
-keeps the samples while each draft equals the sample before it. With drafts that are
-proposed deterministically (``ngram``), keeping a sample when it equals the draft is
-rejection sampling with a one-hot proposal: greedy and sampled outputs are those of plain
-decoding, token for token. A request with no draft verifies a window of one row.
+what plain decoding would sample there given the same prefix), and the request keeps the
+samples while each draft equals the sample before it. With drafts that are proposed
+deterministically (``ngram``), keeping a sample when it equals the draft is rejection
+sampling with a one-hot proposal: greedy and sampled outputs are those of plain decoding,
+up to the rounding by which any two batch shapes differ (a window runs other kernels and
+batch sizes than a plain step, so near-tied logits can break the other way, as they can
+between batch sizes without speculation). A request with no draft verifies a window of
+one row.
 
 ``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier
 occurrence of the longest suffix of the request's own tokens (``ngram_max`` down to
