@@ -114,12 +114,12 @@ FREE_FORM = ["Write a short story about a lighthouse keeper.", "Explain how rain
              "Describe your ideal weekend in detail."]
 
 
-def speculative_rows(num_tokens: int, batches, new_tokens: int) -> list[dict]:
+def speculative_rows(num_tokens: int, batches, new_tokens: int, model: str | None) -> list[dict]:
     """The default model (bf16 on a GPU) with and without n-gram speculation, on prompts
     that invite repetition and on free-form ones: time per output token and accept length."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else None
-    kw = dict(device=device, dtype=dtype, max_num_seqs=max(batches), enable_prefix_caching=False)
+    kw = dict(model=model, device=device, dtype=dtype, max_num_seqs=max(batches), enable_prefix_caching=False)
     plain = ts.LLM(**kw)
     speculative = ts.LLM(speculative=ts.SpeculativeConfig(num_tokens=num_tokens), **kw)
     params = ts.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -151,9 +151,10 @@ def main() -> None:
     parser.add_argument("--json", default="results/decode.json")
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="instead: the default model with K n-gram drafts per step against none")
+    parser.add_argument("--model", default=None, help="with --speculative: a model other than the default")
     args = parser.parse_args()
     if args.speculative:
-        rows = speculative_rows(args.speculative, args.batches, args.new_tokens)
+        rows = speculative_rows(args.speculative, args.batches, args.new_tokens, args.model)
         print(f"\n# speculative decoding (n-gram, {args.speculative} drafts), default model, "
               f"{common.device_name()}, commit {common.git_commit()}")
         print(common.table(rows, list(rows[0])))

@@ -30,7 +30,7 @@ from benchmarks import common
 from tokenspeed.entrypoints.bench import random_prompts
 from tokenspeed.entrypoints.bench_serve import RequestResult, summarize
 from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.server import create_app
+from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 CLIENTS_PER_PROCESS = 16
@@ -45,8 +45,7 @@ def bench_llm(shape: str, device: str, **options):
 
 
 def start_server(spec: EngineSpec, port: int):
-    server = uvicorn.Server(uvicorn.Config(create_app(spec, "bench"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(create_app(spec, "bench"), "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

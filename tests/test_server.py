@@ -18,7 +18,7 @@ import uvicorn
 import tokenspeed as ts
 from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
 from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.server import create_app
+from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
 
 from text_models import llm_failing_on, text_model_dir
 
@@ -44,7 +44,7 @@ def llm():
 def running(app):
     """``app`` served on a free loopback port; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(1200):

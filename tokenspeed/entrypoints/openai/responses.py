@@ -4,6 +4,7 @@ A prompt's completion ``i`` is choice ``prompt index * n + i``. Streams send, pe
 only deltas that carry text or a finish; chat streams open each choice with its role.
 """
 
+import json
 import time
 
 import attrs
@@ -66,10 +67,17 @@ class _Format:
         return {**self._envelope(self.object_name, request_id, created), "choices": choices,
                 "usage": usage.body()}
 
-    def chunks(self, index: int, update, request_id: str, created: int) -> list[dict]:
-        envelope = self._envelope(self.chunk_object, request_id, created)
-        return [{**envelope, "choices": [self.delta_choice(index * self.n + d.index, d)]}
-                for d in update.deltas if d.text or d.token_ids or d.finish_reason]
+    def chunk_prefix(self, request_id: str, created: int) -> str:
+        """A stream event's text up to its choice: the same for every chunk of a response,
+        so it is encoded once, not once per token."""
+        envelope = json.dumps(self._envelope(self.chunk_object, request_id, created))
+        return f'data: {envelope[:-1]}, "choices": ['
+
+    def events(self, prefix: str, index: int, update) -> str:
+        """The server-sent events of one update of prompt ``index``: a chunk per delta that
+        carries text, tokens or a finish."""
+        return "".join(f"{prefix}{json.dumps(self.delta_choice(index * self.n + d.index, d))}]}}\n\n"
+                       for d in update.deltas if d.text or d.token_ids or d.finish_reason)
 
     def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
         return []
