@@ -140,3 +140,20 @@ def test_a_request_whose_drafts_keep_failing_backs_off():
     assert got.outputs[0].token_ids == want and got.metrics.mean_accept_length == 1.0
     gaps = [b - a for a, b in zip(windows, windows[1:])]
     assert len(windows) <= 7 and gaps == sorted(gaps) and gaps[-1] >= 16, windows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_graphs_on_the_gpu_give_plain_decodings_tokens(temperature):
+    """Captured verify graphs (Triton kernels, CUDA graphs) against plain decoding's, in float32
+    so that the rounding by which batch shapes differ stays below every argmax margin."""
+    model = random_model(TINY_LLAMA, device="cuda")
+    kw = dict(device="cuda", max_num_seqs=8, page_size=4, graphs=True)
+    plain = ts.LLM(model, **kw)
+    speculative = ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3), **kw)
+    params = ts.SamplingParams(temperature=temperature, max_tokens=32, seed=5, ignore_eos=True)
+    want = outputs(plain, params)
+    speculative.engine.speculative = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.7, 2)
+    got = speculative.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert max(o.metrics.mean_accept_length for o in got) > 1.5
