@@ -105,35 +105,60 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
     return rows
 
 
-REPETITIVE = ["Repeat this text exactly, twice: The quick brown fox jumps over the lazy dog while the "
-              "farmer watches from the old wooden fence.",
-              "Continue this list in the same pattern: 1. apples 2. pears 3. apples 4. pears 5.",
-              "Copy this code and add a docstring to it:\ndef add(a, b):\n    return a + b\n\n"
-              "def sub(a, b):\n    return a - b"]
+CODE = """def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        if item.quantity <= 0:
+            continue
+        total += item.price * item.quantity
+    return total * (1 + tax_rate)
+
+
+def average_price(items):
+    prices = [item.price for item in items if item.quantity > 0]
+    if not prices:
+        return 0.0
+    return sum(prices) / len(prices)
+"""
+TEXT = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in the salty wind. "
+        "Every evening the keeper climbed the spiral stairs, lit the great lamp, and watched the ships "
+        "pass safely through the narrow channel below. In winter the storms were fierce, but the light "
+        "never failed.")
+REPETITIVE = ["Add a docstring to each function in this code and output the whole code:\n\n" + CODE,
+              "Fix the spelling mistakes in this paragraph and output the corrected paragraph:\n\n" +
+              TEXT.replace("lighthouse", "lighthuose").replace("narrow", "narow"),
+              "Repeat this paragraph exactly:\n\n" + TEXT,
+              "Rewrite this paragraph in the past tense:\n\n" + TEXT,
+              'Convert this JSON to YAML:\n{"name": "server", "port": 8080, "debug": true, "hosts": '
+              '["alpha", "beta", "gamma"], "database": {"user": "admin", "password": "secret", "timeout": 30}}']
 FREE_FORM = ["Write a short story about a lighthouse keeper.", "Explain how rain forms.",
-             "Describe your ideal weekend in detail."]
+             "Describe your ideal weekend in detail.", "What are the benefits of learning a second language?",
+             "Give me three ideas for a birthday party."]
 
 
 def speculative_rows(num_tokens: int, batches, new_tokens: int, model: str | None) -> list[dict]:
     """The default model (bf16 on a GPU) with and without n-gram speculation, on prompts
-    that invite repetition and on free-form ones: time per output token and accept length."""
+    that ask to copy or edit a given text or code and on free-form ones, each answer to its
+    end (greedy: both engines give the same tokens): time per output token and accept length."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else None
     kw = dict(model=model, device=device, dtype=dtype, max_num_seqs=max(batches), enable_prefix_caching=False)
     plain = ts.LLM(**kw)
     speculative = ts.LLM(speculative=ts.SpeculativeConfig(num_tokens=num_tokens), **kw)
-    params = ts.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=new_tokens)
     rows = []
     for workload, texts in (("repetitive", REPETITIVE), ("free-form", FREE_FORM)):
         for batch in batches:
-            chats = [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(batch)]
+            chats = [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(max(batch, len(texts)))]
+            batches_of = [chats[i:i + batch] for i in range(0, len(chats), batch)]   # every prompt at batch 1
             row = {"workload": workload, "batch": batch}
             for name, llm in (("plain", plain), ("speculative", speculative)):
-                llm.chat(chats, params, use_tqdm=False)                      # warm-up
-                outputs = llm.chat(chats, params, use_tqdm=False)
+                llm.chat(batches_of[0], params, use_tqdm=False)                      # warm-up
+                outputs = [o for b in batches_of for o in llm.chat(b, params, use_tqdm=False)]
                 row[f"{name}_ms"] = statistics.median(
                     (o.metrics.finish_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
-                    for o in outputs) * 1e3
+                    for o in outputs if len(o.token_ids) > 1) * 1e3
+                row[f"{name}_tokens"] = sum(len(o.token_ids) for o in outputs)
                 if name == "speculative":
                     row["accept_length"] = statistics.mean(o.metrics.mean_accept_length or 1.0 for o in outputs)
             row["speedup"] = row["plain_ms"] / row["speculative_ms"]
