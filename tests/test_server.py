@@ -311,3 +311,13 @@ def test_a_speculative_server_streams_what_plain_decoding_says(llm):
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+
+
+def test_a_packed_report_unpacks_to_the_report():
+    from tokenspeed.entrypoints.engine_loop import Completed, CompletionDelta, EngineLoad, GroupUpdate, StepReport
+    from tokenspeed.entrypoints.engine_process import PackedReport
+    report = StepReport([(3, GroupUpdate((CompletionDelta(0, "a", (5, 6), (), None, None),
+                                          CompletionDelta(1, "", (), (), "stop", 7)), True, 4, 2)),
+                         (9, GroupUpdate((), True, 0, 0, "failed"))],
+                        EngineLoad(2, 1, 17), [Completed(2, "stop", 0.5, None)])
+    assert PackedReport.of(report).unpack() == report

@@ -156,17 +156,22 @@ class EngineLoop:
             self._publish(submission)
 
     def _publish(self, submission: Submission) -> None:
-        deltas = tuple(self._delta(submission, i) for i in range(len(submission.requests)))
-        finished = all(r.finished for r in submission.requests)
-        if not finished and not any(d.text or d.token_ids for d in deltas):
+        """Queue the submission's update if it gained text or tokens or finished. Runs for
+        every stream every step, on the engine's thread: kept to one pass."""
+        deltas, finished, gained = [], True, False
+        for index, request in enumerate(submission.requests):
+            delta = self._delta(submission, index, request)
+            deltas.append(delta)
+            finished = finished and request.finished
+            gained = gained or bool(delta.text or delta.token_ids)
+        if not (finished or gained):
             return
         if finished:
             self._retire(submission)
         self._updates.append((submission.key, GroupUpdate(
-            deltas, finished, len(submission.prompt.token_ids), sum(submission.sent_tokens))))
+            tuple(deltas), finished, len(submission.prompt.token_ids), sum(submission.sent_tokens))))
 
-    def _delta(self, submission: Submission, index: int) -> CompletionDelta:
-        request = submission.requests[index]
+    def _delta(self, submission: Submission, index: int, request: Request) -> CompletionDelta:
         stream = self.llm.text_of(request)
         kept = len(request.output) if stream is None or stream.kept_tokens is None else stream.kept_tokens
         start, submission.sent_tokens[index] = submission.sent_tokens[index], kept

@@ -5,7 +5,7 @@ writes), and so is stepping the engine; in one process they take turns on one in
 lock, and every token a client receives lengthens the next step (docs/PERFORMANCE.md,
 serving). So, as vLLM's engine core does, the engine and its loop run in a child process
 and the HTTP process only sends ``Submit``/``Abort`` records down a pipe and reads one
-``StepReport`` per step back.
+``StepReport`` per step back (packed: ``PackedReport``).
 
 ``EngineSpec.build`` makes the ``LLM`` inside the child: any picklable callable (a path
 and options through ``functools.partial(LLM, ...)``, or a module-level factory).
@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import attrs
 
-from tokenspeed.entrypoints.engine_loop import Abort, EngineLoop, StepReport, Submit
+from tokenspeed.entrypoints.engine_loop import (Abort, CompletionDelta, Completed, EngineLoad, EngineLoop,
+                                                GroupUpdate, StepReport, Submit)
 from tokenspeed.runtime.prompt_limits import PromptLimits
 
 START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
@@ -53,6 +54,26 @@ class EngineInfo(NamedTuple):
 
 class EngineFailed(NamedTuple):
     message: str
+
+
+class PackedReport(NamedTuple):
+    """A ``StepReport`` with its records as plain tuples, in their fields' order. A
+    NamedTuple pickles through Python code (``__getnewargs__``), a plain tuple in C: a step's
+    report for 64 streams took about 320 us to pickle as records, 60 us packed, and the
+    engine's thread pays it every step."""
+    updates: tuple
+    load: tuple
+    completed: tuple
+
+    @classmethod
+    def of(cls, report: StepReport) -> "PackedReport":
+        return cls(tuple((key, tuple(map(tuple, u.deltas)), *u[1:]) for key, u in report.updates),
+                   tuple(report.load), tuple(map(tuple, report.completed)))
+
+    def unpack(self) -> StepReport:
+        delta = CompletionDelta._make
+        return StepReport([(key, GroupUpdate(tuple(map(delta, deltas)), *rest)) for key, deltas, *rest in self.updates],
+                          EngineLoad._make(self.load), list(map(Completed._make, self.completed)))
 
 
 class EngineStartError(RuntimeError):
@@ -126,10 +147,10 @@ class EngineClient:
             return EngineFailed(f"the engine process exited (code {self.process.exitcode})")
 
     def _read(self) -> None:
-        while isinstance(report := self._receive(), StepReport):
-            self.on_report(report)
+        while isinstance(packed := self._receive(), PackedReport):
+            self.on_report(packed.unpack())
         if not self._stopping:
-            self.on_exit(report.message)
+            self.on_exit(packed.message)
 
 
 def engine_main(spec: EngineSpec, conn) -> None:
@@ -141,7 +162,8 @@ def engine_main(spec: EngineSpec, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
-    loop = EngineLoop(llm, conn.send, lambda message: conn.send(EngineFailed(message)))
+    loop = EngineLoop(llm, lambda report: conn.send(PackedReport.of(report)),
+                      lambda message: conn.send(EngineFailed(message)))
     conn.send(EngineInfo(llm.engine.limits, llm.tokenizer is not None))
     loop.start()
     try:
