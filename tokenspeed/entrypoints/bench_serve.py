@@ -110,17 +110,16 @@ async def one_request(client, spec: LoadSpec, prompt) -> RequestResult:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 return _failed(prompt, (await response.aread()).decode())
-            async for line in response.aiter_lines():
-                chunk = line.removeprefix("data: ")
-                if not line.startswith("data: ") or chunk == "[DONE]":
-                    continue
-                if '"usage"' not in chunk:   # a token's chunk: its time is all we need (JSON
-                    times.append(time.perf_counter())   # parsing would make this client the bottleneck)
-                    continue
-                data = json.loads(chunk)
-                if data.get("choices"):
-                    times.append(time.perf_counter())
-                usage = data.get("usage") or usage
+            async for events in _events(response):
+                now = time.perf_counter()
+                for event in events:
+                    if b'"usage"' not in event:   # a token's chunk: its arrival is all we need
+                        times.append(now)          # (parsing each would make the client the bottleneck)
+                        continue
+                    data = json.loads(event)
+                    if data.get("choices"):
+                        times.append(now)
+                    usage = data.get("usage") or usage
     except httpx.HTTPError as exc:
         return _failed(prompt, str(exc))
     if not times or usage is None:
@@ -128,6 +127,17 @@ async def one_request(client, spec: LoadSpec, prompt) -> RequestResult:
     itl = tuple(b - a for a, b in zip(times, times[1:]))
     return RequestResult(True, usage["prompt_tokens"], usage["completion_tokens"], times[0] - start,
                          times[-1] - start, itl)
+
+
+async def _events(response):
+    """The stream's server-sent events' data, as lists of those that arrived together: read as
+    bytes and split in C (httpx's line iterator, in Python, kept one client process from
+    reading more than about 10k events/s); ``[DONE]`` left out."""
+    pending = b""
+    async for raw in response.aiter_bytes():
+        *complete, pending = (pending + raw).split(b"\n\n")
+        events = [e.removeprefix(b"data: ") for e in complete if e.startswith(b"data: ")]
+        yield [e for e in events if e != b"[DONE]"]
 
 
 def _failed(prompt, error: str) -> RequestResult:
