@@ -15,9 +15,9 @@ def run(prompts, params, **kw):
     steps = []
     launch = llm.compiled.decode.launch
 
-    def counting(rows, p, chained=False):
+    def counting(rows, p, chained=False, kept=None):
         steps.append(chained)
-        return launch(rows, p, chained)
+        return launch(rows, p, chained, kept)
 
     llm.compiled.decode.launch = counting
     outs = llm.generate(prompts, params)
@@ -52,3 +52,18 @@ def test_overlap_under_page_pressure_matches_hf():
     params = ts.SamplingParams(temperature=0.0, max_tokens=16)
     on, _, _ = run(PROMPTS, params, overlap=True, num_kv_pages=24, max_num_seqs=4)
     assert [list(t) for t in on] == [list(r) for r in reference("llama", PROMPTS, 16)]
+
+
+def test_the_chain_goes_on_past_a_finished_request_and_waits_to_admit():
+    """A request that finishes leaves the chain without breaking it (its row is dropped on the
+    device), and a request waiting for a seat joins a few chained steps later, not at once."""
+    prompts = PROMPTS[:3]
+    params = [ts.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 9, 30)]
+    want = [list(reference("llama", [p], q.max_tokens, eos=None)[0]) for p, q in zip(prompts, params)]
+    tokens, _, steps = run(prompts, params)
+    assert [list(t) for t in tokens] == want
+    assert steps.count(False) == 1, steps          # one unchained launch: the first
+    tokens, _, steps = run(prompts, params, max_num_seqs=2)
+    assert [list(t) for t in tokens] == want
+    breaks = [i for i, chained in enumerate(steps) if not chained]
+    assert len(breaks) == 2 and breaks[1] >= 4, steps   # the third joined after >= 4 chained steps

@@ -78,16 +78,20 @@ class DecodeRunner:
         """One sampled token per row."""
         return self.launch(rows, sampling).tokens()
 
-    def launch(self, rows, sampling: list[RowSampling], chained: bool = False) -> StepFuture:
+    def launch(self, rows, sampling: list[RowSampling], chained: bool = False,
+               kept: list[int] | None = None) -> StepFuture:
         """Enqueue one step. ``chained``: row i's input token is row i's output of the
-        previous step, still on the device (``rows[i].token`` is ignored)."""
+        previous step, still on the device (``rows[i].token`` is ignored), or row
+        ``kept[i]``'s when the previous step had rows that are gone."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
         input_ids, out, hosts = self._row_views(bs, size)
         view = self.slots.publish(self.refresh(rows, size))
-        if chained:
+        if chained and kept is None:
             input_ids.copy_(out)
+        elif chained:
+            input_ids.copy_(self.out[torch.tensor(kept, device=self.out.device)])
         settings = self.sampling.publish(self._settings(sampling, size))
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
         logprobs = None

@@ -3,7 +3,8 @@
 With ``overlap``, a decode batch is launched and left in flight; the next step launches
 the same rows again (their input tokens fed on the device) before reading the first
 one's tokens, so the host's scheduling and metadata work hides behind the GPU. A request
-that stops on a token is found one step late: the extra row's token is dropped. Rows whose
+that stops on a token is found one step late: the extra row's token is dropped, and the
+chain goes on without its row. Waiting requests join every few steps (``admit_every``). Rows whose
 sampling reads the tokens generated so far (penalties, ``min_tokens``) are not chained.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
@@ -23,6 +24,7 @@ from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
 from tokenspeed.runtime.speculative import SpeculativeConfig
 
 SEED_BITS = 62
+ADMIT_EVERY_STEPS = 4
 
 
 @attrs.frozen
@@ -34,10 +36,12 @@ class InFlight:
 class Engine:
     def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, admit_every: int = ADMIT_EVERY_STEPS):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
-        of speculative windows, with ``speculative`` saying how drafts are proposed."""
+        of speculative windows, with ``speculative`` saying how drafts are proposed;
+        ``admit_every``: while a decode chain runs, requests wait up to this many steps to
+        join (``_admits_now``)."""
         if (verify is None) != (speculative is None):
             raise ValueError("speculative decoding needs both a verify runner and its config")
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
@@ -45,7 +49,8 @@ class Engine:
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
-        self.overlap = overlap
+        self.overlap, self.admit_every = overlap, admit_every
+        self._chained = 0            # steps chained since the chain last broke
         self.in_flight: InFlight | None = None
         self.seeds = torch.Generator().manual_seed(seed)
         self._next_id = 0
@@ -118,20 +123,34 @@ class Engine:
                 if self._append(r, t, lp)]
 
     def _chain(self, flight: InFlight) -> InFlight | None:
-        """Launch the same rows once more, if nothing else waits and pages allow."""
-        requests, scheduler = flight.requests, self.scheduler
-        if scheduler.waiting or len(scheduler.running) != len(requests) or \
-                not any(self._wants_another(r) for r in requests) or \
-                any(r.sampling.reads_history for r in requests) or \
-                (self.speculative is not None and any(self._draft(r) for r in requests)):
+        """Launch the rows of the requests still running once more, unless a waiting request
+        should join now or something else needs the host between steps."""
+        live = [r for r in flight.requests if not r.finished]
+        scheduler = self.scheduler
+        if not live or self._admits_now() or len(scheduler.running) != len(live) or \
+                not any(self._wants_another(r) for r in live) or \
+                any(r.sampling.reads_history for r in live) or \
+                (self.speculative is not None and any(self._draft(r) for r in live)):
+            self._chained = 0
             return None
         rows = []
-        for request in requests:  # one pass over the rows: this is host time of every step
+        for request in live:  # one pass over the rows: this is host time of every step
             position = request.num_tokens
             if not scheduler.grow(request, position + 1):
+                self._chained = 0
                 return None
             rows.append(DecodeRow(0, position, tuple(request.pages)))
-        return InFlight(requests, self.decode.launch(rows, [r.sampling for r in requests], chained=True))
+        kept = None if len(live) == len(flight.requests) else \
+            [i for i, r in enumerate(flight.requests) if not r.finished]
+        self._chained += 1
+        return InFlight(tuple(live), self.decode.launch(rows, [r.sampling for r in live], chained=True,
+                                                        kept=kept))
+
+    def _admits_now(self) -> bool:
+        """Whether a waiting request joins now, ending the chain: when a seat is free, and
+        at most every ``admit_every`` chained steps. A join is a synchronous step, and under
+        a steady stream of arrivals (a server) joining each at once made most steps one."""
+        return self.scheduler.has_free_seat and self._chained >= self.admit_every
 
     def _drafts(self, batch: ScheduledBatch) -> list[tuple[int, ...]] | None:
         """Each decode row's drafts (none where the request's sampling reads its history)."""

@@ -44,6 +44,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_free_seat(self) -> bool:
+        """Whether a waiting request could join (pages permitting)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def schedule(self) -> ScheduledBatch:
         """The next batch; when nothing fits, the newest running request makes room."""
         while True:
