@@ -15,9 +15,9 @@ def run(prompts, params, **kw):
     steps = []
     launch = llm.compiled.decode.launch
 
-    def counting(rows, p, chained=False, kept=None):
-        steps.append(chained)
-        return launch(rows, p, chained, kept)
+    def counting(rows, p, inputs=None):
+        steps.append(inputs is not None)
+        return launch(rows, p, inputs)
 
     llm.compiled.decode.launch = counting
     outs = llm.generate(prompts, params)
@@ -55,15 +55,23 @@ def test_overlap_under_page_pressure_matches_hf():
 
 
 def test_the_chain_goes_on_past_a_finished_request_and_waits_to_admit():
-    """A request that finishes leaves the chain without breaking it (its row is dropped on the
-    device), and a request waiting for a seat joins a few chained steps later, not at once."""
+    """Decode steps chain onto the extend before them and past a request that finishes (its
+    row is dropped on the device); a request waiting for a seat joins a few chained steps
+    later, not at once."""
     prompts = PROMPTS[:3]
-    params = [ts.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 9, 30)]
+    params = [ts.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 9, 30)]
     want = [list(reference("llama", [p], q.max_tokens, eos=None)[0]) for p, q in zip(prompts, params)]
-    tokens, _, steps = run(prompts, params)
-    assert [list(t) for t in tokens] == want
-    assert steps.count(False) == 1, steps          # one unchained launch: the first
-    tokens, _, steps = run(prompts, params, max_num_seqs=2)
-    assert [list(t) for t in tokens] == want
-    breaks = [i for i, chained in enumerate(steps) if not chained]
-    assert len(breaks) == 2 and breaks[1] >= 4, steps   # the third joined after >= 4 chained steps
+    for max_num_seqs in (3, 2):
+        llm = ts.LLM(checkpoint("llama"), page_size=4, max_num_seqs=max_num_seqs)
+        launches = []
+        for name in ("prefill", "decode"):
+            runner = getattr(llm.compiled, name)
+            launch = runner.launch
+            runner.launch = lambda *a, _n=name, _l=launch: (launches.append(
+                "chained" if _n == "decode" and len(a) == 3 and a[2] is not None else _n), _l(*a))[1]
+        got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        assert "decode" not in launches, launches           # every decode step was chained
+        if max_num_seqs == 2:                               # the third waited >= 4 chained steps
+            second = launches.index("prefill", 1)
+            assert launches[1:second] == ["chained"] * (second - 1) and second - 1 >= 4, launches

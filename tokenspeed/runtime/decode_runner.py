@@ -6,7 +6,7 @@ the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step
 same slots; batches above the ladder take it. Tokens land in one persistent buffer and
 reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
 so the host can prepare the next step while the GPU runs this one; a chained step takes
-its input tokens from the previous step's output on the device. Rows whose sampling needs
+its input tokens from the previous step's output on the device (``inputs``). Rows whose sampling needs
 more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are resampled
 from the step's logits before the copy.
 """
@@ -78,20 +78,16 @@ class DecodeRunner:
         """One sampled token per row."""
         return self.launch(rows, sampling).tokens()
 
-    def launch(self, rows, sampling: list[RowSampling], chained: bool = False,
-               kept: list[int] | None = None) -> StepFuture:
-        """Enqueue one step. ``chained``: row i's input token is row i's output of the
-        previous step, still on the device (``rows[i].token`` is ignored), or row
-        ``kept[i]``'s when the previous step had rows that are gone."""
+    def launch(self, rows, sampling: list[RowSampling], inputs: torch.Tensor | None = None) -> StepFuture:
+        """Enqueue one step. ``inputs``: the rows' input tokens on the device (a chained
+        step's, from the step before: ``StepFuture.on_device``), else ``rows[i].token``."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
         input_ids, out, hosts = self._row_views(bs, size)
         view = self.slots.publish(self.refresh(rows, size))
-        if chained and kept is None:
-            input_ids.copy_(out)
-        elif chained:
-            input_ids.copy_(self.out[torch.tensor(kept, device=self.out.device)])
+        if inputs is not None:
+            input_ids.copy_(inputs)
         settings = self.sampling.publish(self._settings(sampling, size))
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
         logprobs = None
@@ -99,7 +95,7 @@ class DecodeRunner:
             logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
-        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs)
+        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs, out)
 
     def _row_views(self, bs: int, size: int) -> tuple:
         """The first ``bs`` rows of the input ids (of the slots' views for ``size``), of the

@@ -1,8 +1,9 @@
 """The engine loop: schedule a batch, run it (the runner samples), advance requests.
 
-With ``overlap``, a decode batch is launched and left in flight; the next step launches
-the same rows again (their input tokens fed on the device) before reading the first
-one's tokens, so the host's scheduling and metadata work hides behind the GPU. A request
+With ``overlap``, a decode or extend batch is launched and left in flight; the next step
+launches the decode rows of the same requests (their input tokens fed on the device)
+before reading the first one's tokens, so the host's scheduling and metadata work hides
+behind the GPU. A request
 that stops on a token is found one step late: the extra row's token is dropped, and the
 chain goes on without its row. Waiting requests join every few steps (``admit_every``). Rows whose
 sampling reads the tokens generated so far (penalties, ``min_tokens``) are not chained.
@@ -29,8 +30,12 @@ ADMIT_EVERY_STEPS = 4
 
 @attrs.frozen
 class InFlight:
+    """A launched step whose tokens the host has not read. ``decode``: its rows are decode
+    rows, each caching its input token when collected (an extend counts its chunks when
+    launched)."""
     requests: tuple[Request, ...]
     future: object
+    decode: bool = True
 
 
 class Engine:
@@ -119,6 +124,9 @@ class Engine:
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.num_cached += n
             self.scheduler.remember_full_pages(request)
+        if self.overlap and sampled:   # a decode step may chain onto it, as onto a decode step
+            self.in_flight = InFlight(tuple(sampled), future, decode=False)
+            return []
         return [r for r, t, lp in zip(sampled, future.tokens(), future.logprobs())
                 if self._append(r, t, lp)]
 
@@ -143,8 +151,8 @@ class Engine:
         kept = None if len(live) == len(flight.requests) else \
             [i for i, r in enumerate(flight.requests) if not r.finished]
         self._chained += 1
-        return InFlight(tuple(live), self.decode.launch(rows, [r.sampling for r in live], chained=True,
-                                                        kept=kept))
+        return InFlight(tuple(live), self.decode.launch(rows, [r.sampling for r in live],
+                                                        flight.future.on_device(kept)))
 
     def _admits_now(self) -> bool:
         """Whether a waiting request joins now, ending the chain: when a seat is free, and
@@ -206,8 +214,9 @@ class Engine:
         future = flight.future
         for request, token, logprobs in zip(flight.requests, future.tokens(), future.logprobs()):
             if not request.finished:  # else it stopped a step earlier: drop the row
-                request.num_cached += 1
-                self.scheduler.remember_full_pages(request)
+                if flight.decode:
+                    request.num_cached += 1
+                    self.scheduler.remember_full_pages(request)
                 if self._append(request, token, logprobs):
                     finished.append(request)
         return finished

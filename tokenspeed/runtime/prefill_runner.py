@@ -79,7 +79,7 @@ class PrefillRunner:
         logits = self._walk(meta)
         sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows))
         return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),
-                          sampling, sampled.logprobs)
+                          sampling, sampled.logprobs, sampled.tokens)
 
     def _walk(self, meta, capturer=None, capture_ladder: str | None = None) -> torch.Tensor:
         """Run every segment; with a capturer, capture the missing graphs of the segments

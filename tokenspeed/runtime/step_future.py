@@ -10,8 +10,17 @@ class StepFuture:
     """Tokens in a host buffer an asynchronous copy fills (``event`` marks its end), and
     the log-probabilities of the rows that asked for them."""
 
-    def __init__(self, host: torch.Tensor, event, sampling, logprobs: LogprobTensors | None):
+    def __init__(self, host: torch.Tensor, event, sampling, logprobs: LogprobTensors | None,
+                 device: torch.Tensor):
         self.host, self.event, self.sampling, self.logprob_tensors = host, event, sampling, logprobs
+        self.device = device
+
+    def on_device(self, rows: list[int] | None = None) -> torch.Tensor:
+        """The tokens where the step wrote them (only ``rows``, in that order, if given): the
+        inputs of a step chained to this one, before the host has seen them."""
+        if rows is None:
+            return self.device
+        return self.device[torch.tensor(rows, device=self.device.device)]
 
     def tokens(self) -> list[int]:
         if self.event is not None:
