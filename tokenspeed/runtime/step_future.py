@@ -20,7 +20,10 @@ class StepFuture:
         inputs of a step chained to this one, before the host has seen them."""
         if rows is None:
             return self.device
-        return self.device[torch.tensor(rows, device=self.device.device)]
+        index = torch.tensor(rows)
+        if self.device.is_cuda:   # from pageable memory the copy would wait for the step in flight
+            index = index.pin_memory().to(self.device.device, non_blocking=True)
+        return self.device[index]
 
     def tokens(self) -> list[int]:
         if self.event is not None:
