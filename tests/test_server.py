@@ -321,3 +321,17 @@ def test_a_packed_report_unpacks_to_the_report():
                          (9, GroupUpdate((), True, 0, 0, "failed"))],
                         EngineLoad(2, 1, 17), [Completed(2, "stop", 0.5, None)])
     assert PackedReport.of(report).unpack() == report
+
+
+def test_a_stop_string_counts_only_the_tokens_kept(base_url, client, llm):
+    """The generated-tokens counter agrees with ``usage``: tokens sampled past a stop string
+    are dropped from both."""
+    full = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].text
+    stop = full[len(full) // 3:len(full) // 3 + 3]
+    before = metric(base_url, "tokenspeed_generation_tokens_total")
+    got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens < 24
+    time.sleep(0.3)
+    assert metric(base_url, "tokenspeed_generation_tokens_total") - before == got.usage.completion_tokens

@@ -183,7 +183,7 @@ class EngineLoop:
     def _retire(self, submission: Submission) -> None:
         del self.live[submission.key]
         self.llm.release(submission.requests)
-        self._completed += [completed(r) for r in submission.requests]
+        self._completed += [completed(r, n) for r, n in zip(submission.requests, submission.sent_tokens)]
 
     def _fail_all(self, message: str) -> None:
         for submission in list(self.live.values()):
@@ -197,10 +197,11 @@ class EngineLoop:
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), in_use)
 
 
-def completed(request: Request) -> Completed:
+def completed(request: Request, num_tokens: int) -> Completed:
+    """``num_tokens``: the tokens the completion kept (a stop string drops those after it)."""
     ttft = tpot = None
     if request.first_token_time is not None:
         ttft = request.first_token_time - request.arrival_time
-        if len(request.output) > 1 and request.finish_time is not None:
-            tpot = (request.finish_time - request.first_token_time) / (len(request.output) - 1)
-    return Completed(len(request.output), request.finish_reason or "abort", ttft, tpot)
+        if num_tokens > 1 and request.finish_time is not None:
+            tpot = (request.finish_time - request.first_token_time) / (num_tokens - 1)
+    return Completed(num_tokens, request.finish_reason or "abort", ttft, tpot)
