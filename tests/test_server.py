@@ -311,6 +311,14 @@ def test_a_speculative_server_streams_what_plain_decoding_says(llm):
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+        # a stop string inside a window: the tokens after it are neither sent nor counted
+        for stop in {want[i:i + 2] for i in range(2, len(want) - 4, 3)}:
+            before = metric(url, "tokenspeed_generation_tokens_total")
+            got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                            stop=[stop], extra_body={"ignore_eos": True})
+            time.sleep(0.3)
+            counted = metric(url, "tokenspeed_generation_tokens_total") - before
+            assert counted == got.usage.completion_tokens, (stop, got.choices[0].text)
 
 
 def test_a_packed_report_unpacks_to_the_report():
