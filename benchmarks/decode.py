@@ -160,7 +160,8 @@ def speculative_rows(num_tokens: int, batches, new_tokens: int, model: str | Non
                     for o in outputs if len(o.token_ids) > 1) * 1e3
                 row[f"{name}_tokens"] = sum(len(o.token_ids) for o in outputs)
                 if name == "speculative":
-                    row["accept_length"] = statistics.mean(o.metrics.mean_accept_length or 1.0 for o in outputs)
+                    lengths = [o.metrics.mean_accept_length for o in outputs if o.metrics.mean_accept_length]
+                    row["accept_length"] = statistics.mean(lengths) if lengths else None
             row["speedup"] = row["plain_ms"] / row["speculative_ms"]
             rows.append(row)
             print(common.table([row], list(row)), flush=True)

@@ -6,9 +6,9 @@ the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step
 same slots; batches above the ladder take it. Tokens land in one persistent buffer and
 reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
 so the host can prepare the next step while the GPU runs this one; a chained step takes
-its input tokens from the previous step's output on the device (``inputs``). Rows whose sampling needs
-more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are resampled
-from the step's logits before the copy.
+its input tokens from the previous step's output on the device (``inputs``). Rows whose
+sampling needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities)
+are resampled from the step's logits before the copy.
 """
 
 import torch

@@ -3,10 +3,10 @@
 With ``overlap``, a decode or extend batch is launched and left in flight; the next step
 launches the decode rows of the same requests (their input tokens fed on the device)
 before reading the first one's tokens, so the host's scheduling and metadata work hides
-behind the GPU. A request
-that stops on a token is found one step late: the extra row's token is dropped, and the
-chain goes on without its row. Waiting requests join every few steps (``admit_every``). Rows whose
-sampling reads the tokens generated so far (penalties, ``min_tokens``) are not chained.
+behind the GPU. A request that stops on a token is found one step late: the extra row's
+token is dropped, and the chain goes on without its row. Waiting requests join every few
+steps (``admit_every``). Rows whose sampling reads the tokens generated so far
+(penalties, ``min_tokens``) are not chained.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """

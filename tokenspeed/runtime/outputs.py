@@ -18,7 +18,8 @@ class TokenLogprobs:
 class RequestMetrics:
     """Wall-clock times (``time.time()``) and token counts of one request (all its samples);
     ``num_cached_tokens``: prompt tokens its first sample found cached (not computed);
-    ``mean_accept_length``: tokens kept per speculative window (None without speculation)."""
+    ``mean_accept_length``: tokens kept per speculative window, one with drafts (None when
+    it had none)."""
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None

@@ -31,7 +31,7 @@ class Request:
     num_cached_prompt_tokens: int = 0      # of the prompt, found cached when admitted
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
     num_pages_remembered: int = 0          # of its pages, those the allocator knows by digest
-    num_verify_steps: int = 0              # speculative windows it took part in
+    num_verify_steps: int = 0              # its speculative windows (with drafts)
     num_verified_tokens: int = 0           # tokens those windows kept
     draft_misses: int = 0                  # windows in a row whose drafts were all rejected
     drafts_from: int = 0                   # no drafts until it has this many tokens (back-off)
@@ -63,11 +63,12 @@ class Request:
         return self.finish_reason is not None
 
     def record_verify(self, kept: int, drafted: int) -> None:
-        """Count a window of ``drafted`` drafts that kept ``kept`` tokens; after windows
+        """Count a window of ``drafted`` drafts that kept ``kept`` tokens (a window without
+        drafts, a plain row in a verify step, is not a speculative window); after windows
         that kept none of their drafts, wait ever longer before drafting again."""
-        self.num_verify_steps += 1
-        self.num_verified_tokens += kept
         if drafted:
+            self.num_verify_steps += 1
+            self.num_verified_tokens += kept
             self.note_drafts(kept > 1)
 
     def note_drafts(self, useful: bool) -> None:
