@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.runtime.speculative import propose_ngram
+from tokenspeed.runtime.speculative import PerRequestDrafts, propose_ngram
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], list(range(30, 60))]
 
@@ -24,7 +24,7 @@ def engines(graphs: bool, num_kv_pages: int | None = None):
     return ts.LLM(model, **kw), ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3), **kw)
 
 
-class ScriptedDrafts:
+class ScriptedDrafts(PerRequestDrafts):
     """Drafts that follow plain decoding's output with probability ``right``, else random
     tokens: windows that are kept whole, in part and not at all."""
 
@@ -37,6 +37,11 @@ class ScriptedDrafts:
             if full[:len(tokens)] == list(tokens) and self.rng.random() < self.right:
                 return tuple(full[len(tokens):len(tokens) + k])
         return tuple(self.rng.randrange(TINY_LLAMA["vocab_size"]) for _ in range(k))
+
+
+class Proposer(PerRequestDrafts):
+    def __init__(self, propose):
+        self.propose = propose
 
 
 def outputs(llm, params):
@@ -102,7 +107,8 @@ def test_ngram_prefers_the_longest_and_latest_match():
 @pytest.mark.parametrize("options, error, match", [
     (dict(num_tokens=0), ValueError, "num_tokens=0"),
     (dict(method="medusa"), ValueError, "method='medusa'"),
-    (dict(method="draft"), NotImplementedError, "not built yet"),
+    (dict(method="draft"), ValueError, "draft_model=None"),
+    (dict(draft_model="some/path"), ValueError, "method='ngram' with draft_model"),
     (dict(ngram_min=3, ngram_max=2), ValueError, "ngram_min=3 > ngram_max=2"),
 ])
 def test_bad_speculative_configs_are_refused(options, error, match):
@@ -130,7 +136,7 @@ def test_a_request_whose_drafts_keep_failing_backs_off():
     want = plain.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0].token_ids
     wrong = next(t for t in range(TINY_LLAMA["vocab_size"]) if t not in want)
     engine, windows = speculative.engine, []
-    engine.speculative = types.SimpleNamespace(propose=lambda tokens, limit: (wrong,) * min(3, limit))
+    engine.speculative = Proposer(lambda tokens, limit: (wrong,) * min(3, limit))
     verify = engine._verify
     engine._verify = lambda requests, drafts: windows.append(requests[0].num_tokens) or verify(requests, drafts)
     try:
@@ -171,7 +177,48 @@ def test_only_windows_with_drafts_count_towards_the_accept_length():
         known = list(tokens) == first[:len(tokens)]
         return tuple(first[len(tokens):len(tokens) + min(3, limit)]) if known else ()
 
-    speculative.engine.speculative = types.SimpleNamespace(propose=propose)
+    speculative.engine.speculative = Proposer(propose)
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert got[0].metrics.mean_accept_length > 3 and got[1].metrics.mean_accept_length is None
+
+
+@functools.lru_cache(maxsize=None)
+def draft_engines(draft_seed: int, graphs: bool = False):
+    """Plain decoding, and drafts from a random model: the target itself (seed 0: every
+    draft kept) or another (seed 1: few kept)."""
+    kw = dict(max_num_seqs=4, page_size=4, graphs=graphs)
+    target = random_model(TINY_LLAMA)
+    config = ts.SpeculativeConfig(method="draft", num_tokens=3,
+                                  draft_model=random_model(TINY_LLAMA, seed=draft_seed))
+    return ts.LLM(target, **kw), ts.LLM(target, speculative=config, **kw)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_model_gives_plain_decodings_tokens(draft_seed, temperature):
+    plain, speculative = draft_engines(draft_seed)
+    params = ts.SamplingParams(temperature=temperature, max_tokens=20, seed=3, ignore_eos=True)
+    got = speculative.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == outputs(plain, params)
+    lengths = [o.metrics.mean_accept_length for o in got if o.metrics.mean_accept_length]
+    if draft_seed == 0 and temperature == 0.0:   # the target drafting for itself: all kept
+        assert min(lengths) > 3
+    drafter = speculative.engine.speculative
+    assert not drafter.states and drafter.allocator.num_free == drafter.allocator.num_pages - 1
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    other = random_model({**TINY_LLAMA, "vocab_size": TINY_LLAMA["vocab_size"] + 8})
+    config = ts.SpeculativeConfig(method="draft", draft_model=other)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ts.LLM(random_model(TINY_LLAMA), speculative=config)
+
+
+def test_a_draft_model_under_a_tiny_pool_preempts_alike():
+    model = random_model(TINY_LLAMA)
+    kw = dict(max_num_seqs=4, page_size=4, num_kv_pages=24)
+    config = ts.SpeculativeConfig(method="draft", num_tokens=2, draft_model=model)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = outputs(ts.LLM(model, **kw), params)
+    assert outputs(ts.LLM(model, speculative=config, **kw), params) == want

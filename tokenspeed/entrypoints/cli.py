@@ -60,6 +60,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
     command.add_argument("--speculative-tokens", type=int, default=0,
                          help="verify up to K n-gram drafts per decode step (0: off; outputs are unchanged)")
+    command.add_argument("--draft-model", default=None,
+                         help="with --speculative-tokens: drafts from this smaller model of the same "
+                              "vocabulary instead of n-grams")
 
 
 def _sampling_options(command: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -81,8 +84,11 @@ def llm_options(args, **options) -> dict:
     from tokenspeed.runtime.speculative import SpeculativeConfig
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
+    if args.draft_model is not None and not args.speculative_tokens:
+        raise ValueError("--draft-model needs --speculative-tokens K (drafts per step)")
     if args.speculative_tokens:
-        options["speculative"] = SpeculativeConfig(num_tokens=args.speculative_tokens)
+        method = "ngram" if args.draft_model is None else "draft"
+        options["speculative"] = SpeculativeConfig(method, args.speculative_tokens, draft_model=args.draft_model)
     return dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, **options)
 
 

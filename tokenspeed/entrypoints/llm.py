@@ -23,6 +23,7 @@ from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.loader import load
 from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.compile_config import CompileConfig
+from tokenspeed.runtime.draft_model import DraftModelDrafter
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
 from tokenspeed.runtime.request import Request
@@ -71,9 +72,12 @@ class LLM:
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
                               enable_prefix_caching)
+        drafter = speculative
+        if speculative is not None and speculative.method == "draft":
+            drafter = self._draft_model(speculative, device, dtype, enforce_eager, compile_options)
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
-                             config.seed, self.compiled.verify, speculative)
+                             config.seed, self.compiled.verify, drafter)
         self._lock = threading.Lock()
         self._streams: dict[Request, TextStream] = {}
         self._failures, self._failure = 0, None   # failed steps so far, and the last error
@@ -81,6 +85,22 @@ class LLM:
     @property
     def config(self):
         return self.model.config
+
+    def _draft_model(self, speculative: SpeculativeConfig, device, dtype, enforce_eager: bool,
+                     compile_options: dict) -> DraftModelDrafter:
+        """The draft model, compiled like this one, with a pool of its own; refused unless it
+        has this model's vocabulary and context."""
+        draft = LLM(speculative.draft_model, device, dtype, enforce_eager=enforce_eager, overlap=False,
+                    enable_prefix_caching=False, **compile_options)
+        if draft.config.vocab_size != self.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
+                             f"target's {self.config.vocab_size}: drafts must be the target's tokens")
+        ours, theirs = self.compiled.limits.max_model_len, draft.compiled.limits.max_model_len
+        if theirs < ours:
+            raise ValueError(f"the draft model's context ({theirs} tokens) is shorter than the "
+                             f"target's ({ours}): drafts past it could not be proposed")
+        return DraftModelDrafter(draft.compiled.prefill, draft.compiled.decode, draft.compiled.num_pages,
+                                 draft.engine.scheduler.page_size, speculative.num_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -22,7 +22,6 @@ from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
-from tokenspeed.runtime.speculative import SpeculativeConfig
 
 SEED_BITS = 62
 ADMIT_EVERY_STEPS = 4
@@ -41,10 +40,11 @@ class InFlight:
 class Engine:
     def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None,
-                 speculative: SpeculativeConfig | None = None, admit_every: int = ADMIT_EVERY_STEPS):
+                 speculative=None, admit_every: int = ADMIT_EVERY_STEPS):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
-        of speculative windows, with ``speculative`` saying how drafts are proposed;
+        of speculative windows, with ``speculative`` the drafter that proposes them
+        (``speculative.PerRequestDrafts``' methods);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``)."""
         if (verify is None) != (speculative is None):
@@ -91,6 +91,8 @@ class Engine:
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.finish_time = time.time()
         self.scheduler.finish(request)
+        if self.speculative is not None:
+            self.speculative.release(request)
 
     def abort_all(self) -> None:
         """After a failed step: nothing of it may leak into the next one."""
@@ -138,7 +140,7 @@ class Engine:
         if not live or self._admits_now() or len(scheduler.running) != len(live) or \
                 not any(self._wants_another(r) for r in live) or \
                 any(r.sampling.reads_history for r in live) or \
-                (self.speculative is not None and any(self._draft(r) for r in live)):
+                (self.speculative is not None and any(self._wants_drafts(r) for r in live)):
             self._chained = 0
             return None
         rows = []
@@ -161,17 +163,31 @@ class Engine:
         return self.scheduler.has_free_seat and self._chained >= self.admit_every
 
     def _drafts(self, batch: ScheduledBatch) -> list[tuple[int, ...]] | None:
-        """Each decode row's drafts (none where the request's sampling reads its history)."""
-        return [self._draft(r) for r in batch.requests] if batch.kind == "decode" else None
+        """Each decode row's drafts (none where the request's sampling reads its history or
+        it backs off)."""
+        if batch.kind != "decode":
+            return None
+        limits = [self._draft_limit(r) for r in batch.requests]
+        drafts = self.speculative.propose_many(batch.requests, limits)
+        for request, limit, draft in zip(batch.requests, limits, drafts):
+            if not draft and limit > 0:
+                request.note_drafts(False)
+        return drafts
 
-    def _draft(self, request: Request) -> tuple[int, ...]:
-        if request.sampling.reads_history or request.num_tokens < request.drafts_from:
-            return ()
-        room = min(request.params.max_tokens - len(request.output), self.max_model_len - request.num_tokens) - 1
-        draft = self.speculative.propose(request.token_array(), room)
-        if not draft and room > 0:
+    def _wants_drafts(self, request: Request) -> bool:
+        limit = self._draft_limit(request)
+        if limit > 0 and not self.speculative.may_propose(request, limit):
             request.note_drafts(False)
-        return draft
+            return False
+        return limit > 0
+
+    def _draft_limit(self, request: Request) -> int:
+        """How many drafts ``request`` may verify now: its tokens and context left, less the
+        window's own sample; 0 while its sampling reads its history or it backs off."""
+        if request.sampling.reads_history or request.num_tokens < request.drafts_from:
+            return 0
+        room = min(request.params.max_tokens - len(request.output), self.max_model_len - request.num_tokens)
+        return max(room - 1, 0)
 
     def _verify(self, requests, drafts) -> list[Request]:
         """One window per request, its last token then its drafts; each request keeps the

@@ -11,7 +11,8 @@ batch sizes than a plain step, so near-tied logits can break the other way, as t
 between batch sizes without speculation). A request with no draft verifies a window of
 one row.
 
-``ngram`` (prompt lookup) proposes the tokens that followed the latest earlier
+``draft`` runs a smaller model of the same vocabulary (``draft_model``); ``ngram`` (prompt
+lookup) proposes the tokens that followed the latest earlier
 occurrence of the longest suffix of the request's own tokens (``ngram_max`` down to
 ``ngram_min`` tokens): no extra model. It finds nothing on text that does not repeat, and
 then the step is a plain decode step; a request whose drafts keep failing backs off
@@ -22,7 +23,7 @@ from array import array
 
 import attrs
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 def _at_least_one(instance, attribute, value):
@@ -30,20 +31,39 @@ def _at_least_one(instance, attribute, value):
         raise ValueError(f"speculative {attribute.name}={value}: must be >= 1")
 
 
+class PerRequestDrafts:
+    """The engine's drafter interface over a ``propose(tokens, limit)`` of one request:
+    ``propose_many`` (a decode batch's drafts), ``may_propose`` (would it draft now: a
+    chained step breaks for drafts) and ``release`` (a request ended)."""
+
+    def propose_many(self, requests, limits: list[int]) -> list[tuple[int, ...]]:
+        return [self.propose(r.token_array(), n) if n > 0 else () for r, n in zip(requests, limits)]
+
+    def may_propose(self, request, limit: int) -> bool:
+        return bool(self.propose(request.token_array(), limit))
+
+    def release(self, request) -> None:
+        pass
+
+
 @attrs.frozen
-class SpeculativeConfig:
-    """``num_tokens``: drafts per step (the verify window is ``num_tokens + 1`` rows)."""
+class SpeculativeConfig(PerRequestDrafts):
+    """``num_tokens``: drafts per step (the verify window is ``num_tokens + 1`` rows);
+    ``draft_model`` (method ``draft``): a model path or a tokenspeed model of the target's
+    vocabulary, loaded on the target's device with its compile options. As a drafter the
+    config proposes n-grams; ``ts.LLM`` builds the draft model's own (``draft_model``)."""
     method: str = "ngram"
     num_tokens: int = attrs.field(default=3, validator=_at_least_one)
     ngram_max: int = attrs.field(default=4, validator=_at_least_one)
     ngram_min: int = attrs.field(default=2, validator=_at_least_one)   # one token matches too often
+    draft_model: object = None
 
     def __attrs_post_init__(self):
-        if self.method == "draft":
-            raise NotImplementedError("speculative method 'draft' (a draft model) is not built yet; "
-                                      "use method='ngram'")
         if self.method not in METHODS:
             raise ValueError(f"speculative method={self.method!r}: expected one of {METHODS}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(f"speculative method={self.method!r} with draft_model={self.draft_model!r}: "
+                             "a draft model is what method 'draft' needs, and only it")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative ngram_min={self.ngram_min} > ngram_max={self.ngram_max}")
 
