@@ -96,7 +96,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """After a failed step: nothing of it may leak into the next one."""
-        self.in_flight = None
+        self.in_flight, self._chained = None, 0
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.finish(request, "abort")
 
