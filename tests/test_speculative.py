@@ -185,6 +185,18 @@ def test_only_windows_with_drafts_count_towards_the_accept_length():
     assert got[0].metrics.mean_accept_length > 3 and got[1].metrics.mean_accept_length is None
 
 
+@pytest.mark.gpu
+def test_a_draft_model_with_graphs_on_the_gpu_gives_plain_decodings_tokens():
+    """The draft model's captured decode graphs and the target's verify graphs, float32."""
+    target, draft = random_model(TINY_LLAMA, device="cuda"), random_model(TINY_LLAMA, device="cuda", seed=1)
+    kw = dict(device="cuda", max_num_seqs=8, page_size=4, graphs=True)
+    plain = ts.LLM(target, **kw)
+    for temperature, model in ((0.0, target), (1.0, draft)):   # drafts all kept, then few
+        params = ts.SamplingParams(temperature=temperature, max_tokens=24, seed=5, ignore_eos=True)
+        config = ts.SpeculativeConfig(method="draft", num_tokens=3, draft_model=model)
+        assert outputs(ts.LLM(target, speculative=config, **kw), params) == outputs(plain, params)
+
+
 @functools.lru_cache(maxsize=None)
 def draft_engines(draft_seed: int, graphs: bool = False):
     """Plain decoding, and drafts from a random model: the target itself (seed 0: every
