@@ -59,7 +59,8 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--max-model-len", type=int, default=None)
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
     command.add_argument("--speculative-tokens", type=int, default=0,
-                         help="verify up to K n-gram drafts per decode step (0: off; outputs are unchanged)")
+                         help="verify up to K drafts per decode step, n-grams or --draft-model's (0: off; "
+                              "outputs are unchanged)")
     command.add_argument("--draft-model", default=None,
                          help="with --speculative-tokens: drafts from this smaller model of the same "
                               "vocabulary instead of n-grams")

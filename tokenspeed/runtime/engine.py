@@ -48,7 +48,7 @@ class Engine:
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``)."""
         if (verify is None) != (speculative is None):
-            raise ValueError("speculative decoding needs both a verify runner and its config")
+            raise ValueError("speculative decoding needs both a verify runner and its drafter")
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
         self.verify, self.speculative = verify, speculative
         self.eos_token_ids = tuple(model_config.eos_token_ids)
@@ -175,6 +175,8 @@ class Engine:
         return drafts
 
     def _wants_drafts(self, request: Request) -> bool:
+        """Whether ``request`` would draft now (a chain breaks for it); finding nothing
+        counts towards its back-off, as in ``_drafts``."""
         limit = self._draft_limit(request)
         if limit > 0 and not self.speculative.may_propose(request, limit):
             request.note_drafts(False)

@@ -1,9 +1,9 @@
 """Continuous batching with chunked prefill, page allocation and preemption.
 
 Every step is either an extend batch (prompt chunks, plus the decode rows, which take
-their tokens and pages first) or, when no prompt work is pending, a decode batch. When pages run out a
-decode batch preempts the newest request: its pages are freed and it is recomputed later,
-so no live request is ever corrupted.
+their tokens and pages first) or, when no prompt work is pending, a decode batch. When
+pages run out a decode batch preempts the newest request: its pages are freed and it is
+recomputed later, so no live request is ever corrupted.
 
 With prefix caching, a request admitted takes the cached pages of its longest cached
 prefix (``page_digests``) and computes only the rest, and every page a request fills is

@@ -3,19 +3,19 @@
 Row 0 of a request's window is its last token, rows 1..k are drafts; every row is
 sampled as a plain decode row at its position (the keyed Gumbel-max, so a row samples
 what plain decoding would sample there given the same prefix), and the request keeps the
-samples while each draft equals the sample before it. With drafts that are proposed
-deterministically (``ngram``), keeping a sample when it equals the draft is rejection
-sampling with a one-hot proposal: greedy and sampled outputs are those of plain decoding,
-up to the rounding by which any two batch shapes differ (a window runs other kernels and
-batch sizes than a plain step, so near-tied logits can break the other way, as they can
-between batch sizes without speculation). A request with no draft verifies a window of
-one row.
+samples while each draft equals the sample before it. Drafts are proposed
+deterministically (n-grams, a draft model's argmax), so keeping a sample when it equals
+the draft is rejection sampling with a one-hot proposal: greedy and sampled outputs are
+those of plain decoding, up to the rounding by which any two batch shapes differ (a
+window runs other kernels and batch sizes than a plain step, so near-tied logits can
+break the other way, as they can between batch sizes without speculation). A request
+with no draft verifies a window of one row.
 
-``draft`` runs a smaller model of the same vocabulary (``draft_model``); ``ngram`` (prompt
-lookup) proposes the tokens that followed the latest earlier
-occurrence of the longest suffix of the request's own tokens (``ngram_max`` down to
-``ngram_min`` tokens): no extra model. It finds nothing on text that does not repeat, and
-then the step is a plain decode step; a request whose drafts keep failing backs off
+``draft`` runs a smaller model of the same vocabulary (``draft_model``,
+``draft_model.py``). ``ngram`` (prompt lookup) proposes the tokens that followed the latest
+earlier occurrence of the longest suffix of the request's own tokens (``ngram_max`` down
+to ``ngram_min`` tokens): no extra model. It finds nothing on text that does not repeat,
+and then the step is a plain decode step. A request whose drafts keep failing backs off
 (``backoff_tokens``).
 """
 
@@ -50,8 +50,8 @@ class PerRequestDrafts:
 class SpeculativeConfig(PerRequestDrafts):
     """``num_tokens``: drafts per step (the verify window is ``num_tokens + 1`` rows);
     ``draft_model`` (method ``draft``): a model path or a tokenspeed model of the target's
-    vocabulary, loaded on the target's device with its compile options. As a drafter the
-    config proposes n-grams; ``ts.LLM`` builds the draft model's own (``draft_model``)."""
+    vocabulary, loaded on the target's device with its compile options. The config is
+    itself the ``ngram`` drafter; for ``draft`` ``ts.LLM`` builds a ``DraftModelDrafter``."""
     method: str = "ngram"
     num_tokens: int = attrs.field(default=3, validator=_at_least_one)
     ngram_max: int = attrs.field(default=4, validator=_at_least_one)
