@@ -19,6 +19,7 @@ import tokenspeed as ts
 from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
 from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
+from tokenspeed.entrypoints.prompts import parse_prompts
 
 from text_models import llm_failing_on, text_model_dir
 
@@ -321,14 +322,28 @@ def test_a_speculative_server_streams_what_plain_decoding_says(llm):
             assert counted == got.usage.completion_tokens, (stop, got.choices[0].text)
 
 
-def test_a_packed_report_unpacks_to_the_report():
-    from tokenspeed.entrypoints.engine_loop import Completed, CompletionDelta, EngineLoad, GroupUpdate, StepReport
-    from tokenspeed.entrypoints.engine_process import PackedReport
-    report = StepReport([(3, GroupUpdate((CompletionDelta(0, "a", (5, 6), (), None, None),
-                                          CompletionDelta(1, "", (), (), "stop", 7)), True, 4, 2)),
-                         (9, GroupUpdate((), True, 0, 0, "failed"))],
-                        EngineLoad(2, 1, 17), [Completed(2, "stop", 0.5, None)])
-    assert PackedReport.of(report).unpack() == report
+def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
+    """The loop builds its reports packed; unpacked, their deltas join to what ``generate``
+    says, and the last update finishes with the counts of the whole completion."""
+    params = ts.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, seed=5)
+    want = llm.generate("The sea is", params, use_tqdm=False)[0]
+    reports = []
+    loop = EngineLoop(llm, reports.append, print).start()
+    [prompt] = parse_prompts("The sea is", llm.tokenizer)
+    loop.inbox.put(Submit(7, prompt, params))
+    for _ in range(600):
+        updates = [u for r in reports for key, u in r.unpack().updates]
+        if updates and updates[-1].finished:
+            break
+        time.sleep(0.05)
+    loop.stop()
+    for completion in want.outputs:
+        deltas = [d for u in updates for d in u.deltas if d.index == completion.index]
+        assert "".join(d.text for d in deltas) == completion.text
+        assert [t for d in deltas for t in d.token_ids] == list(completion.token_ids)
+    last = updates[-1]
+    assert last.finished and last.error is None and last.num_output_tokens == 24
+    assert last.num_prompt_tokens == len(want.prompt_token_ids)
 
 
 def test_a_stop_string_counts_only_the_tokens_kept(base_url, client, llm):

@@ -21,8 +21,7 @@ from typing import NamedTuple
 
 import attrs
 
-from tokenspeed.entrypoints.engine_loop import (Abort, CompletionDelta, Completed, EngineLoad, EngineLoop,
-                                                GroupUpdate, StepReport, Submit)
+from tokenspeed.entrypoints.engine_loop import Abort, EngineLoop, PackedReport, StepReport, Submit
 from tokenspeed.runtime.prompt_limits import PromptLimits
 
 START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
@@ -54,26 +53,6 @@ class EngineInfo(NamedTuple):
 
 class EngineFailed(NamedTuple):
     message: str
-
-
-class PackedReport(NamedTuple):
-    """A ``StepReport`` with its records as plain tuples, in their fields' order. A
-    NamedTuple pickles through Python code (``__getnewargs__``), a plain tuple in C: a step's
-    report for 64 streams took about 320 us to pickle as records, 73 us packed (with the
-    packing), and the engine's thread pays it every step."""
-    updates: tuple
-    load: tuple
-    completed: tuple
-
-    @classmethod
-    def of(cls, report: StepReport) -> "PackedReport":
-        return cls(tuple((key, tuple(map(tuple, u.deltas)), *u[1:]) for key, u in report.updates),
-                   tuple(report.load), tuple(map(tuple, report.completed)))
-
-    def unpack(self) -> StepReport:
-        delta = CompletionDelta._make
-        updates = [(key, GroupUpdate(tuple(map(delta, deltas)), *rest)) for key, deltas, *rest in self.updates]
-        return StepReport(updates, EngineLoad._make(self.load), list(map(Completed._make, self.completed)))
 
 
 class EngineStartError(RuntimeError):
@@ -162,7 +141,7 @@ def engine_main(spec: EngineSpec, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
-    loop = EngineLoop(llm, lambda report: conn.send(PackedReport.of(report)),
+    loop = EngineLoop(llm, conn.send,
                       lambda message: conn.send(EngineFailed(message)))
     conn.send(EngineInfo(llm.engine.limits, llm.tokenizer is not None))
     loop.start()
