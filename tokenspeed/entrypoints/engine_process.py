@@ -11,6 +11,7 @@ and the HTTP process only sends ``Submit``/``Abort`` records down a pipe and rea
 and options through ``functools.partial(LLM, ...)``, or a module-level factory).
 """
 
+import asyncio
 import contextlib
 import functools
 import multiprocessing
@@ -59,21 +60,24 @@ class EngineStartError(RuntimeError):
     """The engine process could not build its engine (the message says why)."""
 
 
+MAX_REPORTS_PER_READ = 16    # then the event loop's other callbacks get their turn
+
+
 class EngineClient:
     """The HTTP side: starts the child, sends it work, hands each report to ``on_report``
-    (on a reader thread) and ``on_exit(message)`` once if the child goes away unasked."""
+    and ``on_exit(message)`` once if the child goes away unasked, both on the thread of
+    the event loop that ``listen`` was given."""
 
     def __init__(self, spec: EngineSpec, on_report: Callable[[StepReport], None],
                  on_exit: Callable[[str], None]):
         self.spec, self.on_report, self.on_exit = spec, on_report, on_exit
         self.info: EngineInfo | None = None
-        self._stopping = False
+        self._stopping = self._listening = False
         self._send_lock = threading.Lock()
         context = multiprocessing.get_context("spawn")   # CUDA cannot cross a fork
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(target=engine_main, args=(spec, child_conn), daemon=True,
                                        name="tokenspeed-engine")
-        self._reader = threading.Thread(target=self._read, name="tokenspeed-engine-reader", daemon=True)
 
     def start(self) -> EngineInfo:
         """Start the child and wait until its engine is ready (blocking); once."""
@@ -90,14 +94,18 @@ class EngineClient:
         self.info = first
         return first
 
-    def listen(self) -> None:
-        """Start handing reports to ``on_report`` (those sent meanwhile wait in the pipe)."""
-        if not self._reader.is_alive():
-            self._reader.start()
+    def listen(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        """Start handing reports over (those sent meanwhile wait in the pipe). The event loop
+        reads the pipe itself: a reader thread handing reports to a busy loop waited for the
+        interpreter lock (up to its 5 ms switch interval) at every report, the pipe filled,
+        and the engine stalled on its sends (served throughput fell by a third, at random)."""
+        if not self._listening:
+            self._listening = True
+            event_loop.add_reader(self._conn.fileno(), self._read, event_loop)
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive() and self._reader.is_alive()
+        return self.process.is_alive() and self._listening
 
     def submit(self, key: int, prompt, params) -> None:
         """Queue a checked prompt; its updates will carry ``key`` (the caller's, unique)."""
@@ -125,11 +133,18 @@ class EngineClient:
             self.process.join(EXIT_WAIT_S)   # reaped, so its exit code is known
             return EngineFailed(f"the engine process exited (code {self.process.exitcode})")
 
-    def _read(self) -> None:
-        while isinstance(packed := self._receive(), PackedReport):
-            self.on_report(packed.unpack())
-        if not self._stopping:
-            self.on_exit(packed.message)
+    def _read(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        for _ in range(MAX_REPORTS_PER_READ):
+            if not self._conn.poll():
+                return
+            message = self._receive()
+            if not isinstance(message, PackedReport):
+                self._listening = False
+                event_loop.remove_reader(self._conn.fileno())
+                if not self._stopping:
+                    self.on_exit(message.message)
+                return
+            self.on_report(message.unpack())
 
 
 def engine_main(spec: EngineSpec, conn) -> None:

@@ -44,24 +44,18 @@ class Server:
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer is not None else None
         self.metrics = ServerMetrics()
-        self.engine = EngineClient(spec, self._on_report, self._on_exit)
-        self.event_loop: asyncio.AbstractEventLoop | None = None   # set when serving starts
+        self.engine = EngineClient(spec, self._dispatch, self._fail_all)
         self._callbacks: dict[int, object] = {}
         self._keys = itertools.count()
 
     async def start(self) -> None:
         """Start the engine (unless started already), then take its reports on this loop."""
-        self.event_loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.engine.start)
-        self.engine.listen()
+        self.engine.listen(asyncio.get_running_loop())
 
     @property
     def limits(self):
         return self.engine.info.limits
-
-    def _on_report(self, report: StepReport) -> None:
-        """From the reader thread: one wake-up of the event loop per engine step."""
-        self.event_loop.call_soon_threadsafe(self._dispatch, report)
 
     def _dispatch(self, report: StepReport) -> None:
         """Each update to its prompt's handler; a prompt aborted here (its client left)
@@ -72,14 +66,11 @@ class Server:
             if callback is not None:
                 callback(update)
 
-    def _on_exit(self, message: str) -> None:
-        """From the reader thread: the engine process died; its requests fail."""
-        def fail_all():
-            callbacks, self._callbacks = self._callbacks, {}
-            for callback in callbacks.values():
-                callback(GroupUpdate((), True, 0, 0, message))
-        with contextlib.suppress(RuntimeError):   # the event loop may be closing too
-            self.event_loop.call_soon_threadsafe(fail_all)
+    def _fail_all(self, message: str) -> None:
+        """The engine process died: its requests fail."""
+        callbacks, self._callbacks = self._callbacks, {}
+        for callback in callbacks.values():
+            callback(GroupUpdate((), True, 0, 0, message))
 
     async def read(self, request: Request, model):
         """The body as ``model``: 413 past the size limit, 400 for bad JSON or fields."""
