@@ -302,7 +302,7 @@ def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
 
 def test_a_speculative_server_streams_what_plain_decoding_says(llm):
     path = str(text_model_dir())
-    spec = EngineSpec(functools.partial(ts.LLM, path, speculative=ts.SpeculativeConfig(num_tokens=3),
+    spec = EngineSpec(functools.partial(ts.LLM, path, speculative=ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0),
                                         **OPTIONS), path)
     prompt = "one two three one two three one two"
     want = llm.generate(prompt, ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),

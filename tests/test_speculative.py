@@ -23,7 +23,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], li
 def engines(graphs: bool, num_kv_pages: int | None = None):
     model = random_model(TINY_LLAMA)
     kw = dict(max_num_seqs=4, graphs=graphs, num_kv_pages=num_kv_pages, page_size=4)
-    return ts.LLM(model, **kw), ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3), **kw)
+    return ts.LLM(model, **kw), ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0), **kw)
 
 
 class ScriptedDrafts(PerRequestDrafts):
@@ -71,7 +71,7 @@ def test_any_drafts_give_plain_decodings_tokens(temperature, right, graphs, stop
 
 def test_ngram_drafts_are_kept_on_text_that_repeats():
     plain, speculative = engines(False)
-    speculative.engine.speculative = ts.SpeculativeConfig(num_tokens=3)
+    speculative.engine.speculative = ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0)
     params = ts.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == outputs(plain, params)
@@ -112,6 +112,8 @@ def test_ngram_prefers_the_longest_and_latest_match():
     (dict(method="draft"), ValueError, "draft_model=None"),
     (dict(draft_model="some/path"), ValueError, "method='ngram' with draft_model"),
     (dict(ngram_min=3, ngram_max=2), ValueError, "ngram_min=3 > ngram_max=2"),
+    (dict(verify_cost=0.5), ValueError, "verify_cost=0.5"),
+    (dict(verify_cost=float("nan")), ValueError, "verify_cost=nan"),
 ])
 def test_bad_speculative_configs_are_refused(options, error, match):
     with pytest.raises(error, match=match):
@@ -158,7 +160,7 @@ def test_verify_graphs_on_the_gpu_give_plain_decodings_tokens(temperature):
     model = random_model(TINY_LLAMA, device="cuda")
     kw = dict(device="cuda", max_num_seqs=8, page_size=4, graphs=True)
     plain = ts.LLM(model, **kw)
-    speculative = ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3), **kw)
+    speculative = ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0), **kw)
     params = ts.SamplingParams(temperature=temperature, max_tokens=32, seed=5, ignore_eos=True)
     want = outputs(plain, params)
     speculative.engine.speculative = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.7, 2)
@@ -185,6 +187,31 @@ def test_only_windows_with_drafts_count_towards_the_accept_length():
     assert got[0].metrics.mean_accept_length > 3 and got[1].metrics.mean_accept_length is None
 
 
+def test_a_batch_verifies_only_drafts_expected_to_pay_for_the_step():
+    """At a verify cost of two plain steps, a lone request whose drafts are right verifies;
+    beside two requests without drafts the same drafts cannot pay for three rows' step, so
+    that batch decodes plainly (no windows at all), with plain decoding's tokens."""
+    plain, speculative = engines(False)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = outputs(plain, params)
+    first = PROMPTS[0] + list(want[0])
+
+    def propose(tokens, limit):
+        known = list(tokens) == first[:len(tokens)]
+        return tuple(first[len(tokens):len(tokens) + min(3, limit)]) if known else ()
+
+    engine = speculative.engine
+    engine.speculative, engine.verify_cost = Proposer(propose), 2.0
+    try:
+        alone = speculative.generate(PROMPTS[0], params, use_tqdm=False)[0]
+        together = speculative.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        engine.verify_cost = 1.0
+    assert alone.outputs[0].token_ids == want[0] and alone.metrics.mean_accept_length > 3
+    assert [o.outputs[0].token_ids for o in together] == want
+    assert all(o.metrics.mean_accept_length is None for o in together)
+
+
 @pytest.mark.gpu
 def test_a_draft_model_with_graphs_on_the_gpu_gives_plain_decodings_tokens():
     """The draft model's captured decode graphs and the target's verify graphs, float32."""
@@ -193,7 +220,7 @@ def test_a_draft_model_with_graphs_on_the_gpu_gives_plain_decodings_tokens():
     plain = ts.LLM(target, **kw)
     for temperature, model in ((0.0, target), (1.0, draft)):   # drafts all kept, then few
         params = ts.SamplingParams(temperature=temperature, max_tokens=24, seed=5, ignore_eos=True)
-        config = ts.SpeculativeConfig(method="draft", num_tokens=3, draft_model=model)
+        config = ts.SpeculativeConfig(method="draft", num_tokens=3, verify_cost=1.0, draft_model=model)
         assert outputs(ts.LLM(target, speculative=config, **kw), params) == outputs(plain, params)
 
 
@@ -203,7 +230,7 @@ def draft_engines(draft_seed: int, graphs: bool = False):
     draft kept) or another (seed 1: few kept)."""
     kw = dict(max_num_seqs=4, page_size=4, graphs=graphs)
     target = random_model(TINY_LLAMA)
-    config = ts.SpeculativeConfig(method="draft", num_tokens=3,
+    config = ts.SpeculativeConfig(method="draft", num_tokens=3, verify_cost=1.0,
                                   draft_model=random_model(TINY_LLAMA, seed=draft_seed))
     return ts.LLM(target, **kw), ts.LLM(target, speculative=config, **kw)
 
@@ -232,7 +259,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
 def test_a_draft_model_under_a_tiny_pool_preempts_alike():
     model = random_model(TINY_LLAMA)
     kw = dict(max_num_seqs=4, page_size=4, num_kv_pages=24)
-    config = ts.SpeculativeConfig(method="draft", num_tokens=2, draft_model=model)
+    config = ts.SpeculativeConfig(method="draft", num_tokens=2, verify_cost=1.0, draft_model=model)
     params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = outputs(ts.LLM(model, **kw), params)
     assert outputs(ts.LLM(model, speculative=config, **kw), params) == want
@@ -253,7 +280,7 @@ def test_speculative_sampling_keeps_the_targets_distribution(draft_seed):
     config, n, prompt = {**TINY_LLAMA, "vocab_size": 16}, 2000, [1, 5, 9, 3, 7]
     target, draft = random_model(config), random_model(config, seed=draft_seed)
     kw = dict(max_num_seqs=256, page_size=4)
-    speculative = ts.LLM(target, speculative=ts.SpeculativeConfig(method="draft", num_tokens=3,
+    speculative = ts.LLM(target, speculative=ts.SpeculativeConfig(method="draft", num_tokens=3, verify_cost=1.0,
                                                                   draft_model=draft), **kw)
 
     def draws(llm, first_seed):

@@ -77,7 +77,8 @@ class LLM:
             drafter = self._draft_model(speculative, device, dtype, enforce_eager, compile_options)
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
-                             config.seed, self.compiled.verify, drafter)
+                             config.seed, self.compiled.verify, drafter,
+                             verify_cost=speculative.verify_cost if speculative else 1.0)
         self._lock = threading.Lock()
         self._streams: dict[Request, TextStream] = {}
         self._failures, self._failure = 0, None   # failed steps so far, and the last error

@@ -57,9 +57,9 @@ class DraftModelDrafter:
                 drafts[i].append(token)
         return [tuple(d) for d in drafts]
 
-    def may_propose(self, request, limit: int) -> bool:
-        """A draft model always has a guess (the pool permitting, found when proposing)."""
-        return limit > 0
+    def would_propose(self, request, limit: int) -> int:
+        """A draft model always has guesses (the pool permitting, found when proposing)."""
+        return min(self.num_tokens, limit)
 
     def release(self, request) -> None:
         """The request is over: its pages return to the draft pool."""

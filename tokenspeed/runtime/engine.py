@@ -40,17 +40,18 @@ class InFlight:
 class Engine:
     def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None,
-                 speculative=None, admit_every: int = ADMIT_EVERY_STEPS):
+                 speculative=None, admit_every: int = ADMIT_EVERY_STEPS, verify_cost: float = 1.0):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
         of speculative windows, with ``speculative`` the drafter that proposes them
-        (``speculative.PerRequestDrafts``' methods);
+        (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a
+        verify step's cost in chained plain steps (``_verify_pays``);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``)."""
         if (verify is None) != (speculative is None):
             raise ValueError("speculative decoding needs both a verify runner and its drafter")
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
-        self.verify, self.speculative = verify, speculative
+        self.verify, self.speculative, self.verify_cost = verify, speculative, verify_cost
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
@@ -112,7 +113,7 @@ class Engine:
             return self._collect(flight)
         batch = self.scheduler.schedule()
         drafts = self._drafts(batch) if self.speculative is not None else None
-        if drafts and any(drafts):
+        if drafts and any(drafts) and self._verify_pays(batch.requests, list(map(len, drafts))):
             return self._verify(batch.requests, drafts)
         if batch.kind == "decode" and batch.requests and self.overlap:
             self.in_flight = InFlight(batch.requests, self.decode.launch(
@@ -140,7 +141,7 @@ class Engine:
         if not live or self._admits_now() or len(scheduler.running) != len(live) or \
                 not any(self._wants_another(r) for r in live) or \
                 any(r.sampling.reads_history for r in live) or \
-                (self.speculative is not None and any(self._wants_drafts(r) for r in live)):
+                (self.speculative is not None and self._verify_pays(live, [self._would_draft(r) for r in live])):
             self._chained = 0
             return None
         rows = []
@@ -174,14 +175,24 @@ class Engine:
                 request.note_drafts(False)
         return drafts
 
-    def _wants_drafts(self, request: Request) -> bool:
-        """Whether ``request`` would draft now (a chain breaks for it); finding nothing
-        counts towards its back-off, as in ``_drafts``."""
+    def _would_draft(self, request: Request) -> int:
+        """How many drafts ``request`` would verify now (for a chain to break); finding
+        none counts towards its back-off, as in ``_drafts``."""
         limit = self._draft_limit(request)
-        if limit > 0 and not self.speculative.may_propose(request, limit):
+        drafts = self.speculative.would_propose(request, limit) if limit > 0 else 0
+        if limit > 0 and not drafts:
             request.note_drafts(False)
+        return drafts
+
+    def _verify_pays(self, requests, num_drafts: list[int]) -> bool:
+        """Whether a verify step beats plain steps: it costs ``verify_cost`` chained plain
+        steps (no overlap, wider rows) for the whole batch, and gains, per request with
+        drafts, those its windows kept on average. Text that rarely repeats in a large
+        batch decodes plainly, and repetitive text verifies."""
+        if not any(num_drafts):
             return False
-        return limit > 0
+        gain = sum(r.expected_kept_drafts(n) for r, n in zip(requests, num_drafts) if n)
+        return gain >= (self.verify_cost - 1) * len(requests)
 
     def _draft_limit(self, request: Request) -> int:
         """How many drafts ``request`` may verify now: its tokens and context left, less the

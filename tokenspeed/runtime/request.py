@@ -71,6 +71,12 @@ class Request:
             self.num_verified_tokens += kept
             self.note_drafts(kept > 1)
 
+    def expected_kept_drafts(self, num_drafts: int) -> float:
+        """Drafts of a window of ``num_drafts`` this request is expected to keep: the mean
+        of its windows so far, starting from half the window (weighing one window)."""
+        kept = self.num_verified_tokens - self.num_verify_steps   # less each window's own sample
+        return min(num_drafts, (kept + num_drafts / 2) / (self.num_verify_steps + 1))
+
     def note_drafts(self, useful: bool) -> None:
         """After drafts that were all rejected, or none found, wait ever longer before
         drafting again (searching costs host time every step; a window, GPU time)."""

@@ -27,20 +27,20 @@ METHODS = ("ngram", "draft")
 
 
 def _at_least_one(instance, attribute, value):
-    if value < 1:
+    if not value >= 1:
         raise ValueError(f"speculative {attribute.name}={value}: must be >= 1")
 
 
 class PerRequestDrafts:
     """The engine's drafter interface over a ``propose(tokens, limit)`` of one request:
-    ``propose_many`` (a decode batch's drafts), ``may_propose`` (would it draft now: a
-    chained step breaks for drafts) and ``release`` (a request ended)."""
+    ``propose_many`` (a decode batch's drafts), ``would_propose`` (how many drafts it
+    would propose now: a chained step breaks for drafts worth verifying) and ``release`` (a request ended)."""
 
     def propose_many(self, requests, limits: list[int]) -> list[tuple[int, ...]]:
         return [self.propose(r.token_array(), n) if n > 0 else () for r, n in zip(requests, limits)]
 
-    def may_propose(self, request, limit: int) -> bool:
-        return bool(self.propose(request.token_array(), limit))
+    def would_propose(self, request, limit: int) -> int:
+        return len(self.propose(request.token_array(), limit))
 
     def release(self, request) -> None:
         pass
@@ -50,13 +50,18 @@ class PerRequestDrafts:
 class SpeculativeConfig(PerRequestDrafts):
     """``num_tokens``: drafts per step (the verify window is ``num_tokens + 1`` rows);
     ``draft_model`` (method ``draft``): a model path or a tokenspeed model of the target's
-    vocabulary, loaded on the target's device with its compile options. The config is
-    itself the ``ngram`` drafter; for ``draft`` ``ts.LLM`` builds a ``DraftModelDrafter``."""
+    vocabulary, loaded on the target's device with its compile options. ``verify_cost``:
+    what a verify step costs in plain decode steps; a batch verifies only when its requests'
+    drafts are expected to gain more (``Engine._verify_pays``; 1 verifies whenever there
+    are drafts). On the H200 a verify step costs 2.3-2.7 plain steps at batch 1 and 16
+    (docs/PERFORMANCE.md). The config is itself the ``ngram`` drafter; for ``draft``
+    ``ts.LLM`` builds a ``DraftModelDrafter``."""
     method: str = "ngram"
     num_tokens: int = attrs.field(default=3, validator=_at_least_one)
     ngram_max: int = attrs.field(default=4, validator=_at_least_one)
     ngram_min: int = attrs.field(default=2, validator=_at_least_one)   # one token matches too often
     draft_model: object = None
+    verify_cost: float = attrs.field(default=2.5, validator=_at_least_one)
 
     def __attrs_post_init__(self):
         if self.method not in METHODS:
