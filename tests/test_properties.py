@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from tokenspeed.backends.metadata import plan_extend, refresh_decode, write_locations
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.testing import invariants as inv
-from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases
+from tokenspeed.runtime.speculative import window_rows
+from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases, verify_cases
 
 DECODE_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "row_request")
 
@@ -63,6 +64,46 @@ def test_extend_padding_rows_resolve_to_null_page(case):
     inv.check_padding_rows_null(meta, live, case.page_size)
     inv.check_no_write_into_live_pages(meta, live, [c.pages for c in case.chunks], case.page_size)
     inv.check_table_tails_null(meta, [c.pages for c in case.chunks])
+
+
+def verify_rows(case, drafts=None, kept=None) -> list:
+    """The batch's window rows, each request ``kept[i]`` tokens on (none by default) and
+    its next window as long as its pages allow."""
+    kept = kept or [0] * len(case.lengths)
+    return [row for n, k, p, d in zip(case.lengths, kept, case.pages, drafts or case.drafts)
+            for row in window_rows(7, n + k, p, d)]
+
+
+@given(case=verify_cases())
+def test_verify_padding_rows_and_tails_resolve_to_null_page(case):
+    rows = verify_rows(case)
+    meta = refresh_decode(rows, case.num_rows, case.max_pages, case.page_size)
+    inv.check_padding_rows_null(meta, len(rows), case.page_size)
+    inv.check_table_tails_null(meta, [r.pages for r in rows])
+    inv.check_no_write_into_live_pages(meta, len(rows), case.pages, case.page_size)
+
+
+@given(case=verify_cases(), data=st.data())
+def test_rejected_drafts_keys_are_rewritten_before_any_row_reads_them(case, data):
+    """A window keeps 1..width tokens; the keys its rejected rows wrote stay in the cache.
+    In the next window every row reads the positions up to its own, and each of those
+    that holds a rejected key is written again by a row of that window first (every row
+    writes before any attends)."""
+    def slot(pages, position):
+        return pages[position // case.page_size] * case.page_size + position % case.page_size
+
+    kept = [data.draw(st.integers(1, len(d) + 1)) for d in case.drafts]
+    room = [len(p) * case.page_size - n - k for n, k, p in zip(case.lengths, kept, case.pages)]
+    nexts = [tuple(data.draw(st.lists(st.integers(0, 999), max_size=r))) for r in room]
+    before = refresh_decode(verify_rows(case), len(verify_rows(case)), case.max_pages, case.page_size)
+    after_rows = verify_rows(case, nexts, kept)
+    after = refresh_decode(after_rows, len(after_rows), case.max_pages, case.page_size)
+    rejected = set(before.slot_mapping.tolist()) - \
+        {slot(p, n - 1 + j) for n, k, p in zip(case.lengths, kept, case.pages) for j in range(k)}
+    rewritten = set(after.slot_mapping.tolist())
+    for row in after_rows:
+        read = {slot(row.pages, q) for q in range(row.position + 1)}
+        assert read & rejected <= rewritten, (row, sorted(read & rejected - rewritten))
 
 
 @given(case=extend_cases(), width=st.integers(1, 4))

@@ -10,10 +10,13 @@ import random
 import types
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed.backends.metadata import DecodeRow
 from tokenspeed.models.random import TINY_LLAMA, random_model
+from tokenspeed.runtime.sampler import RowSampling
 from tokenspeed.runtime.speculative import PerRequestDrafts, propose_ngram
 
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], list(range(30, 60))]
@@ -185,6 +188,18 @@ def test_only_windows_with_drafts_count_towards_the_accept_length():
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert got[0].metrics.mean_accept_length > 3 and got[1].metrics.mean_accept_length is None
+
+
+@pytest.mark.parametrize("params", [ts.SamplingParams(temperature=0.0), ts.SamplingParams(top_k=1),
+                                    ts.SamplingParams(temperature=1.0, top_p=0.9)])
+def test_windows_of_one_row_sample_what_plain_decoding_samples(params):
+    """N = 1: the verify runner over windows without drafts is a plain decode step (same
+    rows, seeds and cache), greedy, top_k = 1 and sampled."""
+    _, speculative = engines(False)
+    rows = [DecodeRow(11 + i, 5 + 3 * i, (1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i)) for i in range(4)]
+    sampling = [RowSampling(params, seed) for seed in range(4)]
+    with torch.inference_mode():
+        assert speculative.compiled.verify.run(rows, sampling) == speculative.compiled.decode.run(rows, sampling)
 
 
 def test_a_batch_verifies_only_drafts_expected_to_pay_for_the_step():

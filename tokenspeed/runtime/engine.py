@@ -22,6 +22,7 @@ from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
+from tokenspeed.runtime.speculative import window_rows
 
 SEED_BITS = 62
 ADMIT_EVERY_STEPS = 4
@@ -209,8 +210,7 @@ class Engine:
         for request, draft in zip(requests, drafts):
             if not self.scheduler.grow(request, request.num_tokens + len(draft)):
                 draft = ()                   # no pages for the drafts: a plain row
-            position, pages = request.num_tokens - 1, tuple(request.pages)
-            rows += [DecodeRow(t, position + j, pages) for j, t in enumerate((request.last_token, *draft))]
+            rows += window_rows(request.last_token, request.num_tokens, tuple(request.pages), draft)
             sampling += [request.sampling] * (1 + len(draft))
             windows.append(draft)
         future = self.verify.launch(rows, sampling)

@@ -21,6 +21,16 @@ class DecodeCase:
 
 
 @attrs.frozen
+class VerifyCase:
+    lengths: tuple[int, ...]           # each request's tokens (its last one not cached)
+    pages: tuple[tuple[int, ...], ...]
+    drafts: tuple[tuple[int, ...], ...]
+    num_rows: int
+    max_pages: int
+    page_size: int
+
+
+@attrs.frozen
 class ExtendCase:
     chunks: tuple[ExtendChunk, ...]
     num_rows: int
@@ -53,6 +63,21 @@ def decode_cases(draw, max_batch: int = 12, max_len: int = 64):
     num_rows = len(rows) + draw(st.integers(0 if rows else 1, 8))
     max_pages = -(-max_len // page_size) + draw(st.integers(0, 2))
     return DecodeCase(rows, num_rows, max_pages, page_size)
+
+
+@st.composite
+def verify_cases(draw, max_batch: int = 8, max_len: int = 48, max_window: int = 5):
+    """A verify batch: each request (``lengths`` tokens, its cache one short) verifies a
+    window of its last token and ``widths - 1`` drafts; its pages cover the window and a
+    next one as wide."""
+    page_size = draw(page_sizes())
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=0, max_size=max_batch))
+    widths = [draw(st.integers(1, max_window)) for _ in lengths]
+    pages = draw(_owned_pages([n + 2 * w - 1 for n, w in zip(lengths, widths)], page_size))
+    drafts = [tuple(draw(st.lists(st.integers(0, 999), min_size=w - 1, max_size=w - 1))) for w in widths]
+    num_rows = sum(widths) + draw(st.integers(0 if lengths else 1, 8))
+    max_pages = -(-(max_len + 2 * max_window) // page_size) + draw(st.integers(0, 2))
+    return VerifyCase(tuple(lengths), tuple(pages), tuple(drafts), num_rows, max_pages, page_size)
 
 
 @st.composite
