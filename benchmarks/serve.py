@@ -5,8 +5,12 @@ streaming clients, against offline ``generate`` of the same requests.
 
 Per concurrency: TTFT, TPOT and inter-token latency (p50, p99) and output tokens/s
 through the server; offline, the median per-request TPOT and output tokens/s of
-``generate`` over the same prompts. Targets: server TPOT within 1.1x of offline at 16
-clients, and at 64 clients at least 0.8x of offline throughput. Random weights of the
+``generate`` over the same prompts (in waves of ``concurrency``: every prompt of a wave
+is computed before its first token), and in process, the served workload without HTTP
+(``closed_``: ``concurrency`` requests in the engine, each finished one replaced by the
+next, as the clients do, so arrivals' prefills land inside other requests' decoding).
+Targets: server TPOT within 1.1x of offline at 16 clients, and at 64 clients at least 0.8x
+of offline throughput; the ``server_`` ratios compare with the closed loop instead. Random weights of the
 shape (speed only); prompts are random token ids, outputs a fixed length; prefix caching
 off (the warm-up repeats the first prompts).
 """
@@ -31,6 +35,7 @@ from tokenspeed.entrypoints.bench import random_prompts
 from tokenspeed.entrypoints.bench_serve import RequestResult, summarize
 from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
+from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 CLIENTS_PER_PROCESS = 16
@@ -66,6 +71,25 @@ def offline(llm, prompts, output_len: int, concurrency: int) -> dict:
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / (len(o.token_ids) - 1) for o in outputs]
     return {"offline_tpot_ms": statistics.median(tpot) * 1e3,
             "offline_tok_s": sum(len(o.token_ids) for o in outputs) / elapsed}
+
+
+def closed_loop(llm, prompts, output_len: int, concurrency: int) -> dict:
+    """The served workload stepped in this process, without the server."""
+    params = ts.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    queue, live, done = [Prompt(tuple(p)) for p in prompts], [], []
+    start = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            live += llm.add([queue.pop(0)], [params])[0]
+        llm.step()
+        finished = [r for r in live if r.finished]
+        live = [r for r in live if not r.finished]
+        done += finished
+        llm.release(finished)
+    elapsed = time.perf_counter() - start
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in done]
+    return {"closed_tpot_ms": statistics.median(tpot) * 1e3,
+            "closed_tok_s": sum(len(r.output) for r in done) / elapsed}
 
 
 def served(port: int, num_prompts: int, input_len: int, output_len: int, concurrency: int,
@@ -125,9 +149,12 @@ def main() -> None:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
         row = {"shape": args.shape, "clients": c,
                **served(args.port, len(prompts), args.input_len, args.output_len, c, seed=c),
-               **offline(llm, prompts, args.output_len, c)}
+               **offline(llm, prompts, args.output_len, c),
+               **closed_loop(llm, prompts, args.output_len, c)}
         row["tpot_ratio"] = row["tpot_p50_ms"] / row["offline_tpot_ms"]
         row["throughput_ratio"] = row["served_tok_s"] / row["offline_tok_s"]
+        row["server_tpot_ratio"] = row["tpot_p50_ms"] / row["closed_tpot_ms"]
+        row["server_throughput_ratio"] = row["served_tok_s"] / row["closed_tok_s"]
         rows.append(row)
         print(common.table([row], list(row)), flush=True)
     server.should_exit = True

@@ -13,6 +13,7 @@ and options through ``functools.partial(LLM, ...)``, or a module-level factory).
 
 import asyncio
 import contextlib
+import gc
 import functools
 import multiprocessing
 import signal
@@ -156,6 +157,9 @@ def engine_main(spec: EngineSpec, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
+    gc.collect()
+    gc.freeze()   # the model's and graphs' objects: never scanned again by a collection,
+    #               which otherwise pauses every stream while it walks them all
     loop = EngineLoop(llm, conn.send,
                       lambda message: conn.send(EngineFailed(message)))
     conn.send(EngineInfo(llm.engine.limits, llm.tokenizer is not None))
