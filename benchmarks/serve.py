@@ -38,7 +38,7 @@ from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
-CLIENTS_PER_PROCESS = 16
+CLIENTS_PER_PROCESS = 8
 CLIENT_START_S = 5.0     # a client process imports and asks for the model list meanwhile
 
 
@@ -95,8 +95,9 @@ def closed_loop(llm, prompts, output_len: int, concurrency: int) -> dict:
 def served(port: int, num_prompts: int, input_len: int, output_len: int, concurrency: int,
            seed: int) -> dict:
     """``tokenspeed bench serve`` in processes of their own, as clients would be: one
-    process per 16 clients (one Python client parses ~10k events/s, less than the server
-    sends at 64 clients), all starting at one wall-clock time, their requests' figures
+    process per 8 clients (one Python client parses ~10k events/s; with 16 per process,
+    each had to take ~9k at 64 clients, and runs where clients fell behind read tokens in
+    bursts, ITL p50 0, and sent their next requests late), all starting at one wall-clock time, their requests' figures
     merged over the span from the first start to the last end."""
     processes = -(-concurrency // CLIENTS_PER_PROCESS)
     for prompts in (concurrency, num_prompts):                            # warm-up, then measure
