@@ -24,9 +24,8 @@ MAX_HEAD_DIM = 256
 DEFAULT_SMS = 132
 LOG2E = 1.4426950408889634
 EXTEND_BLOCK_M = 64
-EXTEND_BLOCK_N = 64
 EXTEND_WARPS = 4
-EXTEND_STAGES = 2
+EXTEND_STAGES = 3
 TILE_PLAN_BLOCK = 1024
 
 
@@ -210,6 +209,14 @@ def extend_tile_plan(row_request: torch.Tensor, max_runs: int, block_m: int = EX
     return ExtendPlan(first, block_m)
 
 
+def extend_block_n(head_dim: int) -> int:
+    """Keys per block: a sweep on the H200 (bf16, 32 heads over 8 KV heads of 64, 512 rows
+    after 8192 cached and 2048 fresh) took 130 and 94 us with 128 keys and 3 stages against
+    222 and 160 us with 64 and 2 (docs/PERFORMANCE.md); wider heads keep the tiles' shared
+    memory as it was."""
+    return 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
+
+
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
                      page_size, plan: ExtendPlan = None):
     """Ragged causal attention of many rows per request (prefix hits included), each
@@ -221,7 +228,7 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
         return out
     q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
     plan = plan if plan is not None else extend_tile_plan(row_request, block_tables.shape[0])
-    block_n = EXTEND_BLOCK_N if head_dim <= 128 else 32
+    block_n = extend_block_n(head_dim)
     _extend_kernel[(len(plan.first) - 1, heads)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
