@@ -49,10 +49,18 @@ VARIANTS = {
                   rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
     "head_dim": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                  dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+    # sliding windows several times shorter than the long prompts: every layer, and mixed
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+    "qwen3_window": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                     dict(head_dim=16, use_sliding_window=True, sliding_window=12,
+                          layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters={"rope_type": "default", "rope_theta": 3000.0})),
 }
 
 # weight seeds, chosen so every reference used by the tests has a clear top-1 token
-SEEDS = {"llama": 9, "llama3_rope": 9, "qwen2": 11, "qwen3": 9, "tied": 7, "head_dim": 9}
+SEEDS = {"llama": 9, "llama3_rope": 9, "qwen2": 11, "qwen3": 9, "tied": 7, "head_dim": 9, "mistral": 9,
+         "qwen3_window": 9}
 
 _DIRS: list[str] = []
 

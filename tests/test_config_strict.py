@@ -41,11 +41,12 @@ REJECTED = [
     ("llama", {"hidden_act": "relu"}, "hidden_act", "relu"),
     ("qwen2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act", "gelu_pytorch_tanh"),
     ("llama", {"hidden_activation": "gelu"}, "hidden_activation", "gelu"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window", True),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window", True),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 64},
-     "layer_types", "sliding_attention"),
     ("llama", {"sliding_window": 128}, "sliding_window", 128),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 0}, "sliding_window", 0),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "chunked"]},
+     "layer_types", "chunked"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention"]},
+     "layer_types", "expected 2"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "rope_type", "yarn"),
     ("qwen2", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
@@ -86,6 +87,26 @@ def test_fields_that_change_nothing_are_accepted(model_type, changes):
     assert config.architecture == ARCHITECTURES[model_type]
 
 
+@pytest.mark.parametrize("model_type, changes, windows", [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
+               "layer_types": ["full_attention", "sliding_attention"]}, (0, 8)),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "layer_types": None,
+               "max_window_layers": 1}, (0, 8)),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 8,
+               "layer_types": ["full_attention", "sliding_attention"]}, ()),   # as transformers: off
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 4096,
+               "layer_types": ["sliding_attention"] * 2}, ()),                    # never binds
+])
+def test_sliding_windows_are_read_per_layer(model_type, changes, windows):
+    assert ModelConfig.from_hf(hf_dict(model_type, **changes)).layer_windows == windows
+
+
+def test_mistral_windows_every_layer():
+    cfg = transformers.MistralConfig(**SMALL, sliding_window=16).to_dict()
+    config = ModelConfig.from_hf({**cfg, "architectures": ["MistralForCausalLM"]})
+    assert config.architecture == "MistralForCausalLM" and config.layer_windows == (16, 16)
+
+
 def test_supported_fields_are_read():
     llama = ModelConfig.from_hf(hf_dict("llama", attention_bias=True, tie_word_embeddings=True))
     assert llama.qkv_bias and llama.o_bias and llama.tie_word_embeddings
@@ -108,8 +129,8 @@ def test_model_type_stands_in_for_missing_architectures(model_type):
 def test_architectures_as_a_string():
     config = ModelConfig.from_hf(hf_dict("llama", architectures="Qwen3ForCausalLM"))
     assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm
-    with raises("unsupported architecture", "MistralForCausalLM"):
-        ModelConfig.from_hf(hf_dict("llama", architectures="MistralForCausalLM"))
+    with raises("unsupported architecture", "GemmaForCausalLM"):
+        ModelConfig.from_hf(hf_dict("llama", architectures="GemmaForCausalLM"))
 
 
 def test_unknown_model_type_without_architectures_is_named():

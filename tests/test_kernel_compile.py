@@ -50,7 +50,7 @@ def decode_kernels():
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
                     pos_ptr="*i64", out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32",
                     kn_ptr="*bf16", vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64")
-    signature = {**pointers, "qk_scale": "fp32",
+    signature = {**pointers, "qk_scale": "fp32", "window": "i32",
                  **{n: "i32" for n in names if n.startswith("stride")}}
     for rope in (False, True):
         for splits in (1, 8):
@@ -60,9 +60,9 @@ def decode_kernels():
             ptx = compile_sm90(triton_decode._decode_kernel, signature, flags).asm["ptx"]
             assert "griddepcontrol.wait" in ptx
     merge = compile_sm90(triton_decode._combine_kernel, dict(
-        mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64", out_ptr="*bf16", stride_or="i32",
-        stride_oh="i32"), dict(NUM_HEADS=32, HEAD_DIM=64, NUM_SPLITS=8, BLOCK_N=64, BLOCK_S=8,
-                               BLOCK_D=64, USE_PDL=True), 2)
+        mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64", out_ptr="*bf16", window="i32",
+        stride_or="i32", stride_oh="i32"),
+        dict(NUM_HEADS=32, HEAD_DIM=64, NUM_SPLITS=8, BLOCK_N=64, BLOCK_S=8, BLOCK_D=64, USE_PDL=True), 2)
     assert "griddepcontrol.wait" in merge.asm["ptx"]
 
 
@@ -86,10 +86,12 @@ def extend_kernels():
                                                   max_tiles="i32"), dict(BLOCK_M=64, BLOCK=1024))
     names = a._extend_kernel.arg_names
     signature = {**dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
-                        pos_ptr="*i64", out_ptr="*bf16", tile_first_ptr="*i32", qk_scale="fp32"),
+                        pos_ptr="*i64", out_ptr="*bf16", tile_first_ptr="*i32", qk_scale="fp32",
+                        window="i32"),
                  **{n: "i32" for n in names if n.startswith("stride")}}
     extend = compile_sm90(a._extend_kernel, signature, dict(
-        GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32",
+        GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=a.extend_block_n(64), BLOCK_D=64,
+        PRECISION="tf32",
         USE_PDL=True))
     assert plan.asm["ptx"] and "griddepcontrol.wait" in extend.asm["ptx"]
 

@@ -83,7 +83,8 @@ def check_attention(fn, lengths, rows, page_size, heads, kv_heads, head_dim, dty
     q = torch.randn(len(positions), heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim ** -0.5
     got = fn(q, kv, 1, table, row_request, positions, scale, page_size, **kwargs)
-    want = reference.attention(q, as_pages(kv, page_size), 1, table, row_request, positions, scale)
+    want = reference.attention(q, as_pages(kv, page_size), 1, table, row_request, positions, scale,
+                               kwargs.get("window", 0))
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -153,7 +154,7 @@ def check_rope_decode(lengths, pad_rows, page_size, heads, kv_heads, head_dim, d
     want_kv = kv.clone()
     scale = head_dim ** -0.5
     want = reference.rope_decode_attention(q, k, v, cos_sin, positions, as_pages(want_kv, page_size),
-                                           1, slots, table, row_request, scale)
+                                           1, slots, table, row_request, scale, kwargs.get("window", 0))
     got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, slots, table,
                                               row_request, scale, page_size, **kwargs)
     live = len(lengths)
@@ -191,6 +192,29 @@ def test_extend_attention(data, lengths, page_size, heads, head_dim, pad_rows):
     check_attention(triton_attention.extend_attention, lengths,
                     extend_rows(lengths, cached, pad_rows), page_size, heads[0], heads[1],
                     head_dim, torch.float32, 1e-4)
+
+
+@FEW
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=3), window=st.integers(1, 40),
+       splits=st.sampled_from([None, 1, 3, 8]), rope=st.booleans())
+def test_decode_attention_in_a_sliding_window(lengths, window, splits, rope):
+    """Each row sees its last ``window`` positions; the splits share them."""
+    kwargs = dict(num_splits=splits, max_context=max(lengths), window=window)
+    if rope:
+        check_rope_decode(lengths, 1, 4, 4, 2, 16, torch.float32, 1e-4, **kwargs)
+    else:
+        check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, 1), 4, 4, 2,
+                        16, torch.float32, 1e-4, **kwargs)
+
+
+@FEW
+@given(data=st.data(), lengths=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+       window=st.integers(1, 70))
+def test_extend_attention_in_a_sliding_window(data, lengths, window):
+    """Tiles whose rows' windows start in different key blocks, prefix hits included."""
+    cached = [data.draw(st.integers(0, n - 1)) for n in lengths]
+    check_attention(triton_attention.extend_attention, lengths, extend_rows(lengths, cached, 1),
+                    4, 4, 2, 16, torch.float32, 1e-4, window=window)
 
 
 def test_extend_long_request_spans_tiles_and_pages():
@@ -455,7 +479,7 @@ def test_gpu_decode_attention_cuda_graph():
         out = triton_decode.decode_attention(*args, max_context=4096)
     positions.copy_(torch.tensor([3, 37, 3999, 0], device="cuda"))
     graph.replay()
-    want = reference.attention(q, as_pages(kv, 16), 0, table, row_request, positions, 0.125)
+    want = reference.attention(q, as_pages(kv, 16), 0, table, row_request, positions, 0.125, 0)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 

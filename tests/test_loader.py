@@ -80,7 +80,7 @@ def test_sharded_checkpoint_missing_tensor_in_a_shard(sharded):
 # ---------------------------------------------------------------- bad checkpoints
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "GemmaForCausalLM"])
 def test_unsupported_architecture_is_named(arch):
     path = copy_checkpoint("llama")
     edit_config(path, architectures=[arch])

@@ -165,7 +165,7 @@ def test_narrowing_keeps_ungatherable_values_in_the_encoder(monkeypatch):
         self._write_kv(k, v, positions, kv_cache, meta)
         q = (q.reshape(-1, self.head_dim) * 1.0).view(-1, self.num_heads, self.head_dim)
         o = llama.ops.attention(self.rotary(q, positions), kv_cache, self.kv_layer,
-                                meta.block_tables, meta.row_request, positions, self.scale)
+                                meta.block_tables, meta.row_request, positions, self.scale, self.window)
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
     monkeypatch.setattr(llama.Attention, "forward", folding_forward)

@@ -46,15 +46,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
 
 @_op("attention")
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
-              row_request: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+              row_request: torch.Tensor, positions: torch.Tensor, scale: float,
+              window: int) -> torch.Tensor:
     """Row r attends causally to positions ``0..positions[r]`` of request
-    ``row_request[r]``, found through ``block_tables``."""
+    ``row_request[r]``, found through ``block_tables``; with a sliding ``window`` (0: the
+    whole context) only to the last ``window`` of them, ``positions[r] - window + 1`` on."""
     return torch.empty_like(q)
 
 
 @_op("decode_attention")
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                     row_request: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+                     row_request: torch.Tensor, positions: torch.Tensor, scale: float,
+                     window: int) -> torch.Tensor:
     """``attention`` restricted to one row per request: what decode lowering selects."""
     return torch.empty_like(q)
 
@@ -90,7 +93,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: to
 def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                          row_request: torch.Tensor, scale: float) -> torch.Tensor:
+                          row_request: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
     value and attends, using that key from registers."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)

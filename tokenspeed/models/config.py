@@ -7,8 +7,11 @@ cannot honour fails at load instead of generating wrong tokens.
 
 import attrs
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers runs both as torch's SiLU
@@ -44,6 +47,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     num_kv_shared_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    layer_windows: tuple[int, ...] = ()   # each layer's sliding window, 0 for none; () for none at all
 
     def __attrs_post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -52,6 +56,12 @@ class ModelConfig:
         if not 0 <= self.num_kv_shared_layers < self.num_layers:
             raise ValueError(f"num_kv_shared_layers={self.num_kv_shared_layers} must be in "
                              f"[0, num_hidden_layers={self.num_layers})")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of ``layer``'s attention (0: the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def kv_source_layer(self, layer: int) -> int:
         """The layer whose cache ``layer`` reads: itself, or the last non-shared layer."""
@@ -75,7 +85,8 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=_rope_scaling(hf),
-            num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf))
+            num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf),
+            layer_windows=layer_windows(hf, arch))
 
 
 def architecture(hf: dict) -> str:
@@ -95,8 +106,7 @@ def check_supported(hf: dict) -> None:
     missing = [f for f in REQUIRED_FIELDS if hf.get(f) is None]
     if missing:
         raise ValueError(f"config is missing required field(s) {', '.join(missing)}")
-    for check in (_check_activation, _check_biases, _check_rope, _check_sliding_window,
-                  _check_quantization):
+    for check in (_check_activation, _check_biases, _check_rope, _check_quantization):
         check(hf)
 
 
@@ -126,23 +136,29 @@ def _check_rope(hf: dict) -> None:
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def _check_sliding_window(hf: dict) -> None:
-    """Qwen's ``use_sliding_window`` or ``sliding_attention`` layers, and a Mistral-style
-    ``sliding_window`` (no ``use_sliding_window`` key), are rejected unless the window
-    spans every position the model takes (then it never binds)."""
-    window, limit = hf.get("sliding_window"), _max_positions(hf)
-    if window is not None and window >= limit:
-        return
-    if hf.get("use_sliding_window"):
-        field, value = "use_sliding_window", True
-    elif "sliding_attention" in (hf.get("layer_types") or ()):
-        field, value = "layer_types", "sliding_attention"
-    elif window is not None and "use_sliding_window" not in hf:
-        field, value = "sliding_window", window
-    else:
-        return
-    raise _unsupported(field, value, f"sliding-window attention (sliding_window={window}, "
-                                     f"max_position_embeddings={limit}) is not implemented")
+def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers reads the config: Qwen windows the
+    ``layer_types`` marked ``sliding_attention`` (derived from ``max_window_layers`` when
+    absent) if ``use_sliding_window``; Mistral windows every layer. () when none binds: a
+    window that spans every position the model takes changes nothing. Llama has no
+    sliding window in transformers, so one there is refused rather than guessed."""
+    window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if arch in QWEN and not hf.get("use_sliding_window"):
+        window = None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise _unsupported("sliding_window", window, "a window is a number of positions >= 1")
+    types = hf.get("layer_types")
+    if types is None:
+        first = (hf.get("max_window_layers") or 0) if arch in QWEN else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise _unsupported("layer_types", types, f"expected {n} of {', '.join(LAYER_TYPES)}")
+    if window is None or window >= _max_positions(hf):
+        return ()
+    if arch == "LlamaForCausalLM":
+        raise _unsupported("sliding_window", window, "Llama attention has no sliding window (a "
+                                                     "Mistral checkpoint is MistralForCausalLM)")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def _check_quantization(hf: dict) -> None:

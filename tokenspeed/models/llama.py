@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
         self.writes_kv = self.layer == self.kv_layer
         self.scale = c.head_dim ** -0.5
+        self.window = c.window_of(self.kv_layer)
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.writes_kv:
             self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
@@ -60,7 +61,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         q = self.rotary(q, positions)
         o = ops.attention(q, kv_cache, self.kv_layer, meta.block_tables, meta.row_request,
-                          positions, self.scale)
+                          positions, self.scale, self.window)
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
     def _write_kv(self, k, v, positions, kv_cache, meta):

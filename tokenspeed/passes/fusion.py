@@ -115,11 +115,11 @@ def fuse_rope_decode_attention(gm: fx.GraphModule, **_) -> None:
                 and len(rope.users) == 1):
             continue
         q, k, v, table, positions, cache, layer, slots = rope.args
-        _, cache_read, layer_read, block_tables, row_request, positions_read, scale = node.args
+        _, cache_read, layer_read, block_tables, row_request, positions_read, scale, window = node.args
         if (cache_read, layer_read, positions_read) != (cache, layer, positions):
             continue
         _substitute(gm, node, ROPE_DECODE_ATTENTION, (q, k, v, table, positions, cache, layer,
-                                                     slots, block_tables, row_request, scale))
+                                                     slots, block_tables, row_request, scale, window))
         gm.graph.erase_node(rope)
 
 

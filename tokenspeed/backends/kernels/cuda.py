@@ -19,27 +19,27 @@ def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
     triton_cache.write_kv(k, v, flat_slots(kv_cache)[0], layer, slot_mapping)
 
 
-def attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
     from tokenspeed.backends.kernels import triton_attention
     flat, page_size = flat_slots(kv_cache)
     return triton_attention.extend_attention(q, flat, layer, block_tables, row_request,
-                                             positions, scale, page_size)
+                                             positions, scale, page_size, window=window)
 
 
-def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.decode_attention(q, flat, layer, block_tables, row_request,
-                                          positions, scale, page_size)
+                                          positions, scale, page_size, window=window)
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
-                          block_tables, row_request, scale):
+                          block_tables, row_request, scale, window):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, flat, layer,
                                                slot_mapping, block_tables, row_request,
-                                               scale, page_size)
+                                               scale, page_size, window=window)
 
 
 def silu_and_mul(gate_up):

@@ -5,8 +5,8 @@ Kernels see the cache as flat slots, ``kv_cache[layer, 0 | 1, slot, kv_head, hea
 with ``slot = page * page_size + offset`` (``flat_slots``); page 0 is the null page.
 Attention is described per query row, so one formulation serves decode, extend and the
 narrowed decoder view: row r belongs to request ``row_request[r]`` and sits at position
-``positions[r]``; it attends causally to positions 0..positions[r] of that request,
-found through ``block_tables[row_request[r]]``.
+``positions[r]``; it attends causally to positions 0..positions[r] of that request (the
+last ``window`` of them with a sliding window), found through ``block_tables[row_request[r]]``.
 """
 
 import torch
@@ -27,13 +27,13 @@ def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
     flat[layer, 1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
-def attention(q, kv_cache, layer, block_tables, row_request, positions, scale):
+def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
     flat, page_size = flat_slots(kv_cache)
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], ROWS_PER_CHUNK):
         rows = slice(start, start + ROWS_PER_CHUNK)
         out[rows] = _attend_rows(q[rows], flat[layer], block_tables, row_request[rows].long(),
-                                 positions[rows].long(), scale, page_size)
+                                 positions[rows].long(), scale, page_size, window)
     return out
 
 
@@ -47,7 +47,7 @@ def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
     return pages * page_size + pos % page_size
 
 
-def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size):
+def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size, window):
     if q.shape[0] == 0:
         return q
     length = int(positions.max()) + 1
@@ -56,7 +56,10 @@ def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size):
     group = q.shape[1] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("qhd,qlhd->qhl", q.float(), k) * scale
-    visible = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+    keys = torch.arange(length, device=q.device)[None, :]
+    visible = keys <= positions[:, None]
+    if window:
+        visible &= keys > positions[:, None] - window
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     return torch.einsum("qhl,qlhd->qhd", scores.softmax(-1), v).to(q.dtype)
 
@@ -84,9 +87,9 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
-                          block_tables, row_request, scale):
+                          block_tables, row_request, scale, window):
     q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping)
-    return attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale)
+    return attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
 
 
 def linear(x, weight, bias):

@@ -53,14 +53,15 @@ def load_block(k_ptr, v_ptr, bt_row, kv_base, kpos, valid, stride_slot,
 
 
 @triton.jit
-def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, qk_scale, CAUSAL: tl.constexpr,
+def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, lo, qk_scale, CAUSAL: tl.constexpr,
                   PRECISION: tl.constexpr):
     """One online-softmax step (base 2) over a loaded key block.
 
-    CAUSAL masks key j for query row i unless j <= pos[i]; otherwise only ``valid`` keys."""
+    CAUSAL masks key j for query row i unless lo[i] <= j <= pos[i] (``lo``: where the row's
+    sliding window starts, else 0); otherwise only ``valid`` keys."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if CAUSAL:
-        s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))
+        s = tl.where((kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= lo[:, None]), s, float("-inf"))
     else:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -72,18 +73,18 @@ def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, qk_scale, CAUSAL: tl.con
 
 
 @triton.jit
-def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, stride_slot,
+def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, lo, stride_slot,
                  qk_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """``load_block`` then ``attend_loaded``."""
     k, v = load_block(k_ptr, v_ptr, bt_row, kv_base, kpos, valid, stride_slot, HEAD_DIM,
                       PAGE_SIZE, BLOCK_D)
-    return attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, qk_scale, CAUSAL, PRECISION)
+    return attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, lo, qk_scale, CAUSAL, PRECISION)
 
 
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_first_ptr,
-                   qk_scale, stride_qr, stride_qh, stride_or, stride_oh,
+                   qk_scale, window, stride_qr, stride_qh, stride_or, stride_oh,
                    stride_bt, stride_slot, stride_kvh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -109,17 +110,21 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
     bt_row = bt_ptr + req * stride_bt
     kv_base = (head // GROUP) * stride_kvh
     hi = tl.max(pos, 0) + 1
-    # Key blocks below the tile's smallest position are visible to every row: no causal mask.
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)   # each row's first key
+    first_key = tl.min(tl.where(r < count, lo, hi), 0) // BLOCK_N * BLOCK_N
+    # Without a window, key blocks below the tile's smallest position are visible to every
+    # row: no mask. With one, every block is masked.
     full = (tl.min(tl.where(r < count, pos, hi), 0) + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, full, BLOCK_N):
+    full = tl.where(window > 0, first_key, full)
+    for start in range(first_key, full, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
-                                 kpos < hi, pos, stride_slot, qk_scale, False, HEAD_DIM,
+                                 kpos < hi, pos, lo, stride_slot, qk_scale, False, HEAD_DIM,
                                  PAGE_SIZE, BLOCK_D, PRECISION)
     for start in range(full, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
-                                 kpos < hi, pos, stride_slot, qk_scale, True, HEAD_DIM,
+                                 kpos < hi, pos, lo, stride_slot, qk_scale, True, HEAD_DIM,
                                  PAGE_SIZE, BLOCK_D, PRECISION)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
@@ -218,9 +223,10 @@ def extend_block_n(head_dim: int) -> int:
 
 
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
-                     page_size, plan: ExtendPlan = None):
+                     page_size, plan: ExtendPlan = None, window: int = 0):
     """Ragged causal attention of many rows per request (prefix hits included), each
-    request's rows together; ``plan`` (``extend_tile_plan``'s) is built here unless given."""
+    request's rows together; ``plan`` (``extend_tile_plan``'s) is built here unless given;
+    ``window``: each row sees only its last ``window`` positions (0: all)."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -231,7 +237,7 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     block_n = extend_block_n(head_dim)
     _extend_kernel[(len(plan.first) - 1, heads)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,

@@ -72,8 +72,14 @@ def _split_size(length, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _first_key(pos, window):
+    """The first position a row at ``pos`` attends to: its window's start, else 0."""
+    return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, qk_scale, stride_qr,
+                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, qk_scale, window, stride_qr,
                    stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
                    stride_knr, stride_knh, stride_vnr, stride_vnh, stride_cs,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -97,10 +103,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
     split = tl.program_id(2)
     req = tl.load(req_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int32)
-    length = pos + 1
-    per_split = _split_size(length, NUM_SPLITS, BLOCK_N)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, length)
+    first_key = _first_key(pos, window)
+    per_split = _split_size(pos + 1 - first_key, NUM_SPLITS, BLOCK_N)
+    lo = first_key + split * per_split
+    hi = tl.minimum(lo + per_split, pos + 1)
     cached_hi = hi
     bt_row = bt_ptr + req * stride_bt
     kpos = lo + tl.arange(0, BLOCK_N)
@@ -108,7 +114,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
         cached_hi = tl.minimum(hi, pos)
         k0, v0 = load_block(k_ptr, v_ptr, bt_row, kv_head * stride_kvh, kpos, kpos < cached_hi,
                             stride_slot, HEAD_DIM, PAGE_SIZE, BLOCK_D)
-    if lo < length:  # a split past the row's end has nothing to read, write or merge
+    if lo <= pos:  # a split past the row's end has nothing to read, write or merge
         pdl.wait(USE_PDL)
 
         g = tl.arange(0, BLOCK_G)
@@ -128,13 +134,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         first = lo
         if ROPE:
-            m, l, acc = attend_loaded(q, m, l, acc, k0, v0, kpos, kpos < cached_hi, g, qk_scale,
-                                      False, PRECISION)
+            m, l, acc = attend_loaded(q, m, l, acc, k0, v0, kpos, kpos < cached_hi, g, g,
+                                      qk_scale, False, PRECISION)
             first = lo + BLOCK_N
         for start in range(first, cached_hi, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
             m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_head * stride_kvh,
-                                     kpos, kpos < cached_hi, g, stride_slot, qk_scale, False,
+                                     kpos, kpos < cached_hi, g, g, stride_slot, qk_scale, False,
                                      HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
         if ROPE:
             if (lo <= pos) & (pos < hi):  # this split holds the row's own key
@@ -160,7 +166,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
 
 
 @triton.jit
-def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_oh,
+def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, window, stride_or, stride_oh,
                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
@@ -168,7 +174,8 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_
     pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    length = tl.load(pos_ptr + row).to(tl.int32) + 1
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    length = pos + 1 - _first_key(pos, window)
     active = tl.cdiv(length, _split_size(length, NUM_SPLITS, BLOCK_N))
     pdl.wait(USE_PDL)
     s = tl.arange(0, BLOCK_S)
@@ -191,8 +198,9 @@ def choose_num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int)
 
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
-                     page_size, num_splits=None, max_context=None):
-    """One query row per request; CUDA-graph safe.
+                     page_size, num_splits=None, max_context=None, window: int = 0):
+    """One query row per request; CUDA-graph safe. ``window``: each row sees only its last
+    ``window`` positions (0: all); the splits share the window.
 
     ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
     ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
@@ -203,12 +211,12 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     """
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context)
+                   num_splits, max_context, window)
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, page_size, num_splits=None,
-                          max_context=None):
+                          max_context=None, window: int = 0):
     """``rope_and_write_kv`` then ``decode_attention`` in one kernel: q [R, H, D], k and v
     [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
@@ -223,11 +231,11 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
                  slot_mapping)
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, new=new)
+                   num_splits, max_context, window, new=new)
 
 
 def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-            num_splits, max_context, *, new: NewKey | None = None):
+            num_splits, max_context, window, *, new: NewKey | None = None):
     """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``)."""
     rows, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
@@ -250,7 +258,7 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
     kn, vn, cos_sin, slots = new if new is not None else (q, q, q, positions)  # unread
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        kn, vn, cos_sin, slots, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
+        kn, vn, cos_sin, slots, scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
@@ -259,7 +267,7 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
         ROPE=new is not None, num_warps=4, num_stages=2, **launch)
     if num_splits > 1:
         _combine_kernel[(rows, heads)](
-            mid_o, mid_lse, positions, out, out.stride(0), out.stride(1),
+            mid_o, mid_lse, positions, out, window, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
             **launch)
