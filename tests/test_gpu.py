@@ -98,6 +98,34 @@ def test_float32_tokens_match_hugging_face():
         assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("arch, windows", [("mistral", dict(sliding_window=16)),
+                                           ("qwen3", dict(use_sliding_window=True, sliding_window=24,
+                                                          layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"]))])
+def test_float32_sliding_windows_match_hugging_face(arch, windows, enforce_eager):
+    """Windows a fraction of the prompts (up to 137 tokens) and of the decode, through the
+    Triton kernels and captured graphs."""
+    transformers = pytest.importorskip("transformers")
+    classes = {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, "MistralForCausalLM"),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, "Qwen3ForCausalLM")}
+    config_cls, model_cls, name = classes[arch]
+    config = config_cls(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        **windows)
+    torch.manual_seed(0)
+    hf = model_cls(config).to("cuda").eval()
+    from tokenspeed.models.config import ModelConfig
+    from tokenspeed.models.loader import build, load_state_dict
+    ours = build(ModelConfig.from_hf({**config.to_dict(), "architectures": [name]}), torch.float32, "cuda")
+    load_state_dict(ours, hf.state_dict())
+    params = ts.SamplingParams(temperature=0.0, max_tokens=40)
+    got = llm(ours, enforce_eager=enforce_eager).generate(prompts(16), params)
+    for p, out in zip(prompts(16), got):
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False)
+        assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
+
+
 def test_guard_catches_a_moved_tensor_in_debug_mode(monkeypatch):
     monkeypatch.setenv("TOKENSPEED_GRAPH_DEBUG", "1")
     engine = llm(random_model(MID).to("cuda"))
