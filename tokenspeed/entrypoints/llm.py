@@ -71,7 +71,7 @@ class LLM:
                                            speculative.window if speculative else 1)
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
-                              enable_prefix_caching)
+                              enable_prefix_caching, self.model.config.retention_window)
         drafter = speculative
         if speculative is not None and speculative.method == "draft":
             drafter = self._draft_model(speculative, device, dtype, enforce_eager, compile_options)

@@ -59,6 +59,13 @@ class ModelConfig:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
 
+    @property
+    def retention_window(self) -> int:
+        """Positions behind a row that some layer still reads, when every layer is windowed
+        (the widest window), else 0: the whole context is kept."""
+        windowed = self.layer_windows and all(self.layer_windows)
+        return max(self.layer_windows) if windowed else 0
+
     def window_of(self, layer: int) -> int:
         """The sliding window of ``layer``'s attention (0: the whole context)."""
         return self.layer_windows[layer] if self.layer_windows else 0

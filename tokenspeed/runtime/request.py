@@ -31,6 +31,7 @@ class Request:
     num_cached_prompt_tokens: int = 0      # of the prompt, found cached when admitted
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
     num_pages_remembered: int = 0          # of its pages, those the allocator knows by digest
+    num_pages_dropped: int = 0             # leading pages returned behind a sliding window
     num_verify_steps: int = 0              # its speculative windows (with drafts)
     num_verified_tokens: int = 0           # tokens those windows kept
     draft_misses: int = 0                  # windows in a row whose drafts were all rejected

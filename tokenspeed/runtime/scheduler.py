@@ -5,6 +5,11 @@ their tokens and pages first) or, when no prompt work is pending, a decode batch
 pages run out a decode batch preempts the newest request: its pages are freed and it is
 recomputed later, so no live request is ever corrupted.
 
+When every layer of the model has a sliding window (``window``), a request's pages that
+no later row can read (wholly behind the window of its first uncached position, with a
+position of slack) return to the pool while it runs, so long generations need bounded
+memory; their places in its page list become the null page. Mixed models keep every page.
+
 With prefix caching, a request admitted takes the cached pages of its longest cached
 prefix (``page_digests``) and computes only the rest, and every page a request fills is
 remembered for the next one. Without it, the samples of one prompt still share its pages.
@@ -16,6 +21,7 @@ from collections import deque
 
 import attrs
 
+from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.runtime.page_digests import page_digests
 from tokenspeed.runtime.request import Request
@@ -30,8 +36,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_caching: bool = False):
-        self.allocator, self.page_size = allocator, page_size
+                 max_num_batched_tokens: int, prefix_caching: bool = False, window: int = 0):
+        self.allocator, self.page_size, self.window = allocator, page_size, window
         self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -123,6 +129,8 @@ class Scheduler:
             source = request.share_from   # only the prompt's pages: past it, their tokens differ
             shared = min(usable, len(request.prompt) // self.page_size, source.num_cached // self.page_size)
             pages = source.pages[:min(shared, len(source.pages))]
+            if NULL_PAGE in pages:   # dropped behind the source's window: computed anew
+                return
         else:
             return
         request.pages, request.num_pages_remembered = self.allocator.share(pages), len(pages)
@@ -162,6 +170,7 @@ class Scheduler:
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` tokens of a request; False (nothing taken) if the pool
         cannot supply them."""
+        self._drop_behind_window(request)
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         if needed <= 0:  # most decode steps: the last page still has room
             return True
@@ -171,11 +180,26 @@ class Scheduler:
             return False
         return True
 
+    def _drop_behind_window(self, request: Request) -> None:
+        """Return the pages wholly before ``num_cached - window + 1``: the first key the next
+        row reads (later rows read later ones; a step in flight, not yet counted in
+        ``num_cached``, reads from one position earlier at most, in the same page or the one
+        before, which is kept)."""
+        if not self.window:
+            return
+        end = max((request.num_cached - self.window) // self.page_size, 0)
+        for index in range(request.num_pages_dropped, min(end, len(request.pages))):
+            if request.pages[index] != NULL_PAGE:
+                self.allocator.free([request.pages[index]])
+                request.pages[index] = NULL_PAGE
+        request.num_pages_dropped = max(request.num_pages_dropped, end)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        self.allocator.free(request.pages)
+        self.allocator.free([p for p in request.pages if p != NULL_PAGE])
         request.pages, request.num_cached, request.num_pages_remembered = [], 0, 0
+        request.num_pages_dropped = 0

@@ -111,21 +111,23 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
     kv_base = (head // GROUP) * stride_kvh
     hi = tl.max(pos, 0) + 1
     lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)   # each row's first key
-    first_key = tl.min(tl.where(r < count, lo, hi), 0) // BLOCK_N * BLOCK_N
-    # Without a window, key blocks below the tile's smallest position are visible to every
-    # row: no mask. With one, every block is masked.
+    # Keys before the tile's first window start are not even loaded (behind a window their
+    # pages may be gone: the null page). Without a window, key blocks below the tile's
+    # smallest position are visible to every row: no mask; with one, every block is masked.
+    tile_lo = tl.min(tl.where(r < count, lo, hi), 0)
+    first_key = tile_lo // BLOCK_N * BLOCK_N
     full = (tl.min(tl.where(r < count, pos, hi), 0) + 1) // BLOCK_N * BLOCK_N
     full = tl.where(window > 0, first_key, full)
     for start in range(first_key, full, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
-                                 kpos < hi, pos, lo, stride_slot, qk_scale, False, HEAD_DIM,
-                                 PAGE_SIZE, BLOCK_D, PRECISION)
+                                 (kpos < hi) & (kpos >= tile_lo), pos, lo, stride_slot, qk_scale,
+                                 False, HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
     for start in range(full, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
-                                 kpos < hi, pos, lo, stride_slot, qk_scale, True, HEAD_DIM,
-                                 PAGE_SIZE, BLOCK_D, PRECISION)
+                                 (kpos < hi) & (kpos >= tile_lo), pos, lo, stride_slot, qk_scale,
+                                 True, HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)

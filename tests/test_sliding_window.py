@@ -1,0 +1,72 @@
+"""Sliding windows in the engine: a model whose every layer is windowed returns the pages
+behind the window while its requests run (bounded memory), never one a later row reads,
+and generates exactly what it generates when it keeps every page."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.backends.metadata import NULL_PAGE
+from tokenspeed.entrypoints.prompts import Prompt
+from tokenspeed.models.random import TINY_LLAMA, random_model
+
+WINDOW, PAGE = 8, 4
+MISTRAL = {**TINY_LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": WINDOW}
+QWEN3_MIXED = {**TINY_LLAMA, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
+               "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 30, 61))]
+
+
+def engine(config, **kw):
+    return ts.LLM(random_model(config, seed=3), page_size=PAGE, max_num_seqs=4, graphs=False,
+                  max_num_batched_tokens=16, **kw)
+
+
+def steps(llm, params):
+    """Generate step by step; yields after every step."""
+    groups = llm.add([Prompt(tuple(p)) for p in PROMPTS], [params] * len(PROMPTS))
+    requests = [r for group in groups for r in group]
+    while llm.engine.has_work:
+        llm.step()
+        yield requests
+    llm.release(requests)
+
+
+@settings(max_examples=12, deadline=None)
+@given(window=st.integers(1, 20), page_size=st.sampled_from([1, 4, 16]), prefix_caching=st.booleans(),
+       budget=st.sampled_from([8, 64]))
+def test_a_windowed_model_holds_a_bounded_number_of_pages(window, page_size, prefix_caching, budget):
+    """After every step: no request has dropped a page its next row reads, a decoding
+    request holds at most window / page size + 2 pages, and every page is accounted for."""
+    config = {**MISTRAL, "sliding_window": window}
+    llm = ts.LLM(random_model(config, seed=3), page_size=page_size, max_num_seqs=4, graphs=False,
+                 max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
+    allocator = llm.engine.scheduler.allocator
+    params = ts.SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    for requests in steps(llm, params):
+        for r in requests:
+            if r.finished or not r.pages:
+                continue
+            read_from = max(r.num_cached - window + 1, 0) // page_size
+            assert NULL_PAGE not in r.pages[read_from:], (r.num_cached, r.pages)
+            if len(r.output) >= 2:
+                held = [p for p in r.pages if p != NULL_PAGE]
+                assert len(held) <= window / page_size + 2, (r.num_cached, r.pages)
+        held_anywhere = {p for r in requests for p in r.pages} - {NULL_PAGE}
+        assert all(allocator.holders(p) for p in held_anywhere)
+        assert prefix_caching or allocator.num_pages - 1 - allocator.num_free == len(held_anywhere)
+    assert allocator.num_free == allocator.num_pages - 1
+
+
+@pytest.mark.parametrize("config", [MISTRAL, QWEN3_MIXED], ids=["mistral", "qwen3-mixed"])
+def test_dropping_pages_behind_the_window_changes_no_token(config):
+    """The same engine keeping every page (a mixed model always does) gives the same tokens."""
+    params = ts.SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    dropping, keeping = engine(config), engine(config)
+    keeping.engine.scheduler.window = 0
+    assert dropping.engine.scheduler.window == (WINDOW if config is MISTRAL else 0)
+    want = [o.outputs[0].token_ids for o in keeping.generate(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in dropping.generate(PROMPTS, params, use_tqdm=False)] == want
+    n = ts.SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, n=3, seed=4)
+    assert [[c.token_ids for c in o.outputs] for o in dropping.generate(PROMPTS, n, use_tqdm=False)] == \
+        [[c.token_ids for c in o.outputs] for o in keeping.generate(PROMPTS, n, use_tqdm=False)]
