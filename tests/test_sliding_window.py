@@ -70,3 +70,18 @@ def test_dropping_pages_behind_the_window_changes_no_token(config):
     n = ts.SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, n=3, seed=4)
     assert [[c.token_ids for c in o.outputs] for o in dropping.generate(PROMPTS, n, use_tqdm=False)] == \
         [[c.token_ids for c in o.outputs] for o in keeping.generate(PROMPTS, n, use_tqdm=False)]
+
+
+def test_a_windowed_model_shares_cached_prefixes_and_keeps_its_tokens():
+    """Prompts sharing a long system prefix, and the same prompt again: cached pages are
+    taken where they still exist (those behind a window may have been dropped and
+    evicted), and every token is what the engine without prefix caching generates."""
+    system = [(5 * j) % 400 + 1 for j in range(45)]
+    prompts = [system + [11, 12, 13], system + [21, 22], system + [11, 12, 13]]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    cached, plain = engine(MISTRAL, enable_prefix_caching=True), engine(MISTRAL, enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    first = cached.generate(prompts[:1], params, use_tqdm=False)
+    rest = cached.generate(prompts[1:], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == want
+    assert all(o.metrics.num_cached_tokens > 0 for o in rest)
