@@ -13,8 +13,8 @@ and options through ``functools.partial(LLM, ...)``, or a module-level factory).
 
 import asyncio
 import contextlib
-import gc
 import functools
+import gc
 import multiprocessing
 import signal
 import threading

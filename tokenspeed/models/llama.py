@@ -37,7 +37,7 @@ class Attention(nn.Module):
         self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
         self.writes_kv = self.layer == self.kv_layer
         self.scale = c.head_dim ** -0.5
-        self.window = c.window_of(self.kv_layer)
+        self.window = c.window_of(layer)
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.writes_kv:
             self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)

@@ -45,8 +45,8 @@ class Engine:
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
         of speculative windows, with ``speculative`` the drafter that proposes them
-        (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a
-        verify step's cost in chained plain steps (``_verify_pays``);
+        (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
+        in chained plain steps (``_verify_pays``);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``)."""
         if (verify is None) != (speculative is None):
@@ -142,7 +142,8 @@ class Engine:
         if not live or self._admits_now() or len(scheduler.running) != len(live) or \
                 not any(self._wants_another(r) for r in live) or \
                 any(r.sampling.reads_history for r in live) or \
-                (self.speculative is not None and self._verify_pays(live, [self._would_draft(r) for r in live])):
+                (self.speculative is not None and
+                 self._verify_pays(live, [self._would_draft(r) for r in live])):
             self._chained = 0
             return None
         rows = []

@@ -181,10 +181,10 @@ class Scheduler:
         return True
 
     def _drop_behind_window(self, request: Request) -> None:
-        """Return the pages wholly before ``num_cached - window + 1``: the first key the next
-        row reads (later rows read later ones; a step in flight, not yet counted in
-        ``num_cached``, reads from one position earlier at most, in the same page or the one
-        before, which is kept)."""
+        """Return the pages wholly before ``num_cached - window``. Every row from now on sits
+        at ``num_cached`` or later (so does the row of a decode step still in flight: it is
+        the first uncached position), so none reads a key before ``num_cached - window + 1``;
+        one position of slack."""
         if not self.window:
             return
         end = max((request.num_cached - self.window) // self.page_size, 0)

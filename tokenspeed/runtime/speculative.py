@@ -36,7 +36,8 @@ def _at_least_one(instance, attribute, value):
 class PerRequestDrafts:
     """The engine's drafter interface over a ``propose(tokens, limit)`` of one request:
     ``propose_many`` (a decode batch's drafts), ``would_propose`` (how many drafts it
-    would propose now: a chained step breaks for drafts worth verifying) and ``release`` (a request ended)."""
+    would propose now: a chained step breaks for drafts worth verifying) and ``release``
+    (a request ended)."""
 
     def propose_many(self, requests, limits: list[int]) -> list[tuple[int, ...]]:
         return [self.propose(r.token_array(), n) if n > 0 else () for r, n in zip(requests, limits)]

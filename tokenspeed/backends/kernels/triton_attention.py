@@ -61,7 +61,8 @@ def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, lo, qk_scale, CAUSAL: tl
     sliding window starts, else 0); otherwise only ``valid`` keys."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if CAUSAL:
-        s = tl.where((kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= lo[:, None]), s, float("-inf"))
+        seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
     else:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
