@@ -10,6 +10,8 @@ from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
+from margins import assert_decisive, decisive_model, greedy_margins
+
 WINDOW, PAGE = 8, 4
 MISTRAL = {**TINY_LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": WINDOW}
 QWEN3_MIXED = {**TINY_LLAMA, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
@@ -18,7 +20,7 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((
 
 
 def engine(config, **kw):
-    return ts.LLM(random_model(config, seed=3), page_size=PAGE, max_num_seqs=4, graphs=False,
+    return ts.LLM(decisive_model(3, config), page_size=PAGE, max_num_seqs=4, graphs=False,
                   max_num_batched_tokens=16, **kw)
 
 
@@ -72,16 +74,19 @@ def test_dropping_pages_behind_the_window_changes_no_token(config):
         [[c.token_ids for c in o.outputs] for o in keeping.generate(PROMPTS, n, use_tqdm=False)]
 
 
-def test_a_windowed_model_shares_cached_prefixes_and_keeps_its_tokens():
+def test_a_windowed_model_shares_cached_prefixes_and_keeps_its_tokens(monkeypatch):
     """Prompts sharing a long system prefix, and the same prompt again: cached pages are
     taken where they still exist (those behind a window may have been dropped and
-    evicted), and every token is what the engine without prefix caching generates."""
+    evicted), and every token is what the engine without prefix caching generates (row
+    counts differ between the two: every greedy margin is checked to be decisive)."""
     system = [(5 * j) % 400 + 1 for j in range(45)]
     prompts = [system + [11, 12, 13], system + [21, 22], system + [11, 12, 13]]
     params = ts.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     cached, plain = engine(MISTRAL, enable_prefix_caching=True), engine(MISTRAL, enable_prefix_caching=False)
+    margins = greedy_margins(monkeypatch)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     first = cached.generate(prompts[:1], params, use_tqdm=False)
     rest = cached.generate(prompts[1:], params, use_tqdm=False)
+    assert_decisive(margins)
     assert [o.outputs[0].token_ids for o in first + rest] == want
     assert all(o.metrics.num_cached_tokens > 0 for o in rest)
