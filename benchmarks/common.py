@@ -95,12 +95,13 @@ def gpu_time(fn, iters: int = 10, warmup: int = 2) -> float:
 
 
 def median_time(fn, repeats: int = 5) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
