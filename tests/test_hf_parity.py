@@ -108,7 +108,7 @@ def test_wider_prefill_view_matches_hf(view_width):
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "head_dim"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "head_dim", "qwen3_window"])
 def test_preemption_under_tiny_kv_pool_matches_hf(variant, page_size, monkeypatch):
     longest = max(LENGTHS) + MAX_TOKENS
     pages_one_request = -(-longest // page_size)

@@ -16,6 +16,7 @@ WINDOW, PAGE = 8, 4
 MISTRAL = {**TINY_LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": WINDOW}
 QWEN3_MIXED = {**TINY_LLAMA, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
                "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+PREEMPT_SEED = 5                  # weights whose greedy margins are clear in this test
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 30, 61))]
 
 
@@ -90,3 +91,24 @@ def test_a_windowed_model_shares_cached_prefixes_and_keeps_its_tokens(monkeypatc
     assert_decisive(margins)
     assert [o.outputs[0].token_ids for o in first + rest] == want
     assert all(o.metrics.num_cached_tokens > 0 for o in rest)
+
+
+def test_a_windowed_model_preempts_under_a_small_pool_and_keeps_its_tokens(monkeypatch):
+    """Eight short prompts (one page each) admitted at once into a pool of 21 pages, then
+    growing to windows of 32 positions: more than the pool, so some requests are preempted
+    and recomputed; their tokens are those of a pool that never runs out."""
+    prompts = [[(11 * i + 5 * j) % 450 + 1 for j in range(4)] for i in range(8)]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    model = decisive_model(PREEMPT_SEED, {**MISTRAL, "sliding_window": 32})
+    small, large = (ts.LLM(model, page_size=PAGE, max_num_seqs=8, graphs=False, max_num_batched_tokens=16,
+                           num_kv_pages=pages) for pages in (21, None))
+    preempted, original = [], small.engine.scheduler._preempt
+    monkeypatch.setattr(small.engine.scheduler, "_preempt",
+                        lambda request: preempted.append(request.id) or original(request))
+    margins = greedy_margins(monkeypatch)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in large.generate(prompts, params, use_tqdm=False)]
+    assert preempted, "the pool never ran out: nothing was preempted"
+    assert_decisive(margins)
+    assert got == want
+    assert small.engine.scheduler.allocator.num_free == 20
