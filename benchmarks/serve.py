@@ -8,9 +8,10 @@ through the server; offline, the median per-request TPOT and output tokens/s of
 ``generate`` over the same prompts (in waves of ``concurrency``: every prompt of a wave
 is computed before its first token), and in process, the served workload without HTTP
 (``closed_``: ``concurrency`` requests in the engine, each finished one replaced by the
-next, as the clients do, so arrivals' prefills land inside other requests' decoding).
-Targets: server TPOT within 1.1x of offline at 16 clients, and at 64 clients at least 0.8x
-of offline throughput; the ``server_`` ratios compare with the closed loop instead. Random weights of the
+next, as the clients do; with outputs of one length they finish together, so this loop
+runs in waves too, where clients drift apart). Targets: server TPOT within 1.1x of
+offline at 16 clients, and at 64 clients at least 0.8x of offline throughput; the
+``server_`` ratios compare with the closed loop instead. Random weights of the
 shape (speed only); prompts are random token ids, outputs a fixed length; prefix caching
 off (the warm-up repeats the first prompts).
 """
