@@ -9,6 +9,7 @@ were captured, runs every segment eagerly: one walk over the same segments.
 
 import torch
 
+from tokenspeed.backends.kernels.registry import direct_calls
 from tokenspeed.backends.metadata import kept_rows
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.runtime.ladders import bucket_for
@@ -28,6 +29,8 @@ class PrefillRunner:
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
         self.graphs = SegmentGraphs(("kv_cache", *TOKEN_ROW_FIELDS))
+        self.eager = {seg.name: direct_calls(seg.graph_module, kv_cache.device.type).forward
+                      for seg in program.segments}   # what runs eagerly skips the dispatcher
         top = max(self.token_ladder, default=0)
         self.slots = MetadataSlots(self.plan([], top), top, kv_cache.device, TOKEN_ROW_FIELDS) \
             if top else None
@@ -96,7 +99,7 @@ class PrefillRunner:
                 outputs = self.graphs.capture(capturer, seg, rung, env, stable,
                                               lambda names, r=rung: self._sources(names, r))
             else:
-                seg(env)
+                env.update(zip(seg.outputs, self.eager[seg.name](*[env[n] for n in seg.inputs])))
                 _scrub(seg, env, rung, live.get(seg.ladder))
                 continue
             env.update(zip(seg.outputs, outputs))
