@@ -4,15 +4,18 @@ of a Mistral-style shape (every layer windowed) against the same shape without w
     python -m benchmarks.windows [--shape llama-3.2-1b] [--window 4096] [--context 32768]
                                  [--batches 1 32]
 
-Per engine: the pool's KV pages, the most sequences of ``--context`` tokens it holds at
+Per engine: the pool's KV pages (sized by the default ``gpu_memory_utilization``: a probe
+pool, captures, then the real pool), the most sequences of ``--context`` tokens it holds at
 once (a windowed request keeps window / page size + 2 pages, an unwindowed one all of its
-context), startup seconds, and time per output token at each batch after prompts longer
+context), startup seconds (the probe and the rebind included; ``rebind_s``: measuring,
+binding the pool and capturing again), and time per output token at each batch after prompts longer
 than the window, against the memory floor: the weights and the keys and values a step
 reads (the window's, not the whole context's). Random weights (speed only); ``--shape
 tiny`` runs on the CPU as a trial.
 """
 
 import argparse
+import gc
 import time
 
 import torch
@@ -46,7 +49,7 @@ def bench(args, name: str, window: int | None, bandwidth: float | None) -> list[
     llm = ts.LLM(model, device=device, max_num_seqs=max(args.batches), max_model_len=args.context,
                  enable_prefix_caching=False)
     startup = time.perf_counter() - start
-    pages, page_size = llm.compiled.num_pages, llm.compiled.config.page_size
+    pages, page_size, pool = llm.compiled.num_pages, llm.compiled.config.page_size, llm.compiled.pool
     per_sequence = window // page_size + 2 if window else -(-args.context // page_size)
     rows = []
     for batch in args.batches:
@@ -55,12 +58,18 @@ def bench(args, name: str, window: int | None, bandwidth: float | None) -> list[
         read = min(args.prompt_len + args.new_tokens // 2, window or args.context)
         row = {"engine": name, "window": window or 0, "kv_pages": pages - 1,
                "sequences_at_context": (pages - 1) // per_sequence, "startup_s": startup,
+               "rebind_s": pool.rebind_seconds, "non_kv_gib": pool.non_kv_bytes / 2**30,
                "batch": batch, "ms_per_token": seconds * 1e3}
         if bandwidth:
             floor = (common.weight_bytes(model) + common.kv_bytes(model.config, batch, read)) / bandwidth
             row.update(floor_ms=floor * 1e3, x_floor=seconds / floor)
         rows.append(row)
         print(common.table([row], list(row)), flush=True)
+    print(llm.compiled.pool.as_text(), flush=True)
+    del llm, model           # the next engine's pool is sized by what is left
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return rows
 
 

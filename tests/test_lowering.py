@@ -8,7 +8,7 @@ import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk, plan_extend, refresh_decode
 from tokenspeed.ir.ops import ATTENTION_TARGETS, WRITE_KV_TARGETS
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.runtime.kv_pool import allocate_kv_cache
+from tokenspeed.runtime import kv_pool
 
 PAGE = 4
 KV_SHARED = {**TINY_LLAMA, "num_hidden_layers": 4, "num_kv_shared_layers": 2}
@@ -20,7 +20,7 @@ def model(request):
 
 
 def cache(model, pages=32):
-    return allocate_kv_cache(model.config, pages, PAGE, torch.float32, "cpu")
+    return kv_pool.allocate(kv_pool.geometry_for(model.config, PAGE, torch.float32, "cpu"), pages)
 
 
 def two_requests(width=1, first_start=0):

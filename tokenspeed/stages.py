@@ -10,6 +10,9 @@ One compile takes both lowered modes: their runners share one KV pool, one graph
 pool and one startup (kernel compiles, then captures).
 """
 
+import gc
+import time
+
 import attrs
 import networkx as nx
 import torch
@@ -17,7 +20,8 @@ from torch import fx
 
 from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.paged import PagedAttentionBackend
-from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.backends.pool_geometry import PoolGeometry
+from tokenspeed.backends.support import CudaGraphSupport, walk
 from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
 from tokenspeed.ir.printing import graph_text
 from tokenspeed.ir.program import STAGES, Program, Segment
@@ -26,7 +30,8 @@ from tokenspeed.passes.manager import HistoryEntry
 from tokenspeed.passes.pipeline import run_pipeline
 from tokenspeed.runtime.compile_config import CompileConfig, EngineLimits
 from tokenspeed.runtime.decode_runner import DecodeRunner
-from tokenspeed.runtime.kv_pool import allocate_kv_cache, default_num_pages
+from tokenspeed.runtime import kv_pool
+from tokenspeed.runtime.kv_pool import PoolSizing
 from tokenspeed.runtime.prefill_runner import PrefillRunner
 from tokenspeed.runtime.startup import StartupReport, build_runners
 
@@ -109,7 +114,8 @@ class Lowered:
 def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileConfig(),
             backend=None, workers: CompileWorkers | None = None,
             verify: Lowered | None = None, verify_window: int = 1) -> "Compiled":
-    """Bind a KV pool, build both runners and capture every graph, once.
+    """Bind a KV pool, build both runners and capture every graph, once (twice when the pool
+    is sized by ``gpu_memory_utilization``: a probe pool first, see ``runtime.kv_pool``).
 
     ``backend``: the backend tree (default: paged attention); lower decode with its
     ``graph_support().decode_graph``. ``workers``: kernel compile processes the caller
@@ -117,19 +123,63 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     ``verify``: decode lowered in verify mode, for speculative decoding's windows of up to
     ``verify_window`` rows per request (a third runner over the same pool)."""
     backend = backend or PagedAttentionBackend()
-    support = config.graph_support(backend.graph_support())
     limits = config.resolve(decode.config)
     weights = next(decode.program.graph_module.parameters())
-    num_pages = config.num_kv_pages or default_num_pages(
-        decode.config, config.page_size, limits.max_pages, config.max_num_seqs, weights.dtype,
-        config.device)
-    kv_cache = allocate_kv_cache(decode.config, num_pages, config.page_size, weights.dtype,
-                                 config.device)
-    with workers or CompileWorkers(config.workers_for(support)) as started:
-        lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
-        runners = build_runners({mode: lo.program for mode, lo in lowered.items()}, kv_cache,
-                                backend, support, config, limits, started, verify_window)
-    return Compiled(config, limits, lowered, kv_cache, *runners, support)
+    geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
+    sizing = kv_pool.sized_by_bytes(config, geometry, limits.max_pages)
+    pages = sizing.num_pages if sizing else kv_pool.probe_pages(config.max_num_seqs, limits.max_pages)
+    lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
+    binding = Binding(lowered, backend, config.graph_support(backend.graph_support()), config, limits,
+                      geometry, verify_window)
+    with workers or CompileWorkers(config.workers_for(binding.support)) as started:
+        compiled = binding.bind(kv_pool.allocate(geometry, pages), started, sizing)
+    if sizing is not None:
+        return compiled
+    start = time.perf_counter()
+    sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
+                                       config.max_num_seqs, limits.max_pages)
+    del compiled       # the probe's pool and graphs go before the real pool is allocated
+    _release_device_memory()
+    pool = kv_pool.allocate(geometry, sizing.num_pages)
+    compiled = binding.bind(pool, CompileWorkers(0), sizing)
+    return compiled.evolve_sizing(rebind_seconds=time.perf_counter() - start)
+
+
+@attrs.frozen
+class Binding:
+    """What binding a pool needs besides the pool: a rebind repeats it over another pool."""
+    lowered: dict[str, Lowered] = attrs.field(repr=False)
+    backend: object = attrs.field(repr=False)
+    support: CudaGraphSupport
+    config: CompileConfig
+    limits: EngineLimits
+    geometry: PoolGeometry
+    verify_window: int = 1
+
+    def check(self, pool: torch.Tensor) -> None:
+        """Every node of the backend tree judges the pool before anything is built over it."""
+        for node in walk(self.backend):
+            node.check_pool(self.geometry, pool)
+
+    def bind(self, pool: torch.Tensor, workers: CompileWorkers, sizing: "PoolSizing | None") -> "Compiled":
+        """Runners over ``pool``, every graph captured anew: nothing of an earlier binding
+        (slots, captured addresses, republish latches) carries over."""
+        self.check(pool)
+        programs = {mode: lo.program for mode, lo in self.lowered.items()}
+        runners = build_runners(programs, pool, self.backend, self.support, self.config, self.limits,
+                                workers, self.verify_window)
+        sizing = sizing or PoolSizing(pool.shape[2], self.geometry.page_bytes, self.limits.max_pages,
+                                      "the pool given")
+        return Compiled(self.config, self.limits, self.lowered, pool, *runners, self.support,
+                        attrs.evolve(sizing, num_pages=pool.shape[2]), self)
+
+
+def _release_device_memory() -> None:
+    """Collect dropped engines (their graphs form reference cycles) and return the caching
+    allocator's free blocks, so what is measured next is what is held."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @attrs.frozen
@@ -146,6 +196,18 @@ class Compiled:
     verify: DecodeRunner | None = attrs.field(repr=False)
     startup: StartupReport
     support: CudaGraphSupport
+    pool: PoolSizing
+    binding: Binding = attrs.field(repr=False)
+
+    def rebind(self, pool: torch.Tensor) -> "Compiled":
+        """This compilation over another KV pool: the same program, every graph captured
+        anew, indistinguishable from a compile first bound to ``pool``. A pool whose
+        geometry (anything but its page count) differs is refused before anything is built;
+        this object is left as it was either way. Its requests' pages do not carry over."""
+        return self.binding.bind(pool, CompileWorkers(0), None)
+
+    def evolve_sizing(self, **changes) -> "Compiled":
+        return attrs.evolve(self, pool=attrs.evolve(self.pool, **changes))
 
     @property
     def num_pages(self) -> int:
@@ -155,7 +217,7 @@ class Compiled:
         """What runs: each segment, whether it replays a graph, and over which ladder."""
         lines = [f"# compiled for {self.kv_cache.device}: {self.num_pages} KV pages of "
                  f"{self.config.page_size} tokens, max_model_len={self.limits.max_model_len}",
-                 self.startup.as_text()]
+                 self.pool.as_text(), self.startup.as_text()]
         replayed = {"prefill": {name for name, _ in self.prefill.graphs}}
         for mode, runner in (("decode", self.decode), ("verify", self.verify)):
             if mode in self.lowered:

@@ -5,7 +5,10 @@ can be captured in; ``child_backends`` lets a tree of them (one leaf per cache g
 under a router) answer for its support as one.
 """
 
+import torch
+
 from tokenspeed.backends import metadata
+from tokenspeed.backends.pool_geometry import PoolGeometry
 from tokenspeed.backends.support import CudaGraphSupport, resolve_cuda_graph_support
 
 
@@ -16,6 +19,16 @@ class PagedAttentionBackend:
 
     def child_backends(self):
         return ()
+
+    def check_pool(self, geometry: PoolGeometry, pool: torch.Tensor) -> None:
+        """Refuse a pool this leaf's kernels would misread: only its page count may differ
+        from ``geometry``, and it needs the null page and one more."""
+        found = PoolGeometry.of(pool)
+        wrong = geometry.differences(found)
+        if wrong:
+            raise ValueError(f"the KV pool does not fit this cache group: {'; '.join(wrong)}")
+        if pool.shape[2] < 2:
+            raise ValueError(f"a KV pool needs at least 2 pages (page 0 is the null page); got {pool.shape[2]}")
 
     def graph_support(self) -> CudaGraphSupport:
         return resolve_cuda_graph_support(self)

@@ -58,6 +58,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     command.add_argument("--max-model-len", type=int, default=None)
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
+    command.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                         help="share of the GPU's memory the engine may fill, weights, graphs and KV "
+                              "pool included (the pool is sized after the captures)")
     command.add_argument("--speculative-tokens", type=int, default=0,
                          help="verify up to K drafts per decode step, n-grams or --draft-model's (0: off; "
                               "outputs are unchanged)")
@@ -90,7 +93,8 @@ def llm_options(args, **options) -> dict:
     if args.speculative_tokens:
         method = "ngram" if args.draft_model is None else "draft"
         options["speculative"] = SpeculativeConfig(method, args.speculative_tokens, draft_model=args.draft_model)
-    return dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, **options)
+    return dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                gpu_memory_utilization=args.gpu_memory_utilization, **options)
 
 
 def sampling(args):

@@ -22,6 +22,11 @@ def _at_least(minimum: int):
     return check
 
 
+def _share(instance, attribute, value):
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}={value}: must be in (0, 1]")
+
+
 def _sizes(instance, attribute, value):
     if value is not None:
         given_ladder(attribute.name, value)
@@ -33,8 +38,10 @@ class CompileConfig:
     min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``: rows
     per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
     on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
-    ``num_kv_pages``: the pool's pages, page 0 included (default: what fits in 512 MiB on
-    the CPU, 80% of free memory on a GPU); ``compile_workers``: processes that compile the
+    ``num_kv_pages``: the pool's pages, page 0 included; else ``kv_cache_memory_bytes``, the
+    pool's bytes; else ``gpu_memory_utilization``, the share of a GPU's memory the engine
+    fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
+    exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``); ``compile_workers``: processes that compile the
     Triton kernels before the captures (default: half the usable cores, at most 8; 0
     compiles each on first launch)."""
     device: torch.device = attrs.field(default="cpu", converter=torch.device)
@@ -43,6 +50,8 @@ class CompileConfig:
     max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
     num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2))
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_at_least(1))
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_share)
     capture_sizes: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
     token_buckets: tuple[int, ...] | None = attrs.field(

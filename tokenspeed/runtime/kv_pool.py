@@ -1,29 +1,108 @@
 """The paged KV pool: one tensor of pages for every layer, sized to a memory budget. Page 0
 is the null page: never handed out (``BlockAllocator``), the target of every padding row
-and table tail."""
+and table tail.
 
+Sizing, by the first that is given: ``num_kv_pages``; ``kv_cache_memory_bytes`` for the
+pool; on a GPU, ``gpu_memory_utilization``, the share of the device's memory the engine may
+fill, weights, graphs and workspaces included. What those take is known only once the
+graphs are captured, so the engine first binds a probe pool (one full-length request),
+captures, measures, and then rebinds a pool that fills the rest of the share
+(``stages.compile``). On the CPU the byte budget defaults to 512 MiB. No pool is larger
+than every sequence at full length needs (``max_num_seqs`` of them, and the null page), so
+several engines can share a device.
+"""
+
+import attrs
 import torch
 
+from tokenspeed.backends.pool_geometry import PoolGeometry
 
 CPU_KV_BYTES = 512 << 20
-GPU_FREE_SHARE = 0.8
+GIB = 2**30
 
 
-def allocate_kv_cache(config, num_pages: int, page_size: int, dtype, device) -> torch.Tensor:
-    return torch.zeros(_shape(config, num_pages, page_size), dtype=dtype, device=device)
+def geometry_for(model_config, page_size: int, dtype, device) -> PoolGeometry:
+    return PoolGeometry(model_config.num_layers, page_size, model_config.num_kv_heads,
+                        model_config.head_dim, dtype, device)
 
 
-def default_num_pages(config, page_size: int, max_pages: int, max_num_seqs: int, dtype,
-                      device: torch.device) -> int:
-    """Enough pages for ``max_num_seqs`` requests of ``max_pages`` pages each (plus the
-    null page), within a budget: 512 MiB on the CPU, 80% of free memory on a GPU."""
-    wanted = max_num_seqs * max_pages + 1
-    page_bytes = _shape(config, 1, page_size).numel() * torch.empty((), dtype=dtype).element_size()
-    budget = CPU_KV_BYTES if device.type == "cpu" else \
-        int(torch.cuda.mem_get_info(device)[0] * GPU_FREE_SHARE)
-    return max(2, min(wanted, budget // page_bytes))
+def allocate(geometry: PoolGeometry, num_pages: int) -> torch.Tensor:
+    return torch.zeros(geometry.shape(num_pages), dtype=geometry.dtype, device=geometry.device)
 
 
-def _shape(config, num_pages: int, page_size: int) -> torch.Size:
-    return torch.Size((config.num_layers, 2, num_pages, page_size, config.num_kv_heads,
-                       config.head_dim))
+@attrs.frozen
+class PoolSizing:
+    """How the pool's pages were chosen, for the startup report. ``probe_pages`` and
+    ``non_kv_bytes`` (device memory in use besides the pool once the probe's graphs were
+    captured) are set when the pool was sized after a probe."""
+    num_pages: int
+    page_bytes: int
+    max_pages: int                  # pages of one request at max_model_len
+    rule: str                       # which option chose the size
+    probe_pages: int = 0
+    non_kv_bytes: int = 0
+    rebind_seconds: float = 0.0
+
+    @property
+    def max_full_length_sequences(self) -> int:
+        return (self.num_pages - 1) // self.max_pages
+
+    def as_text(self) -> str:
+        text = (f"KV pool: {self.num_pages} pages ({_size(self.num_pages * self.page_bytes)}, "
+                f"by {self.rule}), {self.max_full_length_sequences} sequences at full length")
+        if self.probe_pages:
+            text += (f"; sized after a probe pool of {self.probe_pages} pages: weights, graphs and "
+                     f"workspaces take {_size(self.non_kv_bytes)}; rebound in "
+                     f"{self.rebind_seconds:.1f} s")
+        return text
+
+
+def wanted_pages(max_num_seqs: int, max_pages: int) -> int:
+    """Every sequence at full length, and the null page: the most any budget is given."""
+    return max_num_seqs * max_pages + 1
+
+
+def probe_pages(max_num_seqs: int, max_pages: int) -> int:
+    """The probe pool: one request at full length (its graphs do not depend on the pool)."""
+    return min(wanted_pages(max_num_seqs, max_pages), max_pages + 1)
+
+
+def sized_by_bytes(config, geometry: PoolGeometry, max_pages: int) -> PoolSizing | None:
+    """The pool's size when an option fixes it without measuring, else None (a GPU sized by
+    ``gpu_memory_utilization``)."""
+    wanted, page_bytes = wanted_pages(config.max_num_seqs, max_pages), geometry.page_bytes
+    if config.num_kv_pages is not None:
+        return PoolSizing(config.num_kv_pages, page_bytes, max_pages, "num_kv_pages")
+    if config.kv_cache_memory_bytes is None and geometry.device.type == "cuda":
+        return None
+    budget = CPU_KV_BYTES if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
+    rule = "the CPU's default budget" if config.kv_cache_memory_bytes is None else \
+        f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+    return PoolSizing(_pages(budget, page_bytes, wanted, rule), page_bytes, max_pages, rule)
+
+
+def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeometry,
+                      max_num_seqs: int, max_pages: int) -> PoolSizing:
+    """Pages that fill ``utilization`` of the device once everything the probe engine holds
+    but its pool stays (measured while it is alive: graphs, weights, workspaces, and what
+    other processes hold, which the share must leave room for too)."""
+    free, total = torch.cuda.mem_get_info(geometry.device)
+    non_kv = total - free - probe.numel() * probe.element_size()
+    budget = int(total * utilization) - non_kv
+    rule = f"gpu_memory_utilization={utilization}"
+    pages = _pages(budget, geometry.page_bytes, wanted_pages(max_num_seqs, max_pages), rule,
+                   f" of {_size(total)} after {_size(non_kv)} of weights, graphs and workspaces")
+    return PoolSizing(pages, geometry.page_bytes, max_pages, rule, probe.shape[2], non_kv)
+
+
+def _pages(budget: int, page_bytes: int, wanted: int, rule: str, context: str = "") -> int:
+    pages = min(wanted, max(budget, 0) // page_bytes)
+    if pages < 2:
+        raise ValueError(f"{rule} leaves {_size(max(budget, 0))} for the KV pool{context}: "
+                         f"fewer than 2 pages of {page_bytes} bytes (page 0 is the null page); "
+                         f"give it more memory or shorten max_model_len")
+    return pages
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.2f} MiB"

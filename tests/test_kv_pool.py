@@ -1,0 +1,162 @@
+"""KV pool sizing and rebinding (issue 15): a byte budget sizes the pool, a rebind over a pool
+of another size is a fresh compile over it, and a pool of another geometry is refused before
+anything moves."""
+
+import re
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
+from tokenspeed.runtime import kv_pool
+from tokenspeed.runtime.compile_config import CompileConfig
+from tokenspeed.runtime.sampler import RowSampling
+
+from margins import decisive_model
+
+ROW = RowSampling(ts.SamplingParams(temperature=0.0), seed=0)
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decisive_model(seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return ts.LLM(model, max_num_seqs=4, max_num_batched_tokens=64, page_size=PAGE, max_model_len=64,
+                  num_kv_pages=40, graphs=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(1, 1 << 22), max_num_seqs=st.integers(1, 64), max_pages=st.integers(1, 64))
+def test_a_byte_budget_takes_the_most_pages_it_holds_up_to_every_sequence_at_full_length(
+        budget, max_num_seqs, max_pages):
+    geometry = kv_pool.PoolGeometry(2, PAGE, 2, 8, torch.float32, "cpu")
+    config = CompileConfig(max_num_seqs=max_num_seqs, kv_cache_memory_bytes=budget)
+    wanted = kv_pool.wanted_pages(max_num_seqs, max_pages)
+    fits = budget // geometry.page_bytes
+    if min(wanted, fits) < 2:
+        with pytest.raises(ValueError, match=f"kv_cache_memory_bytes={budget}.*2 pages"):
+            kv_pool.sized_by_bytes(config, geometry, max_pages)
+        return
+    sizing = kv_pool.sized_by_bytes(config, geometry, max_pages)
+    assert sizing.num_pages * geometry.page_bytes <= budget and sizing.num_pages <= wanted
+    assert sizing.num_pages == wanted or (sizing.num_pages + 1) * geometry.page_bytes > budget
+    assert sizing.max_full_length_sequences == (sizing.num_pages - 1) // max_pages
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization=0.0: must be in (0, 1]"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: must be in (0, 1]"),
+    (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes=0: must be >= 1"),
+    (dict(kv_cache_memory_bytes=1000), "kv_cache_memory_bytes=1000 leaves"),
+])
+def test_bad_pool_budgets_are_named(model, options, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        ts.LLM(model, page_size=PAGE, max_model_len=64, **options)
+
+
+def test_the_startup_report_says_what_the_pool_holds(model):
+    llm = ts.LLM(model, page_size=PAGE, max_num_seqs=3, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    pool = llm.compiled.pool
+    assert pool.num_pages == llm.compiled.num_pages == 3 * 16 + 1   # every sequence at full length
+    assert pool.max_full_length_sequences == 3
+    assert "49 pages" in llm.compiled.as_text() and "3 sequences at full length" in llm.compiled.as_text()
+
+
+def snapshot(compiled) -> dict:
+    """Every buffer a step reads or writes, by address, and the cache's contents."""
+    decode, prefill = compiled.decode, compiled.prefill
+    buffers = {"kv_cache": compiled.kv_cache, "decode.slots": decode.slots.device_bytes,
+               "decode.sampling": decode.sampling.device_bytes, "decode.out": decode.out,
+               "prefill.slots": prefill.slots.device_bytes}
+    return {"addresses": {n: t.data_ptr() for n, t in buffers.items()},
+            "graphs": (dict(decode.graphs), dict(prefill.graphs.graphs)),
+            "views": {n: v.data_ptr() for n, v in decode.slots.view(4).items()},
+            "cache": compiled.kv_cache.clone()}
+
+
+BAD_GEOMETRY = {"page_size": 2 * PAGE, "num_kv_heads": 1, "head_dim": 4, "num_layers": 1,
+                "dtype": torch.float64}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_GEOMETRY))
+def test_a_rejected_rebind_moves_nothing(llm, field):
+    rows = decode_tokens(llm.compiled, 2)            # the cache holds requests' keys now
+    before = snapshot(llm.compiled)
+    geometry = attrs.evolve(llm.compiled.binding.geometry, **{field: BAD_GEOMETRY[field]})
+    with pytest.raises(ValueError, match=f"does not fit this cache group: {field} "):
+        llm.compiled.rebind(kv_pool.allocate(geometry, 40))
+    after = snapshot(llm.compiled)
+    assert after["addresses"] == before["addresses"] and after["views"] == before["views"]
+    assert after["graphs"][0] == before["graphs"][0] and after["graphs"][1] == before["graphs"][1]
+    assert torch.equal(after["cache"], before["cache"])
+    assert decode_tokens(llm.compiled, 2) == rows     # and it serves as before
+
+
+def test_a_pool_without_the_null_page_and_another_is_refused(llm):
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        llm.compiled.rebind(kv_pool.allocate(llm.compiled.binding.geometry, 1))
+
+
+@pytest.mark.parametrize("num_pages", [17, 90])
+def test_a_rebound_engine_generates_what_a_fresh_one_does(model, llm, num_pages):
+    rebound = llm.compiled.rebind(kv_pool.allocate(llm.compiled.binding.geometry, num_pages))
+    fresh = ts.LLM(model, max_num_seqs=4, max_num_batched_tokens=64, page_size=PAGE, max_model_len=64,
+                   num_kv_pages=num_pages, graphs=True).compiled
+    assert rebound.num_pages == rebound.pool.num_pages == num_pages
+    assert rebound.kv_cache.data_ptr() != llm.compiled.kv_cache.data_ptr()
+    assert set(rebound.decode.graphs) == set(fresh.decode.graphs) and rebound.decode.graphs
+    assert set(rebound.prefill.graphs) == set(fresh.prefill.graphs)
+    assert decode_tokens(rebound, 3) == decode_tokens(fresh, 3)
+
+
+@torch.inference_mode()
+def decode_tokens(compiled, n: int, steps: int = 5) -> list[list[int]]:
+    """``n`` prompts prefilled and decoded ``steps`` times through the runners (graphs where
+    captured); every request's tokens."""
+    pages_each = -(-(12 + steps) // PAGE)
+    rows, out = [], []
+    for i in range(n):
+        prompt = tuple((5 + 7 * i + j) % 300 for j in range(9 + i))
+        pages = tuple(range(1 + i * pages_each, 1 + (i + 1) * pages_each))
+        [token] = compiled.prefill.run([ExtendChunk(prompt, 0, pages, True)], [ROW])
+        rows.append(DecodeRow(token, len(prompt), pages))
+        out.append([token])
+    for _ in range(steps):
+        tokens = compiled.decode.run(rows, [ROW] * n)
+        rows = [DecodeRow(t, r.position + 1, r.pages) for t, r in zip(tokens, rows)]
+        for seq, t in zip(out, tokens):
+            seq.append(t)
+    return out
+
+
+def test_a_pool_sized_by_utilization_is_rebound_after_a_probe(model, monkeypatch):
+    """The GPU's sequence, on the CPU stand-in with a pretend device: the probe pool holds
+    one full-length request; the pool rebound after the captures fills the share that
+    what the probe engine holds (less its pool) leaves, and generates as a fresh engine."""
+    total, held = 1 << 30, 610 << 20   # 0.6 of it leaves ~4.4 MiB: fewer pages than wanted
+    probes = []
+
+    def mem_get_info(device):
+        probes.append(device)
+        return total - held, total
+
+    monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    options = dict(max_num_seqs=200, max_num_batched_tokens=64, page_size=PAGE, max_model_len=64, graphs=True)
+    llm = ts.LLM(model, gpu_memory_utilization=0.6, **options)
+    pool = llm.compiled.pool
+    page_bytes, probe_pages = pool.page_bytes, 64 // PAGE + 1
+    assert len(probes) == 1 and pool.probe_pages == probe_pages
+    assert pool.non_kv_bytes == held - probe_pages * page_bytes
+    assert pool.num_pages == int(total * 0.6 - pool.non_kv_bytes) // page_bytes < 200 * 16 + 1
+    assert "sized after a probe pool of 17 pages" in llm.compiled.as_text()
+    monkeypatch.undo()
+    fresh = ts.LLM(model, num_kv_pages=pool.num_pages, **options).compiled
+    assert decode_tokens(llm.compiled, 3) == decode_tokens(fresh, 3)

@@ -1,0 +1,37 @@
+"""What a KV pool must look like to the kernels of one cache group: every dimension but the
+number of pages. A rebind may change how many pages a pool has, never this."""
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class PoolGeometry:
+    """``kv_cache[layer, 0 | 1, page, offset, kv_head, head_dim]`` of ``dtype`` on ``device``."""
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device = attrs.field(converter=torch.device)
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> "PoolGeometry":
+        if pool.dim() != 6 or pool.shape[1] != 2:
+            raise ValueError(f"a KV pool is [layers, 2, pages, page_size, kv_heads, head_dim]; got "
+                             f"shape {tuple(pool.shape)}")
+        layers, _, _, page_size, kv_heads, head_dim = pool.shape
+        return cls(layers, page_size, kv_heads, head_dim, pool.dtype, pool.device)
+
+    def shape(self, num_pages: int) -> torch.Size:
+        return torch.Size((self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across every layer, keys and values."""
+        return self.shape(1).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    def differences(self, other: "PoolGeometry") -> list[str]:
+        """``field: ours != theirs`` for every field that differs."""
+        return [f"{f.name} {getattr(other, f.name)} (expected {getattr(self, f.name)})"
+                for f in attrs.fields(PoolGeometry) if getattr(self, f.name) != getattr(other, f.name)]
