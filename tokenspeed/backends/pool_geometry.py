@@ -13,7 +13,7 @@ class PoolGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    device: torch.device = attrs.field(converter=torch.device)
+    device: torch.device = attrs.field(converter=lambda d: _indexed(torch.device(d)))
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> "PoolGeometry":
@@ -35,3 +35,10 @@ class PoolGeometry:
         """``field: ours != theirs`` for every field that differs."""
         return [f"{f.name} {getattr(other, f.name)} (expected {getattr(self, f.name)})"
                 for f in attrs.fields(PoolGeometry) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as the device it means (``cuda:0``, the current one), as a tensor reports it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
