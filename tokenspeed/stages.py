@@ -135,14 +135,16 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         compiled = binding.bind(kv_pool.allocate(geometry, pages), started, sizing)
     if sizing is not None:
         return compiled
-    start = time.perf_counter()
+    start, probed = time.perf_counter(), compiled.startup
     sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
                                        config.max_num_seqs, limits.max_pages)
     del compiled       # the probe's pool and graphs go before the real pool is allocated
     _release_device_memory()
-    pool = kv_pool.allocate(geometry, sizing.num_pages)
-    compiled = binding.bind(pool, CompileWorkers(0), sizing)
-    return compiled.evolve_sizing(rebind_seconds=time.perf_counter() - start)
+    compiled = binding.bind(kv_pool.allocate(geometry, sizing.num_pages), CompileWorkers(0), sizing)
+    return attrs.evolve(   # the kernels were compiled for the probe's captures, once
+        compiled, pool=attrs.evolve(compiled.pool, rebind_seconds=time.perf_counter() - start),
+        startup=attrs.evolve(compiled.startup, kernel_variants_precompiled=probed.kernel_variants_precompiled,
+                             precompile_seconds=probed.precompile_seconds))
 
 
 @attrs.frozen
@@ -205,9 +207,6 @@ class Compiled:
         geometry (anything but its page count) differs is refused before anything is built;
         this object is left as it was either way. Its requests' pages do not carry over."""
         return self.binding.bind(pool, CompileWorkers(0), None)
-
-    def evolve_sizing(self, **changes) -> "Compiled":
-        return attrs.evolve(self, pool=attrs.evolve(self.pool, **changes))
 
     @property
     def num_pages(self) -> int:
