@@ -5,9 +5,10 @@ of a Mistral-style shape (every layer windowed) against the same shape without w
                                  [--batches 1 32]
 
 Per engine: the pool's KV pages (sized by the default ``gpu_memory_utilization``: a probe
-pool, captures, then the real pool), the most sequences of ``--context`` tokens it holds at
-once (a windowed request keeps window / page size + 2 pages, an unwindowed one all of its
-context), startup seconds (the probe and the rebind included; ``rebind_s``: measuring,
+pool, captures, then the real pool; no larger than ``max_num_seqs`` sequences need), the
+pages one sequence of ``--context`` tokens holds at once (a windowed one its window's and
+a prefill chunk's, an unwindowed one its whole context), how many such sequences fit in
+``--kv-gib`` of KV memory, startup seconds (the probe and the rebind included; ``rebind_s``: measuring,
 binding the pool and capturing again), and time per output token at each batch after prompts longer
 than the window, against the memory floor: the weights and the keys and values a step
 reads (the window's, not the whole context's). Random weights (speed only); ``--shape
@@ -49,15 +50,16 @@ def bench(args, name: str, window: int | None, bandwidth: float | None) -> list[
     llm = ts.LLM(model, device=device, max_num_seqs=max(args.batches), max_model_len=args.context,
                  enable_prefix_caching=False)
     startup = time.perf_counter() - start
-    pages, page_size, pool = llm.compiled.num_pages, llm.compiled.config.page_size, llm.compiled.pool
-    per_sequence = window // page_size + 2 if window else -(-args.context // page_size)
+    pool = llm.compiled.pool
+    sequence_bytes = pool.pages_per_sequence * pool.page_bytes
     rows = []
     for batch in args.batches:
         with torch.inference_mode():
             seconds = tpot(llm, batch, args.prompt_len, args.new_tokens)
         read = min(args.prompt_len + args.new_tokens // 2, window or args.context)
-        row = {"engine": name, "window": window or 0, "kv_pages": pages - 1,
-               "sequences_at_context": (pages - 1) // per_sequence, "startup_s": startup,
+        row = {"engine": name, "window": window or 0, "kv_pages": pool.num_pages - 1,
+               "kv_gib": pool.num_pages * pool.page_bytes / 2**30, "pages_per_sequence": pool.pages_per_sequence,
+               "sequences_in_budget": int(args.kv_gib * 2**30 // sequence_bytes), "startup_s": startup,
                "rebind_s": pool.rebind_seconds, "non_kv_gib": pool.non_kv_bytes / 2**30,
                "batch": batch, "ms_per_token": seconds * 1e3}
         if bandwidth:
@@ -81,6 +83,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8192, help="longer than the window")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--kv-gib", type=float, default=80.0,
+                        help="a KV budget: how many sequences of --context tokens each engine fits in it")
     parser.add_argument("--json", default="results/windows.json")
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth() if torch.cuda.is_available() else None

@@ -33,21 +33,21 @@ def llm(model):
 
 
 @settings(max_examples=60, deadline=None)
-@given(budget=st.integers(1, 1 << 22), max_num_seqs=st.integers(1, 64), max_pages=st.integers(1, 64))
+@given(budget=st.integers(1, 1 << 22), max_num_seqs=st.integers(1, 64), pages_per_sequence=st.integers(1, 64))
 def test_a_byte_budget_takes_the_most_pages_it_holds_up_to_every_sequence_at_full_length(
-        budget, max_num_seqs, max_pages):
+        budget, max_num_seqs, pages_per_sequence):
     geometry = kv_pool.PoolGeometry(2, PAGE, 2, 8, torch.float32, "cpu")
     config = CompileConfig(max_num_seqs=max_num_seqs, kv_cache_memory_bytes=budget)
-    wanted = kv_pool.wanted_pages(max_num_seqs, max_pages)
+    wanted = kv_pool.wanted_pages(max_num_seqs, pages_per_sequence)
     fits = budget // geometry.page_bytes
     if min(wanted, fits) < 2:
         with pytest.raises(ValueError, match=f"kv_cache_memory_bytes={budget}.*2 pages"):
-            kv_pool.sized_by_bytes(config, geometry, max_pages)
+            kv_pool.sized_by_bytes(config, geometry, pages_per_sequence)
         return
-    sizing = kv_pool.sized_by_bytes(config, geometry, max_pages)
+    sizing = kv_pool.sized_by_bytes(config, geometry, pages_per_sequence)
     assert sizing.num_pages * geometry.page_bytes <= budget and sizing.num_pages <= wanted
     assert sizing.num_pages == wanted or (sizing.num_pages + 1) * geometry.page_bytes > budget
-    assert sizing.max_full_length_sequences == (sizing.num_pages - 1) // max_pages
+    assert sizing.max_full_length_sequences == (sizing.num_pages - 1) // pages_per_sequence
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -112,3 +112,28 @@ def test_a_windowed_model_preempts_under_a_small_pool_and_keeps_its_tokens(monke
     assert_decisive(margins)
     assert got == want
     assert small.engine.scheduler.allocator.num_free == 20
+
+
+def test_a_windowed_model_serves_prompts_longer_than_its_pool(monkeypatch):
+    """With a window on every layer a request holds at most the window's and a chunk's pages
+    ((8 + 16) / 4 + 2 = 8 here), so a pool of 8 usable pages serves a prompt whose whole
+    context needs 21, with the tokens of a pool that holds it all; a mixed model, which
+    keeps every page, refuses the prompt and names the pages."""
+    prompt = [(13 * j) % 450 + 1 for j in range(64)]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    small, large = (engine(MISTRAL, num_kv_pages=pages) for pages in (9, 200))
+    assert small.compiled.pool.pages_per_sequence == 8
+    margins = greedy_margins(monkeypatch)
+    got = small.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert_decisive(margins)
+    assert got == large.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt 0: needs 21 KV pages at once, the pool has 8"):
+        engine(QWEN3_MIXED, num_kv_pages=9).generate([prompt], params, use_tqdm=False)
+
+
+def test_a_windowed_model_s_default_pool_holds_its_windows_not_its_contexts():
+    """Every sequence at full length holds a window's pages: the pool a budget gives is that
+    many for each of ``max_num_seqs``, and the null page."""
+    windowed, full = engine(MISTRAL, max_model_len=256), engine(QWEN3_MIXED, max_model_len=256)
+    assert windowed.compiled.num_pages == 4 * 8 + 1
+    assert full.compiled.num_pages == 4 * (256 // PAGE) + 1

@@ -32,6 +32,7 @@ from tokenspeed.runtime.compile_config import CompileConfig, EngineLimits
 from tokenspeed.runtime.decode_runner import DecodeRunner
 from tokenspeed.runtime import kv_pool
 from tokenspeed.runtime.kv_pool import PoolSizing
+from tokenspeed.runtime.prompt_limits import most_pages_held
 from tokenspeed.runtime.prefill_runner import PrefillRunner
 from tokenspeed.runtime.startup import StartupReport, build_runners
 
@@ -126,18 +127,20 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     limits = config.resolve(decode.config)
     weights = next(decode.program.graph_module.parameters())
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
-    sizing = kv_pool.sized_by_bytes(config, geometry, limits.max_pages)
-    pages = sizing.num_pages if sizing else kv_pool.probe_pages(config.max_num_seqs, limits.max_pages)
+    per_sequence = most_pages_held(limits.max_model_len, config.page_size, decode.config.retention_window,
+                                   config.max_num_batched_tokens)
+    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence)
+    pages = sizing.num_pages if sizing else kv_pool.probe_pages(config.max_num_seqs, per_sequence)
     lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
     binding = Binding(lowered, backend, config.graph_support(backend.graph_support()), config, limits,
-                      geometry, verify_window)
+                      geometry, per_sequence, verify_window)
     with workers or CompileWorkers(config.workers_for(binding.support)) as started:
         compiled = binding.bind(kv_pool.allocate(geometry, pages), started, sizing)
     if sizing is not None:
         return compiled
     start, probed = time.perf_counter(), compiled.startup
     sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
-                                       config.max_num_seqs, limits.max_pages)
+                                       config.max_num_seqs, per_sequence)
     del compiled       # the probe's pool and graphs go before the real pool is allocated
     _release_device_memory()
     compiled = binding.bind(kv_pool.allocate(geometry, sizing.num_pages), CompileWorkers(0), sizing)
@@ -156,6 +159,7 @@ class Binding:
     config: CompileConfig
     limits: EngineLimits
     geometry: PoolGeometry
+    pages_per_sequence: int          # the most one request at max_model_len holds at once
     verify_window: int = 1
 
     def check(self, pool: torch.Tensor) -> None:
@@ -170,7 +174,7 @@ class Binding:
         programs = {mode: lo.program for mode, lo in self.lowered.items()}
         runners = build_runners(programs, pool, self.backend, self.support, self.config, self.limits,
                                 workers, self.verify_window)
-        sizing = sizing or PoolSizing(pool.shape[2], self.geometry.page_bytes, self.limits.max_pages,
+        sizing = sizing or PoolSizing(pool.shape[2], self.geometry.page_bytes, self.pages_per_sequence,
                                       "the pool given")
         return Compiled(self.config, self.limits, self.lowered, pool, *runners, self.support,
                         attrs.evolve(sizing, num_pages=pool.shape[2]), self)

@@ -64,8 +64,9 @@ class Engine:
 
     @property
     def limits(self) -> PromptLimits:
-        return PromptLimits(self.vocab_size, self.max_model_len, self.scheduler.page_size,
-                            self.scheduler.allocator.num_pages - 1)
+        scheduler = self.scheduler
+        return PromptLimits(self.vocab_size, self.max_model_len, scheduler.page_size,
+                            scheduler.allocator.num_pages - 1, scheduler.window, scheduler.max_num_batched_tokens)
 
     def check(self, index: int, prompt: tuple[int, ...], params: SamplingParams) -> None:
         """Refuse, naming prompt ``index``, what this engine cannot serve."""

@@ -8,8 +8,9 @@ fill, weights, graphs and workspaces included. What those take is known only onc
 graphs are captured, so the engine first binds a probe pool (one full-length request),
 captures, measures, and then rebinds a pool that fills the rest of the share
 (``stages.compile``). On the CPU the byte budget defaults to 512 MiB. No pool is larger
-than every sequence at full length needs (``max_num_seqs`` of them, and the null page), so
-several engines can share a device.
+than every sequence at full length needs (``max_num_seqs`` of them, and the null page;
+with a window on every layer, a sequence needs only its window's pages), so several
+engines can share a device.
 """
 
 import attrs
@@ -37,7 +38,7 @@ class PoolSizing:
     captured) are set when the pool was sized after a probe."""
     num_pages: int
     page_bytes: int
-    max_pages: int                  # pages of one request at max_model_len
+    pages_per_sequence: int         # the most one request at max_model_len holds at once
     rule: str                       # which option chose the size
     probe_pages: int = 0
     non_kv_bytes: int = 0
@@ -45,7 +46,7 @@ class PoolSizing:
 
     @property
     def max_full_length_sequences(self) -> int:
-        return (self.num_pages - 1) // self.max_pages
+        return (self.num_pages - 1) // self.pages_per_sequence
 
     def as_text(self) -> str:
         text = (f"KV pool: {self.num_pages} pages ({_size(self.num_pages * self.page_bytes)}, "
@@ -57,32 +58,32 @@ class PoolSizing:
         return text
 
 
-def wanted_pages(max_num_seqs: int, max_pages: int) -> int:
+def wanted_pages(max_num_seqs: int, pages_per_sequence: int) -> int:
     """Every sequence at full length, and the null page: the most any budget is given."""
-    return max_num_seqs * max_pages + 1
+    return max_num_seqs * pages_per_sequence + 1
 
 
-def probe_pages(max_num_seqs: int, max_pages: int) -> int:
+def probe_pages(max_num_seqs: int, pages_per_sequence: int) -> int:
     """The probe pool: one request at full length (its graphs do not depend on the pool)."""
-    return min(wanted_pages(max_num_seqs, max_pages), max_pages + 1)
+    return min(wanted_pages(max_num_seqs, pages_per_sequence), pages_per_sequence + 1)
 
 
-def sized_by_bytes(config, geometry: PoolGeometry, max_pages: int) -> PoolSizing | None:
+def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int) -> PoolSizing | None:
     """The pool's size when an option fixes it without measuring, else None (a GPU sized by
     ``gpu_memory_utilization``)."""
-    wanted, page_bytes = wanted_pages(config.max_num_seqs, max_pages), geometry.page_bytes
+    wanted, page_bytes = wanted_pages(config.max_num_seqs, pages_per_sequence), geometry.page_bytes
     if config.num_kv_pages is not None:
-        return PoolSizing(config.num_kv_pages, page_bytes, max_pages, "num_kv_pages")
+        return PoolSizing(config.num_kv_pages, page_bytes, pages_per_sequence, "num_kv_pages")
     if config.kv_cache_memory_bytes is None and geometry.device.type == "cuda":
         return None
     budget = CPU_KV_BYTES if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
     rule = "the CPU's default budget" if config.kv_cache_memory_bytes is None else \
         f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
-    return PoolSizing(_pages(budget, page_bytes, wanted, rule), page_bytes, max_pages, rule)
+    return PoolSizing(_pages(budget, page_bytes, wanted, rule), page_bytes, pages_per_sequence, rule)
 
 
 def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeometry,
-                      max_num_seqs: int, max_pages: int) -> PoolSizing:
+                      max_num_seqs: int, pages_per_sequence: int) -> PoolSizing:
     """Pages that fill ``utilization`` of the device once everything the probe engine holds
     but its pool stays (measured while it is alive: graphs, weights, workspaces, and what
     other processes hold, which the share must leave room for too)."""
@@ -90,9 +91,9 @@ def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeo
     non_kv = total - free - probe.numel() * probe.element_size()
     budget = int(total * utilization) - non_kv
     rule = f"gpu_memory_utilization={utilization}"
-    pages = _pages(budget, geometry.page_bytes, wanted_pages(max_num_seqs, max_pages), rule,
+    pages = _pages(budget, geometry.page_bytes, wanted_pages(max_num_seqs, pages_per_sequence), rule,
                    f" of {_size(total)} after {_size(non_kv)} of weights, graphs and workspaces")
-    return PoolSizing(pages, geometry.page_bytes, max_pages, rule, probe.shape[2], non_kv)
+    return PoolSizing(pages, geometry.page_bytes, pages_per_sequence, rule, probe.shape[2], non_kv)
 
 
 def _pages(budget: int, page_bytes: int, wanted: int, rule: str, context: str = "") -> int:
