@@ -3,6 +3,7 @@ of another size is a fresh compile over it, and a pool of another geometry is re
 anything moves."""
 
 import re
+import weakref
 
 import attrs
 import pytest
@@ -136,27 +137,77 @@ def decode_tokens(compiled, n: int, steps: int = 5) -> list[list[int]]:
     return out
 
 
+class FakeDevice:
+    """The GPU's memory as ``mem_get_info`` reports it, on the CPU: ``total`` bytes, of which
+    ``base`` are held (weights, graphs) plus every KV pool still alive."""
+
+    def __init__(self, monkeypatch, total: int, base: int):
+        self.total, self.base, self.pools, self.asked = total, base, weakref.WeakSet(), 0
+        allocate = kv_pool.allocate
+        monkeypatch.setattr(kv_pool, "allocate", lambda *a: self._keep(allocate(*a)))
+        monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda config, *a: None if config.num_kv_pages is None
+                            else kv_pool.PoolSizing(config.num_kv_pages, 1, 1, "num_kv_pages"))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
+
+    def _keep(self, pool):
+        self.pools.add(pool)
+        return pool
+
+    def mem_get_info(self, device):
+        self.asked += 1
+        return self.total - self.base - sum(p.numel() * p.element_size() for p in self.pools), self.total
+
+
+OPTIONS = dict(max_num_seqs=200, max_num_batched_tokens=64, page_size=PAGE, max_model_len=64, graphs=True)
+
+
 def test_a_pool_sized_by_utilization_is_rebound_after_a_probe(model, monkeypatch):
     """The GPU's sequence, on the CPU stand-in with a pretend device: the probe pool holds
-    one full-length request; the pool rebound after the captures fills the share that
-    what the probe engine holds (less its pool) leaves, and generates as a fresh engine."""
-    total, held = 1 << 30, 610 << 20   # 0.6 of it leaves ~4.4 MiB: fewer pages than wanted
-    probes = []
-
-    def mem_get_info(device):
-        probes.append(device)
-        return total - held, total
-
-    monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda *args: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    options = dict(max_num_seqs=200, max_num_batched_tokens=64, page_size=PAGE, max_model_len=64, graphs=True)
-    llm = ts.LLM(model, gpu_memory_utilization=0.6, **options)
+    one full-length request; measured while it lives, what the device holds besides it is
+    what the engine holds besides any pool; the pool bound after the captures fills the
+    share that leaves, and generates as a fresh engine of that many pages."""
+    device = FakeDevice(monkeypatch, total=1 << 30, base=610 << 20)   # 0.6 leaves ~4.4 MiB
+    llm = ts.LLM(model, gpu_memory_utilization=0.6, **OPTIONS)
     pool = llm.compiled.pool
-    page_bytes, probe_pages = pool.page_bytes, 64 // PAGE + 1
-    assert len(probes) == 1 and pool.probe_pages == probe_pages
-    assert pool.non_kv_bytes == held - probe_pages * page_bytes
-    assert pool.num_pages == int(total * 0.6 - pool.non_kv_bytes) // page_bytes < 200 * 16 + 1
+    assert device.asked == 1 and pool.probe_pages == 64 // PAGE + 1
+    assert pool.non_kv_bytes == device.base and list(device.pools) == [llm.compiled.kv_cache]
+    assert pool.num_pages == int(device.total * 0.6 - device.base) // pool.page_bytes < 200 * 16 + 1
     assert "sized after a probe pool of 17 pages" in llm.compiled.as_text()
     monkeypatch.undo()
-    fresh = ts.LLM(model, num_kv_pages=pool.num_pages, **options).compiled
+    fresh = ts.LLM(model, num_kv_pages=pool.num_pages, **OPTIONS).compiled
     assert decode_tokens(llm.compiled, 3) == decode_tokens(fresh, 3)
+
+
+def test_a_draft_model_s_pool_holds_as_many_pages_as_the_target_s_from_one_budget(model, monkeypatch):
+    """The budget pays for a page of both pools at once: the target's probe (with the draft's
+    stand-in pool of 2 pages alive) leaves room for as many draft pages as target pages, and
+    the draft's pool is rebound to that many. Sized one after the other, the first would
+    take the whole share and the second fail."""
+    draft_model = decisive_model(seed=4)
+    device = FakeDevice(monkeypatch, total=1 << 30, base=0)
+    target_bytes = kv_pool.geometry_for(model.config, PAGE, torch.float32, "cpu").page_bytes
+    draft_bytes = kv_pool.geometry_for(draft_model.config, PAGE, torch.float32, "cpu").page_bytes
+    device.base = int(device.total * 0.6) - 100 * (target_bytes + draft_bytes)   # the share: 100 pages of each
+    draft = ts.SpeculativeConfig(method="draft", num_tokens=2, draft_model=draft_model)
+    llm = ts.LLM(model, gpu_memory_utilization=0.6, speculative=draft, **OPTIONS)
+    assert llm.compiled.pool.non_kv_bytes == device.base + 2 * draft_bytes   # the draft's stand-in
+    assert llm.compiled.num_pages == llm.engine.speculative.allocator.num_pages == 99
+    live = sum(p.numel() * p.element_size() for p in device.pools)
+    assert device.base + live <= device.total * 0.6
+
+
+def test_a_windowed_draft_model_s_pool_holds_whole_contexts(monkeypatch):
+    """The drafter keeps every page of a request, so with a draft model both pools are sized
+    for whole contexts even when the target is windowed: every request gets drafts."""
+    from test_sliding_window import MISTRAL
+    target = decisive_model(3, MISTRAL)
+    draft = ts.SpeculativeConfig(method="draft", num_tokens=2, verify_cost=1.0, draft_model=target)
+    llm = ts.LLM(target, page_size=PAGE, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16,
+                 graphs=False, speculative=draft)
+    assert llm.compiled.num_pages == llm.engine.speculative.allocator.num_pages == 4 * (256 // PAGE) + 1
+    params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [[(5 * i + 3 * j) % 400 + 1 for j in range(150)] for i in range(4)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.metrics.mean_accept_length is not None for o in outputs)
+
+

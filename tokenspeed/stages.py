@@ -114,7 +114,8 @@ class Lowered:
 
 def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileConfig(),
             backend=None, workers: CompileWorkers | None = None,
-            verify: Lowered | None = None, verify_window: int = 1) -> "Compiled":
+            verify: Lowered | None = None, verify_window: int = 1,
+            companion_page_bytes: int = 0) -> "Compiled":
     """Bind a KV pool, build both runners and capture every graph, once (twice when the pool
     is sized by ``gpu_memory_utilization``: a probe pool first, see ``runtime.kv_pool``).
 
@@ -122,15 +123,18 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     ``graph_support().decode_graph``. ``workers``: kernel compile processes the caller
     started early (``ts.LLM`` starts them before tracing, so their imports overlap it).
     ``verify``: decode lowered in verify mode, for speculative decoding's windows of up to
-    ``verify_window`` rows per request (a third runner over the same pool)."""
+    ``verify_window`` rows per request (a third runner over the same pool).
+    ``companion_page_bytes``: a page of another pool to be bound with as many pages as this
+    one, whose consumer keeps every page of a request (a draft model's): the budget pays for
+    both, and pools are sized for whole contexts."""
     backend = backend or PagedAttentionBackend()
     limits = config.resolve(decode.config)
     weights = next(decode.program.graph_module.parameters())
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
-    per_sequence = most_pages_held(limits.max_model_len, config.page_size, decode.config.retention_window,
-                                   config.max_num_batched_tokens)
-    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence)
-    pages = sizing.num_pages if sizing else kv_pool.probe_pages(config.max_num_seqs, per_sequence)
+    window = 0 if companion_page_bytes else decode.config.retention_window
+    per_sequence = most_pages_held(limits.max_model_len, config.page_size, window, config.max_num_batched_tokens)
+    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes)
+    pages = sizing.num_pages if sizing else kv_pool.probe_pages(per_sequence)
     lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
     binding = Binding(lowered, backend, config.graph_support(backend.graph_support()), config, limits,
                       geometry, per_sequence, verify_window)
@@ -140,7 +144,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         return compiled
     start, probed = time.perf_counter(), compiled.startup
     sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
-                                       config.max_num_seqs, per_sequence)
+                                       config.max_num_seqs, per_sequence, companion_page_bytes)
     del compiled       # the probe's pool and graphs go before the real pool is allocated
     _release_device_memory()
     compiled = binding.bind(kv_pool.allocate(geometry, sizing.num_pages), CompileWorkers(0), sizing)

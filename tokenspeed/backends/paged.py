@@ -27,6 +27,8 @@ class PagedAttentionBackend:
         wrong = geometry.differences(found)
         if wrong:
             raise ValueError(f"the KV pool does not fit this cache group: {'; '.join(wrong)}")
+        if not pool.is_contiguous():
+            raise ValueError("the KV pool must be contiguous: the kernels address its pages as flat slots")
         if pool.shape[2] < 2:
             raise ValueError(f"a KV pool needs at least 2 pages (page 0 is the null page); got {pool.shape[2]}")
 

@@ -21,6 +21,7 @@ from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, p
 from tokenspeed.entrypoints.text_stream import TextStream
 from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.loader import load
+from tokenspeed.runtime import kv_pool
 from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.draft_model import DraftModelDrafter
@@ -46,6 +47,7 @@ class LLM:
         the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
         path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
+        ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
         ``compile_workers``). ``enforce_eager``: no graphs, as ``graphs=False``.
         ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
@@ -63,18 +65,20 @@ class LLM:
             self.model = _as_model(model, checked_dtype(dtype), config.device, reader)
             self.tokenizer = _tokenizer(tokenizer, model, reader)
             self.traced = stages.trace(self.model)
+            draft = None
+            if speculative is not None and speculative.method == "draft":
+                draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
             decode_graph = backend.graph_support().decode_graph
             verify = self.traced.lower("verify", decode_graph=decode_graph) if speculative else None
             self.compiled = stages.compile(self.traced.lower("prefill"),
                                            self.traced.lower("decode", decode_graph=decode_graph),
                                            config, backend, workers, verify,
-                                           speculative.window if speculative else 1)
+                                           speculative.window if speculative else 1,
+                                           draft.compiled.binding.geometry.page_bytes if draft else 0)
+        drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
                               enable_prefix_caching, self.model.config.retention_window)
-        drafter = speculative
-        if speculative is not None and speculative.method == "draft":
-            drafter = self._draft_model(speculative, device, dtype, enforce_eager, compile_options)
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
                              config.seed, self.compiled.verify, drafter,
@@ -87,21 +91,28 @@ class LLM:
     def config(self):
         return self.model.config
 
-    def _draft_model(self, speculative: SpeculativeConfig, device, dtype, enforce_eager: bool,
-                     compile_options: dict) -> DraftModelDrafter:
-        """The draft model, compiled like this one, with a pool of its own; refused unless it
-        has this model's vocabulary and context."""
+    def _draft_model(self, speculative: SpeculativeConfig, config: CompileConfig, device, dtype,
+                     enforce_eager: bool, compile_options: dict) -> "LLM":
+        """The draft model, compiled like this one over a stand-in pool of 2 pages (rebound by
+        ``_drafter`` to as many pages as ours, which the budget pays for together); refused
+        unless it has this model's vocabulary and context."""
         draft = LLM(speculative.draft_model, device, dtype, enforce_eager=enforce_eager, overlap=False,
-                    enable_prefix_caching=False, **compile_options)
+                    enable_prefix_caching=False, **{**compile_options, "num_kv_pages": 2})
         if draft.config.vocab_size != self.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
                              f"target's {self.config.vocab_size}: drafts must be the target's tokens")
-        ours, theirs = self.compiled.limits.max_model_len, draft.compiled.limits.max_model_len
+        ours, theirs = config.resolve(self.config).max_model_len, draft.compiled.limits.max_model_len
         if theirs < ours:
             raise ValueError(f"the draft model's context ({theirs} tokens) is shorter than the "
                              f"target's ({ours}): drafts past it could not be proposed")
-        return DraftModelDrafter(draft.compiled.prefill, draft.compiled.decode, draft.compiled.num_pages,
-                                 draft.engine.scheduler.page_size, speculative.num_tokens)
+        return draft
+
+    def _drafter(self, draft: "LLM", num_tokens: int) -> DraftModelDrafter:
+        """The draft model's runners over a pool of as many pages as ours: its drafter keeps
+        every page of a request, and our pool was sized for whole contexts to match."""
+        compiled = draft.compiled.rebind(kv_pool.allocate(draft.compiled.binding.geometry, self.compiled.num_pages))
+        return DraftModelDrafter(compiled.prefill, compiled.decode, compiled.num_pages,
+                                 compiled.config.page_size, num_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -41,7 +41,8 @@ class CompileConfig:
     ``num_kv_pages``: the pool's pages, page 0 included; else ``kv_cache_memory_bytes``, the
     pool's bytes; else ``gpu_memory_utilization``, the share of a GPU's memory the engine
     fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
-    exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``); ``compile_workers``: processes that compile the
+    exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``; a request of a
+    model windowed on every layer holds only its window's pages); ``compile_workers``: processes that compile the
     Triton kernels before the captures (default: half the usable cores, at most 8; 0
     compiles each on first launch)."""
     device: torch.device = attrs.field(default="cpu", converter=torch.device)

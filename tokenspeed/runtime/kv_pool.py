@@ -49,12 +49,13 @@ class PoolSizing:
         return (self.num_pages - 1) // self.pages_per_sequence
 
     def as_text(self) -> str:
+        sequences = self.max_full_length_sequences
         text = (f"KV pool: {self.num_pages} pages ({_size(self.num_pages * self.page_bytes)}, "
-                f"by {self.rule}), {self.max_full_length_sequences} sequences at full length")
+                f"by {self.rule}), {sequences} sequence{'s' if sequences != 1 else ''} at full length")
         if self.probe_pages:
-            text += (f"; sized after a probe pool of {self.probe_pages} pages: weights, graphs and "
-                     f"workspaces take {_size(self.non_kv_bytes)}; rebound in "
-                     f"{self.rebind_seconds:.1f} s")
+            text += (f"; sized after a probe pool of {self.probe_pages} pages, when the device held "
+                     f"{_size(self.non_kv_bytes)} besides it (weights, graphs, workspaces, other "
+                     f"engines); rebound in {self.rebind_seconds:.1f} s")
         return text
 
 
@@ -63,14 +64,17 @@ def wanted_pages(max_num_seqs: int, pages_per_sequence: int) -> int:
     return max_num_seqs * pages_per_sequence + 1
 
 
-def probe_pages(max_num_seqs: int, pages_per_sequence: int) -> int:
+def probe_pages(pages_per_sequence: int) -> int:
     """The probe pool: one request at full length (its graphs do not depend on the pool)."""
-    return min(wanted_pages(max_num_seqs, pages_per_sequence), pages_per_sequence + 1)
+    return pages_per_sequence + 1
 
 
-def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int) -> PoolSizing | None:
-    """The pool's size when an option fixes it without measuring, else None (a GPU sized by
-    ``gpu_memory_utilization``)."""
+def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int,
+                   companion_page_bytes: int = 0) -> PoolSizing | None:
+    """The pool's size when an option fixes it without measuring (``num_kv_pages`` first,
+    then ``kv_cache_memory_bytes``), else None (a GPU sized by ``gpu_memory_utilization``).
+    ``companion_page_bytes``: a page of another pool that will hold as many pages (a draft
+    model's), paid from the same budget."""
     wanted, page_bytes = wanted_pages(config.max_num_seqs, pages_per_sequence), geometry.page_bytes
     if config.num_kv_pages is not None:
         return PoolSizing(config.num_kv_pages, page_bytes, pages_per_sequence, "num_kv_pages")
@@ -79,20 +83,23 @@ def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int) -> P
     budget = CPU_KV_BYTES if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
     rule = "the CPU's default budget" if config.kv_cache_memory_bytes is None else \
         f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
-    return PoolSizing(_pages(budget, page_bytes, wanted, rule), page_bytes, pages_per_sequence, rule)
+    pages = _pages(budget, page_bytes + companion_page_bytes, wanted, rule)
+    return PoolSizing(pages, page_bytes, pages_per_sequence, rule)
 
 
 def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeometry,
-                      max_num_seqs: int, pages_per_sequence: int) -> PoolSizing:
+                      max_num_seqs: int, pages_per_sequence: int, companion_page_bytes: int = 0) -> PoolSizing:
     """Pages that fill ``utilization`` of the device once everything the probe engine holds
     but its pool stays (measured while it is alive: graphs, weights, workspaces, and what
-    other processes hold, which the share must leave room for too)."""
+    other engines and processes hold, which the share must leave room for too), with as
+    many of ``companion_page_bytes`` each (see ``sized_by_bytes``)."""
     free, total = torch.cuda.mem_get_info(geometry.device)
     non_kv = total - free - probe.numel() * probe.element_size()
     budget = int(total * utilization) - non_kv
     rule = f"gpu_memory_utilization={utilization}"
-    pages = _pages(budget, geometry.page_bytes, wanted_pages(max_num_seqs, pages_per_sequence), rule,
-                   f" of {_size(total)} after {_size(non_kv)} of weights, graphs and workspaces")
+    pages = _pages(budget, geometry.page_bytes + companion_page_bytes, wanted_pages(max_num_seqs, pages_per_sequence), rule,
+                   f" of {_size(total)}: the device holds {_size(non_kv)} besides it (weights, graphs, "
+                   f"workspaces, other engines and processes)")
     return PoolSizing(pages, geometry.page_bytes, pages_per_sequence, rule, probe.shape[2], non_kv)
 
 

@@ -84,6 +84,7 @@ class PrefillRunner:
         return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),
                           sampling, sampled.logprobs, sampled.tokens)
 
+    @torch.no_grad()   # kernels called directly run under autograd, which the dispatcher skipped
     def _walk(self, meta, capturer=None, capture_ladder: str | None = None) -> torch.Tensor:
         """Run every segment; with a capturer, capture the missing graphs of the segments
         padded by ``capture_ladder`` (others replay if captured, else run eagerly)."""
