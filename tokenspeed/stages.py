@@ -138,6 +138,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
     binding = Binding(lowered, backend, config.graph_support(backend.graph_support()), config, limits,
                       geometry, per_sequence, verify_window)
+    if sizing is None:
+        kv_pool.reset_peak(geometry.device)
     with workers or CompileWorkers(config.workers_for(binding.support)) as started:
         compiled = binding.bind(kv_pool.allocate(geometry, pages), started, sizing)
     if sizing is not None:

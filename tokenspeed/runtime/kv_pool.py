@@ -91,16 +91,32 @@ def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeo
                       max_num_seqs: int, pages_per_sequence: int, companion_page_bytes: int = 0) -> PoolSizing:
     """Pages that fill ``utilization`` of the device once everything the probe engine holds
     but its pool stays (measured while it is alive: graphs, weights, workspaces, and what
-    other engines and processes hold, which the share must leave room for too), with as
-    many of ``companion_page_bytes`` each (see ``sized_by_bytes``)."""
+    other engines and processes hold, which the share must leave room for too) and its
+    captures' transient peak comes back, with as many of ``companion_page_bytes`` each
+    (see ``sized_by_bytes``)."""
     free, total = torch.cuda.mem_get_info(geometry.device)
-    non_kv = total - free - probe.numel() * probe.element_size()
+    non_kv = total - free - probe.numel() * probe.element_size() + _transient_peak(geometry.device)
     budget = int(total * utilization) - non_kv
     rule = f"gpu_memory_utilization={utilization}"
     pages = _pages(budget, geometry.page_bytes + companion_page_bytes, wanted_pages(max_num_seqs, pages_per_sequence), rule,
                    f" of {_size(total)}: the device holds {_size(non_kv)} besides it (weights, graphs, "
                    f"workspaces, other engines and processes)")
     return PoolSizing(pages, geometry.page_bytes, pages_per_sequence, rule, probe.shape[2], non_kv)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start counting the allocator's peak: the probe's captures set it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _transient_peak(device: torch.device) -> int:
+    """Bytes the allocator held at its peak since ``reset_peak`` beyond what it holds now:
+    the eager warm-ups of the largest buckets, whose activations are freed (and released)
+    by the time the probe is measured, but come back whenever such a batch runs eagerly."""
+    if device.type != "cuda":
+        return 0
+    return max(torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device), 0)
 
 
 def _pages(budget: int, page_bytes: int, wanted: int, rule: str, context: str = "") -> int:
