@@ -38,9 +38,9 @@ class ExtendChunk:
 def write_locations(block_tables, row_request, positions, page_size: int):
     """``slot = table[req, pos // P] * P + pos % P``: the one owner of the slot formula (over
     torch tensors or, as the refresh functions build them on the host, numpy arrays)."""
-    pages = block_tables[row_request, positions // page_size]
-    return pages.astype(np.int64) * page_size + positions % page_size if isinstance(pages, np.ndarray) \
-        else pages.long() * page_size + positions % page_size   # int64: a pool may pass 2**31 slots
+    pages = block_tables[row_request, positions // page_size]   # int32; slots may pass 2**31
+    pages = pages.astype(np.int64) if isinstance(pages, np.ndarray) else pages.long()
+    return pages * page_size + positions % page_size
 
 
 def block_table(pages: Sequence[Sequence[int]], num_rows: int, max_pages: int) -> np.ndarray:

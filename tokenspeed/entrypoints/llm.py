@@ -110,7 +110,8 @@ class LLM:
     def _drafter(self, draft: "LLM", num_tokens: int) -> DraftModelDrafter:
         """The draft model's runners over a pool of as many pages as ours: its drafter keeps
         every page of a request, and our pool was sized for whole contexts to match."""
-        compiled = draft.compiled.rebind(kv_pool.allocate(draft.compiled.binding.geometry, self.compiled.num_pages))
+        pool = kv_pool.allocate(draft.compiled.binding.geometry, self.compiled.num_pages)
+        compiled = draft.compiled.rebind(pool)
         return DraftModelDrafter(compiled.prefill, compiled.decode, compiled.num_pages,
                                  compiled.config.page_size, num_tokens)
 

@@ -42,9 +42,9 @@ class CompileConfig:
     pool's bytes; else ``gpu_memory_utilization``, the share of a GPU's memory the engine
     fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
     exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``; a request of a
-    model windowed on every layer holds only its window's pages); ``compile_workers``: processes that compile the
-    Triton kernels before the captures (default: half the usable cores, at most 8; 0
-    compiles each on first launch)."""
+    model windowed on every layer holds only its window's pages); ``compile_workers``:
+    processes that compile the Triton kernels before the captures (default: half the usable
+    cores, at most 8; 0 compiles each on first launch)."""
     device: torch.device = attrs.field(default="cpu", converter=torch.device)
     page_size: int = attrs.field(default=16, validator=_at_least(1))
     max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))

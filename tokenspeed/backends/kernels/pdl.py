@@ -24,8 +24,9 @@ import triton.language as tl
 
 
 def enabled(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("TOKENSPEED_PDL", "1") != "0"
-            and _major_capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9)
+    if device.type != "cuda" or os.environ.get("TOKENSPEED_PDL", "1") == "0":
+        return False
+    return _major_capability(torch.cuda.current_device() if device.index is None else device.index) >= 9
 
 
 @functools.cache
