@@ -26,8 +26,8 @@ def prompts(n):
 
 
 def llm(model, **kw):
-    return ts.LLM(model, device="cuda", page_size=16, max_num_seqs=10, max_num_batched_tokens=128,
-                  max_model_len=512, **kw)
+    return ts.LLM(model, device="cuda", **{"page_size": 16, "max_num_seqs": 10, "max_num_batched_tokens": 128,
+                                          "max_model_len": 512, **kw})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,9 +71,12 @@ def test_float32_generation_with_graphs_equals_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_overlapped_decoding_equals_the_synchronous_loop(dtype):
+@pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 2, "max_num_batched_tokens": 16}])
+def test_overlapped_decoding_equals_the_synchronous_loop(dtype, kw):
+    """With ``kw``, prompts wait for seats and are computed in chunks, so extend batches
+    chain onto the step in flight, their decode rows fed on the device."""
     model = random_model(MID, seed=5).to("cuda", dtype)
-    on, off = llm(model, overlap=True), llm(model, overlap=False)
+    on, off = llm(model, overlap=True, **kw), llm(model, overlap=False, **kw)
     params = [ts.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 16, 1)]
     assert [o.token_ids for o in on.generate(prompts(5), params)] == \
         [o.token_ids for o in off.generate(prompts(5), params)]

@@ -75,3 +75,35 @@ def test_the_chain_goes_on_past_a_finished_request_and_waits_to_admit():
         if max_num_seqs == 2:                               # the third waited >= 4 chained steps
             second = launches.index("prefill", 1)
             assert launches[1:second] == ["chained"] * (second - 1) and second - 1 >= 4, launches
+
+
+@pytest.mark.parametrize("kw", [{"max_num_batched_tokens": 8}, {"max_num_seqs": 3},
+                                {"num_kv_pages": 24, "max_num_seqs": 4, "max_num_batched_tokens": 12},
+                                {"max_num_seqs": 3, "enable_prefix_caching": False}])
+def test_extend_batches_chain_onto_the_step_in_flight(kw):
+    """While prompts wait for seats or are computed in chunks, the next extend batch is
+    launched before the step in flight is read, the rows of that step's requests fed on
+    the device: the tokens, a stop token found a step late included, are the synchronous
+    loop's and Hugging Face's, and every page returns."""
+    prompts = PROMPTS + PROMPTS[:2]                 # repeats: prefix cache hits
+    stop = reference("llama", PROMPTS[1:2], 16)[0][4]
+    params = [ts.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=(stop,))
+              for n in (12, 16, 16, 7, 1, 16, 9, 5, 11)]
+
+    def run_counting_fed(overlap):
+        llm = ts.LLM(checkpoint("llama"), page_size=4, overlap=overlap, **kw)
+        fed, launch = [], llm.compiled.prefill.launch
+        llm.compiled.prefill.launch = lambda c, s, f=None: (fed.append(f is not None and len(f.rows)),
+                                                            launch(c, s, f))[1]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1, "pages leaked"
+        return [(list(o.token_ids), o.finish_reason) for o in outs], fed
+
+    on, fed = run_counting_fed(True)
+    off, _ = run_counting_fed(False)
+    assert on == off
+    assert any(fed), "no extend batch was chained"
+    for prompt, (tokens, _), p in zip(prompts, on, params):
+        want = list(reference("llama", [prompt], p.max_tokens)[0])
+        want = want[:want.index(stop) + 1] if stop in want else want
+        assert tokens == want

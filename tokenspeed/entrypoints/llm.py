@@ -180,18 +180,22 @@ class LLM:
         """Step the engine until ``requests`` finish (or ``steps`` steps ran); every step
         advances every caller's requests and their text, so a request may finish in a
         step another caller ran: each is reported to ``on_finish`` once, whoever stepped."""
-        unreported, done, failures = list(requests), 0, self._failures
-        while unreported and (steps is None or done < steps):
+        unreported, done, failures, scanned = list(requests), 0, self._failures, None
+        while True:
+            if self.engine.num_finished != scanned:   # a scan of thousands of requests is
+                scanned = self.engine.num_finished     # host time of every step: only on news
+                for request in [r for r in unreported if r.finished]:
+                    on_finish(request)
+                unreported = [r for r in unreported if not r.finished]
+            if not unreported or (steps is not None and done >= steps):
+                return
             with self._lock:
                 if self._failures != failures and any(r.finish_reason == "abort" for r in unreported):
                     raise RuntimeError("the engine failed in a step another caller ran; "
                                        "its requests were aborted") from self._failure
-                if not all(r.finished for r in unreported):
+                if self.engine.num_finished == scanned:   # else some may be done: rescan first
                     self._step()
-            done += 1
-            for request in [r for r in unreported if r.finished]:
-                on_finish(request)
-            unreported = [r for r in unreported if not r.finished]
+                    done += 1
 
     def step(self) -> None:
         """One engine step for everyone's requests, and their text. A step that fails

@@ -1,12 +1,14 @@
 """The engine loop: schedule a batch, run it (the runner samples), advance requests.
 
 With ``overlap``, a decode or extend batch is launched and left in flight; the next step
-launches the decode rows of the same requests (their input tokens fed on the device)
-before reading the first one's tokens, so the host's scheduling and metadata work hides
-behind the GPU. A request that stops on a token is found one step late: the extra row's
-token is dropped, and the chain goes on without its row. Waiting requests join every few
-steps (``admit_every``). Rows whose sampling reads the tokens generated so far
-(penalties, ``min_tokens``) are not chained.
+is launched before the first one's tokens are read, so the host's scheduling and metadata
+work hides behind the GPU: the decode rows of the same requests, or, while prompts wait or
+are part-way computed, the next extend batch, whose rows for those requests take their
+input tokens on the device (the host holds a stand-in, ``PENDING``, in their outputs until
+the step in flight is read, within the same ``step``). A request that stops on a token is
+found one step late: the extra row's token is dropped, and the chain goes on without its
+row. Waiting requests join every few steps (``admit_every``). Rows whose sampling reads
+the tokens generated so far (penalties, ``min_tokens``) are not chained.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
@@ -23,19 +25,21 @@ from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
 from tokenspeed.runtime.speculative import window_rows
+from tokenspeed.runtime.step_future import FedTokens
 
 SEED_BITS = 62
 ADMIT_EVERY_STEPS = 4
+PENDING = 0     # a chained extend's host-side input for a token its device feeds (module doc)
 
 
 @attrs.frozen
 class InFlight:
-    """A launched step whose tokens the host has not read. ``decode``: its rows are decode
-    rows, each caching its input token when collected (an extend counts its chunks when
-    launched)."""
+    """A launched step whose tokens the host has not read. ``counted``: its rows' input
+    tokens are counted as cached (an extend counts its chunks when launched; a decode
+    step's rows are counted when the next step is prepared: ``_settled``)."""
     requests: tuple[Request, ...]
     future: object
-    decode: bool = True
+    counted: bool = False
 
 
 class Engine:
@@ -61,6 +65,7 @@ class Engine:
         self.in_flight: InFlight | None = None
         self.seeds = torch.Generator().manual_seed(seed)
         self._next_id = 0
+        self.num_finished = 0        # requests finished so far: callers rescan theirs when it moves
 
     @property
     def limits(self) -> PromptLimits:
@@ -93,6 +98,7 @@ class Engine:
             return
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.finish_time = time.time()
+        self.num_finished += 1
         self.scheduler.finish(request)
         if self.speculative is not None:
             self.speculative.release(request)
@@ -110,7 +116,7 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
         if self.in_flight is not None:
-            flight, self.in_flight = self.in_flight, None
+            flight, self.in_flight = self._settled(self.in_flight), None
             self.in_flight = self._chain(flight)
             return self._collect(flight)
         batch = self.scheduler.schedule()
@@ -124,29 +130,47 @@ class Engine:
         if not batch.requests:  # validation guarantees a lone request fits: never spin
             raise RuntimeError(f"no batch could be scheduled for {len(self.scheduler.waiting)} waiting "
                                f"requests ({self.scheduler.allocator.num_free} free KV pages)")
+        flight = self._extend(batch)
+        if self.overlap and flight.requests:   # the next step may chain onto it
+            self.in_flight = flight
+            return []
+        return self._collect(flight)
+
+    def _extend(self, batch: ScheduledBatch, fed: FedTokens | None = None) -> InFlight:
+        """Launch an extend batch and count its chunks as cached; in flight: its sampled rows."""
         sampled = [r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens]
-        future = self._launch(batch, sampled)
+        future = self._launch(batch, sampled, fed)
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.num_cached += n
             self.scheduler.remember_full_pages(request)
-        if self.overlap and sampled:   # a decode step may chain onto it, as onto a decode step
-            self.in_flight = InFlight(tuple(sampled), future, decode=False)
-            return []
-        return [r for r, t, lp in zip(sampled, future.tokens(), future.logprobs())
-                if self._append(r, t, lp)]
+        return InFlight(tuple(sampled), future, counted=True)
+
+    def _settled(self, flight: InFlight) -> InFlight:
+        """``flight`` with its decode rows' input tokens counted as cached: every step
+        launched from now on runs after it."""
+        if flight.counted:
+            return flight
+        for request in flight.requests:
+            if not request.finished:
+                request.num_cached += 1
+                self.scheduler.remember_full_pages(request)
+        return attrs.evolve(flight, counted=True)
 
     def _chain(self, flight: InFlight) -> InFlight | None:
-        """Launch the rows of the requests still running once more, unless a waiting request
-        should join now or something else needs the host between steps."""
+        """Launch the rows of the requests still running once more, or, when prompt work is
+        due (a waiting request should join, or a prompt is part-way computed), the next
+        extend batch; None when something needs the host between steps."""
         live = [r for r in flight.requests if not r.finished]
         scheduler = self.scheduler
-        if not live or self._admits_now() or len(scheduler.running) != len(live) or \
-                not any(self._wants_another(r) for r in live) or \
+        if not live or not any(self._wants_another(r) for r in live) or \
                 any(r.sampling.reads_history for r in live) or \
                 (self.speculative is not None and
                  self._verify_pays(live, [self._would_draft(r) for r in live])):
             self._chained = 0
             return None
+        if self._admits_now() or len(scheduler.running) != len(live):
+            self._chained = 0
+            return self._chain_extend(flight, live) if self.speculative is None else None
         rows = []
         for request in live:  # one pass over the rows: this is host time of every step
             position = request.num_tokens
@@ -159,6 +183,25 @@ class Engine:
         self._chained += 1
         return InFlight(tuple(live), self.decode.launch(rows, [r.sampling for r in live],
                                                         flight.future.on_device(kept)))
+
+    def _chain_extend(self, flight: InFlight, live: list[Request]) -> InFlight | None:
+        """The next extend batch, scheduled as if the flight's tokens were known: each live
+        request that wants another token holds ``PENDING`` in their place, and its row, if
+        the batch has one, takes the token on the device. None when there is no prompt
+        work after all (the stand-ins go)."""
+        pending = [r for r in live if self._wants_another(r)]
+        for request in pending:
+            request.output.append(PENDING)
+            request.pending = True
+        try:
+            batch = self.scheduler.schedule_extend()
+            if batch.requests:
+                return self._extend(batch, _fed(flight, batch))
+        except BaseException:
+            _forget_pending(pending)
+            raise
+        _forget_pending(pending)
+        return None
 
     def _admits_now(self) -> bool:
         """Whether a waiting request joins now, ending the chain: when a seat is free, and
@@ -242,28 +285,30 @@ class Engine:
 
     def _collect(self, flight: InFlight) -> list[Request]:
         finished = []
-        future = flight.future
+        future = self._settled(flight).future
         for request, token, logprobs in zip(flight.requests, future.tokens(), future.logprobs()):
             if not request.finished:  # else it stopped a step earlier: drop the row
-                if flight.decode:
-                    request.num_cached += 1
-                    self.scheduler.remember_full_pages(request)
                 if self._append(request, token, logprobs):
                     finished.append(request)
         return finished
 
-    def _launch(self, batch: ScheduledBatch, sampled: list[Request]):
+    def _launch(self, batch: ScheduledBatch, sampled: list[Request], fed: FedTokens | None = None):
         sampling = [r.sampling for r in sampled]
         if batch.kind == "decode":
             return self.decode.launch(_decode_rows(batch.requests), sampling)
         chunks = [ExtendChunk(r.tokens[r.num_cached:r.num_cached + n], r.num_cached, tuple(r.pages),
                               r.num_cached + n == r.num_tokens)
                   for r, n in zip(batch.requests, batch.chunk_lens)]
-        return self.prefill.launch(chunks, sampling)
+        return self.prefill.launch(chunks, sampling) if fed is None else \
+            self.prefill.launch(chunks, sampling, fed)
 
     def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
-        """Add a sampled token; True when it ends the request."""
-        request.output.append(token)
+        """Add a sampled token (in its stand-in's place); True when it ends the request."""
+        if request.pending:
+            request.output[-1], request.pending = token, False
+            self.scheduler.remember_full_pages(request)
+        else:
+            request.output.append(token)
         if logprobs is not None:
             request.logprobs.append(logprobs)
         if request.first_token_time is None:
@@ -274,6 +319,25 @@ class Engine:
         elif len(request.output) >= p.max_tokens or request.num_tokens >= self.max_model_len:
             self.finish(request, "length")
         return request.finished
+
+
+def _fed(flight: InFlight, batch: ScheduledBatch) -> FedTokens:
+    """The token rows of ``batch`` whose inputs are ``flight``'s samples (its pending
+    requests' rows, one token each), with those samples on the device."""
+    flight_row = {id(r): i for i, r in enumerate(flight.requests)}
+    rows, sources, row = [], [], 0
+    for request, n in zip(batch.requests, batch.chunk_lens):
+        if request.pending:
+            rows.append(row)
+            sources.append(flight_row[id(request)])
+        row += n
+    return FedTokens(tuple(rows), flight.future.on_device(sources))
+
+
+def _forget_pending(requests) -> None:
+    for request in requests:
+        request.output.pop()
+        request.pending = False
 
 
 def _decode_rows(requests) -> list[DecodeRow]:

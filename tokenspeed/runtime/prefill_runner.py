@@ -16,7 +16,7 @@ from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import RowSampling, sample
 from tokenspeed.runtime.segment_graphs import SegmentGraphs
 from tokenspeed.runtime.slots import MetadataSlots, to_device
-from tokenspeed.runtime.step_future import StepFuture, recorded_event
+from tokenspeed.runtime.step_future import FedTokens, StepFuture, device_index, recorded_event
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
@@ -72,13 +72,17 @@ class PrefillRunner:
         """Sampled tokens of the completing chunks, in chunk order."""
         return self.launch(chunks, sampling).tokens()
 
-    def launch(self, chunks, sampling: list[RowSampling]) -> StepFuture:
-        """Run the chunks; ``sampling``: one row per completing chunk, in chunk order."""
+    def launch(self, chunks, sampling: list[RowSampling], fed: FedTokens | None = None) -> StepFuture:
+        """Run the chunks; ``sampling``: one row per completing chunk, in chunk order;
+        ``fed``: token rows whose inputs are on the device (the chunks hold stand-ins)."""
         tokens = sum(len(c.tokens) for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
         t, v = bucket_for(self.token_ladder, tokens), bucket_for(self.view_ladder, views)
         meta = self.plan(chunks, t or tokens, v)
         meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
+        if fed is not None and fed.rows:
+            meta.input_ids.index_copy_(0, device_index(fed.rows, meta.input_ids.device),
+                                       fed.tokens.to(meta.input_ids.dtype))
         logits = self._walk(meta)
         sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows))
         return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),

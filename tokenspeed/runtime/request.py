@@ -35,6 +35,7 @@ class Request:
     num_verify_steps: int = 0              # its speculative windows (with drafts)
     num_verified_tokens: int = 0           # tokens those windows kept
     draft_misses: int = 0                  # windows in a row whose drafts were all rejected
+    pending: bool = False                  # output[-1] stands in for a token in flight (engine)
     drafts_from: int = 0                   # no drafts until it has this many tokens (back-off)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -58,7 +58,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """The next batch; when nothing fits, the newest running request makes room."""
         while True:
-            batch = self._schedule_extend()
+            batch = self.schedule_extend()
             if not batch.requests:
                 batch = self._schedule_decode()
             if batch.requests or not self.running:
@@ -73,7 +73,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
 
-    def _schedule_extend(self) -> ScheduledBatch:
+    def schedule_extend(self) -> ScheduledBatch:
         """Prompt chunks and, with them, the decode rows, which come first for tokens and
         pages (up to half the budget, so prompts always advance): a long prompt never
         stalls the requests already generating. No prompt work, no extend batch."""
@@ -139,9 +139,10 @@ class Scheduler:
             request.num_cached_prompt_tokens = request.num_cached
 
     def remember_full_pages(self, request: Request) -> None:
-        """Let the allocator know the pages ``request`` has filled since the last call."""
+        """Let the allocator know the pages ``request`` has filled since the last call (not
+        while a stand-in holds the place of its last token: the engine calls again)."""
         full = min(request.num_cached // self.page_size, len(request.pages))
-        if not self.prefix_caching or full <= request.num_pages_remembered:
+        if not self.prefix_caching or full <= request.num_pages_remembered or request.pending:
             return
         digests = page_digests(request, full, self.page_size)
         for index in range(request.num_pages_remembered, full):

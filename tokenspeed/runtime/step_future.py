@@ -1,9 +1,18 @@
 """A step's sampled tokens on their way to the host: read them when they are needed,
 so the host can prepare the next step meanwhile."""
 
+from typing import NamedTuple
+
 import torch
 
 from tokenspeed.runtime.sampler import LogprobTensors
+
+
+class FedTokens(NamedTuple):
+    """Input tokens a step takes on the device: ``tokens[i]`` is the input of its token row
+    ``rows[i]`` (rows of requests whose token the step before it samples)."""
+    rows: tuple[int, ...]
+    tokens: torch.Tensor
 
 
 class StepFuture:
@@ -20,10 +29,7 @@ class StepFuture:
         inputs of a step chained to this one, before the host has seen them."""
         if rows is None:
             return self.device
-        index = torch.tensor(rows)
-        if self.device.is_cuda:   # from pageable memory the copy would wait for the step in flight
-            index = index.pin_memory().to(self.device.device, non_blocking=True)
-        return self.device[index]
+        return self.device[device_index(rows, self.device.device)]
 
     def tokens(self) -> list[int]:
         if self.event is not None:
@@ -35,6 +41,15 @@ class StepFuture:
         if self.logprob_tensors is None:
             return [None] * len(self.sampling)
         return self.logprob_tensors.to_host(self.sampling, self.tokens())
+
+
+def device_index(rows, device: torch.device) -> torch.Tensor:
+    """``rows`` as an index tensor on ``device``, copied without waiting for the GPU: from
+    pageable memory the copy would wait for the step in flight."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
 
 
 def recorded_event(device: torch.device):
