@@ -126,3 +126,14 @@ def test_a_readmitted_sample_shares_only_its_prompts_pages():
     eng.scheduler._attach_shared_pages(second)
     assert 0 < len(second.pages) <= len(second.prompt) // 4 and second.num_cached == 8
     assert second.pages == first.pages[:len(second.pages)]
+
+
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       output=st.lists(st.integers(0, VOCAB - 1), max_size=12), data=st.data())
+def test_a_requests_token_slices_equal_slices_of_its_tokens(prompt, output, data):
+    """``tokens_between`` (the engine's chunks, built without joining prompt and output)."""
+    from tokenspeed.runtime.request import Request
+    request = Request(0, tuple(prompt), SamplingParams(), 0, output=list(output))
+    end = data.draw(st.integers(0, request.num_tokens))
+    start = data.draw(st.integers(0, end))
+    assert request.tokens_between(start, end) == request.tokens[start:end]

@@ -107,6 +107,8 @@ class Engine:
         """After a failed step: nothing of it may leak into the next one."""
         self.in_flight, self._chained = None, 0
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if request.pending:         # its step failed before the token was read
+                _forget_pending([request])
             self.finish(request, "abort")
 
     @property
@@ -296,7 +298,7 @@ class Engine:
         sampling = [r.sampling for r in sampled]
         if batch.kind == "decode":
             return self.decode.launch(_decode_rows(batch.requests), sampling)
-        chunks = [ExtendChunk(r.tokens[r.num_cached:r.num_cached + n], r.num_cached, tuple(r.pages),
+        chunks = [ExtendChunk(r.tokens_between(r.num_cached, r.num_cached + n), r.num_cached, tuple(r.pages),
                               r.num_cached + n == r.num_tokens)
                   for r, n in zip(batch.requests, batch.chunk_lens)]
         return self.prefill.launch(chunks, sampling) if fed is None else \

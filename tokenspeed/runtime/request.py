@@ -47,6 +47,13 @@ class Request:
     def tokens(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.output)
 
+    def tokens_between(self, start: int, end: int) -> tuple[int, ...]:
+        """``tokens[start:end]`` without building ``tokens`` (a decode row's chunk, every step)."""
+        split = len(self.prompt)
+        if start >= split:
+            return tuple(self.output[start - split:end - split])
+        return self.prompt[start:end] + tuple(self.output[:max(end - split, 0)])
+
     @property
     def last_token(self) -> int:
         """``tokens[-1]`` without building ``tokens`` (a decode row's input, every step)."""

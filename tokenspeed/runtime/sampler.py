@@ -36,22 +36,31 @@ class RowSampling:
     output: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()   # masked while fewer than min_tokens outputs exist
     masks_or_logprobs: bool = attrs.field(init=False)
+    penalized: bool = attrs.field(init=False)
+    masked_until: int = attrs.field(init=False)   # stop ids are masked while fewer outputs exist
 
     @masks_or_logprobs.default
     def _masks_or_logprobs(self) -> bool:
         p = self.params
         return p.penalized or p.top_k > 1 or p.top_p < 1 or p.min_p > 0 or p.logprobs is not None
 
+    @penalized.default
+    def _penalized(self) -> bool:
+        return self.params.penalized
+
+    @masked_until.default
+    def _masked_until(self) -> int:
+        return self.params.min_tokens if self.stop_ids else 0   # none to mask: nothing to do
+
     @property
     def reads_history(self) -> bool:
         """Whether this row's scores depend on the tokens generated so far."""
-        p = self.params
-        return p.penalized or self._masks_stop_ids
+        return self.penalized or len(self.output) < self.masked_until
 
     @property
     def _masks_stop_ids(self) -> bool:
-        """``min_tokens`` still masks this row's stop ids (none to mask: nothing to do)."""
-        return bool(self.stop_ids) and len(self.output) < self.params.min_tokens
+        """``min_tokens`` still masks this row's stop ids."""
+        return len(self.output) < self.masked_until
 
     @property
     def needs_processing(self) -> bool:

@@ -141,9 +141,10 @@ class Scheduler:
     def remember_full_pages(self, request: Request) -> None:
         """Let the allocator know the pages ``request`` has filled since the last call (not
         while a stand-in holds the place of its last token: the engine calls again)."""
-        full = min(request.num_cached // self.page_size, len(request.pages))
-        if not self.prefix_caching or full <= request.num_pages_remembered or request.pending:
+        if not self.prefix_caching or request.num_cached // self.page_size <= request.num_pages_remembered \
+                or request.pending:   # (every row of every step calls: the common case first)
             return
+        full = min(request.num_cached // self.page_size, len(request.pages))
         digests = page_digests(request, full, self.page_size)
         for index in range(request.num_pages_remembered, full):
             self.allocator.remember(request.pages[index], digests[index])
@@ -171,7 +172,8 @@ class Scheduler:
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` tokens of a request; False (nothing taken) if the pool
         cannot supply them."""
-        self._drop_behind_window(request)
+        if self.window:
+            self._drop_behind_window(request)
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         if needed <= 0:  # most decode steps: the last page still has room
             return True
@@ -186,8 +188,6 @@ class Scheduler:
         at ``num_cached`` or later (so does the row of a decode step still in flight: it is
         the first uncached position), so none reads a key before ``num_cached - window + 1``;
         one position of slack."""
-        if not self.window:
-            return
         end = max((request.num_cached - self.window) // self.page_size, 0)
         for index in range(request.num_pages_dropped, min(end, len(request.pages))):
             if request.pages[index] != NULL_PAGE:
