@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
@@ -358,3 +359,35 @@ def test_a_stop_string_counts_only_the_tokens_kept(base_url, client, llm):
     assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens < 24
     time.sleep(0.3)
     assert metric(base_url, "tokenspeed_generation_tokens_total") - before == got.usage.completion_tokens
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(), index=st.integers(0, 1000), finish=st.sampled_from([None, "stop", "length", "abort"]),
+       stop=st.one_of(st.none(), st.integers(0, 99999), st.text(max_size=8)))
+def test_a_streamed_choice_is_the_json_of_its_dict(text, index, finish, stop):
+    """Stream chunks format their choice directly (per token and client); the text must be
+    what ``json.dumps`` makes of the choice's dict, escapes and all."""
+    from tokenspeed.entrypoints.engine_loop import CompletionDelta
+    from tokenspeed.entrypoints.openai import responses
+    delta = CompletionDelta(0, text, (1,), (), finish, stop)
+    for fmt in (responses.CompletionFormat(MODEL, None, 1), responses.ChatFormat(MODEL, None, 1)):
+        assert fmt.delta_json(index, delta) == json.dumps(fmt.delta_choice(index, delta))
+        assert json.loads(fmt.delta_json(index, delta)) == fmt.delta_choice(index, delta)
+
+
+def test_a_mailbox_hands_over_everything_that_arrived_and_loses_nothing_on_a_timeout():
+    import asyncio
+    from tokenspeed.entrypoints.openai.mailbox import Mailbox
+
+    async def scenario():
+        box = Mailbox()
+        box.put(1)
+        box.put(2)
+        assert await box.take_all() == [1, 2]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(box.take_all(), 0.01)
+        asyncio.get_running_loop().call_later(0.01, box.put, 3)
+        assert await box.take_all() == [3]
+        box.put(4)
+        assert await asyncio.wait_for(box.take_all(), 1) == [4]
+    asyncio.run(scenario())

@@ -6,6 +6,7 @@ only deltas that carry text or a finish; chat streams open each choice with its 
 
 import json
 import time
+from json.encoder import encode_basestring_ascii as _string   # json.dumps of a str, in C
 
 import attrs
 
@@ -76,8 +77,12 @@ class _Format:
     def events(self, prefix: str, index: int, update) -> str:
         """The server-sent events of one update of prompt ``index``: a chunk per delta that
         carries text, tokens or a finish."""
-        return "".join(f"{prefix}{json.dumps(self.delta_choice(index * self.n + d.index, d))}]}}\n\n"
+        return "".join(f"{prefix}{self.delta_json(index * self.n + d.index, d)}]}}\n\n"
                        for d in update.deltas if d.text or d.token_ids or d.finish_reason)
+
+    def delta_json(self, index: int, d) -> str:
+        """``json.dumps(self.delta_choice(index, d))``: one per streamed token and client."""
+        return json.dumps(self.delta_choice(index, d))
 
     def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
         return []
@@ -101,6 +106,15 @@ class CompletionFormat(_Format):
     def delta_choice(self, index: int, d) -> dict:
         return {"index": index, "text": d.text, "logprobs": self.logprobs(d.logprobs),
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def delta_json(self, index: int, d) -> str:
+        """Without log-probabilities, the chunk's choice is formatted directly: the same text
+        as ``json.dumps`` of its dict, in about a third of the time (the only value that
+        needs encoding is the text), for every streamed token of every client."""
+        if d.logprobs:
+            return super().delta_json(index, d)
+        return (f'{{"index": {index}, "text": {_string(d.text)}, "logprobs": null, '
+                f'"finish_reason": {_value(d.finish_reason)}, "stop_reason": {_value(d.stop_reason)}}}')
 
     def logprobs(self, logprobs) -> dict | None:
         if not logprobs:
@@ -133,6 +147,14 @@ class ChatFormat(_Format):
                 "logprobs": self.logprobs(d.logprobs), "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason}
 
+    def delta_json(self, index: int, d) -> str:
+        """As ``CompletionFormat.delta_json``."""
+        if d.logprobs:
+            return super().delta_json(index, d)
+        delta = f'{{"content": {_string(d.text)}}}' if d.text else "{}"
+        return (f'{{"index": {index}, "delta": {delta}, "logprobs": null, '
+                f'"finish_reason": {_value(d.finish_reason)}, "stop_reason": {_value(d.stop_reason)}}}')
+
     def logprobs(self, logprobs) -> dict | None:
         if not logprobs:
             return None
@@ -143,3 +165,8 @@ class ChatFormat(_Format):
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _value(value: str | int | None) -> str:
+    """``json.dumps`` of a finish or stop reason, without its per-call overhead."""
+    return "null" if value is None else _string(value) if isinstance(value, str) else str(int(value))

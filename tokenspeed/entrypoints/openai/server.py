@@ -1,7 +1,7 @@
 """``tokenspeed serve``: an OpenAI-compatible server over an engine in its own process.
 
 Handlers parse and check a request, submit its prompts to the engine process
-(``engine_process``) and read their updates from an asyncio queue that its reports feed;
+(``engine_process``) and read their updates from a mailbox that its reports feed;
 they never touch the engine. Every refusal is an OpenAI error body naming the field; an
 internal error is a 500 (a failing engine step fails the requests then in the engine) and
 the server serves on; a client that disconnects has its requests aborted at the next step.
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from tokenspeed.entrypoints.engine_loop import GroupUpdate, StepReport
 from tokenspeed.entrypoints.engine_process import EngineClient, EngineSpec
 from tokenspeed.entrypoints.openai import responses
+from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
@@ -96,15 +97,15 @@ class Server:
             except ValueError as exc:
                 raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else field) from exc
 
-    def submit(self, prompts: list[Prompt], params) -> tuple[list[int], asyncio.Queue]:
+    def submit(self, prompts: list[Prompt], params) -> tuple[list[int], Mailbox]:
         """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
-        updates, keys = asyncio.Queue(), []
+        updates, keys = Mailbox(), []
         try:
             if not self.engine.alive:
                 raise OSError("the engine process is gone")
             for i, prompt in enumerate(prompts):
                 keys.append(next(self._keys))
-                self._callbacks[keys[-1]] = lambda u, i=i: updates.put_nowait((i, u))
+                self._callbacks[keys[-1]] = lambda u, i=i: updates.put((i, u))
                 self.engine.submit(keys[-1], prompt, params)
                 self.metrics.admitted(len(prompt.token_ids) * params.n)
         except OSError as exc:
@@ -131,15 +132,16 @@ class Server:
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected")
                 try:
-                    index, update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                    arrived = await asyncio.wait_for(updates.take_all(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     continue
-                if update.error:
-                    raise APIError(500, f"the request failed in the engine: {update.error}", None,
-                                   "InternalServerError")
-                per_prompt[index].append(update)
-                if update.finished:
-                    pending.discard(index)
+                for index, update in arrived:
+                    if update.error:
+                        raise APIError(500, f"the request failed in the engine: {update.error}", None,
+                                       "InternalServerError")
+                    per_prompt[index].append(update)
+                    if update.finished:
+                        pending.discard(index)
         finally:
             self.abort(keys)
         return per_prompt
@@ -272,7 +274,7 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
         yield _event(fmt.first_chunks(request_id, created, len(keys)))
         while pending:
             events = []
-            for index, update in await _arrived(updates):   # one write for all that arrived
+            for index, update in await updates.take_all():   # one write for all that arrived
                 if update.error:
                     error = APIError(500, update.error, None, "InternalServerError").body()
                     yield "".join(events) + f"data: {json.dumps(error)}\n\n"
@@ -287,15 +289,6 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
         yield "data: [DONE]\n\n"
     finally:
         server.abort(keys)
-
-
-async def _arrived(updates: asyncio.Queue) -> list:
-    """The next update and every one queued behind it: a stream that fell behind the engine
-    catches up in one write instead of one per token."""
-    arrived = [await updates.get()]
-    while not updates.empty():
-        arrived.append(updates.get_nowait())
-    return arrived
 
 
 def _event(chunks: list[dict]) -> str:
