@@ -271,7 +271,8 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
     pending, usage = set(range(len(keys))), responses.Usage()
     prefix = fmt.chunk_prefix(request_id, created)
     try:
-        yield _event(fmt.first_chunks(request_id, created, len(keys)))
+        if first := _event(fmt.first_chunks(request_id, created, len(keys))):
+            yield first
         while pending:
             events = []
             for index, update in await updates.take_all():   # one write for all that arrived
@@ -283,10 +284,11 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
                 if update.finished:
                     pending.discard(index)
                     usage = usage.add(update)
+            if not pending:   # the last tokens, the usage and the end go out in one write
+                if include_usage:
+                    events.append(_event([fmt.usage_chunk(usage, request_id, created)]))
+                events.append("data: [DONE]\n\n")
             yield "".join(events)
-        if include_usage:
-            yield _event([fmt.usage_chunk(usage, request_id, created)])
-        yield "data: [DONE]\n\n"
     finally:
         server.abort(keys)
 
