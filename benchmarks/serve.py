@@ -1,7 +1,7 @@
 """Serving: the OpenAI server (on loopback, its engine in its own process) under 1, 16 and 64 concurrent
 streaming clients, against offline ``generate`` of the same requests.
 
-    python -m benchmarks.serve [--shape smollm2-135m] [--concurrency 1 16 64]
+    python -m benchmarks.serve [--shape smollm2-135m] [--concurrency 1 16 64] [--repeats 3]
 
 Per concurrency: TTFT, TPOT and inter-token latency (p50, p99) and output tokens/s
 through the server; offline, the median per-request TPOT and output tokens/s of
@@ -9,7 +9,8 @@ through the server; offline, the median per-request TPOT and output tokens/s of
 is computed before its first token), and in process, the served workload without HTTP
 (``closed_``: ``concurrency`` requests in the engine, each finished one replaced by the
 next, as the clients do; with outputs of one length they finish together, so this loop
-runs in waves too, where clients drift apart). Targets: server TPOT within 1.1x of
+runs in waves too, where clients drift apart); with ``--repeats``, the medians of several
+rounds, and the throughput ratio's range. Targets: server TPOT within 1.1x of
 offline at 16 clients, and at 64 clients at least 0.8x of offline throughput; the
 ``server_`` ratios compare with the closed loop instead. Random weights of the
 shape (speed only); prompts are random token ids, outputs a fixed length; prefix caching
@@ -131,6 +132,19 @@ def _clients(port, num_prompts, input_len, output_len, concurrency, processes, s
     return results, max(end for _, end in spans) - min(start for start, _ in spans)
 
 
+def measure(args, llm, prompts, concurrency: int) -> dict:
+    """One round: served, offline and in-process figures of ``prompts``, and their ratios."""
+    c = concurrency
+    row = {**served(args.port, len(prompts), args.input_len, args.output_len, c, seed=c),
+           **offline(llm, prompts, args.output_len, c),
+           **closed_loop(llm, prompts, args.output_len, c)}
+    row["tpot_ratio"] = row["tpot_p50_ms"] / row["offline_tpot_ms"]
+    row["throughput_ratio"] = row["served_tok_s"] / row["offline_tok_s"]
+    row["server_tpot_ratio"] = row["tpot_p50_ms"] / row["closed_tpot_ms"]
+    row["server_throughput_ratio"] = row["served_tok_s"] / row["closed_tok_s"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="smollm2-135m", help="a benchmark shape, or tiny (CPU trials)")
@@ -138,6 +152,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--waves", type=int, default=8, help="prompts per run = waves * concurrency")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per concurrency (served, offline, in-process): the row is their "
+                             "median, with the throughput ratio's range (runs of one tree spread widely)")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--json", default="results/serve.json")
     args = parser.parse_args()
@@ -149,14 +166,11 @@ def main() -> None:
     (server, thread), rows = start_server(EngineSpec(build), args.port), []   # its twin, in the server's
     for c in args.concurrency:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
-        row = {"shape": args.shape, "clients": c,
-               **served(args.port, len(prompts), args.input_len, args.output_len, c, seed=c),
-               **offline(llm, prompts, args.output_len, c),
-               **closed_loop(llm, prompts, args.output_len, c)}
-        row["tpot_ratio"] = row["tpot_p50_ms"] / row["offline_tpot_ms"]
-        row["throughput_ratio"] = row["served_tok_s"] / row["offline_tok_s"]
-        row["server_tpot_ratio"] = row["tpot_p50_ms"] / row["closed_tpot_ms"]
-        row["server_throughput_ratio"] = row["served_tok_s"] / row["closed_tok_s"]
+        rounds = [measure(args, llm, prompts, c) for _ in range(args.repeats)]
+        ratios = [r["throughput_ratio"] for r in rounds]
+        row = {"shape": args.shape, "clients": c, "rounds": len(rounds),
+               **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+               "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios)}
         rows.append(row)
         print(common.table([row], list(row)), flush=True)
     server.should_exit = True
