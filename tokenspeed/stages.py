@@ -31,7 +31,6 @@ from tokenspeed.passes.pipeline import run_pipeline
 from tokenspeed.runtime.compile_config import CompileConfig, EngineLimits
 from tokenspeed.runtime.decode_runner import DecodeRunner
 from tokenspeed.runtime import kv_pool
-from tokenspeed.runtime.kv_pool import PoolSizing
 from tokenspeed.runtime.prompt_limits import most_pages_held
 from tokenspeed.runtime.prefill_runner import PrefillRunner
 from tokenspeed.runtime.startup import StartupReport, build_runners
@@ -173,14 +172,15 @@ class Binding:
         for node in walk(self.backend):
             node.check_pool(self.geometry, pool)
 
-    def bind(self, pool: torch.Tensor, workers: CompileWorkers, sizing: "PoolSizing | None") -> "Compiled":
+    def bind(self, pool: torch.Tensor, workers: CompileWorkers,
+             sizing: kv_pool.PoolSizing | None) -> "Compiled":
         """Runners over ``pool``, every graph captured anew: nothing of an earlier binding
         (slots, captured addresses, republish latches) carries over."""
         self.check(pool)
         programs = {mode: lo.program for mode, lo in self.lowered.items()}
         runners = build_runners(programs, pool, self.backend, self.support, self.config, self.limits,
                                 workers, self.verify_window)
-        sizing = sizing or PoolSizing(pool.shape[2], self.geometry.page_bytes, self.pages_per_sequence,
+        sizing = sizing or kv_pool.PoolSizing(pool.shape[2], self.geometry.page_bytes, self.pages_per_sequence,
                                       "the pool given")
         return Compiled(self.config, self.limits, self.lowered, pool, *runners, self.support,
                         attrs.evolve(sizing, num_pages=pool.shape[2]), self)
@@ -208,7 +208,7 @@ class Compiled:
     verify: DecodeRunner | None = attrs.field(repr=False)
     startup: StartupReport
     support: CudaGraphSupport
-    pool: PoolSizing
+    pool: kv_pool.PoolSizing
     binding: Binding = attrs.field(repr=False)
 
     def rebind(self, pool: torch.Tensor) -> "Compiled":

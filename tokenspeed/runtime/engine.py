@@ -287,8 +287,9 @@ class Engine:
             request.num_tokens + 1 < self.max_model_len
 
     def _collect(self, flight: InFlight) -> list[Request]:
+        """Read a settled flight's tokens into its requests; the finished ones."""
         finished = []
-        future = self._settled(flight).future
+        future = flight.future
         for request, token, logprobs in zip(flight.requests, future.tokens(), future.logprobs()):
             if not request.finished:  # else it stopped a step earlier: drop the row
                 if self._append(request, token, logprobs):
@@ -302,8 +303,7 @@ class Engine:
         chunks = [ExtendChunk(r.tokens_between(r.num_cached, r.num_cached + n), r.num_cached, tuple(r.pages),
                               r.num_cached + n == r.num_tokens)
                   for r, n in zip(batch.requests, batch.chunk_lens)]
-        return self.prefill.launch(chunks, sampling) if fed is None else \
-            self.prefill.launch(chunks, sampling, fed)
+        return self.prefill.launch(chunks, sampling, fed)
 
     def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
         """Add a sampled token (in its stand-in's place); True when it ends the request."""

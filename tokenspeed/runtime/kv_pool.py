@@ -98,7 +98,8 @@ def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeo
     non_kv = total - free - probe.numel() * probe.element_size() + _transient_peak(geometry.device)
     budget = int(total * utilization) - non_kv
     rule = f"gpu_memory_utilization={utilization}"
-    pages = _pages(budget, geometry.page_bytes + companion_page_bytes, wanted_pages(max_num_seqs, pages_per_sequence), rule,
+    wanted = wanted_pages(max_num_seqs, pages_per_sequence)
+    pages = _pages(budget, geometry.page_bytes + companion_page_bytes, wanted, rule,
                    f" of {_size(total)}: the device holds {_size(non_kv)} besides it (weights, graphs, "
                    f"workspaces, other engines and processes)")
     return PoolSizing(pages, geometry.page_bytes, pages_per_sequence, rule, probe.shape[2], non_kv)
