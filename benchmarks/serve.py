@@ -1,7 +1,7 @@
 """Serving: the OpenAI server (on loopback, its engine in its own process) under 1, 16 and 64 concurrent
 streaming clients, against offline ``generate`` of the same requests.
 
-    python -m benchmarks.serve [--shape smollm2-135m] [--concurrency 1 16 64] [--repeats 3]
+    python -m benchmarks.serve [--shape smollm2-135m] [--concurrency 1 16 64] [--repeats 3] [--api-servers 2]
 
 Per concurrency: TTFT, TPOT and inter-token latency (p50, p99) and output tokens/s
 through the server; offline, the median per-request TPOT and output tokens/s of
@@ -18,8 +18,10 @@ off (the warm-up repeats the first prompts).
 """
 
 import argparse
+import contextlib
 import functools
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -28,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import torch
 import uvicorn
 
@@ -36,6 +39,7 @@ from benchmarks import common
 from tokenspeed.entrypoints.bench import random_prompts
 from tokenspeed.entrypoints.bench_serve import RequestResult, summarize
 from tokenspeed.entrypoints.engine_process import EngineSpec
+from tokenspeed.entrypoints.openai.api_servers import serve_many
 from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
@@ -51,7 +55,11 @@ def bench_llm(shape: str, device: str, **options):
     return ts.LLM(model, device=device, **options)
 
 
-def start_server(spec: EngineSpec, port: int):
+def start_server(spec: EngineSpec, port: int, api_servers: int):
+    """The server, in a thread of this process (one API server) or in a process of its own
+    (``api_servers`` of them); returns the call that stops it."""
+    if api_servers > 1:
+        return _start_api_servers(spec, port, api_servers)
     server = uvicorn.Server(uvicorn_config(create_app(spec, "bench"), "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -59,7 +67,29 @@ def start_server(spec: EngineSpec, port: int):
         if not thread.is_alive():
             raise RuntimeError("the server did not start (see its log above)")
         time.sleep(0.05)
-    return server, thread
+
+    def stop():
+        server.should_exit = True
+        thread.join()            # the app's shutdown stops the engine process
+    return stop
+
+
+def _start_api_servers(spec: EngineSpec, port: int, count: int):
+    parent = multiprocessing.get_context("spawn").Process(
+        target=serve_many, args=(spec, "bench", "127.0.0.1", port, None, count, "warning"))
+    parent.start()
+    while True:
+        if not parent.is_alive():
+            raise RuntimeError("the servers did not start (see their log above)")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        time.sleep(0.2)
+
+    def stop():
+        parent.terminate()       # as SIGTERM: it stops its servers, and so the engine
+        parent.join()
+    return stop
 
 
 def offline(llm, prompts, output_len: int, concurrency: int) -> dict:
@@ -156,6 +186,7 @@ def main() -> None:
                         help="rounds per concurrency (served, offline, in-process): the row is their "
                              "median, with the throughput ratio's range (runs of one tree spread widely)")
     parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--api-servers", type=int, default=1, help="HTTP processes over the one engine")
     parser.add_argument("--json", default="results/serve.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,18 +194,17 @@ def main() -> None:
                               enable_prefix_caching=False, num_kv_pages=4096,
                               max_model_len=args.input_len + args.output_len + 16)
     llm = build()                                  # offline, in this process
-    (server, thread), rows = start_server(EngineSpec(build), args.port), []   # its twin, in the server's
+    stop, rows = start_server(EngineSpec(build), args.port, args.api_servers), []   # its twin, in the server's
     for c in args.concurrency:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
         rounds = [measure(args, llm, prompts, c) for _ in range(args.repeats)]
         ratios = [r["throughput_ratio"] for r in rounds]
-        row = {"shape": args.shape, "clients": c, "rounds": len(rounds),
+        row = {"shape": args.shape, "api_servers": args.api_servers, "clients": c, "rounds": len(rounds),
                **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
                "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios)}
         rows.append(row)
         print(common.table([row], list(row)), flush=True)
-    server.should_exit = True
-    thread.join()            # the app's shutdown stops the engine process
+    stop()
     print(f"\n# serving, {args.shape}, {common.device_name()}, commit {common.git_commit()}")
     print(common.table(rows, list(rows[0])))
     common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(), "rows": rows})

@@ -6,6 +6,7 @@ is a 400 naming the field (and the server serves on), auth, size limits, interna
 import contextlib
 import functools
 import json
+import os
 import socket
 import threading
 import time
@@ -260,7 +261,7 @@ def test_an_engine_process_that_dies_fails_its_requests_and_the_health_check():
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            app.state.server.engine.process.kill()
+            app.state.server.engine.process.process.kill()
             rest = [line for line in lines if line]
         assert "the engine process exited" in rest[-1] and "[DONE]" not in rest[-1]
         assert httpx.get(f"{url}/health").status_code == 503
@@ -295,7 +296,7 @@ def test_a_weights_only_directory_serves_token_ids(tmp_path):
 
 def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
     reports, crashes = [], []
-    loop = EngineLoop(llm, reports.append, crashes.append).start()
+    loop = EngineLoop(llm, lambda client, r: reports.append(r), crashes.append).start()
     loop.inbox.put(Submit(0, "not a prompt record", GREEDY))
     loop.thread.join(timeout=30)
     assert not loop.thread.is_alive() and "the engine loop failed" in crashes[0]
@@ -329,7 +330,7 @@ def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
     params = ts.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, seed=5)
     want = llm.generate("The sea is", params, use_tqdm=False)[0]
     reports = []
-    loop = EngineLoop(llm, reports.append, print).start()
+    loop = EngineLoop(llm, lambda client, r: reports.append(r), print).start()
     [prompt] = parse_prompts("The sea is", llm.tokenizer)
     loop.inbox.put(Submit(7, prompt, params))
     for _ in range(600):
@@ -391,3 +392,74 @@ def test_a_mailbox_hands_over_everything_that_arrived_and_loses_nothing_on_a_tim
         box.put(4)
         assert await asyncio.wait_for(box.take_all(), 1) == [4]
     asyncio.run(scenario())
+
+
+def test_several_api_servers_share_one_engine():
+    """``tokenspeed serve --api-servers 2``: 16 clients at once each get what offline
+    ``generate`` says, whichever process took them; the pooled metrics count every request
+    once; a client that leaves frees its pages; SIGTERM stops every process."""
+    import signal
+    import subprocess
+    import sys
+    path, port = str(text_model_dir()), free_port()
+    command = [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--api-servers", "2",
+               "--port", str(port), "--max-num-seqs", "8", "--max-model-len", "256", "--device", "cpu"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        pids = _wait_for_api_servers(server)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        prompts = [f"Client {i} says" for i in range(16)]
+        llm = ts.LLM(path, max_model_len=256)
+        want = [o.text for o in llm.generate(prompts, ts.SamplingParams(temperature=0, max_tokens=8),
+                                             use_tqdm=False)]
+        got = [None] * 16
+
+        def ask(i):
+            got[i] = client.completions.create(model=path.rsplit("/", 1)[-1], prompt=prompts[i], max_tokens=8,
+                                               temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == want
+        body = {"prompt": "A long story begins", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+        for _ in range(100):
+            if metric(url, "tokenspeed_kv_pages_in_use") == 0 and metric(url, "tokenspeed_requests_running") == 0:
+                break
+            time.sleep(0.1)
+        assert metric(url, "tokenspeed_kv_pages_in_use") == 0
+        finished = sum(float(line.split()[-1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+                       if line.startswith("tokenspeed_requests_finished_total"))
+        assert finished == 17
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    assert server.returncode == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _wait_for_api_servers(server) -> list[int]:
+    """The API servers' pids, once the parent says they run (it has started the engine)."""
+    for line in server.stdout:
+        if "API servers on" in line:
+            return [int(pid) for pid in line.rsplit("(pids ", 1)[1].rstrip(")\n").split(", ")]
+    raise AssertionError(f"the server exited ({server.wait()}) before serving")
+
+
+def test_api_servers_refuse_a_bad_count_and_a_port_in_use():
+    from tokenspeed.entrypoints import cli
+    with pytest.raises(SystemExit, match="--api-servers must be at least 1, got 0"):
+        cli.main(["serve", "--api-servers", "0", "--device", "cpu"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            cli.main(["serve", "--api-servers", "2", "--port", str(port), "--device", "cpu"])

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send")
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--api-servers", type=int, default=1,
+                       help="HTTP processes sharing the port over one engine (many streaming clients)")
     inspect_cmd.add_command(commands)
     bench.add_command(commands, _engine_options)
     return top
@@ -131,12 +133,18 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     from tokenspeed.entrypoints.engine_process import EngineSpec, EngineStartError
     from tokenspeed.entrypoints.llm import checked_device, checked_dtype
+    from tokenspeed.entrypoints.openai.api_servers import serve_many
     from tokenspeed.entrypoints.openai.server import serve
     checked_device(args.device), checked_dtype(args.dtype)   # refused here, not in the engine process
+    if args.api_servers < 1:
+        raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
     spec = EngineSpec.of(args.model, **llm_options(args, max_num_seqs=args.max_num_seqs))
     name = args.served_model_name or _model_name(args.model)
     try:
-        serve(spec, name, host=args.host, port=args.port, api_key=args.api_key)
+        if args.api_servers == 1:
+            serve(spec, name, host=args.host, port=args.port, api_key=args.api_key)
+        else:
+            serve_many(spec, name, args.host, args.port, args.api_key, args.api_servers)
     except EngineStartError as exc:
         raise ValueError(str(exc)) from exc
 

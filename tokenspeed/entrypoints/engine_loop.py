@@ -1,13 +1,14 @@
 """One thread owns the engine and steps it; callers only enqueue and read reports.
 
 The server's engine process (``engine_process``) feeds ``inbox`` with ``Submit`` and
-``Abort`` records and hands each ``StepReport`` to its caller: the updates of every
-request that gained text or tokens in the step (one report per step, not one message per
-request), the engine's load, and the requests that completed. Requests from many callers
-join the running batch between steps; an abort (a client that went away) finishes its
-request before the next step, returning its pages. Nothing a request does stops the loop:
-a step that fails takes every request then in the engine with it (their pages return,
-each caller gets the error) and the loop serves on.
+``Abort`` records from one or more clients (the API-server processes) and hands each
+client a ``StepReport`` per step: the updates of its requests that gained text or tokens
+in the step (one report per step, not one message per request) and the engine's load.
+Requests from many callers join the running batch between steps; an abort (a client
+that went away) finishes its request before the next step, returning its pages, and a
+client that goes away (``ClientGone``) takes its requests with it. Nothing a request
+does stops the loop: a step that fails takes every request then in the engine with it
+(their pages return, each caller gets the error) and the loop serves on.
 
 A report crosses a process boundary every step, and its records are built on the
 engine's thread for every stream: the loop builds them packed (``PackedReport``: plain
@@ -32,10 +33,17 @@ class Submit(NamedTuple):
     key: int                   # the caller's name for this prompt's requests
     prompt: Prompt
     params: SamplingParams
+    client: int = 0            # which of the loop's clients sent it (the relay sets it)
 
 
 class Abort(NamedTuple):
     key: int
+    client: int = 0
+
+
+class ClientGone(NamedTuple):
+    """A client's connection closed: its requests are aborted, it gets no more reports."""
+    client: int
 
 
 class CompletionDelta(NamedTuple):
@@ -48,22 +56,6 @@ class CompletionDelta(NamedTuple):
     stop_reason: str | int | None
 
 
-class GroupUpdate(NamedTuple):
-    """A prompt's completions after a step; ``finished`` once all are; ``error`` when a
-    step failed and took the request with it."""
-    deltas: tuple[CompletionDelta, ...]
-    finished: bool
-    num_prompt_tokens: int
-    num_output_tokens: int
-    error: str | None = None
-
-
-class EngineLoad(NamedTuple):
-    running: int
-    waiting: int
-    pages_in_use: int
-
-
 class Completed(NamedTuple):
     """One finished completion, for the server's metrics (seconds; None where undefined)."""
     num_output_tokens: int
@@ -72,10 +64,26 @@ class Completed(NamedTuple):
     time_per_output_token: float | None
 
 
+class GroupUpdate(NamedTuple):
+    """A prompt's completions after a step; ``finished`` once all are, with each one's
+    figures in ``completed``; ``error`` when a step failed and took the request with it."""
+    deltas: tuple[CompletionDelta, ...]
+    finished: bool
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+    completed: tuple[Completed, ...] = ()
+
+
+class EngineLoad(NamedTuple):
+    running: int
+    waiting: int
+    pages_in_use: int
+
+
 class StepReport(NamedTuple):
     updates: list[tuple[int, GroupUpdate]]
     load: EngineLoad
-    completed: list[Completed]
 
 
 class PackedReport(NamedTuple):
@@ -85,12 +93,12 @@ class PackedReport(NamedTuple):
     took about 355 us a step (CPU), building them packed and pickling about 130 us."""
     updates: list
     load: tuple
-    completed: list
 
     def unpack(self) -> StepReport:
         delta = CompletionDelta._make
-        updates = [(key, GroupUpdate(tuple(map(delta, deltas)), *rest)) for key, deltas, *rest in self.updates]
-        return StepReport(updates, EngineLoad._make(self.load), list(map(Completed._make, self.completed)))
+        updates = [(key, GroupUpdate(tuple(map(delta, deltas)), *rest, tuple(map(Completed._make, completed))))
+                   for key, deltas, *rest, completed in self.updates]
+        return StepReport(updates, EngineLoad._make(self.load))
 
 
 @attrs.define(eq=False)
@@ -98,20 +106,24 @@ class Submission:
     key: int
     prompt: Prompt
     params: SamplingParams
+    client: int
     requests: list[Request] = attrs.Factory(list)
     streams: list = attrs.Factory(list)        # each request's TextStream, or None
     sent_tokens: list[int] = attrs.Factory(list)
 
 
 class EngineLoop:
-    def __init__(self, llm, report, crashed):
-        """``report(PackedReport)`` runs on the loop's thread after every step that changed
-        something a caller sees; ``crashed(message)`` once if the loop itself fails (not
-        a step: those fail their requests), after which it reports nothing."""
+    def __init__(self, llm, report, crashed, num_clients: int = 1):
+        """``report(client, PackedReport)`` runs on the loop's thread after every step that
+        changed something that client sees (its requests, or the load, which every client
+        hears of); ``crashed(message)`` once if the loop itself fails (not a step: those
+        fail their requests), after which it reports nothing."""
         self.llm, self.report, self.crashed = llm, report, crashed
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: dict[int, Submission] = {}
-        self._updates, self._completed, self._load = [], [], None
+        self.live: dict[tuple[int, int], Submission] = {}          # by (client, key)
+        self.clients = set(range(num_clients))                    # those still connected
+        self._updates: dict[int, list] = {}                        # by client
+        self._load = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tokenspeed-engine", daemon=True)
 
@@ -135,35 +147,47 @@ class EngineLoop:
             self._admit(block=not self.llm.engine.has_work)
             if self.llm.engine.has_work:
                 self._step()
-            load = self._engine_load()
-            if self._updates or self._completed or load != self._load:
-                report = PackedReport(self._updates, tuple(load), self._completed)
-                self._updates, self._completed, self._load = [], [], load
-                self.report(report)
+            self._send_reports()
+
+    def _send_reports(self) -> None:
+        load = self._engine_load()
+        updates, self._updates = self._updates, {}
+        for client in self.clients:
+            if client in updates or load != self._load:
+                self.report(client, PackedReport(updates.get(client, []), tuple(load)))
+        self._load = load
 
     def _admit(self, block: bool) -> None:
-        """Take what arrived: new submissions join, aborted ones leave."""
+        """Take what arrived: new submissions join, aborted ones and those of clients that
+        went away leave."""
         try:
             item = self.inbox.get(timeout=IDLE_WAIT_S) if block else self.inbox.get_nowait()
             while True:
                 if isinstance(item, Submit):
                     self._take(item)
-                elif isinstance(item, Abort) and item.key in self.live:
-                    self._abort(self.live[item.key])
+                elif isinstance(item, Abort) and (item.client, item.key) in self.live:
+                    self._abort(self.live[item.client, item.key])
+                elif isinstance(item, ClientGone):
+                    self._leave(item.client)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             return
 
     def _take(self, submit: Submit) -> None:
-        submission = Submission(*submit)
+        submission = Submission(submit.key, submit.prompt, submit.params, submit.client)
         [submission.requests] = self.llm.add([submission.prompt], [submission.params])
         submission.streams = [self.llm.text_of(request) for request in submission.requests]
         submission.sent_tokens = [0] * len(submission.requests)
-        self.live[submission.key] = submission
+        self.live[submission.client, submission.key] = submission
 
     def _abort(self, submission: Submission) -> None:
         self.llm.abort(submission.requests)
         self._publish(submission)
+
+    def _leave(self, client: int) -> None:
+        self.clients.discard(client)
+        for submission in [s for s in self.live.values() if s.client == client]:
+            self._abort(submission)
 
     def _step(self) -> None:
         try:
@@ -185,10 +209,12 @@ class EngineLoop:
             gained = gained or bool(delta[1] or delta[2])
         if not (finished or gained):
             return
-        if finished:
-            self._retire(submission)
-        self._updates.append((submission.key, deltas, finished, len(submission.prompt.token_ids),
-                              sum(submission.sent_tokens), None))
+        done = self._retire(submission) if finished else []
+        self._queue(submission, (submission.key, deltas, finished, len(submission.prompt.token_ids),
+                                 sum(submission.sent_tokens), None, done))
+
+    def _queue(self, submission: Submission, update: tuple) -> None:
+        self._updates.setdefault(submission.client, []).append(update)
 
     def _delta(self, submission: Submission, index: int, request: Request) -> tuple:
         """A packed ``CompletionDelta``: what the completion gained since the last one."""
@@ -199,15 +225,16 @@ class EngineLoop:
         return (request.index, stream.take_unread() if stream is not None else "", tuple(output[start:kept]),
                 logprobs, request.finish_reason, request.stop_reason)
 
-    def _retire(self, submission: Submission) -> None:
-        del self.live[submission.key]
+    def _retire(self, submission: Submission) -> list[tuple]:
+        """Forget a finished submission; its completions' packed ``Completed`` records."""
+        del self.live[submission.client, submission.key]
         self.llm.release(submission.requests)
-        self._completed += [tuple(completed(r, n)) for r, n in zip(submission.requests, submission.sent_tokens)]
+        return [tuple(completed(r, n)) for r, n in zip(submission.requests, submission.sent_tokens)]
 
     def _fail_all(self, message: str) -> None:
         for submission in list(self.live.values()):
-            self._retire(submission)
-            self._updates.append((submission.key, (), True, len(submission.prompt.token_ids), 0, message))
+            done = self._retire(submission)
+            self._queue(submission, (submission.key, (), True, len(submission.prompt.token_ids), 0, message, done))
 
     def _engine_load(self) -> EngineLoad:
         scheduler = self.llm.engine.scheduler

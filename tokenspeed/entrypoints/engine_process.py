@@ -16,6 +16,7 @@ import contextlib
 import functools
 import gc
 import multiprocessing
+import multiprocessing.connection
 import select
 import signal
 import sys
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 import attrs
 
-from tokenspeed.entrypoints.engine_loop import Abort, EngineLoop, PackedReport, StepReport, Submit
+from tokenspeed.entrypoints.engine_loop import Abort, ClientGone, EngineLoop, PackedReport, StepReport, Submit
 from tokenspeed.runtime.prompt_limits import PromptLimits
 
 START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
@@ -67,51 +68,89 @@ class EngineStartError(RuntimeError):
 MAX_REPORTS_PER_READ = 16    # then the event loop's other callbacks get their turn
 
 
-class EngineClient:
-    """The HTTP side: starts the child, sends it work, hands each report to ``on_report``
-    and ``on_exit(message)`` once if the child goes away unasked, both on the thread of
-    the event loop that ``listen`` was given."""
+class EngineProcess:
+    """The child process that owns the engine, and the parent's ends of its pipes: one per
+    client (API-server process), each of which may be handed to another process."""
 
-    def __init__(self, spec: EngineSpec, on_report: Callable[[StepReport], None],
-                 on_exit: Callable[[str], None]):
-        self.spec, self.on_report, self.on_exit = spec, on_report, on_exit
-        self.info: EngineInfo | None = None
-        self._poller = select.poll()   # Connection.poll builds a selector per call: 6 us, not 0.6
-        self._stopping = self._listening = False
-        self._send_lock = threading.Lock()
+    def __init__(self, spec: EngineSpec, num_clients: int = 1):
         context = multiprocessing.get_context("spawn")   # CUDA cannot cross a fork
-        self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=engine_main, args=(spec, child_conn), daemon=True,
-                                       name="tokenspeed-engine")
+        pipes = [context.Pipe() for _ in range(num_clients)]
+        self.conns = [ours for ours, _ in pipes]
+        self.process = context.Process(target=engine_main, args=(spec, [theirs for _, theirs in pipes]),
+                                       daemon=True, name="tokenspeed-engine")
+        self.info: EngineInfo | None = None
 
     def start(self) -> EngineInfo:
         """Start the child and wait until its engine is ready (blocking); once."""
-        if self.info is not None:
-            return self.info
-        self.process.start()
-        if not self._conn.poll(START_TIMEOUT_S):
-            self.stop()
-            raise EngineStartError(f"the engine process did not start in {START_TIMEOUT_S:.0f} s")
-        first = self._receive()
-        if not isinstance(first, EngineInfo):
+        if self.info is None:
+            self.process.start()
+            self.info = _first_message(self.conns[0], self)
+            for conn in self.conns[1:]:
+                conn.recv()   # every client's copy of the same
+        return self.info
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def stop(self) -> None:
+        """Close every client's pipe (the engine stops once all are closed), then wait."""
+        if self.process.is_alive():
+            for conn in self.conns:
+                with contextlib.suppress(OSError):   # it may be exiting already
+                    conn.send(None)
+            self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.terminate()
             self.process.join()
-            raise EngineStartError(f"the engine process failed to start: {first.message}")
-        self.info = first
-        return first
+
+
+def _first_message(conn, process: EngineProcess) -> EngineInfo:
+    if not conn.poll(START_TIMEOUT_S):
+        process.stop()
+        raise EngineStartError(f"the engine process did not start in {START_TIMEOUT_S:.0f} s")
+    try:
+        first = conn.recv()
+    except (EOFError, OSError):
+        process.process.join(EXIT_WAIT_S)
+        first = EngineFailed(f"the engine process exited (code {process.exitcode})")
+    if not isinstance(first, EngineInfo):
+        process.process.join()
+        raise EngineStartError(f"the engine process failed to start: {first.message}")
+    return first
+
+
+class EngineClient:
+    """One client's side of the engine process (the HTTP process's, or one API server's of
+    several): sends it work, hands each report to ``on_report`` and ``on_exit(message)``
+    once if the engine goes away unasked, both on the thread of the event loop that
+    ``listen`` was given. ``process``: the engine process, where this process owns it."""
+
+    def __init__(self, conn, info: EngineInfo, on_report: Callable[[StepReport], None],
+                 on_exit: Callable[[str], None], process: EngineProcess | None = None):
+        self.info, self.on_report, self.on_exit, self.process = info, on_report, on_exit, process
+        self._conn = conn
+        self._poller = select.poll()   # Connection.poll builds a selector per call: 6 us, not 0.6
+        self._stopping = self._listening = self._closed = False
+        self._send_lock = threading.Lock()
 
     def listen(self, event_loop: asyncio.AbstractEventLoop) -> None:
         """Start handing reports over (those sent meanwhile wait in the pipe). The event loop
         reads the pipe itself: a reader thread handing reports to a busy loop waited for the
         interpreter lock (up to its 5 ms switch interval) at every report, the pipe filled,
         and the engine stalled on its sends (served throughput fell by a third, at random)."""
-        if not self._listening:
+        if not self._listening and not self._closed:
             self._listening = True
             self._poller.register(self._conn.fileno(), select.POLLIN)
             event_loop.add_reader(self._conn.fileno(), self._read, event_loop)
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive() and self._listening
+        return self._listening and (self.process is None or self.process.process.is_alive())
+
+    def exit_message(self) -> str:
+        code = "" if self.process is None else f" (code {self.process.exitcode})"
+        return f"the engine process exited{code}"
 
     def submit(self, key: int, prompt, params) -> None:
         """Queue a checked prompt; its updates will carry ``key`` (the caller's, unique)."""
@@ -123,21 +162,20 @@ class EngineClient:
             self._conn.send(Abort(key))
 
     def stop(self) -> None:
+        """Stop listening and close this client's pipe; the engine process too, if owned."""
         self._stopping = True
-        if self.process.is_alive():
-            with self._send_lock, contextlib.suppress(OSError):   # it may be exiting already
-                self._conn.send(None)
-            self.process.join(STOP_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join()
+        if self.process is not None:
+            self.process.stop()
+        with contextlib.suppress(OSError):
+            self._conn.close()
 
     def _receive(self):
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            self.process.join(EXIT_WAIT_S)   # reaped, so its exit code is known
-            return EngineFailed(f"the engine process exited (code {self.process.exitcode})")
+            if self.process is not None:
+                self.process.process.join(EXIT_WAIT_S)   # reaped, so its exit code is known
+            return EngineFailed(self.exit_message())
 
     def _read(self, event_loop: asyncio.AbstractEventLoop) -> None:
         for _ in range(MAX_REPORTS_PER_READ):
@@ -145,7 +183,7 @@ class EngineClient:
                 return
             message = self._receive()
             if not isinstance(message, PackedReport):
-                self._listening = False
+                self._listening, self._closed = False, True
                 event_loop.remove_reader(self._conn.fileno())
                 if not self._stopping:
                     self.on_exit(message.message)
@@ -153,14 +191,15 @@ class EngineClient:
             self.on_report(message.unpack())
 
 
-def engine_main(spec: EngineSpec, conn) -> None:
-    """The child: build the engine, report ready, relay records to its loop until told to
-    stop or the parent goes away."""
+def engine_main(spec: EngineSpec, conns: list) -> None:
+    """The child: build the engine, report ready to every client, relay their records to
+    its loop until all have closed their pipes (or the parent has gone away)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
     try:
         llm = spec.build()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
-        conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        for conn in conns:
+            conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
     gc.collect()
     gc.freeze()   # the model's and graphs' objects: never scanned again by a collection,
@@ -171,13 +210,41 @@ def engine_main(spec: EngineSpec, conn) -> None:
     # interval a record waited ~5 ms (median, CPU trial) behind a busy thread, so the 64
     # requests of a wave of clients reached a busy engine one per step, each admitted in a
     # prefill step of its own. At 0.2 ms it waits ~0.6 ms; an idle relay costs nothing.
-    loop = EngineLoop(llm, conn.send,
-                      lambda message: conn.send(EngineFailed(message)))
-    conn.send(EngineInfo(llm.engine.limits, llm.tokenizer is not None))
+    loop = EngineLoop(llm, functools.partial(_send_report, conns), functools.partial(_send_crash, conns),
+                      num_clients=len(conns))
+    info = EngineInfo(llm.engine.limits, llm.tokenizer is not None)
+    for conn in conns:
+        conn.send(info)
     loop.start()
-    try:
-        while (record := conn.recv()) is not None:
-            loop.inbox.put(record)
-    except (EOFError, OSError):
-        pass
+    _relay(conns, loop.inbox)
     loop.stop()
+
+
+def _relay(conns: list, inbox) -> None:
+    """Each client's records into the loop's inbox, tagged with the client; a closed pipe
+    (or ``None``, a client's goodbye) becomes a ``ClientGone``."""
+    open_conns = dict(enumerate(conns))
+    by_conn = {conn: client for client, conn in open_conns.items()}
+    while open_conns:
+        for conn in multiprocessing.connection.wait(list(open_conns.values())):
+            client = by_conn[conn]
+            try:
+                record = conn.recv()
+            except (EOFError, OSError):
+                record = None
+            if record is None:
+                del open_conns[client]
+                inbox.put(ClientGone(client))
+            else:
+                inbox.put(record._replace(client=client))
+
+
+def _send_report(conns: list, client: int, report: PackedReport) -> None:
+    with contextlib.suppress(OSError):   # a client gone: its ClientGone is on its way
+        conns[client].send(report)
+
+
+def _send_crash(conns: list, message: str) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(EngineFailed(message))

@@ -14,6 +14,7 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 
 import jinja2
 import uvicorn
@@ -23,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from tokenspeed.entrypoints.engine_loop import GroupUpdate, StepReport
-from tokenspeed.entrypoints.engine_process import EngineClient, EngineSpec
+from tokenspeed.entrypoints.engine_process import EngineClient, EngineProcess, EngineSpec
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
@@ -37,21 +38,27 @@ DISCONNECT_POLL_S = 0.5
 
 
 class Server:
-    """What the handlers share: the engine process, the tokenizer, the served name, the
-    metrics, and the callbacks of the prompts in flight (by key)."""
+    """What the handlers share: the link to the engine process, the tokenizer, the served
+    name, the metrics, and the callbacks of the prompts in flight (by key).
+    ``connect()``: this server's pipe to the engine, the engine's ``EngineInfo``, and the
+    ``EngineProcess`` where this server owns it (blocking; called once, at start)."""
 
-    def __init__(self, spec: EngineSpec, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, connect: Callable, tokenizer: str | None, model_name: str, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, metrics_dir: str | None = None):
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
-        self.tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer is not None else None
-        self.metrics = ServerMetrics()
-        self.engine = EngineClient(spec, self._dispatch, self._fail_all)
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+        self.metrics = ServerMetrics(metrics_dir)
+        self.connect = connect
+        self.engine: EngineClient | None = None
         self._callbacks: dict[int, object] = {}
         self._keys = itertools.count()
 
     async def start(self) -> None:
-        """Start the engine (unless started already), then take its reports on this loop."""
-        await asyncio.to_thread(self.engine.start)
+        """Connect to the engine (starting it where this server owns it), then take its
+        reports on this loop."""
+        if self.engine is None:
+            conn, info, process = await asyncio.to_thread(self.connect)
+            self.engine = EngineClient(conn, info, self._dispatch, self._fail_all, process)
         self.engine.listen(asyncio.get_running_loop())
 
     @property
@@ -61,9 +68,13 @@ class Server:
     def _dispatch(self, report: StepReport) -> None:
         """Each update to its prompt's handler; a prompt aborted here (its client left)
         has no handler any more, and its last update is dropped."""
-        self.metrics.observe(report)
+        self.metrics.load(report.load)
         for key, update in report.updates:
-            callback = self._callbacks.pop(key, None) if update.finished else self._callbacks.get(key)
+            if update.finished:
+                self.metrics.finished_group(update.completed)
+                callback = self._callbacks.pop(key, None)
+            else:
+                callback = self._callbacks.get(key)
             if callback is not None:
                 callback(update)
 
@@ -110,8 +121,8 @@ class Server:
                 self.metrics.admitted(len(prompt.token_ids) * params.n)
         except OSError as exc:
             self.abort(keys)
-            raise APIError(503, f"the engine is not running ({exc}; exit code "
-                           f"{self.engine.process.exitcode})", None, "ServiceUnavailableError") from exc
+            raise APIError(503, f"the engine is not running ({exc}; {self.engine.exit_message()})", None,
+                           "ServiceUnavailableError") from exc
         return keys, updates
 
     def abort(self, keys) -> None:
@@ -149,9 +160,14 @@ class Server:
 
 def create_app(spec: EngineSpec, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app; its engine process starts (and stops) with the app's lifespan."""
-    server = Server(spec, model_name, api_key, max_body_bytes)
+    """The app and its own engine process, which starts (unless started already: see
+    ``serve``) and stops with the app's lifespan."""
+    process = EngineProcess(spec)
+    connect = lambda: (process.conns[0], process.start(), process)   # noqa: E731
+    return server_app(Server(connect, spec.tokenizer, model_name, api_key, max_body_bytes))
 
+
+def server_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await server.start()
@@ -339,7 +355,7 @@ def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int 
           api_key: str | None = None) -> None:
     """Start the engine (an ``EngineStartError`` says why it could not), then serve."""
     app = create_app(spec, model_name, api_key)
-    app.state.server.engine.start()
+    app.state.server.connect()   # starts the engine process here, before the port is bound
     uvicorn.Server(uvicorn_config(app, host, port, "info")).run()
 
 
