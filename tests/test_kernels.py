@@ -8,6 +8,7 @@ Tests marked ``gpu`` run bf16 at real shapes and are skipped without CUDA.
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,8 @@ if not torch.cuda.is_available():
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import reference  # noqa: E402
+from tokenspeed.backends.metadata import ExtendChunk, attention_tiles, plan_extend  # noqa: E402
+from tokenspeed.runtime.slots import to_device  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
 from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
@@ -238,6 +241,42 @@ def test_extend_tile_plan_covers_every_row_once(runs, block_m):
     assert [row for a, b in tiles for row in range(a, b)] == list(range(len(row_request)))
     assert all(b - a <= block_m and len(set(row_request[a:b].tolist())) == 1 for a, b in tiles)
     assert len(tiles) == sum(-(-n // block_m) for n in runs)
+
+
+@FEW
+@given(runs=st.lists(st.integers(1, 70), min_size=1, max_size=6), block_m=st.sampled_from([16, 64]))
+def test_the_host_tile_plan_is_the_device_plan(runs, block_m):
+    """``plan_extend``'s tiles, from the chunks' lengths, are the ones the device builds from
+    ``row_request``; the device plan's grid is sized for the most tiles, and ends with
+    unused tiles."""
+    row_request = torch.tensor([r for r, n in enumerate(runs) for _ in range(n)], device=DEVICE)
+    device = triton_attention.extend_tile_plan(row_request, len(runs), block_m).first.tolist()
+    host = attention_tiles(np.array(runs), block_m).tolist()
+    assert device[:len(host)] == host and set(device[len(host) - 1:]) == {sum(runs)}
+
+
+@FEW
+@given(data=st.data(), lengths=st.lists(st.integers(1, 90), min_size=1, max_size=4),
+       width=st.integers(1, 3), pad_rows=st.integers(0, 9), window=st.sampled_from([0, 7]))
+def test_extend_attention_over_the_steps_plan(data, lengths, width, pad_rows, window):
+    """The tiles ``plan_extend`` builds, over the token rows and over the decoder view
+    (the rows an attention after the narrowing sees): every live row as the reference."""
+    page_size, tile_rows, scale = 4, 16, 16 ** -0.5
+    cached = [data.draw(st.integers(0, n - 1)) for n in lengths]
+    kv, table = paged_setup(lengths, page_size, 2, 16)
+    chunks = [ExtendChunk(tuple(range(n - c)), c, tuple(table[r, :-(-n // page_size)].tolist()),
+                          data.draw(st.booleans())) for r, (n, c) in enumerate(zip(lengths, cached))]
+    rows = sum(len(c.tokens) for c in chunks)
+    meta = to_device(plan_extend(chunks, rows + pad_rows, len(chunks) + 1, table.shape[1], page_size,
+                                 view_width=width, tile_rows=tile_rows), DEVICE)
+    q = torch.randn(rows + pad_rows, 4, 16, device=DEVICE)
+    for picked, tiles, live in ((slice(None), meta.attention_tiles, rows),
+                                (meta.view_rows, meta.view_attention_tiles, meta.num_live_view_rows)):
+        args = (q[picked], kv, 1, meta.block_tables, meta.row_request[picked], meta.positions[picked], scale)
+        got = triton_attention.extend_attention(*args, page_size, window=window,
+                                                plan=triton_attention.ExtendPlan(tiles, tile_rows))
+        want = reference.attention(args[0], as_pages(kv, page_size), *args[2:], window)
+        torch.testing.assert_close(got[:live], want[:live], atol=1e-4, rtol=1e-4)
 
 
 def test_attention_rejects_bad_shapes():

@@ -16,6 +16,7 @@ import torch
 from tokenspeed.ir.descriptors import DecodeMetadata, ExtendMetadata
 
 NULL_PAGE = 0
+EXTEND_TILE_ROWS = 64   # rows per tile of the extend attention kernel (its BLOCK_M)
 
 
 @attrs.frozen
@@ -93,12 +94,14 @@ def refresh_decode(rows: Sequence[DecodeRow], num_rows: int, max_pages: int, pag
 
 def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: int,
                 max_pages: int, page_size: int, view_width: int = 1,
-                num_view_rows: int | None = None, device="cpu") -> ExtendMetadata:
+                num_view_rows: int | None = None, device="cpu",
+                tile_rows: int = EXTEND_TILE_ROWS) -> ExtendMetadata:
     """Extend metadata for ``chunks`` padded to ``num_rows`` token rows.
 
     The decoder view keeps the last ``view_width`` rows of each completing chunk and the
     last row of each open chunk; padding token rows read through the null table row
-    ``num_table_rows - 1``.
+    ``num_table_rows - 1``. The attention tiles (``attention_tiles``) hold up to
+    ``tile_rows`` rows of one chunk each, over the token rows and over the view.
     """
     if num_table_rows <= len(chunks):
         raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
@@ -106,7 +109,7 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     _check_pages(chunks, page_size)
     lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, len(chunks))
     ends, rows = np.cumsum(lengths), int(lengths.sum())
-    view, view_samples = _decoder_view(chunks, ends.tolist(), view_width)
+    view, view_samples, kept = _decoder_view(chunks, ends.tolist(), view_width)
     tables = block_table([c.pages for c in chunks], num_table_rows, max_pages)
     starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
     positions = _padded(np.arange(rows) - np.repeat(ends - lengths - starts, lengths), rows, num_rows)
@@ -118,7 +121,20 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
         positions=positions, slot_mapping=write_locations(tables, row_request, positions, page_size),
         block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
-        view_sample_rows=np.array(view_samples, dtype=np.int64)))
+        view_sample_rows=np.array(view_samples, dtype=np.int64),
+        attention_tiles=attention_tiles(lengths, tile_rows), view_attention_tiles=attention_tiles(np.array(kept, dtype=np.int64), tile_rows)))
+
+
+def attention_tiles(run_lengths: np.ndarray, tile_rows: int) -> np.ndarray:
+    """Consecutive runs of rows, ``run_lengths[i]`` rows each, cut into tiles of at most
+    ``tile_rows`` rows of one run: the first row of every tile, then the rows covered."""
+    starts = np.cumsum(run_lengths) - run_lengths
+    tiles_per_run = -(-run_lengths // tile_rows)
+    first_tile = np.cumsum(tiles_per_run) - tiles_per_run
+    tile = np.arange(int(tiles_per_run.sum()))
+    run = np.repeat(np.arange(len(run_lengths)), tiles_per_run)
+    firsts = starts[run] + (tile - first_tile[run]) * tile_rows
+    return np.append(firsts, run_lengths.sum()).astype(np.int32)
 
 
 def _check_pages(chunks: Sequence[ExtendChunk], page_size: int) -> None:
@@ -136,9 +152,11 @@ def kept_rows(chunk: ExtendChunk, width: int) -> int:
 
 
 def _decoder_view(chunks, ends, width):
-    view, samples = [], []
+    """The view's token rows, its sampled rows, and how many rows each chunk keeps."""
+    view, samples, kept = [], [], []
     for chunk, end in zip(chunks, ends):
-        view.extend(range(end - kept_rows(chunk, width), end))
+        kept.append(kept_rows(chunk, width))
+        view.extend(range(end - kept[-1], end))
         if chunk.completes:
             samples.append(len(view) - 1)
-    return view, samples
+    return view, samples, kept

@@ -35,9 +35,13 @@ class DecodeMetadata(ForwardMetadata):
 @attrs.frozen
 class ExtendMetadata(ForwardMetadata):
     """Prefill chunks of several requests, plus the decoder view the narrowing keeps:
-    ``view_rows`` are the token rows kept, ``view_sample_rows`` index the view."""
+    ``view_rows`` are the token rows kept, ``view_sample_rows`` index the view.
+    ``attention_tiles`` and ``view_attention_tiles``: the live token rows and view rows
+    grouped by request into the attention kernel's tiles (``ops.extend_attention``)."""
     view_rows: torch.Tensor = attrs.field(kw_only=True)
     view_sample_rows: torch.Tensor = attrs.field(kw_only=True)
+    attention_tiles: torch.Tensor = attrs.field(kw_only=True)        # [tiles + 1] int32
+    view_attention_tiles: torch.Tensor = attrs.field(kw_only=True)   # [view tiles + 1] int32
     num_live_view_rows: int = static(kw_only=True)
 
 

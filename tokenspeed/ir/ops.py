@@ -54,6 +54,18 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables:
     return torch.empty_like(q)
 
 
+@_op("extend_attention")
+def extend_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                     row_request: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, scale: float,
+                     window: int) -> torch.Tensor:
+    """``attention`` over rows grouped by request into the step's tiles: tile t is the rows
+    ``tiles[t] .. tiles[t + 1] - 1``, all of one request; ``tiles`` ends with the number of
+    rows it covers, and a row outside every tile (padding) has no defined output. What
+    prefill lowering selects: the plan is built once per step with the metadata, not by
+    every layer's attention."""
+    return torch.empty_like(q)
+
+
 @_op("decode_attention")
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, scale: float,
@@ -124,10 +136,11 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 OPS = torch.ops.tokenspeed
 WRITE_KV = OPS.write_kv.default
 ATTENTION = OPS.attention.default
+EXTEND_ATTENTION = OPS.extend_attention.default
 DECODE_ATTENTION = OPS.decode_attention.default
 ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
-ATTENTION_TARGETS = (OPS.attention, ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION)
+ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION)
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV)
-OP_NAMES = ("write_kv", "attention", "decode_attention", "silu_and_mul", "rms_norm",
+OP_NAMES = ("write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
             "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
             "norm_linear")

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 PROBE_ROWS = (5, 7)
-PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE = 3, 2, 4, 4
+PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE, PROBE_TILES = 3, 2, 4, 4, 3
 
 
 def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -25,6 +25,8 @@ def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dic
         "block_tables": torch.zeros(PROBE_TABLE_ROWS, 2, dtype=torch.int32, device=device),
         "row_request": torch.zeros(rows, **long), "sample_rows": torch.zeros(PROBE_SAMPLED, **long),
         "view_rows": torch.zeros(rows, **long), "view_sample_rows": torch.zeros(PROBE_SAMPLED, **long),
+        "attention_tiles": torch.zeros(PROBE_TILES, dtype=torch.int32, device=device),
+        "view_attention_tiles": torch.zeros(PROBE_TILES, dtype=torch.int32, device=device),
     }
 
 

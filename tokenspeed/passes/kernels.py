@@ -1,11 +1,16 @@
-"""Kernel selection: decode attention has one query row per request, so decode lowering
-swaps the general ragged attention for the split-K decode kernel."""
+"""Kernel selection. Decode attention has one query row per request, so decode lowering
+swaps the general ragged attention for the split-K decode kernel. Prefill attention reads
+the step's tile plan, built once with the rest of its metadata (``plan_extend``), where
+the general op would plan on the device in every layer; an attention the narrowing put
+in the decoder stage runs over the decoder view, and reads the view's plan."""
 
 from torch import fx
 
-from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION
-from tokenspeed.ir.program import rename
+from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION, EXTEND_ATTENTION
+from tokenspeed.ir.program import STAGES, rename
 from tokenspeed.passes.manager import graph_pass
+
+_, _, DECODER, _ = STAGES
 
 
 @graph_pass("decode_kernels")
@@ -14,3 +19,22 @@ def decode_kernels(gm: fx.GraphModule, **_) -> None:
         if node.target == ATTENTION:
             node.target = DECODE_ATTENTION
             rename(node, node.name.replace("attention", "decode_attention"))
+
+
+@graph_pass("extend_kernels")
+def extend_kernels(gm: fx.GraphModule, **_) -> None:
+    graph, tiles = gm.graph, {}
+    for node in list(graph.nodes):
+        if node.target == ATTENTION:
+            name = "view_attention_tiles" if node.meta.get("stage") == DECODER else "attention_tiles"
+            if name not in tiles:
+                tiles[name] = _placeholder(graph, name)
+            q, kv_cache, layer, block_tables, row_request, positions, scale, window = node.args
+            node.target = EXTEND_ATTENTION
+            node.args = (q, kv_cache, layer, block_tables, row_request, positions, tiles[name], scale, window)
+            rename(node, node.name.replace("attention", "extend_attention"))
+
+
+def _placeholder(graph: fx.Graph, name: str) -> fx.Node:
+    with graph.inserting_after([n for n in graph.nodes if n.op == "placeholder"][-1]):
+        return graph.placeholder(name)

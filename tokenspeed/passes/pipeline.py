@@ -8,7 +8,7 @@ from tokenspeed.passes.breaks import attention_breaks, whole_graph
 from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_norm_linear, fuse_norms,
                                       fuse_rope_decode_attention, fuse_rope_write_kv,
                                       select_linear)
-from tokenspeed.passes.kernels import decode_kernels
+from tokenspeed.passes.kernels import decode_kernels, extend_kernels
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
 from tokenspeed.passes.split import split_segments
@@ -21,7 +21,7 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool) -> list:
     other rows of its request write in the same step, so the cache writes stay a kernel of
     their own, ahead of the attention (the fused kernel writes and attends per row)."""
     if mode == "prefill":
-        return ([narrow_rows] if narrow else []) + [fuse_norms, attention_breaks, split_segments]
+        return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, attention_breaks, split_segments]
     fused = [fuse_rope_decode_attention] if mode == "decode" else []
     return [decode_kernels, fuse_norms, fuse_rope_write_kv, *fused,
             select_linear, fuse_gated_linear, fuse_norm_linear,

@@ -10,6 +10,7 @@ as the CUDA kernels of its parts.
 import torch
 
 from tokenspeed.backends.kernels.reference import flat_slots
+from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 
@@ -24,6 +25,14 @@ def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, w
     flat, page_size = flat_slots(kv_cache)
     return triton_attention.extend_attention(q, flat, layer, block_tables, row_request,
                                              positions, scale, page_size, window=window)
+
+
+def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, tiles, scale, window):
+    from tokenspeed.backends.kernels import triton_attention
+    flat, page_size = flat_slots(kv_cache)
+    return triton_attention.extend_attention(q, flat, layer, block_tables, row_request, positions, scale,
+                                             page_size, plan=triton_attention.ExtendPlan(tiles, EXTEND_TILE_ROWS),
+                                             window=window)
 
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):

@@ -28,10 +28,20 @@ def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
 
 
 def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
+    return _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, q.shape[0])
+
+
+def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, tiles, scale, window):
+    """The rows the tiles cover (the first ``tiles[-1]``); the others, padding, are zero."""
+    return _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window,
+                      int(tiles[-1]))
+
+
+def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, num_rows):
     flat, page_size = flat_slots(kv_cache)
-    out = torch.empty_like(q)
-    for start in range(0, q.shape[0], ROWS_PER_CHUNK):
-        rows = slice(start, start + ROWS_PER_CHUNK)
+    out = torch.zeros_like(q) if num_rows < q.shape[0] else torch.empty_like(q)
+    for start in range(0, num_rows, ROWS_PER_CHUNK):
+        rows = slice(start, min(start + ROWS_PER_CHUNK, num_rows))
         out[rows] = _attend_rows(q[rows], flat[layer], block_tables, row_request[rows].long(),
                                  positions[rows].long(), scale, page_size, window)
     return out

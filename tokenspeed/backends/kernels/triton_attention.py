@@ -6,10 +6,10 @@ Semantics match ``reference.paged_attention``: query row r attends causally to p
 query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32.
 
 ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
-request share every key block through ``tl.dot``. The tile plan is built on the device by
-one small kernel before each attention: a plan built on the host read ``row_request``
-back, a sync in every layer of every prefill step that left the GPU idle while the host
-caught up (docs/PERFORMANCE.md, throughput).
+request share every key block through ``tl.dot``. Prefill steps bring their tile plan with
+their metadata (``plan_extend``, built on the host from the chunks, once per step); without
+one, it is built on the device by one small kernel before the attention (a plan built
+here on the host would read ``row_request`` back: a sync in every layer).
 """
 
 from typing import NamedTuple
@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 
 MAX_HEAD_DIM = 256
 DEFAULT_SMS = 132
 LOG2E = 1.4426950408889634
-EXTEND_BLOCK_M = 64
+EXTEND_BLOCK_M = EXTEND_TILE_ROWS   # the tiles plan_extend builds on the host are of this size
 EXTEND_WARPS = 4
 EXTEND_STAGES = 3
 TILE_PLAN_BLOCK = 1024
@@ -228,12 +229,14 @@ def extend_block_n(head_dim: int) -> int:
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
                      page_size, plan: ExtendPlan = None, window: int = 0):
     """Ragged causal attention of many rows per request (prefix hits included), each
-    request's rows together; ``plan`` (``extend_tile_plan``'s) is built here unless given;
-    ``window``: each row sees only its last ``window`` positions (0: all)."""
+    request's rows together; ``plan`` (``extend_tile_plan``'s, or the step's from
+    ``plan_extend`` with tiles of ``EXTEND_BLOCK_M`` rows) is built here unless given: rows
+    outside its tiles are left undefined; ``window``: each row sees only its last
+    ``window`` positions (0: all)."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)
-    if rows == 0:
+    if rows == 0 or (plan is not None and len(plan.first) < 2):   # no rows, or none planned
         return out
     q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
     plan = plan if plan is not None else extend_tile_plan(row_request, block_tables.shape[0])
