@@ -463,3 +463,22 @@ def test_api_servers_refuse_a_bad_count_and_a_port_in_use():
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
             cli.main(["serve", "--api-servers", "2", "--port", str(port), "--device", "cpu"])
+
+
+def test_an_api_server_that_dies_stops_the_server_and_says_so():
+    import signal
+    import subprocess
+    import sys
+    path, port = str(text_model_dir()), free_port()
+    command = [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--api-servers", "2",
+               "--port", str(port), "--max-model-len", "256", "--device", "cpu"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first, second = _wait_for_api_servers(server)
+        os.kill(first, signal.SIGKILL)
+        server.wait(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 1 and "tokenspeed-api-0 exited (code -9)" in server.stdout.read()
+    with pytest.raises(ProcessLookupError):
+        os.kill(second, 0)

@@ -133,7 +133,7 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     from tokenspeed.entrypoints.engine_process import EngineSpec, EngineStartError
     from tokenspeed.entrypoints.llm import checked_device, checked_dtype
-    from tokenspeed.entrypoints.openai.api_servers import serve_many
+    from tokenspeed.entrypoints.openai.api_servers import ServerExited, serve_many
     from tokenspeed.entrypoints.openai.server import serve
     checked_device(args.device), checked_dtype(args.dtype)   # refused here, not in the engine process
     if args.api_servers < 1:
@@ -145,7 +145,7 @@ def cmd_serve(args) -> None:
             serve(spec, name, host=args.host, port=args.port, api_key=args.api_key)
         else:
             serve_many(spec, name, args.host, args.port, args.api_key, args.api_servers)
-    except EngineStartError as exc:
+    except (EngineStartError, ServerExited) as exc:
         raise ValueError(str(exc)) from exc
 
 

@@ -26,10 +26,16 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"   # read when a process imports prome
 STOP_WAIT_S = 10.0
 
 
+class ServerExited(RuntimeError):
+    """A process of the server (an API server or the engine) exited unasked; the others
+    were stopped."""
+
+
 def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key: str | None,
                count: int, log_level: str = "info") -> None:
     """Start the engine (an ``EngineStartError`` says why it could not), then ``count`` API
-    servers on ``host:port``; return once they have stopped."""
+    servers on ``host:port``; return once Ctrl-C or SIGTERM has stopped them, or raise
+    ``ServerExited`` once one has exited unasked and the others are stopped."""
     with _listening(host, port) as sock:   # a port in use is refused before the engine starts
         engine = EngineProcess(spec, num_clients=count)
         try:
@@ -42,9 +48,11 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
                     conn.close()            # the engine sees its pipe close and drops its requests
                 print(f"tokenspeed: {count} API servers on http://{host}:{port} (pids "
                       f"{', '.join(str(s.pid) for s in servers)})", flush=True)
-                _supervise(servers, engine)
+                exited = _supervise(servers, engine)
         finally:
             engine.stop()
+    if exited is not None:
+        raise ServerExited(f"{exited.name} exited (code {exited.exitcode}); the server stopped")
 
 
 def _api_server(engine: EngineProcess, index: int, info: EngineInfo, tokenizer, model_name, api_key, sock,
@@ -66,14 +74,17 @@ def api_server_main(conn, info: EngineInfo, tokenizer, model_name: str, api_key:
     uvicorn.Server(uvicorn_config(server_app(server), host, port, log_level)).run(sockets=[sock])
 
 
-def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess) -> None:
+def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess) -> multiprocessing.Process | None:
     """Wait until a child exits or this process is told to stop, then stop the servers
-    (SIGTERM: uvicorn finishes its responses) and, through their closed pipes, the engine."""
+    (SIGTERM: uvicorn finishes its responses) and, through their closed pipes, the engine.
+    Returns the child that exited unasked, if one did."""
+    children = [*servers, engine.process]
     with _stop_on(signal.SIGTERM):
         try:
-            multiprocessing.connection.wait([s.sentinel for s in servers] + [engine.process.sentinel])
-        except KeyboardInterrupt:
-            pass
+            multiprocessing.connection.wait([c.sentinel for c in children])
+            exited = next((c for c in children if c.exitcode is not None), None)
+        except KeyboardInterrupt:   # asked to stop (the children may be stopping already)
+            exited = None
     for server in servers:
         if server.is_alive():
             server.terminate()
@@ -82,6 +93,7 @@ def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess) ->
         if server.is_alive():
             server.kill()
             server.join()
+    return exited
 
 
 @contextlib.contextmanager
