@@ -7,7 +7,10 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -133,13 +136,18 @@ def test_a_stream_ends_with_done(base_url):
 
 
 def test_sixteen_concurrent_clients_each_get_their_own(client, llm):
+    check_sixteen_clients(client, MODEL, llm)
+
+
+def check_sixteen_clients(client, model: str, llm) -> None:
+    """16 clients at once, each answered what offline ``generate`` says of its prompt."""
     prompts = [f"Client {i} says" for i in range(16)]
     want = [o.text for o in llm.generate(prompts, ts.SamplingParams(temperature=0, max_tokens=8),
                                          use_tqdm=False)]
     got = [None] * 16
 
     def ask(i):
-        got[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8,
+        got[i] = client.completions.create(model=model, prompt=prompts[i], max_tokens=8,
                                            temperature=0).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
@@ -398,33 +406,12 @@ def test_several_api_servers_share_one_engine():
     """``tokenspeed serve --api-servers 2``: 16 clients at once each get what offline
     ``generate`` says, whichever process took them; the pooled metrics count every request
     once; a client that leaves frees its pages; SIGTERM stops every process."""
-    import signal
-    import subprocess
-    import sys
     path, port = str(text_model_dir()), free_port()
-    command = [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--api-servers", "2",
-               "--port", str(port), "--max-num-seqs", "8", "--max-model-len", "256", "--device", "cpu"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server, url = api_servers(path, port), f"http://127.0.0.1:{port}"
     try:
         pids = _wait_for_api_servers(server)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        prompts = [f"Client {i} says" for i in range(16)]
-        llm = ts.LLM(path, max_model_len=256)
-        want = [o.text for o in llm.generate(prompts, ts.SamplingParams(temperature=0, max_tokens=8),
-                                             use_tqdm=False)]
-        got = [None] * 16
-
-        def ask(i):
-            got[i] = client.completions.create(model=path.rsplit("/", 1)[-1], prompt=prompts[i], max_tokens=8,
-                                               temperature=0).choices[0].text
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert got == want
+        check_sixteen_clients(client, path.rsplit("/", 1)[-1], ts.LLM(path, max_model_len=256))
         body = {"prompt": "A long story begins", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
             assert next(response.iter_lines()).startswith("data: ")
@@ -443,6 +430,13 @@ def test_several_api_servers_share_one_engine():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def api_servers(path: str, port: int):
+    """``tokenspeed serve --api-servers 2`` of ``path`` on ``port``, its output piped."""
+    command = [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--api-servers", "2",
+               "--port", str(port), "--max-num-seqs", "8", "--max-model-len", "256", "--device", "cpu"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for_api_servers(server) -> list[int]:
@@ -466,13 +460,7 @@ def test_api_servers_refuse_a_bad_count_and_a_port_in_use():
 
 
 def test_an_api_server_that_dies_stops_the_server_and_says_so():
-    import signal
-    import subprocess
-    import sys
-    path, port = str(text_model_dir()), free_port()
-    command = [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--api-servers", "2",
-               "--port", str(port), "--max-model-len", "256", "--device", "cpu"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = api_servers(str(text_model_dir()), free_port())
     try:
         first, second = _wait_for_api_servers(server)
         os.kill(first, signal.SIGKILL)
