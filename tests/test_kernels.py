@@ -255,6 +255,13 @@ def test_the_host_tile_plan_is_the_device_plan(runs, block_m):
     assert device[:len(host)] == host and set(device[len(host) - 1:]) == {sum(runs)}
 
 
+def test_the_plan_of_no_chunks_tiles_its_padding_rows():
+    """Captures and the startup's dry run walk a plan of no chunks: its tiles cover the
+    padding rows, so those walks launch (and compile) the kernel real steps launch."""
+    meta = plan_extend([], 70, 1, 4, 4, num_view_rows=8)
+    assert meta.attention_tiles.tolist() == [0, 64, 70] and meta.view_attention_tiles.tolist() == [0, 8]
+
+
 @FEW
 @given(data=st.data(), lengths=st.lists(st.integers(1, 90), min_size=1, max_size=4),
        width=st.integers(1, 3), pad_rows=st.integers(0, 9), window=st.sampled_from([0, 7]))

@@ -470,3 +470,26 @@ def test_an_api_server_that_dies_stops_the_server_and_says_so():
     assert server.returncode == 1 and "tokenspeed-api-0 exited (code -9)" in server.stdout.read()
     with pytest.raises(ProcessLookupError):
         os.kill(second, 0)
+
+
+def test_a_server_whose_supervisor_is_killed_leaves_no_process():
+    server = api_servers(str(text_model_dir()), free_port())
+    try:
+        pids = _wait_for_api_servers(server)
+        server.kill()
+        server.wait(timeout=30)
+        for _ in range(200):
+            if not any(_alive(pid) for pid in pids):
+                break
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -101,7 +101,9 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     The decoder view keeps the last ``view_width`` rows of each completing chunk and the
     last row of each open chunk; padding token rows read through the null table row
     ``num_table_rows - 1``. The attention tiles (``attention_tiles``) hold up to
-    ``tile_rows`` rows of one chunk each, over the token rows and over the view.
+    ``tile_rows`` rows of one chunk each, over the token rows and over the view; padding
+    rows are in no tile, except in the plan of no chunks (captures and the startup's dry
+    run), whose tiles cover them: those walks launch the kernel real steps will.
     """
     if num_table_rows <= len(chunks):
         raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
@@ -122,7 +124,8 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
         block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
         view_sample_rows=np.array(view_samples, dtype=np.int64),
-        attention_tiles=attention_tiles(lengths, tile_rows), view_attention_tiles=attention_tiles(np.array(kept, dtype=np.int64), tile_rows)))
+        attention_tiles=attention_tiles(lengths if chunks else np.array([num_rows]), tile_rows),
+        view_attention_tiles=attention_tiles(np.array(kept if chunks else [num_view_rows]), tile_rows)))
 
 
 def attention_tiles(run_lengths: np.ndarray, tile_rows: int) -> np.ndarray:

@@ -132,6 +132,7 @@ class EngineClient:
         self._conn = conn
         self._poller = select.poll()   # Connection.poll builds a selector per call: 6 us, not 0.6
         self._stopping = self._listening = self._closed = False
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
 
     def listen(self, event_loop: asyncio.AbstractEventLoop) -> None:
@@ -140,7 +141,7 @@ class EngineClient:
         interpreter lock (up to its 5 ms switch interval) at every report, the pipe filled,
         and the engine stalled on its sends (served throughput fell by a third, at random)."""
         if not self._listening and not self._closed:
-            self._listening = True
+            self._listening, self._event_loop = True, event_loop
             self._poller.register(self._conn.fileno(), select.POLLIN)
             event_loop.add_reader(self._conn.fileno(), self._read, event_loop)
 
@@ -166,6 +167,10 @@ class EngineClient:
         self._stopping = True
         if self.process is not None:
             self.process.stop()
+        if self._listening:   # a closed pipe must not stay watched
+            self._listening = False
+            self._event_loop.remove_reader(self._conn.fileno())
+            self._poller.unregister(self._conn.fileno())
         with contextlib.suppress(OSError):
             self._conn.close()
 

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 
 import uvicorn
 
@@ -40,10 +41,12 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
         engine = EngineProcess(spec, num_clients=count)
         try:
             info = engine.start()
+            lifeline, parent_end = multiprocessing.get_context("spawn").Pipe(duplex=False)
             with tempfile.TemporaryDirectory(prefix="tokenspeed-metrics-") as metrics_dir, \
-                    _environment(MULTIPROC_ENV, metrics_dir):
+                    _environment(MULTIPROC_ENV, metrics_dir), parent_end:
                 servers = [_api_server(engine, i, info, spec.tokenizer, model_name, api_key, sock, metrics_dir,
-                                       log_level) for i in range(count)]
+                                       log_level, lifeline) for i in range(count)]
+                lifeline.close()
                 for conn in engine.conns:   # each now held by its server alone: when one exits,
                     conn.close()            # the engine sees its pipe close and drops its requests
                 print(f"tokenspeed: {count} API servers on http://{host}:{port} (pids "
@@ -56,33 +59,42 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
 
 
 def _api_server(engine: EngineProcess, index: int, info: EngineInfo, tokenizer, model_name, api_key, sock,
-                metrics_dir, log_level) -> multiprocessing.Process:
+                metrics_dir, log_level, lifeline) -> multiprocessing.Process:
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=api_server_main, name=f"tokenspeed-api-{index}", daemon=True,
                               args=(engine.conns[index], info, tokenizer, model_name, api_key, sock,
-                                    metrics_dir, log_level))
+                                    metrics_dir, log_level, lifeline))
     process.start()
     return process
 
 
 def api_server_main(conn, info: EngineInfo, tokenizer, model_name: str, api_key: str | None, sock,
-                    metrics_dir: str, log_level: str) -> None:
-    """A child: one uvicorn server on the shared socket, linked to the engine by ``conn``."""
+                    metrics_dir: str, log_level: str, lifeline) -> None:
+    """A child: one uvicorn server on the shared socket, linked to the engine by ``conn``;
+    it stops as SIGTERM stops it when ``lifeline`` (the parent's pipe) closes, so a parent
+    killed outright leaves no server behind (and, their pipes closed, no engine)."""
     from tokenspeed.entrypoints.openai.server import Server, server_app, uvicorn_config
+    threading.Thread(target=_stop_when_closed, args=(lifeline,), daemon=True).start()
     server = Server(lambda: (conn, info, None), tokenizer, model_name, api_key, metrics_dir=metrics_dir)
     host, port = sock.getsockname()[:2]
     uvicorn.Server(uvicorn_config(server_app(server), host, port, log_level)).run(sockets=[sock])
+
+
+def _stop_when_closed(lifeline) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()   # nothing is ever sent: this returns when the parent's end closes
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess) -> multiprocessing.Process | None:
     """Wait until a child exits or this process is told to stop, then stop the servers
     (SIGTERM: uvicorn finishes its responses) and, through their closed pipes, the engine.
     Returns the child that exited unasked, if one did."""
-    children = [*servers, engine.process]
+    children = {c.sentinel: c for c in [*servers, engine.process]}
     with _stop_on(signal.SIGTERM):
         try:
-            multiprocessing.connection.wait([c.sentinel for c in children])
-            exited = next((c for c in children if c.exitcode is not None), None)
+            exited = children[multiprocessing.connection.wait(list(children))[0]]
+            exited.join()   # its sentinel is ready as its files close, a moment before its exit code
         except KeyboardInterrupt:   # asked to stop (the children may be stopping already)
             exited = None
     for server in servers:
