@@ -70,9 +70,9 @@ def _api_server(engine: EngineProcess, index: int, info: EngineInfo, tokenizer, 
 
 def api_server_main(conn, info: EngineInfo, tokenizer, model_name: str, api_key: str | None, sock,
                     metrics_dir: str, log_level: str, lifeline) -> None:
-    """A child: one uvicorn server on the shared socket, linked to the engine by ``conn``;
-    it stops as SIGTERM stops it when ``lifeline`` (the parent's pipe) closes, so a parent
-    killed outright leaves no server behind (and, their pipes closed, no engine)."""
+    """A child: one uvicorn server on the shared socket, linked to the engine by ``conn``.
+    When ``lifeline`` (the parent's pipe) closes, it sends itself SIGTERM: a parent killed
+    outright leaves no server behind (and, their pipes closed, no engine)."""
     from tokenspeed.entrypoints.openai.server import Server, server_app, uvicorn_config
     threading.Thread(target=_stop_when_closed, args=(lifeline,), daemon=True).start()
     server = Server(lambda: (conn, info, None), tokenizer, model_name, api_key, metrics_dir=metrics_dir)
