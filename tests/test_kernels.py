@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import reference  # noqa: E402
+from tokenspeed.backends.kernels.blocks import next_power_of_2  # noqa: E402
 from tokenspeed.backends.metadata import ExtendChunk, attention_tiles, plan_extend  # noqa: E402
 from tokenspeed.runtime.slots import to_device  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
@@ -253,6 +254,12 @@ def test_the_host_tile_plan_is_the_device_plan(runs, block_m):
     device = triton_attention.extend_tile_plan(row_request, len(runs), block_m).first.tolist()
     host = attention_tiles(np.array(runs), block_m).tolist()
     assert device[:len(host)] == host and set(device[len(host) - 1:]) == {sum(runs)}
+
+
+@given(st.integers(0, 1 << 24))
+def test_block_sizes_are_tritons_powers_of_two(n):
+    import triton
+    assert next_power_of_2(n) == triton.next_power_of_2(n)
 
 
 def test_the_plan_of_no_chunks_tiles_its_padding_rows():

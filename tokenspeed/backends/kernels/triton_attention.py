@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 
 MAX_HEAD_DIM = 256
@@ -158,9 +159,9 @@ def check_paged_inputs(q, kv_cache, block_tables, row_request, positions):
 
 def cache_views(q, kv_cache, layer):
     """Kernel arguments shared by decode and extend: K/V views, blocks, dot precision."""
-    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+    k_cache, v_cache = kv_cache[layer].unbind(0)   # one indexing op, not two: every eager attention
     q = q if q.stride(-1) == 1 else q.contiguous()
-    block_d = max(16, triton.next_power_of_2(q.shape[2]))
+    block_d = max(16, next_power_of_2(q.shape[2]))
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     return q, k_cache, v_cache, block_d, precision
 

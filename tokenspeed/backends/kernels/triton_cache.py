@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 
 
 @triton.jit
@@ -65,5 +66,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1),
         NUM_HEADS=heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(heads), BLOCK_D=next_power_of_2(head_dim),
         num_warps=4 if heads * head_dim >= 1024 else 1, **pdl.launch_options(k.device))

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, \
     attend_loaded, cache_views, check_paged_inputs, load_block, sm_count
 
@@ -262,13 +263,13 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
         out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_power_of_2(heads // kv_heads)),
         BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
         ROPE=new is not None, num_warps=4, num_stages=2, **launch)
     if num_splits > 1:
         _combine_kernel[(rows, heads)](
             mid_o, mid_lse, positions, out, window, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
+            BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
             **launch)
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 
 
 def _num_warps(block: int) -> int:
@@ -62,7 +63,7 @@ def _norm(x, residual, weight, eps):
     out = torch.empty_like(x)
     new_res = torch.empty_like(x) if residual is not None else out
     if x.numel():
-        block = triton.next_power_of_2(x.shape[1])
+        block = next_power_of_2(x.shape[1])
         _rms_norm_kernel[(x.shape[0],)](
             x, res, weight.contiguous(), out, new_res, x.stride(0), res.stride(0),
             out.stride(0), new_res.stride(0), x.shape[1], eps,
@@ -104,7 +105,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens and inter:
-        block = min(1024, triton.next_power_of_2(inter))
+        block = min(1024, next_power_of_2(inter))
         _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](
             gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
             num_warps=_num_warps(block), **pdl.launch_options(out.device))
@@ -187,6 +188,6 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
         k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
-        BLOCK_Q=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl.launch_options(q.device))
+        BLOCK_Q=next_power_of_2(heads), BLOCK_KV=next_power_of_2(k.shape[1]),
+        BLOCK_HALF=next_power_of_2(half), num_warps=4, **pdl.launch_options(q.device))
     return q_out

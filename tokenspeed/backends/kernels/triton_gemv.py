@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl, triton_attention
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 
 MAX_M = 16
 NORM_TILE = 4096
@@ -202,7 +203,7 @@ def choose_config(m: int, n: int, k: int, sm_count: int, normed: bool = False):
     alone leave SMs idle, since the reduction is a second launch."""
     if m == 1:
         if normed and k <= NORM_TILE:
-            block_n, block_k = (16 if n < 2048 else 4), triton.next_power_of_2(k)
+            block_n, block_k = (16 if n < 2048 else 4), next_power_of_2(k)
             return block_n, block_k, 1, (8 if block_n * block_k >= 8192 else 4), 1
         block_n, block_k, warps = (8, 2048, 8) if k >= 4096 else (2 if n <= 4096 else 4, 1024, 4)
         n_blocks = triton.cdiv(n, block_n)
@@ -283,7 +284,7 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
-        block = min(1024, triton.next_power_of_2(n))
+        block = min(1024, next_power_of_2(n))
         _reduce_kernel[(m, triton.cdiv(n, block))](
             part, bias if bias is not None else x, out, n, splits, part.stride(0),
             part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 
 MIN_TEMPERATURE = 1e-5
 POSITION_KEY = 2654435761  # as tokenspeed.runtime.sampler.POSITION_KEY
@@ -88,5 +89,5 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         logits, temperature, top_k, seeds, positions, best_val, best_idx, vocab, logits.stride(0),
         num_blocks, MIN_T=MIN_TEMPERATURE, KEY=POSITION_KEY, BLOCK=block, num_warps=8, **launch)
     _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0),
-                              BLOCKS=triton.next_power_of_2(num_blocks), num_warps=1, **launch)
+                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, **launch)
     return out
