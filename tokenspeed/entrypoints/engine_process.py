@@ -93,6 +93,14 @@ class EngineProcess:
     def exitcode(self) -> int | None:
         return self.process.exitcode
 
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def reap(self) -> None:
+        """Wait briefly for a child that is exiting, so its exit code is known."""
+        self.process.join(EXIT_WAIT_S)
+
     def stop(self) -> None:
         """Close every client's pipe (the engine stops once all are closed), then wait."""
         if self.process.is_alive():
@@ -112,7 +120,7 @@ def _first_message(conn, process: EngineProcess) -> EngineInfo:
     try:
         first = conn.recv()
     except (EOFError, OSError):
-        process.process.join(EXIT_WAIT_S)
+        process.reap()
         first = EngineFailed(f"the engine process exited (code {process.exitcode})")
     if not isinstance(first, EngineInfo):
         process.process.join()
@@ -147,7 +155,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self._listening and (self.process is None or self.process.process.is_alive())
+        return self._listening and (self.process is None or self.process.alive)
 
     def exit_message(self) -> str:
         code = "" if self.process is None else f" (code {self.process.exitcode})"
@@ -179,7 +187,7 @@ class EngineClient:
             return self._conn.recv()
         except (EOFError, OSError):
             if self.process is not None:
-                self.process.process.join(EXIT_WAIT_S)   # reaped, so its exit code is known
+                self.process.reap()
             return EngineFailed(self.exit_message())
 
     def _read(self, event_loop: asyncio.AbstractEventLoop) -> None:
