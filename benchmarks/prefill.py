@@ -1,4 +1,6 @@
-"""Time to first token: our eager prefill against our breakable prefill graphs.
+"""Time to first token: our eager prefill, our prefill graphs with attention breaks
+(attention eagerly between graphs), and our prefill graphs with attention captured (one
+graph per stage, the default).
 
     python -m benchmarks.prefill [--shapes ...] [--lengths 512 2048]
 """
@@ -9,6 +11,13 @@ import torch
 
 import tokenspeed as ts
 from benchmarks import common
+from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.backends.support import CudaGraphSupport
+
+
+class AttentionBreaks(PagedAttentionBackend):
+    """The paged backend lowered with every prefill attention in an eager break."""
+    cuda_graph_support = CudaGraphSupport(prefill_attention=False)
 
 
 def ttft(llm, length: int) -> float:
@@ -26,12 +35,15 @@ def bench_shape(shape: str, lengths) -> list[dict]:
               num_kv_pages=8192, enable_prefix_caching=False)  # each timing computes the prompt
     rows = []
     eager, graphs = ts.LLM(ours, enforce_eager=True, **kw), ts.LLM(ours, **kw)
+    breaks = ts.LLM(ours, backend=AttentionBreaks(), **kw)
     for length in lengths:
         with torch.inference_mode():
-            e, g = ttft(eager, length), ttft(graphs, length)
-        rows.append({"shape": shape, "new_tokens": length, "eager_ms": e * 1e3, "graph_ms": g * 1e3,
-                     "speedup": e / g, "capture_s": graphs.compiled.startup.capture_seconds,
-                     "graphs": graphs.compiled.startup.num_graphs})
+            e, b, g = ttft(eager, length), ttft(breaks, length), ttft(graphs, length)
+        rows.append({"shape": shape, "new_tokens": length, "eager_ms": e * 1e3, "breaks_ms": b * 1e3,
+                     "graph_ms": g * 1e3, "speedup": e / g, "over_breaks": b / g,
+                     "capture_s": graphs.compiled.startup.capture_seconds,
+                     "graphs": graphs.compiled.startup.num_graphs,
+                     "graphs_with_breaks": breaks.compiled.startup.num_graphs})
         print(common.table(rows[-1:], list(rows[-1])), flush=True)
     return rows
 
@@ -39,7 +51,7 @@ def bench_shape(shape: str, lengths) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
-    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[256, 512, 2048])
     parser.add_argument("--json", default="results/prefill.json")
     args = parser.parse_args()
     rows = [r for s in args.shapes for r in bench_shape(s, args.lengths)]

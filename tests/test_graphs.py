@@ -47,6 +47,16 @@ def eager(model):
     return make_llm(model, enforce_eager=True)
 
 
+class AttentionBreaksLeaf(PagedAttentionBackend):
+    """Prefill attention runs eagerly between the graphs (the lowering with breaks)."""
+    cuda_graph_support = CudaGraphSupport(prefill_attention=False)
+
+
+@pytest.fixture(scope="module")
+def broken(model):
+    return make_llm(model, backend=AttentionBreaksLeaf())
+
+
 def prompts(n, base=1):
     return [[(base + 7 * i + j) % 500 for j in range(3 + 5 * i)] for i in range(n)]
 
@@ -193,9 +203,12 @@ def test_support_resolution_logs_the_culprit_and_downgrades(model, eager, caplog
         [o.token_ids for o in eager.generate(prompts(4), GREEDY)]
 
 
+@pytest.mark.parametrize("lowering", ["graphed", "broken"])
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 40, 64, 65, 90])
-def test_prefill_replay_equals_eager(graphed, eager, num_tokens, monkeypatch):
-    """Token buckets 16..64: a bucket, between buckets, and above the largest (eager)."""
+def test_prefill_replay_equals_eager(lowering, eager, num_tokens, monkeypatch, request):
+    """Token buckets 16..64: a bucket, between buckets, and above the largest (eager);
+    attention captured in the stages' graphs, and run eagerly between graphs."""
+    graphed = request.getfixturevalue(lowering)
     pages = tuple(range(1, 2 + num_tokens // 4))
     chunks = [ExtendChunk(tuple((5 * i) % 500 for i in range(num_tokens)), 0, pages, True)]
     margins = greedy_margins(monkeypatch)
@@ -206,6 +219,28 @@ def test_prefill_replay_equals_eager(graphed, eager, num_tokens, monkeypatch):
     slots = torch.tensor([pages[p // 4] * 4 + p % 4 for p in range(num_tokens)])
     written = [llm.compiled.kv_cache.flatten(2, 3)[:, :, slots] for llm in (graphed, eager)]
     torch.testing.assert_close(*written, rtol=0, atol=ROW_COUNT_TOLERANCE)
+
+
+def test_prefill_attention_is_captured_in_one_graph_per_stage(graphed, broken):
+    """The paged backend's prefill attention reads a tile plan padded to the bucket, so a
+    stage is one graph; a backend without that support breaks at every attention."""
+    segments = graphed.compiled.lowered["prefill"].segments
+    assert [(s.stage, s.kind) for s in segments] == \
+        [("encoder", "graph"), ("narrowing", "break"), ("decoder", "graph"), ("finish", "break")]
+    text = "\n".join(s.graph_module.code for s in segments)
+    assert "extend_attention" in text
+    attentions = [s for s in broken.compiled.lowered["prefill"].segments if s.name.endswith("attention")]
+    assert len(attentions) == graphed.config.num_layers and {s.kind for s in attentions} == {"break"}
+
+
+def test_captured_attention_reads_a_table_of_fixed_rows(graphed, broken):
+    """Its graphs replay with every step's table: one row per chunk a step may hold, and
+    the null row; the lowering with breaks sends only the step's rows."""
+    chunks = [ExtendChunk((5, 6, 7), 0, (1,), True)]
+    assert graphed.compiled.prefill.plan(chunks, 16).block_tables.shape[0] == 6 + 1
+    assert broken.compiled.prefill.plan(chunks, 16).block_tables.shape[0] == len(chunks) + 1
+    with pytest.raises(ValueError, match="7 chunks need 8 table rows"):
+        graphed.compiled.prefill.plan([chunks[0]] * 7, 32)
 
 
 def test_prefill_graphs_cover_every_token_and_view_bucket(graphed):
@@ -226,14 +261,14 @@ def test_view_bucket_graphs_are_captured_after_every_token_bucket_graph(graphed)
     assert order == sorted(order, key=["tokens", "view"].index)
 
 
-def test_padded_rows_are_scrubbed_after_each_break(graphed):
+def test_padded_rows_are_scrubbed_after_each_break(broken):
     chunks = [ExtendChunk(tuple(range(10, 21)), 0, (1, 2, 3), True)]  # 11 tokens -> bucket 16
     with torch.inference_mode():
-        graphed.compiled.prefill.run(chunks, [ROW])
-    attention_outputs = {o for s in graphed.compiled.lowered["prefill"].segments
+        broken.compiled.prefill.run(chunks, [ROW])
+    attention_outputs = {o for s in broken.compiled.lowered["prefill"].segments
                          if s.name.endswith("attention") for o in s.outputs}
     checked = 0
-    for (name, size), entry in graphed.compiled.prefill.graphs.graphs.items():
+    for (name, size), entry in broken.compiled.prefill.graphs.graphs.items():
         for value in attention_outputs & set(entry.static_inputs):
             if size == 16 and entry.static_inputs[value].shape[0] == 16:
                 assert bool((entry.static_inputs[value][11:] == 0).all()), f"{value} not scrubbed"

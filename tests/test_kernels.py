@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import reference  # noqa: E402
 from tokenspeed.backends.kernels.blocks import next_power_of_2  # noqa: E402
-from tokenspeed.backends.metadata import ExtendChunk, attention_tiles, plan_extend  # noqa: E402
+from tokenspeed.backends.metadata import ExtendChunk, attention_tiles, plan_extend, tile_capacity  # noqa: E402
 from tokenspeed.runtime.slots import to_device  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
@@ -248,12 +248,11 @@ def test_extend_tile_plan_covers_every_row_once(runs, block_m):
 @given(runs=st.lists(st.integers(1, 70), min_size=1, max_size=6), block_m=st.sampled_from([16, 64]))
 def test_the_host_tile_plan_is_the_device_plan(runs, block_m):
     """``plan_extend``'s tiles, from the chunks' lengths, are the ones the device builds from
-    ``row_request``; the device plan's grid is sized for the most tiles, and ends with
-    unused tiles."""
+    ``row_request``: both grids are sized for the most tiles, and end with unused tiles."""
     row_request = torch.tensor([r for r, n in enumerate(runs) for _ in range(n)], device=DEVICE)
     device = triton_attention.extend_tile_plan(row_request, len(runs), block_m).first.tolist()
-    host = attention_tiles(np.array(runs), block_m).tolist()
-    assert device[:len(host)] == host and set(device[len(host) - 1:]) == {sum(runs)}
+    host = attention_tiles(np.array(runs), block_m, tile_capacity(sum(runs), len(runs), block_m)).tolist()
+    assert device == host and host[-1] == sum(runs)
 
 
 @given(st.integers(0, 1 << 24))
@@ -281,8 +280,10 @@ def test_extend_attention_over_the_steps_plan(data, lengths, width, pad_rows, wi
     chunks = [ExtendChunk(tuple(range(n - c)), c, tuple(table[r, :-(-n // page_size)].tolist()),
                           data.draw(st.booleans())) for r, (n, c) in enumerate(zip(lengths, cached))]
     rows = sum(len(c.tokens) for c in chunks)
-    meta = to_device(plan_extend(chunks, rows + pad_rows, len(chunks) + 1, table.shape[1], page_size,
+    table_rows = len(chunks) + 1 + data.draw(st.integers(0, 3))   # a table of fixed rows: empty tiles
+    meta = to_device(plan_extend(chunks, rows + pad_rows, table_rows, table.shape[1], page_size,
                                  view_width=width, tile_rows=tile_rows), DEVICE)
+    assert len(meta.attention_tiles) == tile_capacity(rows + pad_rows, table_rows - 1, tile_rows) + 1
     q = torch.randn(rows + pad_rows, 4, 16, device=DEVICE)
     for picked, tiles, live in ((slice(None), meta.attention_tiles, rows),
                                 (meta.view_rows, meta.view_attention_tiles, meta.num_live_view_rows)):

@@ -6,6 +6,8 @@ import torch
 
 import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk, plan_extend, refresh_decode
+from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.ir.ops import ATTENTION_TARGETS, WRITE_KV_TARGETS
 from tokenspeed.models.random import TINY_LLAMA, random_model
 from tokenspeed.runtime import kv_pool
@@ -47,7 +49,8 @@ def test_lowered_prefill_equals_module(model, width):
     meta = two_requests(width, first_start=5)
     traced = ts.trace(model)
     expected, kv_module = run_twice(model, model, meta, prefix)
-    for lowered in (traced.lower("prefill"), traced.lower("prefill", narrow=False)):
+    for lowered in (traced.lower("prefill"), traced.lower("prefill", attention_breaks=True),
+                    traced.lower("prefill", narrow=False)):
         got, kv = run_twice(lowered, model, meta, prefix)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv[:, :, 1:], kv_module[:, :, 1:], rtol=0, atol=0)
@@ -70,6 +73,22 @@ def test_unnarrowed_prefill_has_a_break_per_layer(model):
     layers = model.config.num_layers
     assert kinds.count("break") == layers and kinds.count("graph") == layers + 1
     assert kinds == ["graph", "break"] * layers + ["graph"]
+
+
+def test_attention_inside_prefill_graphs_needs_the_narrowing(model):
+    """Without the stages, the sampled rows' gather (its rows vary per step) would be
+    captured with the last attention."""
+    with pytest.raises(ValueError, match="needs the narrowing"):
+        ts.trace(model).lower("prefill", narrow=False, attention_breaks=False)
+
+
+def test_a_backend_that_cannot_capture_prefill_attention_refuses_it_in_a_graph(model):
+    class Breaking(PagedAttentionBackend):
+        cuda_graph_support = CudaGraphSupport(prefill_attention=False)
+    traced = ts.trace(model)
+    with pytest.raises(ValueError, match="segment 00.encoder.graph holds one: lower prefill with attention_breaks"):
+        ts.compile(traced.lower("prefill"), traced.lower("decode"), ts.CompileConfig(num_kv_pages=8),
+                   backend=Breaking())
 
 
 def test_narrowing_frontier_follows_the_last_cache_write(model):
@@ -95,7 +114,8 @@ def test_decode_is_one_graph_segment(model):
 def test_history_names_every_pass(model):
     traced = ts.trace(model)
     assert [h.pass_name for h in traced.lower("prefill").history] == \
-        ["trace", "narrow_rows", "extend_kernels", "fuse_norms", "attention_breaks", "split_segments"]
+        ["trace", "narrow_rows", "extend_kernels", "fuse_norms", "stage_breaks", "split_segments"]
+    assert traced.lower("prefill", attention_breaks=True).history[4].pass_name == "attention_breaks"
     assert [name for name, _ in traced.lower("decode").history] == [
         "trace", "decode_kernels", "fuse_norms", "fuse_rope_write_kv",
         "fuse_rope_decode_attention", "select_linear",

@@ -23,6 +23,7 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.pool_geometry import PoolGeometry
 from tokenspeed.backends.support import CudaGraphSupport, walk
 from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
+from tokenspeed.ir.ops import ATTENTION_TARGETS
 from tokenspeed.ir.printing import graph_text
 from tokenspeed.ir.program import STAGES, Program, Segment
 from tokenspeed.ir.trace import trace_graph
@@ -58,11 +59,14 @@ class Traced:
         return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in tensor_fields(ForwardMetadata)})
 
     def lower(self, mode: str = "decode", *, narrow: bool = True,
-              decode_graph: bool = True) -> "Lowered":
+              decode_graph: bool = True, attention_breaks: bool | None = None) -> "Lowered":
         """``narrow`` (prefill): derive the encoder/narrowing/decoder/finish stages.
-        ``decode_graph`` (decode): keep attention inside the one captured segment."""
+        ``decode_graph`` (decode): keep attention inside the one captured segment.
+        ``attention_breaks`` (prefill): run every attention eagerly between graphs, for a
+        backend that cannot capture it; else each stage is one graph, attention included
+        (default: so when narrowed; an unnarrowed program breaks at every attention)."""
         program, history = run_pipeline(self.graph_module, self.config, mode, narrow=narrow,
-                                         decode_graph=decode_graph)
+                                         decode_graph=decode_graph, attention_breaks=attention_breaks)
         return Lowered(mode, program, history, self.config, narrowed=mode == "prefill" and narrow)
 
 
@@ -127,6 +131,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     one, whose consumer keeps every page of a request (a draft model's): the budget pays for
     both, and pools are sized for whole contexts."""
     backend = backend or PagedAttentionBackend()
+    _check_prefill_attention(prefill, backend.graph_support())
     limits = config.resolve(decode.config)
     weights = next(decode.program.graph_module.parameters())
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
@@ -153,6 +158,16 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         compiled, pool=attrs.evolve(compiled.pool, rebind_seconds=time.perf_counter() - start),
         startup=attrs.evolve(compiled.startup, kernel_variants_precompiled=probed.kernel_variants_precompiled,
                              precompile_seconds=probed.precompile_seconds))
+
+
+def _check_prefill_attention(prefill: Lowered, support: CudaGraphSupport) -> None:
+    """A graph segment with an attention would capture it: refused for a backend that
+    cannot capture its prefill attention, before anything is bound."""
+    captured = [seg.name for seg in prefill.segments if seg.kind == "graph" and
+                any(n.target in ATTENTION_TARGETS for n in seg.graph_module.graph.nodes)]
+    if captured and not support.prefill_attention:
+        raise ValueError(f"the backend cannot capture prefill attention (prefill_attention=False), "
+                         f"but segment {captured[0]} holds one: lower prefill with attention_breaks=True")
 
 
 @attrs.frozen

@@ -103,7 +103,10 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     ``num_table_rows - 1``. The attention tiles (``attention_tiles``) hold up to
     ``tile_rows`` rows of one chunk each, over the token rows and over the view; padding
     rows are in no tile, except in the plan of no chunks (captures and the startup's dry
-    run), whose tiles cover them: those walks launch the kernel real steps will.
+    run), whose tiles cover them: those walks launch the kernel real steps will. Both
+    plans end in empty tiles up to ``tile_capacity`` of their rows and of the chunks the
+    table has room for, so the kernel's grid is fixed by the shapes: a captured graph
+    launches it over every plan of its bucket.
     """
     if num_table_rows <= len(chunks):
         raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
@@ -124,20 +127,30 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
         block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
         view_sample_rows=np.array(view_samples, dtype=np.int64),
-        attention_tiles=attention_tiles(lengths if chunks else np.array([num_rows]), tile_rows),
-        view_attention_tiles=attention_tiles(np.array(kept if chunks else [num_view_rows]), tile_rows)))
+        attention_tiles=attention_tiles(lengths if chunks else np.array([num_rows]), tile_rows,
+                                        tile_capacity(num_rows, num_table_rows - 1, tile_rows)),
+        view_attention_tiles=attention_tiles(np.array(kept if chunks else [num_view_rows]), tile_rows,
+                                             tile_capacity(num_view_rows, num_table_rows - 1, tile_rows))))
 
 
-def attention_tiles(run_lengths: np.ndarray, tile_rows: int) -> np.ndarray:
+def tile_capacity(num_rows: int, max_runs: int, tile_rows: int = EXTEND_TILE_ROWS) -> int:
+    """The most tiles ``num_rows`` rows in at most ``max_runs`` runs are cut into: each
+    run's last tile may be partial."""
+    return -(-num_rows // tile_rows) + min(num_rows, max_runs)
+
+
+def attention_tiles(run_lengths: np.ndarray, tile_rows: int, capacity: int | None = None) -> np.ndarray:
     """Consecutive runs of rows, ``run_lengths[i]`` rows each, cut into tiles of at most
-    ``tile_rows`` rows of one run: the first row of every tile, then the rows covered."""
+    ``tile_rows`` rows of one run: the first row of every tile, then empty tiles up to
+    ``capacity`` (each starting where the rows end), then the rows covered."""
     starts = np.cumsum(run_lengths) - run_lengths
     tiles_per_run = -(-run_lengths // tile_rows)
     first_tile = np.cumsum(tiles_per_run) - tiles_per_run
-    tile = np.arange(int(tiles_per_run.sum()))
+    tiles = int(tiles_per_run.sum())
     run = np.repeat(np.arange(len(run_lengths)), tiles_per_run)
-    firsts = starts[run] + (tile - first_tile[run]) * tile_rows
-    return np.append(firsts, run_lengths.sum()).astype(np.int32)
+    firsts = starts[run] + (np.arange(tiles) - first_tile[run]) * tile_rows
+    return _padded(firsts, tiles, (tiles if capacity is None else capacity) + 1,
+                   int(run_lengths.sum())).astype(np.int32)
 
 
 def _check_pages(chunks: Sequence[ExtendChunk], page_size: int) -> None:

@@ -13,7 +13,7 @@ from tokenspeed.backends.support import CudaGraphSupport, resolve_cuda_graph_sup
 
 
 class PagedAttentionBackend:
-    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True)
+    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, prefill_attention=True)
     refresh_decode = staticmethod(metadata.refresh_decode)
     plan_extend = staticmethod(metadata.plan_extend)
 

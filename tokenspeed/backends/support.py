@@ -14,12 +14,15 @@ log = logging.getLogger("tokenspeed.backends")
 
 @attrs.frozen
 class CudaGraphSupport:
+    """``prefill_attention``: prefill attention is captured in its stage's graph (its
+    kernels take a tile plan padded to the bucket); else it runs eagerly between graphs."""
     decode_graph: bool = True
     prefill_graph: bool = True
+    prefill_attention: bool = True
 
     def __and__(self, other: "CudaGraphSupport") -> "CudaGraphSupport":
-        return CudaGraphSupport(self.decode_graph and other.decode_graph,
-                                self.prefill_graph and other.prefill_graph)
+        return CudaGraphSupport(**{f.name: getattr(self, f.name) and getattr(other, f.name)
+                                   for f in attrs.fields(CudaGraphSupport)})
 
 
 def walk(backend):

@@ -14,6 +14,9 @@ def add_command(commands) -> None:
     command.add_argument("--model", default=None,
                          help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2)")
     command.add_argument("--mode", choices=("prefill", "decode"), default="prefill")
+    command.add_argument("--attention-breaks", action="store_true",
+                         help="prefill: every attention in an eager break (the lowering for a backend "
+                              "that cannot capture it), not inside its stage's graph")
     command.add_argument("--full", action="store_true", help="print every segment's IR")
     command.add_argument("--history", action="store_true", help="print the IR after every pass")
     command.add_argument("--dot", default=None, metavar="FILE", help="write the segment graph as DOT")
@@ -22,7 +25,7 @@ def add_command(commands) -> None:
 
 def run(args) -> None:
     model = load(args.model or default_model_path())
-    lowered = stages.trace(model).lower(args.mode)
+    lowered = stages.trace(model).lower(args.mode, attention_breaks=args.attention_breaks)
     print(summary(lowered))
     for stage, segments in lowered.stages.items():
         print(f"  stage {stage}: " + ", ".join(s.name for s in segments))

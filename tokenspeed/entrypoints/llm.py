@@ -68,10 +68,10 @@ class LLM:
             draft = None
             if speculative is not None and speculative.method == "draft":
                 draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
-            decode_graph = backend.graph_support().decode_graph
-            verify = self.traced.lower("verify", decode_graph=decode_graph) if speculative else None
-            self.compiled = stages.compile(self.traced.lower("prefill"),
-                                           self.traced.lower("decode", decode_graph=decode_graph),
+            support = backend.graph_support()
+            verify = self.traced.lower("verify", decode_graph=support.decode_graph) if speculative else None
+            prefill = self.traced.lower("prefill", attention_breaks=not support.prefill_attention)
+            self.compiled = stages.compile(prefill, self.traced.lower("decode", decode_graph=support.decode_graph),
                                            config, backend, workers, verify,
                                            speculative.window if speculative else 1,
                                            draft.compiled.binding.geometry.page_bytes if draft else 0)

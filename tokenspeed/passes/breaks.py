@@ -1,7 +1,9 @@
 """Segment boundaries: a break around every attention op, and at every stage change.
 
 Between attentions the work is token-shaped and capturable per bucket; attention itself
-needs live metadata (lengths, tables) and runs eagerly in its own break segment.
+needs live metadata (lengths, tables) and runs eagerly in its own break segment. A backend
+whose attention reads metadata of shapes fixed by the bucket (a padded tile plan, a table
+of fixed rows) is captured with it: then only the stages cut the program.
 """
 
 from torch import fx
@@ -12,11 +14,21 @@ from tokenspeed.passes.manager import graph_pass
 
 @graph_pass("attention_breaks")
 def attention_breaks(gm: fx.GraphModule, **_) -> None:
+    _number(gm, _boundary)
+
+
+@graph_pass("stage_breaks")
+def stage_breaks(gm: fx.GraphModule, **_) -> None:
+    """One segment per stage: attention runs inside the captured graphs of its stage."""
+    _number(gm, _stage_changes)
+
+
+def _number(gm: fx.GraphModule, boundary) -> None:
     segment, previous = -1, None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if previous is None or _boundary(previous, node):
+        if previous is None or boundary(previous, node):
             segment += 1
         node.meta["segment"] = segment
         previous = node
@@ -24,7 +36,11 @@ def attention_breaks(gm: fx.GraphModule, **_) -> None:
 
 def _boundary(previous, node) -> bool:
     attention = previous.target in ATTENTION_TARGETS or node.target in ATTENTION_TARGETS
-    return attention or previous.meta.get("stage") != node.meta.get("stage")
+    return attention or _stage_changes(previous, node)
+
+
+def _stage_changes(previous, node) -> bool:
+    return previous.meta.get("stage") != node.meta.get("stage")
 
 
 @graph_pass("whole_graph")

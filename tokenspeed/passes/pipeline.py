@@ -4,7 +4,7 @@ history of every pass out."""
 from torch import fx
 
 from tokenspeed.ir.program import Program
-from tokenspeed.passes.breaks import attention_breaks, whole_graph
+from tokenspeed.passes.breaks import attention_breaks, stage_breaks, whole_graph
 from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_norm_linear, fuse_norms,
                                       fuse_rope_decode_attention, fuse_rope_write_kv,
                                       select_linear)
@@ -16,12 +16,13 @@ from tokenspeed.passes.split import split_segments
 MODES = ("prefill", "decode", "verify")
 
 
-def pipeline(mode: str, narrow: bool, decode_graph: bool) -> list:
+def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool = True) -> list:
     """``verify`` is decode for windows of several rows per request: each row reads keys
     other rows of its request write in the same step, so the cache writes stay a kernel of
     their own, ahead of the attention (the fused kernel writes and attends per row)."""
     if mode == "prefill":
-        return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, attention_breaks, split_segments]
+        breaks = attention_breaks if prefill_breaks else stage_breaks
+        return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, breaks, split_segments]
     fused = [fuse_rope_decode_attention] if mode == "decode" else []
     return [decode_kernels, fuse_norms, fuse_rope_write_kv, *fused,
             select_linear, fuse_gated_linear, fuse_norm_linear,
@@ -29,11 +30,19 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool) -> list:
 
 
 def run_pipeline(graph_module: fx.GraphModule, config, mode: str, *, narrow: bool = True,
-                 decode_graph: bool = True) -> tuple[Program, tuple[HistoryEntry, ...]]:
+                 decode_graph: bool = True, attention_breaks: bool | None = None
+                 ) -> tuple[Program, tuple[HistoryEntry, ...]]:
     """``narrow`` (prefill): derive the encoder/narrowing/decoder/finish stages.
     ``decode_graph`` (decode): keep attention inside one captured segment; a backend
-    without decode-graph support lowers decode with attention breaks instead."""
+    without decode-graph support lowers decode with attention breaks instead.
+    ``attention_breaks`` (prefill): run each attention eagerly in a break of its own;
+    else it stays in its stage's graph (the backend's ``prefill_attention`` support).
+    None: breaks only without the narrowing."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; expected one of {MODES}")
+    attention_breaks = not narrow if attention_breaks is None else attention_breaks
+    if mode == "prefill" and not (attention_breaks or narrow):
+        raise ValueError("prefill attention inside the graphs needs the narrowing: the stages "
+                         "keep the sampled rows' gather out of the captured graphs")
     start = Program(mode=mode, graph_module=graph_module)
-    return run_passes(start, pipeline(mode, narrow, decode_graph), config=config)
+    return run_passes(start, pipeline(mode, narrow, decode_graph, attention_breaks), config=config)

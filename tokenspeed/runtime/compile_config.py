@@ -65,7 +65,7 @@ class CompileConfig:
     def graph_support(self, backend_support: CudaGraphSupport) -> CudaGraphSupport:
         """What gets captured: the backend's support, where graphs are wanted at all."""
         wanted = self.device.type == "cuda" if self.graphs is None else self.graphs
-        return backend_support if wanted else CudaGraphSupport(False, False)
+        return backend_support if wanted else CudaGraphSupport(False, False, False)
 
     def workers_for(self, support: CudaGraphSupport) -> int:
         """Compile workers to start: none without CUDA graphs (nothing compiles ahead)."""

@@ -1,10 +1,13 @@
 """Breakable prefill: graph segments replayed per ladder rung, breaks run eagerly.
 
 Encoder graph segments are captured per token bucket, decoder graph segments per
-decoder-view bucket, all in one memory pool; attention, narrowing and finish run eagerly
-with live metadata, and the padded rows of every eager output are zeroed (scrubbed) so no
-undefined rows flow on. A batch above the largest bucket, or any batch when no graphs
-were captured, runs every segment eagerly: one walk over the same segments.
+decoder-view bucket, all in one memory pool; narrowing, finish and (lowered with attention
+breaks) attention run eagerly with live metadata, and the padded rows of every eager
+output are zeroed (scrubbed) so no undefined rows flow on. Attention captured in a graph
+reads the block table and tile plans, whose shapes the bucket alone must fix: the table
+then has a row for the most chunks a step holds (``max_chunks``) whatever the step's
+chunks. A batch above the largest bucket, or any batch when no graphs were captured, runs
+every segment eagerly: one walk over the same segments.
 """
 
 import torch
@@ -23,10 +26,12 @@ TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
 class PrefillRunner:
     def __init__(self, program, kv_cache, backend, max_pages: int, page_size: int,
-                 view_width: int, token_ladder, view_ladder):
+                 view_width: int, token_ladder, view_ladder, max_chunks: int):
         """Empty ladders: no graphs, every batch runs unpadded."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
+        tables_in_graphs = any("block_tables" in seg.inputs for seg in program.segments if seg.kind == "graph")
+        self.table_rows = max_chunks + 1 if tables_in_graphs else None
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
         self.graphs = SegmentGraphs(("kv_cache", *TOKEN_ROW_FIELDS))
         self.eager = {seg.name: direct_calls(seg.graph_module, kv_cache.device.type).forward
@@ -37,7 +42,7 @@ class PrefillRunner:
 
     def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
         """Host-side descriptor; publishing (or ``to_device``) moves it to the device."""
-        return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=len(chunks) + 1,
+        return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=self.table_rows or len(chunks) + 1,
                                         max_pages=self.max_pages, page_size=self.page_size,
                                         view_width=self.view_width, num_view_rows=num_view_rows)
 

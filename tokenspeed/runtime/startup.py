@@ -59,7 +59,7 @@ def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: Cuda
         verify = DecodeRunner(programs["verify"], kv_cache, backend, max((rows, *verify_ladder)),
                               limits.max_pages, config.page_size)
     prefill = PrefillRunner(programs["prefill"], kv_cache, backend, limits.max_pages,
-                            config.page_size, config.view_width, tokens, views)
+                            config.page_size, config.view_width, tokens, views, config.max_num_seqs)
     capturer = GraphCapturer(device)
     walks = len(prefill.capture_walks())
     start = time.perf_counter()

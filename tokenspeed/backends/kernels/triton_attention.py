@@ -20,7 +20,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
+from tokenspeed.backends.metadata import EXTEND_TILE_ROWS, tile_capacity
 
 MAX_HEAD_DIM = 256
 DEFAULT_SMS = 132
@@ -213,7 +213,7 @@ def extend_tile_plan(row_request: torch.Tensor, max_runs: int, block_m: int = EX
     Extend batches keep each request's rows together (``plan_extend``, the decoder view),
     so their runs are at most the table's rows; tiles past the bound are never written."""
     rows = row_request.shape[0]
-    max_tiles = -(-rows // block_m) + min(rows, max_runs)
+    max_tiles = tile_capacity(rows, max_runs, block_m)
     first = torch.empty(max_tiles + 1, dtype=torch.int32, device=row_request.device)
     _tile_plan_kernel[(1,)](row_request, first, rows, max_tiles, BLOCK_M=block_m, BLOCK=TILE_PLAN_BLOCK)
     return ExtendPlan(first, block_m)
