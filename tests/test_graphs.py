@@ -105,6 +105,7 @@ def test_prefill_guard_names_a_moved_slot(model):
     slots = llm.compiled.prefill.slots
     slots.buffers = {n: b.clone() for n, b in slots.buffers.items()}  # every slot moves
     slots._views.clear()
+    slots._field_views.clear()
     chunks = [ExtendChunk(tuple(range(10, 21)), 0, (1, 2, 3), True)]
     with torch.inference_mode(), pytest.raises(MovedTensorError, match="input_ids|positions|slot_mapping"):
         llm.compiled.prefill.run(chunks, [ROW])
@@ -241,6 +242,21 @@ def test_captured_attention_reads_a_table_of_fixed_rows(graphed, broken):
     assert broken.compiled.prefill.plan(chunks, 16).block_tables.shape[0] == len(chunks) + 1
     with pytest.raises(ValueError, match="7 chunks need 8 table rows"):
         graphed.compiled.prefill.plan([chunks[0]] * 7, 32)
+
+
+@pytest.mark.parametrize("bucket", [16, 32, 64])
+def test_the_table_and_tile_plan_are_published_into_pinned_slots(graphed, bucket):
+    """Captured attention reads them where every graph was captured: one table for every
+    bucket, a tile plan sized by the bucket, each step's values copied in."""
+    runner = graphed.compiled.prefill
+    chunks = [ExtendChunk(tuple(range(9)), 0, (1, 2, 3), True), ExtendChunk((4, 5), 3, (4, 5), False)]
+    meta = runner.plan(chunks, bucket, 2)
+    with torch.inference_mode():
+        view = runner.slots.publish(meta)
+    for name in ("block_tables", "attention_tiles", "input_ids", "row_request"):
+        assert torch.equal(getattr(view, name), getattr(meta, name)), name
+    assert view.block_tables is runner.slots.view(16)["block_tables"]
+    assert len(view.attention_tiles) == -(-bucket // 64) + 6 + 1   # a partial tile per chunk (6 at most)
 
 
 def test_prefill_graphs_cover_every_token_and_view_bucket(graphed):

@@ -13,7 +13,7 @@ every segment eagerly: one walk over the same segments.
 import torch
 
 from tokenspeed.backends.kernels.registry import direct_calls
-from tokenspeed.backends.metadata import kept_rows
+from tokenspeed.backends.metadata import kept_rows, tile_capacity
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import RowSampling, sample
@@ -33,11 +33,16 @@ class PrefillRunner:
         tables_in_graphs = any("block_tables" in seg.inputs for seg in program.segments if seg.kind == "graph")
         self.table_rows = max_chunks + 1 if tables_in_graphs else None
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
-        self.graphs = SegmentGraphs(("kv_cache", *TOKEN_ROW_FIELDS))
+        fields, lengths = TOKEN_ROW_FIELDS, {}
+        if tables_in_graphs:   # pinned like the token rows: one copy per step, none per graph
+            fields += ("block_tables", "attention_tiles")
+            lengths = {"block_tables": lambda rows: max_chunks + 1,
+                       "attention_tiles": lambda rows: tile_capacity(rows, max_chunks) + 1}
+        self.graphs = SegmentGraphs(("kv_cache", *fields))
         self.eager = {seg.name: direct_calls(seg.graph_module, kv_cache.device.type).forward
                       for seg in program.segments}   # what runs eagerly skips the dispatcher
         top = max(self.token_ladder, default=0)
-        self.slots = MetadataSlots(self.plan([], top), top, kv_cache.device, TOKEN_ROW_FIELDS) \
+        self.slots = MetadataSlots(self.plan([], top), top, kv_cache.device, fields, lengths=lengths) \
             if top else None
 
     def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
@@ -82,28 +87,30 @@ class PrefillRunner:
         ``fed``: token rows whose inputs are on the device (the chunks hold stand-ins)."""
         tokens = sum(len(c.tokens) for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
-        t, v = bucket_for(self.token_ladder, tokens), bucket_for(self.view_ladder, views)
+        t = bucket_for(self.token_ladder, tokens)
+        v = bucket_for(self.view_ladder, views) if t else None   # above the buckets: all eager
         meta = self.plan(chunks, t or tokens, v)
         meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
         if fed is not None and fed.rows:
             meta.input_ids.index_copy_(0, device_index(fed.rows, meta.input_ids.device),
                                        fed.tokens.to(meta.input_ids.dtype))
-        logits = self._walk(meta)
+        logits = self._walk(meta, replay=t is not None)
         sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows))
         return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),
                           sampling, sampled.logprobs, sampled.tokens)
 
     @torch.no_grad()   # kernels called directly run under autograd, which the dispatcher skipped
-    def _walk(self, meta, capturer=None, capture_ladder: str | None = None) -> torch.Tensor:
+    def _walk(self, meta, capturer=None, capture_ladder: str | None = None, replay: bool = True) -> torch.Tensor:
         """Run every segment; with a capturer, capture the missing graphs of the segments
-        padded by ``capture_ladder`` (others replay if captured, else run eagerly)."""
+        padded by ``capture_ladder`` (others replay if captured and ``replay``, else run
+        eagerly: a batch above the token buckets is not in the slots the graphs read)."""
         env = {"kv_cache": self.kv_cache, **leaves(meta)}
         sizes = {"tokens": meta.input_ids.shape[0], "view": meta.view_rows.shape[0]}
         live = {"tokens": meta.num_live_rows, "view": meta.num_live_view_rows}
         stable = {id(env[n]) for n in self.graphs.pinned_inputs}
         for seg in self.program.segments:
             rung = sizes.get(seg.ladder)
-            if seg.kind == "graph" and (seg.name, rung) in self.graphs:
+            if seg.kind == "graph" and replay and (seg.name, rung) in self.graphs:
                 outputs = self.graphs.replay(seg, rung, env)
             elif seg.kind == "graph" and capturer is not None and seg.ladder == capture_ladder:
                 outputs = self.graphs.capture(capturer, seg, rung, env, stable,

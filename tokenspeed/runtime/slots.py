@@ -18,17 +18,20 @@ ALIGN = 64
 
 class MetadataSlots:
     def __init__(self, template, capacity: int, device, fields: tuple[str, ...] | None = None,
-                 staged: bool | None = None):
+                 staged: bool | None = None, lengths: dict | None = None):
         """``template``: a host descriptor with ``capacity`` rows in each slotted field;
-        ``staged``: publish through host staging copies (default: on CUDA, pinned)."""
+        ``staged``: publish through host staging copies (default: on CUDA, pinned);
+        ``lengths``: for a field whose rows are not the batch's rows (a table of fixed rows,
+        a tile plan), its rows in a batch of ``rows``, from that function of ``rows``."""
         self.fields = fields or tensor_fields(type(template))
+        self.lengths = lengths or {}
         self.capacity, self.device = capacity, torch.device(device)
         specs = sorted(((n, getattr(template, n)) for n in self.fields), key=lambda s: _row_bytes(s[1]))
         offsets, size = [], 0
         for _, t in specs:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        self._row_spans = [(o, _row_bytes(t)) for (_, t), o in zip(specs, offsets)]
+        self._row_spans = [(n, o, _row_bytes(t)) for (n, t), o in zip(specs, offsets)]
         self.device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
         pinned = self.device.type == "cuda"
         self.host_bytes = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)] \
@@ -37,6 +40,7 @@ class MetadataSlots:
         self.staging = [{n: _typed(host, o, t) for (n, t), o in zip(specs, offsets)}
                         for host in self.host_bytes]
         self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._field_views: dict[tuple[str, int], torch.Tensor] = {}
         self._staging_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._turn = 0
         self._others: dict[type, tuple[str, ...]] = {}
@@ -46,8 +50,18 @@ class MetadataSlots:
         if rows > self.capacity:
             raise ValueError(f"batch of {rows} rows exceeds the slots' capacity {self.capacity}")
         if rows not in self._views:
-            self._views[rows] = {n: b[:rows] for n, b in self.buffers.items()}
+            self._views[rows] = {n: self._field_view(n, self._rows(n, rows)) for n in self.buffers}
         return self._views[rows]
+
+    def _rows(self, name: str, rows: int) -> int:
+        return self.lengths[name](rows) if name in self.lengths else rows
+
+    def _field_view(self, name: str, length: int) -> torch.Tensor:
+        """One view per field and length: batches whose field has as many rows share it (a
+        table of fixed rows is one tensor for every batch)."""
+        if (name, length) not in self._field_views:
+            self._field_views[name, length] = self.buffers[name][:length]
+        return self._field_views[name, length]
 
     def publish(self, meta):
         """Stage ``meta``'s slotted fields and copy them over in one transfer; returns
@@ -77,7 +91,8 @@ class MetadataSlots:
         """Bytes from the buffer's start that hold the views for ``rows``: what a publish
         copies. Fields are laid out by bytes per row, widest last, so a small batch does
         not copy the block table's unused rows (32 KiB each at 131072 tokens of context)."""
-        return max(offset + rows * row for offset, row in self._row_spans)
+        view = self.view(rows)
+        return max(offset + view[name].shape[0] * row for name, offset, row in self._row_spans)
 
     def _unslotted(self, cls) -> tuple[str, ...]:
         """``cls``'s tensor fields outside the slots, looked up once per descriptor class."""
@@ -88,7 +103,7 @@ class MetadataSlots:
     def _staging_view(self, turn: int, rows: int) -> dict[str, torch.Tensor]:
         """The first ``rows`` rows of one staging copy, built once per (turn, rows)."""
         if (turn, rows) not in self._staging_views:
-            self._staging_views[turn, rows] = {n: t[:rows] for n, t in self.staging[turn].items()}
+            self._staging_views[turn, rows] = {n: t[:self._rows(n, rows)] for n, t in self.staging[turn].items()}
         return self._staging_views[turn, rows]
 
 
