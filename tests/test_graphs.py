@@ -152,8 +152,8 @@ def test_a_second_engine_over_the_model_leaves_the_first_engines_graphs_valid(dt
 def test_guard_names_a_replaced_buffer_or_weight():
     model = decisive_model(seed=3)
     llm = make_llm(model)
-    rotary = model.model.layers[0].self_attn.rotary
-    rotary.inv_freq = rotary.inv_freq.clone()  # read by the prefill graphs
+    rotary = model.model.layers[-1].self_attn.rotary
+    rotary.inv_freq = rotary.inv_freq.clone()  # read by the prefill graphs (the last layer's keys)
     chunks = [ExtendChunk(tuple(range(10, 21)), 0, (1, 2, 3), True)]
     with torch.inference_mode(), pytest.raises(MovedTensorError, match="inv_freq"):
         llm.compiled.prefill.run(chunks, [ROW])

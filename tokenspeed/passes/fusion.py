@@ -1,4 +1,5 @@
-"""Decode fusions: fewer, larger kernels for a step that is launch- and bandwidth-bound.
+"""Fusions: fewer, larger kernels for a step that is launch- and bandwidth-bound (decode
+takes them all; prefill, whose small steps are launch-bound too, the norms and the rotary).
 
 - ``fuse_norms``: an ``rms_norm`` leaf module becomes ``tokenspeed::rms_norm``; when its input is a
   residual add, the add joins it (``tokenspeed::add_rms_norm`` returns norm and sum).
@@ -90,19 +91,22 @@ def _fused_add_norm(gm, add, norm, node) -> list[fx.Node]:
 
 @graph_pass("fuse_rope_write_kv")
 def fuse_rope_write_kv(gm: fx.GraphModule, *, config, **_) -> None:
+    """In prefill, where the narrowing rotates a layer's queries in the decoder stage (the
+    view's rows) and writes its keys in the encoder (every row), that layer stays unfused."""
     table = None
     for write in [n for n in gm.graph.nodes if n.target == WRITE_KV]:
         k_rot, v, cache, layer, slots = write.args
         q_rot = _query_rotary(gm, k_rot)
-        if q_rot is None:
+        if q_rot is None or q_rot.meta.get("stage") != write.meta.get("stage"):
             continue
-        table = table or _rope_table(gm, _module(gm, k_rot), config)
+        table = table or _rope_table(gm, _module(gm, k_rot), config, write)
         with gm.graph.inserting_after(q_rot):
             fused = gm.graph.call_function(ops.rope_write_kv.default,
                                            (q_rot.args[0], k_rot.args[0], v, table, k_rot.args[1],
                                             cache, layer, slots))
         q_rot.replace_all_uses_with(fused)
         rename(fused, f"{q_rot.name}_write_kv")
+        _same_stage(write, fused)
         for dead in (write, q_rot, k_rot):
             gm.graph.erase_node(dead)
 
@@ -221,11 +225,14 @@ def _query_rotary(gm, k_rot: fx.Node) -> fx.Node | None:
     return None
 
 
-def _rope_table(gm: fx.GraphModule, rotary: torch.nn.Module, config) -> fx.Node:
-    """One shared cos/sin table over every position the model supports."""
+def _rope_table(gm: fx.GraphModule, rotary: torch.nn.Module, config, first_reader: fx.Node) -> fx.Node:
+    """One shared cos/sin table over every position the model supports (read in the stage
+    of its first reader)."""
     if not hasattr(gm, ROPE_TABLE):
         positions = torch.arange(config.max_position_embeddings, device=rotary.inv_freq.device)
         gm.register_buffer(ROPE_TABLE, cos_sin_table(rotary.inv_freq, positions))
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last_input):
-        return gm.graph.get_attr(ROPE_TABLE)
+        table = gm.graph.get_attr(ROPE_TABLE)
+    _same_stage(first_reader, table)
+    return table

@@ -22,7 +22,8 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
     their own, ahead of the attention (the fused kernel writes and attends per row)."""
     if mode == "prefill":
         breaks = attention_breaks if prefill_breaks else stage_breaks
-        return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, breaks, split_segments]
+        return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, fuse_rope_write_kv,
+                                                     breaks, split_segments]
     fused = [fuse_rope_decode_attention] if mode == "decode" else []
     return [decode_kernels, fuse_norms, fuse_rope_write_kv, *fused,
             select_linear, fuse_gated_linear, fuse_norm_linear,
