@@ -124,8 +124,10 @@ class PrefillRunner:
         return env[self.program.output]
 
     def _sources(self, names, rows: int) -> dict[str, torch.Tensor]:
-        """Where pinned inputs live now: the guard compares them with the capture."""
-        views = self.slots.view(rows) if self.slots and rows <= self.slots.capacity else {}
+        """Where pinned inputs live now: the guard compares them with the capture. A view
+        bucket may pass the token buckets; its graphs read no token rows, only the table,
+        which is one tensor for every batch."""
+        views = self.slots.view(min(rows, self.slots.capacity)) if self.slots else {}
         return {n: self.kv_cache if n == "kv_cache" else views.get(n) for n in names}
 
 
