@@ -133,12 +133,23 @@ def served(port: int, num_prompts: int, input_len: int, output_len: int, concurr
     merged over the span from the first start to the last end."""
     processes = -(-concurrency // CLIENTS_PER_PROCESS)
     for prompts in (concurrency, num_prompts):                            # warm-up, then measure
-        results, duration = _clients(port, prompts, input_len, output_len, concurrency, processes, seed)
+        results, spans = _clients(port, prompts, input_len, output_len, concurrency, processes, seed)
+    duration = max(end for _, end in spans) - min(start for start, _ in spans)
     s = summarize(results, duration)
     return {"ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
             "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
             "itl_p50_ms": s["itl_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
-            "served_tok_s": s["output_throughput"], "failed": s["failed"]}
+            "served_tok_s": s["output_throughput"], "failed": s["failed"],
+            **client_diagnostics(results, spans, duration)}
+
+
+def client_diagnostics(results, spans, duration: float) -> dict:
+    """Where a served run's clients spent the span: requests in flight on average (their
+    latencies over the span; the concurrency if no client ever waited between requests),
+    and how far apart the client processes started and ended."""
+    starts, ends = [s for s, _ in spans], [e for _, e in spans]
+    return {"in_flight": sum(r.latency for r in results if r.ok) / duration,
+            "start_skew_s": max(starts) - min(starts), "end_skew_s": max(ends) - min(ends)}
 
 
 def _clients(port, num_prompts, input_len, output_len, concurrency, processes, seed):
@@ -159,7 +170,7 @@ def _clients(port, num_prompts, input_len, output_len, concurrency, processes, s
             s = json.loads(out.read_text())
             results += [RequestResult(**{**r, "itl": tuple(r["itl"])}) for r in s["requests"]]
             spans.append((s["start_time"], s["end_time"]))
-    return results, max(end for _, end in spans) - min(start for start, _ in spans)
+    return results, spans
 
 
 def measure(args, llm, prompts, concurrency: int) -> dict:
