@@ -45,7 +45,6 @@ from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 CLIENTS_PER_PROCESS = 8
-CLIENT_START_S = 5.0     # a client process imports and asks for the model list meanwhile
 
 
 def bench_llm(shape: str, device: str, **options):
@@ -153,20 +152,31 @@ def client_diagnostics(results, spans, duration: float) -> dict:
 
 
 def _clients(port, num_prompts, input_len, output_len, concurrency, processes, seed):
+    """Every client process is released once all are set up: started at a wall-clock time
+    instead (5 s after the launch), they started up to 1.2 s apart on the H200's host (its
+    imports, beside the engine), and the span they were measured over grew by as much."""
     with tempfile.TemporaryDirectory() as folder:
-        running, start_at = [], time.time() + CLIENT_START_S
+        running = []
         for k in range(processes):
             out = Path(folder) / f"client{k}.json"
             command = [sys.executable, "-m", "tokenspeed", "bench", "serve", "--base-url",
                        f"http://127.0.0.1:{port}", "--num-prompts", str(num_prompts // processes),
                        "--input-len", str(input_len), "--output-len", str(output_len),
                        "--max-concurrency", str(concurrency // processes), "--seed", str(seed * 100 + k),
-                       "--output-json", str(out), "--start-at", str(start_at)]
-            running.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
+                       "--output-json", str(out), "--start-on-stdin"]
+            running.append((subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE), out))
+        for process, _ in running:
+            if process.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"a client failed to start: {process.communicate()[1].decode()}")
+        for process, _ in running:
+            process.stdin.write(b"go\n")
+            process.stdin.flush()
         results, spans = [], []
         for process, out in running:
-            if process.wait() != 0:
-                raise RuntimeError(f"a client failed: {process.stderr.read().decode()}")
+            _, errors = process.communicate()
+            if process.returncode != 0:
+                raise RuntimeError(f"a client failed: {errors.decode()}")
             s = json.loads(out.read_text())
             results += [RequestResult(**{**r, "itl": tuple(r["itl"])}) for r in s["requests"]]
             spans.append((s["start_time"], s["end_time"]))

@@ -277,13 +277,14 @@ def test_view_bucket_graphs_are_captured_after_every_token_bucket_graph(graphed)
     assert order == sorted(order, key=["tokens", "view"].index)
 
 
-def test_view_buckets_above_the_token_buckets_capture_and_replay(model, eager):
+def test_view_buckets_above_the_token_buckets_capture_and_replay(model):
     """Views of 4 rows per request for 6 requests pass the one token bucket (16): their
     graphs read the table, pinned for every batch, and no token rows."""
-    llm = make_llm(model, max_num_batched_tokens=16, view_width=4)
+    options = dict(max_num_batched_tokens=16, view_width=4)
+    llm = make_llm(model, **options)
     assert max(llm.compiled.startup.view_buckets) > max(llm.compiled.startup.token_buckets)
     assert [o.token_ids for o in llm.generate(prompts(4), GREEDY)] == \
-        [o.token_ids for o in eager.generate(prompts(4), GREEDY)]
+        [o.token_ids for o in make_llm(model, enforce_eager=True, **options).generate(prompts(4), GREEDY)]
 
 
 def test_padded_rows_are_scrubbed_after_each_break(broken):

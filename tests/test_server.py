@@ -158,6 +158,28 @@ def check_sixteen_clients(client, model: str, llm) -> None:
     assert got == want
 
 
+def test_bench_serve_drives_the_server_when_released(base_url, tmp_path):
+    """``tokenspeed bench serve`` as a launcher runs it: set up, says so, waits for the
+    release, then streams every prompt and reports vLLM's figures; the pages come back."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "tokenspeed", "bench", "serve", "--base-url", base_url, "--api-key", KEY,
+               "--num-prompts", "6", "--input-len", "8", "--output-len", "5", "--max-concurrency", "3",
+               "--output-json", str(out), "--start-on-stdin"]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().strip() == b"ready"
+    report, errors = process.communicate(b"go\n", timeout=120)
+    assert process.returncode == 0, errors.decode()
+    summary = json.loads(out.read_text())
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (6, 0, 30)
+    assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p99"] >= summary["tpot_ms"]["p50"] > 0
+    assert "Output token throughput (tok/s):" in report.decode()
+    for _ in range(200):      # the gauge follows the engine's next report
+        if metric(base_url, "tokenspeed_kv_pages_in_use") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(base_url, "tokenspeed_kv_pages_in_use") == 0
+
+
 def test_a_client_that_leaves_frees_its_pages(base_url):
     body = {"prompt": "A long story begins", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},

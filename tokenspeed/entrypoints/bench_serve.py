@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 
 import attrs
@@ -50,6 +51,9 @@ def add_command(bench) -> None:
     serve.add_argument("--start-at", type=float, default=None,
                        help="wall-clock time (seconds since the epoch) to start sending at, so "
                             "several client processes start together")
+    serve.add_argument("--start-on-stdin", action="store_true",
+                       help="print 'ready' once set up, then start sending when a line arrives on "
+                            "stdin (a launcher releasing several client processes at once)")
     serve.set_defaults(run=run)
 
 
@@ -59,7 +63,10 @@ def run(args) -> None:
     prompts = random_prompts(args.num_prompts, args.input_len, served["vocab_size"], args.seed)
     spec = LoadSpec(args.base_url, args.model or served["id"], prompts, args.output_len,
                     args.request_rate, args.max_concurrency, args.api_key, args.seed)
-    if args.start_at is not None:
+    if args.start_on_stdin:
+        print("ready", flush=True)
+        sys.stdin.readline()
+    elif args.start_at is not None:
         time.sleep(max(0.0, args.start_at - time.time()))
     started = time.time()
     results, duration = asyncio.run(drive(spec))
