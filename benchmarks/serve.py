@@ -168,6 +168,8 @@ def _clients(port, num_prompts, input_len, output_len, concurrency, processes, s
                                              stderr=subprocess.PIPE), out))
         for process, _ in running:
             if process.stdout.readline().strip() != b"ready":
+                for other, _ in running:    # none of them starts: their stdin closes
+                    other.kill()
                 raise RuntimeError(f"a client failed to start: {process.communicate()[1].decode()}")
         for process, _ in running:
             process.stdin.write(b"go\n")

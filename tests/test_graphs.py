@@ -197,9 +197,11 @@ def test_support_resolution_logs_the_culprit_and_downgrades(model, eager, caplog
     with caplog.at_level(logging.WARNING, logger="tokenspeed.backends"):
         llm = make_llm(model, backend=TwoLeaves())
     assert "EagerOnlyLeaf does not support decode_graph" in caplog.text
+    assert "EagerOnlyLeaf does not support prefill_attention" in caplog.text   # it did not opt in
     assert llm.compiled.support == CudaGraphSupport(decode_graph=False, prefill_graph=True)
     assert not llm.compiled.decode.graphs and llm.compiled.prefill.graphs
     assert any(s.kind == "break" for s in llm.compiled.lowered["decode"].segments)
+    assert any(s.name.endswith("attention") for s in llm.compiled.lowered["prefill"].segments)
     assert [o.token_ids for o in llm.generate(prompts(4), GREEDY)] == \
         [o.token_ids for o in eager.generate(prompts(4), GREEDY)]
 
@@ -235,46 +237,37 @@ def test_prefill_attention_is_captured_in_one_graph_per_stage(graphed, broken):
 
 
 def test_captured_attention_reads_a_table_of_fixed_rows(graphed, broken):
-    """Its graphs replay with every step's table: one row per chunk a step may hold, and
-    the null row; the lowering with breaks sends only the step's rows."""
+    """Its graphs read the table from a slot with a row for each chunk a step may hold (6)
+    and the null row; each step's table fills its first rows. The tile plan is sized for
+    as many chunks: a step of more is refused, never cut."""
     chunks = [ExtendChunk((5, 6, 7), 0, (1,), True)]
-    assert graphed.compiled.prefill.plan(chunks, 16).block_tables.shape[0] == 6 + 1
-    assert broken.compiled.prefill.plan(chunks, 16).block_tables.shape[0] == len(chunks) + 1
-    with pytest.raises(ValueError, match="7 chunks need 8 table rows"):
-        graphed.compiled.prefill.plan([chunks[0]] * 7, 32)
+    runner = graphed.compiled.prefill
+    assert runner.plan(chunks, 16).block_tables.shape[0] == len(chunks) + 1
+    with torch.inference_mode():
+        assert runner.slots.publish(runner.plan(chunks, 16)).block_tables.shape[0] == 6 + 1
+    assert len(broken.compiled.prefill.plan(chunks, 16).attention_tiles) == 1 + 1 + 1
+    with pytest.raises(ValueError, match="7 chunks in one step; a step holds at most 6"):
+        runner.plan([chunks[0]] * 7, 32)
 
 
 @pytest.mark.parametrize("bucket", [16, 32, 64])
 def test_the_table_and_tile_plan_are_published_into_pinned_slots(graphed, bucket):
     """Captured attention reads them where every graph was captured: one table for every
-    bucket, a tile plan sized by the bucket, each step's values copied in."""
+    bucket (a step's rows first, an earlier step's after them), a tile plan sized by the
+    bucket, each step's values copied in."""
     runner = graphed.compiled.prefill
+    wide = [ExtendChunk((i,), 0, (i + 1,), True) for i in range(5)]
     chunks = [ExtendChunk(tuple(range(9)), 0, (1, 2, 3), True), ExtendChunk((4, 5), 3, (4, 5), False)]
-    meta = runner.plan(chunks, bucket, 2)
     with torch.inference_mode():
+        runner.slots.publish(runner.plan(wide, bucket, 5))
+        meta = runner.plan(chunks, bucket, 2)
         view = runner.slots.publish(meta)
-    for name in ("block_tables", "attention_tiles", "input_ids", "row_request"):
+    for name in ("attention_tiles", "input_ids", "row_request"):
         assert torch.equal(getattr(view, name), getattr(meta, name)), name
+    assert torch.equal(view.block_tables[:3], meta.block_tables)
+    assert view.block_tables[2].eq(0).all() and view.block_tables[3:5].ne(0).any()   # the null row, then stale
     assert view.block_tables is runner.slots.view(16)["block_tables"]
     assert len(view.attention_tiles) == -(-bucket // 64) + 6 + 1   # a partial tile per chunk (6 at most)
-
-
-def test_prefill_graphs_cover_every_token_and_view_bucket(graphed):
-    keys = set(graphed.compiled.prefill.graphs)
-    startup = graphed.compiled.startup
-    for seg in graphed.compiled.lowered["prefill"].segments:
-        if seg.kind == "graph":
-            ladder = startup.token_buckets if seg.ladder == "tokens" else startup.view_buckets
-            assert {(seg.name, size) for size in ladder} <= keys
-
-
-def test_view_bucket_graphs_are_captured_after_every_token_bucket_graph(graphed):
-    """Graphs share one pool, where a later capture may keep outputs in an earlier one's
-    temporaries: a walk replays token graphs then view graphs, so that must be the order."""
-    ladders = {seg.name: seg.ladder for seg in graphed.compiled.lowered["prefill"].segments}
-    order = [ladders[name] for name, _ in graphed.compiled.prefill.graphs]  # capture order
-    assert set(order) == {"tokens", "view"}
-    assert order == sorted(order, key=["tokens", "view"].index)
 
 
 def test_view_buckets_above_the_token_buckets_capture_and_replay(model):

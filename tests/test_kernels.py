@@ -261,6 +261,13 @@ def test_block_sizes_are_tritons_powers_of_two(n):
     assert next_power_of_2(n) == triton.next_power_of_2(n)
 
 
+def test_a_tile_plan_past_its_capacity_is_refused():
+    """Cutting it would leave rows outside every tile: undefined output, no error."""
+    with pytest.raises(ValueError, match="2 attention tiles do not fit a plan of 1"):
+        attention_tiles(np.array([64, 64]), 64, 1)
+    assert attention_tiles(np.array([64, 64]), 64, 3).tolist() == [0, 64, 128, 128]
+
+
 def test_the_plan_of_no_chunks_tiles_its_padding_rows():
     """Captures and the startup's dry run walk a plan of no chunks: its tiles cover the
     padding rows, so those walks launch (and compile) the kernel real steps launch."""

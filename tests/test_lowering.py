@@ -8,7 +8,7 @@ import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk, plan_extend, refresh_decode
 from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.support import CudaGraphSupport
-from tokenspeed.ir.ops import ATTENTION_TARGETS, WRITE_KV_TARGETS
+from tokenspeed.ir.ops import ATTENTION_TARGETS, ROPE_WRITE_KV, WRITE_KV_TARGETS
 from tokenspeed.models.random import TINY_LLAMA, random_model
 from tokenspeed.runtime import kv_pool
 
@@ -99,7 +99,7 @@ def test_narrowing_frontier_follows_the_last_cache_write(model):
                           if n.target in ATTENTION_TARGETS]
     c = model.config
     last_writer = c.num_layers - c.num_kv_shared_layers - 1
-    assert max(written) == last_writer and not _layers(stages["decoder"], WRITE_KV_TARGETS)
+    assert written == list(range(last_writer + 1)) and not _layers(stages["decoder"], WRITE_KV_TARGETS)
     assert len(decoder_attentions) == c.num_kv_shared_layers + 1  # the last writer's and the shared
     assert all(s.kind == "break" for s in stages["narrowing"] + stages["finish"])
 
@@ -154,7 +154,10 @@ def test_narrowing_needs_a_sample_gather():
 
 
 def _layers(segments, targets):
-    return sorted({n.args[3] if n.target in WRITE_KV_TARGETS else n.args[2]
+    """The layers of the ``targets`` ops in ``segments`` (the fused rotary write takes the
+    query, the rotary table and the positions before the cache)."""
+    layer_arg = {ROPE_WRITE_KV: 6, **dict.fromkeys(WRITE_KV_TARGETS[:2], 3)}
+    return sorted({n.args[layer_arg.get(n.target, 2)]
                    for s in segments for n in s.graph_module.graph.nodes if n.target in targets})
 
 

@@ -95,7 +95,7 @@ def refresh_decode(rows: Sequence[DecodeRow], num_rows: int, max_pages: int, pag
 def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: int,
                 max_pages: int, page_size: int, view_width: int = 1,
                 num_view_rows: int | None = None, device="cpu",
-                tile_rows: int = EXTEND_TILE_ROWS) -> ExtendMetadata:
+                tile_rows: int = EXTEND_TILE_ROWS, max_chunks: int | None = None) -> ExtendMetadata:
     """Extend metadata for ``chunks`` padded to ``num_rows`` token rows.
 
     The decoder view keeps the last ``view_width`` rows of each completing chunk and the
@@ -104,13 +104,16 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     ``tile_rows`` rows of one chunk each, over the token rows and over the view; padding
     rows are in no tile, except in the plan of no chunks (captures and the startup's dry
     run), whose tiles cover them: those walks launch the kernel real steps will. Both
-    plans end in empty tiles up to ``tile_capacity`` of their rows and of the chunks the
-    table has room for, so the kernel's grid is fixed by the shapes: a captured graph
-    launches it over every plan of its bucket.
+    plans end in empty tiles up to ``tile_capacity`` of their rows and of ``max_chunks``
+    (the most chunks a step holds; default: the table's chunk rows), so the kernel's grid
+    is fixed by the shapes: a captured graph launches it over every plan of its bucket.
     """
     if num_table_rows <= len(chunks):
         raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
                          f"(one is the null row), got {num_table_rows}")
+    max_chunks = num_table_rows - 1 if max_chunks is None else max_chunks
+    if len(chunks) > max_chunks:
+        raise ValueError(f"{len(chunks)} chunks in one step; a step holds at most {max_chunks}")
     _check_pages(chunks, page_size)
     lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, len(chunks))
     ends, rows = np.cumsum(lengths), int(lengths.sum())
@@ -128,9 +131,9 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
         view_sample_rows=np.array(view_samples, dtype=np.int64),
         attention_tiles=attention_tiles(lengths if chunks else np.array([num_rows]), tile_rows,
-                                        tile_capacity(num_rows, num_table_rows - 1, tile_rows)),
+                                        tile_capacity(num_rows, max_chunks, tile_rows)),
         view_attention_tiles=attention_tiles(np.array(kept if chunks else [num_view_rows]), tile_rows,
-                                             tile_capacity(num_view_rows, num_table_rows - 1, tile_rows))))
+                                             tile_capacity(num_view_rows, max_chunks, tile_rows))))
 
 
 def tile_capacity(num_rows: int, max_runs: int, tile_rows: int = EXTEND_TILE_ROWS) -> int:
@@ -147,6 +150,8 @@ def attention_tiles(run_lengths: np.ndarray, tile_rows: int, capacity: int | Non
     tiles_per_run = -(-run_lengths // tile_rows)
     first_tile = np.cumsum(tiles_per_run) - tiles_per_run
     tiles = int(tiles_per_run.sum())
+    if capacity is not None and tiles > capacity:
+        raise ValueError(f"{tiles} attention tiles do not fit a plan of {capacity}")
     run = np.repeat(np.arange(len(run_lengths)), tiles_per_run)
     firsts = starts[run] + (np.arange(tiles) - first_tile[run]) * tile_rows
     return _padded(firsts, tiles, (tiles if capacity is None else capacity) + 1,

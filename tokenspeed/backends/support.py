@@ -15,10 +15,11 @@ log = logging.getLogger("tokenspeed.backends")
 @attrs.frozen
 class CudaGraphSupport:
     """``prefill_attention``: prefill attention is captured in its stage's graph (its
-    kernels take a tile plan padded to the bucket); else it runs eagerly between graphs."""
+    kernels take a tile plan padded to the bucket); else it runs eagerly between graphs.
+    A backend opts in: only a plan whose shapes the bucket fixes may be captured."""
     decode_graph: bool = True
     prefill_graph: bool = True
-    prefill_attention: bool = True
+    prefill_attention: bool = False
 
     def __and__(self, other: "CudaGraphSupport") -> "CudaGraphSupport":
         return CudaGraphSupport(**{f.name: getattr(self, f.name) and getattr(other, f.name)
@@ -32,7 +33,7 @@ def walk(backend):
 
 
 def resolve_cuda_graph_support(root) -> CudaGraphSupport:
-    support = CudaGraphSupport()
+    support = CudaGraphSupport(True, True, True)
     for node in walk(root):
         declared = type(node).cuda_graph_support
         for field in attrs.fields(CudaGraphSupport):

@@ -65,7 +65,8 @@ def run(args) -> None:
                     args.request_rate, args.max_concurrency, args.api_key, args.seed)
     if args.start_on_stdin:
         print("ready", flush=True)
-        sys.stdin.readline()
+        if not sys.stdin.readline():   # the launcher went away: send nothing
+            raise SystemExit("bench serve: stdin closed before the start")
     elif args.start_at is not None:
         time.sleep(max(0.0, args.start_at - time.time()))
     started = time.time()

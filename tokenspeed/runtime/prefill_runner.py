@@ -4,10 +4,14 @@ Encoder graph segments are captured per token bucket, decoder graph segments per
 decoder-view bucket, all in one memory pool; narrowing, finish and (lowered with attention
 breaks) attention run eagerly with live metadata, and the padded rows of every eager
 output are zeroed (scrubbed) so no undefined rows flow on. Attention captured in a graph
-reads the block table and tile plans, whose shapes the bucket alone must fix: the table
-then has a row for the most chunks a step holds (``max_chunks``) whatever the step's
-chunks. A batch above the largest bucket, or any batch when no graphs were captured, runs
-every segment eagerly: one walk over the same segments.
+reads the block table and tile plans, whose shapes the bucket alone must fix: the tile
+plans are padded for the most chunks a step holds (``max_chunks``), and the graphs read
+the table from a slot with a row for each of them; a step's table is copied into its
+first rows (the rows past it keep an earlier step's pages: no tile names them). Inside
+those graphs the attention output's padded rows are left undefined (no tile covers them);
+they flow only through padded rows, whose cache writes go to the null page. A batch above
+the largest bucket, or any batch when no graphs were captured, runs every segment
+eagerly: one walk over the same segments.
 """
 
 import torch
@@ -30,9 +34,10 @@ class PrefillRunner:
         """Empty ladders: no graphs, every batch runs unpadded."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
-        tables_in_graphs = any("block_tables" in seg.inputs for seg in program.segments if seg.kind == "graph")
-        self.table_rows = max_chunks + 1 if tables_in_graphs else None
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
+        tables_in_graphs = bool(self.token_ladder) and \
+            any("block_tables" in seg.inputs for seg in program.segments if seg.kind == "graph")
+        self.max_chunks = max_chunks if tables_in_graphs else None
         fields, lengths = TOKEN_ROW_FIELDS, {}
         if tables_in_graphs:   # pinned like the token rows: one copy per step, none per graph
             fields += ("block_tables", "attention_tiles")
@@ -47,9 +52,10 @@ class PrefillRunner:
 
     def plan(self, chunks, num_rows: int, num_view_rows: int | None = None):
         """Host-side descriptor; publishing (or ``to_device``) moves it to the device."""
-        return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=self.table_rows or len(chunks) + 1,
+        return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=len(chunks) + 1,
                                         max_pages=self.max_pages, page_size=self.page_size,
-                                        view_width=self.view_width, num_view_rows=num_view_rows)
+                                        view_width=self.view_width, num_view_rows=num_view_rows,
+                                        max_chunks=self.max_chunks)
 
     def capture(self, capturer, progress=None) -> None:
         """Every token bucket's graphs first, then every view bucket's, largest first.

@@ -22,11 +22,14 @@ class MetadataSlots:
         """``template``: a host descriptor with ``capacity`` rows in each slotted field;
         ``staged``: publish through host staging copies (default: on CUDA, pinned);
         ``lengths``: for a field whose rows are not the batch's rows (a table of fixed rows,
-        a tile plan), its rows in a batch of ``rows``, from that function of ``rows``."""
+        a tile plan), its rows in a batch of ``rows``, from that function of ``rows``. Such a
+        field's view has that many rows whatever a descriptor holds: a publish copies the
+        descriptor's rows into its first rows and leaves the rest as they were."""
         self.fields = fields or tensor_fields(type(template))
         self.lengths = lengths or {}
         self.capacity, self.device = capacity, torch.device(device)
-        specs = sorted(((n, getattr(template, n)) for n in self.fields), key=lambda s: _row_bytes(s[1]))
+        specs = sorted(((n, _full(getattr(template, n), self._rows(n, capacity))) for n in self.fields),
+                       key=lambda s: _row_bytes(s[1]))
         offsets, size = [], 0
         for _, t in specs:
             offsets.append(size)
@@ -77,20 +80,33 @@ class MetadataSlots:
         rows = getattr(meta, self.fields[0]).shape[0]
         view = self.view(rows)
         self._turn = (self._turn + 1) % len(self.host_bytes)
-        for name, staged in self._staging_view(self._turn, rows).items():
-            staged.copy_(getattr(meta, name))
+        end = self._stage(meta, self._staging_view(self._turn, rows)) if self.lengths else None
+        if not self.lengths:
+            for name, staged in self._staging_view(self._turn, rows).items():
+                staged.copy_(getattr(meta, name))
         if self.host_bytes[self._turn] is not self.device_bytes:
-            end = self.used_bytes(rows)
+            end = self.used_bytes(rows) if end is None else end
             self.device_bytes[:end].copy_(self.host_bytes[self._turn][:end], non_blocking=True)
         others = {n: getattr(meta, n).to(self.device, non_blocking=True)
                   for n in self._unslotted(type(meta))}
         self._last = (meta, attrs.evolve(meta, **view, **others))
         return self._last[1]
 
+    def _stage(self, meta, staging: dict[str, torch.Tensor]) -> int:
+        """Stage each field's rows (for a field of ``lengths``, the descriptor's, into the
+        first rows of its view); the bytes from the buffer's start that hold them."""
+        end = 0
+        for name, offset, row in self._row_spans:
+            value = getattr(meta, name)
+            (staging[name][:value.shape[0]] if name in self.lengths else staging[name]).copy_(value)
+            end = max(end, offset + value.shape[0] * row)
+        return end
+
     def used_bytes(self, rows: int) -> int:
         """Bytes from the buffer's start that hold the views for ``rows``: what a publish
-        copies. Fields are laid out by bytes per row, widest last, so a small batch does
-        not copy the block table's unused rows (32 KiB each at 131072 tokens of context)."""
+        copies (less, for a field of ``lengths`` whose descriptor holds fewer rows). Fields
+        are laid out by bytes per row, widest last, so a small batch does not copy the block
+        table's unused rows (32 KiB each at 131072 tokens of context)."""
         view = self.view(rows)
         return max(offset + view[name].shape[0] * row for name, offset, row in self._row_spans)
 
@@ -105,6 +121,12 @@ class MetadataSlots:
         if (turn, rows) not in self._staging_views:
             self._staging_views[turn, rows] = {n: t[:self._rows(n, rows)] for n, t in self.staging[turn].items()}
         return self._staging_views[turn, rows]
+
+
+def _full(template: torch.Tensor, rows: int) -> torch.Tensor:
+    """A stand-in of ``template``'s dtype and row shape with ``rows`` rows (no storage)."""
+    return template if template.shape[0] == rows else \
+        torch.empty((rows, *template.shape[1:]), dtype=template.dtype, device="meta")
 
 
 def _row_bytes(t: torch.Tensor) -> int:
