@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from tokenspeed.backends.metadata import plan_extend, refresh_decode, write_locations
+from tokenspeed.backends.metadata import kept_rows, plan_extend, refresh_decode, write_locations
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.testing import invariants as inv
 from tokenspeed.runtime.speculative import window_rows
@@ -112,6 +112,19 @@ def test_decoder_view_keeps_sampled_rows(case, width):
                        case.page_size, view_width=width)
     assert torch.equal(meta.view_rows[meta.view_sample_rows], meta.sample_rows)
     assert meta.sample_rows.numel() == sum(c.completes for c in case.chunks)
+
+
+@given(case=extend_cases(), width=st.integers(1, 4))
+def test_decoder_view_is_each_chunks_kept_rows_in_order(case, width):
+    """The view ``plan_extend`` builds over arrays is ``kept_rows`` of each chunk (what the
+    prefill runner counts to pick the view bucket): the last rows of each, in order."""
+    meta = plan_extend(case.chunks, case.num_rows, len(case.chunks) + 1, case.max_pages,
+                       case.page_size, view_width=width)
+    want, end = [], 0
+    for chunk in case.chunks:
+        end += len(chunk.tokens)
+        want += range(end - kept_rows(chunk, width), end)
+    assert meta.view_rows[:meta.num_live_view_rows].tolist() == want and meta.num_live_view_rows == len(want)
 
 
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=60),

@@ -114,25 +114,25 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     max_chunks = num_table_rows - 1 if max_chunks is None else max_chunks
     if len(chunks) > max_chunks:
         raise ValueError(f"{len(chunks)} chunks in one step; a step holds at most {max_chunks}")
-    _check_pages(chunks, page_size)
     lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, len(chunks))
-    ends, rows = np.cumsum(lengths), int(lengths.sum())
-    view, view_samples, kept = _decoder_view(chunks, ends.tolist(), view_width)
-    tables = block_table([c.pages for c in chunks], num_table_rows, max_pages)
     starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+    completes = np.fromiter((c.completes for c in chunks), bool, len(chunks))
+    _check_pages(chunks, starts + lengths, page_size)
+    ends, rows = np.cumsum(lengths), int(lengths.sum())
+    view, view_samples, kept = _decoder_view(lengths, ends, completes, view_width)
+    tables = block_table([c.pages for c in chunks], num_table_rows, max_pages)
     positions = _padded(np.arange(rows) - np.repeat(ends - lengths - starts, lengths), rows, num_rows)
     row_request = _padded(np.repeat(np.arange(len(chunks)), lengths), rows, num_rows, num_table_rows - 1)
     num_view_rows = len(view) if num_view_rows is None else num_view_rows
-    completes = np.fromiter((c.completes for c in chunks), bool, len(chunks))
     return ExtendMetadata(num_live_rows=rows, num_live_view_rows=len(view), **_on(
         device, input_ids=_padded(chain.from_iterable(c.tokens for c in chunks), rows, num_rows),
         positions=positions, slot_mapping=write_locations(tables, row_request, positions, page_size),
         block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
-        view_sample_rows=np.array(view_samples, dtype=np.int64),
+        view_sample_rows=view_samples,
         attention_tiles=attention_tiles(lengths if chunks else np.array([num_rows]), tile_rows,
                                         tile_capacity(num_rows, max_chunks, tile_rows)),
-        view_attention_tiles=attention_tiles(np.array(kept if chunks else [num_view_rows]), tile_rows,
+        view_attention_tiles=attention_tiles(kept if chunks else np.array([num_view_rows]), tile_rows,
                                              tile_capacity(num_view_rows, max_chunks, tile_rows))))
 
 
@@ -158,13 +158,15 @@ def attention_tiles(run_lengths: np.ndarray, tile_rows: int, capacity: int | Non
                    int(run_lengths.sum())).astype(np.int32)
 
 
-def _check_pages(chunks: Sequence[ExtendChunk], page_size: int) -> None:
-    """A position past a chunk's pages would resolve to the null page, shared with padding."""
-    for i, chunk in enumerate(chunks):
-        end = chunk.start + len(chunk.tokens)
-        if end > len(chunk.pages) * page_size:
-            raise ValueError(f"chunk {i}: positions up to {end - 1} need {-(-end // page_size)} "
-                             f"pages of {page_size} tokens, it holds {len(chunk.pages)}")
+def _check_pages(chunks: Sequence[ExtendChunk], ends: np.ndarray, page_size: int) -> None:
+    """A position past a chunk's pages would resolve to the null page, shared with padding
+    (``ends``: where each chunk's positions end)."""
+    held = np.fromiter((len(c.pages) for c in chunks), np.int64, len(chunks))
+    short = np.flatnonzero(ends > held * page_size)
+    if len(short):
+        i, end = int(short[0]), int(ends[short[0]])
+        raise ValueError(f"chunk {i}: positions up to {end - 1} need {-(-end // page_size)} "
+                         f"pages of {page_size} tokens, it holds {held[i]}")
 
 
 def kept_rows(chunk: ExtendChunk, width: int) -> int:
@@ -172,12 +174,11 @@ def kept_rows(chunk: ExtendChunk, width: int) -> int:
     return min(width if chunk.completes else 1, len(chunk.tokens))
 
 
-def _decoder_view(chunks, ends, width):
-    """The view's token rows, its sampled rows, and how many rows each chunk keeps."""
-    view, samples, kept = [], [], []
-    for chunk, end in zip(chunks, ends):
-        kept.append(kept_rows(chunk, width))
-        view.extend(range(end - kept[-1], end))
-        if chunk.completes:
-            samples.append(len(view) - 1)
-    return view, samples, kept
+def _decoder_view(lengths: np.ndarray, ends: np.ndarray, completes: np.ndarray, width: int):
+    """The view's token rows, its sampled rows (indices into the view), and how many rows
+    each chunk keeps: ``kept_rows`` over the chunks' arrays (a loop over the chunks took
+    about a third of a 64-chunk step's plan)."""
+    kept = np.minimum(np.where(completes, width, 1), lengths)
+    last = np.cumsum(kept)
+    view = np.repeat(ends - last, kept) + np.arange(int(last[-1]) if len(last) else 0)
+    return view, (last - 1)[completes], kept
