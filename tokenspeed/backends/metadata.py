@@ -142,6 +142,12 @@ def tile_capacity(num_rows: int, max_runs: int, tile_rows: int = EXTEND_TILE_ROW
     return -(-num_rows // tile_rows) + min(num_rows, max_runs)
 
 
+def tile_plan_length(num_rows: int, max_chunks: int) -> int:
+    """Entries of ``plan_extend``'s tile plan over ``num_rows`` rows: the first row of each
+    of ``tile_capacity`` tiles, then the rows covered."""
+    return tile_capacity(num_rows, max_chunks) + 1
+
+
 def attention_tiles(run_lengths: np.ndarray, tile_rows: int, capacity: int | None = None) -> np.ndarray:
     """Consecutive runs of rows, ``run_lengths[i]`` rows each, cut into tiles of at most
     ``tile_rows`` rows of one run: the first row of every tile, then empty tiles up to

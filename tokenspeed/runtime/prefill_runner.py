@@ -17,7 +17,7 @@ eagerly: one walk over the same segments.
 import torch
 
 from tokenspeed.backends.kernels.registry import direct_calls
-from tokenspeed.backends.metadata import kept_rows, tile_capacity
+from tokenspeed.backends.metadata import kept_rows, tile_plan_length
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import RowSampling, sample
@@ -42,7 +42,7 @@ class PrefillRunner:
         if tables_in_graphs:   # pinned like the token rows: one copy per step, none per graph
             fields += ("block_tables", "attention_tiles")
             lengths = {"block_tables": lambda rows: max_chunks + 1,
-                       "attention_tiles": lambda rows: tile_capacity(rows, max_chunks) + 1}
+                       "attention_tiles": lambda rows: tile_plan_length(rows, max_chunks)}
         self.graphs = SegmentGraphs(("kv_cache", *fields))
         self.eager = {seg.name: direct_calls(seg.graph_module, kv_cache.device.type).forward
                       for seg in program.segments}   # what runs eagerly skips the dispatcher

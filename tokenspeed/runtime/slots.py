@@ -80,12 +80,8 @@ class MetadataSlots:
         rows = getattr(meta, self.fields[0]).shape[0]
         view = self.view(rows)
         self._turn = (self._turn + 1) % len(self.host_bytes)
-        end = self._stage(meta, self._staging_view(self._turn, rows)) if self.lengths else None
-        if not self.lengths:
-            for name, staged in self._staging_view(self._turn, rows).items():
-                staged.copy_(getattr(meta, name))
+        end = self._stage(meta, self._staging_view(self._turn, rows))
         if self.host_bytes[self._turn] is not self.device_bytes:
-            end = self.used_bytes(rows) if end is None else end
             self.device_bytes[:end].copy_(self.host_bytes[self._turn][:end], non_blocking=True)
         others = {n: getattr(meta, n).to(self.device, non_blocking=True)
                   for n in self._unslotted(type(meta))}
