@@ -44,14 +44,18 @@ from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
-CLIENTS_PER_PROCESS = 8
+CLIENTS_PER_PROCESS = 8      # the default; --clients-per-process
 
 
-def bench_llm(shape: str, device: str, **options):
-    """The benchmark's engine; module-level, so the server's engine process can build it."""
+def bench_llm(shape: str, device: str, admit_every: int | None = None, **options):
+    """The benchmark's engine; module-level, so the server's engine process can build it.
+    ``admit_every``: the engine's admission interval in decode steps, where given."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = random_model(TINY_LLAMA if shape == "tiny" else common.SHAPES[shape], dtype=dtype, device=device)
-    return ts.LLM(model, device=device, **options)
+    llm = ts.LLM(model, device=device, **options)
+    if admit_every is not None:
+        llm.engine.admit_every = admit_every
+    return llm
 
 
 def start_server(spec: EngineSpec, port: int, api_servers: int):
@@ -124,13 +128,13 @@ def closed_loop(llm, prompts, output_len: int, concurrency: int) -> dict:
 
 
 def served(port: int, num_prompts: int, input_len: int, output_len: int, concurrency: int,
-           seed: int) -> dict:
+           seed: int, per_process: int = CLIENTS_PER_PROCESS) -> dict:
     """``tokenspeed bench serve`` in processes of their own, as clients would be: one
     process per 8 clients (one Python client parses ~10k events/s; with 16 per process,
     each had to take ~9k at 64 clients, and runs where clients fell behind read tokens in
     bursts, ITL p50 0, and sent their next requests late), all starting at one wall-clock time, their requests' figures
     merged over the span from the first start to the last end."""
-    processes = -(-concurrency // CLIENTS_PER_PROCESS)
+    processes = -(-concurrency // per_process)
     for prompts in (concurrency, num_prompts):                            # warm-up, then measure
         results, spans = _clients(port, prompts, input_len, output_len, concurrency, processes, seed)
     duration = max(end for _, end in spans) - min(start for start, _ in spans)
@@ -188,7 +192,8 @@ def _clients(port, num_prompts, input_len, output_len, concurrency, processes, s
 def measure(args, llm, prompts, concurrency: int) -> dict:
     """One round: served, offline and in-process figures of ``prompts``, and their ratios."""
     c = concurrency
-    row = {**served(args.port, len(prompts), args.input_len, args.output_len, c, seed=c),
+    row = {**served(args.port, len(prompts), args.input_len, args.output_len, c, seed=c,
+                    per_process=args.clients_per_process),
            **offline(llm, prompts, args.output_len, c),
            **closed_loop(llm, prompts, args.output_len, c)}
     row["tpot_ratio"] = row["tpot_p50_ms"] / row["offline_tpot_ms"]
@@ -210,19 +215,29 @@ def main() -> None:
                              "median, with the throughput ratio's range (runs of one tree spread widely)")
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--api-servers", type=int, default=1, help="HTTP processes over the one engine")
+    parser.add_argument("--clients-per-process", type=int, default=CLIENTS_PER_PROCESS,
+                        help="streaming clients per client process (each parses ~10k events/s)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the server sends a completion's tokens every N (serve --stream-interval)")
+    parser.add_argument("--admit-every", type=int, default=None,
+                        help="decode steps between admissions while a chain runs (the engine's default if unset)")
     parser.add_argument("--json", default="results/serve.json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    build = functools.partial(bench_llm, args.shape, device, max_num_seqs=max(args.concurrency),
+    build = functools.partial(bench_llm, args.shape, device, args.admit_every, max_num_seqs=max(args.concurrency),
                               enable_prefix_caching=False, num_kv_pages=4096,
                               max_model_len=args.input_len + args.output_len + 16)
     llm = build()                                  # offline, in this process
-    stop, rows = start_server(EngineSpec(build), args.port, args.api_servers), []   # its twin, in the server's
+    spec = EngineSpec(build, stream_interval=args.stream_interval)
+    stop, rows = start_server(spec, args.port, args.api_servers), []   # its twin, in the server's
     for c in args.concurrency:
         prompts = random_prompts(args.waves * c, args.input_len, llm.config.vocab_size, seed=c)
         rounds = [measure(args, llm, prompts, c) for _ in range(args.repeats)]
         ratios = [r["throughput_ratio"] for r in rounds]
-        row = {"shape": args.shape, "api_servers": args.api_servers, "clients": c, "rounds": len(rounds),
+        row = {"shape": args.shape, "api_servers": args.api_servers, "stream_interval": args.stream_interval,
+               "admit_every": llm.engine.admit_every,
+               "clients": c,
+               "client_processes": -(-c // args.clients_per_process), "rounds": len(rounds),
                **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
                "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios)}
         rows.append(row)

@@ -378,6 +378,36 @@ def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
     assert last.num_prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_a_stream_interval_sends_the_first_token_then_every_nth_then_the_end(llm):
+    """With ``stream_interval=4`` a completion's first token goes out at once, then 4 at a
+    time, then the rest at its end, and they join to what ``generate`` says. (With several
+    completions an update goes out when any is due, carrying what each has.)"""
+    params = ts.SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    want = llm.generate("The sea is", params, use_tqdm=False)[0]
+    reports = []
+    loop = EngineLoop(llm, lambda client, r: reports.append(r), print, stream_interval=4).start()
+    [prompt] = parse_prompts("The sea is", llm.tokenizer)
+    loop.inbox.put(Submit(1, prompt, params))
+    for _ in range(600):
+        updates = [u for r in reports for key, u in r.unpack().updates]
+        if updates and updates[-1].finished:
+            break
+        time.sleep(0.05)
+    loop.stop()
+    deltas = [d for u in updates for d in u.deltas]
+    assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 4, 2]
+    assert "".join(d.text for d in deltas) == want.outputs[0].text
+    assert [t for d in deltas for t in d.token_ids] == list(want.outputs[0].token_ids)
+
+
+def test_a_stream_interval_below_one_is_refused():
+    from tokenspeed.entrypoints import cli
+    with pytest.raises(ValueError, match="stream_interval must be an integer of at least 1, got 0"):
+        EngineSpec(print, stream_interval=0)
+    with pytest.raises(SystemExit, match="--stream-interval must be at least 1, got 0"):
+        cli.main(["serve", "--stream-interval", "0", "--device", "cpu"])
+
+
 def test_a_stop_string_counts_only_the_tokens_kept(base_url, client, llm):
     """The generated-tokens counter agrees with ``usage``: tokens sampled past a stop string
     are dropped from both."""

@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--api-servers", type=int, default=1,
                        help="HTTP processes sharing the port over one engine (many streaming clients)")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="send a streamed completion's tokens every N (its first and last at once): "
+                            "fewer, larger chunks cost the engine less under many clients")
     inspect_cmd.add_command(commands)
     bench.add_command(commands, _engine_options)
     return top
@@ -136,9 +139,10 @@ def cmd_serve(args) -> None:
     from tokenspeed.entrypoints.openai.api_servers import ServerExited, serve_many
     from tokenspeed.entrypoints.openai.server import serve
     checked_device(args.device), checked_dtype(args.dtype)   # refused here, not in the engine process
-    if args.api_servers < 1:
-        raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
-    spec = EngineSpec.of(args.model, **llm_options(args, max_num_seqs=args.max_num_seqs))
+    for flag, value in (("--api-servers", args.api_servers), ("--stream-interval", args.stream_interval)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    spec = EngineSpec.of(args.model, args.stream_interval, **llm_options(args, max_num_seqs=args.max_num_seqs))
     name = args.served_model_name or _model_name(args.model)
     try:
         if args.api_servers == 1:

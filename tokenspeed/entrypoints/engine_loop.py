@@ -113,12 +113,16 @@ class Submission:
 
 
 class EngineLoop:
-    def __init__(self, llm, report, crashed, num_clients: int = 1):
+    def __init__(self, llm, report, crashed, num_clients: int = 1, stream_interval: int = 1):
         """``report(client, PackedReport)`` runs on the loop's thread after every step that
         changed something that client sees (its requests, or the load, which every client
         hears of); ``crashed(message)`` once if the loop itself fails (not a step: those
-        fail their requests), after which it reports nothing."""
+        fail their requests), after which it reports nothing. ``stream_interval``: a
+        completion's update goes out with its first token, then once it has gained this
+        many tokens, and when it finishes (as SGLang's ``--stream-interval``): fewer,
+        larger updates cost the engine's thread less per step than one per token."""
         self.llm, self.report, self.crashed = llm, report, crashed
+        self.stream_interval = stream_interval
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[tuple[int, int], Submission] = {}          # by (client, key)
         self.clients = set(range(num_clients))                    # those still connected
@@ -195,8 +199,19 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - the requests fail, the loop serves on
             self._fail_all(f"{type(exc).__name__}: {exc}")
             return
+        due = self._due if self.stream_interval > 1 else None
         for submission in list(self.live.values()):
-            self._publish(submission)
+            if due is None or due(submission):
+                self._publish(submission)
+
+    def _due(self, submission: Submission) -> bool:
+        """Whether a completion of ``submission`` finished, has its first token out, or
+        gained ``stream_interval`` tokens since its last update."""
+        for request, sent in zip(submission.requests, submission.sent_tokens):
+            made = len(request.output)
+            if request.finished or (made and not sent) or made - sent >= self.stream_interval:
+                return True
+        return False
 
     def _publish(self, submission: Submission) -> None:
         """Queue the submission's update if it gained text or tokens or finished. Runs for

@@ -35,20 +35,27 @@ EXIT_WAIT_S = 1.0
 RELAY_SWITCH_INTERVAL_S = 2e-4   # see engine_main
 
 
+def _positive(instance, attribute, value) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer of at least 1, got {value!r}")
+
+
 @attrs.frozen
 class EngineSpec:
     """``build()`` returns the ``LLM`` (called in the child); ``tokenizer``: where the HTTP
-    process loads the same tokenizer from (a model path), or None for token ids only."""
+    process loads the same tokenizer from (a model path), or None for token ids only;
+    ``stream_interval``: a completion's tokens go out every this many (``EngineLoop``)."""
     build: Callable
     tokenizer: str | None = None
+    stream_interval: int = attrs.field(default=1, validator=_positive)
 
     @classmethod
-    def of(cls, model, **options) -> "EngineSpec":
+    def of(cls, model, stream_interval: int = 1, **options) -> "EngineSpec":
         """``ts.LLM(model, **options)``, its tokenizer read from the same path."""
         from tokenspeed.entrypoints.llm import LLM, tokenizer_path
         from tokenspeed.models.gguf import default_model_path
         path = str(model if model is not None else default_model_path())
-        return cls(functools.partial(LLM, path, **options), tokenizer_path(path))
+        return cls(functools.partial(LLM, path, **options), tokenizer_path(path), stream_interval)
 
 
 class EngineInfo(NamedTuple):
@@ -224,7 +231,7 @@ def engine_main(spec: EngineSpec, conns: list) -> None:
     # requests of a wave of clients reached a busy engine one per step, each admitted in a
     # prefill step of its own. At 0.2 ms it waits ~0.6 ms; an idle relay costs nothing.
     loop = EngineLoop(llm, functools.partial(_send_report, conns), functools.partial(_send_crash, conns),
-                      num_clients=len(conns))
+                      num_clients=len(conns), stream_interval=spec.stream_interval)
     info = EngineInfo(llm.engine.limits, llm.tokenizer is not None)
     for conn in conns:
         conn.send(info)
