@@ -94,8 +94,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
                    PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)   # heads vary fastest: see extend_attention
+    tile = tl.program_id(1)
     first = tl.load(tile_first_ptr + tile)
     count = tl.minimum(tl.load(tile_first_ptr + tile + 1) - first, BLOCK_M)   # 0: an unused tile
     first = first.to(tl.int64)
@@ -242,7 +242,13 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
     plan = plan if plan is not None else extend_tile_plan(row_request, block_tables.shape[0])
     block_n = extend_block_n(head_dim)
-    _extend_kernel[(len(plan.first) - 1, heads)](
+    # Programs start in grid order, the first axis fastest. A padded plan's real tiles come
+    # first, so with the heads on the first axis every real program starts before any empty
+    # one; with the tiles there, each head's real tiles queued behind the empty tiles of the
+    # heads before it. (On the H200 the kernel took 235 us a layer inside the engine's 1B
+    # step of 512 rows after 8192 cached, 8 real tiles of 136, against 144 us unpadded; this
+    # order has not been timed there yet.)
+    _extend_kernel[(heads, len(plan.first) - 1)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first,
         scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
