@@ -127,7 +127,8 @@ def test_top_k_larger_than_vocab_is_no_restriction():
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
-    """The smallest set of most-likely tokens whose mass reaches top_p."""
+    """The smallest set of most-likely tokens whose mass reaches top_p, and every token as
+    likely as its last (which of tied tokens sorts first is the sort's choice)."""
     order = probs.argsort(descending=True).tolist()
     kept, mass = set(), 0.0
     for i in order:
@@ -135,7 +136,8 @@ def nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
         mass += float(probs[i])
         if mass >= top_p:
             break
-    return kept
+    last = min(float(probs[i]) for i in kept)
+    return kept | {i for i in order if abs(float(probs[i]) - last) <= 1e-6 * last}
 
 
 @FAST
