@@ -1,5 +1,7 @@
 """Sliding windows: KV pages, how many full-length sequences fit at once, and decode speed
-of a Mistral-style shape (every layer windowed) against the same shape without windows.
+of a Mistral-style shape (every layer windowed) and a mixed one (Qwen2-style
+``layer_types``, every other layer windowed: two cache groups) against the same shape
+without windows.
 
     python -m benchmarks.windows [--shape llama-3.2-1b] [--window 4096] [--context 32768]
                                  [--batches 1 32]
@@ -26,10 +28,14 @@ from benchmarks import common
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 
-def shape_config(shape: str, window: int | None) -> dict:
+def shape_config(shape: str, window: int | None, mixed: bool = False) -> dict:
     config = dict(TINY_LLAMA if shape == "tiny" else common.SHAPES[shape])
     if window is None:
         return config
+    if mixed:
+        types = ["sliding_attention" if i % 2 else "full_attention" for i in range(config["num_hidden_layers"])]
+        return {**config, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                "sliding_window": window, "layer_types": types}
     return {**config, "architectures": ["MistralForCausalLM"], "sliding_window": window}
 
 
@@ -42,10 +48,10 @@ def tpot(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return (common.median_time(lambda: run(new_tokens + 1), 3) - common.median_time(lambda: run(1), 3)) / new_tokens
 
 
-def bench(args, name: str, window: int | None, bandwidth: float | None) -> list[dict]:
+def bench(args, name: str, window: int | None, bandwidth: float | None, mixed: bool = False) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = random_model(shape_config(args.shape, window), dtype=dtype, device=device)
+    model = random_model(shape_config(args.shape, window, mixed), dtype=dtype, device=device)
     start = time.perf_counter()
     llm = ts.LLM(model, device=device, max_num_seqs=max(args.batches), max_model_len=args.context,
                  enable_prefix_caching=False)
@@ -56,14 +62,17 @@ def bench(args, name: str, window: int | None, bandwidth: float | None) -> list[
     for batch in args.batches:
         with torch.inference_mode():
             seconds = tpot(llm, batch, args.prompt_len, args.new_tokens)
-        read = min(args.prompt_len + args.new_tokens // 2, window or args.context)
-        row = {"engine": name, "window": window or 0, "kv_pages": pool.num_pages - 1,
+        context = args.prompt_len + args.new_tokens // 2
+        windowed = sum(map(bool, model.config.layer_windows)) / model.config.num_layers
+        read = windowed * min(context, window or context) + (1 - windowed) * context   # per layer, on average
+        row = {"engine": name, "window": window or 0, "cache_groups": len(model.config.cache_groups),
+               "kv_pages": pool.num_pages - 1,
                "kv_gib": pool.num_pages * pool.page_bytes / 2**30, "pages_per_sequence": pool.pages_per_sequence,
                "sequences_in_budget": int(args.kv_gib * 2**30 // sequence_bytes), "startup_s": startup,
                "rebind_s": pool.rebind_seconds, "non_kv_gib": pool.non_kv_bytes / 2**30,
                "batch": batch, "ms_per_token": seconds * 1e3}
         if bandwidth:
-            floor = (common.weight_bytes(model) + common.kv_bytes(model.config, batch, read)) / bandwidth
+            floor = (common.weight_bytes(model) + common.kv_bytes(model.config, batch, int(read))) / bandwidth
             row.update(floor_ms=floor * 1e3, x_floor=seconds / floor)
         rows.append(row)
         print(common.table([row], list(row)), flush=True)
@@ -88,7 +97,8 @@ def main() -> None:
     parser.add_argument("--json", default="results/windows.json")
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth() if torch.cuda.is_available() else None
-    rows = bench(args, "windowed", args.window, bandwidth) + bench(args, "full", None, bandwidth)
+    rows = bench(args, "windowed", args.window, bandwidth) + \
+        bench(args, "mixed", args.window, bandwidth, mixed=True) + bench(args, "full", None, bandwidth)
     print(f"\n# sliding windows, {args.shape}, window {args.window}, context {args.context}, "
           f"prompt {args.prompt_len}, {common.device_name()}, commit {common.git_commit()}")
     print(common.table(rows, list(rows[0])))

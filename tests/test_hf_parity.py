@@ -6,10 +6,14 @@ prefill, more prompts than ``max_num_seqs``, small and large pages, and a KV poo
 small that requests are preempted and recomputed.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.models.config import RopeScaling
+from tokenspeed.models.config import ModelConfig, RopeScaling
+from tokenspeed.runtime.prompt_limits import most_pages_held
 
 from hf_models import EOS, LLAMA3_ROPE, VARIANTS, checkpoint, copy_checkpoint, edit_config, \
     make_prompts, reference
@@ -111,8 +115,11 @@ def test_wider_prefill_view_matches_hf(view_width):
 @pytest.mark.parametrize("variant", ["llama", "qwen3", "head_dim", "qwen3_window"])
 def test_preemption_under_tiny_kv_pool_matches_hf(variant, page_size, monkeypatch):
     longest = max(LENGTHS) + MAX_TOKENS
-    pages_one_request = -(-longest // page_size)
-    num_kv_pages = pages_one_request + 1 + 2          # + null page + a little
+    groups = ModelConfig.from_hf(json.loads((Path(checkpoint(variant)) / "config.json").read_text())).cache_groups
+    # what the longest request holds at once in every cache group (a windowed group's
+    # pages behind its window go back), the null page, and a little
+    pages_one_request = sum(most_pages_held(longest, page_size, g.retention, 64) for g in groups)
+    num_kv_pages = pages_one_request + 1 + (2 if len(groups) == 1 else 0)
     llm = ts.LLM(checkpoint(variant), page_size=page_size, num_kv_pages=num_kv_pages,
                  max_num_seqs=8, max_num_batched_tokens=64)
     preempted = []

@@ -367,6 +367,28 @@ def test_rope_and_write_kv(tokens, heads, head_dim):
     check_rope(tokens, heads[0], heads[1], head_dim, torch.float32, 1e-5)
 
 
+def test_cache_writes_take_a_group_s_column_of_slots():
+    """With several cache groups each layer writes through its group's column of the
+    stacked slots, a strided view: every writing kernel equals the reference."""
+    tokens, kv_heads, head_dim, page_size = 5, 2, 8, 4
+    stacked = (torch.randperm(6 * page_size)[:tokens * 2] + page_size).view(tokens, 2).to(DEVICE)
+    column = stacked[:, 1]
+    assert not column.is_contiguous()
+    q = torch.randn(tokens, 4, head_dim, device=DEVICE)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, device=DEVICE) for _ in range(2))
+    positions, table = torch.arange(tokens, device=DEVICE) + 3, rope_table(head_dim, 32)
+    writes = [(lambda kv, slots: triton_cache.write_kv(k, v, kv, 1, slots),
+               lambda kv, slots: reference.write_kv(k, v, as_pages(kv, page_size), 1, slots)),
+              (lambda kv, slots: triton_fused.rope_and_write_kv(q, k, v, table, positions, kv, 1, slots),
+               lambda kv, slots: reference.rope_write_kv(q, k, v, table, positions, as_pages(kv, page_size),
+                                                         1, slots))]
+    for kernel, ref in writes:
+        got, want = (torch.zeros(2, 2, 8 * page_size, kv_heads, head_dim, device=DEVICE) for _ in range(2))
+        kernel(got, column)
+        ref(want, column.contiguous())
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_rope_matches_hf_rotate_half():
     """Same result as HF's apply_rotary_pos_emb with cos/sin = cat(freqs, freqs)."""
     head_dim, pos = 8, torch.tensor([3, 17], device=DEVICE)

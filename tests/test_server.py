@@ -354,14 +354,13 @@ def test_a_speculative_server_streams_what_plain_decoding_says(llm):
             assert counted == got.usage.completion_tokens, (stop, got.choices[0].text)
 
 
-def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
-    """The loop builds its reports packed; unpacked, their deltas join to what ``generate``
-    says, and the last update finishes with the counts of the whole completion."""
-    params = ts.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, seed=5)
-    want = llm.generate("The sea is", params, use_tqdm=False)[0]
+def generate_and_loop(llm, params, prompt_text="The sea is", **loop_options):
+    """``generate``'s output for the prompt, and the updates an ``EngineLoop`` reports for
+    it, unpacked, until the last finishes."""
+    want = llm.generate(prompt_text, params, use_tqdm=False)[0]
     reports = []
-    loop = EngineLoop(llm, lambda client, r: reports.append(r), print).start()
-    [prompt] = parse_prompts("The sea is", llm.tokenizer)
+    loop = EngineLoop(llm, lambda client, r: reports.append(r), print, **loop_options).start()
+    [prompt] = parse_prompts(prompt_text, llm.tokenizer)
     loop.inbox.put(Submit(7, prompt, params))
     for _ in range(600):
         updates = [u for r in reports for key, u in r.unpack().updates]
@@ -369,6 +368,14 @@ def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
             break
         time.sleep(0.05)
     loop.stop()
+    return want, updates
+
+
+def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
+    """The loop builds its reports packed; unpacked, their deltas join to what ``generate``
+    says, and the last update finishes with the counts of the whole completion."""
+    params = ts.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, seed=5)
+    want, updates = generate_and_loop(llm, params)
     for completion in want.outputs:
         deltas = [d for u in updates for d in u.deltas if d.index == completion.index]
         assert "".join(d.text for d in deltas) == completion.text
@@ -383,17 +390,7 @@ def test_a_stream_interval_sends_the_first_token_then_every_nth_then_the_end(llm
     time, then the rest at its end, and they join to what ``generate`` says. (With several
     completions an update goes out when any is due, carrying what each has.)"""
     params = ts.SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
-    want = llm.generate("The sea is", params, use_tqdm=False)[0]
-    reports = []
-    loop = EngineLoop(llm, lambda client, r: reports.append(r), print, stream_interval=4).start()
-    [prompt] = parse_prompts("The sea is", llm.tokenizer)
-    loop.inbox.put(Submit(1, prompt, params))
-    for _ in range(600):
-        updates = [u for r in reports for key, u in r.unpack().updates]
-        if updates and updates[-1].finished:
-            break
-        time.sleep(0.05)
-    loop.stop()
+    want, updates = generate_and_loop(llm, params, stream_interval=4)
     deltas = [d for u in updates for d in u.deltas]
     assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 4, 2]
     assert "".join(d.text for d in deltas) == want.outputs[0].text

@@ -135,8 +135,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     limits = config.resolve(decode.config)
     weights = next(decode.program.graph_module.parameters())
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
-    window = 0 if companion_page_bytes else decode.config.retention_window
-    per_sequence = most_pages_held(limits.max_model_len, config.page_size, window, config.max_num_batched_tokens)
+    per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
+                                      whole_contexts=bool(companion_page_bytes))
     sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes)
     pages = sizing.num_pages if sizing else kv_pool.probe_pages(per_sequence)
     lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
@@ -170,6 +170,15 @@ def _check_prefill_attention(prefill: Lowered, support: CudaGraphSupport) -> Non
                          f"but segment {captured[0]} holds one: lower prefill with attention_breaks=True")
 
 
+def pages_per_sequence(groups, max_model_len: int, config: CompileConfig, whole_contexts: bool) -> int:
+    """The pages one sequence at full length holds at once: every cache group's (a windowed
+    group's only its window's and a chunk's); ``whole_contexts``: at least a whole context's,
+    for a companion pool of as many pages that keeps every page (a draft model's)."""
+    held = sum(most_pages_held(max_model_len, config.page_size, g.retention, config.max_num_batched_tokens)
+               for g in groups)
+    return max(held, most_pages_held(max_model_len, config.page_size)) if whole_contexts else held
+
+
 @attrs.frozen
 class Binding:
     """What binding a pool needs besides the pool: a rebind repeats it over another pool."""
@@ -194,7 +203,7 @@ class Binding:
         self.check(pool)
         programs = {mode: lo.program for mode, lo in self.lowered.items()}
         runners = build_runners(programs, pool, self.backend, self.support, self.config, self.limits,
-                                workers, self.verify_window)
+                                workers, self.verify_window, len(self.lowered["decode"].config.cache_groups))
         sizing = sizing or kv_pool.PoolSizing(pool.shape[2], self.geometry.page_bytes, self.pages_per_sequence,
                                       "the pool given")
         return Compiled(self.config, self.limits, self.lowered, pool, *runners, self.support,

@@ -21,19 +21,23 @@ EXTEND_TILE_ROWS = 64   # rows per tile of the extend attention kernel (its BLOC
 
 @attrs.frozen
 class DecodeRow:
+    """``pages``: the request's pages of cache group 0; ``group_pages``: those of groups
+    1.. (as many entries each: a windowed group's dropped ones are the null page)."""
     token: int
     position: int
     pages: tuple[int, ...]
+    group_pages: tuple[tuple[int, ...], ...] = ()
 
 
 @attrs.frozen
 class ExtendChunk:
     """``tokens`` at positions ``start ..``; ``completes`` when the chunk ends the prompt,
-    so its last row is sampled."""
+    so its last row is sampled; pages as ``DecodeRow``'s."""
     tokens: tuple[int, ...]
     start: int
     pages: tuple[int, ...]
     completes: bool
+    group_pages: tuple[tuple[int, ...], ...] = ()
 
 
 def write_locations(block_tables, row_request, positions, page_size: int):
@@ -79,23 +83,45 @@ def _on(device, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
 
 
+def group_tables(items, num_groups: int, num_rows: int, max_pages: int, page_size: int, row_request,
+                 positions):
+    """Block tables and write locations of ``items`` (rows or chunks) in each of
+    ``num_groups`` cache groups: one group's as they are, several stacked on dim 1
+    (``[rows, groups, pages]`` and ``[rows, groups]``), where each layer reads its group's
+    column. Every item brings a page list per group, each as long as its ``pages``."""
+    if num_groups == 1:   # every decode step's host time: nothing more than before groups
+        tables = block_table([r.pages for r in items], num_rows, max_pages)
+        return tables, write_locations(tables, row_request, positions, page_size)
+    for i, item in enumerate(items):
+        if len(item.group_pages) != num_groups - 1 or any(len(p) != len(item.pages) for p in item.group_pages):
+            raise ValueError(f"row {i}: pages of {1 + len(item.group_pages)} cache groups, of "
+                             f"{[len(item.pages), *map(len, item.group_pages)]} pages; the model has "
+                             f"{num_groups} groups, and every list has one entry per page")
+    tables = [block_table([r.pages for r in items], num_rows, max_pages)]
+    tables += [block_table([r.group_pages[g] for r in items], num_rows, max_pages) for g in range(num_groups - 1)]
+    slots = [write_locations(t, row_request, positions, page_size) for t in tables]
+    return np.stack(tables, axis=1), np.stack(slots, axis=1)
+
+
 def refresh_decode(rows: Sequence[DecodeRow], num_rows: int, max_pages: int, page_size: int,
-                   device="cpu") -> DecodeMetadata:
+                   device="cpu", num_groups: int = 1) -> DecodeMetadata:
     """Decode metadata for ``rows`` padded to ``num_rows``; no rows is the idle refresh
-    used for capture (placeholder tables of null pages)."""
-    tables = block_table([r.pages for r in rows], num_rows, max_pages)
+    used for capture (placeholder tables of null pages). ``num_groups``: the model's cache
+    groups (``group_tables``)."""
     every_row = np.arange(num_rows, dtype=np.int64)
     positions = _padded((r.position for r in rows), len(rows), num_rows)
+    tables, slots = group_tables(rows, num_groups, num_rows, max_pages, page_size, every_row, positions)
     return DecodeMetadata(num_live_rows=len(rows), **_on(
         device, input_ids=_padded((r.token for r in rows), len(rows), num_rows), positions=positions,
-        slot_mapping=write_locations(tables, every_row, positions, page_size), block_tables=tables,
+        slot_mapping=slots, block_tables=tables,
         row_request=every_row, sample_rows=every_row.copy()))
 
 
 def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: int,
                 max_pages: int, page_size: int, view_width: int = 1,
                 num_view_rows: int | None = None, device="cpu",
-                tile_rows: int = EXTEND_TILE_ROWS, max_chunks: int | None = None) -> ExtendMetadata:
+                tile_rows: int = EXTEND_TILE_ROWS, max_chunks: int | None = None,
+                num_groups: int = 1) -> ExtendMetadata:
     """Extend metadata for ``chunks`` padded to ``num_rows`` token rows.
 
     The decoder view keeps the last ``view_width`` rows of each completing chunk and the
@@ -120,13 +146,13 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     _check_pages(chunks, starts + lengths, page_size)
     ends, rows = np.cumsum(lengths), int(lengths.sum())
     view, view_samples, kept = _decoder_view(lengths, ends, completes, view_width)
-    tables = block_table([c.pages for c in chunks], num_table_rows, max_pages)
     positions = _padded(np.arange(rows) - np.repeat(ends - lengths - starts, lengths), rows, num_rows)
     row_request = _padded(np.repeat(np.arange(len(chunks)), lengths), rows, num_rows, num_table_rows - 1)
+    tables, slots = group_tables(chunks, num_groups, num_table_rows, max_pages, page_size, row_request, positions)
     num_view_rows = len(view) if num_view_rows is None else num_view_rows
     return ExtendMetadata(num_live_rows=rows, num_live_view_rows=len(view), **_on(
         device, input_ids=_padded(chain.from_iterable(c.tokens for c in chunks), rows, num_rows),
-        positions=positions, slot_mapping=write_locations(tables, row_request, positions, page_size),
+        positions=positions, slot_mapping=slots,
         block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
         view_sample_rows=view_samples,

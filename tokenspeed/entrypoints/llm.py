@@ -78,7 +78,8 @@ class LLM:
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
-                              enable_prefix_caching, self.model.config.retention_window)
+                              enable_prefix_caching,
+                              retentions=tuple(g.retention for g in self.model.config.cache_groups))
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
                              config.seed, self.compiled.verify, drafter,
@@ -98,6 +99,9 @@ class LLM:
         unless it has this model's vocabulary and context."""
         draft = LLM(speculative.draft_model, device, dtype, enforce_eager=enforce_eager, overlap=False,
                     enable_prefix_caching=False, **{**compile_options, "num_kv_pages": 2})
+        if len(draft.config.cache_groups) > 1:
+            raise ValueError("the draft model mixes sliding-window and full-attention layers (several cache "
+                             "groups): a draft model keeps one page list per request")
         if draft.config.vocab_size != self.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
                              f"target's {self.config.vocab_size}: drafts must be the target's tokens")

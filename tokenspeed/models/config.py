@@ -7,6 +7,8 @@ cannot honour fails at load instead of generating wrong tokens.
 
 import attrs
 
+from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
@@ -60,11 +62,17 @@ class ModelConfig:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
 
     @property
-    def retention_window(self) -> int:
-        """Positions behind a row that some layer still reads, when every layer is windowed
-        (the widest window), else 0: the whole context is kept."""
-        windowed = self.layer_windows and all(self.layer_windows)
-        return max(self.layer_windows) if windowed else 0
+    def cache_groups(self) -> tuple[CacheGroup, ...]:
+        """The layers whose caches keep the same positions, grouped (``cache_groups``)."""
+        owners = {layer for layer in range(self.num_layers) if self.kv_source_layer(layer) == layer}
+        return cache_groups({layer: self.retention_of(layer) for layer in owners}, self.num_layers)
+
+    def retention_of(self, layer: int) -> int:
+        """Positions behind a row that some reader of ``layer``'s cache reads (0: all): a
+        full-attention layer reading a windowed layer's cache keeps it whole."""
+        source = self.kv_source_layer(layer)
+        windows = [self.window_of(r) for r in range(self.num_layers) if self.kv_source_layer(r) == source]
+        return 0 if 0 in windows else max(windows)
 
     def window_of(self, layer: int) -> int:
         """The sliding window of ``layer``'s attention (0: the whole context)."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenspeed.ir import ops
+from tokenspeed.ir.cache_groups import cache_slot
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.layers import RMSNorm, Rotary
 
@@ -36,6 +37,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
         self.writes_kv = self.layer == self.kv_layer
+        groups = c.cache_groups
+        self.num_groups, (self.group, self.row) = len(groups), cache_slot(groups, self.kv_layer)
         self.scale = c.head_dim ** -0.5
         self.window = c.window_of(layer)
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -60,7 +63,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
         q = self.rotary(q, positions)
-        o = ops.attention(q, kv_cache, self.kv_layer, meta.block_tables, meta.row_request,
+        o = ops.attention(q, kv_cache, self.row, self._of_group(meta.block_tables), meta.row_request,
                           positions, self.scale, self.window)
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
@@ -69,7 +72,12 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             k = self.k_norm(k)
-        ops.write_kv(self.rotary(k, positions), v, kv_cache, self.layer, meta.slot_mapping)
+        ops.write_kv(self.rotary(k, positions), v, kv_cache, self.row, self._of_group(meta.slot_mapping))
+
+    def _of_group(self, field):
+        """This layer's group's block tables or write locations: with several groups the
+        metadata stacks them on dim 1 (``plan_extend``, ``refresh_decode``)."""
+        return field if self.num_groups == 1 else field[:, self.group]
 
 
 class MLP(nn.Module):

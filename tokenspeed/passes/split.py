@@ -1,5 +1,6 @@
 """Cut an annotated program into Segments with explicit inputs and outputs."""
 
+import operator
 from itertools import groupby
 
 from torch import fx
@@ -33,10 +34,26 @@ def _segment(program: Program, index: int, nodes: list[fx.Node]) -> Segment:
                    inputs=inputs, outputs=outputs)
 
 
+def _input_view(node: fx.Node) -> bool:
+    """A view of a graph input: a cache group's column of the stacked tables or slots."""
+    return node.op == "call_function" and node.target is operator.getitem and \
+        isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+
+
+def _with_input_views(nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` with the views of graph inputs they read, and without those they do not:
+    each segment computes its own, so a captured graph reads the pinned input itself,
+    never another segment's output (which it would copy in)."""
+    read = dict.fromkeys(i for n in nodes for i in n.all_input_nodes if _input_view(i))
+    inside = set(nodes)
+    return [*(v for v in read if v not in inside), *(n for n in nodes if not _input_view(n) or n in read)]
+
+
 def _extract(root: fx.GraphModule, nodes: list[fx.Node]):
+    nodes = _with_input_views(nodes)
     inside = set(nodes)
     inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    outputs = [n for n in nodes if not _input_view(n) and any(u not in inside for u in n.users)]
     graph, env = fx.Graph(), {}
     for value in inputs:
         env[value] = graph.placeholder(value.name)

@@ -87,6 +87,11 @@ class BlockAllocator:
             pages.append(page)
         return pages
 
+    def cached_pages(self, digests) -> list[int | None]:
+        """The cached page of each of ``digests`` (None where there is none), up to the
+        first missing... every one (a windowed group needs only its last ones)."""
+        return [self._page_of.get(d) for d in digests]
+
     def _evict(self) -> int:
         page, _ = self._unheld_cached.popitem(last=False)
         del self._page_of[self._digest_of.pop(page)]

@@ -25,9 +25,10 @@ PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 
 class DecodeRunner:
     def __init__(self, program, kv_cache, backend, max_decode_bs: int, max_pages: int,
-                 page_size: int):
+                 page_size: int, num_groups: int = 1):
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size
+        self.num_groups = num_groups
         device = kv_cache.device
         self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
         self.sampling = MetadataSlots(self._padded([], max_decode_bs), max_decode_bs, device)
@@ -42,7 +43,8 @@ class DecodeRunner:
 
     def refresh(self, rows, num_rows: int):
         """Host-side descriptor; publishing moves it to the device in one copy."""
-        return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size)
+        return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size,
+                                           num_groups=self.num_groups)
 
     def capture(self, capturer, ladder: tuple[int, ...], progress=None, name: str = "decode") -> None:
         """Largest rung first, so smaller graphs reuse the shared pool's memory."""

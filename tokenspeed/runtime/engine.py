@@ -71,7 +71,8 @@ class Engine:
     def limits(self) -> PromptLimits:
         scheduler = self.scheduler
         return PromptLimits(self.vocab_size, self.max_model_len, scheduler.page_size,
-                            scheduler.allocator.num_pages - 1, scheduler.window, scheduler.max_num_batched_tokens)
+                            scheduler.allocator.num_pages - 1, scheduler.retentions,
+                            scheduler.max_num_batched_tokens)
 
     def check(self, index: int, prompt: tuple[int, ...], params: SamplingParams) -> None:
         """Refuse, naming prompt ``index``, what this engine cannot serve."""
@@ -179,7 +180,7 @@ class Engine:
             if not scheduler.grow(request, position + 1):
                 self._chained = 0
                 return None
-            rows.append(DecodeRow(0, position, tuple(request.pages)))
+            rows.append(DecodeRow(0, position, tuple(request.pages), request.group_page_tuples()))
         kept = None if len(live) == len(flight.requests) else \
             [i for i, r in enumerate(flight.requests) if not r.finished]
         self._chained += 1
@@ -258,7 +259,8 @@ class Engine:
         for request, draft in zip(requests, drafts):
             if not self.scheduler.grow(request, request.num_tokens + len(draft)):
                 draft = ()                   # no pages for the drafts: a plain row
-            rows += window_rows(request.last_token, request.num_tokens, tuple(request.pages), draft)
+            rows += window_rows(request.last_token, request.num_tokens, tuple(request.pages), draft,
+                                request.group_page_tuples())
             sampling += [request.sampling] * (1 + len(draft))
             windows.append(draft)
         future = self.verify.launch(rows, sampling)
@@ -301,7 +303,7 @@ class Engine:
         if batch.kind == "decode":
             return self.decode.launch(_decode_rows(batch.requests), sampling)
         chunks = [ExtendChunk(r.tokens_between(r.num_cached, r.num_cached + n), r.num_cached, tuple(r.pages),
-                              r.num_cached + n == r.num_tokens)
+                              r.num_cached + n == r.num_tokens, r.group_page_tuples())
                   for r, n in zip(batch.requests, batch.chunk_lens)]
         return self.prefill.launch(chunks, sampling, fed)
 
@@ -345,4 +347,4 @@ def _forget_pending(requests) -> None:
 
 def _decode_rows(requests) -> list[DecodeRow]:
     """Each request's next decode row: its last token at the position after its cache."""
-    return [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages)) for r in requests]
+    return [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages), r.group_page_tuples()) for r in requests]

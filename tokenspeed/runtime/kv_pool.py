@@ -17,13 +17,14 @@ import attrs
 import torch
 
 from tokenspeed.backends.pool_geometry import PoolGeometry
+from tokenspeed.ir.cache_groups import rows_per_page
 
 CPU_KV_BYTES = 512 << 20
 GIB = 2**30
 
 
 def geometry_for(model_config, page_size: int, dtype, device) -> PoolGeometry:
-    return PoolGeometry(model_config.num_layers, page_size, model_config.num_kv_heads,
+    return PoolGeometry(rows_per_page(model_config.cache_groups), page_size, model_config.num_kv_heads,
                         model_config.head_dim, dtype, device)
 
 

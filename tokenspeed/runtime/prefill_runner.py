@@ -30,10 +30,11 @@ TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
 class PrefillRunner:
     def __init__(self, program, kv_cache, backend, max_pages: int, page_size: int,
-                 view_width: int, token_ladder, view_ladder, max_chunks: int):
+                 view_width: int, token_ladder, view_ladder, max_chunks: int, num_groups: int = 1):
         """Empty ladders: no graphs, every batch runs unpadded."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
+        self.num_groups = num_groups
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
         tables_in_graphs = bool(self.token_ladder) and \
             any("block_tables" in seg.inputs for seg in program.segments if seg.kind == "graph")
@@ -55,7 +56,7 @@ class PrefillRunner:
         return self.backend.plan_extend(chunks, num_rows=num_rows, num_table_rows=len(chunks) + 1,
                                         max_pages=self.max_pages, page_size=self.page_size,
                                         view_width=self.view_width, num_view_rows=num_view_rows,
-                                        max_chunks=self.max_chunks)
+                                        max_chunks=self.max_chunks, num_groups=self.num_groups)
 
     def capture(self, capturer, progress=None) -> None:
         """Every token bucket's graphs first, then every view bucket's, largest first.

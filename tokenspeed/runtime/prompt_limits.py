@@ -16,15 +16,15 @@ class PromptLimits:
     max_model_len: int
     page_size: int
     usable_pages: int            # the pool's pages, less the null page
-    window: int = 0              # every layer's sliding window (0: some layer sees everything)
+    retentions: tuple[int, ...] = (0,)   # each cache group's (``Scheduler.retentions``)
     max_chunk: int = 0           # the most new tokens a step computes for one request
 
 
 def most_pages_held(num_tokens: int, page_size: int, window: int = 0, max_chunk: int = 0) -> int:
-    """The most KV pages a request of ``num_tokens`` tokens holds at once: one per page of
-    them, or, when every layer has a ``window`` (the scheduler returns the pages wholly
-    behind it while the request runs), those of the window and of a step's chunk of at most
-    ``max_chunk`` new tokens, and the two pages either end shares."""
+    """The most KV pages a request of ``num_tokens`` tokens holds at once in one cache group:
+    one per page of them, or, when the group's layers have a ``window`` (the scheduler
+    returns the pages wholly behind it while the request runs), those of the window and of
+    a step's chunk of at most ``max_chunk`` new tokens, and the two pages either end shares."""
     pages = -(-num_tokens // page_size)
     return min(pages, (window + max_chunk) // page_size + 2) if window else pages
 
@@ -42,6 +42,6 @@ def check_prompt(limits: PromptLimits, index: int, prompt: tuple[int, ...], para
     if total > limits.max_model_len:
         raise ValueError(f"{where}: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} "
                          f"= {total} exceeds max_model_len={limits.max_model_len}")
-    pages = most_pages_held(total, limits.page_size, limits.window, limits.max_chunk)
+    pages = sum(most_pages_held(total, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
     if pages > limits.usable_pages:
         raise ValueError(f"{where}: needs {pages} KV pages at once, the pool has {limits.usable_pages}")

@@ -31,7 +31,8 @@ class Request:
     num_cached_prompt_tokens: int = 0      # of the prompt, found cached when admitted
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
     num_pages_remembered: int = 0          # of its pages, those the allocator knows by digest
-    num_pages_dropped: int = 0             # leading pages returned behind a sliding window
+    group_pages: list[list[int]] = attrs.Factory(list)   # of cache groups 1.. (group 0's: pages)
+    num_dropped: list[int] = attrs.Factory(list)   # per group: leading pages returned behind its window
     num_verify_steps: int = 0              # its speculative windows (with drafts)
     num_verified_tokens: int = 0           # tokens those windows kept
     draft_misses: int = 0                  # windows in a row whose drafts were all rejected
@@ -42,6 +43,20 @@ class Request:
     arrival_time: float = attrs.Factory(time.time)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def page_lists(self, num_groups: int) -> list[list[int]]:
+        """Its pages in each of ``num_groups`` cache groups (the lists themselves, to edit;
+        those of groups past 0 start empty). Every list has one entry per page of its
+        tokens; a windowed group's entries behind the window are the null page."""
+        while len(self.num_dropped) < num_groups:
+            self.num_dropped.append(0)
+        while len(self.group_pages) < num_groups - 1:
+            self.group_pages.append([])
+        return [self.pages, *self.group_pages]
+
+    def group_page_tuples(self) -> tuple[tuple[int, ...], ...]:
+        """The pages of groups 1.., for a metadata row (``DecodeRow.group_pages``)."""
+        return tuple(map(tuple, self.group_pages)) if self.group_pages else ()
 
     @property
     def tokens(self) -> tuple[int, ...]:

@@ -5,10 +5,12 @@ their tokens and pages first) or, when no prompt work is pending, a decode batch
 pages run out a decode batch preempts the newest request: its pages are freed and it is
 recomputed later, so no live request is ever corrupted.
 
-When every layer of the model has a sliding window (``window``), a request's pages that
-no later row can read (wholly behind the window of its first uncached position, with a
-position of slack) return to the pool while it runs, so long generations need bounded
-memory; their places in its page list become the null page. Mixed models keep every page.
+A request holds a page list per cache group (``ModelConfig.cache_groups``), all drawn from
+the one pool. In a group whose layers have a sliding window (its retention), the pages no
+later row can read (wholly behind the window of its first uncached position, with a
+position of slack) return to the pool while the request runs, so long generations need
+bounded memory there; their places in the list become the null page. A group's pages are
+allocated with every other group's, in one call, so a step that runs out takes nothing.
 
 With prefix caching, a request admitted takes the cached pages of its longest cached
 prefix (``page_digests``) and computes only the rest, and every page a request fills is
@@ -36,12 +38,19 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_caching: bool = False, window: int = 0):
-        self.allocator, self.page_size, self.window = allocator, page_size, window
+                 max_num_batched_tokens: int, prefix_caching: bool = False,
+                 retentions: tuple[int, ...] = (0,)):
+        """``retentions``: each cache group's (``ModelConfig.cache_groups``): positions
+        behind a row that its layers read, 0 for all of them."""
+        self.allocator, self.page_size, self.retentions = allocator, page_size, tuple(retentions)
         self.prefix_caching = prefix_caching
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.retentions)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -119,24 +128,48 @@ class Scheduler:
 
     def _attach_shared_pages(self, request: Request) -> None:
         """Hold the full pages already computed for this request's tokens: the cached ones
-        with prefix caching, else those of the sample it shares a prompt with."""
+        with prefix caching, else those of the sample it shares a prompt with. A windowed
+        group needs only the pages inside the window of the first uncached position."""
         if request.pages:
             return
         usable = (request.num_tokens - 1) // self.page_size   # the last token is computed
         if self.prefix_caching:
-            pages = self.allocator.cached_prefix(page_digests(request, usable, self.page_size))
+            digests = page_digests(request, usable, self.page_size)
+            found = [self.allocator.cached_pages([_in_group(d, g) for d in digests])
+                     for g in range(self.num_groups)]
         elif request.share_from is not None and not request.share_from.finished:
             source = request.share_from   # only the prompt's pages: past it, their tokens differ
             shared = min(usable, len(request.prompt) // self.page_size, source.num_cached // self.page_size)
-            pages = source.pages[:min(shared, len(source.pages))]
-            if NULL_PAGE in pages:   # dropped behind the source's window: computed anew
-                return
+            lists = source.page_lists(self.num_groups)
+            found = [[p if p != NULL_PAGE else None for p in pages[:min(shared, len(pages))]] for pages in lists]
         else:
             return
-        request.pages, request.num_pages_remembered = self.allocator.share(pages), len(pages)
-        request.num_cached = len(pages) * self.page_size
+        k = self._usable_prefix(found)
+        if not k:
+            return
+        lists = request.page_lists(self.num_groups)
+        for g, retention in enumerate(self.retentions):
+            start = self._first_read(k, retention)
+            lists[g][:] = [NULL_PAGE] * start + self.allocator.share(found[g][start:k])
+            request.num_dropped[g] = start
+        request.num_pages_remembered = k
+        request.num_cached = k * self.page_size
         if request.first_token_time is None:
             request.num_cached_prompt_tokens = request.num_cached
+
+    def _first_read(self, pages: int, retention: int) -> int:
+        """The first page a row after ``pages`` full pages reads in a group of ``retention``."""
+        return max((pages * self.page_size - retention) // self.page_size, 0) if retention else 0
+
+    def _usable_prefix(self, found) -> int:
+        """The most leading pages every group can supply: ``found`` holds each group's page
+        (or None) per leading page, and a group needs those from the first its next row
+        reads. One pass per group (a prompt of 8k tokens has 512 pages of 16)."""
+        k = min(map(len, found))
+        misses = [_last_miss(f, k) for f in found]
+        while k and not all(m[k] < self._first_read(k, r) for m, r in zip(misses, self.retentions)):
+            k -= 1
+        return k
 
     def remember_full_pages(self, request: Request) -> None:
         """Let the allocator know the pages ``request`` has filled since the last call (not
@@ -146,8 +179,10 @@ class Scheduler:
             return
         full = min(request.num_cached // self.page_size, len(request.pages))
         digests = page_digests(request, full, self.page_size)
-        for index in range(request.num_pages_remembered, full):
-            self.allocator.remember(request.pages[index], digests[index])
+        for g, pages in enumerate(request.page_lists(self.num_groups)):
+            for index in range(request.num_pages_remembered, full):
+                if pages[index] != NULL_PAGE:
+                    self.allocator.remember(pages[index], _in_group(digests[index], g))
         request.num_pages_remembered = full
 
     def _take(self, request: Request, budget: int, picked: list) -> int:
@@ -170,30 +205,36 @@ class Scheduler:
         return ScheduledBatch("decode", tuple(ready), (1,) * len(ready))
 
     def grow(self, request: Request, num_tokens: int) -> bool:
-        """Pages for ``num_tokens`` tokens of a request; False (nothing taken) if the pool
-        cannot supply them."""
-        if self.window:
-            self._drop_behind_window(request)
+        """Pages for ``num_tokens`` tokens of a request in every group; False (nothing taken)
+        if the pool cannot supply them."""
+        if any(self.retentions):   # (every row of every step calls: no list for a full model)
+            lists = request.page_lists(self.num_groups)
+            for g, retention in enumerate(self.retentions):
+                if retention:
+                    self._drop_behind_window(request, lists[g], g, retention)
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         if needed <= 0:  # most decode steps: the last page still has room
             return True
+        lists = request.page_lists(self.num_groups)
         try:
-            request.pages.extend(self.allocator.allocate(needed))
+            new = self.allocator.allocate(needed * len(lists))
         except OutOfPages:
             return False
+        for g, pages in enumerate(lists):
+            pages.extend(new[g * needed:(g + 1) * needed])
         return True
 
-    def _drop_behind_window(self, request: Request) -> None:
-        """Return the pages wholly before ``num_cached - window``. Every row from now on sits
-        at ``num_cached`` or later (so does the row of a decode step still in flight: it is
-        the first uncached position), so none reads a key before ``num_cached - window + 1``;
-        one position of slack."""
-        end = max((request.num_cached - self.window) // self.page_size, 0)
-        for index in range(request.num_pages_dropped, min(end, len(request.pages))):
-            if request.pages[index] != NULL_PAGE:
-                self.allocator.free([request.pages[index]])
-                request.pages[index] = NULL_PAGE
-        request.num_pages_dropped = max(request.num_pages_dropped, end)
+    def _drop_behind_window(self, request: Request, pages: list[int], group: int, retention: int) -> None:
+        """Return the pages of ``group`` wholly before ``num_cached - retention``. Every row
+        from now on sits at ``num_cached`` or later (so does the row of a decode step still
+        in flight: it is the first uncached position), so none of the group's layers reads
+        a key before ``num_cached - retention + 1``; one position of slack."""
+        end = max((request.num_cached - retention) // self.page_size, 0)
+        for index in range(request.num_dropped[group], min(end, len(pages))):
+            if pages[index] != NULL_PAGE:
+                self.allocator.free([pages[index]])
+                pages[index] = NULL_PAGE
+        request.num_dropped[group] = max(request.num_dropped[group], end)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -201,6 +242,21 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        self.allocator.free([p for p in request.pages if p != NULL_PAGE])
+        for pages in request.page_lists(self.num_groups):
+            self.allocator.free([p for p in pages if p != NULL_PAGE])
         request.pages, request.num_cached, request.num_pages_remembered = [], 0, 0
-        request.num_pages_dropped = 0
+        request.group_pages, request.num_dropped = [], []
+
+
+def _last_miss(found: list, n: int) -> list[int]:
+    """Entry j: the index of the last None among ``found[:j]`` (-1 where none), j <= n."""
+    last = [-1] * (n + 1)
+    for i in range(n):
+        last[i + 1] = i if found[i] is None else last[i]
+    return last
+
+
+def _in_group(digest: bytes, group: int) -> bytes:
+    """The name of a page's content in cache group ``group``: the groups' pages share one
+    allocator, and the same tokens fill one page in each group."""
+    return digest if group == 0 else digest + bytes([group])

@@ -85,12 +85,13 @@ class SpeculativeConfig(PerRequestDrafts):
         return propose_ngram(tokens, limit, self.ngram_max, self.ngram_min) if limit > 0 else ()
 
 
-def window_rows(last_token: int, num_tokens: int, pages: tuple[int, ...], draft) -> list[DecodeRow]:
+def window_rows(last_token: int, num_tokens: int, pages: tuple[int, ...], draft,
+                group_pages: tuple[tuple[int, ...], ...] = ()) -> list[DecodeRow]:
     """A request's verify window: its last token at the position after its cache, then its
     drafts at the positions after that. Every row writes its key before any row attends
     and reads only positions up to its own, so a rejected draft's key is rewritten by the
     next window (which starts at the first position not kept) before a row reads it."""
-    return [DecodeRow(t, num_tokens - 1 + j, pages) for j, t in enumerate((last_token, *draft))]
+    return [DecodeRow(t, num_tokens - 1 + j, pages, group_pages) for j, t in enumerate((last_token, *draft))]
 
 
 ITEM = array("q").itemsize

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: CudaGraphSupport,
                   config: CompileConfig, limits: EngineLimits,
-                  compile_workers: precompile.CompileWorkers, verify_window: int = 1):
+                  compile_workers: precompile.CompileWorkers, verify_window: int = 1, num_groups: int = 1):
     """The prefill and decode runners (and a verify runner, when ``programs`` has one, for
     windows of ``verify_window`` rows per request) over ``kv_cache``, every graph
     ``support`` allows captured, and the report. ``compile_workers``: started by the
@@ -51,15 +51,15 @@ def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: Cuda
     ladder = decode_ladder(config.max_num_seqs, config.capture_sizes) if support.decode_graph else ()
     tokens, views = _prefill_ladders(config, support)
     decode = DecodeRunner(programs["decode"], kv_cache, backend, max((config.max_num_seqs, *ladder)),
-                          limits.max_pages, config.page_size)
+                          limits.max_pages, config.page_size, num_groups)
     verify, verify_ladder = None, ()
     if "verify" in programs:
         rows = config.max_num_seqs * verify_window
         verify_ladder = decode_ladder(rows) if support.decode_graph else ()
         verify = DecodeRunner(programs["verify"], kv_cache, backend, max((rows, *verify_ladder)),
-                              limits.max_pages, config.page_size)
+                              limits.max_pages, config.page_size, num_groups)
     prefill = PrefillRunner(programs["prefill"], kv_cache, backend, limits.max_pages,
-                            config.page_size, config.view_width, tokens, views, config.max_num_seqs)
+                            config.page_size, config.view_width, tokens, views, config.max_num_seqs, num_groups)
     capturer = GraphCapturer(device)
     walks = len(prefill.capture_walks())
     start = time.perf_counter()

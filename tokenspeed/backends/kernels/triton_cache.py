@@ -62,7 +62,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
     if k_cache.stride(-1) != 1:
         raise ValueError("kv_cache must have a contiguous head_dim")
     _write_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping.contiguous(),   # a cache group's column of several
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1),
         NUM_HEADS=heads, HEAD_DIM=head_dim,

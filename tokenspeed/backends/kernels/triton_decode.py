@@ -230,7 +230,7 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     if slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"slot_mapping must be [{q.shape[0]}]; got {tuple(slot_mapping.shape)}")
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
-                 slot_mapping)
+                 slot_mapping.contiguous())   # a cache group's column of several groups' slots
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
                    num_splits, max_context, window, new=new)
 

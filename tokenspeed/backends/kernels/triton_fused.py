@@ -184,7 +184,7 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
         return q_out
     half = head_dim // 2
     _rope_kv_kernel[(tokens,)](
-        q, k, v, cos_sin_cache, positions, slot_mapping, q_out, k_cache, v_cache,
+        q, k, v, cos_sin_cache, positions, slot_mapping.contiguous(), q_out, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
         k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
