@@ -55,16 +55,35 @@ def block_table(pages: Sequence[Sequence[int]], num_rows: int, max_pages: int) -
     masked write (row-major, as the mask enumerates them), not an array per row.
     """
     lengths = np.fromiter(map(len, pages), np.int64, len(pages))
-    width = int(lengths.max(initial=0))
-    if width > max_pages:
-        raise ValueError(f"request holds {width} pages, table width is {max_pages}")
-    if len(lengths) > num_rows:
-        raise ValueError(f"{len(lengths)} rows do not fit in a table of {num_rows}")
+    width = _table_width(lengths, num_rows, max_pages)
     table = np.full((num_rows, max_pages), NULL_PAGE, dtype=np.int32)
     if width:
         live = np.arange(width) < lengths[:, None]
         table[:len(lengths), :width][live] = np.fromiter(chain.from_iterable(pages), np.int32, int(lengths.sum()))
     return table
+
+
+def stacked_block_table(lists: Sequence[Sequence[Sequence[int]]], num_groups: int, num_rows: int,
+                        max_pages: int) -> np.ndarray:
+    """``block_table`` of several cache groups in one ``[num_rows, num_groups, max_pages]``
+    array: ``lists`` holds each row's page lists of every group, of one length."""
+    lengths = np.fromiter((len(row[0]) for row in lists), np.int64, len(lists))
+    width = _table_width(lengths, num_rows, max_pages)
+    table = np.full((num_rows, num_groups, max_pages), NULL_PAGE, dtype=np.int32)
+    if width:
+        live = np.broadcast_to((np.arange(width) < lengths[:, None])[:, None], (len(lengths), num_groups, width))
+        pages = chain.from_iterable(chain.from_iterable(lists))
+        table[:len(lengths), :, :width][live] = np.fromiter(pages, np.int32, int(lengths.sum()) * num_groups)
+    return table
+
+
+def _table_width(lengths: np.ndarray, num_rows: int, max_pages: int) -> int:
+    width = int(lengths.max(initial=0))
+    if width > max_pages:
+        raise ValueError(f"request holds {width} pages, table width is {max_pages}")
+    if len(lengths) > num_rows:
+        raise ValueError(f"{len(lengths)} rows do not fit in a table of {num_rows}")
+    return width
 
 
 def _padded(values: Iterable[int] | np.ndarray, count: int, length: int, fill: int = 0) -> np.ndarray:
@@ -97,10 +116,9 @@ def group_tables(items, num_groups: int, num_rows: int, max_pages: int, page_siz
             raise ValueError(f"row {i}: pages of {1 + len(item.group_pages)} cache groups, of "
                              f"{[len(item.pages), *map(len, item.group_pages)]} pages; the model has "
                              f"{num_groups} groups, and every list has one entry per page")
-    tables = [block_table([r.pages for r in items], num_rows, max_pages)]
-    tables += [block_table([r.group_pages[g] for r in items], num_rows, max_pages) for g in range(num_groups - 1)]
-    slots = [write_locations(t, row_request, positions, page_size) for t in tables]
-    return np.stack(tables, axis=1), np.stack(slots, axis=1)
+    tables = stacked_block_table([(r.pages, *r.group_pages) for r in items], num_groups, num_rows, max_pages)
+    slots = [write_locations(tables[:, g], row_request, positions, page_size) for g in range(num_groups)]
+    return tables, np.stack(slots, axis=1)
 
 
 def refresh_decode(rows: Sequence[DecodeRow], num_rows: int, max_pages: int, page_size: int,

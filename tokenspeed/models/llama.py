@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenspeed.ir import ops
-from tokenspeed.ir.cache_groups import cache_slot
+from tokenspeed.ir.cache_groups import CacheGroup, cache_slot
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.layers import RMSNorm, Rotary
 
@@ -31,13 +31,13 @@ def stacked_sizes(config: ModelConfig, stacked: str) -> list[int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...]):
+        """``groups``: the model's cache groups (``config.cache_groups``, computed once)."""
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
         self.writes_kv = self.layer == self.kv_layer
-        groups = c.cache_groups
         self.num_groups, (self.group, self.row) = len(groups), cache_slot(groups, self.kv_layer)
         self.scale = c.head_dim ** -0.5
         self.window = c.window_of(layer)
@@ -91,10 +91,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...]):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, groups)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -107,7 +107,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        groups = config.cache_groups
+        self.layers = nn.ModuleList(DecoderLayer(config, i, groups) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, kv_cache, meta):

@@ -88,8 +88,8 @@ class BlockAllocator:
         return pages
 
     def cached_pages(self, digests) -> list[int | None]:
-        """The cached page of each of ``digests`` (None where there is none), up to the
-        first missing... every one (a windowed group needs only its last ones)."""
+        """The cached page of each of ``digests``, None where there is none (a windowed
+        cache group needs only the pages inside its window, not a whole prefix)."""
         return [self._page_of.get(d) for d in digests]
 
     def _evict(self) -> int:

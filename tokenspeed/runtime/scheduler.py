@@ -134,9 +134,10 @@ class Scheduler:
             return
         usable = (request.num_tokens - 1) // self.page_size   # the last token is computed
         if self.prefix_caching:
-            digests = page_digests(request, usable, self.page_size)
-            found = [self.allocator.cached_pages([_in_group(d, g) for d in digests])
-                     for g in range(self.num_groups)]
+            found, digests = [], page_digests(request, usable, self.page_size)
+            for g, retention in enumerate(self.retentions):   # full groups first: they cap the rest
+                names = [_in_group(d, g) for d in digests[:min(map(len, found), default=usable)]]
+                found.append(self.allocator.cached_pages(names) if retention else self.allocator.cached_prefix(names))
         elif request.share_from is not None and not request.share_from.finished:
             source = request.share_from   # only the prompt's pages: past it, their tokens differ
             shared = min(usable, len(request.prompt) // self.page_size, source.num_cached // self.page_size)
@@ -164,12 +165,16 @@ class Scheduler:
     def _usable_prefix(self, found) -> int:
         """The most leading pages every group can supply: ``found`` holds each group's page
         (or None) per leading page, and a group needs those from the first its next row
-        reads. One pass per group (a prompt of 8k tokens has 512 pages of 16)."""
+        reads. A miss at index i rules out every count up to the one it sits under (the
+        first page read only grows with the count), so the search jumps to i."""
         k = min(map(len, found))
         misses = [_last_miss(f, k) for f in found]
-        while k and not all(m[k] < self._first_read(k, r) for m, r in zip(misses, self.retentions)):
-            k -= 1
-        return k
+        while k:
+            blocking = [m[k] for m, r in zip(misses, self.retentions) if m[k] >= self._first_read(k, r)]
+            if not blocking:
+                return k
+            k = max(blocking)
+        return 0
 
     def remember_full_pages(self, request: Request) -> None:
         """Let the allocator know the pages ``request`` has filled since the last call (not
@@ -207,11 +212,12 @@ class Scheduler:
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` tokens of a request in every group; False (nothing taken)
         if the pool cannot supply them."""
-        if any(self.retentions):   # (every row of every step calls: no list for a full model)
-            lists = request.page_lists(self.num_groups)
+        if any(self.retentions):   # (every row of every step calls: the cheap test first)
+            dropped = request.num_dropped
             for g, retention in enumerate(self.retentions):
-                if retention:
-                    self._drop_behind_window(request, lists[g], g, retention)
+                if retention and (request.num_cached - retention) // self.page_size > \
+                        (dropped[g] if g < len(dropped) else 0):
+                    self._drop_behind_window(request, request.page_lists(self.num_groups)[g], g, retention)
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         if needed <= 0:  # most decode steps: the last page still has room
             return True
@@ -259,4 +265,4 @@ def _last_miss(found: list, n: int) -> list[int]:
 def _in_group(digest: bytes, group: int) -> bytes:
     """The name of a page's content in cache group ``group``: the groups' pages share one
     allocator, and the same tokens fill one page in each group."""
-    return digest if group == 0 else digest + bytes([group])
+    return digest if group == 0 else digest + group.to_bytes(4, "little")
