@@ -136,7 +136,8 @@ class Scheduler:
         if self.prefix_caching:
             found, digests = [], page_digests(request, usable, self.page_size)
             for g, retention in enumerate(self.retentions):   # full groups first: they cap the rest
-                names = [_in_group(d, g) for d in digests[:min(map(len, found), default=usable)]]
+                cap = min(map(len, found), default=usable)
+                names = digests[:cap] if g == 0 else [_in_group(d, g) for d in digests[:cap]]
                 found.append(self.allocator.cached_pages(names) if retention else self.allocator.cached_prefix(names))
         elif request.share_from is not None and not request.share_from.finished:
             source = request.share_from   # only the prompt's pages: past it, their tokens differ
