@@ -213,12 +213,9 @@ class Scheduler:
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` tokens of a request in every group; False (nothing taken)
         if the pool cannot supply them."""
-        if any(self.retentions):   # (every row of every step calls: the cheap test first)
-            dropped = request.num_dropped
-            for g, retention in enumerate(self.retentions):
-                if retention and (request.num_cached - retention) // self.page_size > \
-                        (dropped[g] if g < len(dropped) else 0):
-                    self._drop_behind_window(request, request.page_lists(self.num_groups)[g], g, retention)
+        for g, retention in enumerate(self.retentions):
+            if retention:
+                self._drop_behind_window(request, g, retention)
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         if needed <= 0:  # most decode steps: the last page still has room
             return True
@@ -231,17 +228,21 @@ class Scheduler:
             pages.extend(new[g * needed:(g + 1) * needed])
         return True
 
-    def _drop_behind_window(self, request: Request, pages: list[int], group: int, retention: int) -> None:
+    def _drop_behind_window(self, request: Request, group: int, retention: int) -> None:
         """Return the pages of ``group`` wholly before ``num_cached - retention``. Every row
         from now on sits at ``num_cached`` or later (so does the row of a decode step still
         in flight: it is the first uncached position), so none of the group's layers reads
-        a key before ``num_cached - retention + 1``; one position of slack."""
-        end = max((request.num_cached - retention) // self.page_size, 0)
+        a key before ``num_cached - retention + 1``; one position of slack. (Every row of
+        every step calls: nothing is built unless a page boundary passed.)"""
+        end = (request.num_cached - retention) // self.page_size
+        if end <= (request.num_dropped[group] if group < len(request.num_dropped) else 0):
+            return
+        pages = request.page_lists(self.num_groups)[group]
         for index in range(request.num_dropped[group], min(end, len(pages))):
             if pages[index] != NULL_PAGE:
                 self.allocator.free([pages[index]])
                 pages[index] = NULL_PAGE
-        request.num_dropped[group] = max(request.num_dropped[group], end)
+        request.num_dropped[group] = end
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
