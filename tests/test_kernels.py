@@ -151,16 +151,18 @@ def rope_decode_case(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dt
 
 
 def check_rope_decode(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype, tol,
-                      **kwargs):
-    """Fused = rotate and write, then attend; live rows only (padding rows share a slot)."""
+                      group_column=False, **kwargs):
+    """Fused = rotate and write, then attend; live rows only (padding rows share a slot).
+    ``group_column``: the kernel takes its slots as one column of two groups' stacked slots."""
     kv, table, row_request, positions, slots, (q, k, v), cos_sin = rope_decode_case(
         lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype)
+    kernel_slots = torch.stack([torch.zeros_like(slots), slots], 1)[:, 1] if group_column else slots
     want_kv = kv.clone()
     scale = head_dim ** -0.5
     want = reference.rope_decode_attention(q, k, v, cos_sin, positions, as_pages(want_kv, page_size),
                                            1, slots, table, row_request, scale, kwargs.get("window", 0))
-    got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, slots, table,
-                                              row_request, scale, page_size, **kwargs)
+    got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, kernel_slots,
+                                              table, row_request, scale, page_size, **kwargs)
     live = len(lengths)
     torch.testing.assert_close(got[:live].float(), want[:live].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kv[:, :, slots[:live]].float(), want_kv[:, :, slots[:live]].float(),
@@ -387,6 +389,7 @@ def test_cache_writes_take_a_group_s_column_of_slots():
         kernel(got, column)
         ref(want, column.contiguous())
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    check_rope_decode([9, 30], 1, page_size, 4, kv_heads, 16, torch.float32, 1e-4, group_column=True)
 
 
 def test_rope_matches_hf_rotate_half():

@@ -19,14 +19,14 @@ from tokenspeed.backends.kernels.blocks import next_power_of_2
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sm,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token * stride_sm).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < NUM_HEADS) & (d[None, :] < HEAD_DIM)
@@ -62,7 +62,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
     if k_cache.stride(-1) != 1:
         raise ValueError("kv_cache must have a contiguous head_dim")
     _write_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),   # a cache group's column of several
+        k, v, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),   # a cache group's column
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1),
         NUM_HEADS=heads, HEAD_DIM=head_dim,

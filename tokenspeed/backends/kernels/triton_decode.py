@@ -80,8 +80,8 @@ def _first_key(pos, window):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, qk_scale, window, stride_qr,
-                   stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
+                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, stride_sm, qk_scale, window,
+                   stride_qr, stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
                    stride_knr, stride_knh, stride_vnr, stride_vnh, stride_cs,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -151,7 +151,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
                 v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask,
                             other=0.0).to(v_ptr.dtype.element_ty)
                 m, l, acc = _attend_new_key(q, m, l, acc, k, v, qk_scale)
-                slot = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * stride_kvh
+                slot = tl.load(slot_ptr + row * stride_sm).to(tl.int64) * stride_slot + kv_head * stride_kvh
                 tl.store(k_ptr + slot + d, k, mask=dmask)
                 tl.store(v_ptr + slot + d, v, mask=dmask)
         safe_l = tl.where(l > 0, l, 1.0)
@@ -230,7 +230,7 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     if slot_mapping.shape != (q.shape[0],):
         raise ValueError(f"slot_mapping must be [{q.shape[0]}]; got {tuple(slot_mapping.shape)}")
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
-                 slot_mapping.contiguous())   # a cache group's column of several groups' slots
+                 slot_mapping)   # may be a cache group's column of several groups' slots
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
                    num_splits, max_context, window, new=new)
 
@@ -259,7 +259,7 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
     kn, vn, cos_sin, slots = new if new is not None else (q, q, q, positions)  # unread
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        kn, vn, cos_sin, slots, scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0),
+        kn, vn, cos_sin, slots, slots.stride(0), scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,

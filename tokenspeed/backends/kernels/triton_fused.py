@@ -126,9 +126,9 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin,
 
 
 @triton.jit
-def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr,
-                    v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                    stride_vh, stride_cache, stride_ot, stride_oh, stride_slot, stride_ch,
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, stride_sm, q_out_ptr,
+                    k_cache_ptr, v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                    stride_vt, stride_vh, stride_cache, stride_ot, stride_oh, stride_slot, stride_ch,
                     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
                     USE_PDL: tl.constexpr):
@@ -148,7 +148,7 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, q_out_ptr
     tl.store(out, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + HALF, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
 
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_sm).to(tl.int64)
     o1, o2, mask = _rotate(k_ptr + t * stride_kt, stride_kh, NUM_KV, cos, sin, HALF,
                               BLOCK_KV, BLOCK_HALF)
     h = tl.arange(0, BLOCK_KV)
@@ -184,8 +184,8 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
         return q_out
     half = head_dim // 2
     _rope_kv_kernel[(tokens,)](
-        q, k, v, cos_sin_cache, positions, slot_mapping.contiguous(), q_out, k_cache, v_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, cos_sin_cache, positions, slot_mapping, slot_mapping.stride(0), q_out, k_cache,
+        v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
         k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
         BLOCK_Q=next_power_of_2(heads), BLOCK_KV=next_power_of_2(k.shape[1]),
