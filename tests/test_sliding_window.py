@@ -44,8 +44,8 @@ def steps(llm, params):
 def test_a_windowed_group_holds_a_bounded_number_of_pages(mixed, window, page_size, prefix_caching, budget):
     """After every step, in each windowed cache group (Mistral's one, or a mixed model's
     second): no request has dropped a page its next row reads, a decoding request holds at
-    most window / page size + 2 pages; a full group drops none; every page is accounted
-    for, once."""
+    most window / page size + 2 pages; a full group drops none; no page is in two groups;
+    every page is accounted for, once."""
     config = {**(QWEN3_MIXED if mixed else MISTRAL), "sliding_window": window}
     llm = ts.LLM(random_model(config, seed=3), page_size=page_size, max_num_seqs=4, graphs=False,
                  max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
@@ -53,11 +53,11 @@ def test_a_windowed_group_holds_a_bounded_number_of_pages(mixed, window, page_si
     assert retentions == ((0, window) if mixed else (window,))
     params = ts.SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     for requests in steps(llm, params):
-        held_anywhere = []
+        held_anywhere, by_group = [], [set() for _ in retentions]
         for r in requests:
             if r.finished or not r.pages:
                 continue
-            for pages, retention in zip(r.page_lists(len(retentions)), retentions):
+            for pages, retention, group in zip(r.page_lists(len(retentions)), retentions, by_group):
                 assert len(pages) == len(r.pages)
                 read_from = max(r.num_cached - retention + 1, 0) // page_size if retention else 0
                 assert NULL_PAGE not in pages[read_from:], (r.num_cached, pages)
@@ -65,6 +65,8 @@ def test_a_windowed_group_holds_a_bounded_number_of_pages(mixed, window, page_si
                 if retention and len(r.output) >= 2:
                     assert len(held) <= retention / page_size + 2, (r.num_cached, pages)
                 held_anywhere += held
+                group.update(held)
+        assert sum(map(len, by_group)) == len(set().union(*by_group))
         assert all(allocator.holders(p) for p in held_anywhere)
         assert prefix_caching or allocator.num_pages - 1 - allocator.num_free == len(set(held_anywhere))
     assert allocator.num_free == allocator.num_pages - 1
