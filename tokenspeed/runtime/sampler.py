@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from tokenspeed.runtime.host_to_device import values_on
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.sampling_params import SamplingParams
 
@@ -76,9 +77,9 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, rows: Sequence[RowSampling], device) -> "SamplingTensors":
-        return cls(torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device),
-                   torch.tensor([r.params.top_k for r in rows], dtype=torch.int64, device=device),
-                   torch.tensor([r.seed for r in rows], dtype=torch.int64, device=device))
+        return cls(values_on([r.params.temperature for r in rows], torch.float32, device),
+                   values_on([r.params.top_k for r in rows], torch.int64, device),
+                   values_on([r.seed for r in rows], torch.int64, device))
 
 
 def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -152,10 +153,10 @@ def _processed(scores: torch.Tensor, rows: Sequence[RowSampling], s: SamplingTen
     greedy = (s.top_k == 1)[:, None]
     scores = torch.where(greedy, scores, scores / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None])
     if any(r.params.min_p > 0 for r in rows):
-        scores = _min_p(scores, torch.tensor([r.params.min_p for r in rows], device=scores.device))
+        scores = _min_p(scores, values_on([r.params.min_p for r in rows], torch.float32, scores.device))
     if any(r.params.top_k > 1 or r.params.top_p < 1 for r in rows):
-        scores = top_k_top_p(scores, s.top_k, torch.tensor([r.params.top_p for r in rows],
-                                                             device=scores.device))
+        scores = top_k_top_p(scores, s.top_k, values_on([r.params.top_p for r in rows], torch.float32,
+                                                          scores.device))
     return scores
 
 
@@ -166,7 +167,7 @@ def _penalized(scores: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tenso
     output = _counts([r.output if r.params.penalized else () for r in rows], vocab, device)
     seen = _counts([(*r.prompt, *r.output) if r.params.repetition_penalty != 1 else ()
                     for r in rows], vocab, device) > 0
-    column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # noqa: E731
+    column = lambda values: values_on(values, torch.float32, device)[:, None]  # noqa: E731
     repetition = column([r.params.repetition_penalty for r in rows])
     scores = torch.where(seen, torch.where(scores > 0, scores / repetition, scores * repetition), scores)
     scores = scores - column([r.params.frequency_penalty for r in rows]) * output
@@ -182,7 +183,7 @@ def _counts(token_lists, vocab: int, device) -> torch.Tensor:
     counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
     for i, tokens in enumerate(token_lists):
         if tokens:
-            ids = torch.tensor(list(tokens), dtype=torch.int64, device=device)
+            ids = values_on(list(tokens), torch.int64, device)
             counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
     return counts
 

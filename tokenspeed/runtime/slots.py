@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from tokenspeed.ir.descriptors import tensor_fields
+from tokenspeed.runtime.host_to_device import to_device_async
 
 ALIGN = 64
 
@@ -83,8 +84,7 @@ class MetadataSlots:
         end = self._stage(meta, self._staging_view(self._turn, rows))
         if self.host_bytes[self._turn] is not self.device_bytes:
             self.device_bytes[:end].copy_(self.host_bytes[self._turn][:end], non_blocking=True)
-        others = {n: getattr(meta, n).to(self.device, non_blocking=True)
-                  for n in self._unslotted(type(meta))}
+        others = {n: to_device_async(getattr(meta, n), self.device) for n in self._unslotted(type(meta))}
         self._last = (meta, attrs.evolve(meta, **view, **others))
         return self._last[1]
 
@@ -130,8 +130,7 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 def to_device(meta, device):
-    return attrs.evolve(meta, **{n: getattr(meta, n).to(device, non_blocking=True)
-                                 for n in tensor_fields(type(meta))})
+    return attrs.evolve(meta, **{n: to_device_async(getattr(meta, n), device) for n in tensor_fields(type(meta))})
 
 
 def _typed(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenspeed.runtime.host_to_device import values_on
 from tokenspeed.runtime.sampler import LogprobTensors
 
 
@@ -44,12 +45,8 @@ class StepFuture:
 
 
 def device_index(rows, device: torch.device) -> torch.Tensor:
-    """``rows`` as an index tensor on ``device``, copied without waiting for the GPU: from
-    pageable memory the copy would wait for the step in flight."""
-    index = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        index = index.pin_memory().to(device, non_blocking=True)
-    return index
+    """``rows`` as an index tensor on ``device``, copied without waiting for the step in flight."""
+    return values_on(rows, torch.int64, device)
 
 
 def recorded_event(device: torch.device):
