@@ -70,6 +70,20 @@ def test_float32_generation_with_graphs_equals_eager():
             [o.token_ids for o in eager.generate(prompts(n), GREEDY)], f"{n} prompts"
 
 
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_a_prefill_launch_queues_its_work_without_waiting_for_the_gpu(enforce_eager):
+    """Behind work the GPU is still running, launching a prefill step (its metadata, its
+    forward and its sampling settings) returns with the stream still busy: a copy from
+    pageable memory would first have waited for it. Its tokens are those of an idle GPU's."""
+    engine = llm(random_model(MID, seed=5).to("cuda"), enforce_eager=enforce_eager)
+    chunks, sampling = [ExtendChunk(tuple(range(10, 40)), 0, (1, 2), True)], [RowSampling(GREEDY, 0)]
+    want = engine.compiled.prefill.run(chunks, sampling)
+    torch.cuda._sleep(1 << 30)                     # about half a second of the GPU's time
+    future = engine.compiled.prefill.launch(chunks, sampling)
+    assert not torch.cuda.current_stream().query()
+    assert future.tokens() == want
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 2, "max_num_batched_tokens": 16}])
 def test_overlapped_decoding_equals_the_synchronous_loop(dtype, kw):
