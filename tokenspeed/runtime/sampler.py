@@ -174,7 +174,7 @@ def _penalized(scores: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tenso
     scores = scores - column([r.params.presence_penalty for r in rows]) * (output > 0)
     for i, r in enumerate(rows):
         if len(r.output) < r.params.min_tokens and r.stop_ids:
-            scores[i, list(r.stop_ids)] = float("-inf")
+            scores[i].index_fill_(0, values_on(list(r.stop_ids), torch.int64, device), float("-inf"))
     return scores
 
 
