@@ -70,7 +70,6 @@ def test_float32_generation_with_graphs_equals_eager():
             [o.token_ids for o in eager.generate(prompts(n), GREEDY)], f"{n} prompts"
 
 
-
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_prefill_launch_queues_its_work_without_waiting_for_the_gpu(enforce_eager):
     """Behind work the GPU is still running, launching a prefill step (its metadata, its
@@ -83,6 +82,7 @@ def test_a_prefill_launch_queues_its_work_without_waiting_for_the_gpu(enforce_ea
     future = engine.compiled.prefill.launch(chunks, sampling)
     assert not torch.cuda.current_stream().query()
     assert future.tokens() == want
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 2, "max_num_batched_tokens": 16}])

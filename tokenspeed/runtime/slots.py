@@ -130,7 +130,8 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 
 def to_device(meta, device):
-    return attrs.evolve(meta, **{n: to_device_async(getattr(meta, n), device) for n in tensor_fields(type(meta))})
+    return attrs.evolve(meta, **{n: to_device_async(getattr(meta, n), device)
+                                 for n in tensor_fields(type(meta))})
 
 
 def _typed(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
                 v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask,
                             other=0.0).to(v_ptr.dtype.element_ty)
                 m, l, acc = _attend_new_key(q, m, l, acc, k, v, qk_scale)
-                slot = tl.load(slot_ptr + row * stride_sm).to(tl.int64) * stride_slot + kv_head * stride_kvh
+                slot = tl.load(slot_ptr + row * stride_sm).to(tl.int64) * stride_slot \
+                    + kv_head * stride_kvh
                 tl.store(k_ptr + slot + d, k, mask=dmask)
                 tl.store(v_ptr + slot + d, v, mask=dmask)
         safe_l = tl.where(l > 0, l, 1.0)
@@ -259,8 +260,8 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
     kn, vn, cos_sin, slots = new if new is not None else (q, q, q, positions)  # unread
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        kn, vn, cos_sin, slots, slots.stride(0), scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+        kn, vn, cos_sin, slots, slots.stride(0), scale * LOG2E, window, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_G=max(16, next_power_of_2(heads // kv_heads)),
