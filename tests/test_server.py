@@ -454,7 +454,8 @@ def test_a_mailbox_hands_over_everything_that_arrived_and_loses_nothing_on_a_tim
 def test_several_api_servers_share_one_engine():
     """``tokenspeed serve --api-servers 2``: 16 clients at once each get what offline
     ``generate`` says, whichever process took them; the pooled metrics count every request
-    once; a client that leaves frees its pages; SIGTERM stops every process."""
+    once; a client that leaves frees its pages; SIGTERM stops every process, and no
+    process's exit lists leaked objects."""
     path, port = str(text_model_dir()), free_port()
     server, url = api_servers(path, port), f"http://127.0.0.1:{port}"
     try:
@@ -476,6 +477,7 @@ def test_several_api_servers_share_one_engine():
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     assert server.returncode == 0
+    assert "leaked" not in server.stdout.read()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

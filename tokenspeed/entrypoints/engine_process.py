@@ -238,6 +238,8 @@ def engine_main(spec: EngineSpec, conns: list) -> None:
     loop.start()
     _relay(conns, loop.inbox)
     loop.stop()
+    gc.unfreeze()   # frozen objects outlive the interpreter's last collection: Triton's
+    #                 bindings then list each of them as leaked at exit, some 70 lines
 
 
 def _relay(conns: list, inbox) -> None:
