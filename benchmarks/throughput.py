@@ -92,27 +92,28 @@ def work_floor(model, requests, max_num_seqs: int, peaks: Peaks, shared_prefix: 
 
 
 class StepTimeline:
-    """Wall time of every engine step, split by whether the step carried prompt work."""
+    """Wall time of every engine step, split by whether the step carried prompt work: a
+    prefill launch with a chunk of more than one token (a chained step's extend too, which
+    the engine schedules without ``Scheduler.schedule``)."""
 
     def __init__(self, engine):
         self.seconds = {"decode": 0.0, "prefill": 0.0}
         self.steps = {"decode": 0, "prefill": 0}
         self._kind = "decode"
-        schedule, step = engine.scheduler.schedule, engine.step
+        launch, step = engine.prefill.launch, engine.step
 
-        def timed_schedule():
-            batch = schedule()
-            self._kind = "prefill" if any(n > 1 or r.num_uncached > 1
-                                          for r, n in zip(batch.requests, batch.chunk_lens)) else "decode"
-            return batch
+        def timed_launch(chunks, *args, **kwargs):
+            if any(len(c.tokens) > 1 for c in chunks):
+                self._kind = "prefill"
+            return launch(chunks, *args, **kwargs)
 
         def timed_step():
-            self._kind, start = "decode", time.perf_counter()   # a chained step schedules nothing
+            self._kind, start = "decode", time.perf_counter()
             finished = step()
             self.seconds[self._kind] += time.perf_counter() - start
             self.steps[self._kind] += 1
             return finished
-        engine.scheduler.schedule, engine.step = timed_schedule, timed_step
+        engine.prefill.launch, engine.step = timed_launch, timed_step
 
 
 def run_workload(llm, requests) -> tuple[float, list]:
