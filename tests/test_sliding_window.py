@@ -57,7 +57,7 @@ def test_a_windowed_group_holds_a_bounded_number_of_pages(mixed, window, page_si
         for r in requests:
             if r.finished or not r.pages:
                 continue
-            for pages, retention, group in zip(r.page_lists(len(retentions)), retentions, by_group):
+            for pages, retention, group in zip(r.page_lists(), retentions, by_group):
                 assert len(pages) == len(r.pages)
                 read_from = max(r.num_cached - retention + 1, 0) // page_size if retention else 0
                 assert NULL_PAGE not in pages[read_from:], (r.num_cached, pages)

@@ -19,13 +19,15 @@ PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE, PROBE_TILES = 3, 
 def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Small inputs of the traced signature, with ``rows`` token rows."""
     g = len(config.cache_groups)
-    cache = (rows_per_page(config.cache_groups), 2, PROBE_PAGES, PROBE_PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    cache = (rows_per_page(config.cache_groups), 2, PROBE_PAGES, PROBE_PAGE_SIZE, config.num_kv_heads,
+             config.head_dim)
     long = dict(dtype=torch.int64, device=device)
     return {
         "kv_cache": torch.zeros(cache, dtype=dtype, device=device),
         "input_ids": torch.zeros(rows, **long), "positions": torch.zeros(rows, **long),
         "slot_mapping": torch.zeros((rows, g) if g > 1 else (rows,), **long),
-        "block_tables": torch.zeros((PROBE_TABLE_ROWS, g, 2) if g > 1 else (PROBE_TABLE_ROWS, 2), dtype=torch.int32, device=device),
+        "block_tables": torch.zeros((PROBE_TABLE_ROWS, g, 2) if g > 1 else (PROBE_TABLE_ROWS, 2),
+                                    dtype=torch.int32, device=device),
         "row_request": torch.zeros(rows, **long), "sample_rows": torch.zeros(PROBE_SAMPLED, **long),
         "view_rows": torch.zeros(rows, **long), "view_sample_rows": torch.zeros(PROBE_SAMPLED, **long),
         "attention_tiles": torch.zeros(PROBE_TILES, dtype=torch.int32, device=device),

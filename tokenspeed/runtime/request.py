@@ -44,19 +44,21 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
 
-    def page_lists(self, num_groups: int) -> list[list[int]]:
-        """Its pages in each of ``num_groups`` cache groups (the lists themselves, to edit;
-        those of groups past 0 start empty). Every list has one entry per page of its
-        tokens; a windowed group's entries behind the window are the null page."""
-        while len(self.num_dropped) < num_groups:
-            self.num_dropped.append(0)
-        while len(self.group_pages) < num_groups - 1:
-            self.group_pages.append([])
+    def clear_pages(self, num_groups: int) -> None:
+        """No pages in any of ``num_groups`` cache groups: as it joins a scheduler, and
+        when its pages are released."""
+        self.pages, self.group_pages = [], [[] for _ in range(num_groups - 1)]
+        self.num_dropped = [0] * num_groups
+
+    def page_lists(self) -> list[list[int]]:
+        """Its pages in each cache group (the lists themselves, to edit). Every list has one
+        entry per page of its tokens; a windowed group's entries behind the window are the
+        null page."""
         return [self.pages, *self.group_pages]
 
     def group_page_tuples(self) -> tuple[tuple[int, ...], ...]:
         """The pages of groups 1.., for a metadata row (``DecodeRow.group_pages``)."""
-        return tuple(map(tuple, self.group_pages)) if self.group_pages else ()
+        return tuple(map(tuple, self.group_pages))
 
     @property
     def tokens(self) -> tuple[int, ...]:

@@ -53,6 +53,7 @@ class Scheduler:
         return len(self.retentions)
 
     def add(self, request: Request) -> None:
+        request.clear_pages(self.num_groups)
         self.waiting.append(request)
 
     @property
@@ -142,14 +143,14 @@ class Scheduler:
         elif request.share_from is not None and not request.share_from.finished:
             source = request.share_from   # only the prompt's pages: past it, their tokens differ
             shared = min(usable, len(request.prompt) // self.page_size, source.num_cached // self.page_size)
-            lists = source.page_lists(self.num_groups)
+            lists = source.page_lists()
             found = [[p if p != NULL_PAGE else None for p in pages[:min(shared, len(pages))]] for pages in lists]
         else:
             return
         k = self._usable_prefix(found)
         if not k:
             return
-        lists = request.page_lists(self.num_groups)
+        lists = request.page_lists()
         for g, retention in enumerate(self.retentions):
             start = self._first_read(k, retention)
             lists[g][:] = [NULL_PAGE] * start + self.allocator.share(found[g][start:k])
@@ -185,7 +186,7 @@ class Scheduler:
             return
         full = min(request.num_cached // self.page_size, len(request.pages))
         digests = page_digests(request, full, self.page_size)
-        for g, pages in enumerate(request.page_lists(self.num_groups)):
+        for g, pages in enumerate(request.page_lists()):
             for index in range(request.num_pages_remembered, full):
                 if pages[index] != NULL_PAGE:
                     self.allocator.remember(pages[index], _in_group(digests[index], g))
@@ -219,7 +220,7 @@ class Scheduler:
         needed = -(-num_tokens // self.page_size) - len(request.pages)
         if needed <= 0:  # most decode steps: the last page still has room
             return True
-        lists = request.page_lists(self.num_groups)
+        lists = request.page_lists()
         try:
             new = self.allocator.allocate(needed * len(lists))
         except OutOfPages:
@@ -235,9 +236,9 @@ class Scheduler:
         a key before ``num_cached - retention + 1``; one position of slack. (Every row of
         every step calls: nothing is built unless a page boundary passed.)"""
         end = (request.num_cached - retention) // self.page_size
-        if end <= (request.num_dropped[group] if group < len(request.num_dropped) else 0):
+        if end <= request.num_dropped[group]:
             return
-        pages = request.page_lists(self.num_groups)[group]
+        pages = request.page_lists()[group]
         for index in range(request.num_dropped[group], min(end, len(pages))):
             if pages[index] != NULL_PAGE:
                 self.allocator.free([pages[index]])
@@ -250,10 +251,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        for pages in request.page_lists(self.num_groups):
+        for pages in request.page_lists():
             self.allocator.free([p for p in pages if p != NULL_PAGE])
-        request.pages, request.num_cached, request.num_pages_remembered = [], 0, 0
-        request.group_pages, request.num_dropped = [], []
+        request.clear_pages(self.num_groups)
+        request.num_cached, request.num_pages_remembered = 0, 0
 
 
 def _last_miss(found: list, n: int) -> list[int]:
