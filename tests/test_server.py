@@ -451,6 +451,27 @@ def test_a_mailbox_hands_over_everything_that_arrived_and_loses_nothing_on_a_tim
     asyncio.run(scenario())
 
 
+def test_a_report_sender_keeps_each_clients_order_and_survives_a_closed_pipe():
+    """Reports leave the engine's thread through one queue: each client gets its
+    messages in the order sent, a client whose pipe closed costs the others nothing, and
+    ``close`` sends everything queued before it returns."""
+    import multiprocessing
+    from tokenspeed.entrypoints.report_sender import ReportSender
+
+    pipes = [multiprocessing.Pipe() for _ in range(3)]
+    pipes[1][0].close()
+    sender = ReportSender([theirs for _, theirs in pipes])
+    for step in range(200):
+        sender.send(step % 3, ("report", step))
+    sender.send_all("failed")
+    sender.close()
+    for client in (0, 2):
+        ours = pipes[client][0]
+        received = [ours.recv() for _ in range(len(range(client, 200, 3)) + 1)]
+        assert received == [("report", step) for step in range(client, 200, 3)] + ["failed"]
+        assert not ours.poll()
+
+
 def test_several_api_servers_share_one_engine():
     """``tokenspeed serve --api-servers 2``: 16 clients at once each get what offline
     ``generate`` says, whichever process took them; the pooled metrics count every request

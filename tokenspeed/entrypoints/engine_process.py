@@ -27,6 +27,7 @@ from typing import NamedTuple
 import attrs
 
 from tokenspeed.entrypoints.engine_loop import Abort, ClientGone, EngineLoop, PackedReport, StepReport, Submit
+from tokenspeed.entrypoints.report_sender import ReportSender
 from tokenspeed.runtime.prompt_limits import PromptLimits
 
 START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
@@ -230,14 +231,16 @@ def engine_main(spec: EngineSpec, conns: list) -> None:
     # interval a record waited ~5 ms (median, CPU trial) behind a busy thread, so the 64
     # requests of a wave of clients reached a busy engine one per step, each admitted in a
     # prefill step of its own. At 0.2 ms it waits ~0.6 ms; an idle relay costs nothing.
-    loop = EngineLoop(llm, functools.partial(_send_report, conns), functools.partial(_send_crash, conns),
-                      num_clients=len(conns), stream_interval=spec.stream_interval)
+    sender = ReportSender(conns)
+    loop = EngineLoop(llm, sender.send, sender.send_all, num_clients=len(conns),
+                      stream_interval=spec.stream_interval)
     info = EngineInfo(llm.engine.limits, llm.tokenizer is not None)
     for conn in conns:
         conn.send(info)
     loop.start()
     _relay(conns, loop.inbox)
     loop.stop()
+    sender.close()
     gc.unfreeze()   # frozen objects outlive the interpreter's last collection: Triton's
     #                 bindings then list each of them as leaked at exit, some 70 lines
 
@@ -259,14 +262,3 @@ def _relay(conns: list, inbox) -> None:
                 inbox.put(ClientGone(client))
             else:
                 inbox.put(record._replace(client=client))
-
-
-def _send_report(conns: list, client: int, report: PackedReport) -> None:
-    with contextlib.suppress(OSError):   # a client gone: its ClientGone is on its way
-        conns[client].send(report)
-
-
-def _send_crash(conns: list, message: str) -> None:
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send(EngineFailed(message))
