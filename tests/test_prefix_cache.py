@@ -129,3 +129,43 @@ def test_cached_pages_are_counted_and_evicted_only_when_nobody_holds_them(num_pa
     for pages in held:
         alloc.free(pages)
     assert alloc.num_free == num_pages - 1
+
+
+# ---------------------------------------------------------------- page digests
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(turns=st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=30),
+                                st.integers(0, 12)), min_size=1, max_size=8),
+       remembered=st.integers(1, 3))
+def test_digests_copied_from_an_earlier_request_are_those_its_own_tokens_give(turns, remembered):
+    """Each turn keeps some of an earlier request's tokens, then goes its own way; the
+    digests a request copies from an earlier one equal those of a fresh computation, page
+    for page, and they grow past what was known (outputs included) as a lone request's do."""
+    from tokenspeed.runtime.page_digests import PageDigests
+    from tokenspeed.runtime.request import Request
+    digests, fresh, earlier = PageDigests(4, remembered), PageDigests(4, 0), [[1, 2, 3, 4, 5]]
+    for kept, tail, more in turns:
+        base = earlier[kept % len(earlier)]
+        prompt = tuple(base[:kept] + tail) or (7,)
+        ours, alone = (Request(0, prompt, ts.SamplingParams(), 0) for _ in range(2))
+        for output in ([], [9] * more):
+            for request in (ours, alone):
+                request.output = list(output)
+            pages = (len(prompt) + len(output)) // 4
+            assert digests(ours, pages) == fresh(alone, pages)
+        earlier.append(list(prompt) + [9] * more)
+
+
+def test_a_follow_up_copies_the_digests_of_its_history(monkeypatch):
+    import hashlib
+    from tokenspeed.runtime.page_digests import PageDigests
+    from tokenspeed.runtime.request import Request
+    digests = PageDigests(4)
+    history = Request(0, tuple(range(40)), ts.SamplingParams(), 0)
+    known = digests(history, 10)
+    follow_up = Request(1, tuple(range(40)) + (5, 5, 5, 5), ts.SamplingParams(), 0)
+    calls, real = [], hashlib.blake2b
+    monkeypatch.setattr(hashlib, "blake2b", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert digests(follow_up, 11)[:10] == known
+    assert len(calls) == 2     # its first page, to find the history, and its new page

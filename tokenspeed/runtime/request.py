@@ -30,6 +30,7 @@ class Request:
     num_cached: int = 0                    # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0      # of the prompt, found cached when admitted
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
+    page_tokens: bytearray = attrs.Factory(bytearray)  # those pages' tokens, as the digests read them
     num_pages_remembered: int = 0          # of its pages, those the allocator knows by digest
     group_pages: list[list[int]] = attrs.Factory(list)   # of cache groups 1.. (group 0's: pages)
     num_dropped: list[int] = attrs.Factory(list)   # per group: leading pages returned behind its window

@@ -25,7 +25,7 @@ import attrs
 
 from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
-from tokenspeed.runtime.page_digests import page_digests
+from tokenspeed.runtime.page_digests import PageDigests
 from tokenspeed.runtime.request import Request
 
 
@@ -43,7 +43,7 @@ class Scheduler:
         """``retentions``: each cache group's (``ModelConfig.cache_groups``): positions
         behind a row that its layers read, 0 for all of them."""
         self.allocator, self.page_size, self.retentions = allocator, page_size, tuple(retentions)
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.digests = prefix_caching, PageDigests(page_size)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -135,7 +135,7 @@ class Scheduler:
             return
         usable = (request.num_tokens - 1) // self.page_size   # the last token is computed
         if self.prefix_caching:
-            found, digests = [], page_digests(request, usable, self.page_size)
+            found, digests = [], self.digests(request, usable)
             for g, retention in enumerate(self.retentions):   # full groups first: they cap the rest
                 cap = min(map(len, found), default=usable)
                 names = digests[:cap] if g == 0 else [_in_group(d, g) for d in digests[:cap]]
@@ -185,7 +185,7 @@ class Scheduler:
                 or request.pending:   # (every row of every step calls: the common case first)
             return
         full = min(request.num_cached // self.page_size, len(request.pages))
-        digests = page_digests(request, full, self.page_size)
+        digests = self.digests(request, full)
         for g, pages in enumerate(request.page_lists()):
             for index in range(request.num_pages_remembered, full):
                 if pages[index] != NULL_PAGE:
