@@ -90,7 +90,7 @@ def extend_kernels():
                         window="i32"),
                  **{n: "i32" for n in names if n.startswith("stride")}}
     extend = compile_sm90(a._extend_kernel, signature, dict(
-        GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=a.extend_block_n(64), BLOCK_D=64,
+        GROUP=4, GROUP_P=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=a.extend_block_n(64), BLOCK_D=64,
         PRECISION="tf32",
         USE_PDL=True))
     assert plan.asm["ptx"] and "griddepcontrol.wait" in extend.asm["ptx"]

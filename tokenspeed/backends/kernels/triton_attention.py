@@ -89,37 +89,42 @@ def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, 
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_first_ptr,
                    qk_scale, window, stride_qr, stride_qh, stride_or, stride_oh,
                    stride_bt, stride_slot, stride_kvh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
-    head = tl.program_id(0)   # heads vary fastest: see extend_attention
+    kv_head = tl.program_id(0) // GROUP_P   # KV heads vary fastest: see extend_attention
+    part = tl.program_id(0) % GROUP_P       # which BLOCK_M // GROUP_P of the tile's rows
     tile = tl.program_id(1)
     first = tl.load(tile_first_ptr + tile)
     count = tl.minimum(tl.load(tile_first_ptr + tile + 1) - first, BLOCK_M)   # 0: an unused tile
     first = first.to(tl.int64)
-    r = tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_M)   # query i: row r of the tile, in the query head of its group g
+    r = part * (BLOCK_M // GROUP_P) + i // GROUP_P
+    g = i % GROUP_P
+    live = (r < count) & (g < GROUP)
     d = tl.arange(0, BLOCK_D)
     rows = first + r
+    head = kv_head * GROUP + g
     req = tl.load(req_ptr + first, mask=count > 0, other=0).to(tl.int64)
-    pos = tl.load(pos_ptr + rows, mask=r < count, other=-1).to(tl.int32)
-    qmask = (r[:, None] < count) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + rows[:, None] * stride_qr + head * stride_qh + d[None, :], mask=qmask,
+    pos = tl.load(pos_ptr + rows, mask=live, other=-1).to(tl.int32)
+    qmask = live[:, None] & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * stride_qr + head[:, None] * stride_qh + d[None, :], mask=qmask,
                 other=0.0).to(k_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M], -1e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + req * stride_bt
-    kv_base = (head // GROUP) * stride_kvh
+    kv_base = kv_head * stride_kvh
     hi = tl.max(pos, 0) + 1
     lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)   # each row's first key
     # Keys before the tile's first window start are not even loaded (behind a window their
     # pages may be gone: the null page). Without a window, key blocks below the tile's
     # smallest position are visible to every row: no mask; with one, every block is masked.
-    tile_lo = tl.min(tl.where(r < count, lo, hi), 0)
+    tile_lo = tl.min(tl.where(live, lo, hi), 0)
     first_key = tile_lo // BLOCK_N * BLOCK_N
-    full = (tl.min(tl.where(r < count, pos, hi), 0) + 1) // BLOCK_N * BLOCK_N
+    full = (tl.min(tl.where(live, pos, hi), 0) + 1) // BLOCK_N * BLOCK_N
     full = tl.where(window > 0, first_key, full)
     for start in range(first_key, full, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
@@ -132,7 +137,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
                                  (kpos < hi) & (kpos >= tile_lo), pos, lo, stride_slot, qk_scale,
                                  True, HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_or + head * stride_oh + d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_or + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
@@ -242,17 +247,23 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     q, k_cache, v_cache, block_d, precision = cache_views(q, kv_cache, layer)
     plan = plan if plan is not None else extend_tile_plan(row_request, block_tables.shape[0])
     block_n = extend_block_n(head_dim)
+    group = heads // kv_cache.shape[3]
+    group_p = next_power_of_2(group)
+    if group_p > plan.block_m:
+        raise ValueError(f"{heads} query heads over {kv_cache.shape[3]} KV heads: at most "
+                         f"{plan.block_m} query heads per KV head")
+    # A program takes one KV head and 1 / group_p of a tile's rows in each query head that
+    # reads it, so a key block it loads serves the group's heads at once: a one-row tile (a
+    # decode row in a mixed step) reads its keys once per KV head, not once per query head.
     # Programs start in grid order, the first axis fastest. A padded plan's real tiles come
     # first, so with the heads on the first axis every real program starts before any empty
-    # one; with the tiles there, each head's real tiles queued behind the empty tiles of the
-    # heads before it. (On the H200 the kernel took 235 us a layer inside the engine's 1B
-    # step of 512 rows after 8192 cached, 8 real tiles of 136, against 144 us unpadded; this
-    # order has not been timed there yet.)
-    _extend_kernel[(heads, len(plan.first) - 1)](
+    # one (a 1B step of 512 rows after 8192 cached, 8 real tiles of 136: 235 us a layer
+    # with the tiles first, 176 with the heads first).
+    _extend_kernel[(kv_cache.shape[3] * group_p, len(plan.first) - 1)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first,
         scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
-        GROUP=heads // kv_cache.shape[3], HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
         num_warps=EXTEND_WARPS, num_stages=EXTEND_STAGES,
         **pdl.launch_options(q.device))
