@@ -77,11 +77,12 @@ def test_a_prefill_launch_queues_its_work_without_waiting_for_the_gpu(enforce_ea
     pageable memory would first have waited for it. Its tokens are those of an idle GPU's."""
     engine = llm(random_model(MID, seed=5).to("cuda"), enforce_eager=enforce_eager)
     chunks, sampling = [ExtendChunk(tuple(range(10, 40)), 0, (1, 2), True)], [RowSampling(GREEDY, 0)]
-    want = engine.compiled.prefill.run(chunks, sampling)
-    torch.cuda._sleep(1 << 30)                     # about half a second of the GPU's time
-    future = engine.compiled.prefill.launch(chunks, sampling)
-    assert not torch.cuda.current_stream().query()
-    assert future.tokens() == want
+    with torch.inference_mode():                   # as the engine steps
+        want = engine.compiled.prefill.run(chunks, sampling)
+        torch.cuda._sleep(1 << 30)                 # about half a second of the GPU's time
+        future = engine.compiled.prefill.launch(chunks, sampling)
+        assert not torch.cuda.current_stream().query()
+        assert future.tokens() == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
