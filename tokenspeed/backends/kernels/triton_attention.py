@@ -6,10 +6,12 @@ Semantics match ``reference.paged_attention``: query row r attends causally to p
 query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32.
 
 ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
-request share every key block through ``tl.dot``. Prefill steps bring their tile plan with
-their metadata (``plan_extend``, built on the host from the chunks, once per step); without
-one, it is built on the device by one small kernel before the attention (a plan built
-here on the host would read ``row_request`` back: a sync in every layer).
+request share every key block through ``tl.dot``, and so do the query heads of one KV
+head: a program takes BLOCK_M queries, a share of a tile's rows in each head of the group.
+Prefill steps bring their tile plan with their metadata (``plan_extend``, built on the
+host from the chunks, once per step); without one, it is built on the device by one small
+kernel before the attention (a plan built here on the host would read ``row_request``
+back: a sync in every layer).
 """
 
 from typing import NamedTuple
