@@ -6,6 +6,7 @@ is a 400 naming the field (and the server serves on), auth, size limits, interna
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -455,21 +456,72 @@ def test_a_report_sender_keeps_each_clients_order_and_survives_a_closed_pipe():
     """Reports leave the engine's thread through one queue: each client gets its
     messages in the order sent, a client whose pipe closed costs the others nothing, and
     ``close`` sends everything queued before it returns."""
-    import multiprocessing
+    from tokenspeed.entrypoints.engine_process import EngineFailed
     from tokenspeed.entrypoints.report_sender import ReportSender
 
     pipes = [multiprocessing.Pipe() for _ in range(3)]
     pipes[1][0].close()
-    sender = ReportSender([theirs for _, theirs in pipes])
-    for step in range(200):
+    sender = ReportSender([theirs for _, theirs in pipes], EngineFailed)
+    for step in range(600):                      # more than the queue holds
         sender.send(step % 3, ("report", step))
-    sender.send_all("failed")
+    sender.fail("stopped")
     sender.close()
     for client in (0, 2):
         ours = pipes[client][0]
-        received = [ours.recv() for _ in range(len(range(client, 200, 3)) + 1)]
-        assert received == [("report", step) for step in range(client, 200, 3)] + ["failed"]
+        received = [ours.recv() for _ in range(len(range(client, 600, 3)) + 1)]
+        assert received == [("report", step) for step in range(client, 600, 3)] + [EngineFailed("stopped")]
         assert not ours.poll()
+
+
+def test_a_report_that_cannot_be_sent_fails_every_client_once():
+    """A report that does not pickle reaches nobody; every client hears the engine failed,
+    and nothing is sent after that (as after a loop that failed)."""
+    from tokenspeed.entrypoints.engine_process import EngineFailed
+    from tokenspeed.entrypoints.report_sender import ReportSender
+
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    sender = ReportSender([theirs for _, theirs in pipes], EngineFailed)
+    sender.send(0, "first")
+    sender.send(1, threading.Lock())
+    sender.send(0, "after")
+    sender.close()
+    assert pipes[0][0].recv() == "first"
+    for ours, _ in pipes:
+        assert ours.poll(5)
+        failure = ours.recv()
+        assert isinstance(failure, EngineFailed) and "TypeError" in failure.message
+        assert not ours.poll(0.1)
+
+
+def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
+    """Wired as the engine process wires it, a loop that fails outside a step reaches each
+    client as the engine's exit, with the loop's message."""
+    import asyncio
+    from tokenspeed.entrypoints.engine_process import EngineClient, start_loop
+
+    class Broken:
+        @property
+        def has_work(self):
+            raise RuntimeError("boom")
+
+    class BrokenLLM:
+        engine = Broken()
+
+    ours, theirs = multiprocessing.Pipe()
+    loop, sender = start_loop(BrokenLLM(), [theirs])
+    loop.thread.join()
+    sender.close()
+    exits = []
+
+    async def listen():
+        client = EngineClient(ours, None, lambda report: None, exits.append)
+        client.listen(asyncio.get_running_loop())
+        for _ in range(100):
+            if exits:
+                return
+            await asyncio.sleep(0.01)
+    asyncio.run(listen())
+    assert len(exits) == 1 and "the engine loop failed: RuntimeError: boom" in exits[0]
 
 
 def test_several_api_servers_share_one_engine():

@@ -114,8 +114,9 @@ class Submission:
 
 class EngineLoop:
     def __init__(self, llm, report, crashed, num_clients: int = 1, stream_interval: int = 1):
-        """``report(client, PackedReport)`` runs on the loop's thread after every step that
-        changed something that client sees (its requests, or the load, which every client
+        """``report(client, PackedReport)`` is called on the loop's thread (the engine
+        process only queues it there: ``ReportSender``) after every step that changed
+        something that client sees (its requests, or the load, which every client
         hears of); ``crashed(message)`` once if the loop itself fails (not a step: those
         fail their requests), after which it reports nothing. ``stream_interval``: a
         completion's update goes out with its first token, then once it has gained this

@@ -231,18 +231,24 @@ def engine_main(spec: EngineSpec, conns: list) -> None:
     # interval a record waited ~5 ms (median, CPU trial) behind a busy thread, so the 64
     # requests of a wave of clients reached a busy engine one per step, each admitted in a
     # prefill step of its own. At 0.2 ms it waits ~0.6 ms; an idle relay costs nothing.
-    sender = ReportSender(conns)
-    loop = EngineLoop(llm, sender.send, sender.send_all, num_clients=len(conns),
-                      stream_interval=spec.stream_interval)
     info = EngineInfo(llm.engine.limits, llm.tokenizer is not None)
     for conn in conns:
         conn.send(info)
-    loop.start()
-    _relay(conns, loop.inbox)
-    loop.stop()
-    sender.close()
+    loop, sender = start_loop(llm, conns, spec.stream_interval)
+    try:
+        _relay(conns, loop.inbox)
+    finally:
+        loop.stop()
+        sender.close()
     gc.unfreeze()   # frozen objects outlive the interpreter's last collection: Triton's
     #                 bindings then list each of them as leaked at exit, some 70 lines
+
+
+def start_loop(llm, conns: list, stream_interval: int = 1) -> tuple[EngineLoop, ReportSender]:
+    """The engine's loop, started, its reports sent to ``conns`` by a ``ReportSender``."""
+    sender = ReportSender(conns, EngineFailed)
+    loop = EngineLoop(llm, sender.send, sender.fail, num_clients=len(conns), stream_interval=stream_interval)
+    return loop.start(), sender
 
 
 def _relay(conns: list, inbox) -> None:
