@@ -40,7 +40,7 @@ def test_empty_prompt(llm):
         llm.generate([[]])
 
 
-@pytest.mark.parametrize("bad", [-1, -100, VOCAB, VOCAB + 7])
+@pytest.mark.parametrize("bad", [-1, -100, VOCAB, VOCAB + 7, 2**63, -2**63 - 1, 2**70])
 def test_token_out_of_vocabulary(llm, bad):
     with raises("prompt 0", str(bad), str(VOCAB)):
         llm.generate([[5, bad, 6]])

@@ -5,7 +5,10 @@ runs the engine in its own process and checks with the same function and the sam
 so a refusal reads the same wherever it is made.
 """
 
+import struct
+
 import attrs
+import numpy as np
 
 from tokenspeed.runtime.sampling_params import SamplingParams
 
@@ -35,7 +38,7 @@ def check_prompt(limits: PromptLimits, index: int, prompt: tuple[int, ...], para
     if not prompt:
         raise ValueError(f"{where} is empty")
     ids = (*prompt, *params.stop_token_ids)
-    if min(ids) < 0 or max(ids) >= limits.vocab_size:   # at C speed; the loop only to name one
+    if not _in_range(ids, limits.vocab_size):   # the loop only to name one
         bad = next(t for t in ids if not 0 <= t < limits.vocab_size)
         raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     total = len(prompt) + params.max_tokens
@@ -45,3 +48,13 @@ def check_prompt(limits: PromptLimits, index: int, prompt: tuple[int, ...], para
     pages = sum(most_pages_held(total, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
     if pages > limits.usable_pages:
         raise ValueError(f"{where}: needs {pages} KV pages at once, the pool has {limits.usable_pages}")
+
+
+def _in_range(ids: tuple[int, ...], vocab_size: int) -> bool:
+    """Whether every id is in [0, vocab_size), at C speed: packed to 64-bit integers, then
+    numpy's min and max (the builtins' took 0.3 ms of an 8k-token prompt's first token)."""
+    try:
+        values = np.frombuffer(struct.pack(f"{len(ids)}q", *ids), np.int64)
+    except struct.error:   # past 64 bits: outside any vocabulary
+        return False
+    return bool(values.min() >= 0 and values.max() < vocab_size)
