@@ -168,4 +168,22 @@ def test_a_follow_up_copies_the_digests_of_its_history(monkeypatch):
     calls, real = [], hashlib.blake2b
     monkeypatch.setattr(hashlib, "blake2b", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert digests(follow_up, 11)[:10] == known
-    assert len(calls) == 2     # its first page, to find the history, and its new page
+    assert len(calls) == 1     # its new page
+
+
+def test_conversations_that_open_alike_each_find_their_own_history(monkeypatch):
+    """Two conversations share a system prompt of three pages; the first one's next turn
+    copies the first one's digests, though the second came after it."""
+    import hashlib
+    from tokenspeed.runtime.page_digests import PageDigests
+    from tokenspeed.runtime.request import Request
+    digests, system = PageDigests(4), tuple(range(100, 112))
+    first, second = (Request(i, system + tuple(range(i * 50, i * 50 + 40)), ts.SamplingParams(), 0)
+                     for i in range(2))
+    known = digests(first, 13)
+    digests(second, 13)
+    follow_up = Request(2, first.prompt + (5, 5, 5, 5), ts.SamplingParams(), 0)
+    calls, real = [], hashlib.blake2b
+    monkeypatch.setattr(hashlib, "blake2b", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert digests(follow_up, 14)[:13] == known
+    assert len(calls) == 1
