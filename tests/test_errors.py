@@ -46,6 +46,13 @@ def test_token_out_of_vocabulary(llm, bad):
         llm.generate([[5, bad, 6]])
 
 
+@pytest.mark.parametrize("bad", [1.0, "7", None])
+def test_a_prompt_record_of_non_integers_is_refused_by_name(llm, bad):
+    from tokenspeed.entrypoints.prompts import Prompt
+    with raises("prompt 0", repr(bad), "not an integer"):
+        llm.generate([Prompt((5, bad, 6))])
+
+
 def test_prompt_plus_max_tokens_over_max_model_len(llm):
     prompt = list(range(3, 3 + 60))
     with raises("prompt 0", "60", "max_tokens=5", str(MAX_MODEL_LEN)):

@@ -22,8 +22,9 @@ class PageDigests:
     remembered by their first 1, 2, 4, 8, ... pages (Python's ``hash`` of their tokens: a
     key to find a candidate by, never trusted), and a new request copies the digests of
     the pages whose tokens equal, byte for byte, those of the latest request that shares
-    the most such leading pages with it: conversations that open with one system prompt
-    each still find their own history."""
+    the most such leading pages with it. Conversations that open with one system prompt
+    still find their own history, once it reaches a power of two of pages that the others
+    do not share (before that, the shared pages)."""
 
     def __init__(self, page_size: int, remembered: int = REMEMBERED_PREFIXES):
         self.step, self.remembered = page_size * TOKEN_BYTES, remembered
@@ -58,14 +59,14 @@ class PageDigests:
 
     def _remember(self, request, before: int) -> None:
         """Key ``request`` by each of its power-of-two page prefixes past ``before`` pages."""
-        pages, view = 1, memoryview(request.page_tokens)
-        while pages <= len(request.page_digests):
-            if pages > before:
-                key = hash(bytes(view[:pages * self.step]))
-                self._by_prefix[key] = (request.page_tokens, request.page_digests)
-                self._by_prefix.move_to_end(key)
-            pages *= 2
-        view.release()
+        pages = 1
+        with memoryview(request.page_tokens) as view:   # released: the bytearray grows later
+            while pages <= len(request.page_digests):
+                if pages > before:
+                    key = hash(bytes(view[:pages * self.step]))
+                    self._by_prefix[key] = (request.page_tokens, request.page_digests)
+                    self._by_prefix.move_to_end(key)
+                pages *= 2
         while len(self._by_prefix) > self.remembered:
             self._by_prefix.popitem(last=False)
 
