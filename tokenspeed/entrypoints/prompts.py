@@ -46,8 +46,8 @@ def _is_token_id(value) -> bool:
 
 
 def _one(index: int, prompt, tokenizer) -> Prompt:
-    if isinstance(prompt, Prompt):
-        return prompt
+    if isinstance(prompt, Prompt):   # checked like any token ids: a record may be built by hand
+        return attrs.evolve(prompt, token_ids=token_ids(prompt.token_ids, f"prompt {index}"))
     if isinstance(prompt, str):
         return Prompt(tuple(encode(tokenizer, prompt, f"prompt {index}")), prompt)
     if isinstance(prompt, Mapping):
@@ -75,9 +75,9 @@ def token_ids(values, where: str) -> tuple[int, ...]:
         raise TypeError(f"{where}: token ids must be a list of integers, got {values!r}")
     if _all_ints(values):
         return tuple(values)
-    bad = next((t for t in values if not _is_token_id(t)), None)
-    if bad is not None:
-        raise TypeError(f"{where}: token ids must be integers, got {bad!r} ({type(bad).__name__})")
+    bad = [t for t in values if not _is_token_id(t)]   # (None too is a bad id: no sentinel)
+    if bad:
+        raise TypeError(f"{where}: token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
     return tuple(int(t) for t in values)
 
 
