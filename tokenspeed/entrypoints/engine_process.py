@@ -14,7 +14,6 @@ and options through ``functools.partial(LLM, ...)``, or a module-level factory).
 import asyncio
 import contextlib
 import functools
-import gc
 import multiprocessing
 import multiprocessing.connection
 import select
@@ -27,6 +26,7 @@ from typing import NamedTuple
 import attrs
 
 from tokenspeed.entrypoints.engine_loop import Abort, ClientGone, EngineLoop, PackedReport, StepReport, Submit
+from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.report_sender import ReportSender
 from tokenspeed.runtime.prompt_limits import PromptLimits
 
@@ -222,26 +222,22 @@ def engine_main(spec: EngineSpec, conns: list) -> None:
         for conn in conns:
             conn.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
-    gc.collect()
-    gc.freeze()   # the model's and graphs' objects: never scanned again by a collection,
-    #               which otherwise pauses every stream while it walks them all
     sys.setswitchinterval(RELAY_SWITCH_INTERVAL_S)
     # The relay below needs the interpreter lock for every record it reads, while the
     # engine's thread holds it through each step's host work: at the default 5 ms switch
     # interval a record waited ~5 ms (median, CPU trial) behind a busy thread, so the 64
     # requests of a wave of clients reached a busy engine one per step, each admitted in a
     # prefill step of its own. At 0.2 ms it waits ~0.6 ms; an idle relay costs nothing.
-    info = EngineInfo(llm.engine.limits, llm.tokenizer is not None)
-    for conn in conns:
-        conn.send(info)
-    loop, sender = start_loop(llm, conns, spec.stream_interval)
-    try:
-        _relay(conns, loop.inbox)
-    finally:
-        loop.stop()
-        sender.close()
-    gc.unfreeze()   # frozen objects outlive the interpreter's last collection: Triton's
-    #                 bindings then list each of them as leaked at exit, some 70 lines
+    with frozen_heap():   # the model's and graphs' objects, never walked again
+        info = EngineInfo(llm.engine.limits, llm.tokenizer is not None)
+        for conn in conns:
+            conn.send(info)
+        loop, sender = start_loop(llm, conns, spec.stream_interval)
+        try:
+            _relay(conns, loop.inbox)
+        finally:
+            loop.stop()
+            sender.close()
 
 
 def start_loop(llm, conns: list, stream_interval: int = 1) -> tuple[EngineLoop, ReportSender]:

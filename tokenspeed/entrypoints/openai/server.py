@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from tokenspeed.entrypoints.engine_loop import GroupUpdate, StepReport
 from tokenspeed.entrypoints.engine_process import EngineClient, EngineProcess, EngineSpec
+from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
@@ -171,7 +172,8 @@ def server_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await server.start()
-        yield
+        with frozen_heap():
+            yield
         server.engine.stop()
 
     app = FastAPI(title="tokenspeed", lifespan=lifespan)
