@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 
 import httpx
 import openai
@@ -26,7 +25,6 @@ from hypothesis import given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
 from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
 from tokenspeed.entrypoints.prompts import parse_prompts
 
@@ -290,19 +288,6 @@ def test_each_finished_request_is_counted_once(base_url, client):
 def test_a_serving_process_keeps_its_startup_heap_out_of_collections(base_url):
     """This process serves ``base_url`` (uvicorn in a thread): its startup heap is frozen."""
     assert gc.get_freeze_count() > 0
-
-
-def test_a_frozen_heap_is_collected_again_once_unfrozen():
-    class Node:
-        pass
-    node = Node()
-    node.me, alive = node, weakref.ref(node)
-    with frozen_heap():
-        del node
-        gc.collect()
-        assert alive() is not None       # a cycle frozen before the block: not walked
-    gc.collect()
-    assert alive() is None
 
 
 def test_an_engine_process_that_dies_fails_its_requests_and_the_health_check():
