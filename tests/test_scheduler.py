@@ -6,12 +6,16 @@ import types
 
 from hypothesis import given, settings, strategies as st
 
+from tokenspeed.backends.metadata import decode_columns
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
+from tokenspeed.testing.invariants import check_chained_rows_match_pages
 
 VOCAB = 100
+MAX_MODEL_LEN = 1000
+MAX_PAGES = MAX_MODEL_LEN      # pages of one token at the most
 
 
 class Future:
@@ -31,16 +35,22 @@ class Future:
 class CountingRunner:
     """Samples token 5 for every row."""
 
+    def __init__(self, num_groups: int = 1):
+        self.num_groups = num_groups
+
+    def columns(self, rows):
+        return decode_columns(rows, MAX_PAGES, self.num_groups)
+
     def launch(self, batch, sampling, inputs=None) -> Future:
         return Future(len(sampling))
 
 
 def engine(num_pages: int, page_size: int, max_num_seqs: int, budget: int, overlap: bool,
-           prefix_caching: bool = False) -> Engine:
-    scheduler = Scheduler(BlockAllocator(num_pages), page_size, max_num_seqs, budget, prefix_caching)
-    runner = CountingRunner()
+           prefix_caching: bool = False, retentions: tuple[int, ...] = (0,)) -> Engine:
+    scheduler = Scheduler(BlockAllocator(num_pages), page_size, max_num_seqs, budget, prefix_caching, retentions)
+    runner = CountingRunner(len(retentions))
     config = types.SimpleNamespace(eos_token_ids=(0,), vocab_size=VOCAB)
-    return Engine(scheduler, runner, runner, config, 1000, overlap=overlap)
+    return Engine(scheduler, runner, runner, config, MAX_MODEL_LEN, overlap=overlap)
 
 
 def test_a_waiting_sample_does_not_keep_pages_it_could_not_use():
@@ -57,12 +67,16 @@ def test_a_waiting_sample_does_not_keep_pages_it_could_not_use():
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(data=st.data(), page_size=st.sampled_from([1, 2, 4]), overlap=st.booleans(),
-       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 32), prefix_caching=st.booleans())
+       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 32), prefix_caching=st.booleans(),
+       window=st.sampled_from([None, 3, 6]))
 def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size, overlap,
-                                                                 max_num_seqs, budget, prefix_caching):
-    """Prompts start alike (one of two prefixes) so that caching finds pages to share."""
+                                                                 max_num_seqs, budget, prefix_caching, window):
+    """Prompts start alike (one of two prefixes) so that caching finds pages to share;
+    ``window``: a second cache group, windowed. A chained decode step's rows match its
+    requests' pages after every step."""
     num_pages = data.draw(st.integers(2, 24))
-    eng = engine(num_pages, page_size, max_num_seqs, budget, overlap, prefix_caching)
+    retentions = (0,) if window is None else (0, window)
+    eng = engine(num_pages, page_size, max_num_seqs, budget, overlap, prefix_caching, retentions)
     requests = []
     for i in range(data.draw(st.integers(1, 6))):
         start = data.draw(st.sampled_from([1, 50]))
@@ -78,6 +92,7 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
         if not eng.has_work:
             break
         eng.step()
+        check_chained_rows_match_pages(eng)
         running = eng.scheduler.running
         held = [p for r in running for p in r.pages]
         assert 0 not in held

@@ -12,6 +12,7 @@ from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.ir.cache_groups import CacheGroup
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.random import TINY_LLAMA, random_model
+from tokenspeed.testing.invariants import check_chained_rows_match_pages
 
 from margins import assert_decisive, decisive_model, greedy_margins
 
@@ -53,6 +54,7 @@ def test_a_windowed_group_holds_a_bounded_number_of_pages(mixed, window, page_si
     assert retentions == ((0, window) if mixed else (window,))
     params = ts.SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     for requests in steps(llm, params):
+        check_chained_rows_match_pages(llm.engine)
         held_anywhere, by_group = [], [set() for _ in retentions]
         for r in requests:
             if r.finished or not r.pages:

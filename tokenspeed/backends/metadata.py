@@ -108,30 +108,68 @@ def group_tables(items, num_groups: int, num_rows: int, max_pages: int, page_siz
     ``num_groups`` cache groups: one group's as they are, several stacked on dim 1
     (``[rows, groups, pages]`` and ``[rows, groups]``), where each layer reads its group's
     column. Every item brings a page list per group, each as long as its ``pages``."""
+    tables = item_tables(items, num_groups, num_rows, max_pages)
+    return tables, table_slots(tables, row_request, positions, page_size)
+
+
+def item_tables(items, num_groups: int, num_rows: int, max_pages: int) -> np.ndarray:
+    """``group_tables``' block tables alone."""
     if num_groups == 1:   # every decode step's host time: nothing more than before groups
-        tables = block_table([r.pages for r in items], num_rows, max_pages)
-        return tables, write_locations(tables, row_request, positions, page_size)
+        return block_table([r.pages for r in items], num_rows, max_pages)
     for i, item in enumerate(items):
         if len(item.group_pages) != num_groups - 1 or any(len(p) != len(item.pages) for p in item.group_pages):
             raise ValueError(f"row {i}: pages of {1 + len(item.group_pages)} cache groups, of "
                              f"{[len(item.pages), *map(len, item.group_pages)]} pages; the model has "
                              f"{num_groups} groups, and every list has one entry per page")
-    tables = stacked_block_table([(r.pages, *r.group_pages) for r in items], num_groups, num_rows, max_pages)
-    slots = [write_locations(tables[:, g], row_request, positions, page_size) for g in range(num_groups)]
-    return tables, np.stack(slots, axis=1)
+    return stacked_block_table([(r.pages, *r.group_pages) for r in items], num_groups, num_rows, max_pages)
 
 
-def refresh_decode(rows: Sequence[DecodeRow], num_rows: int, max_pages: int, page_size: int,
+def table_slots(tables: np.ndarray, row_request, positions, page_size: int) -> np.ndarray:
+    """``group_tables``' write locations of ``tables`` (one group's, or stacked)."""
+    if tables.ndim == 2:
+        return write_locations(tables, row_request, positions, page_size)
+    slots = [write_locations(tables[:, g], row_request, positions, page_size) for g in range(tables.shape[1])]
+    return np.stack(slots, axis=1)
+
+
+@attrs.frozen(eq=False)
+class DecodeColumns:
+    """Decode rows as the columns ``refresh_decode`` pads: the form a decode chain keeps
+    from step to step (``runtime/decode_chain.py``), moving each row on a position rather
+    than rebuilding every row's table from its page lists. ``block_tables``: ``max_pages``
+    page ids per row, per cache group on dim 1 when there are several (``group_tables``)."""
+    tokens: np.ndarray        # int64
+    positions: np.ndarray     # int64
+    block_tables: np.ndarray  # int32
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+def decode_columns(rows: Sequence[DecodeRow], max_pages: int, num_groups: int = 1) -> DecodeColumns:
+    n = len(rows)
+    return DecodeColumns(np.fromiter((r.token for r in rows), np.int64, n),
+                         np.fromiter((r.position for r in rows), np.int64, n),
+                         item_tables(rows, num_groups, n, max_pages))
+
+
+def refresh_decode(rows: Sequence[DecodeRow] | DecodeColumns, num_rows: int, max_pages: int, page_size: int,
                    device="cpu", num_groups: int = 1) -> DecodeMetadata:
     """Decode metadata for ``rows`` padded to ``num_rows``; no rows is the idle refresh
     used for capture (placeholder tables of null pages). ``num_groups``: the model's cache
     groups (``group_tables``)."""
+    columns = rows if isinstance(rows, DecodeColumns) else decode_columns(rows, max_pages, num_groups)
+    count, live_tables = len(columns), columns.block_tables
+    if live_tables.shape[1:] != ((max_pages,) if num_groups == 1 else (num_groups, max_pages)):
+        raise ValueError(f"block tables of shape {tuple(live_tables.shape[1:])} per row; the model's "
+                         f"are {max_pages} pages in each of {num_groups} cache groups")
     every_row = np.arange(num_rows, dtype=np.int64)
-    positions = _padded((r.position for r in rows), len(rows), num_rows)
-    tables, slots = group_tables(rows, num_groups, num_rows, max_pages, page_size, every_row, positions)
-    return DecodeMetadata(num_live_rows=len(rows), **_on(
-        device, input_ids=_padded((r.token for r in rows), len(rows), num_rows), positions=positions,
-        slot_mapping=slots, block_tables=tables,
+    positions = _padded(columns.positions, count, num_rows)
+    tables = np.full((num_rows, *live_tables.shape[1:]), NULL_PAGE, dtype=np.int32)
+    tables[:count] = live_tables
+    return DecodeMetadata(num_live_rows=count, **_on(
+        device, input_ids=_padded(columns.tokens, count, num_rows), positions=positions,
+        slot_mapping=table_slots(tables, every_row, positions, page_size), block_tables=tables,
         row_request=every_row, sample_rows=every_row.copy()))
 
 

@@ -13,6 +13,7 @@ are resampled from the step's logits before the copy.
 
 import torch
 
+from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
 from tokenspeed.runtime.graphs import state_tensors
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
@@ -36,10 +37,14 @@ class DecodeRunner:
         pinned = kv_cache.is_cuda
         self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self._last_settings = ((), None)  # (key, settings): unchanged settings republish free
+        self._last_settings = ((), None)  # (key, (settings, resampled)): unchanged ones republish free
         self._views: dict[tuple[int, int], tuple] = {}
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
+
+    def columns(self, rows: list[DecodeRow]) -> DecodeColumns:
+        """``rows`` as the columns ``launch`` also takes (a decode chain keeps them)."""
+        return decode_columns(rows, self.max_pages, self.num_groups)
 
     def refresh(self, rows, num_rows: int):
         """Host-side descriptor; publishing moves it to the device in one copy."""
@@ -80,9 +85,10 @@ class DecodeRunner:
         """One sampled token per row."""
         return self.launch(rows, sampling).tokens()
 
-    def launch(self, rows, sampling: list[RowSampling], inputs: torch.Tensor | None = None) -> StepFuture:
+    def launch(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
+               inputs: torch.Tensor | None = None) -> StepFuture:
         """Enqueue one step. ``inputs``: the rows' input tokens on the device (a chained
-        step's, from the step before: ``StepFuture.on_device``), else ``rows[i].token``."""
+        step's, from the step before: ``StepFuture.on_device``), else the rows' tokens."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
@@ -90,10 +96,11 @@ class DecodeRunner:
         view = self.slots.publish(self.refresh(rows, size))
         if inputs is not None:
             input_ids.copy_(inputs)
-        settings = self.sampling.publish(self._settings(sampling, size))
+        settings, processed = self._settings(sampling, size)
+        settings = self.sampling.publish(settings)
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
         logprobs = None
-        if any(r.needs_processing for r in sampling):
+        if processed:
             logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
@@ -117,11 +124,12 @@ class DecodeRunner:
     def _padded(self, sampling: list[RowSampling], size: int) -> SamplingTensors:
         return SamplingTensors.build(list(sampling) + [PAD_ROW] * (size - len(sampling)), "cpu")
 
-    def _settings(self, sampling: list[RowSampling], size: int) -> SamplingTensors:
-        """The rows' settings padded to ``size``. A request's settings and seed never
+    def _settings(self, sampling: list[RowSampling], size: int) -> tuple[SamplingTensors, bool]:
+        """The rows' settings padded to ``size``, and whether a row is resampled (its
+        sampling needs more than the step's own). A request's settings and seed never
         change, so a batch's are mostly those of the step before: equal ones get back the
         same object, which the slots republish for free."""
         key = (size, *sampling)  # rows are kept per request: compared by identity first
         if key != self._last_settings[0]:
-            self._last_settings = (key, self._padded(sampling, size))
+            self._last_settings = (key, (self._padded(sampling, size), any(r.needs_processing for r in sampling)))
         return self._last_settings[1]

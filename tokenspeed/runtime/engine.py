@@ -18,7 +18,8 @@ import time
 import attrs
 import torch
 
-from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
+from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, ExtendChunk
+from tokenspeed.runtime.decode_chain import next_columns
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
 from tokenspeed.runtime.request import Request
@@ -36,10 +37,12 @@ PENDING = 0     # a chained extend's host-side input for a token its device feed
 class InFlight:
     """A launched step whose tokens the host has not read. ``counted``: its rows' input
     tokens are counted as cached (an extend counts its chunks when launched; a decode
-    step's rows are counted when the next step is prepared: ``_settled``)."""
+    step's rows are counted when the next step is prepared: ``_settled``). A chained
+    decode step keeps its rows' ``columns``: the next one in the chain moves them on."""
     requests: tuple[Request, ...]
     future: object
     counted: bool = False
+    columns: DecodeColumns | None = None   # a chained decode step's rows (``decode_chain``)
 
 
 class Engine:
@@ -164,28 +167,39 @@ class Engine:
         due (a waiting request should join, or a prompt is part-way computed), the next
         extend batch; None when something needs the host between steps."""
         live = [r for r in flight.requests if not r.finished]
-        scheduler = self.scheduler
         if not live or not any(self._wants_another(r) for r in live) or \
-                any(r.sampling.reads_history for r in live) or \
+                (flight.columns is None and any(r.sampling.reads_history for r in live)) or \
                 (self.speculative is not None and
                  self._verify_pays(live, [self._would_draft(r) for r in live])):
             self._chained = 0
             return None
-        if self._admits_now() or len(scheduler.running) != len(live):
+        if self._admits_now() or len(self.scheduler.running) != len(live):
             self._chained = 0
             return self._chain_extend(flight, live) if self.speculative is None else None
-        rows = []
-        for request in live:  # one pass over the rows: this is host time of every step
-            position = request.num_tokens
-            if not scheduler.grow(request, position + 1):
-                self._chained = 0
-                return None
-            rows.append(DecodeRow(0, position, tuple(request.pages), request.group_page_tuples()))
         kept = None if len(live) == len(flight.requests) else \
             [i for i, r in enumerate(flight.requests) if not r.finished]
+        columns = self._chained_columns(flight, live, kept)
+        if columns is None:
+            self._chained = 0
+            return None
         self._chained += 1
-        return InFlight(tuple(live), self.decode.launch(rows, [r.sampling for r in live],
-                                                        flight.future.on_device(kept)))
+        future = self.decode.launch(columns, [r.sampling for r in live], flight.future.on_device(kept))
+        return InFlight(tuple(live), future, columns=columns)
+
+    def _chained_columns(self, flight: InFlight, live: list[Request], kept) -> DecodeColumns | None:
+        """The chained step's rows (their input tokens fed on the device): the flight's
+        moved on a position, or, chained on an extend or an unchained decode step, built
+        from each request's pages; None when a request finds no page for its row.
+        (A chained step's rows never read their history: ``_chain`` checked at the first.)"""
+        if flight.columns is not None:
+            return next_columns(flight.columns, kept, live, self.scheduler)
+        rows = []
+        for request in live:
+            position = request.num_tokens
+            if not self.scheduler.grow(request, position + 1):
+                return None
+            rows.append(DecodeRow(0, position, tuple(request.pages), request.group_page_tuples()))
+        return self.decode.columns(rows)
 
     def _chain_extend(self, flight: InFlight, live: list[Request]) -> InFlight | None:
         """The next extend batch, scheduled as if the flight's tokens were known: each live

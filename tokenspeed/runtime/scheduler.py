@@ -22,6 +22,7 @@ prompt token is always computed anew (its logits give the request's first token)
 from collections import deque
 
 import attrs
+import numpy as np
 
 from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
@@ -228,6 +229,17 @@ class Scheduler:
         for g, pages in enumerate(lists):
             pages.extend(new[g * needed:(g + 1) * needed])
         return True
+
+    def pages_may_change(self, positions: np.ndarray) -> np.ndarray:
+        """Which rows of a decode chain ``grow`` may change a page list of: a row at a
+        position after one that grew, its request's tokens cached up to the position, takes
+        a page at a page boundary, and in a windowed group returns one where the window's
+        start crosses one (``_drop_behind_window``)."""
+        changes = positions % self.page_size == 0
+        for retention in self.retentions:
+            if retention:
+                changes |= (positions - retention) % self.page_size == 0
+        return changes
 
     def _drop_behind_window(self, request: Request, group: int, retention: int) -> None:
         """Return the pages of ``group`` wholly before ``num_cached - retention``. Every row

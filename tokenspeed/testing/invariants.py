@@ -34,3 +34,29 @@ def check_live_rows_equal(a, b, num_live: int, fields) -> None:
     for name in fields:
         x, y = getattr(a, name)[:num_live], getattr(b, name)[:num_live]
         assert torch.equal(x, y), f"field {name} differs on live rows: {x.tolist()} vs {y.tolist()}"
+
+
+def check_chained_rows_match_pages(engine) -> None:
+    """The decode step in flight, if chained on the one before (its rows moved on a position,
+    not rebuilt: ``runtime/decode_chain.py``), holds each unfinished request's row as it
+    stands: at the position of its last token, the first uncached one, with a table row of
+    its page lists as they are, and no page wholly behind a windowed group's window."""
+    flight, scheduler = engine.in_flight, engine.scheduler
+    if flight is None or flight.columns is None:
+        return
+    tables = flight.columns.block_tables
+    tables = tables[:, None] if tables.ndim == 2 else tables
+    for row, request in enumerate(flight.requests):
+        if request.finished:
+            continue
+        position = int(flight.columns.positions[row])
+        assert position == request.num_tokens - 1 == request.num_cached, \
+            f"row {row} at position {position}, its request has {request.num_tokens} tokens, " \
+            f"{request.num_cached} cached"
+        for group, (pages, retention) in enumerate(zip(request.page_lists(), scheduler.retentions)):
+            held = tables[row, group].tolist()
+            assert held[:len(pages)] == pages and set(held[len(pages):]) <= {NULL_PAGE}, \
+                f"row {row}, group {group}: table {held} for pages {pages}"
+            behind = max(position - retention, 0) // scheduler.page_size if retention else 0
+            assert set(pages[:behind]) <= {NULL_PAGE}, \
+                f"row {row}, group {group}: pages {pages[:behind]} wholly behind its window are held"
