@@ -90,7 +90,8 @@ class Engine:
         requests = []
         for index in range(params.n):
             requests.append(Request(self._next_id, prompt, params, (base + index) % 2**SEED_BITS,
-                                    index, requests[0] if requests else None, stop_ids))
+                                    index, requests[0] if requests else None, stop_ids,
+                                    max_output=min(params.max_tokens, self.max_model_len - len(prompt))))
             self._next_id += 1
             self.scheduler.add(requests[-1])
         return requests
@@ -156,11 +157,13 @@ class Engine:
         launched from now on runs after it."""
         if flight.counted:
             return flight
-        for request in flight.requests:
+        remember = self.scheduler.remember_full_pages if self.scheduler.prefix_caching else None
+        for request in flight.requests:   # every row of every step: nothing more than needed
             if not request.finished:
                 request.num_cached += 1
-                self.scheduler.remember_full_pages(request)
-        return attrs.evolve(flight, counted=True)
+                if remember is not None:
+                    remember(request)
+        return InFlight(flight.requests, flight.future, True, flight.columns)
 
     def _chain(self, flight: InFlight) -> InFlight | None:
         """Launch the rows of the requests still running once more, or, when prompt work is
@@ -263,7 +266,7 @@ class Engine:
         window's own sample; 0 while its sampling reads its history or it backs off."""
         if request.sampling.reads_history or request.num_tokens < request.drafts_from:
             return 0
-        room = min(request.params.max_tokens - len(request.output), self.max_model_len - request.num_tokens)
+        room = request.max_output - len(request.output)
         return max(room - 1, 0)
 
     def _verify(self, requests, drafts) -> list[Request]:
@@ -299,8 +302,7 @@ class Engine:
 
     def _wants_another(self, request: Request) -> bool:
         """Whether ``request`` can still need a token after the one in flight."""
-        return len(request.output) + 1 < request.params.max_tokens and \
-            request.num_tokens + 1 < self.max_model_len
+        return len(request.output) + 1 < request.max_output
 
     def _collect(self, flight: InFlight) -> list[Request]:
         """Read a settled flight's tokens into its requests; the finished ones."""
@@ -332,12 +334,13 @@ class Engine:
             request.logprobs.append(logprobs)
         if request.first_token_time is None:
             request.first_token_time = time.time()
-        p = request.params
-        if token in request.stop_ids and len(request.output) >= p.min_tokens:
-            self.finish(request, "stop", token if token in p.stop_token_ids else None)
-        elif len(request.output) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if token in request.stop_ids and len(request.output) >= request.params.min_tokens:
+            self.finish(request, "stop", token if token in request.params.stop_token_ids else None)
+            return True
+        if len(request.output) >= request.max_output:
             self.finish(request, "length")
-        return request.finished
+            return True
+        return False
 
 
 def _fed(flight: InFlight, batch: ScheduledBatch) -> FedTokens:

@@ -44,6 +44,8 @@ class Request:
     arrival_time: float = attrs.Factory(time.time)
     first_token_time: float | None = None
     finish_time: float | None = None
+    max_output: int = attrs.field(default=None, kw_only=True)   # tokens: max_tokens, or fewer
+    # where the context ends first (the engine's ``max_model_len``); one bound, read each step
 
     def clear_pages(self, num_groups: int) -> None:
         """No pages in any of ``num_groups`` cache groups: as it joins a scheduler, and
@@ -123,6 +125,8 @@ class Request:
     _token_array: array = attrs.field(init=False)
 
     def __attrs_post_init__(self):
+        if self.max_output is None:
+            self.max_output = self.params.max_tokens
         self.sampling = RowSampling(self.params, self.seed, self.prompt, self.output, self.stop_ids)
         self._token_array = array("q", self.prompt)
 
