@@ -39,20 +39,22 @@ def check_live_rows_equal(a, b, num_live: int, fields) -> None:
 def check_chained_rows_match_pages(engine) -> None:
     """The decode step in flight, if chained on the one before (its rows moved on a position,
     not rebuilt: ``runtime/decode_chain.py``), holds each unfinished request's row as it
-    stands: at the position of its last token, the first uncached one, with a table row of
-    its page lists as they are, and no page wholly behind a windowed group's window."""
+    stands: at the position of its last token (its token in a step not yet read counted),
+    the first uncached one, with a table row of its page lists as they are, and no page
+    wholly behind a windowed group's window."""
     flight, scheduler = engine.in_flight, engine.scheduler
     if flight is None or flight.columns is None:
         return
+    unread = {id(r) for r in engine.unread.requests} if engine.unread is not None else set()
     tables = flight.columns.block_tables
     tables = tables[:, None] if tables.ndim == 2 else tables
     for row, request in enumerate(flight.requests):
         if request.finished:
             continue
-        position = int(flight.columns.positions[row])
-        assert position == request.num_tokens - 1 == request.num_cached, \
-            f"row {row} at position {position}, its request has {request.num_tokens} tokens, " \
-            f"{request.num_cached} cached"
+        position, last = int(flight.columns.positions[row]), request.num_tokens - (id(request) not in unread)
+        assert position == last == request.num_cached, \
+            f"row {row} at position {position}, its request has {request.num_tokens} tokens " \
+            f"(a token unread: {id(request) in unread}), {request.num_cached} cached"
         for group, (pages, retention) in enumerate(zip(request.page_lists(), scheduler.retentions)):
             held = tables[row, group].tolist()
             assert held[:len(pages)] == pages and set(held[len(pages):]) <= {NULL_PAGE}, \
