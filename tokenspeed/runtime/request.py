@@ -44,8 +44,7 @@ class Request:
     arrival_time: float = attrs.Factory(time.time)
     first_token_time: float | None = None
     finish_time: float | None = None
-    max_output: int = attrs.field(default=None, kw_only=True)   # tokens: max_tokens, or fewer
-    # where the context ends first (the engine's ``max_model_len``); one bound, read each step
+    max_output: int = attrs.field(default=None, kw_only=True)   # max_tokens, less if the context ends first
 
     def clear_pages(self, num_groups: int) -> None:
         """No pages in any of ``num_groups`` cache groups: as it joins a scheduler, and
