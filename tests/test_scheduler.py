@@ -72,8 +72,9 @@ def test_a_waiting_sample_does_not_keep_pages_it_could_not_use():
 def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size, overlap,
                                                                  max_num_seqs, budget, prefix_caching, window):
     """Prompts start alike (one of two prefixes) so that caching finds pages to share;
-    ``window``: a second cache group, windowed. A chained decode step's rows match its
-    requests' pages after every step."""
+    ``window``: a second cache group, windowed. After every step, a chained decode step's
+    rows match its requests' pages, and no output holds a stand-in (callers read outputs
+    between steps)."""
     num_pages = data.draw(st.integers(2, 24))
     retentions = (0,) if window is None else (0, window)
     eng = engine(num_pages, page_size, max_num_seqs, budget, overlap, prefix_caching, retentions)
@@ -93,6 +94,7 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
             break
         eng.step()
         check_chained_rows_match_pages(eng)
+        assert not any(r.pending for r in eng.scheduler.running), "a stand-in is visible between steps"
         running = eng.scheduler.running
         held = [p for r in running for p in r.pages]
         assert 0 not in held
