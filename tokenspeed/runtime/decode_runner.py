@@ -37,7 +37,7 @@ class DecodeRunner:
         pinned = kv_cache.is_cuda
         self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        self._last_settings = ((), None)  # (key, (settings, resampled)): unchanged ones republish free
+        self._last_settings = ((), None)  # (key, (settings, ...)): unchanged ones republish free
         self._views: dict[tuple[int, int], tuple] = {}
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
@@ -128,8 +128,12 @@ class DecodeRunner:
         """The rows' settings padded to ``size``, and whether a row is resampled (its
         sampling needs more than the step's own). A request's settings and seed never
         change, so a batch's are mostly those of the step before: equal ones get back the
-        same object, which the slots republish for free."""
+        same object, which the slots republish for free. Only a ``min_tokens`` mask ends
+        as a row grows: those rows are asked again each step."""
         key = (size, *sampling)  # rows are kept per request: compared by identity first
         if key != self._last_settings[0]:
-            self._last_settings = (key, (self._padded(sampling, size), any(r.needs_processing for r in sampling)))
-        return self._last_settings[1]
+            masked = tuple(r for r in sampling if r.masked_until)
+            self._last_settings = (key, (self._padded(sampling, size),
+                                         any(r.masks_or_logprobs for r in sampling), masked))
+        settings, always, masked = self._last_settings[1]
+        return settings, always or any(r.needs_processing for r in masked)

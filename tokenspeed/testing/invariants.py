@@ -39,26 +39,29 @@ def check_live_rows_equal(a, b, num_live: int, fields) -> None:
 def check_chained_rows_match_pages(engine) -> None:
     """The decode step in flight, if chained on the one before (its rows moved on a position,
     not rebuilt: ``runtime/decode_chain.py``), holds each unfinished request's row as it
-    stands: at the position of its last token (its token in a step not yet read counted),
-    the first uncached one, with a table row of its page lists as they are, and no page
-    wholly behind a windowed group's window."""
+    stands. The step it is chained on is not read yet (``Engine.unread``), so the row sits
+    at the request's token count, its first uncached position, on a page it holds; its
+    table row is its page lists as they are; no page wholly behind a windowed group's
+    window is held."""
     flight, scheduler = engine.in_flight, engine.scheduler
     if flight is None or flight.columns is None:
         return
-    unread = {id(r) for r in engine.unread.requests} if engine.unread is not None else set()
+    assert engine.unread is not None, "a chained decode step, but the step before it was read"
     tables = flight.columns.block_tables
     tables = tables[:, None] if tables.ndim == 2 else tables
     for row, request in enumerate(flight.requests):
         if request.finished:
             continue
-        position, last = int(flight.columns.positions[row]), request.num_tokens - (id(request) not in unread)
-        assert position == last == request.num_cached, \
-            f"row {row} at position {position}, its request has {request.num_tokens} tokens " \
-            f"(a token unread: {id(request) in unread}), {request.num_cached} cached"
+        position = int(flight.columns.positions[row])
+        assert position == request.num_tokens == request.num_cached, \
+            f"row {row} at position {position}, its request has {request.num_tokens} tokens, " \
+            f"{request.num_cached} cached"
         for group, (pages, retention) in enumerate(zip(request.page_lists(), scheduler.retentions)):
             held = tables[row, group].tolist()
             assert held[:len(pages)] == pages and set(held[len(pages):]) <= {NULL_PAGE}, \
                 f"row {row}, group {group}: table {held} for pages {pages}"
+            assert held[position // scheduler.page_size] != NULL_PAGE, \
+                f"row {row}, group {group}: position {position} writes into the null page ({pages})"
             behind = max(position - retention, 0) // scheduler.page_size if retention else 0
             assert set(pages[:behind]) <= {NULL_PAGE}, \
                 f"row {row}, group {group}: pages {pages[:behind]} wholly behind its window are held"
