@@ -6,7 +6,7 @@ import types
 
 from hypothesis import given, settings, strategies as st
 
-from tokenspeed.backends.metadata import decode_columns
+from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.sampling_params import SamplingParams
@@ -19,17 +19,17 @@ MAX_PAGES = MAX_MODEL_LEN      # pages of one token at the most
 
 
 class Future:
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, tokens: list[int]):
+        self._tokens = tokens
 
     def tokens(self) -> list[int]:
-        return [5] * self.rows
+        return list(self._tokens)
 
     def logprobs(self) -> list:
-        return [None] * self.rows
+        return [None] * len(self._tokens)
 
     def on_device(self, rows=None):
-        return None      # the counting runner reads no input tokens
+        return None      # these runners read no input tokens
 
 
 class CountingRunner:
@@ -42,15 +42,35 @@ class CountingRunner:
         return decode_columns(rows, MAX_PAGES, self.num_groups)
 
     def launch(self, batch, sampling, inputs=None) -> Future:
-        return Future(len(sampling))
+        return Future([5] * len(sampling))
+
+
+class KeyedRunner(CountingRunner):
+    """Samples a token keyed by the row's seed and input position, the end of sequence (0)
+    about one row in six: requests stop part-way through a chain, whatever the batches."""
+
+    def launch(self, batch, sampling, inputs=None) -> Future:
+        if isinstance(batch, DecodeColumns):
+            positions = batch.positions.tolist()
+        elif batch and isinstance(batch[0], DecodeRow):
+            positions = [row.position for row in batch]
+        else:      # extend chunks: the last row of each completing one is sampled
+            positions = [c.start + len(c.tokens) - 1 for c in batch if c.completes]
+        return Future([keyed_token(s.seed, p) for s, p in zip(sampling, positions)])
+
+
+def keyed_token(seed: int, position: int) -> int:
+    h = (seed * 2654435761 + (position + 1) * 40503) % 2**32
+    return 0 if h % 6 == 0 else 1 + h % (VOCAB - 1)
 
 
 def engine(num_pages: int, page_size: int, max_num_seqs: int, budget: int, overlap: bool,
-           prefix_caching: bool = False, retentions: tuple[int, ...] = (0,)) -> Engine:
+           prefix_caching: bool = False, retentions: tuple[int, ...] = (0,), runner=CountingRunner,
+           admit_every: int = 4) -> Engine:
     scheduler = Scheduler(BlockAllocator(num_pages), page_size, max_num_seqs, budget, prefix_caching, retentions)
-    runner = CountingRunner(len(retentions))
+    runner = runner(len(retentions))
     config = types.SimpleNamespace(eos_token_ids=(0,), vocab_size=VOCAB)
-    return Engine(scheduler, runner, runner, config, MAX_MODEL_LEN, overlap=overlap)
+    return Engine(scheduler, runner, runner, config, MAX_MODEL_LEN, overlap=overlap, admit_every=admit_every)
 
 
 def test_a_waiting_sample_does_not_keep_pages_it_could_not_use():
@@ -107,6 +127,42 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
     assert not eng.has_work
     assert all(r.finish_reason == "length" and len(r.output) == r.params.max_tokens for r in requests)
     assert eng.scheduler.allocator.num_free == num_pages - 1
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data(), page_size=st.sampled_from([1, 2, 4]), window=st.sampled_from([None, 3]),
+       prefix_caching=st.booleans(), admit_every=st.sampled_from([1, 4]))
+def test_requests_stopping_or_aborted_mid_chain_keep_the_synchronous_tokens(data, page_size, window,
+                                                                            prefix_caching, admit_every):
+    """Requests that stop on a token part-way through a chain (found a step late), arrive
+    while it runs, or are aborted between steps while a step is unread: the overlapped
+    loop's tokens are the synchronous loop's, the chained rows match the requests' pages
+    after every step, no stand-in is visible between steps, and every page returns."""
+    retentions = (0,) if window is None else (0, window)
+    plan = [(data.draw(st.integers(0, 6)), tuple(range(start, start + data.draw(st.integers(1, 9)))),
+             SamplingParams(n=data.draw(st.integers(1, 2)), max_tokens=data.draw(st.integers(1, 20)), seed=i))
+            for i, start in enumerate(data.draw(st.lists(st.sampled_from([1, 30]), min_size=1, max_size=6)))]
+    aborts = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=3))
+
+    def run(overlap: bool, aborts) -> list:
+        eng = engine(80, page_size, 4, 16, overlap, prefix_caching, retentions, KeyedRunner, admit_every)
+        requests = []
+        for step in range(2_000):
+            requests += [r for at, prompt, params in plan if at == step for r in eng.add(prompt, params)]
+            for at, index in aborts:
+                if at == step and index < len(requests):
+                    eng.finish(requests[index], "abort")
+            if not eng.has_work and step > 6:
+                break
+            if eng.has_work:
+                eng.step()
+            check_chained_rows_match_pages(eng)
+            assert not any(r.pending for r in requests), "a stand-in is visible between steps"
+        assert not eng.has_work and eng.scheduler.allocator.num_free == 79, "pages leaked"
+        return [(r.output, r.finish_reason) for r in requests]
+
+    assert run(True, ()) == run(False, ())
+    run(True, aborts)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
