@@ -8,6 +8,7 @@ cannot honour fails at load instead of generating wrong tokens.
 import attrs
 
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
+from tokenspeed.models.config_values import check_values
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -121,7 +122,7 @@ def check_supported(hf: dict) -> None:
     missing = [f for f in REQUIRED_FIELDS if hf.get(f) is None]
     if missing:
         raise ValueError(f"config is missing required field(s) {', '.join(missing)}")
-    for check in (_check_activation, _check_biases, _check_rope, _check_quantization):
+    for check in (check_values, _check_activation, _check_biases, _check_rope, _check_quantization):
         check(hf)
 
 
@@ -154,15 +155,16 @@ def _check_rope(hf: dict) -> None:
 def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
     """Each layer's sliding window as transformers reads the config: Qwen windows the
     ``layer_types`` marked ``sliding_attention`` (derived from ``max_window_layers`` when
-    absent) if ``use_sliding_window``; Mistral windows every layer. () when none binds: a
+    absent) if ``use_sliding_window``; Mistral windows every layer, ``layer_types`` or
+    not (transformers' Mistral reads only ``sliding_window``). () when none binds: a
     window that spans every position the model takes changes nothing. Llama has no
     sliding window in transformers, so one there is refused rather than guessed."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
     if arch in QWEN and not hf.get("use_sliding_window"):
         window = None
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise _unsupported("sliding_window", window, "a window is a number of positions >= 1")
-    types = hf.get("layer_types")
+    types = None if arch == "MistralForCausalLM" else hf.get("layer_types")
     if types is None:
         first = (hf.get("max_window_layers") or 0) if arch in QWEN else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tokenspeed.models.config import ModelConfig, RopeScaling
+from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.layers import rope_inv_freq
 
 Q = gguf.GGMLQuantizationType
@@ -55,6 +56,14 @@ class PlainGGUFReader(gguf.GGUFReader):
     ``np.memmap``: the reader slices the file once per metadata item (about 250k times for
     a 49k-token vocabulary), and memmap's Python-level ``__getitem__`` made that about 3x
     slower (docs/PERFORMANCE.md, startup on the CPU). The bytes are the same mapping."""
+
+    def __init__(self, path, mode="r"):
+        """The reader fails on a truncated or foreign file with numpy's errors (a reshape,
+        an index out of range); each becomes one error naming the file."""
+        try:
+            super().__init__(path, mode)
+        except (ValueError, IndexError, KeyError) as exc:
+            raise ModelFileError(path, f"not a readable GGUF file (truncated or corrupt: {exc})") from exc
 
     @property
     def data(self) -> np.ndarray:
@@ -105,7 +114,7 @@ def open_gguf(path, reader: gguf.GGUFReader | None = None) -> GGUFCheckpoint:
         _check_tensor_types(reader)
         config = ModelConfig.from_hf(hf_config(reader))
     except ValueError as e:
-        raise ValueError(f"GGUF file {path}: {e}") from e
+        raise ModelFileError(path, str(e)) from e
     permuted = architecture(reader) in PERMUTED_ARCHITECTURES
     return GGUFCheckpoint(reader, config, default_dtype(reader), permuted)
 

@@ -5,16 +5,14 @@ Tensors are read straight into freshly allocated parameters (the model is built 
 meta device first, so nothing is initialised twice).
 """
 
-import json
-from pathlib import Path
-
-import attrs
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from tokenspeed.models import gguf as gguf_file
-from tokenspeed.models.config import ModelConfig, eos_ids
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config_values import RUNNABLE_DTYPES
+from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
+from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -30,32 +28,24 @@ def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCau
     return model
 
 
-def read_config(path) -> ModelConfig:
-    """config.json, with the end-of-sequence ids of generation_config.json added (as
-    transformers' generate stops on those)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
-    config = ModelConfig.from_hf(json.loads(config_file.read_text()))
-    generation = Path(path) / "generation_config.json"
-    if generation.exists():
-        extra = eos_ids(json.loads(generation.read_text()))
-        config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
-    return config
-
-
-def load(path, dtype=None, device="cpu", gguf_reader=None) -> LlamaForCausalLM:
-    """A Hugging Face directory, or a ``.gguf`` file (``gguf_reader``: that file already
-    opened with ``gguf.GGUFReader``). ``dtype=None`` keeps the directory's
+def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None) -> LlamaForCausalLM:
+    """A Hugging Face directory, a ``.gguf`` file (``gguf_reader``: that file already
+    opened with ``gguf.GGUFReader``), or a Hugging Face model id (``owner/name``, at
+    ``revision``; see ``hub.resolve_model``). ``dtype=None`` keeps the directory's
     ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``."""
+    path = resolve_model(path, revision)
+    _check_dtype_argument(dtype)
     if gguf_file.is_gguf(path):
         return _load_gguf(path, dtype, device, gguf_reader)
-    config = read_config(path)
-    hf = json.loads((Path(path) / "config.json").read_text())
-    dtype = dtype or getattr(torch, hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    model = build(config, dtype, device)
-    _load_tensors(model, safetensors_files(Path(path)))
+    checkpoint = open_dir(path)
+    model = build(checkpoint.config, dtype or checkpoint.dtype, device)
+    load_state_dict(model, checkpoint.tensors())
     return model.eval()
+
+
+def _check_dtype_argument(dtype) -> None:
+    if dtype is not None and dtype not in TENSOR_DTYPES:
+        raise ValueError(f"dtype={dtype}: tokenspeed runs {', '.join(RUNNABLE_DTYPES)}")
 
 
 def _load_gguf(path, dtype, device, reader) -> LlamaForCausalLM:
@@ -63,28 +53,6 @@ def _load_gguf(path, dtype, device, reader) -> LlamaForCausalLM:
     model = build(checkpoint.config, dtype or checkpoint.dtype, device)
     load_state_dict(model, checkpoint.tensors())
     return model.eval()
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return files
-
-
-def _load_tensors(model: torch.nn.Module, files: list[Path]) -> None:
-    load_state_dict(model, _read(files))
-
-
-def _read(files: list[Path]):
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def load_state_dict(model: torch.nn.Module, state) -> None:
@@ -119,12 +87,18 @@ def _check_complete(model, loaded: set, unexpected: list) -> None:
         stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
         parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
         expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(_checkpoint_name(n) for n in expected - loaded - tied)
+    missing = sorted(_checkpoint_name(n) for n in expected - loaded - _tied(model, loaded))
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {model.config.architecture}: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+
+
+def _tied(model, loaded: set) -> set[str]:
+    """With tied embeddings either tensor fills both (transformers ties to whichever the
+    checkpoint holds)."""
+    pair = {EMBEDDING, LM_HEAD}
+    return pair if model.config.tie_word_embeddings and pair & loaded else set()
 
 
 def _checkpoint_name(expected: str) -> str:

@@ -10,6 +10,8 @@ from pathlib import Path
 import attrs
 import gguf
 
+from tokenspeed.tokenizer.file_errors import TokenizerFileError
+
 # llama.cpp's token types (gguf.TokenType): what each vocabulary entry is.
 CONTROL = int(gguf.TokenType.CONTROL)            # <|im_start|>, </s>: special, never split
 USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # <think>: matched whole, but ordinary text
@@ -46,10 +48,19 @@ def _as_tuple(value) -> tuple | None:
     return None if value is None else tuple(value)
 
 
+def _open(path: str | Path) -> gguf.GGUFReader:
+    """The reader fails on a truncated or foreign file with numpy's errors (a reshape, an
+    index out of range); each becomes one error naming the file."""
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as exc:
+        raise TokenizerFileError(path, f"not a readable GGUF file (truncated or corrupt: {exc})") from exc
+
+
 def read_gguf_vocab(path: str | Path, reader: gguf.GGUFReader | None = None) -> GGUFVocab:
     """Read the tokenizer metadata; a file without ``tokenizer.ggml.model`` is an error.
     ``reader``: the file already opened (parsing its metadata takes seconds)."""
-    reader = reader or gguf.GGUFReader(path)
+    reader = reader or _open(path)
     ggml = {key: _reader_get(reader, f"tokenizer.ggml.{key}") for key in (
         "model", "pre", "tokens", "token_type", "scores", "merges", "bos_token_id", "eos_token_id",
         "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id", "add_bos_token",

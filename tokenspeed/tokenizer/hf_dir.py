@@ -17,6 +17,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from tokenspeed.tokenizer.chat_template import ChatTemplate
+from tokenspeed.tokenizer.file_errors import TokenizerFileError
 from tokenspeed.tokenizer.parts import TokenizerParts
 from tokenspeed.tokenizer.special_tokens import SpecialTokens, unique_ids
 
@@ -25,7 +26,25 @@ _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special"
 
 
 def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """A JSON object's fields; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerFileError(path, f"not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise TokenizerFileError(path, f"expected a JSON object of fields, found a {type(value).__name__}")
+    return value
+
+
+def _backend(file: Path) -> Backend:
+    """``tokenizers`` reports every problem with the file (not JSON, not UTF-8, a field it
+    does not know) as a plain ``Exception``; each becomes one error naming the file."""
+    try:
+        return Backend.from_file(str(file))
+    except Exception as exc:  # noqa: BLE001 -- see the docstring
+        raise TokenizerFileError(file, f"not a tokenizer.json that the tokenizers library reads ({exc})") from exc
 
 
 def _added_token(value: str | dict[str, Any]) -> AddedToken:
@@ -66,7 +85,7 @@ def read_hf_dir(directory: str | Path) -> TokenizerParts:
     directory = Path(directory)
     if not (directory / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{directory}: no tokenizer.json (a Hugging Face model directory has one)")
-    backend = Backend.from_file(str(directory / "tokenizer.json"))
+    backend = _backend(directory / "tokenizer.json")
     config = {**_json(directory / "special_tokens_map.json"), **_json(directory / "tokenizer_config.json")}
     named = _named_tokens(config, backend)
     eos_id = backend.token_to_id(named["eos_token"]) if named["eos_token"] else None

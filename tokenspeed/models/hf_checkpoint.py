@@ -1,0 +1,147 @@
+"""A Hugging Face checkpoint directory (config.json + safetensors) as the loader reads it.
+
+Every file is read with an error that names it (``ModelFileError``): a config.json that is
+not a JSON object, a field of the wrong type, a truncated or foreign safetensors file, an
+index naming a shard that is not there. Tied embeddings follow transformers: a
+checkpoint that holds an ``lm_head.weight`` distinct from the embedding keeps both,
+whatever ``tie_word_embeddings`` says.
+"""
+
+import contextlib
+import json
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tokenspeed.models.config import ModelConfig, eos_ids
+from tokenspeed.models.config_values import RUNNABLE_DTYPES, check_dtype
+from tokenspeed.models.errors import ModelFileError
+
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+TENSOR_DTYPES = tuple(getattr(torch, name) for name in RUNNABLE_DTYPES)
+
+
+@attrs.frozen
+class HFCheckpoint:
+    """An opened directory: the config it describes (tying as transformers resolves it),
+    the dtype ``dtype=None`` loads it in, and its safetensors files."""
+    config: ModelConfig
+    dtype: torch.dtype
+    files: tuple[Path, ...]
+
+    def tensors(self):
+        """(name, tensor) pairs, file after file."""
+        for file in self.files:
+            yield from read_tensors(file)
+
+
+def open_dir(path) -> HFCheckpoint:
+    """Reads config.json (and generation_config.json) and finds the safetensors files;
+    the tensors are read by ``tensors()``."""
+    path = Path(path)
+    hf = read_hf_config(path)
+    config, files = read_config(path, hf), safetensors_files(path)
+    if config.tie_word_embeddings and _distinct_lm_head(files):
+        config = attrs.evolve(config, tie_word_embeddings=False)
+    return HFCheckpoint(config, getattr(torch, check_dtype(hf) or "float32"), tuple(files))
+
+
+def read_json(file: Path) -> dict:
+    """A JSON object (the field names of a config or an index)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(file, f"not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ModelFileError(file, f"expected a JSON object of fields, found a {type(value).__name__}")
+    return value
+
+
+def read_hf_config(path) -> dict:
+    """config.json's fields, as written."""
+    config_file = Path(path) / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
+    return read_json(config_file)
+
+
+def read_config(path, hf: dict | None = None) -> ModelConfig:
+    """config.json (``hf``: its fields, already read), with the end-of-sequence ids of
+    generation_config.json added (as transformers' generate stops on those)."""
+    config_file, generation = Path(path) / "config.json", Path(path) / "generation_config.json"
+    hf = read_hf_config(path) if hf is None else hf
+    try:
+        config = ModelConfig.from_hf(hf)
+    except ValueError as exc:
+        raise ModelFileError(config_file, str(exc)) from exc
+    if generation.exists():
+        extra = _generation_eos_ids(generation)
+        config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+    return config
+
+
+def _generation_eos_ids(file: Path) -> tuple[int, ...]:
+    ids = eos_ids(read_json(file))
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelFileError(file, f"eos_token_id={list(ids)} is not valid: expected token ids "
+                                   f"(integers >= 0)")
+    return ids
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return _shards(index)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _shards(index: Path) -> list[Path]:
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise ModelFileError(index, "expected a weight_map object of tensor name -> shard file name")
+    shards = [index.parent / s for s in sorted(set(weight_map.values()))]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise ModelFileError(index, f"names shard(s) {missing} that are not in {index.parent}")
+    return shards
+
+
+@contextlib.contextmanager
+def opened(file: Path):
+    """``safe_open``, its errors (a truncated file, a foreign one) naming the file."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ModelFileError(file, f"not a readable safetensors file (truncated or corrupt: {exc})") from exc
+
+
+def read_tensors(file: Path):
+    """(name, tensor) pairs of one safetensors file, each of a dtype the engine runs."""
+    with opened(file) as f:
+        for name in f.keys():
+            yield name, _runnable(f.get_tensor(name), name, file)
+
+
+def _runnable(tensor: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """A tensor of another dtype (FP8, integers) holds values that a plain cast to the
+    model's dtype would change (FP8 weights need their scales)."""
+    if tensor.dtype not in TENSOR_DTYPES:
+        raise ModelFileError(file, f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+                                   f"tokenspeed reads {', '.join(RUNNABLE_DTYPES)} tensors")
+    return tensor
+
+
+def _distinct_lm_head(files: list[Path]) -> bool:
+    """Whether the checkpoint holds both the embedding and an ``lm_head.weight`` that is
+    not equal to it: transformers then leaves the two untied (``tie_weights``)."""
+    found = {}
+    for file in files:
+        with opened(file) as f:
+            found.update({n: f.get_tensor(n) for n in (EMBEDDING, LM_HEAD) if n in f.keys()})
+    return len(found) == 2 and not torch.equal(found[EMBEDDING], found[LM_HEAD])
