@@ -11,11 +11,18 @@ from tqdm import tqdm
 from tokenspeed.models import gguf as gguf_file
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
+from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
+from tokenspeed.models.param_shapes import shape_origin
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors are not the ones its config describes (missing, extra, or
+    of another shape)."""
 
 
 def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
@@ -38,9 +45,7 @@ def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None) -> Lla
     if gguf_file.is_gguf(path):
         return _load_gguf(path, dtype, device, gguf_reader)
     checkpoint = open_dir(path)
-    model = build(checkpoint.config, dtype or checkpoint.dtype, device)
-    load_state_dict(model, checkpoint.tensors())
-    return model.eval()
+    return _filled(build(checkpoint.config, dtype or checkpoint.dtype, device), checkpoint, path)
 
 
 def _check_dtype_argument(dtype) -> None:
@@ -50,8 +55,15 @@ def _check_dtype_argument(dtype) -> None:
 
 def _load_gguf(path, dtype, device, reader) -> LlamaForCausalLM:
     checkpoint = gguf_file.open_gguf(path, reader)
-    model = build(checkpoint.config, dtype or checkpoint.dtype, device)
-    load_state_dict(model, checkpoint.tensors())
+    return _filled(build(checkpoint.config, dtype or checkpoint.dtype, device), checkpoint, path)
+
+
+def _filled(model, checkpoint, path) -> LlamaForCausalLM:
+    """``model`` with ``checkpoint``'s tensors; a mismatch names the checkpoint ``path``."""
+    try:
+        load_state_dict(model, checkpoint.tensors())
+    except CheckpointMismatchError as exc:
+        raise ModelFileError(path, str(exc)) from exc
     return model.eval()
 
 
@@ -69,13 +81,13 @@ def load_state_dict(model: torch.nn.Module, state) -> None:
 def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> None:
     """Copy one checkpoint tensor into its parameter or its slice of a stacked one."""
     if name in params:
-        _copy(params[name], tensor, name)
+        _copy(params[name], tensor, name, model.config)
         loaded.add(name)
         return
     for part, (stacked, index) in STACKED.items():
         target = name.replace(f".{part}.", f".{stacked}.")
         if target != name and target in params:
-            _copy(params[target].split(stacked_sizes(model.config, stacked))[index], tensor, name)
+            _copy(params[target].split(stacked_sizes(model.config, stacked))[index], tensor, name, model.config)
             loaded.add(f"{target}#{index}")
             return
     unexpected.append(name)
@@ -89,7 +101,7 @@ def _check_complete(model, loaded: set, unexpected: list) -> None:
         expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
     missing = sorted(_checkpoint_name(n) for n in expected - loaded - _tied(model, loaded))
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match {model.config.architecture}: "
+        raise CheckpointMismatchError(f"checkpoint does not match {model.config.architecture}: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
 
@@ -111,9 +123,9 @@ def _checkpoint_name(expected: str) -> str:
     return name.replace(f".{stacked}.", f".{part}.")
 
 
-def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+def _copy(param: torch.Tensor, value: torch.Tensor, name: str, config: ModelConfig) -> None:
     if param.shape != value.shape:
-        raise ValueError(f"tensor {name}: checkpoint shape {tuple(value.shape)}, "
-                         f"model expects {tuple(param.shape)}")
+        raise CheckpointMismatchError(f"tensor {name}: checkpoint shape {tuple(value.shape)}, model "
+                                      f"expects {tuple(param.shape)} ({shape_origin(config, name)})")
     with torch.no_grad():
         param.copy_(value)

@@ -90,6 +90,9 @@ class Tokenizer:
 
 
 def _is_gguf(path: Path) -> bool:
+    """By its name or its first bytes (a ``.gguf`` file that is not one is reported as such)."""
+    if path.suffix.lower() == ".gguf":
+        return True
     with path.open("rb") as file:
         return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 

@@ -1,0 +1,170 @@
+"""A bad model file fails at load with one error that names the file, the field and what
+is accepted, never a library's traceback: each case breaks one file of a tiny valid
+checkpoint (``hf_models``) or GGUF (``test_gguf``) in a fresh copy."""
+
+import json
+import re
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import WordLevel
+
+import tokenspeed as ts
+from tokenspeed.entrypoints import cli
+from tokenspeed.models.errors import ModelFileError
+from tokenspeed.tokenizer import Tokenizer
+from tokenspeed.tokenizer.file_errors import TokenizerFileError
+
+from hf_models import copy_checkpoint, edit_config, new_tmpdir
+from test_gguf import gguf_from_hf
+
+
+def tokenizer_dir(path):
+    """A word-level tokenizer.json with its config: enough for the files to be read."""
+    Backend(WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    (path / "special_tokens_map.json").write_text("{}")
+    assert Tokenizer.from_pretrained(path).encode("a") == [0]
+    return path
+
+
+def contains(*fragments):
+    return "(?s)" + "".join(f"(?=.*{re.escape(str(f))})" for f in fragments)
+
+
+def write_text(name: str, text: str):
+    def breaks(path):
+        (path / name).write_text(text)
+    return breaks
+
+
+def truncate(name: str, keep: float):
+    def breaks(path):
+        file = next(path.glob(name))
+        data = file.read_bytes()
+        file.write_bytes(data[:int(len(data) * keep)])
+    return breaks
+
+
+def config_field(**changes):
+    return lambda path: edit_config(path, **changes)
+
+
+# (how the checkpoint directory is broken, the file the error names, fragments it states)
+BROKEN_DIRECTORIES = {
+    "config-not-json": (write_text("config.json", "{'vocab_size': 384,"), "config.json", ["not valid JSON"]),
+    "config-a-list": (write_text("config.json", "[1, 2]"), "config.json", ["JSON object", "list"]),
+    "config-empty": (write_text("config.json", ""), "config.json", ["not valid JSON"]),
+    "safetensors-truncated": (truncate("*.safetensors", 0.5), "model.safetensors",
+                              ["not a readable safetensors file", "truncated"]),
+    "safetensors-header-only": (truncate("*.safetensors", 0.001), "model.safetensors",
+                                ["not a readable safetensors file"]),
+    "safetensors-garbage": (write_text("model.safetensors", "hello, world " * 40), "model.safetensors",
+                            ["not a readable safetensors file"]),
+    "index-not-json": (write_text("model.safetensors.index.json", "{"), "model.safetensors.index.json",
+                       ["not valid JSON"]),
+    "index-missing-shard": (write_text("model.safetensors.index.json",
+                                       json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}})),
+                            "model.safetensors.index.json", ["gone.safetensors"]),
+    "generation-config-not-json": (write_text("generation_config.json", "nope"), "generation_config.json",
+                                   ["not valid JSON"]),
+    "torch_dtype-foo": (config_field(torch_dtype="foo"), "config.json",
+                        ["torch_dtype='foo'", "float32, float16, bfloat16"]),
+    "torch_dtype-float8": (config_field(torch_dtype="float8_e4m3fn"), "config.json",
+                           ["torch_dtype='float8_e4m3fn'", "FP8", "float32, float16, bfloat16"]),
+    "dtype-int8": (config_field(dtype="int8"), "config.json", ["dtype='int8'", "bfloat16"]),
+    "rms_norm_eps-string": (config_field(rms_norm_eps="1e-6"), "config.json",
+                            ["rms_norm_eps='1e-6'", "a finite number >= 0"]),
+    "rms_norm_eps-negative": (config_field(rms_norm_eps=-1.0), "config.json", ["rms_norm_eps=-1.0", ">= 0"]),
+    "vocab_size-string": (config_field(vocab_size="384"), "config.json", ["vocab_size='384'", "an integer >= 1"]),
+    "vocab_size-float": (config_field(vocab_size=384.0), "config.json", ["vocab_size=384.0", "an integer"]),
+    "heads-not-dividing-hidden": (config_field(num_attention_heads=5, num_key_value_heads=5, head_dim=None),
+                                  "config.json", ["num_attention_heads=5", "hidden_size=64", "divisor"]),
+    "heads-not-matching-weights": (config_field(num_attention_heads=8, num_key_value_heads=8), "",
+                                   ["k_proj.weight", "(32, 64)", "(128, 64)",
+                                    "rows: num_key_value_heads=8 x head_dim=16; columns: hidden_size=64"]),
+    "ffn-not-matching-weights": (config_field(intermediate_size=100), "",
+                                 ["down_proj.weight", "(64, 128)", "columns: intermediate_size=100"]),
+    "zero-heads": (config_field(num_attention_heads=0), "config.json",
+                   ["num_attention_heads=0", "an integer >= 1"]),
+    "zero-kv-heads": (config_field(num_key_value_heads=0), "config.json",
+                      ["num_key_value_heads=0", "an integer >= 1"]),
+    "negative-layers": (config_field(num_hidden_layers=-2), "config.json",
+                        ["num_hidden_layers=-2", "an integer >= 1"]),
+    "tie-a-string": (config_field(tie_word_embeddings="false"), "config.json",
+                     ["tie_word_embeddings='false'", "true or false"]),
+    "rope_theta-zero": (config_field(rope_parameters={"rope_type": "default", "rope_theta": 0}), "config.json",
+                        ["rope_theta=0", "> 0"]),
+    "rope_parameters-a-string": (config_field(rope_parameters="default"), "config.json",
+                                 ["rope_parameters='default'", "object"]),
+    "eos-a-string": (config_field(eos_token_id="</s>"), "config.json", ["eos_token_id='</s>'", "token id"]),
+    "max-positions-zero": (config_field(max_position_embeddings=-1), "config.json",
+                           ["max_position_embeddings=-1", "an integer >= 1"]),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_DIRECTORIES)
+def test_a_broken_checkpoint_file_is_named(case):
+    breaks, file, fragments = BROKEN_DIRECTORIES[case]
+    path = copy_checkpoint("llama")
+    breaks(path)
+    with pytest.raises(ModelFileError, match=contains(path / file, *fragments)) as error:
+        ts.models.load(path)
+    assert "\n" not in str(error.value)
+
+
+def test_a_sharded_checkpoint_names_the_truncated_shard(tmp_path):
+    from hf_models import hf_model
+    model, _ = hf_model("llama")
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ModelFileError, match=contains(shard, "truncated")):
+        ts.models.load(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.003, 0.05, 0.5, 0.999])
+def test_a_truncated_gguf_is_named(keep):
+    whole = gguf_from_hf("llama")
+    path = new_tmpdir("ts_gguf_cut_") / "cut.gguf"
+    data = open(whole, "rb").read()
+    path.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ModelFileError, match=contains(path, "not a readable GGUF file")):
+        ts.models.load(path)
+    with pytest.raises(ModelFileError, match=contains(path, "not a readable GGUF file")):
+        ts.LLM(path)
+    with pytest.raises(TokenizerFileError, match=contains(path, "not a readable GGUF file")):
+        Tokenizer.from_pretrained(path)
+
+
+def test_a_file_that_is_not_gguf_is_named():
+    path = new_tmpdir("ts_gguf_foreign_") / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 a zip file, not a GGUF" * 100)
+    with pytest.raises(ModelFileError, match=contains(path, "not a readable GGUF file")):
+        ts.models.load(path)
+
+
+@pytest.mark.parametrize("name, text, fragments", [
+    ("tokenizer.json", "{\"version\": \"1.0\", \"model\": 5}", ["not a tokenizer.json"]),
+    ("tokenizer.json", "not json", ["not a tokenizer.json"]),
+    ("tokenizer.json", "", ["not a tokenizer.json"]),
+    ("tokenizer_config.json", "{\"bos_token\": ", ["not valid JSON"]),
+    ("tokenizer_config.json", "[]", ["JSON object", "list"]),
+    ("special_tokens_map.json", "]", ["not valid JSON"]),
+])
+def test_a_broken_tokenizer_file_is_named(tmp_path, name, text, fragments):
+    path = tokenizer_dir(tmp_path)
+    (path / name).write_text(text)
+    with pytest.raises(TokenizerFileError, match=contains(path / name, *fragments)) as error:
+        Tokenizer.from_pretrained(path)
+    assert "\n" not in str(error.value)
+
+
+def test_the_cli_prints_a_bad_model_file_as_one_line(capsys):
+    path = copy_checkpoint("llama")
+    edit_config(path, rms_norm_eps="1e-6")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--model", str(path), "hello"])
+    message = str(exit_.value.code)
+    assert message.startswith("tokenspeed generate: error: ") and "\n" not in message
+    assert str(path / "config.json") in message and "rms_norm_eps='1e-6'" in message
