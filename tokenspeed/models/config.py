@@ -155,16 +155,17 @@ def _check_rope(hf: dict) -> None:
 def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
     """Each layer's sliding window as transformers reads the config: Qwen windows the
     ``layer_types`` marked ``sliding_attention`` (derived from ``max_window_layers`` when
-    absent) if ``use_sliding_window``; Mistral windows every layer, ``layer_types`` or
-    not (transformers' Mistral reads only ``sliding_window``). () when none binds: a
-    window that spans every position the model takes changes nothing. Llama has no
-    sliding window in transformers, so one there is refused rather than guessed."""
+    absent) if ``use_sliding_window``; Mistral windows every layer, unless ``layer_types``
+    says otherwise: transformers' ``AutoConfig`` reads such a config as Ministral, whose
+    layers follow ``layer_types`` (as vLLM's Mistral does). () when none binds: a window
+    that spans every position the model takes changes nothing. Llama has no sliding
+    window in transformers, so one there is refused rather than guessed."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
     if arch in QWEN and not hf.get("use_sliding_window"):
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise _unsupported("sliding_window", window, "a window is a number of positions >= 1")
-    types = None if arch == "MistralForCausalLM" else hf.get("layer_types")
+    types = hf.get("layer_types")
     if types is None:
         first = (hf.get("max_window_layers") or 0) if arch in QWEN else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
