@@ -1,0 +1,94 @@
+"""Hugging Face model ids resolve through huggingface_hub's cache, laid out here by hand
+(``models--owner--name/{refs,snapshots}``) under a fresh ``HF_HOME``, offline: no test
+reaches the Hub. huggingface_hub reads its environment when imported, so the cases that
+set it run in a child process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenspeed.models.hub import is_repo_id, resolve_model
+
+from hf_models import checkpoint
+
+COMMITS = {"main": "a" * 40, "v1": "b" * 40}
+CHILD = """
+import json, sys, torch
+import tokenspeed as ts
+from tokenspeed.models.hub import ModelNotFoundError, resolve_model
+
+def error(*args, **kwargs):
+    try:
+        resolve_model(*args, **kwargs)
+    except ModelNotFoundError as exc:
+        return str(exc)
+
+by_id, by_dir = ts.models.load("acme/tiny-llama"), ts.models.load(sys.argv[1])
+print(json.dumps({
+    "main": str(resolve_model("acme/tiny-llama")),
+    "v1": str(resolve_model("acme/tiny-llama", revision="v1")),
+    "same_weights": all(torch.equal(a, b) for a, b in zip(by_id.state_dict().values(),
+                                                          by_dir.state_dict().values())),
+    "not_cached": error("acme/not-here"),
+    "no_revision": error("acme/tiny-llama", revision="v2"),
+}))
+"""
+
+
+def fill_cache(hub: Path, repo_id: str, source: Path) -> Path:
+    """The cache layout huggingface_hub writes: a ref per branch naming a commit, a
+    snapshot folder per commit (plain files here, where it links blobs)."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    for branch, commit in COMMITS.items():
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / branch).write_text(commit)
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for file in source.iterdir():
+            (snapshot / file.name).write_bytes(file.read_bytes())
+    return repo
+
+
+@pytest.mark.slow
+def test_a_cached_model_id_loads_offline_and_a_missing_one_names_the_download(tmp_path):
+    repo = fill_cache(tmp_path / "hub", "acme/tiny-llama", checkpoint("llama"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint("llama"))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(got["main"]) == repo / "snapshots" / COMMITS["main"]
+    assert Path(got["v1"]) == repo / "snapshots" / COMMITS["v1"]
+    assert got["same_weights"]
+    for message, command in ((got["not_cached"], "`hf download acme/not-here`"),
+                             (got["no_revision"], "`hf download acme/tiny-llama --revision v2`")):
+        assert "HF_HUB_OFFLINE" in message and str(tmp_path / "hub") in message and command in message
+
+
+def test_a_local_path_is_returned_as_it_is(tmp_path, monkeypatch):
+    assert resolve_model(checkpoint("llama")) == checkpoint("llama")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acme" / "tiny").mkdir(parents=True)
+    assert resolve_model("acme/tiny") == Path("acme/tiny")          # a folder of that name wins
+    for missing in ("./nothing", "/no/such/dir", "model.gguf", "a/b/c"):
+        assert resolve_model(missing) == Path(missing)              # the loader names what is missing
+
+
+def test_a_revision_of_a_local_path_is_refused():
+    with pytest.raises(ValueError, match="revision='v1'.*local path"):
+        resolve_model(checkpoint("llama"), revision="v1")
+
+
+@pytest.mark.parametrize("name, is_id", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", True), ("Qwen/Qwen3-0.6B", True), ("meta-llama/Llama-3.2-1B", True),
+    ("model.gguf", False), ("owner/model.gguf", False), ("./owner/name", False), ("/abs/path", False),
+    ("a/b/c", False), ("gpt2", False),
+])
+def test_model_ids_are_owner_slash_name(name, is_id):
+    assert is_repo_id(name) == is_id
