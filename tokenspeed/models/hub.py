@@ -69,5 +69,5 @@ def _not_cached(repo_id: str, revision: str | None, exc: Exception) -> str:
 
     where = f"is not a local path, and not (completely) in the Hugging Face cache {constants.HF_HUB_CACHE}"
     why = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if constants.HF_HUB_OFFLINE
-           else f"the Hub could not be reached ({type(exc).__name__})")
+           else f"the Hub could not be reached ({type(exc.__cause__ or exc).__name__})")
     return f"{repo_id!r} {where}; {why}: download it with `{download_command(repo_id, revision)}`"
