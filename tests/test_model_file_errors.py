@@ -5,7 +5,10 @@ checkpoint (``hf_models``) or GGUF (``test_gguf``) in a fresh copy."""
 import json
 import re
 
+import gguf
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 
@@ -16,7 +19,7 @@ from tokenspeed.tokenizer import Tokenizer
 from tokenspeed.tokenizer.file_errors import TokenizerFileError
 
 from hf_models import copy_checkpoint, edit_config, new_tmpdir
-from test_gguf import gguf_from_hf
+from test_gguf import gguf_from_hf, header_only
 
 
 def tokenizer_dir(path):
@@ -168,3 +171,30 @@ def test_the_cli_prints_a_bad_model_file_as_one_line(capsys):
     message = str(exit_.value.code)
     assert message.startswith("tokenspeed generate: error: ") and "\n" not in message
     assert str(path / "config.json") in message and "rms_norm_eps='1e-6'" in message
+
+
+def test_a_tensor_of_a_dtype_the_engine_cannot_run_is_named():
+    path = copy_checkpoint("llama")
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=contains(file, "model.norm.weight", "float8_e4m3fn",
+                                                      "float32, float16, bfloat16")):
+        ts.models.load(path)
+
+
+def test_a_dtype_argument_the_engine_cannot_run_is_refused():
+    with pytest.raises(ValueError, match=contains("dtype=torch.float8_e4m3fn", "float32, float16, bfloat16")):
+        ts.models.load(copy_checkpoint("llama"), dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("key, value, fragments", [
+    ("attention.head_count", 0, ["num_attention_heads=0", "an integer >= 1"]),
+    ("block_count", 0, ["num_hidden_layers=0", "an integer >= 1"]),
+    ("attention.head_count_kv", 0, ["num_key_value_heads=0", "an integer >= 1"]),
+])
+def test_gguf_metadata_out_of_range_is_named(key, value, fragments):
+    path = header_only(**{key: (value, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(ModelFileError, match=contains(path, *fragments)):
+        ts.models.load(path)
