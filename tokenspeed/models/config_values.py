@@ -23,10 +23,12 @@ class Accepted:
     inclusive: bool = True
 
     def admits(self, value) -> bool:
-        if self.kind is bool or isinstance(value, bool):
+        if self.kind is bool or isinstance(value, bool):  # JSON's true is an int to Python
             return isinstance(value, bool) and self.kind is bool
-        if not isinstance(value, int if self.kind is int else (int, float)) or not math.isfinite(value):
-            return False
+        numbers = (int,) if self.kind is int else (int, float)
+        return isinstance(value, numbers) and math.isfinite(value) and self._in_range(value)
+
+    def _in_range(self, value) -> bool:
         return self.low is None or value > self.low or (self.inclusive and value == self.low)
 
     def describe(self) -> str:
