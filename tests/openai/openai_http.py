@@ -51,7 +51,8 @@ class Api:
         if content_type is not None:
             headers["Content-Type"] = content_type
         content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return httpx.post(f"{self.base_url}{path}", content=content, headers=headers, timeout=60, **kw)
+        return httpx.post(f"{self.base_url}{path}", content=content, headers={**headers, **kw.pop("headers", {})},
+                          timeout=60, **kw)
 
     def request(self, method: str, path: str, key: str | None = KEY, **kw):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
