@@ -110,6 +110,7 @@ class Submission:
     requests: list[Request] = attrs.Factory(list)
     streams: list = attrs.Factory(list)        # each request's TextStream, or None
     sent_tokens: list[int] = attrs.Factory(list)
+    finish_sent: list[bool] = attrs.Factory(list)   # each completion's finish gone out
 
 
 class EngineLoop:
@@ -183,6 +184,7 @@ class EngineLoop:
         [submission.requests] = self.llm.add([submission.prompt], [submission.params])
         submission.streams = [self.llm.text_of(request) for request in submission.requests]
         submission.sent_tokens = [0] * len(submission.requests)
+        submission.finish_sent = [False] * len(submission.requests)
         self.live[submission.client, submission.key] = submission
 
     def _abort(self, submission: Submission) -> None:
@@ -215,15 +217,17 @@ class EngineLoop:
         return False
 
     def _publish(self, submission: Submission) -> None:
-        """Queue the submission's update if it gained text or tokens or finished. Runs for
-        every stream every step, on the engine's thread: one pass, packed records."""
-        deltas, finished, gained = [], True, False
+        """Queue the submission's update if a completion gained text or tokens or finished.
+        The update holds only those completions' deltas: a completion that finished in an
+        earlier step is not sent again (its finish would repeat in every later chunk). Runs
+        for every stream every step, on the engine's thread: one pass, packed records."""
+        deltas, finished = [], True
         for index, request in enumerate(submission.requests):
             delta = self._delta(submission, index, request)
-            deltas.append(delta)
+            if delta is not None:
+                deltas.append(delta)
             finished = finished and request.finished
-            gained = gained or bool(delta[1] or delta[2])
-        if not (finished or gained):
+        if not (finished or deltas):
             return
         done = self._retire(submission) if finished else []
         self._queue(submission, (submission.key, deltas, finished, len(submission.prompt.token_ids),
@@ -232,14 +236,20 @@ class EngineLoop:
     def _queue(self, submission: Submission, update: tuple) -> None:
         self._updates.setdefault(submission.client, []).append(update)
 
-    def _delta(self, submission: Submission, index: int, request: Request) -> tuple:
-        """A packed ``CompletionDelta``: what the completion gained since the last one."""
+    def _delta(self, submission: Submission, index: int, request: Request) -> tuple | None:
+        """A packed ``CompletionDelta``: what the completion gained since the last one;
+        None when it gained nothing and did not finish in this step."""
         stream, output = submission.streams[index], request.output
         kept = len(output) if stream is None or stream.kept_tokens is None else stream.kept_tokens
         start, submission.sent_tokens[index] = submission.sent_tokens[index], kept
+        text = stream.take_unread() if stream is not None else ""
+        finishes = request.finished and not submission.finish_sent[index]
+        if not (text or kept > start or finishes):
+            return None
+        submission.finish_sent[index] = request.finished
         logprobs = tuple(request.logprobs[start:kept]) if request.params.logprobs is not None else ()
-        return (request.index, stream.take_unread() if stream is not None else "", tuple(output[start:kept]),
-                logprobs, request.finish_reason, request.stop_reason)
+        return (request.index, text, tuple(output[start:kept]), logprobs, request.finish_reason,
+                request.stop_reason)
 
     def _retire(self, submission: Submission) -> list[tuple]:
         """Forget a finished submission; its completions' packed ``Completed`` records."""

@@ -13,6 +13,7 @@ from tokenspeed.tokenizer.gguf_tokenizer import read_gguf
 from tokenspeed.tokenizer.hf_dir import read_hf_dir
 from tokenspeed.tokenizer.parts import TokenizerParts
 from tokenspeed.tokenizer.special_tokens import SpecialTokens
+from tokenspeed.tokenizer.token_bytes import TokenBytes
 
 GGUF_MAGIC = b"GGUF"
 
@@ -35,6 +36,10 @@ class Tokenizer:
     special_token_ids: frozenset[int] = attrs.field(init=False, repr=False)
     """Ids ``decode(..., skip_special_tokens=True)`` drops."""
 
+    token_bytes: TokenBytes = attrs.field(init=False, repr=False, eq=False)
+    """``token_bytes(id)``: the bytes the token adds to a text (U+FFFD never stands in for
+    a byte; see ``token_bytes``)."""
+
     @byte_fallback_ids.default
     def _find_byte_fallback_ids(self) -> frozenset[int]:
         return byte_fallback_ids(self.backend)
@@ -43,6 +48,10 @@ class Tokenizer:
     def _find_special_token_ids(self) -> frozenset[int]:
         added = self.backend.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
+
+    @token_bytes.default
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.backend)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":

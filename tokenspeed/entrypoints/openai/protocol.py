@@ -1,13 +1,25 @@
 """The OpenAI request bodies, checked strictly (types are not coerced; unknown fields are
 refused), and what they become: prompts and ``SamplingParams``. vLLM's extra sampling
 fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``) are accepted too."""
+``stop_token_ids``, ``skip_special_tokens``) are accepted too, and so are the documented
+OpenAI fields that mean nothing to a local server (``user``; for chat also ``metadata``,
+``store``, ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``,
+``safety_identifier``): read, checked for type, and ignored.
+
+The door's bounds (``MAX_PROMPTS``, ``MAX_STOP_STRINGS``, ``MAX_STOP_CHARS``) are far
+past what a client asks for, and close the door on requests built to wedge the server
+(a 1 MB stop string is matched against every step's text).
+"""
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenspeed.runtime.sampling_params import SamplingParams
+
+MAX_PROMPTS = 2048          # prompts in one completions request (OpenAI's bound on its arrays)
+MAX_STOP_STRINGS = 64       # OpenAI allows 4
+MAX_STOP_CHARS = 1024       # characters in one stop string
 
 
 class APIError(Exception):
@@ -55,6 +67,9 @@ class SamplingFields(Strict):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        self._check_stop()
         defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
         given = {k: getattr(self, k) for k in defaults if getattr(self, k) is not None}
         return sampling_params(**{**defaults, **given}, n=self.n, max_tokens=max_tokens,
@@ -65,6 +80,15 @@ class SamplingFields(Strict):
                                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                stop_token_ids=self.stop_token_ids or (),
                                skip_special_tokens=self.skip_special_tokens)
+
+    def _check_stop(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop: {len(stops)} stop strings, over the limit of {MAX_STOP_STRINGS}", "stop")
+        for stop in stops:
+            if len(stop) > MAX_STOP_CHARS:
+                raise APIError(400, f"stop: a stop string of {len(stop)} characters, over the limit of "
+                               f"{MAX_STOP_CHARS}", "stop")
 
     @property
     def include_usage(self) -> bool:
@@ -83,6 +107,10 @@ class CompletionRequest(SamplingFields):
         for name in ("echo", "suffix", "best_of"):
             if getattr(self, name) not in (None, False) and not (name == "best_of" and self.best_of == self.n):
                 raise APIError(400, f"{name} is not supported", name)
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) \
+                and len(self.prompt) > MAX_PROMPTS:
+            raise APIError(400, f"prompt: {len(self.prompt)} prompts, over the limit of {MAX_PROMPTS} "
+                           "per request", "prompt")
 
 
 class TextPart(Strict):
@@ -99,7 +127,7 @@ class ChatMessage(Strict):
         content = self.content if not isinstance(self.content, list) else \
             "".join(part.text for part in self.content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        return {"role": role, "content": content or "", "name": self.name}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -111,6 +139,12 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list | None = None
     response_format: dict | None = None
+    metadata: dict[str, str] | None = None          # accepted and ignored (see the module's note)
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def unsupported(self) -> None:
         if self.tools:

@@ -2,6 +2,8 @@
 
 A prompt's completion ``i`` is choice ``prompt index * n + i``. Streams send, per choice,
 only deltas that carry text or a finish; chat streams open each choice with its role.
+A format serves one response: it follows each choice's text (``TextOffsets``) across the
+chunks of a stream, so that streamed ``text_offset`` values are those of the whole answer.
 """
 
 import json
@@ -11,6 +13,7 @@ from json.encoder import encode_basestring_ascii as _string   # json.dumps of a 
 import attrs
 
 from tokenspeed.entrypoints.engine_loop import CompletionDelta
+from tokenspeed.tokenizer import IncrementalDetokenizer
 
 OWNER = "tokenspeed"
 
@@ -48,13 +51,34 @@ def gather(updates, n: int, prompt_index: int) -> list[CompletionDelta]:
             for i, ds in parts.items()]
 
 
+class TextOffsets:
+    """Where each token of one completion starts in its text: the characters that the
+    tokens before it released (a token that ends half a character starts where that
+    character does). Fed the completion's tokens in order, across a stream's chunks."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens) \
+            if tokenizer is not None else None
+        self.length = 0
+
+    def of(self, token_ids) -> list[int]:
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self.length)
+            if self.detokenizer is not None:
+                self.length += len(self.detokenizer.push(token_id))
+        return offsets
+
+
 class _Format:
     object_name = ""
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, model: str, tokenizer, n: int):
+    def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True):
         self.model, self.tokenizer, self.n = model, tokenizer, n
+        self.skip_special_tokens = skip_special_tokens
+        self._offsets: dict[int, TextOffsets] = {}     # by choice index
 
     def _envelope(self, object_name: str, request_id: str, created: int) -> dict:
         return {"id": f"{self.id_prefix}-{request_id}", "object": object_name, "created": created,
@@ -94,17 +118,23 @@ class _Format:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
 
+    def text_offsets(self, index: int, token_ids) -> list[int]:
+        """The offsets of choice ``index``'s next tokens in its text."""
+        if index not in self._offsets:
+            self._offsets[index] = TextOffsets(self.tokenizer, self.skip_special_tokens)
+        return self._offsets[index].of(token_ids)
+
 
 class CompletionFormat(_Format):
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
     def choice(self, c: CompletionDelta) -> dict:
-        return {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
+        return {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.index, c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def delta_choice(self, index: int, d) -> dict:
-        return {"index": index, "text": d.text, "logprobs": self.logprobs(d.logprobs),
+        return {"index": index, "text": d.text, "logprobs": self.logprobs(index, d.logprobs),
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
     def delta_json(self, index: int, d) -> str:
@@ -116,14 +146,13 @@ class CompletionFormat(_Format):
         return (f'{{"index": {index}, "text": {_string(d.text)}, "logprobs": null, '
                 f'"finish_reason": {_value(d.finish_reason)}, "stop_reason": {_value(d.stop_reason)}}}')
 
-    def logprobs(self, logprobs) -> dict | None:
+    def logprobs(self, index: int, logprobs) -> dict | None:
         if not logprobs:
             return None
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+        return {"tokens": [self.token_text(lp.token_id) for lp in logprobs],
+                "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{self.token_text(t): v for t, v in lp.top.items()} for lp in logprobs],
-                "text_offset": offsets}
+                "text_offset": self.text_offsets(index, [lp.token_id for lp in logprobs])}
 
 
 class ChatFormat(_Format):
@@ -133,7 +162,7 @@ class ChatFormat(_Format):
 
     def choice(self, c: CompletionDelta) -> dict:
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                "logprobs": self.logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
     def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
@@ -144,7 +173,7 @@ class ChatFormat(_Format):
 
     def delta_choice(self, index: int, d) -> dict:
         return {"index": index, "delta": {"content": d.text} if d.text else {},
-                "logprobs": self.logprobs(d.logprobs), "finish_reason": d.finish_reason,
+                "logprobs": self.logprobs(index, d.logprobs), "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason}
 
     def delta_json(self, index: int, d) -> str:
@@ -155,7 +184,7 @@ class ChatFormat(_Format):
         return (f'{{"index": {index}, "delta": {delta}, "logprobs": null, '
                 f'"finish_reason": {_value(d.finish_reason)}, "stop_reason": {_value(d.stop_reason)}}}')
 
-    def logprobs(self, logprobs) -> dict | None:
+    def logprobs(self, index: int, logprobs) -> dict | None:
         if not logprobs:
             return None
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
@@ -163,8 +192,11 @@ class ChatFormat(_Format):
                             for lp in logprobs]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
+        """``bytes``: the token's own bytes (a token holding part of a character shows as
+        U+FFFD in ``token``, and its bytes are what a client joins the text back from)."""
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def _value(value: str | int | None) -> str:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from collections.abc import Callable
 import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -27,6 +26,7 @@ from tokenspeed.entrypoints.engine_loop import GroupUpdate, StepReport
 from tokenspeed.entrypoints.engine_process import EngineClient, EngineProcess, EngineSpec
 from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.openai import responses
+from tokenspeed.entrypoints.openai.access import Access, error_bodies, guard
 from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -86,7 +86,9 @@ class Server:
             callback(GroupUpdate((), True, 0, 0, message))
 
     async def read(self, request: Request, model):
-        """The body as ``model``: 413 past the size limit, 400 for bad JSON or fields."""
+        """The body as ``model``: 415 unless it is declared JSON, 413 past the size limit,
+        400 for bad JSON or fields, 404 for a model not served here."""
+        _check_json(request.headers.get("content-type"))
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
@@ -98,7 +100,7 @@ class Server:
         except ValidationError as exc:
             raise APIError(400, *_validation_message(exc)) from exc
         if body.model is not None and body.model != self.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here (serving {self.model_name!r})",
+            raise APIError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
                            "model", "NotFoundError")
         return body
 
@@ -160,15 +162,16 @@ class Server:
 
 
 def create_app(spec: EngineSpec, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, access: Access = Access()) -> FastAPI:
     """The app and its own engine process, which starts (unless started already: see
-    ``serve``) and stops with the app's lifespan."""
+    ``serve``) and stops with the app's lifespan. ``access``: CORS and whether
+    ``/metrics`` needs the key."""
     process = EngineProcess(spec)
     connect = lambda: (process.conns[0], process.start(), process)   # noqa: E731
-    return server_app(Server(connect, spec.tokenizer, model_name, api_key, max_body_bytes))
+    return server_app(Server(connect, spec.tokenizer, model_name, api_key, max_body_bytes), access)
 
 
-def server_app(server: Server) -> FastAPI:
+def server_app(server: Server, access: Access = Access()) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await server.start()
@@ -178,45 +181,10 @@ def server_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="tokenspeed", lifespan=lifespan)
     app.state.server = server
-    _errors(app)
-    _auth(app, server)
+    error_bodies(app)
+    guard(app, server.api_key, access)
     _routes(app, server)
     return app
-
-
-def _errors(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
-        return JSONResponse(error.body(), status_code=500)
-
-
-class RequireKey:
-    """ASGI middleware: every ``/v1`` route needs ``Authorization: Bearer KEY``. Plain ASGI,
-    not Starlette's ``BaseHTTPMiddleware``, which relays every streamed chunk through a
-    memory stream of its own (per token, per client)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", None,
-                                 "AuthenticationError")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _auth(app: FastAPI, server: Server) -> None:
-    if server.api_key:
-        app.add_middleware(RequireKey, api_key=server.api_key)
 
 
 def _routes(app: FastAPI, server: Server) -> None:
@@ -237,20 +205,20 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def completions(request: Request):
         body = await server.read(request, CompletionRequest)
         body.unsupported()
-        prompts = _prompts(body.prompt, server.tokenizer)
+        prompts = await _prompts(body.prompt, server.tokenizer)
         params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
-            server.model_name, server.tokenizer, params.n))
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await server.read(request, ChatCompletionRequest)
         body.unsupported()
-        prompts = [_chat_prompt(server, body.messages, body.add_generation_prompt)]
+        prompts = [await _chat_prompt(server, body.messages, body.add_generation_prompt)]
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count())
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
-            server.model_name, server.tokenizer, params.n))
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -258,9 +226,9 @@ def _routes(app: FastAPI, server: Server) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         tokenizer = _tokenizer(server)
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens) \
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens) \
             if body.prompt is not None else \
-            _chat_prompt(server, body.messages, body.add_generation_prompt).token_ids
+            (await _chat_prompt(server, body.messages, body.add_generation_prompt)).token_ids
         return {"tokens": list(ids), "count": len(ids),
                 "max_model_len": server.limits.max_model_len}
 
@@ -271,7 +239,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": _tokenizer(server).decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(_tokenizer(server).decode, body.tokens)}
 
 
 async def _answer(server: Server, request: Request, body, prompts, params, field: str, fmt):
@@ -315,17 +283,31 @@ def _event(chunks: list[dict]) -> str:
     return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
 
 
-def _prompts(prompt, tokenizer) -> list[Prompt]:
+def _check_json(content_type: str | None) -> None:
+    """A body must say it is JSON: a web page may post any other type (a form's, text, a
+    blob without a type) to any server without the CORS preflight that would stop it."""
+    if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {content_type!r}", None,
+                       "UnsupportedMediaTypeError")
+
+
+async def _prompts(prompt, tokenizer) -> list[Prompt]:
+    """The request's prompts; text is tokenized off the event loop (a long prompt would
+    hold up every stream for as long as it takes)."""
+    texts = isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
     try:
-        return parse_prompts(prompt, tokenizer)
+        return await asyncio.to_thread(parse_prompts, prompt, tokenizer) if texts else \
+            parse_prompts(prompt, tokenizer)
     except (TypeError, ValueError) as exc:
         raise APIError(400, str(exc), "prompt") from exc
 
 
-def _chat_prompt(server: Server, messages, add_generation_prompt: bool) -> Prompt:
+async def _chat_prompt(server: Server, messages, add_generation_prompt: bool) -> Prompt:
+    """The conversation through the chat template, off the event loop (as ``_prompts``)."""
     _tokenizer(server)
     try:
-        return chat_prompt(server.tokenizer, [m.as_template_message() for m in messages], add_generation_prompt)
+        return await asyncio.to_thread(chat_prompt, server.tokenizer, [m.as_template_message() for m in messages],
+                                       add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
 

@@ -1,0 +1,116 @@
+"""``POST /v1/chat/completions``: the response's and the stream's shapes, samples, logprobs
+(each token's own bytes), a message's ``name``, the OpenAI fields accepted and ignored."""
+
+import attrs
+import openai
+import pytest
+
+import tokenspeed as ts
+from tokenspeed.entrypoints.engine_loop import CompletionDelta
+from tokenspeed.entrypoints.openai import responses
+from tokenspeed.entrypoints.openai.protocol import ChatMessage
+from tokenspeed.entrypoints.prompts import chat_prompt
+from tokenspeed.runtime.outputs import TokenLogprobs
+from tokenspeed.tokenizer import ChatTemplate, load_tokenizer
+
+from openai_http import MODEL, assert_error
+from text_models import text_model_dir
+
+PATH = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+def test_a_chat_completion_has_openais_shape_and_equals_offline(api, llm):
+    body = api.post(PATH, {"model": MODEL, "messages": HELLO, "max_tokens": 6, "temperature": 0}).json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == MODEL
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant" and choice["logprobs"] is None
+    want = llm.chat(HELLO, ts.SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert choice["message"]["content"] == want.text and choice["finish_reason"] == want.finish_reason
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+
+def test_a_chat_stream_opens_each_choice_with_its_role(api):
+    body = {"messages": HELLO, "max_tokens": 5, "n": 2, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    chunks = api.stream_chunks(PATH, body)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"].startswith("chatcmpl-") for c in chunks)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks[2:-1] if c["choices"][0]["finish_reason"]]
+    assert finishes == ["length", "length"]
+
+
+def test_streamed_content_joins_to_the_answer(client):
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+              if c.choices]
+    assert "".join(pieces) == whole
+
+
+def test_chat_logprobs_bytes_join_to_the_content(client):
+    choice = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, logprobs=True,
+                                            top_logprobs=2, temperature=0,
+                                            extra_body={"ignore_eos": True, "skip_special_tokens": False}).choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == 16 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == choice.message.content
+
+
+def test_a_byte_fragment_tokens_bytes_are_its_own():
+    """A token that holds part of a character shows as U+FFFD; its bytes are the real ones
+    (they were U+FFFD's, EF BF BD), so a client joins the text back from them."""
+    tokenizer = load_tokenizer(text_model_dir())
+    ids = tokenizer.encode("😀", add_special_tokens=False)
+    logprobs = tuple(TokenLogprobs(i, -0.5, {i: -0.5}) for i in ids)
+    fmt = responses.ChatFormat(MODEL, tokenizer, 1)
+    content = fmt.choice(CompletionDelta(0, "😀", tuple(ids), logprobs, "stop", None))["logprobs"]["content"]
+    assert "\ufffd" in content[0]["token"] and content[0]["bytes"] != [0xEF, 0xBF, 0xBD]
+    assert bytes(b for e in content for b in e["bytes"]) == "😀".encode()
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    tokenizer = attrs.evolve(load_tokenizer(text_model_dir()),
+                             chat_template=ChatTemplate.compile("{% for m in messages %}[{{ m.name }}]"
+                                                                "{{ m.content }}{% endfor %}"))
+    message = ChatMessage.model_validate({"role": "user", "content": "hi", "name": "ada"})
+    assert chat_prompt(tokenizer, [message.as_template_message()]).text == "[ada]hi"
+    nameless = ChatMessage.model_validate({"role": "user", "content": "hi"})
+    assert chat_prompt(tokenizer, [nameless.as_template_message()]).text == "[]hi"
+
+
+def test_openais_fields_that_mean_nothing_here_are_accepted_and_ignored(client):
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    ignored = client.chat.completions.create(**kw, user="u-1", metadata={"team": "a"}, store=False,
+                                             service_tier="auto", parallel_tool_calls=False,
+                                             prompt_cache_key="k", safety_identifier="s")
+    assert ignored.choices[0].message.content == plain
+
+
+@pytest.mark.parametrize("field, value", [("prediction", {"type": "content", "content": "x"}),
+                                          ("reasoning_effort", "low"), ("frobnicate", 1)])
+def test_fields_that_would_change_the_answer_are_refused(api, field, value):
+    assert_error(api.post(PATH, {"messages": HELLO, field: value}), 400, "BadRequestError", field)
+
+
+def test_tools_and_a_json_response_format_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
+        client.chat.completions.create(model=MODEL, messages=HELLO, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=MODEL, messages=HELLO, response_format={"type": "json_object"})
+
+
+def test_stream_options_need_a_stream(api):
+    response = api.post(PATH, {"messages": HELLO, "stream_options": {"include_usage": False}})
+    assert_error(response, 400, "BadRequestError", "stream_options", "stream=true")
+
+
+def test_bad_messages_are_refused(api):
+    assert_error(api.post(PATH, {"messages": []}), 400, "BadRequestError", "messages")
+    assert_error(api.post(PATH, {"messages": [{"role": "wizard", "content": "hi"}]}), 400, "BadRequestError",
+                 "messages")

@@ -1,0 +1,134 @@
+"""``POST /v1/completions``: the response's and the stream's shapes, several prompts and
+samples, stop strings and lengths, logprobs and their text offsets, and refusals."""
+
+import pytest
+
+import tokenspeed as ts
+from tokenspeed.entrypoints.openai.protocol import MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+from openai_http import MODEL, assert_error
+
+PATH = "/v1/completions"
+
+
+def test_a_completion_has_openais_shape(api):
+    body = api.post(PATH, {"model": MODEL, "prompt": "The sea is", "max_tokens": 5, "temperature": 0}).json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert isinstance(body["created"], int) and body["model"] == MODEL
+    [choice] = body["choices"]
+    assert set(choice) >= {"index", "text", "logprobs", "finish_reason"} and choice["index"] == 0
+    assert choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_max_tokens_ends_in_length_and_equals_offline(client, llm):
+    got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    want = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 7 and got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_several_prompts_times_n_are_indexed_prompt_major(client, llm):
+    got = client.completions.create(model=MODEL, prompt=["One", "Two", "Three"], max_tokens=4, n=2, seed=9)
+    assert [c.index for c in got.choices] == list(range(6))
+    offline = llm.generate(["One", "Two", "Three"], ts.SamplingParams(max_tokens=4, n=2, seed=9), use_tqdm=False)
+    assert [c.text for c in got.choices] == [c.text for o in offline for c in o.outputs]
+
+
+def test_token_id_prompts_are_prompts(client, llm):
+    ids = llm.tokenizer.encode("The sea is")
+    by_ids = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=4, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=4, temperature=0)
+    assert [c.text for c in by_ids.choices] == [by_text.choices[0].text] * 2
+
+
+def test_a_stop_string_ends_the_text_before_it(client, llm):
+    full = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert got.finish_reason == "stop" and got.text == full[:full.index(stop)] and stop not in got.text
+
+
+def test_a_stream_is_chunks_then_usage_then_done(api):
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chunks = api.stream_chunks(PATH, body)
+    ids = {c["id"] for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("cmpl-")
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    *texts, usage = chunks
+    assert all(len(c["choices"]) == 1 and c["choices"][0]["index"] == 0 for c in texts)
+    assert [c["choices"][0]["finish_reason"] for c in texts] == [None] * (len(texts) - 1) + ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("path, prompt_field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_each_streamed_choice_finishes_once(api, path, prompt_field):
+    """Samples that finish at different steps: each choice's finish goes out once, in its
+    last chunk (it was repeated in every later chunk of the request)."""
+    prompt = "Sing" if prompt_field == "prompt" else [{"role": "user", "content": "Sing"}]
+    body = {prompt_field: prompt, "max_tokens": 30, "n": 3, "seed": 4, "temperature": 1.0, "stop": ["e", "a"],
+            "stream": True}
+    chunks = [c for c in api.stream_chunks(path, body) if c["choices"]]
+    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
+                if c["choices"][0]["finish_reason"]]
+    assert sorted(index for index, _ in finishes) == [0, 1, 2]
+    last = {c["choices"][0]["index"]: i for i, c in enumerate(chunks)}
+    assert all(chunks[last[index]]["choices"][0]["finish_reason"] == reason for index, reason in finishes)
+    assert len(set(last.values())) == 3, "the samples must finish at different steps to test this"
+
+
+def test_logprobs_have_openais_shape_and_offsets_into_the_text(client):
+    choice = client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, logprobs=2, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert all(len(top) == 2 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(8)]   # no token is half a character here
+    assert "".join(lp.tokens) == choice.text
+
+
+def test_streamed_text_offsets_equal_the_whole_answers(client):
+    kw = dict(model=MODEL, prompt=["Hi", "Ho"], max_tokens=10, logprobs=1, temperature=0, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    streamed = {c.index: [] for c in whole.choices}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.logprobs.text_offset if c.logprobs else []
+    assert streamed == {c.index: c.logprobs.text_offset for c in whole.choices}
+    assert all(offsets[-1] > 0 for offsets in streamed.values())
+
+
+@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"), ("best_of", 3)])
+def test_unsupported_fields_are_refused_by_name(api, field, value):
+    assert_error(api.post(PATH, {"prompt": "x", field: value}), 400, "BadRequestError", field, "not supported")
+
+
+def test_stream_options_need_a_stream(api):
+    response = api.post(PATH, {"prompt": "x", "stream_options": {"include_usage": True}})
+    assert_error(response, 400, "BadRequestError", "stream_options", "stream=true")
+    assert api.post(PATH, {"prompt": "x", "max_tokens": 1, "stream": False}).status_code == 200
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": ["x"] * (MAX_PROMPTS + 1)}, "prompt", f"over the limit of {MAX_PROMPTS}"),
+    ({"prompt": [[5]] * (MAX_PROMPTS + 1)}, "prompt", f"over the limit of {MAX_PROMPTS}"),
+    ({"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop", f"over the limit of {MAX_STOP_STRINGS}"),
+    ({"prompt": "x", "stop": "s" * (MAX_STOP_CHARS + 1)}, "stop", f"over the limit of {MAX_STOP_CHARS}"),
+    ({"prompt": "x", "stop": ["ok", "s" * (1 << 20)]}, "stop", f"over the limit of {MAX_STOP_CHARS}"),
+])
+def test_the_doors_bounds_are_400s_naming_the_limit(api, client, body, param, says):
+    assert_error(api.post(PATH, body), 400, "BadRequestError", param, says)
+    assert client.completions.create(model=MODEL, prompt="still", max_tokens=2).choices[0].text is not None
+
+
+def test_requests_at_the_doors_bounds_are_served(client):
+    got = client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                    stop=["s" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)
+    assert got.choices[0].finish_reason in ("stop", "length")
