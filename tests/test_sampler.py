@@ -289,8 +289,26 @@ def test_logprobs_are_the_models_and_name_the_sampled_token():
     expected = logits.log_softmax(-1)
     for row, (lp, token) in enumerate(zip(host, result.tokens.tolist())):
         assert lp.token_id == token and math.isclose(lp.logprob, float(expected[row, token]), rel_tol=1e-5)
-        assert list(lp.top) == expected[row].topk(len(lp.top)).indices.tolist()
-    assert [len(lp.top) for lp in host] == [0, 2, 5]
+        k = rows[row].params.logprobs
+        assert list(lp.top)[:k] == expected[row].topk(k).indices.tolist()
+        assert lp.top[token] == lp.logprob and len(lp.top) == k + (token not in list(lp.top)[:k])
+    assert len(host[0].top) == 1   # logprobs=0: the sampled token's entry alone
+
+
+@FAST
+@given(k=st.integers(0, 20), seed=st.integers(0, 2**31 - 1))
+def test_the_sampled_token_is_always_among_the_top_logprobs(k, seed):
+    """At a high temperature the sampled token is often not among the k most likely: its
+    entry follows theirs (k + 1 entries), so the top entries stay best first (as vLLM)."""
+    logits = torch.randn(30, 40, generator=gen(seed))
+    rows = [RowSampling(ts.SamplingParams(temperature=1.8, logprobs=k), seed + i) for i in range(30)]
+    result = sample(logits, rows, torch.arange(30))
+    expected = logits.log_softmax(-1)
+    for row, (lp, token) in enumerate(zip(result.logprobs.to_host(rows, result.tokens.tolist()),
+                                          result.tokens.tolist())):
+        assert token in lp.top and math.isclose(lp.top[token], float(expected[row, token]), rel_tol=1e-5)
+        assert list(lp.top)[:k] == expected[row].topk(k).indices.tolist()
+        assert len(lp.top) in (k, k + 1) and list(lp.top.values()) == sorted(lp.top.values(), reverse=True)
 
 
 def test_a_row_that_needs_no_processing_draws_alike_on_both_routes():

@@ -128,9 +128,16 @@ class LogprobTensors:
 
     def to_host(self, rows: Sequence[RowSampling], tokens: Sequence[int]) -> list[TokenLogprobs | None]:
         sampled, ids, values = self.sampled.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return [None if r.params.logprobs is None else
-                TokenLogprobs(t, lp, dict(zip(i[:r.params.logprobs], v[:r.params.logprobs])))
+        return [None if r.params.logprobs is None else _token_logprobs(t, lp, i, v, r.params.logprobs)
                 for r, t, lp, i, v in zip(rows, tokens, sampled, ids, values)]
+
+
+def _token_logprobs(token: int, logprob: float, ids: list[int], values: list[float], k: int) -> TokenLogprobs:
+    """The ``k`` most likely tokens, then the sampled one where it is not among them (as
+    vLLM: a client always finds the sampled token's entry; the order stays best first)."""
+    top = dict(zip(ids[:k], values[:k]))
+    top.setdefault(token, logprob)
+    return TokenLogprobs(token, logprob, top)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
