@@ -424,3 +424,27 @@ def test_the_64_bit_seed_range_has_no_aliases():
     """Seeds that were folded modulo 2**62 (and the range's ends) key streams of their own."""
     seeds = [5, 5 + 2**62, 5 - 2**62, 2**63 - 1, -2**63, -1, 0]
     assert len({stream_key(s, 0) for s in seeds}) == len(seeds)
+
+
+def test_the_kernel_draws_from_keys_across_the_whole_int64_range():
+    """Sample keys span every signed 64-bit value, and a key moved on by a far position
+    wraps: the Triton kernel (the interpreter off a GPU) draws alike for a key and
+    differently for others, as the reference does (test_kernels checks the distribution)."""
+    from tokenspeed.backends.kernels import triton_sampling
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = torch.tensor([stream_key(s, i) for s in (-2**63, -1, 2**63 - 1, 77) for i in range(8)])
+    rows = len(keys)
+    logits = torch.zeros(rows, 16)   # uniform: every token as likely
+    positions = torch.full((rows,), 2**31 - 1, dtype=torch.int64)   # keys wrap past int64
+
+    def kernel(keys):
+        return triton_sampling.gumbel_argmax(logits.to(device), torch.ones(rows, device=device),
+                                             torch.zeros(rows, dtype=torch.int64, device=device),
+                                             keys.to(device), positions.to(device), block=16).cpu()
+
+    def reference(keys):
+        return sample(logits, [RowSampling(ts.SamplingParams(), int(k)) for k in keys], positions).tokens
+    for draw in (kernel, reference):
+        tokens = draw(keys)
+        assert torch.equal(tokens, draw(keys)) and len(set(tokens.tolist())) > 4
+        assert (tokens != draw(keys.roll(1))).sum() > rows // 2

@@ -45,6 +45,10 @@ def _float32(name: str, value: float) -> float:
     return rounded
 
 
+def _noise_key(key: int) -> int:
+    return _int64("seed", key)
+
+
 @attrs.frozen
 class RowSampling:
     """One sampled row: its settings, its noise seed, and the tokens its penalties and
@@ -52,7 +56,7 @@ class RowSampling:
     alone decide is worked out once: these are read for every row of every step. The
     tensors' values (``temperature``, ``top_k``, ``top_p``, ``seed``) are converted here."""
     params: SamplingParams
-    seed: int = attrs.field(converter=lambda key: _int64("seed", key))   # its noise key
+    seed: int = attrs.field(converter=_noise_key)   # sample_streams.stream_key
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()   # masked while fewer than min_tokens outputs exist

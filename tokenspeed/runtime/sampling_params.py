@@ -48,7 +48,8 @@ def _shown(bound: float) -> str:
 
 
 def _real_in(low: float, high: float, low_open: bool = False):
-    """Reals in an interval; a bound past [-2, 2] is float32's, written out as such."""
+    """Reals in ``[low, high]`` (``(low, high]`` when ``low_open``); an upper bound of
+    float32's largest value is named as such."""
     def check(instance, attribute, value):
         inside = _real(value) and (low < value if low_open else low <= value) and value <= high
         if not inside:
@@ -88,8 +89,8 @@ def _check_token_ids(instance, attribute, value):
 
 def _check_seed(instance, attribute, value):
     if value is not None and (not _integer(value) or not INT64_MIN <= value <= INT64_MAX):
-        _fail("seed", value, "an integer or None, an integer within the signed 64-bit range "
-              "[-2**63, 2**63 - 1]")
+        _fail("seed", value, "an integer or None, in the signed 64-bit range [-2**63, 2**63 - 1] "
+              "(not the unsigned one)")
 
 
 def _check_logprobs(instance, attribute, value):
