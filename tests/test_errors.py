@@ -182,6 +182,22 @@ def test_the_largest_n_at_the_most_pages_completes(path):
         small.generate([prompt], attrs.evolve(params, max_tokens=3))
 
 
+def test_the_extreme_allowed_values_sample_beside_a_greedy_request(llm):
+    """Every bound at its edge, in one batch with a greedy request: the step holds them,
+    and the greedy request gets the tokens it gets alone."""
+    greedy = ts.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], greedy)[0].token_ids
+    edges = [ts.SamplingParams(n=2, top_k=2**63 - 1, seed=2**63 - 1, temperature=3.4028234663852886e38,
+                               repetition_penalty=3.4028234663852886e38, max_tokens=6, ignore_eos=True),
+             ts.SamplingParams(seed=-2**63, top_p=1e-300, repetition_penalty=2**-126, min_p=1.0,
+                               presence_penalty=-2.0, frequency_penalty=2.0, logprobs=20, max_tokens=6,
+                               ignore_eos=True, stop_token_ids=[VOCAB - 1], min_tokens=6)]
+    outputs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], edges + [greedy])
+    assert outputs[2].token_ids == alone
+    assert all(len(c.token_ids) == 6 and all(0 <= t < VOCAB for t in c.token_ids)
+               for o in outputs[:2] for c in o.outputs)
+
+
 def test_a_value_that_cannot_be_sampled_fails_only_its_request(llm):
     """A record whose value slipped past its checks is refused where its request is added,
     by name, before any of its samples is queued: the batch it would have joined (and
