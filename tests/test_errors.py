@@ -6,6 +6,7 @@ what a fresh one does (greedy and sampled, so the sampling generator is checked 
 
 import re
 
+import attrs
 import pytest
 
 import tokenspeed as ts
@@ -136,8 +137,24 @@ def test_sampling_params_check_types_and_ranges(field, value, limit):
         ts.SamplingParams(**{field: value})
 
 
-def test_a_stop_token_outside_the_vocabulary_is_refused(llm):
-    with raises("prompt 0", str(VOCAB + 5), str(VOCAB)):
+@pytest.mark.parametrize("field, value, limit", [
+    ("n", 129, "<= 128"), ("n", 10**8, "<= 128"), ("top_k", 2**63, "<= 2**63 - 1"),
+    ("seed", 2**63, "signed 64-bit range [-2**63, 2**63 - 1]"),
+    ("seed", -2**63 - 1, "signed 64-bit range [-2**63, 2**63 - 1]"),
+    ("seed", 2**64 - 1, "signed 64-bit range"), ("temperature", 1e39, "<= 3.40282e+38 (float32's largest)"),
+    ("repetition_penalty", 1e-50, "float32 holds"), ("repetition_penalty", 1e39, "float32 holds"),
+    ("max_tokens", 2**63, "<= 2**63 - 1"), ("min_tokens", 2**63, "<= 2**63 - 1"),
+    ("stop_token_ids", [2**63], "<= 2**63 - 1"),
+])
+def test_sampling_params_are_bounded_by_what_the_sampler_holds(field, value, limit):
+    shown = repr(tuple(value)) if isinstance(value, list) else repr(value)
+    with raises(f"{field}={shown}", limit):
+        ts.SamplingParams(**{field: value})
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused_by_field(llm):
+    with pytest.raises(ValueError, match=rf"^stop_token_ids: stop token id {VOCAB + 5} is outside "
+                                         rf"the vocabulary \[0, {VOCAB}\)$"):
         llm.generate([[5, 6]], ts.SamplingParams(stop_token_ids=[3, VOCAB + 5]))
 
 
@@ -145,6 +162,64 @@ def test_valid_edges_are_accepted():
     ts.SamplingParams(temperature=0, top_p=1.0, top_k=0, max_tokens=1)
     ts.SamplingParams(top_p=1e-6)
     ts.SamplingParams(top_k=10**6)
+    ts.SamplingParams(n=128, top_k=2**63 - 1, seed=-2**63, temperature=3.4e38, repetition_penalty=2**-126)
+    ts.SamplingParams(seed=2**63 - 1, max_tokens=2**63 - 1, min_tokens=2**63 - 1, stop_token_ids=[2**63 - 1])
+
+
+@pytest.mark.slow
+def test_the_largest_n_at_the_most_pages_completes(path):
+    """n at its cap, each sample needing every page of the pool: they take turns, and
+    each draws what it draws in a pool that holds them all (tests/test_scheduler.py has
+    the windowed and prefix-cached cases)."""
+    params = ts.SamplingParams(n=128, max_tokens=2, ignore_eos=True, seed=11)
+    prompt = list(range(3, 9))                   # 6 + 2 tokens: 2 pages of 4
+    small = ts.LLM(path, page_size=4, num_kv_pages=3)
+    got = [o.token_ids for o in small.generate([prompt], params)[0].outputs]
+    want = [o.token_ids for o in ts.LLM(path, page_size=4).generate([prompt], params)[0].outputs]
+    assert got == want and len(got) == 128 and all(len(t) == 2 for t in got)
+    assert small.engine.scheduler.allocator.num_free == 2
+    with raises("prompt 0", "needs 3", "has 2"):
+        small.generate([prompt], attrs.evolve(params, max_tokens=3))
+
+
+def test_the_extreme_allowed_values_sample_beside_a_greedy_request(llm):
+    """Every bound at its edge, in one batch with a greedy request: the step holds them,
+    and the greedy request gets the tokens it gets alone."""
+    greedy = ts.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], greedy)[0].token_ids
+    edges = [ts.SamplingParams(n=2, top_k=2**63 - 1, seed=2**63 - 1, temperature=3.4028234663852886e38,
+                               repetition_penalty=3.4028234663852886e38, max_tokens=6, ignore_eos=True),
+             ts.SamplingParams(seed=-2**63, top_p=1e-300, repetition_penalty=2**-126, min_p=1.0,
+                               presence_penalty=-2.0, frequency_penalty=2.0, logprobs=20, max_tokens=6,
+                               ignore_eos=True, stop_token_ids=[VOCAB - 1], min_tokens=6)]
+    outputs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], edges + [greedy])
+    assert outputs[2].token_ids == alone
+    assert all(len(c.token_ids) == 6 and all(0 <= t < VOCAB for t in c.token_ids)
+               for o in outputs[:2] for c in o.outputs)
+
+
+def test_a_value_that_cannot_be_sampled_fails_only_its_request(llm):
+    """A record whose value slipped past its checks is refused where its request is added,
+    by name, before any of its samples is queued: the batch it would have joined (and
+    failed, in the step's int64 tensors) runs on, with the tokens it draws alone."""
+    engine, prompt = llm.engine, tuple(PROMPTS[1])
+    good = ts.SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3)
+    alone = _finish(engine, engine.add(prompt, good))
+    bad = ts.SamplingParams(n=2, temperature=1.0, seed=4)
+    object.__setattr__(bad, "top_k", 2**63)      # as a record built around its checks
+    running = engine.add(prompt, good)
+    engine.step()
+    with raises("top_k=9223372036854775808", "64-bit"):
+        engine.add(prompt, bad)
+    assert _finish(engine, running) == alone
+    assert engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1
+
+
+def _finish(engine, requests) -> list:
+    while engine.has_work:
+        engine.step()
+    assert not engine.scheduler.waiting and all(r.finish_reason == "length" for r in requests)
+    return [r.output for r in requests]
 
 
 # ---------------------------------------------------------------- state after a refusal

@@ -8,7 +8,9 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed.runtime.sample_streams import stream_key
 from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, sample
+from tokenspeed.runtime.sampling_params import MAX_N
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True)
 
@@ -289,8 +291,26 @@ def test_logprobs_are_the_models_and_name_the_sampled_token():
     expected = logits.log_softmax(-1)
     for row, (lp, token) in enumerate(zip(host, result.tokens.tolist())):
         assert lp.token_id == token and math.isclose(lp.logprob, float(expected[row, token]), rel_tol=1e-5)
-        assert list(lp.top) == expected[row].topk(len(lp.top)).indices.tolist()
-    assert [len(lp.top) for lp in host] == [0, 2, 5]
+        k = rows[row].params.logprobs
+        assert list(lp.top)[:k] == expected[row].topk(k).indices.tolist()
+        assert lp.top[token] == lp.logprob and len(lp.top) == k + (token not in list(lp.top)[:k])
+    assert len(host[0].top) == 1   # logprobs=0: the sampled token's entry alone
+
+
+@FAST
+@given(k=st.integers(0, 20), seed=st.integers(0, 2**31 - 1))
+def test_the_sampled_token_is_always_among_the_top_logprobs(k, seed):
+    """At a high temperature the sampled token is often not among the k most likely: its
+    entry follows theirs (k + 1 entries), so the top entries stay best first (as vLLM)."""
+    logits = torch.randn(30, 40, generator=gen(seed))
+    rows = [RowSampling(ts.SamplingParams(temperature=1.8, logprobs=k), seed + i) for i in range(30)]
+    result = sample(logits, rows, torch.arange(30))
+    expected = logits.log_softmax(-1)
+    for row, (lp, token) in enumerate(zip(result.logprobs.to_host(rows, result.tokens.tolist()),
+                                          result.tokens.tolist())):
+        assert token in lp.top and math.isclose(lp.top[token], float(expected[row, token]), rel_tol=1e-5)
+        assert list(lp.top)[:k] == expected[row].topk(k).indices.tolist()
+        assert len(lp.top) in (k, k + 1) and list(lp.top.values()) == sorted(lp.top.values(), reverse=True)
 
 
 def test_a_row_that_needs_no_processing_draws_alike_on_both_routes():
@@ -314,9 +334,12 @@ def llama_path():
     return checkpoint("llama")
 
 
+def _params(**params) -> ts.SamplingParams:
+    return ts.SamplingParams(**{"temperature": 1.0, "max_tokens": 10, "ignore_eos": True, **params})
+
+
 def _sampled(llm, prompts, **params):
-    sp = ts.SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, **params)
-    return [o.token_ids for o in llm.generate(prompts, sp)]
+    return [o.token_ids for o in llm.generate(prompts, _params(**params))]
 
 
 def test_llm_seed_makes_sampling_reproducible(llama_path):
@@ -327,6 +350,26 @@ def test_llm_seed_makes_sampling_reproducible(llama_path):
     assert a == b
     assert a != c
     assert all(len(t) == 10 for t in a)
+
+
+def test_sibling_samples_share_no_tokens_with_a_neighbouring_seed(llama_path):
+    """``seed=77, n=2``'s second sample is not ``seed=78``'s first (they were one stream);
+    seeds 2**62 apart are not one either; each sample reproduces whatever shares its batch."""
+    llm = ts.LLM(llama_path, page_size=4)
+    prompt = [5, 6, 7]
+    pair = [o.token_ids for o in llm.generate([prompt], _params(n=2, seed=77))[0].outputs]
+    [next_seed] = _sampled(llm, [prompt], seed=78)
+    [far_seed] = _sampled(llm, [prompt], seed=77 + 2**62)
+    assert pair[1] != next_seed and pair[0] != far_seed and pair[0] != pair[1]
+    batch = llm.generate([[9] * 12, prompt, [100, 200]], [_params(), _params(n=2, seed=77), _params(seed=3)])
+    assert [o.token_ids for o in batch[1].outputs] == pair
+
+
+def test_a_top_p_below_float32s_range_gives_the_greedy_tokens(llama_path):
+    llm = ts.LLM(llama_path, page_size=4)
+    prompts = [[5, 6, 7], [9] * 12]
+    assert _sampled(llm, prompts, top_p=1e-50, seed=1) == \
+        [o.token_ids for o in llm.generate(prompts, _params(temperature=0.0))]
 
 
 def test_llm_top_k_restricts_every_sampled_token(llama_path):
@@ -345,3 +388,63 @@ def test_llm_top_k_restricts_every_sampled_token(llama_path):
     assert out != reference("llama", [prompt], len(out), eos=None)[0]  # it sampled, not argmax
 
 
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 7e-46, 1e-300, 2**-149])
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(top_p):
+    """A top_p float32 rounds to 0 (or to a subnormal) keeps the most likely token alone,
+    as the value asked does: the greedy token, not token 0 from a row with every token masked."""
+    logits = torch.randn(8, 50, generator=gen(2))
+    logits[:, 0] = -5.0
+    assert sampled(logits, ts.SamplingParams(top_p=top_p, temperature=1.5), 8).tolist() == \
+        first_argmax(logits).tolist()
+
+
+# ---------------------------------------------------------------- sample streams
+
+
+@FAST
+@given(seed=st.integers(-2**63, 2**63 - 1 - 64))
+def test_sample_streams_of_nearby_seeds_never_meet(seed):
+    """Every sample of 64 neighbouring seeds (each at n = 128) has a key of its own, and the
+    keys fit the sampler's int64 tensors."""
+    keys = [stream_key(s, i) for s in range(seed, seed + 64) for i in range(MAX_N)]
+    assert len(set(keys)) == len(keys) and all(-2**63 <= k < 2**63 for k in keys)
+
+
+@FAST
+@given(a=st.integers(-2**63, 2**63 - 1), b=st.integers(-2**63, 2**63 - 1), index=st.integers(0, MAX_N - 1))
+def test_distinct_seeds_have_distinct_streams(a, b, index):
+    assume(a != b)
+    assert stream_key(a, index) != stream_key(b, index)
+    assert stream_key(a, index) == stream_key(a, index)
+
+
+def test_the_64_bit_seed_range_has_no_aliases():
+    """Seeds that were folded modulo 2**62 (and the range's ends) key streams of their own."""
+    seeds = [5, 5 + 2**62, 5 - 2**62, 2**63 - 1, -2**63, -1, 0]
+    assert len({stream_key(s, 0) for s in seeds}) == len(seeds)
+
+
+def test_the_kernel_draws_from_keys_across_the_whole_int64_range():
+    """Sample keys span every signed 64-bit value, and a key moved on by a far position
+    wraps: the Triton kernel (the interpreter off a GPU) draws alike for a key and
+    differently for others, as the reference does (test_kernels checks the distribution)."""
+    from tokenspeed.backends.kernels import triton_sampling
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys = torch.tensor([stream_key(s, i) for s in (-2**63, -1, 2**63 - 1, 77) for i in range(8)])
+    rows = len(keys)
+    logits = torch.zeros(rows, 16)   # uniform: every token as likely
+    positions = torch.full((rows,), 2**31 - 1, dtype=torch.int64)   # keys wrap past int64
+
+    def kernel(keys):
+        return triton_sampling.gumbel_argmax(logits.to(device), torch.ones(rows, device=device),
+                                             torch.zeros(rows, dtype=torch.int64, device=device),
+                                             keys.to(device), positions.to(device), block=16).cpu()
+
+    def reference(keys):
+        return sample(logits, [RowSampling(ts.SamplingParams(), int(k)) for k in keys], positions).tokens
+    for draw in (kernel, reference):
+        tokens = draw(keys)
+        assert torch.equal(tokens, draw(keys)) and len(set(tokens.tolist())) > 4
+        assert (tokens != draw(keys.roll(1))).sum() > rows // 2

@@ -4,12 +4,14 @@ every page comes back."""
 
 import types
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.block_allocator import BlockAllocator
-from tokenspeed.runtime.sampling_params import SamplingParams
+from tokenspeed.runtime.prompt_limits import most_pages_held
+from tokenspeed.runtime.sampling_params import MAX_N, SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
 from tokenspeed.testing.invariants import check_chained_rows_match_pages
 
@@ -210,3 +212,30 @@ def test_a_requests_token_slices_equal_slices_of_its_tokens(prompt, output, data
     end = data.draw(st.integers(0, request.num_tokens))
     start = data.draw(st.integers(0, end))
     assert request.tokens_between(start, end) == request.tokens[start:end]
+
+
+@pytest.mark.parametrize("prefix_caching, window, overlap", [(False, None, True), (True, None, False),
+                                                             (False, 3, True), (True, 6, True)])
+def test_the_largest_request_takes_turns_in_a_pool_of_one_samples_pages(prefix_caching, window, overlap):
+    """``n`` at its cap, each sample needing every page the check allows: the samples take
+    turns in the pool (a later one shares the first's prompt pages while it runs; the newest
+    gives way when pages run out), each drawing the tokens it draws in a pool that holds all
+    of them, and every page comes back. One page fewer and the check refuses the request."""
+    retentions = (0,) if window is None else (0, window)
+    prompt, params = tuple(range(1, 11)), SamplingParams(n=MAX_N, max_tokens=14, ignore_eos=True, seed=9)
+
+    def run(num_pages: int) -> list:
+        eng = engine(num_pages, 4, 8, 8, overlap, prefix_caching, retentions, KeyedRunner)
+        eng.check(0, prompt, params)
+        requests = eng.add(prompt, params)
+        while eng.has_work:
+            eng.step()
+        assert eng.scheduler.allocator.num_free == num_pages - 1
+        return [r.output for r in requests]
+
+    fitting = engine(10_000, 4, 8, 8, overlap, prefix_caching, retentions).limits
+    pages = sum(most_pages_held(len(prompt) + params.max_tokens, 4, r, fitting.max_chunk) for r in retentions)
+    outputs = run(pages + 1)                # the null page, and one sample's pages
+    assert outputs == run(MAX_N * pages + 1) and all(len(o) == params.max_tokens for o in outputs)
+    with pytest.raises(ValueError, match=f"needs {pages} KV pages at once, the pool has {pages - 1}"):
+        engine(pages, 4, 8, 8, overlap, prefix_caching, retentions).check(0, prompt, params)

@@ -147,9 +147,11 @@ def test_n_samples_share_the_prompt_pages_and_equal_separate_requests(prefix_cac
     shared = [n for n in shared if n]         # the first sample found nothing to share
     assert [c.index for c in out.outputs] == [0, 1, 2] and len(shared) == 2 and min(shared) > 1
     assert out.metrics.num_cached_tokens == 0             # of the first sample
-    for i, completion in enumerate(out.outputs):
-        alone = ts.SamplingParams(temperature=1.0, max_tokens=8, seed=50 + i, logprobs=2)
-        assert completion.token_ids == llm.generate(prompt, alone, use_tqdm=False)[0].token_ids
+    apart = ts.LLM(text_model_dir(), page_size=4, max_num_seqs=8, enable_prefix_caching=prefix_caching)
+    monkeypatch.setattr(apart.engine.scheduler, "_attach_shared_pages", lambda request: None)
+    [separate] = apart.generate(prompt, params, use_tqdm=False)   # each sample computes its prompt
+    for completion, alone in zip(out.outputs, separate.outputs, strict=True):
+        assert completion.token_ids == alone.token_ids
         assert [lp.token_id for lp in completion.logprobs] == list(completion.token_ids)
     assert out.metrics.num_output_tokens == sum(len(c.token_ids) for c in out.outputs)
     assert allocator.num_free == llm.compiled.num_pages - 1

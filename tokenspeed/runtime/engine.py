@@ -31,12 +31,12 @@ from tokenspeed.runtime.decode_chain import next_columns
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
 from tokenspeed.runtime.request import Request
-from tokenspeed.runtime.sampling_params import SamplingParams
+from tokenspeed.runtime.sample_streams import stream_key
+from tokenspeed.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
 from tokenspeed.runtime.speculative import window_rows
 from tokenspeed.runtime.step_future import FedTokens
 
-SEED_BITS = 62
 ADMIT_EVERY_STEPS = 4
 PENDING = 0     # a chained extend's host-side input for a token its device feeds (module doc)
 
@@ -91,18 +91,22 @@ class Engine:
         check_prompt(self.limits, index, prompt, params)
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
-        """Queue ``params.n`` samples of a checked prompt; the later ones share its pages."""
-        base = params.seed if params.seed is not None else \
-            int(torch.randint(2**SEED_BITS, (1,), generator=self.seeds))
+        """Queue ``params.n`` samples of a checked prompt; the later ones share its pages.
+        Each sample's noise stream comes from the seed and its index (``stream_key``). The
+        samples are made (their sampling settings converted) before any is queued: a value
+        that cannot be sampled refuses the request and leaves the engine as it was."""
+        seed = params.seed if params.seed is not None else \
+            int(torch.randint(INT64_MIN, INT64_MAX, (1,), generator=self.seeds))
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        max_output = min(params.max_tokens, self.max_model_len - len(prompt))
         requests = []
         for index in range(params.n):
-            requests.append(Request(self._next_id, prompt, params, (base + index) % 2**SEED_BITS,
-                                    index, requests[0] if requests else None, stop_ids,
-                                    max_output=min(params.max_tokens, self.max_model_len - len(prompt))))
-            self._next_id += 1
-            self.scheduler.add(requests[-1])
+            requests.append(Request(self._next_id + index, prompt, params, stream_key(seed, index), index,
+                                    requests[0] if requests else None, stop_ids, max_output=max_output))
+        self._next_id += params.n
+        for request in requests:
+            self.scheduler.add(request)
         return requests
 
     def finish(self, request: Request, reason: str, stop_reason=None) -> None:

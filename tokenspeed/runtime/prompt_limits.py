@@ -33,21 +33,31 @@ def most_pages_held(num_tokens: int, page_size: int, window: int = 0, max_chunk:
 
 
 def check_prompt(limits: PromptLimits, index: int, prompt: tuple[int, ...], params: SamplingParams) -> None:
-    """Refuse, naming prompt ``index`` and the limit, what the engine cannot serve."""
+    """Refuse, naming prompt ``index`` (or the field) and the limit, what the engine cannot
+    serve. A request's ``n`` samples need no more pages at once than one of them: a sample
+    is admitted only when the pool has its pages (sharing the prompt's full pages of the
+    first while that one runs), and the newest running sample is preempted when pages run
+    out, so the samples run as the pool allows. One sample's pages bound the request."""
     where = f"prompt {index}"
     if not prompt:
         raise ValueError(f"{where} is empty")
-    ids = (*prompt, *params.stop_token_ids)
-    if not _in_range(ids, limits.vocab_size):   # the loop only to name one
-        bad = next(t for t in ids if not 0 <= t < limits.vocab_size)
-        raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    _check_vocabulary(where, "token id", prompt, limits.vocab_size)
+    _check_vocabulary("stop_token_ids", "stop token id", params.stop_token_ids, limits.vocab_size)
     total = len(prompt) + params.max_tokens
     if total > limits.max_model_len:
         raise ValueError(f"{where}: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} "
                          f"= {total} exceeds max_model_len={limits.max_model_len}")
     pages = sum(most_pages_held(total, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
     if pages > limits.usable_pages:
-        raise ValueError(f"{where}: needs {pages} KV pages at once, the pool has {limits.usable_pages}")
+        raise ValueError(f"{where}: a sample of {len(prompt)} prompt tokens + max_tokens="
+                         f"{params.max_tokens} needs {pages} KV pages at once, the pool has "
+                         f"{limits.usable_pages} (a request's samples take turns in the pool)")
+
+
+def _check_vocabulary(where: str, what: str, ids: tuple[int, ...], vocab_size: int) -> None:
+    if ids and not _in_range(ids, vocab_size):   # the loop only to name one
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"{where}: {what} {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def _in_range(ids: tuple[int, ...], vocab_size: int) -> bool:

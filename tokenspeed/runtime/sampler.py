@@ -11,34 +11,61 @@ Rows that need more than that (penalties, ``min_tokens`` masks, top-k/top-p/min-
 log-probabilities) are processed after the step, in torch, then drawn by the same keyed
 Gumbel-max with their temperature already applied: a row that needs nothing of it gets
 the same token on either route.
+
+A row's settings are converted to what its tensors hold (and refused by name where they
+do not fit) when the row is made, as its request is added: a batch is built only of rows
+known good, so one request's value cannot fail a step that other requests share.
 """
 
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from tokenspeed.runtime.host_to_device import values_on
 from tokenspeed.runtime.outputs import TokenLogprobs
-from tokenspeed.runtime.sampling_params import SamplingParams
+from tokenspeed.runtime.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, SamplingParams
 
 MIN_TEMPERATURE = 1e-5
 POSITION_KEY = 2654435761  # odd multiplier spreading positions over the noise keys
+
+
+def _int64(name: str, value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name}={value!r}: must fit a signed 64-bit integer")
+    return value
+
+
+def _float32(name: str, value: float) -> float:
+    with np.errstate(over="ignore"):
+        rounded = float(np.float32(value))
+    if not np.isfinite(rounded):
+        raise ValueError(f"{name}={value!r}: must be a finite float32")
+    return rounded
+
+
+def _noise_key(key: int) -> int:
+    return _int64("seed", key)
 
 
 @attrs.frozen
 class RowSampling:
     """One sampled row: its settings, its noise seed, and the tokens its penalties and
     ``min_tokens`` read (``output`` may be the request's live list). What the settings
-    alone decide is worked out once: these are read for every row of every step."""
+    alone decide is worked out once: these are read for every row of every step. The
+    tensors' values (``temperature``, ``top_k``, ``top_p``, ``seed``) are converted here."""
     params: SamplingParams
-    seed: int
+    seed: int = attrs.field(converter=_noise_key)   # sample_streams.stream_key
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()   # masked while fewer than min_tokens outputs exist
     masks_or_logprobs: bool = attrs.field(init=False)
     penalized: bool = attrs.field(init=False)
     masked_until: int = attrs.field(init=False)   # stop ids are masked while fewer outputs exist
+    temperature: float = attrs.field(init=False)
+    top_k: int = attrs.field(init=False)
+    top_p: float = attrs.field(init=False)
 
     @masks_or_logprobs.default
     def _masks_or_logprobs(self) -> bool:
@@ -52,6 +79,20 @@ class RowSampling:
     @masked_until.default
     def _masked_until(self) -> int:
         return self.params.min_tokens if self.stop_ids else 0   # none to mask: nothing to do
+
+    @temperature.default
+    def _temperature(self) -> float:
+        return _float32("temperature", self.params.temperature)
+
+    @top_k.default
+    def _top_k(self) -> int:
+        return _int64("top_k", self.params.top_k)
+
+    @top_p.default
+    def _top_p(self) -> float:
+        """At least float32's smallest normal: a smaller top_p rounds to 0 and would mask
+        every token; this one keeps the most likely token alone, as the value asked does."""
+        return max(_float32("top_p", self.params.top_p), FLOAT32_TINY)
 
     @property
     def reads_history(self) -> bool:
@@ -77,8 +118,8 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, rows: Sequence[RowSampling], device) -> "SamplingTensors":
-        return cls(values_on([r.params.temperature for r in rows], torch.float32, device),
-                   values_on([r.params.top_k for r in rows], torch.int64, device),
+        return cls(values_on([r.temperature for r in rows], torch.float32, device),
+                   values_on([r.top_k for r in rows], torch.int64, device),
                    values_on([r.seed for r in rows], torch.int64, device))
 
 
@@ -128,9 +169,16 @@ class LogprobTensors:
 
     def to_host(self, rows: Sequence[RowSampling], tokens: Sequence[int]) -> list[TokenLogprobs | None]:
         sampled, ids, values = self.sampled.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return [None if r.params.logprobs is None else
-                TokenLogprobs(t, lp, dict(zip(i[:r.params.logprobs], v[:r.params.logprobs])))
+        return [None if r.params.logprobs is None else _token_logprobs(t, lp, i, v, r.params.logprobs)
                 for r, t, lp, i, v in zip(rows, tokens, sampled, ids, values)]
+
+
+def _token_logprobs(token: int, logprob: float, ids: list[int], values: list[float], k: int) -> TokenLogprobs:
+    """The ``k`` most likely tokens, then the sampled one where it is not among them (as
+    vLLM: a client always finds the sampled token's entry; the order stays best first)."""
+    top = dict(zip(ids[:k], values[:k]))
+    top.setdefault(token, logprob)
+    return TokenLogprobs(token, logprob, top)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
@@ -155,7 +203,7 @@ def _processed(scores: torch.Tensor, rows: Sequence[RowSampling], s: SamplingTen
     if any(r.params.min_p > 0 for r in rows):
         scores = _min_p(scores, values_on([r.params.min_p for r in rows], torch.float32, scores.device))
     if any(r.params.top_k > 1 or r.params.top_p < 1 for r in rows):
-        scores = top_k_top_p(scores, s.top_k, values_on([r.params.top_p for r in rows], torch.float32,
+        scores = top_k_top_p(scores, s.top_k, values_on([r.top_p for r in rows], torch.float32,
                                                           scores.device))
     return scores
 

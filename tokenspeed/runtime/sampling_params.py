@@ -5,7 +5,9 @@ refused with its name before any work starts. Values follow vLLM and OpenAI: ``t
 (or -1) disables top-k; ``temperature=0`` is greedy, normalised to ``top_k=1`` so every
 row takes one sampling route; penalties have OpenAI's (presence, frequency: over the
 generated tokens) and Hugging Face's (repetition: over prompt and generated tokens)
-meaning.
+meaning. Numbers are bounded by what the sampler's tensors hold: int64 for integers,
+float32 for reals (a seed may be any signed 64-bit integer; ``n`` is capped as OpenAI caps
+it).
 """
 
 import math
@@ -14,6 +16,10 @@ import numbers
 import attrs
 
 MAX_LOGPROBS = 20
+MAX_N = 128                      # OpenAI's cap on completions per prompt
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0**-126         # the smallest normal float32
 
 
 def _fail(name, value, limit):
@@ -28,21 +34,37 @@ def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _int_at_least(minimum: int):
+def _int_in(low: int, high: int):
     def check(instance, attribute, value):
-        if not _integer(value) or value < minimum:
-            _fail(attribute.name, value, f"an integer >= {minimum}")
+        if not _integer(value) or not low <= value <= high:
+            _fail(attribute.name, value, f"an integer >= {low} and <= {_shown(high)}")
     return check
+
+
+def _shown(bound: float) -> str:
+    """A bound as people write it: the int64 limit as a power of two, float32's by name."""
+    return {INT64_MAX: "2**63 - 1", FLOAT32_MAX: f"{FLOAT32_MAX:g} (float32's largest)",
+            FLOAT32_TINY: f"{FLOAT32_TINY:g} (float32's smallest normal)"}.get(bound, f"{bound:g}")
 
 
 def _real_in(low: float, high: float, low_open: bool = False):
+    """Reals in ``[low, high]`` (``(low, high]`` when ``low_open``); an upper bound of
+    float32's largest value is named as such."""
     def check(instance, attribute, value):
         inside = _real(value) and (low < value if low_open else low <= value) and value <= high
         if not inside:
-            bound = f"{'>' if low_open else '>='} {low:g}" if high == math.inf else \
-                f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+            bound = f"{'>' if low_open else '>='} {_shown(low)} and <= {_shown(high)}" \
+                if high == FLOAT32_MAX else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
             _fail(attribute.name, value, f"a finite number {bound}")
     return check
+
+
+def _positive_float32(instance, attribute, value):
+    """A divisor: a value float32 rounds to 0 (below its smallest normal) or infinity divides
+    scores into infinities and NaNs."""
+    if not (_real(value) and FLOAT32_TINY <= value <= FLOAT32_MAX):
+        _fail(attribute.name, value, f"a finite number > 0 that float32 holds: in "
+              f"[{_shown(FLOAT32_TINY)}, {_shown(FLOAT32_MAX)}]")
 
 
 def _strings(value) -> tuple[str, ...]:
@@ -61,13 +83,14 @@ def _token_ids(value) -> tuple:
 
 
 def _check_token_ids(instance, attribute, value):
-    if not all(_integer(t) and t >= 0 for t in value):
-        _fail(attribute.name, value, "a list of token ids (integers >= 0)")
+    if not all(_integer(t) and 0 <= t <= INT64_MAX for t in value):
+        _fail(attribute.name, value, "a list of token ids (integers >= 0 and <= 2**63 - 1)")
 
 
 def _check_seed(instance, attribute, value):
-    if value is not None and not _integer(value):
-        _fail("seed", value, "an integer or None")
+    if value is not None and (not _integer(value) or not INT64_MIN <= value <= INT64_MAX):
+        _fail("seed", value, "an integer or None, in the signed 64-bit range [-2**63, 2**63 - 1] "
+              "(not the unsigned one)")
 
 
 def _check_logprobs(instance, attribute, value):
@@ -91,17 +114,17 @@ class SamplingParams:
     own always comes with them); ``seed``: makes this request's samples reproducible,
     whatever else is in the batch; ``min_tokens``: EOS and ``stop_token_ids`` are masked,
     and ``stop`` strings not matched, until that many tokens exist."""
-    n: int = attrs.field(default=1, validator=_int_at_least(1))
-    temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, math.inf))
+    n: int = attrs.field(default=1, validator=_int_in(1, MAX_N))
+    temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, FLOAT32_MAX))
     top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
-    top_k: int = attrs.field(default=0, converter=_top_k, validator=_int_at_least(0))
+    top_k: int = attrs.field(default=0, converter=_top_k, validator=_int_in(0, INT64_MAX))
     min_p: float = attrs.field(default=0.0, validator=_real_in(0.0, 1.0))
     presence_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
     frequency_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
-    repetition_penalty: float = attrs.field(default=1.0, validator=_real_in(0.0, math.inf, low_open=True))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_positive_float32)
     seed: int | None = attrs.field(default=None, validator=_check_seed)
-    max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
-    min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
+    max_tokens: int = attrs.field(default=16, validator=_int_in(1, INT64_MAX))
+    min_tokens: int = attrs.field(default=0, validator=_int_in(0, INT64_MAX))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_check_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids,
                                                   validator=_check_token_ids)
