@@ -185,6 +185,12 @@ class LLM:
         the model's generation_config.json settings, else ``SamplingParams()``'s."""
         return SamplingParams(**self._default_sampling)
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling fields the model's generation_config.json sets (as vLLM's
+        ``get_diff_sampling_param``), what ``get_default_sampling_params`` builds on."""
+        return dict(self._default_sampling)
+
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (vLLM's name); an engine without one says so."""
         return self._require_tokenizer()
