@@ -1,7 +1,8 @@
 """The README's Python tour runs as written, on the CPU with the embedded default model,
 and prints what its comments promise: a comment ``# "... is 4."`` on a ``print`` line
-promises that text in what its block prints (``...``: anything). The OpenAI client's
-block needs a running server and is left to tests/test_server.py."""
+promises that text in what its block prints (``...``: anything), and no completion it
+makes is empty. The OpenAI client's block needs a running server and is left to
+tests/test_server.py."""
 
 import contextlib
 import io
@@ -46,3 +47,12 @@ def test_the_readme_tour_prints_what_it_promises():
         assert printed.getvalue().strip(), f"this README block printed nothing:\n{block}"
         for promise in promises(block):
             assert promise.search(printed.getvalue()), (promise.pattern, printed.getvalue())
+        assert all(o.text for o in completions(namespace)), [o.text for o in completions(namespace)]
+
+
+def completions(namespace: dict) -> list:
+    """The completions the tour holds: its ``RequestOutput`` values and lists of them."""
+    import tokenspeed as ts
+    values = [v for v in namespace.values() if isinstance(v, (list, ts.RequestOutput))]
+    found = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    return [o for o in found if isinstance(o, ts.RequestOutput)]
