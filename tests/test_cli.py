@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.cli import DefaultsHelpFormatter, main, parser
+from tokenspeed.entrypoints.cli import main, parser
+from tokenspeed.entrypoints.help_format import DefaultsHelpFormatter
 
 from text_models import text_model_dir
 

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from tokenspeed.entrypoints import bench, inspect_cmd
+from tokenspeed.entrypoints.help_format import show_defaults
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
 MODEL_DEFAULT = "the model's generation_config.json, else {}"
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     serve_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server", cmd_serve))
     inspect_cmd.add_command(commands)
     bench.add_command(commands, _engine_options)
-    _show_defaults(top)
+    show_defaults(top)
     return top
 
 
@@ -58,32 +59,6 @@ def serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="send a streamed completion's tokens every N (its first and last at once): "
                             "fewer, larger chunks cost the engine less under many clients")
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default in ``--help``. An option whose default is None says in its
-    help what that comes to (a model's, a device's), else "(default: none)" is added."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.nargs == 0:
-            return action.help
-        if action.default is None:
-            return action.help if "default" in action.help else f"{action.help} (default: none)"
-        return super()._get_help_string(action)
-
-
-def _show_defaults(top: argparse.ArgumentParser) -> None:
-    """The defaults formatter for every command (subparsers do not inherit it), and a help
-    line for options written without one, so that their defaults show too."""
-    stack = [top]
-    while stack:
-        command = stack.pop()
-        command.formatter_class = DefaultsHelpFormatter
-        for action in command._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                stack.extend(action.choices.values())
-            elif action.help is None and action.option_strings and action.nargs != 0:
-                action.help = "(default: none)" if action.default is None else "(default: %(default)s)"
 
 
 def _engine_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:

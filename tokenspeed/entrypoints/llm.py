@@ -14,15 +14,15 @@ import torch
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.entrypoints import model_source
 from tokenspeed.entrypoints.chat_messages import conversations, template_messages
 from tokenspeed.entrypoints.cpu_threads import size_torch_threads
-from tokenspeed.entrypoints import model_source
-from tokenspeed.entrypoints.llm_arguments import checked_device, checked_compile_options, checked_dtype, per_prompt
+from tokenspeed.entrypoints.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
+from tokenspeed.entrypoints.model_source import tokenizer_path
 from tokenspeed.entrypoints.progress import Progress
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
 from tokenspeed.entrypoints.text_stream import TextStream
 from tokenspeed.entrypoints.token_texts import with_token_texts
-from tokenspeed.entrypoints.model_source import tokenizer_path
 from tokenspeed.models.gguf import default_model_path
 from tokenspeed.runtime import kv_pool
 from tokenspeed.runtime.block_allocator import BlockAllocator
@@ -51,7 +51,8 @@ class LLM:
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
         ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
-        ``compile_workers``; another name is refused). ``enforce_eager``: no graphs, as ``graphs=False``.
+        ``compile_workers``; another name is refused). ``enforce_eager``: no graphs, as
+        ``graphs=False``.
         ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
         requests reuse the cached pages of prompts that start alike. ``speculative``: decode
         steps verify drafted tokens (``ts.SpeculativeConfig``; outputs are unchanged).
