@@ -1,12 +1,19 @@
 """The command line, run in-process on the tiny text model: streamed text, chat, inspect
-(with a DOT file), bench in vLLM's format, and one-line errors."""
+(with a DOT file), bench in vLLM's format, one-line errors, every default in ``--help``,
+a ``--help`` that imports no torch, and ``serve MODEL`` as vLLM takes it."""
 
+import argparse
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.cli import main
+from tokenspeed.entrypoints.cli import main, parser
+from tokenspeed.entrypoints.help_format import DefaultsHelpFormatter
 
 from text_models import text_model_dir
 
@@ -18,7 +25,7 @@ def run(capsys, *argv):
 
 def test_generate_streams_the_completion(capsys):
     model = str(text_model_dir())
-    out = run(capsys, "generate", "--model", model, "--max-tokens", "6", "The sea is")
+    out = run(capsys, "generate", "--model", model, "--max-tokens", "6", "--temperature", "0", "The sea is")
     want = ts.LLM(model).generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=6),
                                   use_tqdm=False)[0].text
     assert out.out == want + "\n"
@@ -62,3 +69,47 @@ def test_errors_are_one_line(capsys, argv, message):
         main(argv)
     assert message in str(exit_.value) and "\n" not in str(exit_.value)
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"], ["inspect"], ["bench", "latency"],
+                                     ["bench", "serve"]])
+def test_help_imports_no_torch(command):
+    """``--help`` answers without importing torch (it took 5 s when a default needed it)."""
+    script = ("import sys\nfrom tokenspeed.entrypoints.cli import main\n"
+              f"try:\n    main({[*command, '--help']!r})\nexcept SystemExit:\n    pass\n"
+              "print('torch imported:', 'torch' in sys.modules)")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "usage: tokenspeed" in done.stdout and done.stdout.endswith("torch imported: False\n")
+
+
+def _commands(top: argparse.ArgumentParser):
+    stack = [top]
+    while stack:
+        command = stack.pop()
+        yield command
+        stack.extend(c for a in command._actions if isinstance(a, argparse._SubParsersAction)
+                     for c in a.choices.values())
+
+
+def test_help_shows_every_default():
+    commands = list(_commands(parser()))
+    assert len(commands) >= 8
+    for command in commands:
+        assert command.formatter_class is DefaultsHelpFormatter
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS:
+                assert "default" in formatter._get_help_string(action), (command.prog, action.dest)
+    generate = next(c for c in commands if c.prog.endswith(" generate")).format_help()
+    assert "generation_config.json, else 1.0" in " ".join(generate.split())
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    assert parser().parse_args(["serve", "some.gguf", "--port", "9"]).model_tag == "some.gguf"
+    assert parser().parse_args(["serve", "--model", "some.gguf"]).model == "some.gguf"
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "a.gguf", "--model", "b.gguf"])
+    assert "the model is given twice, as 'a.gguf' and --model 'b.gguf'" in str(exit_.value)

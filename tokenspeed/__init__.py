@@ -1,12 +1,36 @@
-"""tokenspeed: trace -> lower -> compile a Llama-family model, then serve it from a paged cache."""
+"""tokenspeed: trace -> lower -> compile a Llama-family model, then serve it from a paged cache.
 
-from tokenspeed import models
-from tokenspeed.entrypoints.llm import LLM
-from tokenspeed.runtime.compile_config import CompileConfig
-from tokenspeed.runtime.outputs import RequestOutput
-from tokenspeed.runtime.sampling_params import SamplingParams
-from tokenspeed.runtime.speculative import SpeculativeConfig
-from tokenspeed.stages import Compiled, Lowered, Traced, compile, trace
+The public names load on first use (module ``__getattr__``), so ``tokenspeed --help`` and
+other commands that never touch a model do not pay for importing torch.
+"""
 
-__all__ = ["LLM", "CompileConfig", "Compiled", "Lowered", "RequestOutput", "SamplingParams",
-           "SpeculativeConfig", "Traced", "compile", "models", "trace"]
+import importlib
+from typing import TYPE_CHECKING
+
+_HOMES = {"LLM": "tokenspeed.entrypoints.llm", "CompileConfig": "tokenspeed.runtime.compile_config",
+          "RequestOutput": "tokenspeed.runtime.outputs", "SamplingParams": "tokenspeed.runtime.sampling_params",
+          "SpeculativeConfig": "tokenspeed.runtime.speculative", "Compiled": "tokenspeed.stages",
+          "Lowered": "tokenspeed.stages", "Traced": "tokenspeed.stages", "compile": "tokenspeed.stages",
+          "trace": "tokenspeed.stages"}
+__all__ = sorted([*_HOMES, "models"])
+
+if TYPE_CHECKING:
+    from tokenspeed import models
+    from tokenspeed.entrypoints.llm import LLM
+    from tokenspeed.runtime.compile_config import CompileConfig
+    from tokenspeed.runtime.outputs import RequestOutput
+    from tokenspeed.runtime.sampling_params import SamplingParams
+    from tokenspeed.runtime.speculative import SpeculativeConfig
+    from tokenspeed.stages import Compiled, Lowered, Traced, compile, trace
+
+
+def __getattr__(name: str):
+    if name == "models":
+        return importlib.import_module("tokenspeed.models")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'tokenspeed' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

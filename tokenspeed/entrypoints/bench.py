@@ -5,10 +5,6 @@ import json
 import statistics
 import time
 
-import torch
-
-from tokenspeed.runtime.sampling_params import SamplingParams
-
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
@@ -17,26 +13,27 @@ def add_command(commands, engine_options) -> None:
                                 description=__doc__).add_subparsers(dest="kind", required=True)
     latency = bench.add_parser("latency", help="time one batch end to end, repeatedly")
     engine_options(latency)
-    latency.add_argument("--input-len", type=int, default=32)
-    latency.add_argument("--output-len", type=int, default=128)
-    latency.add_argument("--batch-size", type=int, default=8)
-    latency.add_argument("--num-iters-warmup", type=int, default=2)
-    latency.add_argument("--num-iters", type=int, default=10)
-    latency.add_argument("--output-json", default=None)
+    latency.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    latency.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    latency.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    latency.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
+    latency.add_argument("--num-iters", type=int, default=10, help="timed runs")
+    latency.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     latency.set_defaults(run=run_latency)
     throughput = bench.add_parser("throughput", help="serve many requests at once")
     engine_options(throughput)
-    throughput.add_argument("--num-prompts", type=int, default=256)
-    throughput.add_argument("--input-len", type=int, default=128)
-    throughput.add_argument("--output-len", type=int, default=128)
-    throughput.add_argument("--max-num-seqs", type=int, default=64)
-    throughput.add_argument("--output-json", default=None)
+    throughput.add_argument("--num-prompts", type=int, default=256, help="requests to serve")
+    throughput.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    throughput.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    throughput.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    throughput.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     throughput.set_defaults(run=run_throughput)
     from tokenspeed.entrypoints import bench_serve
     bench_serve.add_command(bench)
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch   # here, not at the top: ``tokenspeed --help`` imports this module
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (count, length), generator=generator).tolist()
 
@@ -46,9 +43,10 @@ def percentiles(values: list[float]) -> dict[int, float]:
     return {p: cuts[p - 1] for p in PERCENTILES}
 
 
-def _fixed_length(output_len: int) -> SamplingParams:
+def _fixed_length(output_len: int):
     """Exactly ``output_len`` tokens: EOS ignored (``min_tokens`` would also do, but it
     sends every row through the post-step sampler and stops the overlap)."""
+    from tokenspeed.runtime.sampling_params import SamplingParams
     return SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
 
 

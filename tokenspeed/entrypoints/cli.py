@@ -2,15 +2,19 @@
 
 Every command runs the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hugging
 Face directory or a GGUF file. A bad argument or input ends the command with one line
-on stderr, not a traceback.
+on stderr, not a traceback. Sampling flags left out take the model's defaults
+(``LLM.get_default_sampling_params``), as Python and the server do. Nothing here imports
+torch until a command runs: ``--help`` answers at once.
 """
 
 import argparse
 import sys
 
-import torch
-
 from tokenspeed.entrypoints import bench, inspect_cmd
+from tokenspeed.entrypoints.help_format import show_defaults
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
+MODEL_DEFAULT = "the model's generation_config.json, else {}"
 
 
 def main(argv=None) -> None:
@@ -29,24 +33,32 @@ def parser() -> argparse.ArgumentParser:
     generate = _engine_command(commands, "generate", "complete a prompt, streaming the text", cmd_generate)
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    _sampling_options(generate)
+    _sampling_options(generate, max_tokens=128)
     chat = _engine_command(commands, "chat", "talk to the model (an empty line or Ctrl-D ends)", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")
     _sampling_options(chat, max_tokens=256)
-    serve = _engine_command(commands, "serve", "an OpenAI-compatible HTTP server", cmd_serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server", cmd_serve))
+    inspect_cmd.add_command(commands)
+    bench.add_command(commands, _engine_options)
+    show_defaults(top)
+    return top
+
+
+def serve_options(serve: argparse.ArgumentParser) -> None:
+    """``tokenspeed serve``'s own flags (the engine's are ``_engine_options``)."""
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as `vllm serve MODEL` takes it (or --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send")
-    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model's file or folder name)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests the engine runs at once")
     serve.add_argument("--api-servers", type=int, default=1,
                        help="HTTP processes sharing the port over one engine (many streaming clients)")
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="send a streamed completion's tokens every N (its first and last at once): "
                             "fewer, larger chunks cost the engine less under many clients")
-    inspect_cmd.add_command(commands)
-    bench.add_command(commands, _engine_options)
-    return top
 
 
 def _engine_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
@@ -59,9 +71,10 @@ def _engine_command(commands, name: str, help_text: str, run) -> argparse.Argume
 def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--model", default=None,
                          help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    command.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    command.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is available, else cpu)")
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    command.add_argument("--max-model-len", type=int, default=None)
+    command.add_argument("--max-model-len", type=int, default=None,
+                         help="the longest context, prompt and output (default: the model's)")
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
     command.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                          help="share of the GPU's memory the engine may fill, weights, graphs and KV "
@@ -74,18 +87,30 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
                               "vocabulary instead of n-grams")
 
 
-def _sampling_options(command: argparse.ArgumentParser, max_tokens: int = 128) -> None:
-    command.add_argument("--max-tokens", type=int, default=max_tokens)
-    command.add_argument("--temperature", type=float, default=0.0)
-    command.add_argument("--top-p", type=float, default=1.0)
-    command.add_argument("--top-k", type=int, default=0)
-    command.add_argument("--seed", type=int, default=None)
-    command.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+def _sampling_options(command: argparse.ArgumentParser, max_tokens: int) -> None:
+    """Sampling flags: each left out takes the model's default (vLLM's fields of its
+    generation_config.json), else ``SamplingParams``' (``max_tokens``: this command's)."""
+    command.set_defaults(fallback_max_tokens=max_tokens)
+    command.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: "
+                         + MODEL_DEFAULT.format(max_tokens) + ")")
+    for flag, kind, fallback, meaning in (("--temperature", float, "1.0", "0 is greedy"),
+                                          ("--top-p", float, "1.0", "nucleus sampling's share"),
+                                          ("--top-k", int, "0, off", "sample among the k most likely"),
+                                          ("--min-p", float, "0.0", "drop tokens below this share of the best"),
+                                          ("--repetition-penalty", float, "1.0", "Hugging Face's")):
+        command.add_argument(flag, type=kind, help=f"{meaning} (default: {MODEL_DEFAULT.format(fallback)})")
+    command.add_argument("--seed", type=int, help="makes the samples reproducible (default: none)")
+    command.add_argument("--stop", action="append", help="a stop string (repeatable; default: none)")
 
 
 def load_llm(args, **options):
     from tokenspeed.entrypoints.llm import LLM
     return LLM(args.model, **llm_options(args, **options))
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def llm_options(args, **options) -> dict:
@@ -98,19 +123,23 @@ def llm_options(args, **options) -> dict:
     if args.speculative_tokens:
         method = "ngram" if args.draft_model is None else "draft"
         options["speculative"] = SpeculativeConfig(method, args.speculative_tokens, draft_model=args.draft_model)
-    return dict(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+    return dict(device=args.device or default_device(), dtype=args.dtype, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization, **options)
 
 
-def sampling(args):
+def sampling(args, model_defaults: dict | None = None):
+    """The flags given over ``model_defaults`` (the LLM's ``sampling_defaults``), over the
+    command's own ``max_tokens``; without ``model_defaults``, the flags alone are checked
+    (before a model loads)."""
     from tokenspeed.runtime.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop)
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    return SamplingParams(**{"max_tokens": args.fallback_max_tokens, **(model_defaults or {}), **given})
 
 
 def cmd_generate(args) -> None:
-    params = sampling(args)   # refused before the model loads
+    sampling(args)   # bad flags are refused before the model loads
     llm, prompt = load_llm(args, max_num_seqs=1), args.prompt
+    params = sampling(args, llm.sampling_defaults)
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
     for piece in llm.stream(prompt, params):
@@ -119,8 +148,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    params = sampling(args)
+    sampling(args)
     llm = load_llm(args, max_num_seqs=1)
+    params = sampling(args, llm.sampling_defaults)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
     while (line := _read_line()):
@@ -138,7 +168,8 @@ def cmd_serve(args) -> None:
     from tokenspeed.entrypoints.llm import checked_device, checked_dtype
     from tokenspeed.entrypoints.openai.api_servers import ServerExited, serve_many
     from tokenspeed.entrypoints.openai.server import serve
-    checked_device(args.device), checked_dtype(args.dtype)   # refused here, not in the engine process
+    args.model = _served_model(args.model_tag, args.model)
+    checked_device(args.device or default_device()), checked_dtype(args.dtype)   # here, not in the engine
     for flag, value in (("--api-servers", args.api_servers), ("--stream-interval", args.stream_interval)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
@@ -151,6 +182,13 @@ def cmd_serve(args) -> None:
             serve_many(spec, name, args.host, args.port, args.api_key, args.api_servers)
     except (EngineStartError, ServerExited) as exc:
         raise ValueError(str(exc)) from exc
+
+
+def _served_model(positional, flag):
+    """``serve MODEL`` or ``serve --model MODEL``; both only when they agree."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"the model is given twice, as {positional!r} and --model {flag!r}: give one")
+    return positional if positional is not None else flag
 
 
 def _model_name(model) -> str:

@@ -1,11 +1,6 @@
 """``tokenspeed inspect``: print a model's lowered program (segments, stages, the pass
-history) and, with ``--dot``, write its segment graph for Graphviz."""
-
-import networkx as nx
-
-from tokenspeed import stages
-from tokenspeed.models.gguf import default_model_path
-from tokenspeed.models.loader import load
+history) and, with ``--dot``, write its segment graph for Graphviz. The model's modules
+are imported when the command runs, so that ``tokenspeed --help`` does not import torch."""
 
 
 def add_command(commands) -> None:
@@ -24,6 +19,9 @@ def add_command(commands) -> None:
 
 
 def run(args) -> None:
+    from tokenspeed import stages
+    from tokenspeed.models.gguf import default_model_path
+    from tokenspeed.models.loader import load
     model = load(args.model or default_model_path())
     lowered = stages.trace(model).lower(args.mode, attention_breaks=args.attention_breaks)
     print(summary(lowered))
@@ -49,6 +47,7 @@ def summary(lowered) -> str:
 def write_dot(lowered, path: str) -> None:
     """Graphviz DOT of ``lowered.to_networkx()``: graph segments as boxes, breaks as
     ellipses, edges labelled with the values they carry."""
+    import networkx as nx
     g = nx.DiGraph()
     for name, data in lowered.to_networkx().nodes(data=True):
         g.add_node(name, shape="box" if data["kind"] == "graph" else "ellipse",

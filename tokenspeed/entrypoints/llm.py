@@ -7,20 +7,23 @@ same methods (``check``, ``add``, ``step``, ``abort``, ``text_of``, ``release``)
 """
 
 import threading
-import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.entrypoints import model_source
+from tokenspeed.entrypoints.chat_messages import conversations, template_messages
+from tokenspeed.entrypoints.cpu_threads import size_torch_threads
+from tokenspeed.entrypoints.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
+from tokenspeed.entrypoints.model_source import tokenizer_path
+from tokenspeed.entrypoints.progress import Progress
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
 from tokenspeed.entrypoints.text_stream import TextStream
-from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
-from tokenspeed.models.loader import load
+from tokenspeed.entrypoints.token_texts import with_token_texts
+from tokenspeed.models.gguf import default_model_path
 from tokenspeed.runtime import kv_pool
 from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.compile_config import CompileConfig
@@ -31,10 +34,9 @@ from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
 from tokenspeed.runtime.speculative import SpeculativeConfig
-from tokenspeed.tokenizer import Tokenizer, load_tokenizer
+from tokenspeed.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
+__all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
 
 
 class LLM:
@@ -49,21 +51,25 @@ class LLM:
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
         ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
-        ``compile_workers``). ``enforce_eager``: no graphs, as ``graphs=False``.
+        ``compile_workers``; another name is refused). ``enforce_eager``: no graphs, as
+        ``graphs=False``.
         ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
         requests reuse the cached pages of prompts that start alike. ``speculative``: decode
-        steps verify drafted tokens (``ts.SpeculativeConfig``; outputs are unchanged)."""
+        steps verify drafted tokens (``ts.SpeculativeConfig``; outputs are unchanged).
+        Requests that give no ``SamplingParams`` take ``get_default_sampling_params()``."""
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
         model = default_model_path() if model is None else model
         config = CompileConfig(device=checked_device(device),
-                               **_graphs_option(enforce_eager, compile_options))
+                               **checked_compile_options(enforce_eager, compile_options))
+        self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading
+        size_torch_threads()
         backend = backend or PagedAttentionBackend()
         wanted = config.graph_support(backend.graph_support())
         with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
-            reader = _gguf_reader(model)  # model and tokenizer read one parse of the file
-            self.model = _as_model(model, checked_dtype(dtype), config.device, reader)
-            self.tokenizer = _tokenizer(tokenizer, model, reader)
+            reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
+            self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader)
+            self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
             self.traced = stages.trace(self.model)
             draft = None
             if speculative is not None and speculative.method == "draft":
@@ -125,13 +131,13 @@ class LLM:
         return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
 
     def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(parsed))
+        params = per_prompt(sampling_params, len(parsed), self.get_default_sampling_params())
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
         groups = self.add(parsed, params)
         requests = [r for g in groups for r in g]
         try:
-            with _Progress(groups, use_tqdm) as progress:
+            with Progress(groups, use_tqdm) as progress:
                 self._serve(requests, progress.update)
         except BaseException:
             self.abort(requests)   # an interrupt: nothing of this call runs on
@@ -142,23 +148,30 @@ class LLM:
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
-        such lists) through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
+        such lists; see ``chat_messages``) through the model's chat template."""
+        prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt)
+                   for c in conversations(messages)]
         return self._generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> Prompt:
         """One conversation as a prompt, through the model's chat template."""
-        return chat_prompt(self._require_tokenizer(), messages, add_generation_prompt)
+        return chat_prompt(self._require_tokenizer(), template_messages(messages), add_generation_prompt)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """The text of one prompt's completion, piece by piece as it is generated."""
-        [parsed] = parse_prompts(prompt, self.tokenizer)
-        params = sampling_params or SamplingParams()
+        """The text of one prompt's completion, piece by piece as it is generated (a bad
+        prompt or params are refused here, at the call, not at the first piece)."""
+        parsed = parse_prompts(prompt, self.tokenizer)
+        if len(parsed) != 1:
+            raise ValueError(f"stream takes one prompt (a string, token ids or a prompt dict), got "
+                             f"a list of {len(parsed)}: use generate for several")
+        [params] = per_prompt(sampling_params, 1, self.get_default_sampling_params())
         if params.n != 1:
             raise ValueError(f"stream takes one completion: n={params.n}")
         self._require_tokenizer()
-        self.check(0, parsed, params)
+        self.check(0, parsed[0], params)
+        return self._pieces(parsed[0], params)
+
+    def _pieces(self, parsed: Prompt, params: SamplingParams) -> Iterator[str]:
         [[request]] = self.add([parsed], [params])
         try:
             while not request.finished:
@@ -167,6 +180,21 @@ class LLM:
         finally:
             self.abort([request])   # a consumer that stopped early
             self.release([request])
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):
+        the model's generation_config.json settings, else ``SamplingParams()``'s."""
+        return SamplingParams(**self._default_sampling)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling fields the model's generation_config.json sets (as vLLM's
+        ``get_diff_sampling_param``), what ``get_default_sampling_params`` builds on."""
+        return dict(self._default_sampling)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's name); an engine without one says so."""
+        return self._require_tokenizer()
 
     def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
         """Refuse, naming prompt ``index``, what this engine cannot serve."""
@@ -250,7 +278,8 @@ class LLM:
 
     def _output(self, prompt: Prompt, group: list[Request]) -> RequestOutput:
         streams = self.release(group)
-        completions = tuple(r.completion() if s is None else r.completion(s.text, s.kept_tokens)
+        completions = tuple(r.completion() if s is None else
+                            with_token_texts(r.completion(s.text, s.kept_tokens), self.tokenizer)
                             for r, s in zip(group, streams))
         first = [r.first_token_time for r in group if r.first_token_time is not None]
         windows = sum(r.num_verify_steps for r in group)
@@ -266,99 +295,3 @@ class LLM:
             raise ValueError("this engine has no tokenizer: load the model from a path, or "
                              "pass tokenizer=")
         return self.tokenizer
-
-
-class _Progress:
-    """A bar over a ``generate`` call's prompts, with input and output tokens per second."""
-
-    def __init__(self, groups: list[list[Request]], enabled: bool):
-        self.left = {id(r): g for g in groups for r in g}
-        self.bar = tqdm(total=len(groups), desc="generating", unit="prompt", disable=not enabled,
-                        dynamic_ncols=True)
-        self.start, self.prompt_tokens, self.output_tokens = time.perf_counter(), 0, 0
-
-    def update(self, request: Request) -> None:
-        group = self.left.pop(id(request))
-        if all(r.finished for r in group) and not any(id(r) in self.left for r in group):
-            self.prompt_tokens += len(group[0].prompt)
-            self.output_tokens += sum(len(r.output) for r in group)
-            elapsed = max(time.perf_counter() - self.start, 1e-9)
-            self.bar.set_postfix_str(f"input {self.prompt_tokens / elapsed:.0f} tok/s, "
-                                     f"output {self.output_tokens / elapsed:.0f} tok/s")
-            self.bar.update(1)
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.bar.close()
-
-
-def checked_device(device) -> torch.device:
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N)") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}, but no CUDA GPU is available here: use device='cpu'")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r}: tokenspeed runs on cpu or cuda")
-    return device
-
-
-def checked_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)} or a torch dtype")
-
-
-def _graphs_option(enforce_eager: bool, options: dict) -> dict:
-    if not enforce_eager:
-        return options
-    if options.get("graphs"):
-        raise ValueError("enforce_eager=True and graphs=True contradict each other")
-    return {**options, "graphs": False}
-
-
-def _gguf_reader(model):
-    return PlainGGUFReader(model) if isinstance(model, (str, Path)) and is_gguf(model) and \
-        Path(model).is_file() else None
-
-
-def _as_model(model, dtype, device, reader=None):
-    if isinstance(model, (str, Path)):
-        return load(model, dtype=dtype, device=device, gguf_reader=reader)
-    if not hasattr(model, "config"):
-        raise TypeError(f"expected a checkpoint path or a tokenspeed model, got {type(model).__name__}")
-    return model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
-
-
-def _tokenizer(tokenizer, model, reader=None) -> Tokenizer | None:
-    """The tokenizer asked for, else the model path's if it brings one (a directory of
-    weights alone serves token-id prompts only)."""
-    if isinstance(tokenizer, Tokenizer):
-        return tokenizer
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer)
-    path = tokenizer_path(model) if isinstance(model, (str, Path)) else None
-    return None if path is None else load_tokenizer(path, reader)
-
-
-def tokenizer_path(model: str | Path) -> str | None:
-    """The model path, if it brings a tokenizer (a directory of weights alone does not)."""
-    path = Path(model)
-    return None if path.is_dir() and not (path / "tokenizer.json").is_file() else str(model)
-
-
-def _per_prompt(params, n: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} sampling params for {n} prompts")
-    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
-    if bad is not None:
-        raise TypeError(f"sampling_params must be SamplingParams, got {type(bad).__name__}")
-    return params

@@ -2,16 +2,45 @@
 ``CompletionOutput`` per sample (``SamplingParams.n``), the first one's fields also on the
 request output itself."""
 
+from collections.abc import Iterator, Mapping
+
 import attrs
 
 
 @attrs.frozen
-class TokenLogprobs:
+class Logprob:
+    """One token's entry at a position, as vLLM's ``Logprob``: ``rank`` 1 is the most likely
+    token (None: the sampled token, when it is not among the top ones asked for);
+    ``decoded_token``: its text (None where the engine has no tokenizer)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@attrs.frozen
+class TokenLogprobs(Mapping):
     """A sampled token's log-probability under the model, and the most likely tokens'
-    (best first), as many as ``SamplingParams.logprobs`` asked for."""
+    (best first), as many as ``SamplingParams.logprobs`` asked for. It is also the mapping
+    vLLM returns per position, token id -> ``Logprob`` (the sampled token first), so code
+    written for vLLM's ``logprobs[i][token_id].decoded_token`` reads it unchanged;
+    ``texts``: each token's text, where ``LLM`` had a tokenizer to decode them."""
     token_id: int
     logprob: float
     top: dict[int, float]
+    texts: dict[int, str] | None = None
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        ranks = {t: i + 1 for i, t in enumerate(self.top)}
+        if token_id != self.token_id and token_id not in ranks:
+            raise KeyError(token_id)
+        value = self.logprob if token_id == self.token_id else self.top[token_id]
+        return Logprob(value, ranks.get(token_id), None if self.texts is None else self.texts[token_id])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(dict.fromkeys((self.token_id, *self.top)))
+
+    def __len__(self) -> int:
+        return len(self.top) + (self.token_id not in self.top)
 
 
 @attrs.frozen

@@ -1,0 +1,40 @@
+"""One check of chat messages for ``LLM.chat`` and the server: the roles, contents and
+fields each accepts, refused by path and value otherwise."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tokenspeed.entrypoints.chat_messages import ROLES, conversations, template_messages
+
+texts = st.text(max_size=20)
+contents = st.one_of(st.none(), texts, st.lists(texts.map(lambda t: {"type": "text", "text": t}), max_size=3))
+messages = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": contents},
+                                 optional={"name": st.one_of(st.none(), texts)})
+
+
+@given(st.lists(messages, min_size=1, max_size=4))
+def test_every_accepted_message_reaches_the_template_as_text(conversation):
+    checked = template_messages(conversation)
+    for given_message, message in zip(conversation, checked):
+        content = given_message["content"]
+        assert message["content"] == (content if isinstance(content, str) else
+                                      "".join(p["text"] for p in content or []))
+        assert message["role"] == ("system" if given_message["role"] == "developer" else given_message["role"])
+        assert message.get("name") == given_message.get("name")
+    assert conversations(conversation) == [checked] == conversations([conversation])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "messages must be a list of message dicts"),
+    ("hi", "messages must be a list of message dicts"),
+    ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be a dict with 'role' and 'content', got str 'b'"),
+    ([[{"role": "user"}], []], r"messages\[1\] must be a non-empty list of message dicts, got list \[\]"),
+    ([{"content": "a"}], r"messages\[0\].role=None: must be one of system, user"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+     r"messages\[0\].content\[0\] must be \{'type': 'text', 'text': str\}"),
+    ([{"role": "user", "content": "a", "name": 3}], r"messages\[0\].name=3: must be a string"),
+])
+def test_bad_messages_are_named_by_path(bad, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        conversations(bad)

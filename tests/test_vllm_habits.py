@@ -1,0 +1,83 @@
+"""What a vLLM user types works, and Python misuse is one clear error naming the argument
+and what is accepted: ``get_tokenizer()``, logprobs as token id -> ``Logprob(logprob,
+rank, decoded_token)``, a chat message dict where a list belongs, several prompts given
+to ``stream``, a misspelt keyword argument."""
+
+import re
+
+import pytest
+
+import tokenspeed as ts
+from tokenspeed.runtime.outputs import Logprob
+
+from text_models import text_model_dir
+
+GREEDY = ts.SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return ts.LLM(text_model_dir(), page_size=4, max_num_seqs=4)
+
+
+def test_get_tokenizer_is_the_engines(llm):
+    assert llm.get_tokenizer() is llm.tokenizer
+    assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("The sea is")) == "The sea is"
+
+
+def test_logprobs_read_as_vllms_with_each_tokens_text(llm):
+    params = ts.SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    [out] = llm.generate("The sea is", params, use_tqdm=False)
+    decode = llm.get_tokenizer().decode
+    for token_id, position in zip(out.token_ids, out.logprobs):
+        assert position.token_id == token_id and list(position)[0] == token_id   # the server's fields
+        assert position[token_id] == Logprob(position.logprob, 1, decode([token_id], skip_special_tokens=False))
+        assert [position[t].rank for t in position.top] == [1, 2, 3] and len(position) == 3
+        assert {t: lp.logprob for t, lp in position.items()} == position.top
+        assert all(lp.decoded_token == decode([t], skip_special_tokens=False) for t, lp in position.items())
+        with pytest.raises(KeyError):
+            position[max(position.top) + 1]
+
+
+def test_a_sampled_token_outside_the_top_has_no_rank(llm):
+    params = ts.SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, seed=3)
+    [out] = llm.generate("The sea is", params, use_tqdm=False)
+    for token_id, position in zip(out.token_ids, out.logprobs):
+        assert list(position) == [token_id] and position[token_id].rank is None
+        assert position[token_id].logprob == position.logprob
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda llm: llm.chat({"role": "user", "content": "Hi"}), TypeError,
+     "messages must be a list of message dicts (one conversation) or a list of such lists, got dict"),
+    (lambda llm: llm.chat([{"role": "robot", "content": "Hi"}]), ValueError,
+     "messages[0].role='robot': must be one of system, user, assistant, developer, tool"),
+    (lambda llm: llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": 5}]]), TypeError,
+     "messages[1][0].content must be a string or a list of text parts, got int 5"),
+    (lambda llm: llm.chat([{"role": "user", "content": "Hi", "tool_calls": []}]), ValueError,
+     "messages[0] has unknown field(s) ['tool_calls']: a message takes role, content, name"),
+    (lambda llm: llm.stream(["a", "b"]), ValueError,
+     "stream takes one prompt (a string, token ids or a prompt dict), got a list of 2"),
+    (lambda llm: llm.stream("a", ts.SamplingParams(n=2)), ValueError, "stream takes one completion: n=2"),
+    (lambda llm: llm.generate("a", {"temperature": 0}), TypeError,
+     "sampling_params must be a SamplingParams or a list of them, got dict"),
+])
+def test_misuse_is_one_clear_error(llm, call, error, message):
+    with pytest.raises(error, match="^" + re.escape(message)):
+        call(llm)
+    assert not llm.engine.has_work
+
+
+def test_a_misspelt_keyword_is_named_with_what_is_accepted():
+    with pytest.raises(TypeError, match=r"^LLM\(\) got an unknown argument 'gpu_mem' \(did you mean "
+                                        r"'gpu_memory_utilization'\?\); it takes model, device, .*page_size"):
+        ts.LLM(text_model_dir(), gpu_mem=0.5)
+
+
+def test_chat_takes_what_the_server_takes(llm):
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": "Hi!", "name": "ada"}]
+    want = llm.chat(plain, GREEDY, use_tqdm=False)[0]
+    got = llm.chat(parts, GREEDY, use_tqdm=False)[0]
+    assert got.prompt == want.prompt and got.token_ids == want.token_ids
