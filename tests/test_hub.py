@@ -28,11 +28,15 @@ def error(*args, **kwargs):
         return str(exc)
 
 by_id, by_dir = ts.models.load("acme/tiny-llama"), ts.models.load(sys.argv[1])
+greedy = ts.SamplingParams(temperature=0, max_tokens=4)
+tokens = [ts.LLM(model, revision=revision, max_model_len=64).generate([[1, 2, 3]], greedy, use_tqdm=False)[0].token_ids
+          for model, revision in (("acme/tiny-llama", "v1"), (sys.argv[1], None))]
 print(json.dumps({
     "main": str(resolve_model("acme/tiny-llama")),
     "v1": str(resolve_model("acme/tiny-llama", revision="v1")),
     "same_weights": all(torch.equal(a, b) for a, b in zip(by_id.state_dict().values(),
                                                           by_dir.state_dict().values())),
+    "llm_same_tokens": tokens[0] == tokens[1],
     "not_cached": error("acme/not-here"),
     "no_revision": error("acme/tiny-llama", revision="v2"),
 }))
@@ -65,7 +69,7 @@ def test_a_cached_model_id_loads_offline_and_a_missing_one_names_the_download(tm
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert Path(got["main"]) == repo / "snapshots" / COMMITS["main"]
     assert Path(got["v1"]) == repo / "snapshots" / COMMITS["v1"]
-    assert got["same_weights"]
+    assert got["same_weights"] and got["llm_same_tokens"]   # ts.LLM takes an id and a revision too
     for message, command in ((got["not_cached"], "`hf download acme/not-here`"),
                              (got["no_revision"], "`hf download acme/tiny-llama --revision v2`")):
         assert "HF_HUB_OFFLINE" in message and str(tmp_path / "hub") in message and command in message

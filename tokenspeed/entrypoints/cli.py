@@ -70,7 +70,10 @@ def _engine_command(commands, name: str, help_text: str, run) -> argparse.Argume
 
 def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--model", default=None,
-                         help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+                         help="a Hugging Face model directory or id (owner/name, through the Hugging Face cache) "
+                              "or a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    command.add_argument("--revision", default=None,
+                         help="with a model id: its branch, tag or commit (default: main)")
     command.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is available, else cpu)")
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     command.add_argument("--max-model-len", type=int, default=None,
@@ -123,6 +126,8 @@ def llm_options(args, **options) -> dict:
     if args.speculative_tokens:
         method = "ngram" if args.draft_model is None else "draft"
         options["speculative"] = SpeculativeConfig(method, args.speculative_tokens, draft_model=args.draft_model)
+    if args.revision is not None:
+        options["revision"] = args.revision
     return dict(device=args.device or default_device(), dtype=args.dtype, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization, **options)
 

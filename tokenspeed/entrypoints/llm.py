@@ -40,12 +40,13 @@ __all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
 
 
 class LLM:
-    def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None,
+    def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None, revision: str | None = None,
                  enforce_eager: bool = False, overlap: bool = True,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  backend=None, **compile_options):
-        """``model``: a Hugging Face directory, a GGUF file or a tokenspeed model (default:
-        the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
+        """``model``: a Hugging Face directory or model id (``owner/name``, through the
+        Hugging Face cache; ``revision``: a branch, tag or commit of it), a GGUF file or a
+        tokenspeed model (default: the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
         path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
@@ -59,7 +60,8 @@ class LLM:
         Requests that give no ``SamplingParams`` take ``get_default_sampling_params()``."""
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
-        model = default_model_path() if model is None else model
+        model = default_model_path() if model is None else model_source.resolved(model, revision)
+        tokenizer = model_source.resolved(tokenizer)
         config = CompileConfig(device=checked_device(device),
                                **checked_compile_options(enforce_eager, compile_options))
         self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading

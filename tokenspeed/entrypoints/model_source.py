@@ -5,9 +5,16 @@ from pathlib import Path
 
 from tokenspeed.models.generation_config import FILE_NAME, sampling_defaults
 from tokenspeed.models.gguf import PlainGGUFReader, is_gguf
+from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.loader import load
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.tokenizer import Tokenizer, load_tokenizer
+
+
+def resolved(source, revision: str | None = None):
+    """A path or Hugging Face model id as the local checkpoint it names (an id through the
+    hub's cache); a model or tokenizer object, or None, as it is."""
+    return str(resolve_model(source, revision)) if isinstance(source, (str, Path)) else source
 
 
 def gguf_reader(model):
