@@ -300,7 +300,7 @@ def test_an_engine_process_that_dies_fails_its_requests_and_the_health_check():
             assert next(lines).startswith("data: ")
             app.state.server.engine.process.process.kill()
             rest = [line for line in lines if line]
-        assert "the engine process exited" in rest[-1] and "[DONE]" not in rest[-1]
+        assert "the engine process exited" in rest[-2] and rest[-1] == "data: [DONE]"
         assert httpx.get(f"{url}/health").status_code == 503
         after = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert after.status_code == 503 and "not running" in after.json()["error"]["message"]
@@ -503,7 +503,9 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
     """Wired as the engine process wires it, a loop that fails outside a step reaches each
     client as the engine's exit, with the loop's message."""
     import asyncio
-    from tokenspeed.entrypoints.engine_process import EngineClient, start_loop
+    from tokenspeed.entrypoints.channel import FrameSocket, socket_pair
+    from tokenspeed.entrypoints.engine_client import EngineClient
+    from tokenspeed.entrypoints.engine_process import start_loop
 
     class Broken:
         @property
@@ -513,15 +515,15 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
     class BrokenLLM:
         engine = Broken()
 
-    ours, theirs = multiprocessing.Pipe()
-    loop, sender = start_loop(BrokenLLM(), [theirs])
+    ours, theirs = socket_pair()
+    loop, sender = start_loop(BrokenLLM(), [FrameSocket(theirs)])
     loop.thread.join()
     sender.close()
     exits = []
 
     async def listen():
-        client = EngineClient(ours, None, lambda report: None, exits.append)
-        client.listen(asyncio.get_running_loop())
+        client = EngineClient(FrameSocket(ours), None, lambda report: None, exits.append)
+        await client.listen()
         for _ in range(100):
             if exits:
                 return
