@@ -118,13 +118,16 @@ class EngineProcess:
 
     def stop(self) -> None:
         """Close every client's end still here (the engine stops once all are closed), then
-        wait; an engine that has not stopped within ``STOP_TIMEOUT_S`` is terminated."""
+        wait; an engine that has not stopped within ``STOP_TIMEOUT_S`` is terminated, and
+        killed if that is not enough (a stopped process holds SIGTERM until continued)."""
         for channel in self.channels:
             channel.close()
-        if self.process.is_alive():
-            self.process.join(STOP_TIMEOUT_S)
+        self.process.join(STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.terminate()
+            self.process.join(EXIT_WAIT_S)
+        if self.process.is_alive():
+            self.process.kill()
             self.process.join()
 
 
