@@ -122,7 +122,8 @@ class EngineProcess:
         killed if that is not enough (a stopped process holds SIGTERM until continued)."""
         for channel in self.channels:
             channel.close()
-        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.join(STOP_TIMEOUT_S)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(EXIT_WAIT_S)
