@@ -183,3 +183,132 @@ def test_timeouts_below_or_at_zero_are_refused():
     from tokenspeed.entrypoints.openai.server import serve
     with pytest.raises(ValueError, match="shutdown_timeout must be a number of seconds above 0, got -1"):
         serve(spec, "m", shutdown_timeout=-1)
+
+
+GRACE_S = 2.0
+
+
+def slow_llm(path: str, delay: float, **options):
+    """An ``LLM`` whose every step takes ``delay`` seconds more: a stream that outlasts a
+    drain (module-level, so an engine spec of it pickles into the engine process)."""
+    llm = ts.LLM(path, **options)
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(delay)
+        return step()
+    llm.engine.step = slow_step
+    return llm
+
+
+def serve_slowly(path: str, port: int) -> None:
+    """``tokenspeed serve`` of a slow engine, drained for ``GRACE_S`` on SIGTERM."""
+    from tokenspeed.entrypoints.openai.server import serve
+    serve(EngineSpec(functools.partial(slow_llm, path, 0.05, **OPTIONS), path), "m", port=port,
+          shutdown_timeout=GRACE_S)
+
+
+def serve_command(path: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--port", str(port),
+            "--max-num-seqs", "8", "--max-model-len", "256", "--device", "cpu"]
+
+
+@contextlib.contextmanager
+def served(command: list[str], url: str):
+    """``command`` (a server) running until ``url``'s health check answers 200."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while reachable_health(url) != 200:
+            assert process.poll() is None, f"the server exited: {process.stdout.read()}"
+            time.sleep(0.2)
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def reachable_health(url: str) -> int | None:
+    """The health check's status; None where nothing answers."""
+    with contextlib.suppress(httpx.HTTPError):
+        return health(url)
+    return None
+
+
+def engine_pid(server_pid: int) -> int:
+    """The pid of the server's engine process (its spawned child that is not the
+    resource tracker)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    [engine] = [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return engine
+
+
+def in_flight(url: str, body: dict, outcomes: list) -> threading.Thread:
+    """A thread posting ``body``: its status and body lines land in ``outcomes``."""
+    def post():
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            outcomes.append((response.status_code, [line for line in response.iter_lines() if line]))
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_an_engine_killed_under_load_ends_every_request_and_the_server_exits_non_zero():
+    """``tokenspeed serve``: the engine is killed while streams and plain requests are in
+    flight (stopped first, so that none can finish): /health turns non-200 within a
+    second, every request ends at once with a 503 error body (a stream's as an event,
+    then ``[DONE]``), and the server exits with an error naming the engine's exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with served(serve_command(str(text_model_dir()), port), url) as server:
+        engine, outcomes = engine_pid(server.pid), []
+        with stopped(engine):
+            threads = [in_flight(url, {**LONG, "stream": i % 2 == 0}, outcomes) for i in range(8)]
+            time.sleep(1.0)   # every request submitted, none answered
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            wait_for(lambda: reachable_health(url) != 200, 1.0)
+        for thread in threads:
+            thread.join(5)
+        assert time.monotonic() - killed < 5 and len(outcomes) == 8
+        assert server.wait(timeout=20) != 0
+        output = server.stdout.read()
+    assert "the engine process exited (code -9); the server stopped" in output
+    streams = [lines for status, lines in outcomes if status == 200]
+    plain = [json.loads(lines[0]) for status, lines in outcomes if status != 200]
+    assert len(streams) == len(plain) == 4
+    for lines in streams:
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "the engine process exited" in error["message"]
+        assert lines[-1] == "data: [DONE]"
+    assert all(body["error"]["code"] == 503 and "the engine process exited" in body["error"]["message"]
+               for body in plain)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_for_the_grace_period_then_ends_what_is_left_and_exits():
+    """A stream longer than the grace period and 16 short requests in flight at SIGTERM:
+    the short ones finish, the stream ends with an error event and ``[DONE]`` once the
+    grace period has passed, and the process exits a few seconds after it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launch = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_server_lifecycle as t; "
+              f"t.serve_slowly({str(text_model_dir())!r}, {port})")
+    with served([sys.executable, "-c", launch], url) as server:
+        long_stream, short = [], []
+        threads = [in_flight(url, {**LONG, "stream": True}, long_stream)]
+        time.sleep(1.0)
+        threads += [in_flight(url, {"prompt": f"q {i}", "max_tokens": 4}, short) for i in range(16)]
+        time.sleep(0.3)
+        server.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        server.wait(timeout=GRACE_S + 15)
+        exited = time.monotonic() - asked
+        for thread in threads:
+            thread.join(5)
+    assert GRACE_S - 0.5 < exited < GRACE_S + 8
+    assert [status for status, _ in short] == [200] * 16
+    [(status, lines)] = long_stream
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert status == 200 and error["code"] == 503 and "shutting down" in error["message"]
+    assert lines[-1] == "data: [DONE]"
