@@ -136,7 +136,8 @@ def stopped(pid: int):
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):   # killed meanwhile
+            os.kill(pid, signal.SIGCONT)
 
 
 def wait_for(condition, seconds: float) -> float:
@@ -242,6 +243,12 @@ def engine_pid(server_pid: int) -> int:
     return engine
 
 
+def admitted_tokens(url: str) -> float:
+    """Prompt tokens submitted to the engine, by the server's metrics."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return float(next(line.split()[-1] for line in lines if line.startswith("tokenspeed_prompt_tokens_total")))
+
+
 def requests_seen(url: str) -> float:
     """Requests running, waiting or finished, by the server's metrics."""
     names = ("tokenspeed_requests_running ", "tokenspeed_requests_waiting ", "tokenspeed_requests_finished_total")
@@ -269,9 +276,10 @@ def test_an_engine_killed_under_load_ends_every_request_and_the_server_exits_non
     url = f"http://127.0.0.1:{port}"
     with served(serve_command(str(text_model_dir()), port), url) as server:
         engine, outcomes = engine_pid(server.pid), []
+        prompt_tokens = httpx.post(f"{url}/tokenize", json={"prompt": LONG["prompt"]}).json()["count"]
         with stopped(engine):
             threads = [in_flight(url, {**LONG, "stream": i % 2 == 0}, outcomes) for i in range(8)]
-            time.sleep(1.0)   # every request submitted, none answered
+            wait_for(lambda: admitted_tokens(url) == 8 * prompt_tokens, 30)   # submitted, none answered
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
             wait_for(lambda: reachable_health(url) != 200, 1.0)
