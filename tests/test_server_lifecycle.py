@@ -205,7 +205,7 @@ def slow_llm(path: str, delay: float, **options):
 def serve_slowly(path: str, port: int) -> None:
     """``tokenspeed serve`` of a slow engine, drained for ``GRACE_S`` on SIGTERM."""
     from tokenspeed.entrypoints.openai.server import serve
-    serve(EngineSpec(functools.partial(slow_llm, path, 0.05, **OPTIONS), path), "m", port=port,
+    serve(EngineSpec(functools.partial(slow_llm, path, 0.1, **OPTIONS), path), "m", port=port,
           shutdown_timeout=GRACE_S)
 
 
@@ -312,7 +312,7 @@ def test_sigterm_drains_for_the_grace_period_then_ends_what_is_left_and_exits():
     with served([sys.executable, "-c", launch], url) as server:
         long_stream, short = [], []
         threads = [in_flight(url, {**LONG, "stream": True}, long_stream)]
-        threads += [in_flight(url, {"prompt": f"q {i}", "max_tokens": 10}, short) for i in range(16)]
+        threads += [in_flight(url, {"prompt": f"q {i}", "max_tokens": 4}, short) for i in range(16)]
         wait_for(lambda: requests_seen(url) == 17, 30)
         server.send_signal(signal.SIGTERM)
         asked = time.monotonic()
