@@ -299,7 +299,7 @@ def test_an_engine_process_that_dies_fails_its_requests_and_the_health_check():
             assert next(lines).startswith("data: ")
             app.state.server.engine.process.process.kill()
             rest = [line for line in lines if line]
-        assert "the engine process exited" in rest[-1] and "[DONE]" not in rest[-1]
+        assert "the engine process exited" in rest[-2] and rest[-1] == "data: [DONE]"
         assert httpx.get(f"{url}/health").status_code == 503
         after = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert after.status_code == 503 and "not running" in after.json()["error"]["message"]
@@ -502,7 +502,9 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
     """Wired as the engine process wires it, a loop that fails outside a step reaches each
     client as the engine's exit, with the loop's message."""
     import asyncio
-    from tokenspeed.entrypoints.engine_process import EngineClient, start_loop
+    from tokenspeed.entrypoints.channel import FrameSocket, socket_pair
+    from tokenspeed.entrypoints.engine_client import EngineClient
+    from tokenspeed.entrypoints.engine_process import start_loop
 
     class Broken:
         @property
@@ -512,15 +514,15 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
     class BrokenLLM:
         engine = Broken()
 
-    ours, theirs = multiprocessing.Pipe()
-    loop, sender = start_loop(BrokenLLM(), [theirs])
+    ours, theirs = socket_pair()
+    loop, sender = start_loop(BrokenLLM(), [FrameSocket(theirs)])
     loop.thread.join()
     sender.close()
     exits = []
 
     async def listen():
-        client = EngineClient(ours, None, lambda report: None, exits.append)
-        client.listen(asyncio.get_running_loop())
+        client = EngineClient(FrameSocket(ours), None, lambda report: None, exits.append)
+        await client.listen()
         for _ in range(100):
             if exits:
                 return
@@ -622,3 +624,40 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_submission_the_engine_refuses_fails_alone_and_the_loop_serves_on(llm):
+    """A record that slipped past the door's checks is refused where the engine adds it:
+    that submission ends with the refusal, the next one is served as ``generate`` serves it."""
+    bad = ts.SamplingParams(temperature=1.0, max_tokens=4)
+    object.__setattr__(bad, "top_k", 2**63)      # as a record built around its checks
+    want = llm.generate("The sea is", GREEDY, use_tqdm=False)[0]
+    reports = []
+    loop = EngineLoop(llm, lambda client, r: reports.append(r), print).start()
+    [prompt] = parse_prompts("The sea is", llm.tokenizer)
+    loop.inbox.put(Submit(1, prompt, bad))
+    loop.inbox.put(Submit(2, prompt, GREEDY))
+    try:
+        for _ in range(600):
+            updates = {key: u for r in list(reports) for key, u in r.unpack().updates if u.finished}
+            if 2 in updates:
+                break
+            time.sleep(0.05)
+    finally:
+        loop.stop()
+    served = [u for r in reports for key, u in r.unpack().updates if key == 2]
+    assert updates[1].error and "top_k=9223372036854775808" in updates[1].error
+    assert "".join(d.text for u in served for d in u.deltas) == want.text
+
+
+def test_llm_add_queues_all_prompts_or_none(llm):
+    """A prompt refused while adding takes those queued before it out again: the pool and
+    the queue are as they were."""
+    bad = ts.SamplingParams(temperature=1.0, max_tokens=4)
+    object.__setattr__(bad, "top_k", 2**63)
+    prompts = parse_prompts(["The sea is", "A cat"], llm.tokenizer)
+    free = llm.engine.scheduler.allocator.num_free
+    with pytest.raises(ValueError, match="top_k"):
+        llm.add(prompts, [GREEDY, bad])
+    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+    assert llm.engine.scheduler.allocator.num_free == free

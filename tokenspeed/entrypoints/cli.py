@@ -10,7 +10,7 @@ torch until a command runs: ``--help`` answers at once.
 import argparse
 import sys
 
-from tokenspeed.entrypoints import bench, inspect_cmd
+from tokenspeed.entrypoints import bench, inspect_cmd, serve_cmd
 from tokenspeed.entrypoints.help_format import show_defaults
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
@@ -37,28 +37,12 @@ def parser() -> argparse.ArgumentParser:
     chat = _engine_command(commands, "chat", "talk to the model (an empty line or Ctrl-D ends)", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")
     _sampling_options(chat, max_tokens=256)
-    serve_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server", cmd_serve))
+    serve_cmd.add_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server",
+                                          lambda args: serve_cmd.run(args, llm_options(args, max_num_seqs=args.max_num_seqs))))
     inspect_cmd.add_command(commands)
     bench.add_command(commands, _engine_options)
     show_defaults(top)
     return top
-
-
-def serve_options(serve: argparse.ArgumentParser) -> None:
-    """``tokenspeed serve``'s own flags (the engine's are ``_engine_options``)."""
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="the model, as `vllm serve MODEL` takes it (or --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send (default: the model's file or folder name)")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests the engine runs at once")
-    serve.add_argument("--api-servers", type=int, default=1,
-                       help="HTTP processes sharing the port over one engine (many streaming clients)")
-    serve.add_argument("--stream-interval", type=int, default=1,
-                       help="send a streamed completion's tokens every N (its first and last at once): "
-                            "fewer, larger chunks cost the engine less under many clients")
 
 
 def _engine_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
@@ -166,41 +150,6 @@ def cmd_chat(args) -> None:
             print(piece, end="", flush=True)
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
-
-
-def cmd_serve(args) -> None:
-    from tokenspeed.entrypoints.engine_process import EngineSpec, EngineStartError
-    from tokenspeed.entrypoints.llm import checked_device, checked_dtype
-    from tokenspeed.entrypoints.openai.api_servers import ServerExited, serve_many
-    from tokenspeed.entrypoints.openai.server import serve
-    args.model = _served_model(args.model_tag, args.model)
-    checked_device(args.device or default_device()), checked_dtype(args.dtype)   # here, not in the engine
-    for flag, value in (("--api-servers", args.api_servers), ("--stream-interval", args.stream_interval)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    spec = EngineSpec.of(args.model, args.stream_interval, **llm_options(args, max_num_seqs=args.max_num_seqs))
-    name = args.served_model_name or _model_name(args.model)
-    try:
-        if args.api_servers == 1:
-            serve(spec, name, host=args.host, port=args.port, api_key=args.api_key)
-        else:
-            serve_many(spec, name, args.host, args.port, args.api_key, args.api_servers)
-    except (EngineStartError, ServerExited) as exc:
-        raise ValueError(str(exc)) from exc
-
-
-def _served_model(positional, flag):
-    """``serve MODEL`` or ``serve --model MODEL``; both only when they agree."""
-    if positional is not None and flag is not None and positional != flag:
-        raise ValueError(f"the model is given twice, as {positional!r} and --model {flag!r}: give one")
-    return positional if positional is not None else flag
-
-
-def _model_name(model) -> str:
-    from pathlib import Path
-
-    from tokenspeed.models.gguf import default_model_path
-    return Path(model or default_model_path()).name.removesuffix(".gguf")
 
 
 def _read_line() -> str:

@@ -181,7 +181,12 @@ class EngineLoop:
 
     def _take(self, submit: Submit) -> None:
         submission = Submission(submit.key, submit.prompt, submit.params, submit.client)
-        [submission.requests] = self.llm.add([submission.prompt], [submission.params])
+        try:
+            [submission.requests] = self.llm.add([submission.prompt], [submission.params])
+        except ValueError as exc:   # the engine's own check: this submission alone fails
+            self._queue(submission, (submission.key, (), True, len(submission.prompt.token_ids), 0,
+                                     f"refused: {exc}", ()))
+            return
         submission.streams = [self.llm.text_of(request) for request in submission.requests]
         submission.sent_tokens = [0] * len(submission.requests)
         submission.finish_sent = [False] * len(submission.requests)

@@ -203,9 +203,17 @@ class LLM:
         check_request(self.engine.limits, self.tokenizer is not None, index, prompt, params)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
-        """Queue checked prompts; each becomes its ``n`` requests (and their text streams)."""
+        """Queue checked prompts; each becomes its ``n`` requests (and their text streams).
+        All or none: a prompt refused takes those queued before it out again."""
         with self._lock:
-            groups = [self.engine.add(p.token_ids, sp) for p, sp in zip(prompts, params)]
+            groups = []
+            try:
+                for prompt, sp in zip(prompts, params):
+                    groups.append(self.engine.add(prompt.token_ids, sp))
+            except ValueError:
+                for request in (r for g in groups for r in g):
+                    self.engine.finish(request, "abort")
+                raise
             if self.tokenizer is not None:
                 self._streams.update({r: TextStream(self.tokenizer, r.params) for g in groups for r in g})
             return groups

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
+from tokenspeed.runtime.prompt_limits import PromptLimits, RefusedRequest, check_prompt
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 
@@ -100,6 +100,6 @@ def check_request(limits: PromptLimits, has_tokenizer: bool, index: int, prompt:
                   params: SamplingParams) -> None:
     """Refuse, naming prompt ``index``, what an engine of these limits cannot serve."""
     if params.stop and not has_tokenizer:
-        raise ValueError(f"prompt {index}: stop strings need a tokenizer, and this engine has "
+        raise RefusedRequest("stop", f"prompt {index}: stop strings need a tokenizer, and this engine has "
                          "none: use stop_token_ids")
     check_prompt(limits, index, prompt.token_ids, params)

@@ -1,13 +1,13 @@
 """The engine process's reports, sent from a thread of their own.
 
-Every step ends with a report to each client: pickled, then written down its pipe. On the
+Every step ends with a report to each client: pickled, then written down its channel. On the
 engine's thread that was a tenth of its busy time at 64 streams (py-spy, docs/PERFORMANCE.md),
-and a write blocks it outright while a lagging HTTP process leaves the pipe full. Here the
+and a write blocks it outright while a lagging HTTP process leaves the socket full. Here the
 engine's thread only queues the report; one sender thread pickles and writes them in the
 order queued (a client's reports must arrive in step order). Pickling still takes the
 interpreter lock from the engine's thread, whenever it runs; what the thread is spared is
-the write, and waiting on a full pipe. The queue is bounded: a client that stops reading
-still holds the engine back, as its full pipe did, only later.
+the write, and waiting on a full socket. The queue is bounded: a client that stops reading
+still holds the engine back, as its full socket did, only later.
 """
 
 import contextlib

@@ -13,6 +13,16 @@ import numpy as np
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 
+class RefusedRequest(ValueError):
+    """A request this engine cannot serve. ``field``: what is at fault, ``"prompt"`` or a
+    ``SamplingParams`` field, so that a server names its own field without reading the
+    message."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @attrs.frozen
 class PromptLimits:
     vocab_size: int
@@ -40,24 +50,25 @@ def check_prompt(limits: PromptLimits, index: int, prompt: tuple[int, ...], para
     out, so the samples run as the pool allows. One sample's pages bound the request."""
     where = f"prompt {index}"
     if not prompt:
-        raise ValueError(f"{where} is empty")
-    _check_vocabulary(where, "token id", prompt, limits.vocab_size)
-    _check_vocabulary("stop_token_ids", "stop token id", params.stop_token_ids, limits.vocab_size)
+        raise RefusedRequest("prompt", f"{where} is empty")
+    _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
+    _check_vocabulary("stop_token_ids", "stop_token_ids", "stop token id", params.stop_token_ids,
+                      limits.vocab_size)
     total = len(prompt) + params.max_tokens
     if total > limits.max_model_len:
-        raise ValueError(f"{where}: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} "
+        raise RefusedRequest("max_tokens", f"{where}: {len(prompt)} prompt tokens + max_tokens={params.max_tokens} "
                          f"= {total} exceeds max_model_len={limits.max_model_len}")
     pages = sum(most_pages_held(total, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
     if pages > limits.usable_pages:
-        raise ValueError(f"{where}: a sample of {len(prompt)} prompt tokens + max_tokens="
+        raise RefusedRequest("max_tokens", f"{where}: a sample of {len(prompt)} prompt tokens + max_tokens="
                          f"{params.max_tokens} needs {pages} KV pages at once, the pool has "
                          f"{limits.usable_pages} (a request's samples take turns in the pool)")
 
 
-def _check_vocabulary(where: str, what: str, ids: tuple[int, ...], vocab_size: int) -> None:
+def _check_vocabulary(field: str, where: str, what: str, ids: tuple[int, ...], vocab_size: int) -> None:
     if ids and not _in_range(ids, vocab_size):   # the loop only to name one
         bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise ValueError(f"{where}: {what} {bad} is outside the vocabulary [0, {vocab_size})")
+        raise RefusedRequest(field, f"{where}: {what} {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def _in_range(ids: tuple[int, ...], vocab_size: int) -> bool:

@@ -4,10 +4,11 @@ With many streaming clients the HTTP process does Python work for every token of
 client (server-sent events, the writes) and becomes as busy as the engine it feeds
 (docs/PERFORMANCE.md, serving). As vLLM's ``--api-server-count`` does, N processes share
 one listening socket, bound here and inherited by each, so the kernel spreads the
-connections among them; each has its own pipe to the engine process, which routes every
-request's updates to the process that submitted it. Their metrics are pooled through
+connections among them; each has its own channel to the engine process, which routes
+every request's updates to the process that submitted it. Their metrics are pooled through
 prometheus_client's multiprocess folder (``metrics``). This parent only supervises: once
-any of its children exits, or on Ctrl-C / SIGTERM, it stops them all.
+any of its children exits (an API server exits too once the engine has gone), or on
+Ctrl-C / SIGTERM, it stops them all: each drains for the grace period (``lifecycle``).
 """
 
 import contextlib
@@ -16,27 +17,41 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 
-import uvicorn
+import attrs
 
 from tokenspeed.entrypoints.engine_process import EngineInfo, EngineProcess, EngineSpec
+from tokenspeed.entrypoints.openai.access import Access
+from tokenspeed.entrypoints.openai.lifecycle import FINAL_WRITE_S, SHUTDOWN_TIMEOUT_S, ServerExited, check_timeout
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"   # read when a process imports prometheus_client
-STOP_WAIT_S = 10.0
+KILL_MARGIN_S = 5.0     # past an API server's own limit for its shutdown, before it is killed
+
+__all__ = ["ServerExited", "serve_many"]
 
 
-class ServerExited(RuntimeError):
-    """A process of the server (an API server or the engine) exited unasked; the others
-    were stopped."""
+@attrs.frozen
+class Timeouts:
+    """``shutdown``: the drain's grace period on SIGTERM; ``request``: each request's
+    deadline, or None (``Server``)."""
+    shutdown: float = SHUTDOWN_TIMEOUT_S
+    request: float | None = None
+
+    def __attrs_post_init__(self):
+        check_timeout("shutdown_timeout", self.shutdown)
+        check_timeout("request_timeout", self.request)
 
 
 def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key: str | None,
-               count: int, log_level: str = "info") -> None:
+               count: int, log_level: str = "info", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+               request_timeout: float | None = None, access: Access = Access()) -> None:
     """Start the engine (an ``EngineStartError`` says why it could not), then ``count`` API
     servers on ``host:port``; return once Ctrl-C or SIGTERM has stopped them, or raise
     ``ServerExited`` once one has exited unasked and the others are stopped."""
+    timeouts = Timeouts(shutdown_timeout, request_timeout)
     with _listening(host, port) as sock:   # a port in use is refused before the engine starts
         engine = EngineProcess(spec, num_clients=count)
         try:
@@ -45,13 +60,13 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
             with tempfile.TemporaryDirectory(prefix="tokenspeed-metrics-") as metrics_dir, \
                     _environment(MULTIPROC_ENV, metrics_dir), parent_end:
                 servers = [_api_server(engine, i, info, spec.tokenizer, model_name, api_key, sock, metrics_dir,
-                                       log_level, lifeline) for i in range(count)]
+                                       log_level, lifeline, timeouts, access) for i in range(count)]
                 lifeline.close()
-                for conn in engine.conns:   # each now held by its server alone: when one exits,
-                    conn.close()            # the engine sees its pipe close and drops its requests
+                for channel in engine.channels:   # each now held by its server alone: when one
+                    channel.close()               # exits, the engine drops its requests
                 print(f"tokenspeed: {count} API servers on http://{host}:{port} (pids "
                       f"{', '.join(str(s.pid) for s in servers)})", flush=True)
-                exited = _supervise(servers, engine)
+                exited = _supervise(servers, engine, timeouts.shutdown + FINAL_WRITE_S + KILL_MARGIN_S)
         finally:
             engine.stop()
     if exited is not None:
@@ -59,25 +74,34 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
 
 
 def _api_server(engine: EngineProcess, index: int, info: EngineInfo, tokenizer, model_name, api_key, sock,
-                metrics_dir, log_level, lifeline) -> multiprocessing.Process:
+                metrics_dir, log_level, lifeline, timeouts: Timeouts, access: Access) -> multiprocessing.Process:
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=api_server_main, name=f"tokenspeed-api-{index}", daemon=True,
-                              args=(engine.conns[index], info, tokenizer, model_name, api_key, sock,
-                                    metrics_dir, log_level, lifeline))
+                              args=(engine.channels[index].sock, info, tokenizer, model_name, api_key, sock,
+                                    metrics_dir, log_level, lifeline, timeouts, access))
     process.start()
     return process
 
 
-def api_server_main(conn, info: EngineInfo, tokenizer, model_name: str, api_key: str | None, sock,
-                    metrics_dir: str, log_level: str, lifeline) -> None:
-    """A child: one uvicorn server on the shared socket, linked to the engine by ``conn``.
-    When ``lifeline`` (the parent's pipe) closes, it sends itself SIGTERM: a parent killed
-    outright leaves no server behind (and, their pipes closed, no engine)."""
-    from tokenspeed.entrypoints.openai.server import Server, server_app, uvicorn_config
+def api_server_main(engine_end, info: EngineInfo, tokenizer, model_name: str, api_key: str | None, sock,
+                    metrics_dir: str, log_level: str, lifeline, timeouts: Timeouts = Timeouts(),
+                    access: Access = Access()) -> None:
+    """A child: one uvicorn server on the shared socket, linked to the engine by
+    ``engine_end`` (its channel's socket). When ``lifeline`` (the parent's pipe) closes, it
+    sends itself SIGTERM: a parent killed outright leaves no server behind (and, their
+    channels closed, no engine). Exits 1 if the engine process goes away."""
+    from tokenspeed.entrypoints.channel import FrameSocket
+    from tokenspeed.entrypoints.openai.lifecycle import run, uvicorn_config
+    from tokenspeed.entrypoints.openai.server import Server, server_app
     threading.Thread(target=_stop_when_closed, args=(lifeline,), daemon=True).start()
-    server = Server(lambda: (conn, info, None), tokenizer, model_name, api_key, metrics_dir=metrics_dir)
+    server = Server(lambda: (FrameSocket(engine_end), info, None), tokenizer, model_name, api_key,
+                    metrics_dir=metrics_dir, request_timeout=timeouts.request)
     host, port = sock.getsockname()[:2]
-    uvicorn.Server(uvicorn_config(server_app(server), host, port, log_level)).run(sockets=[sock])
+    app = server_app(server, access)
+    try:
+        run(app, uvicorn_config(app, host, port, log_level, timeouts.shutdown), sockets=[sock])
+    except ServerExited as exc:
+        sys.exit(f"{multiprocessing.current_process().name}: {exc}")
 
 
 def _stop_when_closed(lifeline) -> None:
@@ -86,10 +110,12 @@ def _stop_when_closed(lifeline) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess) -> multiprocessing.Process | None:
+def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess,
+               stop_wait: float) -> multiprocessing.Process | None:
     """Wait until a child exits or this process is told to stop, then stop the servers
-    (SIGTERM: uvicorn finishes its responses) and, through their closed pipes, the engine.
-    Returns the child that exited unasked, if one did."""
+    (SIGTERM: each drains, within its limit) and, through their closed channels, the
+    engine; a server still up ``stop_wait`` seconds later is killed. Returns the child that
+    exited unasked, if one did."""
     children = {c.sentinel: c for c in [*servers, engine.process]}
     with _stop_on(signal.SIGTERM):
         try:
@@ -101,7 +127,7 @@ def _supervise(servers: list[multiprocessing.Process], engine: EngineProcess) ->
         if server.is_alive():
             server.terminate()
     for server in servers:
-        server.join(STOP_WAIT_S)
+        server.join(stop_wait)
         if server.is_alive():
             server.kill()
             server.join()

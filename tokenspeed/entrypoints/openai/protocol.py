@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenspeed.entrypoints.chat_messages import ROLES, template_messages
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 MAX_PROMPTS = 2048          # prompts in one completions request (OpenAI's bound on its arrays)
@@ -56,27 +57,28 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, model_defaults: dict) -> SamplingParams:
+        """``model_defaults``: the model's generation_config values (as ``LLM``'s), for the
+        fields the request leaves unset, over OpenAI's defaults."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
         self._check_stop()
-        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-        given = {k: getattr(self, k) for k in defaults if getattr(self, k) is not None}
-        return sampling_params(**{**defaults, **given}, n=self.n, max_tokens=max_tokens,
+        models = {k: v for k, v in model_defaults.items() if k in UNSET_DEFAULTS}
+        given = {k: getattr(self, k) for k in UNSET_DEFAULTS if getattr(self, k) is not None}
+        return sampling_params(**{**UNSET_DEFAULTS, **models, **given}, n=self.n, max_tokens=max_tokens,
                                stop=self.stop, seed=self.seed, logprobs=logprobs,
                                presence_penalty=self.presence_penalty,
-                               frequency_penalty=self.frequency_penalty, min_p=self.min_p,
-                               repetition_penalty=self.repetition_penalty,
+                               frequency_penalty=self.frequency_penalty,
                                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                stop_token_ids=self.stop_token_ids or (),
                                skip_special_tokens=self.skip_special_tokens)
@@ -119,15 +121,13 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def as_template_message(self) -> dict:
-        content = self.content if not isinstance(self.content, list) else \
-            "".join(part.text for part in self.content)
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or "", "name": self.name}
+        """Shaped by the check ``LLM.chat`` makes (``chat_messages``): one rule for both."""
+        return template_messages([self.model_dump(exclude_none=True)])[0]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -169,6 +169,9 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
+
+
+UNSET_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def sampling_params(**fields) -> SamplingParams:

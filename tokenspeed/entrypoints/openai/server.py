@@ -16,22 +16,24 @@ import uuid
 from collections.abc import Callable
 
 import jinja2
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from tokenspeed.entrypoints.engine_loop import GroupUpdate, StepReport
-from tokenspeed.entrypoints.engine_process import EngineClient, EngineProcess, EngineSpec
+from tokenspeed.entrypoints.engine_client import EngineClient
+from tokenspeed.entrypoints.engine_loop import StepReport
+from tokenspeed.entrypoints.engine_process import EngineProcess, EngineSpec
 from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.access import Access, error_bodies, guard
+from tokenspeed.entrypoints.openai.lifecycle import SHUTDOWN_TIMEOUT_S, check_timeout, run, uvicorn_config
 from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
+from tokenspeed.runtime.prompt_limits import RefusedRequest
 from tokenspeed.tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 4 << 20
@@ -40,50 +42,67 @@ DISCONNECT_POLL_S = 0.5
 
 class Server:
     """What the handlers share: the link to the engine process, the tokenizer, the served
-    name, the metrics, and the callbacks of the prompts in flight (by key).
-    ``connect()``: this server's pipe to the engine, the engine's ``EngineInfo``, and the
-    ``EngineProcess`` where this server owns it (blocking; called once, at start)."""
+    name, the metrics, and the mailbox and index of each prompt in flight (by key).
+    ``connect()``: this server's channel to the engine, the engine's ``EngineInfo``, and
+    the ``EngineProcess`` where this server owns it (blocking; called once, at start).
+    ``request_timeout``: seconds a request may take from its submission (None: no limit);
+    past them it is aborted and answered 504. ``stop_serving``: called once the engine
+    has gone (``lifecycle.DrainingServer`` sets it); ``exit_message`` then says why."""
 
     def __init__(self, connect: Callable, tokenizer: str | None, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, metrics_dir: str | None = None):
+                 max_body_bytes: int = MAX_BODY_BYTES, metrics_dir: str | None = None,
+                 request_timeout: float | None = None):
+        check_timeout("request_timeout", request_timeout)
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
+        self.request_timeout = request_timeout
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         self.metrics = ServerMetrics(metrics_dir)
         self.connect = connect
         self.engine: EngineClient | None = None
-        self._callbacks: dict[int, object] = {}
+        self.stop_serving: Callable[[], None] | None = None
+        self.exit_message: str | None = None
+        self._in_flight: dict[int, tuple[Mailbox, int]] = {}
         self._keys = itertools.count()
 
     async def start(self) -> None:
         """Connect to the engine (starting it where this server owns it), then take its
         reports on this loop."""
         if self.engine is None:
-            conn, info, process = await asyncio.to_thread(self.connect)
-            self.engine = EngineClient(conn, info, self._dispatch, self._fail_all, process)
-        self.engine.listen(asyncio.get_running_loop())
+            channel, info, process = await asyncio.to_thread(self.connect)
+            self.engine = EngineClient(channel, info, self._dispatch, self._fail_all, process)
+        await self.engine.listen()
 
     @property
     def limits(self):
         return self.engine.info.limits
 
     def _dispatch(self, report: StepReport) -> None:
-        """Each update to its prompt's handler; a prompt aborted here (its client left)
-        has no handler any more, and its last update is dropped."""
+        """Each update to its prompt's mailbox; a prompt aborted here (its client left)
+        has no mailbox any more, and its last update is dropped."""
         self.metrics.load(report.load)
         for key, update in report.updates:
             if update.finished:
                 self.metrics.finished_group(update.completed)
-                callback = self._callbacks.pop(key, None)
+                waiting = self._in_flight.pop(key, None)
             else:
-                callback = self._callbacks.get(key)
-            if callback is not None:
-                callback(update)
+                waiting = self._in_flight.get(key)
+            if waiting is not None:
+                mailbox, index = waiting
+                mailbox.put((index, update))
 
     def _fail_all(self, message: str) -> None:
-        """The engine process died: its requests fail."""
-        callbacks, self._callbacks = self._callbacks, {}
-        for callback in callbacks.values():
-            callback(GroupUpdate((), True, 0, 0, message))
+        """The engine process exited (or its loop failed): its requests fail at once, and
+        the server stops serving, so that the process exits and its supervisor restarts it."""
+        self.exit_message = message
+        self.fail_all(APIError(503, f"{message}; the server is stopping", None, "ServiceUnavailableError"))
+        if self.stop_serving is not None:
+            self.stop_serving()
+
+    def fail_all(self, error: APIError) -> None:
+        """End every request in flight with ``error`` (their prompts are aborted as their
+        handlers finish)."""
+        for mailbox, _ in self._in_flight.values():
+            mailbox.fail(error)
 
     async def read(self, request: Request, model):
         """The body as ``model``: 415 unless it is declared JSON, 413 past the size limit,
@@ -108,8 +127,8 @@ class Server:
         for i, prompt in enumerate(prompts):
             try:
                 check_request(self.limits, self.engine.info.has_tokenizer, i, prompt, params)
-            except ValueError as exc:
-                raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else field) from exc
+            except RefusedRequest as exc:
+                raise APIError(400, str(exc), field if exc.field == "prompt" else exc.field) from exc
 
     def submit(self, prompts: list[Prompt], params) -> tuple[list[int], Mailbox]:
         """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
@@ -119,24 +138,29 @@ class Server:
                 raise OSError("the engine process is gone")
             for i, prompt in enumerate(prompts):
                 keys.append(next(self._keys))
-                self._callbacks[keys[-1]] = lambda u, i=i: updates.put((i, u))
+                self._in_flight[keys[-1]] = (updates, i)
                 self.engine.submit(keys[-1], prompt, params)
                 self.metrics.admitted(len(prompt.token_ids) * params.n)
         except OSError as exc:
             self.abort(keys)
             raise APIError(503, f"the engine is not running ({exc}; {self.engine.exit_message()})", None,
                            "ServiceUnavailableError") from exc
+        if self.request_timeout is not None:
+            updates.fail_after(self.request_timeout, APIError(
+                504, f"the request took longer than the server's limit of {self.request_timeout:g} s", None,
+                "TimeoutError"))
         return keys, updates
 
     def abort(self, keys) -> None:
         """Stop the prompts of ``keys`` that have not finished."""
         for key in keys:
-            if self._callbacks.pop(key, None) is not None:
+            if self._in_flight.pop(key, None) is not None:
                 with contextlib.suppress(OSError):   # a dead engine has nothing to abort
                     self.engine.abort(key)
 
     async def collect(self, request: Request, keys, updates) -> list:
-        """Every prompt's updates, in order, until all finish; aborts if the client leaves."""
+        """Every prompt's updates, in order, until all finish; aborts if the client leaves,
+        or if the mailbox fails (the engine exited, the deadline passed: that error)."""
         per_prompt, pending = [[] for _ in keys], set(range(len(keys)))
         checked = time.monotonic()
         try:
@@ -157,18 +181,21 @@ class Server:
                     if update.finished:
                         pending.discard(index)
         finally:
+            updates.close()
             self.abort(keys)
         return per_prompt
 
 
 def create_app(spec: EngineSpec, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, access: Access = Access()) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, access: Access = Access(),
+               request_timeout: float | None = None) -> FastAPI:
     """The app and its own engine process, which starts (unless started already: see
     ``serve``) and stops with the app's lifespan. ``access``: CORS and whether
     ``/metrics`` needs the key."""
     process = EngineProcess(spec)
-    connect = lambda: (process.conns[0], process.start(), process)   # noqa: E731
-    return server_app(Server(connect, spec.tokenizer, model_name, api_key, max_body_bytes), access)
+    connect = lambda: (process.channels[0], process.start(), process)   # noqa: E731
+    return server_app(Server(connect, spec.tokenizer, model_name, api_key, max_body_bytes,
+                             request_timeout=request_timeout), access)
 
 
 def server_app(server: Server, access: Access = Access()) -> FastAPI:
@@ -177,7 +204,7 @@ def server_app(server: Server, access: Access = Access()) -> FastAPI:
         await server.start()
         with frozen_heap():
             yield
-        server.engine.stop()
+        await server.engine.stop()
 
     app = FastAPI(title="tokenspeed", lifespan=lifespan)
     app.state.server = server
@@ -190,7 +217,7 @@ def server_app(server: Server, access: Access = Access()) -> FastAPI:
 def _routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if server.engine.alive else 503)
+        return Response(status_code=200 if server.engine.responsive() else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -206,7 +233,8 @@ def _routes(app: FastAPI, server: Server) -> None:
         body = await server.read(request, CompletionRequest)
         body.unsupported()
         prompts = await _prompts(body.prompt, server.tokenizer)
-        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs)
+        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs,
+                                      server.engine.info.sampling_defaults)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
 
@@ -216,7 +244,8 @@ def _routes(app: FastAPI, server: Server) -> None:
         body.unsupported()
         prompts = [await _chat_prompt(server, body.messages, body.add_generation_prompt)]
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count())
+        params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
+                                      server.engine.info.sampling_defaults)
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
 
@@ -261,10 +290,14 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
             yield first
         while pending:
             events = []
-            for index, update in await updates.take_all():   # one write for all that arrived
+            try:
+                arrived = await updates.take_all()
+            except APIError as exc:   # the engine exited, the server is stopping, the deadline
+                yield _error_event(exc)
+                return
+            for index, update in arrived:   # one write for all that arrived
                 if update.error:
-                    error = APIError(500, update.error, None, "InternalServerError").body()
-                    yield "".join(events) + f"data: {json.dumps(error)}\n\n"
+                    yield "".join(events) + _error_event(APIError(500, update.error, None, "InternalServerError"))
                     return
                 events.append(fmt.events(prefix, index, update))
                 if update.finished:
@@ -276,7 +309,13 @@ async def _stream(server: Server, keys, updates, fmt, include_usage: bool):
                 events.append("data: [DONE]\n\n")
             yield "".join(events)
     finally:
+        updates.close()
         server.abort(keys)
+
+
+def _error_event(error: APIError) -> str:
+    """A stream's last write when it fails: the error's body as an event, then the end."""
+    return f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
 
 
 def _event(chunks: list[dict]) -> str:
@@ -336,15 +375,12 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 
 def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None) -> None:
-    """Start the engine (an ``EngineStartError`` says why it could not), then serve."""
-    app = create_app(spec, model_name, api_key)
+          api_key: str | None = None, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+          request_timeout: float | None = None, access: Access = Access()) -> None:
+    """Start the engine (an ``EngineStartError`` says why it could not), then serve until
+    SIGINT or SIGTERM (drained for ``shutdown_timeout`` seconds: ``lifecycle``); raise
+    ``ServerExited`` if the engine process exits unasked."""
+    app = create_app(spec, model_name, api_key, access=access, request_timeout=request_timeout)
+    config = uvicorn_config(app, host, port, "info", shutdown_timeout)   # bad options refused first
     app.state.server.connect()   # starts the engine process here, before the port is bound
-    uvicorn.Server(uvicorn_config(app, host, port, "info")).run()
-
-
-def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
-    """uvloop's event loop and httptools' parser, named rather than left to uvicorn's "auto"
-    (which takes asyncio and h11 when they are missing): with 64 streaming clients the
-    server's process does little else than per-token writes, which these make cheaper."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools")
+    run(app, config)
