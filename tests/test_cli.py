@@ -113,3 +113,22 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "a.gguf", "--model", "b.gguf"])
     assert "the model is given twice, as 'a.gguf' and --model 'b.gguf'" in str(exit_.value)
+
+
+def test_serve_flags_become_the_servers_options():
+    """Timeouts and CORS from the command line reach the server as its options (parsed,
+    no server started)."""
+    from tokenspeed.entrypoints import serve_cmd
+    from tokenspeed.entrypoints.cli import parser
+    args = parser().parse_args(["serve", "m", "--request-timeout", "30", "--shutdown-timeout", "2",
+                                "--allowed-origins", "http://a.test", "--metrics-need-key"])
+    assert (args.model_tag, args.request_timeout, args.shutdown_timeout) == ("m", 30.0, 2.0)
+    access = serve_cmd.access(args)
+    assert access.allowed_origins == ("http://a.test",) and access.metrics_need_key
+    assert serve_cmd.access(parser().parse_args(["serve"])).allowed_origins == ()
+
+
+def test_a_served_model_id_is_named_as_it_is():
+    from tokenspeed.entrypoints.serve_cmd import _model_name
+    assert _model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert _model_name("/models/tiny.gguf") == "tiny"

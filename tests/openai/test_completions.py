@@ -132,3 +132,17 @@ def test_requests_at_the_doors_bounds_are_served(client):
     got = client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                     stop=["s" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)
     assert got.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unset_sampling_fields_take_the_models_defaults_then_openais():
+    """The model's generation_config values (as the engine reports them) fill the fields a
+    request leaves unset, as ``LLM.get_default_sampling_params`` does offline; a field the
+    request sets wins, and what neither sets is OpenAI's default."""
+    from tokenspeed.entrypoints.openai.protocol import CompletionRequest
+    model = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 99}
+    unset = CompletionRequest(prompt="x").sampling_params(16, None, model)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.max_tokens) == (0.6, 0.9, 20, 0.0, 16)
+    given = CompletionRequest(prompt="x", temperature=0.0, min_p=0.1).sampling_params(16, None, model)
+    assert (given.temperature, given.greedy, given.top_p, given.min_p) == (0.0, True, 0.9, 0.1)
+    plain = CompletionRequest(prompt="x").sampling_params(16, None, {})
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
