@@ -80,9 +80,9 @@ def test_cpu_attention_equals_the_naive_oracle(batch):
     tiles = torch.tensor([0, live], dtype=torch.int32)
     got = reference.extend_attention(q, kv_cache, LAYER, tables, row_request, positions, tiles, SCALE, window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-    got = reference.attention(q[:live], kv_cache, LAYER, tables, row_request[:live], positions[:live],
-                              SCALE, window)
-    torch.testing.assert_close(got.double(), want[:live], atol=1e-5, rtol=1e-5)
+    for op in (reference.attention, reference.decode_attention):   # decode: row by row
+        got = op(q[:live], kv_cache, LAYER, tables, row_request[:live], positions[:live], SCALE, window)
+        torch.testing.assert_close(got.double(), want[:live], atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_rows_are_attended_in_float32():

@@ -12,7 +12,7 @@ How the CPU computes it, a request's rows at once, is ``torch_attention.py``'s.
 
 import torch
 
-from tokenspeed.backends.kernels.torch_attention import paged_attention
+from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
 
 
@@ -43,7 +43,10 @@ def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, 
                            window, num_rows)
 
 
-decode_attention = attention  # one row per request is a case of the general formulation
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
+    """One row per request: every row alone in its run."""
+    flat, page_size = flat_slots(kv_cache)
+    return lone_rows_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size, window)
 
 
 def silu_and_mul(gate_up):
@@ -71,7 +74,7 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, window):
     q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping)
-    return attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
+    return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
 
 
 def linear(x, weight, bias):

@@ -30,11 +30,23 @@ def paged_attention(q, kv, block_tables, row_request, positions, scale, page_siz
             rows = slice(start, start + length)
             table = block_tables[int(row_request[start])]
             out[rows] = _attend_run(q[rows], kv, table, int(positions[start]), scale, page_size, window)
-    lone = [start for start, length in zip(starts, lengths) if length == 1]
-    for first in range(0, len(lone), ROWS_PER_CHUNK):
-        rows = torch.tensor(lone[first:first + ROWS_PER_CHUNK], device=q.device)
-        out[rows] = _attend_rows(q[rows], kv, block_tables, row_request[rows].long(),
-                                 positions[rows].long(), scale, page_size, window)
+    lone = torch.tensor([start for start, length in zip(starts, lengths) if length == 1],
+                        dtype=torch.long, device=q.device)
+    if len(lone):
+        out[lone] = lone_rows_attention(q[lone], kv, block_tables, row_request[lone], positions[lone], scale,
+                                        page_size, window)
+    return out
+
+
+def lone_rows_attention(q, kv, block_tables, row_request, positions, scale, page_size: int,
+                        window: int) -> torch.Tensor:
+    """Every row over its own request's keys, ``ROWS_PER_CHUNK`` rows at a time: for rows
+    of distinct requests (decode rows), which need no search for runs."""
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        out[rows] = _attend_rows(q[rows], kv, block_tables, row_request[rows].long(), positions[rows].long(),
+                                 scale, page_size, window)
     return out
 
 
