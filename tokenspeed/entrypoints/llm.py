@@ -49,8 +49,8 @@ class LLM:
         tokenspeed model (default: the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
         path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
-        ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``num_kv_pages``,
-        ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
+        ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``max_chunk_tokens``,
+        ``num_kv_pages``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
         ``compile_workers``; another name is refused). ``enforce_eager``: no graphs, as
         ``graphs=False``.
@@ -87,7 +87,8 @@ class LLM:
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
                               enable_prefix_caching,
-                              retentions=tuple(g.retention for g in self.model.config.cache_groups))
+                              retentions=tuple(g.retention for g in self.model.config.cache_groups),
+                              max_chunk_tokens=config.chunk_tokens())
         self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
                              self.model.config, self.compiled.limits.max_model_len, overlap,
                              config.seed, self.compiled.verify, drafter,

@@ -13,6 +13,7 @@ from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.runtime.ladders import given_ladder
 
 MAX_COMPILE_WORKERS = 8
+CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
 
 
 def _at_least(minimum: int):
@@ -25,6 +26,12 @@ def _at_least(minimum: int):
 def _share(instance, attribute, value):
     if not 0 < value <= 1:
         raise ValueError(f"{attribute.name}={value}: must be in (0, 1]")
+
+
+def _within_step(instance, attribute, value):
+    if value is not None and not 1 <= value <= instance.max_num_batched_tokens:
+        raise ValueError(f"{attribute.name}={value}: must be in [1, max_num_batched_tokens="
+                         f"{instance.max_num_batched_tokens}]")
 
 
 def _sizes(instance, attribute, value):
@@ -44,12 +51,14 @@ class CompileConfig:
     exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``; a request of a
     model windowed on every layer holds only its window's pages); ``compile_workers``:
     processes that compile the Triton kernels before the captures (default: half the usable
-    cores, at most 8; 0 compiles each on first launch)."""
+    cores, at most 8; 0 compiles each on first launch); ``max_chunk_tokens``: the most new
+    tokens a step computes for one request (``chunk_tokens``)."""
     device: torch.device = attrs.field(default="cpu", converter=torch.device)
     page_size: int = attrs.field(default=16, validator=_at_least(1))
     max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
     max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
+    max_chunk_tokens: int | None = attrs.field(default=None, validator=_within_step)
     num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2))
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_at_least(1))
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_share)
@@ -66,6 +75,17 @@ class CompileConfig:
         """What gets captured: the backend's support, where graphs are wanted at all."""
         wanted = self.device.type == "cuda" if self.graphs is None else self.graphs
         return backend_support if wanted else CudaGraphSupport(False, False, False)
+
+    def chunk_tokens(self) -> int:
+        """``max_chunk_tokens``, by default the whole step's budget, but on the CPU
+        ``CPU_CHUNK_TOKENS``: a CPU step costs about a second per 256 new tokens of a small
+        model, so a long prompt taking the whole budget would hold every other request back
+        for as long as its prefill runs; in chunks, a request that arrives meanwhile joins
+        the next step (as vLLM's chunked prefill does with its long-prefill threshold)."""
+        if self.max_chunk_tokens is not None:
+            return self.max_chunk_tokens
+        wanted = CPU_CHUNK_TOKENS if self.device.type == "cpu" else self.max_num_batched_tokens
+        return min(wanted, self.max_num_batched_tokens)
 
     def workers_for(self, support: CudaGraphSupport) -> int:
         """Compile workers to start: none without CUDA graphs (nothing compiles ahead)."""

@@ -40,12 +40,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefix_caching: bool = False,
-                 retentions: tuple[int, ...] = (0,)):
+                 retentions: tuple[int, ...] = (0,), max_chunk_tokens: int | None = None):
         """``retentions``: each cache group's (``ModelConfig.cache_groups``): positions
-        behind a row that its layers read, 0 for all of them."""
+        behind a row that its layers read, 0 for all of them. ``max_chunk_tokens``: the
+        most new tokens a step takes of one request (default: the step's budget)."""
         self.allocator, self.page_size, self.retentions = allocator, page_size, tuple(retentions)
         self.prefix_caching, self.digests = prefix_caching, PageDigests(page_size)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_chunk_tokens = max_num_batched_tokens if max_chunk_tokens is None else max_chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -195,7 +197,7 @@ class Scheduler:
 
     def _take(self, request: Request, budget: int, picked: list) -> int:
         """Add up to ``budget`` of ``request``'s uncached tokens if pages allow; new budget."""
-        chunk = min(request.num_uncached, budget)
+        chunk = min(request.num_uncached, budget, self.max_chunk_tokens)
         if chunk <= 0 or not self.grow(request, request.num_cached + chunk):
             return budget
         picked.append((request, chunk))

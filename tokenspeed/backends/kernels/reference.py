@@ -7,13 +7,13 @@ Attention is described per query row, so one formulation serves decode, extend a
 narrowed decoder view: row r belongs to request ``row_request[r]`` and sits at position
 ``positions[r]``; it attends causally to positions 0..positions[r] of that request (the
 last ``window`` of them with a sliding window), found through ``block_tables[row_request[r]]``.
+How the CPU computes it, a request's rows at once, is ``torch_attention.py``'s.
 """
 
 import torch
 
+from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
-
-ROWS_PER_CHUNK = 64  # query rows attended at once: bounds the gathered keys' memory
 
 
 def flat_slots(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -39,39 +39,14 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, t
 
 def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, num_rows):
     flat, page_size = flat_slots(kv_cache)
-    out = torch.zeros_like(q) if num_rows < q.shape[0] else torch.empty_like(q)
-    for start in range(0, num_rows, ROWS_PER_CHUNK):
-        rows = slice(start, min(start + ROWS_PER_CHUNK, num_rows))
-        out[rows] = _attend_rows(q[rows], flat[layer], block_tables, row_request[rows].long(),
-                                 positions[rows].long(), scale, page_size, window)
-    return out
+    return paged_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size,
+                           window, num_rows)
 
 
-decode_attention = attention  # one row per request is a case of the general formulation
-
-
-def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
-    """Slots of positions 0..length-1 for each request in ``rows``: [len(rows), length]."""
-    pos = torch.arange(length, device=block_tables.device)
-    pages = block_tables[rows][:, pos // page_size].long()
-    return pages * page_size + pos % page_size
-
-
-def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size, window):
-    if q.shape[0] == 0:
-        return q
-    length = int(positions.max()) + 1
-    slots = key_slots(block_tables, requests, length, page_size)          # [Q, L]
-    k, v = kv[0][slots].float(), kv[1][slots].float()                      # [Q, L, Hkv, D]
-    group = q.shape[1] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("qhd,qlhd->qhl", q.float(), k) * scale
-    keys = torch.arange(length, device=q.device)[None, :]
-    visible = keys <= positions[:, None]
-    if window:
-        visible &= keys > positions[:, None] - window
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    return torch.einsum("qhl,qlhd->qhd", scores.softmax(-1), v).to(q.dtype)
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
+    """One row per request: every row alone in its run."""
+    flat, page_size = flat_slots(kv_cache)
+    return lone_rows_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size, window)
 
 
 def silu_and_mul(gate_up):
@@ -99,7 +74,7 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, window):
     q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping)
-    return attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
+    return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
 
 
 def linear(x, weight, bias):

@@ -1,0 +1,101 @@
+"""Paged attention in torch: what the CPU runs for every attention op, and the reference
+the Triton kernels are tested against (the semantics are ``reference.py``'s).
+
+Rows of one request at consecutive positions (a run: a prompt chunk, a verify window, the
+rows a decoder view keeps of one request) read the same keys. A run of two rows or more
+gathers its request's keys and values once and makes one
+``scaled_dot_product_attention`` call over them, every KV head's query heads together,
+causal through a mask that starts at the run's first position: a chunk costs what SDPA
+costs. Gathered per row instead, every row copies all the keys before it, and a prompt's
+attention grows with the cube of its length in copies (600 tokens took two minutes on
+the CPU). A row alone in its run (a decode row: one per request) reads its request's
+keys once either way; such rows go together, ``ROWS_PER_CHUNK`` at a time, in one
+batched product. Scores and softmax are float32 whatever the cache's dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+
+ROWS_PER_CHUNK = 64  # lone rows attended at once: bounds their gathered keys' memory
+
+
+def paged_attention(q, kv, block_tables, row_request, positions, scale, page_size: int, window: int,
+                    num_rows: int) -> torch.Tensor:
+    """Attention of the first ``num_rows`` rows of ``q`` (``[rows, H, D]``) over one layer's
+    cache ``kv`` (``[2, slots, Hkv, D]``); the rows after them are zero."""
+    out = torch.zeros_like(q) if num_rows < q.shape[0] else torch.empty_like(q)
+    starts, lengths = row_runs(row_request[:num_rows], positions[:num_rows])
+    for start, length in zip(starts, lengths):
+        if length > 1:
+            rows = slice(start, start + length)
+            table = block_tables[int(row_request[start])]
+            out[rows] = _attend_run(q[rows], kv, table, int(positions[start]), scale, page_size, window)
+    lone = torch.tensor([start for start, length in zip(starts, lengths) if length == 1],
+                        dtype=torch.long, device=q.device)
+    if len(lone):
+        out[lone] = lone_rows_attention(q[lone], kv, block_tables, row_request[lone], positions[lone], scale,
+                                        page_size, window)
+    return out
+
+
+def lone_rows_attention(q, kv, block_tables, row_request, positions, scale, page_size: int,
+                        window: int) -> torch.Tensor:
+    """Every row over its own request's keys, ``ROWS_PER_CHUNK`` rows at a time: for rows
+    of distinct requests (decode rows), which need no search for runs."""
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        out[rows] = _attend_rows(q[rows], kv, block_tables, row_request[rows].long(), positions[rows].long(),
+                                 scale, page_size, window)
+    return out
+
+
+def row_runs(row_request: torch.Tensor, positions: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The longest runs of rows of one request at consecutive positions: (first rows, lengths)."""
+    count = row_request.shape[0]
+    if count == 0:
+        return [], []
+    breaks = (row_request[1:] != row_request[:-1]) | (positions[1:] != positions[:-1] + 1)
+    starts = torch.cat([breaks.new_ones(1), breaks]).nonzero().flatten()
+    ends = torch.cat([starts[1:], starts.new_tensor([count])])
+    return starts.tolist(), (ends - starts).tolist()
+
+
+def _attend_run(q, kv, table, first: int, scale, page_size: int, window: int) -> torch.Tensor:
+    """Rows at positions ``first ..`` of the request whose block-table row is ``table``:
+    its keys from the first any row sees (all, or the first row's window) to the last row."""
+    last = first + q.shape[0] - 1
+    keys = torch.arange(max(first - window + 1, 0) if window else 0, last + 1, device=q.device)
+    slots = table[keys // page_size].long() * page_size + keys % page_size
+    k, v = (kv[i][slots].float().transpose(0, 1) for i in (0, 1))              # [Hkv, Lk, D]
+    visible = _visible(keys, torch.arange(first, last + 1, device=q.device), window)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def _visible(keys: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``[rows, keys]``: the keys at or before each row's position, within its window."""
+    visible = keys[None, :] <= positions[:, None]
+    if window:
+        visible &= keys[None, :] > positions[:, None] - window
+    return visible
+
+
+def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
+    """Slots of positions 0..length-1 for each request in ``rows``: [len(rows), length]."""
+    pos = torch.arange(length, device=block_tables.device)
+    pages = block_tables[rows][:, pos // page_size].long()
+    return pages * page_size + pos % page_size
+
+
+def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size: int, window: int):
+    """Each row over its own request's keys: ``[Q, L, Hkv, D]`` gathered, one per row."""
+    length = int(positions.max()) + 1
+    slots = key_slots(block_tables, requests, length, page_size)                 # [Q, L]
+    k, v = kv[0][slots].float(), kv[1][slots].float()                           # [Q, L, Hkv, D]
+    grouped = q.float().unflatten(1, (k.shape[2], -1))                            # [Q, Hkv, G, D]
+    scores = torch.einsum("qkgd,qlkd->qkgl", grouped, k) * scale
+    visible = _visible(torch.arange(length, device=q.device), positions, window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return torch.einsum("qkgl,qlkd->qkgd", scores.softmax(-1), v).flatten(1, 2).to(q.dtype)
