@@ -20,7 +20,9 @@ class Logprob:
 @attrs.frozen
 class TokenLogprobs(Mapping):
     """A sampled token's log-probability under the model, and the most likely tokens'
-    (best first), as many as ``SamplingParams.logprobs`` asked for. It is also the mapping
+    (best first), as many as ``SamplingParams.logprobs`` asked for (``ranked``), then the
+    sampled token's where it is not among them (so ``top`` always holds it, as vLLM's
+    entries do; its rank is then unknown: None). It is also the mapping
     vLLM returns per position, token id -> ``Logprob`` (the sampled token first), so code
     written for vLLM's ``logprobs[i][token_id].decoded_token`` reads it unchanged;
     ``texts``: each token's text, where ``LLM`` had a tokenizer to decode them."""
@@ -28,9 +30,10 @@ class TokenLogprobs(Mapping):
     logprob: float
     top: dict[int, float]
     texts: dict[int, str] | None = None
+    ranked: int | None = None   # the entries of ``top`` ranked best first (None: all)
 
     def __getitem__(self, token_id: int) -> Logprob:
-        ranks = {t: i + 1 for i, t in enumerate(self.top)}
+        ranks = {t: i + 1 for i, t in enumerate(self.top) if self.ranked is None or i < self.ranked}
         if token_id != self.token_id and token_id not in ranks:
             raise KeyError(token_id)
         value = self.logprob if token_id == self.token_id else self.top[token_id]

@@ -60,9 +60,9 @@ def check_prompt(limits: PromptLimits, index: int, prompt: tuple[int, ...], para
                          f"= {total} exceeds max_model_len={limits.max_model_len}")
     pages = sum(most_pages_held(total, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
     if pages > limits.usable_pages:
-        raise RefusedRequest("max_tokens", f"{where}: a sample of {len(prompt)} prompt tokens + max_tokens="
-                         f"{params.max_tokens} needs {pages} KV pages at once, the pool has "
-                         f"{limits.usable_pages} (a request's samples take turns in the pool)")
+        raise RefusedRequest("max_tokens", f"{where}: needs {pages} KV pages at once, the pool has "
+                             f"{limits.usable_pages} ({len(prompt)} prompt tokens + max_tokens="
+                             f"{params.max_tokens}; a request's samples take turns in the pool)")
 
 
 def _check_vocabulary(field: str, where: str, what: str, ids: tuple[int, ...], vocab_size: int) -> None:

@@ -178,7 +178,7 @@ def _token_logprobs(token: int, logprob: float, ids: list[int], values: list[flo
     vLLM: a client always finds the sampled token's entry; the order stays best first)."""
     top = dict(zip(ids[:k], values[:k]))
     top.setdefault(token, logprob)
-    return TokenLogprobs(token, logprob, top)
+    return TokenLogprobs(token, logprob, top, ranked=k)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
