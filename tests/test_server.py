@@ -3,7 +3,6 @@ client and plain HTTP: answers equal offline ``generate``, streams join to the a
 16 clients at once each get their own, a client that leaves frees its pages, bad input
 is a 400 naming the field (and the server serves on), auth, size limits, internal errors."""
 
-import contextlib
 import functools
 import gc
 import json
@@ -19,15 +18,15 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
 from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
+from tokenspeed.entrypoints.openai.server import create_app
 from tokenspeed.entrypoints.prompts import parse_prompts
 
+from serving import free_port, running
 from text_models import llm_failing_on, text_model_dir
 
 KEY = "sesame"
@@ -37,32 +36,9 @@ OPTIONS = dict(page_size=4, max_num_seqs=8, max_model_len=256)
 POISON = 4321           # a prompt holding this token makes the engine's step fail
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llm():
     return ts.LLM(text_model_dir(), **OPTIONS)
-
-
-@contextlib.contextmanager
-def running(app):
-    """``app`` served on a free loopback port; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(1200):
-        if server.started or not thread.is_alive():
-            break
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

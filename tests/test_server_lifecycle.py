@@ -25,7 +25,7 @@ from tokenspeed.entrypoints.channel import FrameProtocol, FrameSocket, connect, 
 from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app
 
-from test_server import free_port, running
+from serving import free_port, running
 from text_models import text_model_dir
 
 OPTIONS = dict(page_size=4, max_num_seqs=8, max_model_len=256)

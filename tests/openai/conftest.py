@@ -12,7 +12,8 @@ from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.access import Access
 from tokenspeed.entrypoints.openai.server import create_app
 
-from openai_http import KEY, MODEL, ORIGIN, Api, running
+from openai_http import KEY, MODEL, ORIGIN, Api
+from serving import running
 from text_models import text_model_dir
 
 OPTIONS = dict(page_size=4, max_num_seqs=8, max_model_len=256)

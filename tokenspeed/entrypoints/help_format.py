@@ -10,8 +10,10 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.nargs == 0:
             return action.help
+        if "default" in action.help:   # the help says it in its own words
+            return action.help
         if action.default is None:
-            return action.help if "default" in action.help else f"{action.help} (default: none)"
+            return f"{action.help} (default: none)"
         return super()._get_help_string(action)
 
 
