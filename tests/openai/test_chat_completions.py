@@ -114,3 +114,17 @@ def test_bad_messages_are_refused(api):
     assert_error(api.post(PATH, {"messages": []}), 400, "BadRequestError", "messages")
     assert_error(api.post(PATH, {"messages": [{"role": "wizard", "content": "hi"}]}), 400, "BadRequestError",
                  "messages")
+
+
+def test_chat_top_logprobs_are_as_many_as_asked_and_completions_hold_the_sampled_token(client):
+    """At a high temperature the sampled token is often not among the k most likely: chat
+    lists exactly k (OpenAI's shape; the sampled token is the entry itself), completions
+    add the sampled token's entry after the k (as vLLM)."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=12, logprobs=True, top_logprobs=1, temperature=1.8,
+                                          seed=5, extra_body={"ignore_eos": True})
+    assert all(len(e.top_logprobs) == 1 for e in chat.choices[0].logprobs.content)
+    text = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=12, logprobs=1,
+                                     temperature=1.8, seed=5, extra_body={"ignore_eos": True})
+    lp = text.choices[0].logprobs
+    assert all(token in top and len(top) in (1, 2) for token, top in zip(lp.tokens, lp.top_logprobs))

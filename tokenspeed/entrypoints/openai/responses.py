@@ -188,7 +188,7 @@ class ChatFormat(_Format):
         if not logprobs:
             return None
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [self._entry(t, v) for t, v in lp.top.items()]}
+                             "top_logprobs": [self._entry(t, v) for t, v in _ranked(lp)]}
                             for lp in logprobs]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
@@ -202,3 +202,11 @@ class ChatFormat(_Format):
 def _value(value: str | int | None) -> str:
     """``json.dumps`` of a finish or stop reason, without its per-call overhead."""
     return "null" if value is None else _string(value) if isinstance(value, str) else str(int(value))
+
+
+def _ranked(lp) -> list[tuple[int, float]]:
+    """A chat position's ``top_logprobs``: the ``top_logprobs`` most likely tokens, as many as
+    asked (OpenAI's shape). The sampled token is the position's own entry, so the one
+    ``top`` holds after them when it is not among them is left out here."""
+    entries = list(lp.top.items())
+    return entries if lp.ranked is None else entries[:lp.ranked]
