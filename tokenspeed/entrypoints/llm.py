@@ -77,22 +77,23 @@ class LLM:
             if speculative is not None and speculative.method == "draft":
                 draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
             support = backend.graph_support()
-            verify = self.traced.lower("verify", decode_graph=support.decode_graph) if speculative else None
+            verify = stages.Verification(self.traced.lower("verify", decode_graph=support.decode_graph),
+                                         speculative.window) if speculative else None
             prefill = self.traced.lower("prefill", attention_breaks=not support.prefill_attention)
             self.compiled = stages.compile(prefill, self.traced.lower("decode", decode_graph=support.decode_graph),
-                                           config, backend, workers, verify,
-                                           speculative.window if speculative else 1,
-                                           draft.compiled.binding.geometry.page_bytes if draft else 0)
+                                           config, backend=backend, workers=workers, verify=verify,
+                                           companion_page_bytes=draft.compiled.binding.geometry.page_bytes
+                                           if draft else 0)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
                               config.max_num_seqs, config.max_num_batched_tokens,
                               enable_prefix_caching,
                               retentions=tuple(g.retention for g in self.model.config.cache_groups),
                               max_chunk_tokens=config.chunk_tokens())
-        self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
-                             self.model.config, self.compiled.limits.max_model_len, overlap,
-                             config.seed, self.compiled.verify, drafter,
-                             verify_cost=speculative.verify_cost if speculative else 1.0)
+        self.engine = Engine(scheduler, prefill=self.compiled.prefill, decode=self.compiled.decode,
+                             model_config=self.model.config, max_model_len=self.compiled.limits.max_model_len,
+                             overlap=overlap, seed=config.seed, verify=self.compiled.verify,
+                             drafter=drafter, verify_cost=speculative.verify_cost if speculative else 1.0)
         self._lock = threading.Lock()
         self._streams: dict[Request, TextStream] = {}
         self._failures, self._failure = 0, None   # failed steps so far, and the last error

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: CudaGraphSupport,
                   config: CompileConfig, limits: EngineLimits,
-                  compile_workers: precompile.CompileWorkers, verify_window: int = 1, num_groups: int = 1):
+                  compile_workers: precompile.CompileWorkers, *, verify_window: int = 1, num_groups: int = 1):
     """The prefill and decode runners (and a verify runner, when ``programs`` has one, for
     windows of ``verify_window`` rows per request) over ``kv_cache``, every graph
     ``support`` allows captured, and the report. ``compile_workers``: started by the
