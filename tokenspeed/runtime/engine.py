@@ -14,9 +14,10 @@ Under a chained decode step, the step before it is read at the start of the next
 (``unread``), just before the next launch: what the caller does between two calls (a
 server publishes every stream's tokens and admits arrivals) runs while the GPU has two
 steps queued, and only the next launch is left between one step's end on the GPU and the
-next one's start (before, a served engine's GPU waited for its host 0.16-0.22 ms of a
-decode step on average, and about 1.2 ms of an extend: docs/PERFORMANCE.md). The step read
-late may be an extend, so a request's first token comes a decode step later.
+next one's start (reading each step at once would leave a served engine's GPU waiting
+for its host 0.16-0.22 ms of a decode step on average, and about 1.2 ms of an extend:
+docs/PERFORMANCE.md). The step read late may be an extend, so a request's first token
+comes a decode step later.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
