@@ -145,7 +145,7 @@ class FakeDevice:
         self.total, self.base, self.pools, self.asked = total, base, weakref.WeakSet(), 0
         allocate = kv_pool.allocate
         monkeypatch.setattr(kv_pool, "allocate", lambda *a: self._keep(allocate(*a)))
-        monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda config, *a: None if config.num_kv_pages is None
+        monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda config, *a, **kw: None if config.num_kv_pages is None
                             else kv_pool.PoolSizing(config.num_kv_pages, 1, 1, "num_kv_pages"))
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
 

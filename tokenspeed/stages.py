@@ -145,7 +145,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
     per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
                                       whole_contexts=bool(companion_page_bytes))
-    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes)
+    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes=companion_page_bytes)
     pages = sizing.num_pages if sizing else kv_pool.probe_pages(per_sequence)
     lowered = {"prefill": prefill, "decode": decode, **({"verify": verify.lowered} if verify else {})}
     binding = Binding(lowered=lowered, backend=backend, support=config.graph_support(backend.graph_support()),
@@ -159,7 +159,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         return compiled
     start, probed = time.perf_counter(), compiled.startup
     sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
-                                       config.max_num_seqs, per_sequence, companion_page_bytes)
+                                       max_num_seqs=config.max_num_seqs, pages_per_sequence=per_sequence,
+                                       companion_page_bytes=companion_page_bytes)
     del compiled       # the probe's pool and graphs go before the real pool is allocated
     _release_device_memory()
     compiled = binding.bind(kv_pool.allocate(geometry, sizing.num_pages), CompileWorkers(0), sizing)
@@ -212,8 +213,9 @@ class Binding:
         self.check(pool)
         programs = {mode: lo.program for mode, lo in self.lowered.items()}
         prefill, decode, verify, startup = build_runners(
-            programs, pool, self.backend, self.support, self.config, self.limits, workers,
-            verify_window=self.verify_window, num_groups=len(self.lowered["decode"].config.cache_groups))
+            programs, pool, self.backend, support=self.support, config=self.config, limits=self.limits,
+            compile_workers=workers, verify_window=self.verify_window,
+            num_groups=len(self.lowered["decode"].config.cache_groups))
         sizing = sizing or kv_pool.PoolSizing(pool.shape[2], self.geometry.page_bytes, self.pages_per_sequence,
                                               "the pool given")
         return Compiled(config=self.config, limits=self.limits, lowered=self.lowered, kv_cache=pool,
