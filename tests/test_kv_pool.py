@@ -145,7 +145,7 @@ class FakeDevice:
         self.total, self.base, self.pools, self.asked = total, base, weakref.WeakSet(), 0
         allocate = kv_pool.allocate
         monkeypatch.setattr(kv_pool, "allocate", lambda *a: self._keep(allocate(*a)))
-        monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda config, *a: None if config.num_kv_pages is None
+        monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda config, *a, **kw: None if config.num_kv_pages is None
                             else kv_pool.PoolSizing(config.num_kv_pages, 1, 1, "num_kv_pages"))
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
 
@@ -191,7 +191,7 @@ def test_a_draft_model_s_pool_holds_as_many_pages_as_the_target_s_from_one_budge
     draft = ts.SpeculativeConfig(method="draft", num_tokens=2, draft_model=draft_model)
     llm = ts.LLM(model, gpu_memory_utilization=0.6, speculative=draft, **OPTIONS)
     assert llm.compiled.pool.non_kv_bytes == device.base + 2 * draft_bytes   # the draft's stand-in
-    assert llm.compiled.num_pages == llm.engine.speculative.allocator.num_pages == 99
+    assert llm.compiled.num_pages == llm.engine.drafter.allocator.num_pages == 99
     live = sum(p.numel() * p.element_size() for p in device.pools)
     assert device.base + live <= device.total * 0.6
 
@@ -204,7 +204,7 @@ def test_a_windowed_draft_model_s_pool_holds_whole_contexts(monkeypatch):
     draft = ts.SpeculativeConfig(method="draft", num_tokens=2, verify_cost=1.0, draft_model=target)
     llm = ts.LLM(target, page_size=PAGE, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=16,
                  graphs=False, speculative=draft)
-    assert llm.compiled.num_pages == llm.engine.speculative.allocator.num_pages == 4 * (256 // PAGE) + 1
+    assert llm.compiled.num_pages == llm.engine.drafter.allocator.num_pages == 4 * (256 // PAGE) + 1
     params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [[(5 * i + 3 * j) % 400 + 1 for j in range(150)] for i in range(4)]
     outputs = llm.generate(prompts, params, use_tqdm=False)

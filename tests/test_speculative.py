@@ -70,7 +70,7 @@ def test_any_drafts_give_plain_decodings_tokens(temperature, right, graphs, stop
                                    stop_token_ids=[want[0][5]])
         want = outputs(plain, params)
     truth = [p + list(w) for p, w in zip(PROMPTS, want)]
-    speculative.engine.speculative = ScriptedDrafts(truth, right, seed)
+    speculative.engine.drafter = ScriptedDrafts(truth, right, seed)
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert all(1 <= o.metrics.mean_accept_length <= 4 for o in got if o.metrics.mean_accept_length)
@@ -79,7 +79,7 @@ def test_any_drafts_give_plain_decodings_tokens(temperature, right, graphs, stop
 
 def test_ngram_drafts_are_kept_on_text_that_repeats():
     plain, speculative = engines(False, decisive=False)
-    speculative.engine.speculative = ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0)
+    speculative.engine.drafter = ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0)
     params = ts.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == outputs(plain, params)
@@ -90,7 +90,7 @@ def test_a_tiny_pool_preempts_and_caches_alike():
     plain, speculative = engines(False, num_kv_pages=24)
     params = ts.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = outputs(plain, params)
-    speculative.engine.speculative = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.8, 1)
+    speculative.engine.drafter = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.8, 1)
     assert outputs(speculative, params) == want
     assert outputs(speculative, params) == want      # again, from the prefix cache
 
@@ -136,8 +136,8 @@ def test_speculative_must_be_a_config():
 def test_a_verify_runner_needs_its_config():
     with pytest.raises(ValueError, match="both"):
         from tokenspeed.runtime.engine import Engine
-        Engine(None, None, None, types.SimpleNamespace(eos_token_ids=(), vocab_size=1), 8,
-               verify=object())
+        Engine(None, prefill=None, decode=None, model_config=types.SimpleNamespace(eos_token_ids=(), vocab_size=1),
+               max_model_len=8, verify=object())
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off():
@@ -148,7 +148,7 @@ def test_a_request_whose_drafts_keep_failing_backs_off():
     want = plain.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0].token_ids
     wrong = next(t for t in range(TINY_LLAMA["vocab_size"]) if t not in want)
     engine, windows = speculative.engine, []
-    engine.speculative = Proposer(lambda tokens, limit: (wrong,) * min(3, limit))
+    engine.drafter = Proposer(lambda tokens, limit: (wrong,) * min(3, limit))
     verify = engine._verify
     engine._verify = lambda requests, drafts: windows.append(requests[0].num_tokens) or verify(requests, drafts)
     try:
@@ -171,7 +171,7 @@ def test_verify_graphs_on_the_gpu_give_plain_decodings_tokens(temperature):
     speculative = ts.LLM(model, speculative=ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0), **kw)
     params = ts.SamplingParams(temperature=temperature, max_tokens=32, seed=5, ignore_eos=True)
     want = outputs(plain, params)
-    speculative.engine.speculative = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.7, 2)
+    speculative.engine.drafter = ScriptedDrafts([p + list(w) for p, w in zip(PROMPTS, want)], 0.7, 2)
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert max(o.metrics.mean_accept_length or 1.0 for o in got) > 1.5
@@ -189,7 +189,7 @@ def test_only_windows_with_drafts_count_towards_the_accept_length():
         known = list(tokens) == first[:len(tokens)]
         return tuple(first[len(tokens):len(tokens) + min(3, limit)]) if known else ()
 
-    speculative.engine.speculative = Proposer(propose)
+    speculative.engine.drafter = Proposer(propose)
     got = speculative.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
     assert got[0].metrics.mean_accept_length > 3 and got[1].metrics.mean_accept_length is None
@@ -226,7 +226,7 @@ def test_a_batch_verifies_only_drafts_expected_to_pay_for_the_step():
         return ()
 
     engine = speculative.engine
-    engine.speculative, engine.verify_cost = Proposer(propose), 2.0
+    engine.drafter, engine.verify_cost = Proposer(propose), 2.0
     try:
         alone = speculative.generate(PROMPTS[0], params, use_tqdm=False)[0]
         together = speculative.generate(PROMPTS, params, use_tqdm=False)
@@ -270,7 +270,7 @@ def test_a_draft_model_gives_plain_decodings_tokens(draft_seed, temperature):
     lengths = [o.metrics.mean_accept_length for o in got if o.metrics.mean_accept_length]
     if draft_seed == 0 and temperature == 0.0:   # the target drafting for itself: all kept
         assert min(lengths) > 3
-    drafter = speculative.engine.speculative
+    drafter = speculative.engine.drafter
     assert not drafter.states and drafter.allocator.num_free == drafter.allocator.num_pages - 1
 
 

@@ -1,5 +1,6 @@
-"""The pipeline in one place: ``trace -> lower -> compile``, each stage a frozen object
-that prints and that the next stage builds from (as JAX's ``jit(f).lower(x).compile()``).
+"""The pipeline in one place: ``trace -> lower -> compile``, each stage an object that
+prints and that the next stage builds from (as JAX's ``jit(f).lower(x).compile()``);
+``Traced`` and ``Lowered`` are immutable, ``Compiled`` holds the runners' live state.
 
     traced = ts.trace(model)                                  # Traced: the FX graph
     prefill, decode = traced.lower("prefill"), traced.lower("decode")   # Lowered
@@ -115,18 +116,25 @@ class Lowered:
         return g
 
 
-def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileConfig(),
+@attrs.frozen
+class Verification:
+    """Speculative decoding's verify runner, to be compiled with prefill and decode: decode
+    lowered in verify mode (``lowered``) and the most rows a request's window holds
+    (``window``: its drafts and the token before them), which size its batches."""
+    lowered: Lowered
+    window: int = attrs.field(validator=attrs.validators.ge(1))
+
+
+def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileConfig(), *,
             backend=None, workers: CompileWorkers | None = None,
-            verify: Lowered | None = None, verify_window: int = 1,
-            companion_page_bytes: int = 0) -> "Compiled":
+            verify: "Verification | None" = None, companion_page_bytes: int = 0) -> "Compiled":
     """Bind a KV pool, build both runners and capture every graph, once (twice when the pool
     is sized by ``gpu_memory_utilization``: a probe pool first, see ``runtime.kv_pool``).
 
     ``backend``: the backend tree (default: paged attention); lower decode with its
     ``graph_support().decode_graph``. ``workers``: kernel compile processes the caller
     started early (``ts.LLM`` starts them before tracing, so their imports overlap it).
-    ``verify``: decode lowered in verify mode, for speculative decoding's windows of up to
-    ``verify_window`` rows per request (a third runner over the same pool).
+    ``verify``: speculative decoding's third runner over the same pool (:class:`Verification`).
     ``companion_page_bytes``: a page of another pool to be bound with as many pages as this
     one, whose consumer keeps every page of a request (a draft model's): the budget pays for
     both, and pools are sized for whole contexts."""
@@ -137,11 +145,12 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
     per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
                                       whole_contexts=bool(companion_page_bytes))
-    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes)
+    sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes=companion_page_bytes)
     pages = sizing.num_pages if sizing else kv_pool.probe_pages(per_sequence)
-    lowered = {"prefill": prefill, "decode": decode, **({"verify": verify} if verify else {})}
-    binding = Binding(lowered, backend, config.graph_support(backend.graph_support()), config, limits,
-                      geometry, per_sequence, verify_window)
+    lowered = {"prefill": prefill, "decode": decode, **({"verify": verify.lowered} if verify else {})}
+    binding = Binding(lowered=lowered, backend=backend, support=config.graph_support(backend.graph_support()),
+                      config=config, limits=limits, geometry=geometry, pages_per_sequence=per_sequence,
+                      verify_window=verify.window if verify else 1)
     if sizing is None:
         kv_pool.reset_peak(geometry.device)
     with workers or CompileWorkers(config.workers_for(binding.support)) as started:
@@ -150,7 +159,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         return compiled
     start, probed = time.perf_counter(), compiled.startup
     sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
-                                       config.max_num_seqs, per_sequence, companion_page_bytes)
+                                       max_num_seqs=config.max_num_seqs, pages_per_sequence=per_sequence,
+                                       companion_page_bytes=companion_page_bytes)
     del compiled       # the probe's pool and graphs go before the real pool is allocated
     _release_device_memory()
     compiled = binding.bind(kv_pool.allocate(geometry, sizing.num_pages), CompileWorkers(0), sizing)
@@ -202,12 +212,15 @@ class Binding:
         (slots, captured addresses, republish latches) carries over."""
         self.check(pool)
         programs = {mode: lo.program for mode, lo in self.lowered.items()}
-        runners = build_runners(programs, pool, self.backend, self.support, self.config, self.limits,
-                                workers, self.verify_window, len(self.lowered["decode"].config.cache_groups))
+        prefill, decode, verify, startup = build_runners(
+            programs, pool, self.backend, support=self.support, config=self.config, limits=self.limits,
+            compile_workers=workers, verify_window=self.verify_window,
+            num_groups=len(self.lowered["decode"].config.cache_groups))
         sizing = sizing or kv_pool.PoolSizing(pool.shape[2], self.geometry.page_bytes, self.pages_per_sequence,
-                                      "the pool given")
-        return Compiled(self.config, self.limits, self.lowered, pool, *runners, self.support,
-                        attrs.evolve(sizing, num_pages=pool.shape[2]), self)
+                                              "the pool given")
+        return Compiled(config=self.config, limits=self.limits, lowered=self.lowered, kv_cache=pool,
+                        prefill=prefill, decode=decode, verify=verify, startup=startup, support=self.support,
+                        pool=attrs.evolve(sizing, num_pages=pool.shape[2]), binding=self)
 
 
 def _release_device_memory() -> None:
@@ -218,11 +231,15 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class Compiled:
     """Both runners over one KV pool, graphs captured: ``prefill.run(chunks, sampling)`` and
     ``decode.run(rows, sampling)`` each run a batch (``sampling``: a ``RowSampling`` per
-    sampled row) and return its sampled tokens."""
+    sampled row) and return its sampled tokens.
+
+    Not frozen: the runners it holds change with every batch they run (published slots,
+    replayed graphs, the pool's pages), so a ``Compiled`` is a handle on live state,
+    compared by identity, not a value; ``rebind`` gives another one over another pool."""
     config: CompileConfig
     limits: EngineLimits
     lowered: dict[str, Lowered] = attrs.field(repr=False)

@@ -1,8 +1,10 @@
-"""The paged-attention backend: full-attention MHA/GQA over one cache group, every layer.
+"""The paged-attention backend: MHA/GQA attention over the paged KV pool for every layer
+and every cache group (full or sliding-window: a layer reads its group's block tables).
 
 A backend owns the pure metadata functions its kernels read and declares which graphs it
-can be captured in; ``child_backends`` lets a tree of them (one leaf per cache group,
-under a router) answer for its support as one.
+can be captured in. A backend made of others lists them in ``child_backends``, so that the
+tree answers for its graph support and judges the pool as one (``support.walk``); this
+one is a leaf.
 """
 
 import torch

@@ -76,23 +76,9 @@ class LLM:
             draft = None
             if speculative is not None and speculative.method == "draft":
                 draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
-            support = backend.graph_support()
-            verify = self.traced.lower("verify", decode_graph=support.decode_graph) if speculative else None
-            prefill = self.traced.lower("prefill", attention_breaks=not support.prefill_attention)
-            self.compiled = stages.compile(prefill, self.traced.lower("decode", decode_graph=support.decode_graph),
-                                           config, backend, workers, verify,
-                                           speculative.window if speculative else 1,
-                                           draft.compiled.binding.geometry.page_bytes if draft else 0)
+            self.compiled = self._compile(config, backend, workers, speculative, draft)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
-        scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), config.page_size,
-                              config.max_num_seqs, config.max_num_batched_tokens,
-                              enable_prefix_caching,
-                              retentions=tuple(g.retention for g in self.model.config.cache_groups),
-                              max_chunk_tokens=config.chunk_tokens())
-        self.engine = Engine(scheduler, self.compiled.prefill, self.compiled.decode,
-                             self.model.config, self.compiled.limits.max_model_len, overlap,
-                             config.seed, self.compiled.verify, drafter,
-                             verify_cost=speculative.verify_cost if speculative else 1.0)
+        self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter)
         self._lock = threading.Lock()
         self._streams: dict[Request, TextStream] = {}
         self._failures, self._failure = 0, None   # failed steps so far, and the last error
@@ -100,6 +86,32 @@ class LLM:
     @property
     def config(self):
         return self.model.config
+
+    def _compile(self, config: CompileConfig, backend, workers: CompileWorkers,
+                 speculative: SpeculativeConfig | None, draft: "LLM | None") -> stages.Compiled:
+        """Every mode lowered for what ``backend`` can capture, compiled over one pool; with a
+        draft model, the pool leaves room for the draft's pool of as many pages."""
+        support = backend.graph_support()
+        verify = stages.Verification(self.traced.lower("verify", decode_graph=support.decode_graph),
+                                     speculative.window) if speculative else None
+        return stages.compile(self.traced.lower("prefill", attention_breaks=not support.prefill_attention),
+                              self.traced.lower("decode", decode_graph=support.decode_graph), config,
+                              backend=backend, workers=workers, verify=verify,
+                              companion_page_bytes=draft.compiled.binding.geometry.page_bytes if draft else 0)
+
+    def _engine(self, config: CompileConfig, overlap: bool, enable_prefix_caching: bool,
+                speculative: SpeculativeConfig | None, drafter) -> Engine:
+        """The engine over the compiled runners, its scheduler sized by ``config`` and the pool."""
+        scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), page_size=config.page_size,
+                              max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              prefix_caching=enable_prefix_caching,
+                              retentions=tuple(g.retention for g in self.model.config.cache_groups),
+                              max_chunk_tokens=config.chunk_tokens())
+        return Engine(scheduler, prefill=self.compiled.prefill, decode=self.compiled.decode,
+                      model_config=self.model.config, max_model_len=self.compiled.limits.max_model_len,
+                      overlap=overlap, seed=config.seed, verify=self.compiled.verify,
+                      drafter=drafter, verify_cost=speculative.verify_cost if speculative else 1.0)
 
     def _draft_model(self, speculative: SpeculativeConfig, config: CompileConfig, device, dtype,
                      enforce_eager: bool, compile_options: dict) -> "LLM":

@@ -1,10 +1,6 @@
 """Random-weight models for tests, demos and benchmarks (no hub access is possible)."""
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import save_file
 
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
@@ -48,16 +44,3 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         for part, piece in zip(parts, tensor.split(stacked_sizes(model.config, stacked))):
             state[name.replace(f".{stacked}.", f".{part}.")] = piece.contiguous()
     return state
-
-
-def save_random(hf_config: dict, path, seed: int = 0) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` with random weights."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model = random_model(hf_config, seed=seed)
-    state = hf_state_dict(model)
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    save_file(state, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
-    return path

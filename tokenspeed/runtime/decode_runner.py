@@ -25,7 +25,7 @@ PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 
 
 class DecodeRunner:
-    def __init__(self, program, kv_cache, backend, max_decode_bs: int, max_pages: int,
+    def __init__(self, program, kv_cache, backend, *, max_decode_bs: int, max_pages: int,
                  page_size: int, num_groups: int = 1):
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
         self.max_pages, self.page_size = max_pages, page_size

@@ -14,9 +14,10 @@ Under a chained decode step, the step before it is read at the start of the next
 (``unread``), just before the next launch: what the caller does between two calls (a
 server publishes every stream's tokens and admits arrivals) runs while the GPU has two
 steps queued, and only the next launch is left between one step's end on the GPU and the
-next one's start (before, a served engine's GPU waited for its host 0.16-0.22 ms of a
-decode step on average, and about 1.2 ms of an extend: docs/PERFORMANCE.md). The step read
-late may be an extend, so a request's first token comes a decode step later.
+next one's start (reading each step at once would leave a served engine's GPU waiting
+for its host 0.16-0.22 ms of a decode step on average, and about 1.2 ms of an extend:
+docs/PERFORMANCE.md). The step read late may be an extend, so a request's first token
+comes a decode step later.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
@@ -29,7 +30,7 @@ import torch
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, ExtendChunk
 from tokenspeed.runtime.decode_chain import next_columns
 from tokenspeed.runtime.outputs import TokenLogprobs
-from tokenspeed.runtime.prompt_limits import PromptLimits, check_prompt
+from tokenspeed.runtime.prompt_limits import PromptLimits
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sample_streams import stream_key
 from tokenspeed.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -54,20 +55,21 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, prefill, decode, model_config, max_model_len: int,
-                 overlap: bool = True, seed: int = 0, verify=None,
-                 speculative=None, admit_every: int = ADMIT_EVERY_STEPS, verify_cost: float = 1.0):
+    def __init__(self, scheduler: Scheduler, *, prefill, decode, model_config, max_model_len: int,
+                 overlap: bool = True, seed: int = 0, verify=None, drafter=None,
+                 verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
+        ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
-        of speculative windows, with ``speculative`` the drafter that proposes them
+        of speculative windows, with ``drafter`` the one that proposes them
         (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
         in chained plain steps (``_verify_pays``);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``)."""
-        if (verify is None) != (speculative is None):
+        if (verify is None) != (drafter is None):
             raise ValueError("speculative decoding needs both a verify runner and its drafter")
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
-        self.verify, self.speculative, self.verify_cost = verify, speculative, verify_cost
+        self.verify, self.drafter, self.verify_cost = verify, drafter, verify_cost
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
@@ -85,10 +87,6 @@ class Engine:
         return PromptLimits(self.vocab_size, self.max_model_len, scheduler.page_size,
                             scheduler.allocator.num_pages - 1, scheduler.retentions,
                             scheduler.max_num_batched_tokens)
-
-    def check(self, index: int, prompt: tuple[int, ...], params: SamplingParams) -> None:
-        """Refuse, naming prompt ``index``, what this engine cannot serve."""
-        check_prompt(self.limits, index, prompt, params)
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
         """Queue ``params.n`` samples of a checked prompt; the later ones share its pages.
@@ -118,8 +116,8 @@ class Engine:
         request.finish_time = time.time()
         self.num_finished += 1
         self.scheduler.finish(request)
-        if self.speculative is not None:
-            self.speculative.release(request)
+        if self.drafter is not None:
+            self.drafter.release(request)
 
     def abort_all(self) -> None:
         """After a failed step: nothing of it may leak into the next one."""
@@ -151,7 +149,7 @@ class Engine:
         """With nothing in flight: schedule a batch and launch it (or run it, and return
         the requests it finished)."""
         batch = self.scheduler.schedule()
-        drafts = self._drafts(batch) if self.speculative is not None else None
+        drafts = self._drafts(batch) if self.drafter is not None else None
         if drafts and any(drafts) and self._verify_pays(batch.requests, list(map(len, drafts))):
             return self._verify(batch.requests, drafts)
         if batch.kind == "decode" and batch.requests and self.overlap:
@@ -196,13 +194,13 @@ class Engine:
         live = [r for r in flight.requests if not r.finished]
         if not live or not any(self._wants_another(r) for r in live) or \
                 (flight.columns is None and any(r.sampling.reads_history for r in live)) or \
-                (self.speculative is not None and
+                (self.drafter is not None and
                  self._verify_pays(live, [self._would_draft(r) for r in live])):
             self._chained = 0
             return None
         if self._admits_now() or len(self.scheduler.running) != len(live):
             self._chained = 0
-            return self._chain_extend(flight, live) if self.speculative is None else None
+            return self._chain_extend(flight, live) if self.drafter is None else None
         kept = None if len(live) == len(flight.requests) else \
             [i for i, r in enumerate(flight.requests) if not r.finished]
         columns = self._chained_columns(flight, live, kept)
@@ -260,7 +258,7 @@ class Engine:
         if batch.kind != "decode":
             return None
         limits = [self._draft_limit(r) for r in batch.requests]
-        drafts = self.speculative.propose_many(batch.requests, limits)
+        drafts = self.drafter.propose_many(batch.requests, limits)
         for request, limit, draft in zip(batch.requests, limits, drafts):
             if not draft and limit > 0:
                 request.note_drafts(False)
@@ -270,7 +268,7 @@ class Engine:
         """How many drafts ``request`` would verify now (for a chain to break); finding
         none counts towards its back-off, as in ``_drafts``."""
         limit = self._draft_limit(request)
-        drafts = self.speculative.would_propose(request, limit) if limit > 0 else 0
+        drafts = self.drafter.would_propose(request, limit) if limit > 0 else 0
         if limit > 0 and not drafts:
             request.note_drafts(False)
         return drafts

@@ -60,7 +60,7 @@ class PointerGuard:
 class RecordedGraph:
     """CPU stand-in: replay re-runs the recorded function into the captured outputs."""
 
-    def __init__(self, fn: Callable, pool=None):
+    def __init__(self, fn: Callable):
         self.fn = fn
         self.outputs = fn()
 
@@ -137,7 +137,7 @@ class GraphCapturer:
             raise LateCaptureError(f"capture of {name} requested after startup: graphs are captured "
                                    "at startup only")
         try:
-            graph = (CudaGraph if self.is_cuda else RecordedGraph)(fn, self.pool)
+            graph = CudaGraph(fn, self.pool) if self.is_cuda else RecordedGraph(fn)
         except Exception as exc:  # noqa: BLE001 - re-raised as fatal with the graph's name
             raise GraphCaptureError(f"capture of {name} failed: {exc}") from exc
         self.count += 1

@@ -70,7 +70,7 @@ def probe_pages(pages_per_sequence: int) -> int:
     return pages_per_sequence + 1
 
 
-def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int,
+def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int, *,
                    companion_page_bytes: int = 0) -> PoolSizing | None:
     """The pool's size when an option fixes it without measuring (``num_kv_pages`` first,
     then ``kv_cache_memory_bytes``), else None (a GPU sized by ``gpu_memory_utilization``).
@@ -88,7 +88,7 @@ def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int,
     return PoolSizing(pages, page_bytes, pages_per_sequence, rule)
 
 
-def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeometry,
+def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeometry, *,
                       max_num_seqs: int, pages_per_sequence: int, companion_page_bytes: int = 0) -> PoolSizing:
     """Pages that fill ``utilization`` of the device once everything the probe engine holds
     but its pool stays (measured while it is alive: graphs, weights, workspaces, and what

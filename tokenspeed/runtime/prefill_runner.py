@@ -29,7 +29,7 @@ TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
 
 class PrefillRunner:
-    def __init__(self, program, kv_cache, backend, max_pages: int, page_size: int,
+    def __init__(self, program, kv_cache, backend, *, max_pages: int, page_size: int,
                  view_width: int, token_ladder, view_ladder, max_chunks: int, num_groups: int = 1):
         """Empty ladders: no graphs, every batch runs unpadded."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend

@@ -40,9 +40,9 @@ class StartupReport:
 log = logging.getLogger(__name__)
 
 
-def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: CudaGraphSupport,
-                  config: CompileConfig, limits: EngineLimits,
-                  compile_workers: precompile.CompileWorkers, verify_window: int = 1, num_groups: int = 1):
+def build_runners(programs: dict, kv_cache: torch.Tensor, backend, *, support: CudaGraphSupport,
+                  config: CompileConfig, limits: EngineLimits, compile_workers: precompile.CompileWorkers,
+                  verify_window: int = 1, num_groups: int = 1):
     """The prefill and decode runners (and a verify runner, when ``programs`` has one, for
     windows of ``verify_window`` rows per request) over ``kv_cache``, every graph
     ``support`` allows captured, and the report. ``compile_workers``: started by the
@@ -50,16 +50,17 @@ def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: Cuda
     device = kv_cache.device
     ladder = decode_ladder(config.max_num_seqs, config.capture_sizes) if support.decode_graph else ()
     tokens, views = _prefill_ladders(config, support)
-    decode = DecodeRunner(programs["decode"], kv_cache, backend, max((config.max_num_seqs, *ladder)),
-                          limits.max_pages, config.page_size, num_groups)
+    decode = DecodeRunner(programs["decode"], kv_cache, backend, max_decode_bs=max((config.max_num_seqs, *ladder)),
+                          max_pages=limits.max_pages, page_size=config.page_size, num_groups=num_groups)
     verify, verify_ladder = None, ()
     if "verify" in programs:
         rows = config.max_num_seqs * verify_window
         verify_ladder = decode_ladder(rows) if support.decode_graph else ()
-        verify = DecodeRunner(programs["verify"], kv_cache, backend, max((rows, *verify_ladder)),
-                              limits.max_pages, config.page_size, num_groups)
-    prefill = PrefillRunner(programs["prefill"], kv_cache, backend, limits.max_pages,
-                            config.page_size, config.view_width, tokens, views, config.max_num_seqs, num_groups)
+        verify = DecodeRunner(programs["verify"], kv_cache, backend, max_decode_bs=max((rows, *verify_ladder)),
+                              max_pages=limits.max_pages, page_size=config.page_size, num_groups=num_groups)
+    prefill = PrefillRunner(programs["prefill"], kv_cache, backend, max_pages=limits.max_pages,
+                            page_size=config.page_size, view_width=config.view_width, token_ladder=tokens,
+                            view_ladder=views, max_chunks=config.max_num_seqs, num_groups=num_groups)
     capturer = GraphCapturer(device)
     walks = len(prefill.capture_walks())
     start = time.perf_counter()
@@ -76,8 +77,10 @@ def build_runners(programs: dict, kv_cache: torch.Tensor, backend, support: Cuda
             verify.capture(capturer, verify_ladder, bar, name="verify")
         prefill.capture(capturer, bar)
     capturer.seal()
-    report = StartupReport(ladder, tokens, views, capturer.count, time.perf_counter() - compiled,
-                           _reserved(device) - memory, precompiled, compiled - start)
+    report = StartupReport(decode_ladder=ladder, token_buckets=tokens, view_buckets=views,
+                           num_graphs=capturer.count, capture_seconds=time.perf_counter() - compiled,
+                           graph_memory_bytes=_reserved(device) - memory,
+                           kernel_variants_precompiled=precompiled, precompile_seconds=compiled - start)
     return prefill, decode, verify, report
 
 

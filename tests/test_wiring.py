@@ -1,0 +1,40 @@
+"""Compiling and building an engine are wired by name: every option past the leading
+inputs is keyword-only, so a new or reordered one cannot shift another's value."""
+
+import inspect
+
+import pytest
+
+import tokenspeed as ts
+from tokenspeed import stages
+from tokenspeed.models.random import TINY_LLAMA, random_model
+from tokenspeed.runtime.decode_runner import DecodeRunner
+from tokenspeed.runtime.engine import Engine
+from tokenspeed.runtime.prefill_runner import PrefillRunner
+from tokenspeed.runtime.startup import build_runners
+
+LEADING = [(Engine.__init__, ("self", "scheduler")),
+           (stages.compile, ("prefill", "decode", "config")),
+           (build_runners, ("programs", "kv_cache", "backend")),
+           (DecodeRunner.__init__, ("self", "program", "kv_cache", "backend")),
+           (PrefillRunner.__init__, ("self", "program", "kv_cache", "backend"))]
+
+
+@pytest.mark.parametrize("function, leading", LEADING, ids=[f.__qualname__ for f, _ in LEADING])
+def test_options_past_the_leading_inputs_are_keyword_only(function, leading):
+    params = list(inspect.signature(function).parameters.values())
+    assert tuple(p.name for p in params[:len(leading)]) == leading
+    positional = [p.name for p in params[len(leading):] if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert positional == []
+
+
+def test_compile_refuses_its_options_by_position():
+    traced = ts.trace(random_model(TINY_LLAMA))
+    with pytest.raises(TypeError, match="positional"):
+        ts.compile(traced.lower("prefill"), traced.lower("decode"), ts.CompileConfig(num_kv_pages=8), None)
+
+
+def test_a_verify_window_holds_at_least_the_token_before_the_drafts():
+    lowered = ts.trace(random_model(TINY_LLAMA)).lower("verify")
+    with pytest.raises(ValueError, match="window"):
+        stages.Verification(lowered, 0)
