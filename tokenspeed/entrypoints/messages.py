@@ -111,7 +111,8 @@ class MismatchedRecord(TypeError):
 
 class RecordDecoder:
     """Decodes one direction's records; a record that does not match this end's
-    definition of its type is a ``MismatchedRecord`` naming the type."""
+    definition of its type is a ``MismatchedRecord`` naming the type (as is one whose
+    attrs record, rebuilt here, refuses a value: the sender built it around its checks)."""
 
     def __init__(self, union):
         self.decoder = msgspec.msgpack.Decoder(union)
@@ -120,8 +121,9 @@ class RecordDecoder:
         try:
             return self.decoder.decode(payload)
         except msgspec.ValidationError as exc:
-            raise MismatchedRecord(f"a {_type_name(payload)} record from the other process does not "
-                                   f"match this end's: {exc}") from exc
+            problem = "has a value its record refuses" if isinstance(exc.__cause__, ValueError) else \
+                "does not match this end's"
+            raise MismatchedRecord(f"a {_type_name(payload)} record from the other process {problem}: {exc}") from exc
 
 
 def _type_name(payload) -> str:
