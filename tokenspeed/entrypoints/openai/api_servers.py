@@ -95,8 +95,8 @@ def api_server_main(engine_end, info: EngineInfo, tokenizer, model_name: str, ap
     from tokenspeed.entrypoints.openai.lifecycle import run, uvicorn_config
     from tokenspeed.entrypoints.openai.server import Server, server_app
     threading.Thread(target=_stop_when_closed, args=(lifeline,), daemon=True).start()
-    server = Server(lambda: (FrameSocket(engine_end, from_engine_decoder()), info, None), tokenizer, model_name, api_key,
-                    metrics_dir=metrics_dir, request_timeout=timeouts.request)
+    server = Server(lambda: (FrameSocket(engine_end, from_engine_decoder()), info, None), tokenizer, model_name,
+                    api_key, metrics_dir=metrics_dir, request_timeout=timeouts.request)
     host, port = sock.getsockname()[:2]
     app = server_app(server, access)
     try:
