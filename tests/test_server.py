@@ -309,7 +309,7 @@ def test_a_weights_only_directory_serves_token_ids(tmp_path):
 def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
     reports, crashes = [], []
     loop = EngineLoop(llm, lambda client, r: reports.append(r), crashes.append).start()
-    loop.inbox.put(Submit(0, "not a prompt record", GREEDY))
+    loop.inbox.put(Submit(0, "not a prompt record", GREEDY, 0))
     loop.thread.join(timeout=30)
     assert not loop.thread.is_alive() and "the engine loop failed" in crashes[0]
 
@@ -338,14 +338,14 @@ def test_a_speculative_server_streams_what_plain_decoding_says(llm):
 
 def generate_and_loop(llm, params, prompt_text="The sea is", **loop_options):
     """``generate``'s output for the prompt, and the updates an ``EngineLoop`` reports for
-    it, unpacked, until the last finishes."""
+    it, until the last finishes."""
     want = llm.generate(prompt_text, params, use_tqdm=False)[0]
     reports = []
     loop = EngineLoop(llm, lambda client, r: reports.append(r), print, **loop_options).start()
     [prompt] = parse_prompts(prompt_text, llm.tokenizer)
-    loop.inbox.put(Submit(7, prompt, params))
+    loop.inbox.put(Submit(7, prompt, params, 0))
     for _ in range(600):
-        updates = [u for r in reports for key, u in r.unpack().updates]
+        updates = [u for r in reports for key, u in r.updates]
         if updates and updates[-1].finished:
             break
         time.sleep(0.05)
@@ -353,9 +353,9 @@ def generate_and_loop(llm, params, prompt_text="The sea is", **loop_options):
     return want, updates
 
 
-def test_an_engine_loops_packed_reports_unpack_to_the_completions(llm):
-    """The loop builds its reports packed; unpacked, their deltas join to what ``generate``
-    says, and the last update finishes with the counts of the whole completion."""
+def test_an_engine_loops_reports_join_to_the_completions(llm):
+    """The loop's reports' deltas join to what ``generate`` says, and the last update
+    finishes with the counts of the whole completion."""
     params = ts.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, seed=5)
     want, updates = generate_and_loop(llm, params)
     for completion in want.outputs:
@@ -481,6 +481,7 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
     from tokenspeed.entrypoints.channel import FrameSocket, socket_pair
     from tokenspeed.entrypoints.engine_client import EngineClient
     from tokenspeed.entrypoints.engine_process import start_loop
+    from tokenspeed.entrypoints.messages import from_engine_decoder, to_engine_decoder
 
     class Broken:
         @property
@@ -491,13 +492,13 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
         engine = Broken()
 
     ours, theirs = socket_pair()
-    loop, sender = start_loop(BrokenLLM(), [FrameSocket(theirs)])
+    loop, sender = start_loop(BrokenLLM(), [FrameSocket(theirs, to_engine_decoder())])
     loop.thread.join()
     sender.close()
     exits = []
 
     async def listen():
-        client = EngineClient(FrameSocket(ours), None, lambda report: None, exits.append)
+        client = EngineClient(FrameSocket(ours, from_engine_decoder()), None, lambda report: None, exits.append)
         await client.listen()
         for _ in range(100):
             if exits:
@@ -611,17 +612,17 @@ def test_a_submission_the_engine_refuses_fails_alone_and_the_loop_serves_on(llm)
     reports = []
     loop = EngineLoop(llm, lambda client, r: reports.append(r), print).start()
     [prompt] = parse_prompts("The sea is", llm.tokenizer)
-    loop.inbox.put(Submit(1, prompt, bad))
-    loop.inbox.put(Submit(2, prompt, GREEDY))
+    loop.inbox.put(Submit(1, prompt, bad, 0))
+    loop.inbox.put(Submit(2, prompt, GREEDY, 0))
     try:
         for _ in range(600):
-            updates = {key: u for r in list(reports) for key, u in r.unpack().updates if u.finished}
+            updates = {key: u for r in list(reports) for key, u in r.updates if u.finished}
             if 2 in updates:
                 break
             time.sleep(0.05)
     finally:
         loop.stop()
-    served = [u for r in reports for key, u in r.unpack().updates if key == 2]
+    served = [u for r in reports for key, u in r.updates if key == 2]
     assert updates[1].error and "top_k=9223372036854775808" in updates[1].error
     assert "".join(d.text for u in served for d in u.deltas) == want.text
 

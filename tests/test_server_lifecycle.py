@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import uvloop
 from hypothesis import given, settings, strategies as st
@@ -43,14 +44,14 @@ def test_records_of_tens_of_megabytes_cross_both_ways_under_uvloop():
     """A record far larger than the socket's buffer, written from the event loop's side
     between small ones, arrives whole and in order, and so does its echo."""
     ours, theirs = socket_pair()
-    engine = threading.Thread(target=echo, args=(FrameSocket(theirs),), daemon=True)
+    engine = threading.Thread(target=echo, args=(FrameSocket(theirs, msgspec.msgpack.Decoder()),), daemon=True)
     engine.start()
     big = bytes(range(256)) * (40 << 12)   # 40 MiB
     records = ["before", big, list(range(100_000)), "after"]
 
     async def scenario():
         arrived, closed = [], asyncio.Event()
-        protocol = await connect(ours, arrived.append, closed.set)
+        protocol = await connect(ours, arrived.append, closed.set, msgspec.msgpack.Decoder())
         for record in records:
             protocol.send(record)
         while len(arrived) < len(records):
@@ -69,7 +70,7 @@ def test_frames_are_parsed_from_any_pieces(records, cuts):
     """However the socket splits the stream, every record is handed over once, in order."""
     data = b"".join(frame(record) for record in records)
     arrived = []
-    protocol = FrameProtocol(arrived.append, lambda: None)
+    protocol = FrameProtocol(arrived.append, lambda: None, msgspec.msgpack.Decoder())
     start, i = 0, 0
     while start < len(data):
         protocol.data_received(data[start:start + cuts[i % len(cuts)]])
@@ -77,12 +78,12 @@ def test_frames_are_parsed_from_any_pieces(records, cuts):
     assert arrived == records
 
 
-def test_a_record_that_does_not_pickle_writes_nothing():
+def test_a_record_that_does_not_encode_writes_nothing():
     ours, theirs = socket_pair()
     with pytest.raises(TypeError):
-        FrameSocket(theirs).send(threading.Lock())
-    FrameSocket(theirs).send("next")
-    assert FrameSocket(ours).recv() == "next"
+        FrameSocket(theirs, msgspec.msgpack.Decoder()).send(threading.Lock())
+    FrameSocket(theirs, msgspec.msgpack.Decoder()).send("next")
+    assert FrameSocket(ours, msgspec.msgpack.Decoder()).recv() == "next"
 
 
 def large_report_llm(path: str, **options):

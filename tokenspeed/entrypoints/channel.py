@@ -1,5 +1,6 @@
-"""The engine process's channel to each client: pickled records in length-prefixed frames
-over one end of a socket pair each.
+"""The engine process's channel to each client: records encoded to msgpack (``msgspec``;
+``messages`` says which records) in length-prefixed frames over one end of a socket pair
+each. Each end decodes with the decoder of what it receives (``messages.RecordDecoder``).
 
 ``multiprocessing.Connection`` assumes a blocking socket, and uvloop's ``add_reader``
 makes the HTTP process's end non-blocking: a record larger than the socket's buffer (a
@@ -12,7 +13,6 @@ whatever arrives, in any pieces.
 """
 
 import asyncio
-import pickle
 import select
 import socket
 import struct
@@ -20,12 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 HEADER = struct.Struct("!Q")    # the payload's length in bytes
 
 
 def frame(record) -> bytes:
-    """``record`` pickled behind its length: one write for the transport or the socket."""
-    payload = pickle.dumps(record, pickle.HIGHEST_PROTOCOL)
+    """``record`` encoded behind its length: one write for the transport or the socket."""
+    payload = msgspec.msgpack.encode(record)
     return HEADER.pack(len(payload)) + payload
 
 
@@ -36,24 +38,25 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
 
 class FrameSocket:
     """A blocking end: ``send`` whole records from any thread (one at a time), ``recv``
-    one from one thread; ``recv`` raises ``EOFError`` once the other end has closed."""
+    one from one thread, decoded by ``decoder``; ``recv`` raises ``EOFError`` once the
+    other end has closed."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, decoder):
         sock.setblocking(True)
-        self.sock = sock
+        self.sock, self.decoder = sock, decoder
         self._send_lock = threading.Lock()
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def send(self, record) -> None:
-        data = frame(record)   # pickled first: a record that does not pickle writes nothing
+        data = frame(record)   # encoded first: a record that does not encode writes nothing
         with self._send_lock:
             self.sock.sendall(data)
 
     def recv(self):
         (size,) = HEADER.unpack(self._exactly(HEADER.size))
-        return pickle.loads(self._exactly(size))
+        return self.decoder.decode(self._exactly(size))
 
     def poll(self, timeout: float) -> bool:
         """Whether a read would not block, waiting up to ``timeout`` seconds."""
@@ -74,12 +77,13 @@ class FrameSocket:
 
 
 class FrameProtocol(asyncio.Protocol):
-    """An event loop's end: ``on_record(record)`` for every frame that arrives, in order;
+    """An event loop's end: ``on_record(record)`` for every frame that arrives, in order
+    (decoded by ``decoder``);
     ``on_close()`` once, when the other end closes (or the connection breaks).
     ``last_heard``: when anything last arrived (``time.monotonic``), for a heartbeat."""
 
-    def __init__(self, on_record: Callable[[object], None], on_close: Callable[[], None]):
-        self.on_record, self.on_close = on_record, on_close
+    def __init__(self, on_record: Callable[[object], None], on_close: Callable[[], None], decoder):
+        self.on_record, self.on_close, self.decoder = on_record, on_close, decoder
         self.transport: asyncio.Transport | None = None
         self.last_heard = time.monotonic()
         self._buffer = bytearray()
@@ -107,22 +111,22 @@ class FrameProtocol(asyncio.Protocol):
         self.on_close()
 
     def _complete_records(self) -> list:
-        """Every whole frame in the buffer, unpickled; the partial one stays."""
+        """Every whole frame in the buffer, decoded; the partial one stays."""
         buffer, start, records = self._buffer, 0, []
         while len(buffer) - start >= HEADER.size:
             (size,) = HEADER.unpack_from(buffer, start)
             end = start + HEADER.size + size
             if end > len(buffer):
                 break
-            records.append(pickle.loads(memoryview(buffer)[start + HEADER.size:end]))
+            records.append(self.decoder.decode(memoryview(buffer)[start + HEADER.size:end]))
             start = end
         del buffer[:start]
         return records
 
 
-async def connect(sock: socket.socket, on_record, on_close) -> FrameProtocol:
+async def connect(sock: socket.socket, on_record, on_close, decoder) -> FrameProtocol:
     """``sock`` (an end a ``FrameSocket`` may have read from, whole frames only) handed
     to the running event loop, which owns and closes it from now on."""
     loop = asyncio.get_running_loop()
-    _, protocol = await loop.connect_accepted_socket(lambda: FrameProtocol(on_record, on_close), sock)
+    _, protocol = await loop.connect_accepted_socket(lambda: FrameProtocol(on_record, on_close, decoder), sock)
     return protocol

@@ -5,8 +5,8 @@ import time
 from collections.abc import Callable
 
 from tokenspeed.entrypoints.channel import FrameProtocol, FrameSocket, connect
-from tokenspeed.entrypoints.engine_loop import Abort, PackedReport, StepReport, Submit
-from tokenspeed.entrypoints.engine_process import EngineFailed, EngineInfo, EngineProcess, Heartbeat
+from tokenspeed.entrypoints.engine_process import EngineProcess
+from tokenspeed.entrypoints.messages import Abort, EngineFailed, EngineInfo, Heartbeat, StepReport, Submit
 
 HEARTBEAT_TIMEOUT_S = 1.0    # five beats missed: the engine process is stopped or hung
 
@@ -31,7 +31,7 @@ class EngineClient:
         the socket filled, and the engine stalled on its sends (served throughput fell by
         a third, at random)."""
         if self._protocol is None and not self._stopping:
-            self._protocol = await connect(self._channel.sock, self._receive, self._closed)
+            self._protocol = await connect(self._channel.sock, self._receive, self._closed, self._channel.decoder)
 
     @property
     def alive(self) -> bool:
@@ -48,10 +48,10 @@ class EngineClient:
     def submit(self, key: int, prompt, params) -> None:
         """Queue a checked prompt; its updates will carry ``key`` (the caller's, unique).
         ``OSError`` once the channel has closed."""
-        self._sender().send(Submit(key, prompt, params))
+        self._sender().send(Submit(key, prompt, params, 0))   # the engine's relay sets the client
 
     def abort(self, key: int) -> None:
-        self._sender().send(Abort(key))
+        self._sender().send(Abort(key, 0))
 
     async def stop(self) -> None:
         """Close this client's end (the engine drops its requests); stop the engine
@@ -70,8 +70,8 @@ class EngineClient:
         return self._protocol
 
     def _receive(self, record) -> None:
-        if type(record) is PackedReport:
-            self.on_report(record.unpack())
+        if type(record) is StepReport:
+            self.on_report(record)
         elif type(record) is EngineFailed:   # the loop failed: nothing more will come
             self._leave(record.message)
             self._protocol.transport.close()

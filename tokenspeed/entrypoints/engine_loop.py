@@ -11,94 +11,22 @@ does stops the loop: a step that fails takes every request then in the engine wi
 (their pages return, each caller gets the error) and the loop serves on.
 
 A report crosses a process boundary every step, and its records are built on the
-engine's thread for every stream: the loop builds them packed (``PackedReport``: plain
-tuples in the records' field order), which pickle in C; the reader unpacks them into the
-NamedTuples below.
+engine's thread for every stream: they are ``msgspec`` Structs (``messages``), built in C
+and encoded once, straight from the records.
 """
 
 import queue
 import threading
-from typing import NamedTuple
 
 import attrs
 
+from tokenspeed.entrypoints.messages import (Abort, ClientGone, Completed, CompletionDelta, EngineLoad, GroupUpdate,
+                                             StepReport, Submit)
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 IDLE_WAIT_S = 0.5
-
-
-class Submit(NamedTuple):
-    key: int                   # the caller's name for this prompt's requests
-    prompt: Prompt
-    params: SamplingParams
-    client: int = 0            # which of the loop's clients sent it (the relay sets it)
-
-
-class Abort(NamedTuple):
-    key: int
-    client: int = 0
-
-
-class ClientGone(NamedTuple):
-    """A client's connection closed: its requests are aborted, it gets no more reports."""
-    client: int
-
-
-class CompletionDelta(NamedTuple):
-    """What one completion gained in a step."""
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-class Completed(NamedTuple):
-    """One finished completion, for the server's metrics (seconds; None where undefined)."""
-    num_output_tokens: int
-    finish_reason: str
-    time_to_first_token: float | None
-    time_per_output_token: float | None
-
-
-class GroupUpdate(NamedTuple):
-    """A prompt's completions after a step; ``finished`` once all are, with each one's
-    figures in ``completed``; ``error`` when a step failed and took the request with it."""
-    deltas: tuple[CompletionDelta, ...]
-    finished: bool
-    num_prompt_tokens: int
-    num_output_tokens: int
-    error: str | None = None
-    completed: tuple[Completed, ...] = ()
-
-
-class EngineLoad(NamedTuple):
-    running: int
-    waiting: int
-    pages_in_use: int
-
-
-class StepReport(NamedTuple):
-    updates: list[tuple[int, GroupUpdate]]
-    load: EngineLoad
-
-
-class PackedReport(NamedTuple):
-    """A ``StepReport`` with its records as plain tuples, in their fields' order. A
-    NamedTuple is built and pickled through Python code (``__new__``, ``__getnewargs__``),
-    a plain tuple in C: for 64 streams, building the records, packing and pickling them
-    took about 355 us a step (CPU), building them packed and pickling about 130 us."""
-    updates: list
-    load: tuple
-
-    def unpack(self) -> StepReport:
-        delta = CompletionDelta._make
-        updates = [(key, GroupUpdate(tuple(map(delta, deltas)), *rest, tuple(map(Completed._make, completed))))
-                   for key, deltas, *rest, completed in self.updates]
-        return StepReport(updates, EngineLoad._make(self.load))
 
 
 @attrs.define(eq=False)
@@ -115,7 +43,7 @@ class Submission:
 
 class EngineLoop:
     def __init__(self, llm, report, crashed, num_clients: int = 1, stream_interval: int = 1):
-        """``report(client, PackedReport)`` is called on the loop's thread (the engine
+        """``report(client, StepReport)`` is called on the loop's thread (the engine
         process only queues it there: ``ReportSender``) after every step that changed
         something that client sees (its requests, or the load, which every client
         hears of); ``crashed(message)`` once if the loop itself fails (not a step: those
@@ -160,7 +88,7 @@ class EngineLoop:
         updates, self._updates = self._updates, {}
         for client in self.clients:
             if client in updates or load != self._load:
-                self.report(client, PackedReport(updates.get(client, []), tuple(load)))
+                self.report(client, StepReport(updates.get(client, []), load))
         self._load = load
 
     def _admit(self, block: bool) -> None:
@@ -184,8 +112,8 @@ class EngineLoop:
         try:
             [submission.requests] = self.llm.add([submission.prompt], [submission.params])
         except ValueError as exc:   # the engine's own check: this submission alone fails
-            self._queue(submission, (submission.key, (), True, len(submission.prompt.token_ids), 0,
-                                     f"refused: {exc}", ()))
+            self._queue(submission, GroupUpdate((), True, len(submission.prompt.token_ids), 0,
+                                                f"refused: {exc}", ()))
             return
         submission.streams = [self.llm.text_of(request) for request in submission.requests]
         submission.sent_tokens = [0] * len(submission.requests)
@@ -225,7 +153,7 @@ class EngineLoop:
         """Queue the submission's update if a completion gained text or tokens or finished.
         The update holds only those completions' deltas: a completion that finished in an
         earlier step is not sent again (its finish would repeat in every later chunk). Runs
-        for every stream every step, on the engine's thread: one pass, packed records."""
+        for every stream every step, on the engine's thread: one pass."""
         deltas, finished = [], True
         for index, request in enumerate(submission.requests):
             delta = self._delta(submission, index, request)
@@ -234,15 +162,15 @@ class EngineLoop:
             finished = finished and request.finished
         if not (finished or deltas):
             return
-        done = self._retire(submission) if finished else []
-        self._queue(submission, (submission.key, deltas, finished, len(submission.prompt.token_ids),
-                                 sum(submission.sent_tokens), None, done))
+        done = self._retire(submission) if finished else ()
+        self._queue(submission, GroupUpdate(tuple(deltas), finished, len(submission.prompt.token_ids),
+                                            sum(submission.sent_tokens), None, done))
 
-    def _queue(self, submission: Submission, update: tuple) -> None:
-        self._updates.setdefault(submission.client, []).append(update)
+    def _queue(self, submission: Submission, update: GroupUpdate) -> None:
+        self._updates.setdefault(submission.client, []).append((submission.key, update))
 
-    def _delta(self, submission: Submission, index: int, request: Request) -> tuple | None:
-        """A packed ``CompletionDelta``: what the completion gained since the last one;
+    def _delta(self, submission: Submission, index: int, request: Request) -> CompletionDelta | None:
+        """What the completion gained since the last update;
         None when it gained nothing and did not finish in this step."""
         stream, output = submission.streams[index], request.output
         kept = len(output) if stream is None or stream.kept_tokens is None else stream.kept_tokens
@@ -253,19 +181,19 @@ class EngineLoop:
             return None
         submission.finish_sent[index] = request.finished
         logprobs = tuple(request.logprobs[start:kept]) if request.params.logprobs is not None else ()
-        return (request.index, text, tuple(output[start:kept]), logprobs, request.finish_reason,
-                request.stop_reason)
+        return CompletionDelta(request.index, text, tuple(output[start:kept]), logprobs, request.finish_reason,
+                               request.stop_reason)
 
-    def _retire(self, submission: Submission) -> list[tuple]:
-        """Forget a finished submission; its completions' packed ``Completed`` records."""
+    def _retire(self, submission: Submission) -> tuple[Completed, ...]:
+        """Forget a finished submission; its completions' ``Completed`` records."""
         del self.live[submission.client, submission.key]
         self.llm.release(submission.requests)
-        return [tuple(completed(r, n)) for r, n in zip(submission.requests, submission.sent_tokens)]
+        return tuple(map(completed, submission.requests, submission.sent_tokens))
 
     def _fail_all(self, message: str) -> None:
         for submission in list(self.live.values()):
             done = self._retire(submission)
-            self._queue(submission, (submission.key, (), True, len(submission.prompt.token_ids), 0, message, done))
+            self._queue(submission, GroupUpdate((), True, len(submission.prompt.token_ids), 0, message, done))
 
     def _engine_load(self) -> EngineLoad:
         scheduler = self.llm.engine.scheduler

@@ -4,8 +4,8 @@ Streaming to many clients is Python work per token (JSON, server-sent events, th
 writes), and so is stepping the engine; in one process they take turns on one interpreter
 lock, and every token a client receives lengthens the next step (docs/PERFORMANCE.md,
 serving). So, as vLLM's engine core does, the engine and its loop run in a child process
-and the HTTP process only sends ``Submit``/``Abort`` records down a channel (``channel``)
-and reads one ``StepReport`` per step back (packed: ``PackedReport``), and a ``Heartbeat``
+and the HTTP process only sends ``Submit``/``Abort`` records down a channel (``channel``;
+the records: ``messages``) and reads one ``StepReport`` per step back, and a ``Heartbeat``
 every ``HEARTBEAT_INTERVAL_S`` from a thread of its own: an engine stopped outright (SIGSTOP,
 a hung driver) falls silent, and the HTTP process's health check says so.
 
@@ -21,15 +21,16 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
 
 import attrs
+import msgspec
 
 from tokenspeed.entrypoints.channel import FrameSocket, socket_pair
-from tokenspeed.entrypoints.engine_loop import ClientGone, EngineLoop
+from tokenspeed.entrypoints.engine_loop import EngineLoop
 from tokenspeed.entrypoints.frozen_heap import frozen_heap
+from tokenspeed.entrypoints.messages import (ClientGone, EngineFailed, EngineInfo, Heartbeat, from_engine_decoder,
+                                             to_engine_decoder)
 from tokenspeed.entrypoints.report_sender import ReportSender
-from tokenspeed.runtime.prompt_limits import PromptLimits
 
 START_TIMEOUT_S = 900.0      # a cold start compiles kernels and captures graphs
 STOP_TIMEOUT_S = 10.0
@@ -64,23 +65,8 @@ class EngineSpec:
         return cls(functools.partial(LLM, str(path), **options), tokenizer_path(path), stream_interval)
 
 
-class EngineInfo(NamedTuple):
-    """What the HTTP process learns of the engine once it has started."""
-    limits: PromptLimits
-    has_tokenizer: bool
-    sampling_defaults: dict = {}   # the model's (``LLM.sampling_defaults``): a request's unset fields
-
-
-class EngineFailed(NamedTuple):
-    message: str
-
-
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine (the message says why)."""
-
-
-class Heartbeat(NamedTuple):
-    """The engine process is running (sent to every client every ``HEARTBEAT_INTERVAL_S``)."""
 
 
 class EngineProcess:
@@ -90,7 +76,7 @@ class EngineProcess:
     def __init__(self, spec: EngineSpec, num_clients: int = 1):
         context = multiprocessing.get_context("spawn")   # CUDA cannot cross a fork
         pairs = [socket_pair() for _ in range(num_clients)]
-        self.channels = [FrameSocket(ours) for ours, _ in pairs]
+        self.channels = [FrameSocket(ours, from_engine_decoder()) for ours, _ in pairs]
         self._engine_ends = [theirs for _, theirs in pairs]
         self.process = context.Process(target=engine_main, args=(spec, self._engine_ends),
                                        daemon=True, name="tokenspeed-engine")
@@ -154,7 +140,7 @@ def engine_main(spec: EngineSpec, ends: list) -> None:
     """The child: build the engine, report ready to every client, relay their records to
     its loop until all have closed their ends (or the parent has gone away)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
-    channels = [FrameSocket(end) for end in ends]
+    channels = [FrameSocket(end, to_engine_decoder()) for end in ends]
     try:
         llm = spec.build()
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
@@ -219,7 +205,7 @@ def _relay(channels: list, inbox) -> None:
         for channel in multiprocessing.connection.wait(list(open_channels.values())):
             client = by_channel[channel]
             try:
-                inbox.put(channel.recv()._replace(client=client))
+                inbox.put(msgspec.structs.replace(channel.recv(), client=client))
             except (EOFError, OSError):
                 del open_channels[client]
                 inbox.put(ClientGone(client))

@@ -1,10 +1,10 @@
 """The engine process's reports, sent from a thread of their own.
 
-Every step ends with a report to each client: pickled, then written down its channel. On the
+Every step ends with a report to each client: encoded, then written down its channel. On the
 engine's thread that was a tenth of its busy time at 64 streams (py-spy, docs/PERFORMANCE.md),
 and a write blocks it outright while a lagging HTTP process leaves the socket full. Here the
-engine's thread only queues the report; one sender thread pickles and writes them in the
-order queued (a client's reports must arrive in step order). Pickling still takes the
+engine's thread only queues the report; one sender thread encodes and writes them in the
+order queued (a client's reports must arrive in step order). Encoding still takes the
 interpreter lock from the engine's thread, whenever it runs; what the thread is spared is
 the write, and waiting on a full socket. The queue is bounded: a client that stops reading
 still holds the engine back, as its full socket did, only later.
@@ -21,7 +21,7 @@ MAX_QUEUED = 256     # reports (one per client per step) the engine may run ahea
 class ReportSender:
     """``send(client, message)`` queues; ``close()`` sends what is queued, then stops.
     ``failure(text)`` is the message every client gets, once, if a message cannot be sent
-    (pickling failed, say); nothing is sent after it, as after a loop that failed."""
+    (encoding failed, say); nothing is sent after it, as after a loop that failed."""
 
     def __init__(self, conns: list, failure: Callable[[str], object]):
         self._conns, self._failure = conns, failure

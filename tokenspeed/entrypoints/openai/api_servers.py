@@ -91,11 +91,12 @@ def api_server_main(engine_end, info: EngineInfo, tokenizer, model_name: str, ap
     sends itself SIGTERM: a parent killed outright leaves no server behind (and, their
     channels closed, no engine). Exits 1 if the engine process goes away."""
     from tokenspeed.entrypoints.channel import FrameSocket
+    from tokenspeed.entrypoints.messages import from_engine_decoder
     from tokenspeed.entrypoints.openai.lifecycle import run, uvicorn_config
     from tokenspeed.entrypoints.openai.server import Server, server_app
     threading.Thread(target=_stop_when_closed, args=(lifeline,), daemon=True).start()
-    server = Server(lambda: (FrameSocket(engine_end), info, None), tokenizer, model_name, api_key,
-                    metrics_dir=metrics_dir, request_timeout=timeouts.request)
+    server = Server(lambda: (FrameSocket(engine_end, from_engine_decoder()), info, None), tokenizer, model_name,
+                    api_key, metrics_dir=metrics_dir, request_timeout=timeouts.request)
     host, port = sock.getsockname()[:2]
     app = server_app(server, access)
     try:

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from tokenspeed.entrypoints.engine_client import EngineClient
-from tokenspeed.entrypoints.engine_loop import StepReport
+from tokenspeed.entrypoints.messages import StepReport
 from tokenspeed.entrypoints.engine_process import EngineProcess, EngineSpec
 from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.openai import responses
