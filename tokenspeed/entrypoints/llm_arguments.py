@@ -10,7 +10,7 @@ import torch
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.sampling_params import SamplingParams
 
-LLM_OPTIONS = ("model", "device", "dtype", "tokenizer", "enforce_eager", "overlap",
+LLM_OPTIONS = ("model", "device", "dtype", "tokenizer", "revision", "enforce_eager", "overlap",
                "enable_prefix_caching", "speculative", "backend")
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
