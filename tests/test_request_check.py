@@ -1,14 +1,21 @@
 """The one request check refuses with a ``RefusedRequest`` carrying the field, the bad value
-and the limit it breaks."""
+and the limit it breaks, which the CLI renders as one line; an internal fault is an
+``InternalError`` that the CLI lets through with its traceback."""
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.errors import RefusedRequest
+from tokenspeed.entrypoints.cli import main
+from tokenspeed.errors import InternalError, RefusedRequest
+from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.prompt_limits import PromptLimits, check_request
+
+from text_models import text_model_dir
 
 LIMITS = PromptLimits(vocab_size=100, max_model_len=64, page_size=4, usable_pages=10)
 
@@ -54,3 +61,39 @@ def test_a_refusal_survives_pickling_with_its_fields():
     again = pickle.loads(pickle.dumps(refused))
     assert (str(again), again.field, again.value, again.limit) == \
         (str(refused), refused.field, refused.value, refused.limit)
+
+
+def test_a_broken_invariant_is_an_internal_error_not_bad_input():
+    allocator = BlockAllocator(4)
+    with pytest.raises(InternalError, match="page 2 is not allocated") as fault:
+        allocator.free([2])
+    assert not isinstance(fault.value, ValueError)
+
+
+def test_the_cli_prints_bad_input_as_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--model", str(text_model_dir()), "--max-tokens", "100000"])
+    assert str(exit_.value).startswith("tokenspeed generate: error: prompt 0: ")
+    assert "\n" not in str(exit_.value) and "Traceback" not in capsys.readouterr().err
+
+
+FREE_TWICE = """
+from tokenspeed.runtime.block_allocator import BlockAllocator
+free = BlockAllocator.free
+def free_twice(self, pages):
+    pages = list(pages)
+    free(self, pages)
+    free(self, pages)
+BlockAllocator.free = free_twice
+from tokenspeed.entrypoints.cli import main
+main(["generate", "hi", "--model", {model!r}, "--max-tokens", "2"])
+"""
+
+
+def test_the_cli_prints_an_internal_fault_with_its_traceback():
+    """A real fault at a real invariant: pages freed twice (a scheduler bug, simulated)."""
+    done = subprocess.run([sys.executable, "-c", FREE_TWICE.format(model=str(text_model_dir()))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "tokenspeed.errors.InternalError: page" in done.stderr and "is not allocated" in done.stderr
