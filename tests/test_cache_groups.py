@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk, plan_extend, refresh_decode
+from tokenspeed.errors import InternalError
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups, cache_slot, rows_per_page
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.random import TINY_LLAMA
@@ -85,9 +86,9 @@ def test_each_group_s_column_is_the_metadata_of_its_pages(data):
 
 
 def test_rows_without_every_group_s_pages_are_refused():
-    with pytest.raises(ValueError, match="the model has 2 groups"):
+    with pytest.raises(InternalError, match="the model has 2 groups"):
         refresh_decode([DecodeRow(1, 0, (1,))], 2, 4, 4, num_groups=2)
-    with pytest.raises(ValueError, match="one entry per page"):
+    with pytest.raises(InternalError, match="one entry per page"):
         refresh_decode([DecodeRow(1, 0, (1,), ((2, 3),))], 2, 4, 4, num_groups=2)
 
 

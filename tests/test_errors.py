@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 import tokenspeed as ts
+from tokenspeed.errors import InternalError
 
 from hf_models import MAX_POS, VOCAB, checkpoint, make_prompts, reference
 
@@ -310,7 +311,7 @@ def test_a_failing_step_leaves_nothing_behind(path, monkeypatch):
 def test_an_extend_chunk_past_its_pages_is_refused():
     from tokenspeed.backends.metadata import ExtendChunk, plan_extend
     chunks = [ExtendChunk((1, 2), 0, (1,), True), ExtendChunk(tuple(range(9)), 4, (2, 3), True)]
-    with pytest.raises(ValueError, match=r"chunk 1: positions up to 12 need 4 pages of 4 tokens, it holds 2"):
+    with pytest.raises(InternalError, match=r"chunk 1: positions up to 12 need 4 pages of 4 tokens, it holds 2"):
         plan_extend(chunks, num_rows=16, num_table_rows=3, max_pages=8, page_size=4)
 
 

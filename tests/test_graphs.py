@@ -15,6 +15,7 @@ import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.errors import InternalError
 from tokenspeed.runtime.sampler import RowSampling
 from tokenspeed.runtime.graphs import (GraphCaptureError, GraphCapturer, LateCaptureError,
                                        MovedTensorError)
@@ -246,7 +247,7 @@ def test_captured_attention_reads_a_table_of_fixed_rows(graphed, broken):
     with torch.inference_mode():
         assert runner.slots.publish(runner.plan(chunks, 16)).block_tables.shape[0] == 6 + 1
     assert len(broken.compiled.prefill.plan(chunks, 16).attention_tiles) == 1 + 1 + 1
-    with pytest.raises(ValueError, match="7 chunks in one step; a step holds at most 6"):
+    with pytest.raises(InternalError, match="7 chunks in one step; a step holds at most 6"):
         runner.plan([chunks[0]] * 7, 32)
 
 

@@ -24,6 +24,7 @@ from tokenspeed.runtime.slots import to_device  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
 from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
+from tokenspeed.errors import InternalError  # noqa: E402
 from tokenspeed.runtime.sampler import POSITION_KEY, RowSampling, sample  # noqa: E402
 import tokenspeed as ts  # noqa: E402
 
@@ -265,7 +266,7 @@ def test_block_sizes_are_tritons_powers_of_two(n):
 
 def test_a_tile_plan_past_its_capacity_is_refused():
     """Cutting it would leave rows outside every tile: undefined output, no error."""
-    with pytest.raises(ValueError, match="2 attention tiles do not fit a plan of 1"):
+    with pytest.raises(InternalError, match="2 attention tiles do not fit a plan of 1"):
         attention_tiles(np.array([64, 64]), 64, 1)
     assert attention_tiles(np.array([64, 64]), 64, 3).tolist() == [0, 64, 128, 128]
 

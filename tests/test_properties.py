@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from tokenspeed.backends.metadata import kept_rows, plan_extend, refresh_decode, write_locations
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
+from tokenspeed.errors import InternalError
 from tokenspeed.testing import invariants as inv
 from tokenspeed.runtime.speculative import window_rows
 from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases, verify_cases
@@ -151,7 +152,7 @@ def test_allocator_rejects_double_free():
     alloc = BlockAllocator(4)
     pages = alloc.allocate(2)
     alloc.free(pages)
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(InternalError, match="not allocated"):
         alloc.free(pages)
 
 

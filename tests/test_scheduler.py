@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.block_allocator import BlockAllocator
-from tokenspeed.runtime.prompt_limits import check_prompt, most_pages_held
+from tokenspeed.runtime.prompt_limits import check_request, most_pages_held
 from tokenspeed.runtime.sampling_params import MAX_N, SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
 from tokenspeed.testing.invariants import check_chained_rows_match_pages
@@ -108,7 +108,7 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
         params = SamplingParams(n=data.draw(st.integers(1, 3)), max_tokens=data.draw(st.integers(1, 8)),
                                 ignore_eos=True, seed=i)
         try:
-            check_prompt(eng.limits, i, prompt, params)
+            check_request(eng.limits, i, prompt, params, has_tokenizer=False)
         except ValueError:
             continue
         requests += eng.add(prompt, params)
@@ -227,7 +227,7 @@ def test_the_largest_request_takes_turns_in_a_pool_of_one_samples_pages(prefix_c
 
     def run(num_pages: int) -> list:
         eng = engine(num_pages, 4, 8, 8, overlap, prefix_caching, retentions, KeyedRunner)
-        check_prompt(eng.limits, 0, prompt, params)
+        check_request(eng.limits, 0, prompt, params, has_tokenizer=False)
         requests = eng.add(prompt, params)
         while eng.has_work:
             eng.step()
@@ -239,4 +239,5 @@ def test_the_largest_request_takes_turns_in_a_pool_of_one_samples_pages(prefix_c
     outputs = run(pages + 1)                # the null page, and one sample's pages
     assert outputs == run(MAX_N * pages + 1) and all(len(o) == params.max_tokens for o in outputs)
     with pytest.raises(ValueError, match=f"needs {pages} KV pages at once, the pool has {pages - 1}"):
-        check_prompt(engine(pages, 4, 8, 8, overlap, prefix_caching, retentions).limits, 0, prompt, params)
+        check_request(engine(pages, 4, 8, 8, overlap, prefix_caching, retentions).limits, 0, prompt, params,
+                      has_tokenizer=False)

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 import torch
 
+from tokenspeed.errors import InternalError
 from tokenspeed.ir.descriptors import DecodeMetadata, ExtendMetadata
 
 NULL_PAGE = 0
@@ -80,16 +81,16 @@ def stacked_block_table(lists: Sequence[Sequence[Sequence[int]]], num_groups: in
 def _table_width(lengths: np.ndarray, num_rows: int, max_pages: int) -> int:
     width = int(lengths.max(initial=0))
     if width > max_pages:
-        raise ValueError(f"request holds {width} pages, table width is {max_pages}")
+        raise InternalError(f"request holds {width} pages, table width is {max_pages}")
     if len(lengths) > num_rows:
-        raise ValueError(f"{len(lengths)} rows do not fit in a table of {num_rows}")
+        raise InternalError(f"{len(lengths)} rows do not fit in a table of {num_rows}")
     return width
 
 
 def _padded(values: Iterable[int] | np.ndarray, count: int, length: int, fill: int = 0) -> np.ndarray:
     """``count`` int64 values, then ``fill`` up to ``length``."""
     if count > length:
-        raise ValueError(f"{count} rows do not fit in a batch of {length}")
+        raise InternalError(f"{count} rows do not fit in a batch of {length}")
     column = np.full(length, fill, dtype=np.int64)
     column[:count] = values if isinstance(values, np.ndarray) else np.fromiter(values, np.int64, count)
     return column
@@ -118,9 +119,9 @@ def item_tables(items, num_groups: int, num_rows: int, max_pages: int) -> np.nda
         return block_table([r.pages for r in items], num_rows, max_pages)
     for i, item in enumerate(items):
         if len(item.group_pages) != num_groups - 1 or any(len(p) != len(item.pages) for p in item.group_pages):
-            raise ValueError(f"row {i}: pages of {1 + len(item.group_pages)} cache groups, of "
-                             f"{[len(item.pages), *map(len, item.group_pages)]} pages; the model has "
-                             f"{num_groups} groups, and every list has one entry per page")
+            raise InternalError(f"row {i}: pages of {1 + len(item.group_pages)} cache groups, of "
+                                f"{[len(item.pages), *map(len, item.group_pages)]} pages; the model has "
+                                f"{num_groups} groups, and every list has one entry per page")
     return stacked_block_table([(r.pages, *r.group_pages) for r in items], num_groups, num_rows, max_pages)
 
 
@@ -161,8 +162,8 @@ def refresh_decode(rows: Sequence[DecodeRow] | DecodeColumns, num_rows: int, max
     columns = rows if isinstance(rows, DecodeColumns) else decode_columns(rows, max_pages, num_groups)
     count, live_tables = len(columns), columns.block_tables
     if live_tables.shape[1:] != ((max_pages,) if num_groups == 1 else (num_groups, max_pages)):
-        raise ValueError(f"block tables of shape {tuple(live_tables.shape[1:])} per row; the model's "
-                         f"are {max_pages} pages in each of {num_groups} cache groups")
+        raise InternalError(f"block tables of shape {tuple(live_tables.shape[1:])} per row; the model's "
+                            f"are {max_pages} pages in each of {num_groups} cache groups")
     every_row = np.arange(num_rows, dtype=np.int64)
     positions = _padded(columns.positions, count, num_rows)
     tables = np.full((num_rows, *live_tables.shape[1:]), NULL_PAGE, dtype=np.int32)
@@ -191,11 +192,11 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     is fixed by the shapes: a captured graph launches it over every plan of its bucket.
     """
     if num_table_rows <= len(chunks):
-        raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
-                         f"(one is the null row), got {num_table_rows}")
+        raise InternalError(f"{len(chunks)} chunks need {len(chunks) + 1} table rows "
+                            f"(one is the null row), got {num_table_rows}")
     max_chunks = num_table_rows - 1 if max_chunks is None else max_chunks
     if len(chunks) > max_chunks:
-        raise ValueError(f"{len(chunks)} chunks in one step; a step holds at most {max_chunks}")
+        raise InternalError(f"{len(chunks)} chunks in one step; a step holds at most {max_chunks}")
     lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, len(chunks))
     starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
     completes = np.fromiter((c.completes for c in chunks), bool, len(chunks))
@@ -239,7 +240,7 @@ def attention_tiles(run_lengths: np.ndarray, tile_rows: int, capacity: int | Non
     first_tile = np.cumsum(tiles_per_run) - tiles_per_run
     tiles = int(tiles_per_run.sum())
     if capacity is not None and tiles > capacity:
-        raise ValueError(f"{tiles} attention tiles do not fit a plan of {capacity}")
+        raise InternalError(f"{tiles} attention tiles do not fit a plan of {capacity}")
     run = np.repeat(np.arange(len(run_lengths)), tiles_per_run)
     firsts = starts[run] + (np.arange(tiles) - first_tile[run]) * tile_rows
     return _padded(firsts, tiles, (tiles if capacity is None else capacity) + 1,
@@ -253,8 +254,8 @@ def _check_pages(chunks: Sequence[ExtendChunk], ends: np.ndarray, page_size: int
     short = np.flatnonzero(ends > held * page_size)
     if len(short):
         i, end = int(short[0]), int(ends[short[0]])
-        raise ValueError(f"chunk {i}: positions up to {end - 1} need {-(-end // page_size)} "
-                         f"pages of {page_size} tokens, it holds {held[i]}")
+        raise InternalError(f"chunk {i}: positions up to {end - 1} need {-(-end // page_size)} "
+                            f"pages of {page_size} tokens, it holds {held[i]}")
 
 
 def kept_rows(chunk: ExtendChunk, width: int) -> int:

@@ -18,6 +18,8 @@ MODEL_DEFAULT = "the model's generation_config.json, else {}"
 
 
 def main(argv=None) -> None:
+    """Bad input (a ``RefusedRequest`` among the ``ValueError``s) ends the command with one
+    line; an ``InternalError`` is a fault in tokenspeed, so it passes with its traceback."""
     args = parser().parse_args(argv)
     try:
         args.run(args)

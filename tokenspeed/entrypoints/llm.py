@@ -20,7 +20,7 @@ from tokenspeed.entrypoints.cpu_threads import size_torch_threads
 from tokenspeed.entrypoints.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
 from tokenspeed.entrypoints.model_source import tokenizer_path
 from tokenspeed.entrypoints.progress import Progress
-from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
+from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, parse_prompts
 from tokenspeed.entrypoints.text_stream import TextStream
 from tokenspeed.entrypoints.token_texts import with_token_texts
 from tokenspeed.models.gguf import default_model_path
@@ -30,6 +30,7 @@ from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.draft_model import DraftModelDrafter
 from tokenspeed.runtime.engine import Engine
 from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
+from tokenspeed.runtime.prompt_limits import check_request
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
@@ -213,7 +214,8 @@ class LLM:
 
     def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
         """Refuse, naming prompt ``index``, what this engine cannot serve."""
-        check_request(self.engine.limits, self.tokenizer is not None, index, prompt, params)
+        check_request(self.engine.limits, index, prompt.token_ids, params,
+                      has_tokenizer=self.tokenizer is not None)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
         """Queue checked prompts; each becomes its ``n`` requests (and their text streams).

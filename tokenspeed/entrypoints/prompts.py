@@ -8,9 +8,6 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from tokenspeed.runtime.prompt_limits import PromptLimits, RefusedRequest, check_prompt
-from tokenspeed.runtime.sampling_params import SamplingParams
-
 
 @attrs.frozen
 class Prompt:
@@ -95,11 +92,3 @@ def chat_prompt(tokenizer, messages, add_generation_prompt: bool = True) -> Prom
                                          tokenize=False)
     return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
 
-
-def check_request(limits: PromptLimits, has_tokenizer: bool, index: int, prompt: Prompt,
-                  params: SamplingParams) -> None:
-    """Refuse, naming prompt ``index``, what an engine of these limits cannot serve."""
-    if params.stop and not has_tokenizer:
-        raise RefusedRequest("stop", f"prompt {index}: stop strings need a tokenizer, and this engine has "
-                         "none: use stop_token_ids")
-    check_prompt(limits, index, prompt.token_ids, params)

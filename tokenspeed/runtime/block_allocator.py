@@ -12,6 +12,7 @@ and page 0 (the null page) is never handed out, shared or cached.
 from collections import OrderedDict
 
 from tokenspeed.backends.metadata import NULL_PAGE
+from tokenspeed.errors import InternalError
 
 
 class OutOfPages(RuntimeError):
@@ -50,7 +51,7 @@ class BlockAllocator:
         pages = list(pages)
         for page in pages:
             if page not in self._holders and page not in self._unheld_cached:
-                raise ValueError(f"page {page} is neither allocated nor cached")
+                raise InternalError(f"page {page} is neither allocated nor cached")
         for page in pages:
             self._unheld_cached.pop(page, None)
             self._holders[page] = self._holders.get(page, 0) + 1
@@ -59,7 +60,7 @@ class BlockAllocator:
     def free(self, pages) -> None:
         for page in pages:
             if page not in self._holders:
-                raise ValueError(f"page {page} is not allocated")
+                raise InternalError(f"page {page} is not allocated")
             self._holders[page] -= 1
             if not self._holders[page]:
                 del self._holders[page]

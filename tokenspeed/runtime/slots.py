@@ -11,6 +11,7 @@ host can stage step n+1 while the copy for step n may still be queued behind the
 import attrs
 import torch
 
+from tokenspeed.errors import InternalError
 from tokenspeed.ir.descriptors import tensor_fields
 from tokenspeed.runtime.host_to_device import to_device_async
 
@@ -52,7 +53,7 @@ class MetadataSlots:
 
     def view(self, rows: int) -> dict[str, torch.Tensor]:
         if rows > self.capacity:
-            raise ValueError(f"batch of {rows} rows exceeds the slots' capacity {self.capacity}")
+            raise InternalError(f"batch of {rows} rows exceeds the slots' capacity {self.capacity}")
         if rows not in self._views:
             self._views[rows] = {n: self._field_view(n, self._rows(n, rows)) for n in self.buffers}
         return self._views[rows]

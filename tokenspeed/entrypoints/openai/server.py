@@ -32,8 +32,9 @@ from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
-from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, check_request, parse_prompts
-from tokenspeed.runtime.prompt_limits import RefusedRequest
+from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, parse_prompts
+from tokenspeed.errors import RefusedRequest
+from tokenspeed.runtime.prompt_limits import check_request
 from tokenspeed.tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 4 << 20
@@ -126,7 +127,8 @@ class Server:
     def check(self, prompts: list[Prompt], params, field: str) -> None:
         for i, prompt in enumerate(prompts):
             try:
-                check_request(self.limits, self.engine.info.has_tokenizer, i, prompt, params)
+                check_request(self.limits, i, prompt.token_ids, params,
+                              has_tokenizer=self.engine.info.has_tokenizer)
             except RefusedRequest as exc:
                 raise APIError(400, str(exc), field if exc.field == "prompt" else exc.field) from exc
 

@@ -1,0 +1,99 @@
+"""The one request check refuses with a ``RefusedRequest`` carrying the field, the bad value
+and the limit it breaks, which the CLI renders as one line; an internal fault is an
+``InternalError`` that the CLI lets through with its traceback."""
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.entrypoints.cli import main
+from tokenspeed.errors import InternalError, RefusedRequest
+from tokenspeed.runtime.block_allocator import BlockAllocator
+from tokenspeed.runtime.prompt_limits import PromptLimits, check_request
+
+from text_models import text_model_dir
+
+LIMITS = PromptLimits(vocab_size=100, max_model_len=64, page_size=4, usable_pages=10)
+
+
+def refusal(prompt, has_tokenizer=True, **params) -> RefusedRequest:
+    with pytest.raises(RefusedRequest) as refused:
+        check_request(LIMITS, 3, tuple(prompt), ts.SamplingParams(**params), has_tokenizer=has_tokenizer)
+    return refused.value
+
+
+@pytest.mark.parametrize("prompt, params, has_tokenizer, field, value, limit", [
+    ([], {}, True, "prompt", 0, 1),
+    ([5, 100, 6], {}, True, "prompt", 100, 100),
+    ([5, -2], {}, True, "prompt", -2, 100),
+    ([5], {"stop_token_ids": [7, 250]}, True, "stop_token_ids", 250, 100),
+    ([5] * 10, {"max_tokens": 60}, True, "max_tokens", 70, 64),
+    ([5] * 10, {"max_tokens": 40}, True, "max_tokens", 13, 10),
+    ([5], {"stop": ["x"]}, False, "stop", ("x",), None),
+])
+def test_a_refusal_carries_its_field_value_and_limit(prompt, params, has_tokenizer, field, value, limit):
+    refused = refusal(prompt, has_tokenizer, **params)
+    assert (refused.field, refused.value, refused.limit) == (field, value, limit)
+    assert isinstance(refused, ValueError)
+
+
+def test_the_message_names_the_prompt_value_and_limit():
+    refused = refusal([5] * 10, max_tokens=60)
+    assert str(refused) == "prompt 3: 10 prompt tokens + max_tokens=60 = 70 exceeds max_model_len=64"
+
+
+@given(st.lists(st.integers(-2**70, 2**70), min_size=1, max_size=20))
+def test_any_token_outside_the_vocabulary_is_the_value_refused(prompt):
+    bad = [t for t in prompt if not 0 <= t < LIMITS.vocab_size]
+    if not bad:
+        check_request(LIMITS, 3, tuple(prompt), ts.SamplingParams(max_tokens=1), has_tokenizer=True)
+        return
+    refused = refusal(prompt, max_tokens=1)
+    assert (refused.field, refused.value, refused.limit) == ("prompt", bad[0], LIMITS.vocab_size)
+
+
+def test_a_refusal_survives_pickling_with_its_fields():
+    refused = refusal([5, 100])
+    again = pickle.loads(pickle.dumps(refused))
+    assert (str(again), again.field, again.value, again.limit) == \
+        (str(refused), refused.field, refused.value, refused.limit)
+
+
+def test_a_broken_invariant_is_an_internal_error_not_bad_input():
+    allocator = BlockAllocator(4)
+    with pytest.raises(InternalError, match="page 2 is not allocated") as fault:
+        allocator.free([2])
+    assert not isinstance(fault.value, ValueError)
+
+
+def test_the_cli_prints_bad_input_as_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--model", str(text_model_dir()), "--max-tokens", "100000"])
+    assert str(exit_.value).startswith("tokenspeed generate: error: prompt 0: ")
+    assert "\n" not in str(exit_.value) and "Traceback" not in capsys.readouterr().err
+
+
+FREE_TWICE = """
+from tokenspeed.runtime.block_allocator import BlockAllocator
+free = BlockAllocator.free
+def free_twice(self, pages):
+    pages = list(pages)
+    free(self, pages)
+    free(self, pages)
+BlockAllocator.free = free_twice
+from tokenspeed.entrypoints.cli import main
+main(["generate", "hi", "--model", {model!r}, "--max-tokens", "2"])
+"""
+
+
+def test_the_cli_prints_an_internal_fault_with_its_traceback():
+    """A real fault at a real invariant: pages freed twice (a scheduler bug, simulated)."""
+    done = subprocess.run([sys.executable, "-c", FREE_TWICE.format(model=str(text_model_dir()))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "tokenspeed.errors.InternalError: page" in done.stderr and "is not allocated" in done.stderr
