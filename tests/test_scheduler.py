@@ -13,7 +13,7 @@ from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.prompt_limits import check_request, most_pages_held
 from tokenspeed.runtime.sampling_params import MAX_N, SamplingParams
 from tokenspeed.runtime.scheduler import Scheduler
-from tokenspeed.testing.invariants import check_chained_rows_match_pages
+from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
 
 VOCAB = 100
 MAX_MODEL_LEN = 1000
@@ -117,6 +117,7 @@ def test_every_admitted_workload_finishes_and_returns_every_page(data, page_size
             break
         eng.step()
         check_chained_rows_match_pages(eng)
+        check_status_matches_state(eng.scheduler, requests)
         assert not any(r.pending for r in eng.scheduler.running), "a stand-in is visible between steps"
         running = eng.scheduler.running
         held = [p for r in running for p in r.pages]
@@ -160,6 +161,7 @@ def test_requests_stopping_or_aborted_mid_chain_keep_the_synchronous_tokens(data
             if eng.has_work:
                 eng.step()
             check_chained_rows_match_pages(eng)
+            check_status_matches_state(eng.scheduler, requests)
             assert not any(r.pending for r in requests), "a stand-in is visible between steps"
         assert not eng.has_work and eng.scheduler.allocator.num_free == 79, "pages leaked"
         return [(r.output, r.finish_reason) for r in requests]

@@ -31,7 +31,7 @@ from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, ExtendChunk
 from tokenspeed.runtime.decode_chain import next_columns
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.prompt_limits import PromptLimits
-from tokenspeed.runtime.request import Request
+from tokenspeed.runtime.request import Request, RequestStatus
 from tokenspeed.runtime.sample_streams import stream_key
 from tokenspeed.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
@@ -113,6 +113,7 @@ class Engine:
         if request.finished:
             return
         request.finish_reason, request.stop_reason = reason, stop_reason
+        request.status = RequestStatus.FINISHED
         request.finish_time = time.time()
         self.num_finished += 1
         self.scheduler.finish(request)
@@ -170,7 +171,7 @@ class Engine:
         sampled = [r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens]
         future = self._launch(batch, sampled, fed)
         for request, n in zip(batch.requests, batch.chunk_lens):
-            request.num_cached += n
+            request.count_cached(n)
             self.scheduler.remember_full_pages(request)
         return InFlight(tuple(sampled), future, counted=True)
 

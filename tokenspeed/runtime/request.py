@@ -4,6 +4,7 @@ A prompt with ``n`` samples becomes ``n`` requests; each after the first names t
 as ``share_from`` and reuses the full KV pages of its prompt instead of computing them.
 """
 
+import enum
 import time
 from array import array
 
@@ -13,6 +14,17 @@ from tokenspeed.runtime.outputs import CompletionOutput, TokenLogprobs
 from tokenspeed.runtime.sampler import RowSampling
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.speculative import backoff_tokens
+
+
+class RequestStatus(enum.Enum):
+    """Where a request stands in the scheduler. A running request is DECODING once at
+    most one of its tokens is left to compute: its next row is a decode row (the last
+    prompt token's, after a chunked prefill, or its newest token's)."""
+    WAITING = "waiting"          # queued, never run
+    PREFILLING = "prefilling"    # running, more than one token to compute
+    DECODING = "decoding"        # running, one token to compute (or its token in flight)
+    PREEMPTED = "preempted"      # queued again, its pages freed: recomputed when it rejoins
+    FINISHED = "finished"
 
 
 @attrs.define(eq=False)
@@ -39,6 +51,7 @@ class Request:
     draft_misses: int = 0                  # windows in a row whose drafts were all rejected
     pending: bool = False                  # output[-1] stands in for a token in flight (engine)
     drafts_from: int = 0                   # no drafts until it has this many tokens (back-off)
+    status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     arrival_time: float = attrs.Factory(time.time)
@@ -88,7 +101,18 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.status is RequestStatus.FINISHED
+
+    def start_running(self) -> None:
+        """As it joins the running requests (its shared or cached pages attached)."""
+        self.status = RequestStatus.PREFILLING if self.num_uncached > 1 else RequestStatus.DECODING
+
+    def count_cached(self, num_tokens: int) -> None:
+        """Count ``num_tokens`` more of its tokens as cached (a prompt chunk launched); with
+        at most one left to compute, it decodes."""
+        self.num_cached += num_tokens
+        if self.status is RequestStatus.PREFILLING and self.num_uncached <= 1:
+            self.status = RequestStatus.DECODING
 
     def record_verify(self, kept: int, drafted: int) -> None:
         """Count a window of ``drafted`` drafts that kept ``kept`` tokens (a window without

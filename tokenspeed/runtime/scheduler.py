@@ -27,7 +27,7 @@ import numpy as np
 from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.runtime.page_digests import PageDigests
-from tokenspeed.runtime.request import Request
+from tokenspeed.runtime.request import Request, RequestStatus
 
 
 @attrs.frozen
@@ -57,6 +57,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.clear_pages(self.num_groups)
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     @property
@@ -90,12 +91,12 @@ class Scheduler:
         """Prompt chunks and, with them, the decode rows, which come first for tokens and
         pages (up to half the budget, so prompts always advance): a long prompt never
         stalls the requests already generating. No prompt work, no extend batch."""
-        decoding = [r for r in self.running if r.num_uncached == 1]
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING and r.num_uncached]
         first = decoding[:self.max_num_batched_tokens // 2]
         decodes: list = []
         budget = self._take_all(first, self.max_num_batched_tokens, decodes)
         prompts: list = []
-        for request in [r for r in self.running if r.num_uncached > 1]:
+        for request in [r for r in self.running if r.status is RequestStatus.PREFILLING]:
             budget = self._take(request, budget, prompts)
         budget = self._admit(budget, prompts)
         if not prompts:
@@ -121,14 +122,15 @@ class Scheduler:
                 break
             budget = left
             self.running.append(self.waiting.popleft())
+            self.running[-1].start_running()
         return budget
 
     def _awaits_shared_pages(self, request: Request) -> bool:
         """Whether the sample ``request`` shares pages with is still computing them."""
         source = request.share_from
-        if source is None or request.pages or source.finished:
+        if source is None or request.pages:
             return False
-        return source in self.waiting or (source in self.running and source.num_uncached > 1)
+        return source.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.PREFILLING)
 
     def _attach_shared_pages(self, request: Request) -> None:
         """Hold the full pages already computed for this request's tokens: the cached ones
@@ -207,7 +209,7 @@ class Scheduler:
         """Oldest first; a request that cannot grow makes room by preempting the newest
         running request (itself, when it is the newest)."""
         ready = []
-        for request in [r for r in self.running if r.num_uncached == 1]:
+        for request in [r for r in self.running if r.status is RequestStatus.DECODING]:
             while request in self.running and not self.grow(request, request.num_tokens):
                 self._preempt(self.running[-1])
             if request in self.running:
@@ -262,6 +264,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
+        request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:

@@ -1,8 +1,9 @@
-"""Checkers for the padding and slot invariants; each raises AssertionError naming the row."""
+"""Checkers for the padding, slot and request status invariants; each raises AssertionError naming the row."""
 
 import torch
 
 from tokenspeed.backends.metadata import NULL_PAGE
+from tokenspeed.runtime.request import RequestStatus
 
 
 def slot_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -65,3 +66,25 @@ def check_chained_rows_match_pages(engine) -> None:
             behind = max(position - retention, 0) // scheduler.page_size if retention else 0
             assert set(pages[:behind]) <= {NULL_PAGE}, \
                 f"row {row}, group {group}: pages {pages[:behind]} wholly behind its window are held"
+
+
+def check_status_matches_state(scheduler, requests) -> None:
+    """Each request's status agrees with where it is and what it holds: a queued request is
+    waiting (never run: no output) or preempted, and holds no pages; a running one decodes
+    exactly when at most one of its tokens is left to compute; a finished one has a
+    finish reason and is in no queue."""
+    for request in scheduler.waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), \
+            f"request {request.id} is waiting with status {request.status}"
+        assert request.status is RequestStatus.PREEMPTED or not request.output, \
+            f"request {request.id} is waiting, never run, with output {request.output}"
+    for request in scheduler.running:
+        expected = RequestStatus.DECODING if request.num_uncached <= 1 else RequestStatus.PREFILLING
+        assert request.status is expected, f"request {request.id} is running with status " \
+            f"{request.status}, {request.num_uncached} tokens left to compute"
+    queued = {id(r) for r in [*scheduler.waiting, *scheduler.running]}
+    for request in requests:
+        done = request.status is RequestStatus.FINISHED
+        assert done == (request.finish_reason is not None) and done != (id(request) in queued), \
+            f"request {request.id}: status {request.status}, finish reason {request.finish_reason}, " \
+            f"queued: {id(request) in queued}"
