@@ -132,3 +132,12 @@ def test_a_served_model_id_is_named_as_it_is():
     from tokenspeed.entrypoints.serve_cmd import _model_name
     assert _model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert _model_name("/models/tiny.gguf") == "tiny"
+
+
+def test_engine_flags_reach_the_llms_options():
+    from tokenspeed.entrypoints.cli import llm_options, parser
+    args = parser().parse_args(["generate", "x", "--device", "cpu", "--max-chunk-tokens", "64",
+                                "--max-model-len", "512"])
+    options = llm_options(args)
+    assert options["max_chunk_tokens"] == 64 and options["max_model_len"] == 512
+    assert "max_chunk_tokens" not in llm_options(parser().parse_args(["generate", "x", "--device", "cpu"]))

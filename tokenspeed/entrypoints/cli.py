@@ -64,6 +64,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     command.add_argument("--max-model-len", type=int, default=None,
                          help="the longest context, prompt and output (default: the model's)")
+    command.add_argument("--max-chunk-tokens", type=int, default=None,
+                         help="the most prompt tokens a step computes for one request, so that others keep "
+                              "flowing during a long prompt (default: 256 on the CPU, else the step's budget)")
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
     command.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                          help="share of the GPU's memory the engine may fill, weights, graphs and KV "
@@ -105,8 +108,9 @@ def default_device() -> str:
 def llm_options(args, **options) -> dict:
     """``LLM`` keyword arguments from the engine options on the command line."""
     from tokenspeed.runtime.speculative import SpeculativeConfig
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
+    for name in ("max_model_len", "max_chunk_tokens"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     if args.draft_model is not None and not args.speculative_tokens:
         raise ValueError("--draft-model needs --speculative-tokens K (drafts per step)")
     if args.speculative_tokens:
