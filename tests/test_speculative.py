@@ -134,7 +134,8 @@ def test_speculative_must_be_a_config():
 
 
 def test_a_verify_runner_needs_its_config():
-    with pytest.raises(ValueError, match="both"):
+    from tokenspeed.errors import InternalError
+    with pytest.raises(InternalError, match="both"):
         from tokenspeed.runtime.engine import Engine
         Engine(None, prefill=None, decode=None, model_config=types.SimpleNamespace(eos_token_ids=(), vocab_size=1),
                max_model_len=8, verify=object())

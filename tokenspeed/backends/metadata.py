@@ -18,13 +18,16 @@ from tokenspeed.ir.descriptors import DecodeMetadata, ExtendMetadata
 
 NULL_PAGE = 0
 EXTEND_TILE_ROWS = 64   # rows per tile of the extend attention kernel (its BLOCK_M)
+FED_INPUT = 0   # a fed row's input id in host metadata: the device's copy replaces it before any kernel reads it
 
 
 @attrs.frozen
 class DecodeRow:
-    """``pages``: the request's pages of cache group 0; ``group_pages``: those of groups
-    1.. (as many entries each: a windowed group's dropped ones are the null page)."""
-    token: int
+    """``token``: the row's input, None when it is fed on the device (an unread token:
+    ``runtime/token_column.py``); ``pages``: the request's pages of cache group 0;
+    ``group_pages``: those of groups 1.. (as many entries each: a windowed group's dropped
+    ones are the null page)."""
+    token: int | None
     position: int
     pages: tuple[int, ...]
     group_pages: tuple[tuple[int, ...], ...] = ()
@@ -32,13 +35,24 @@ class DecodeRow:
 
 @attrs.frozen
 class ExtendChunk:
-    """``tokens`` at positions ``start ..``; ``completes`` when the chunk ends the prompt,
-    so its last row is sampled; pages as ``DecodeRow``'s."""
+    """``tokens`` at positions ``start ..``, then, when ``fed``, one row whose input is
+    fed on the device (the request's unread token); ``completes`` when the chunk ends the
+    request's tokens, so its last row is sampled; pages as ``DecodeRow``'s."""
     tokens: tuple[int, ...]
     start: int
     pages: tuple[int, ...]
     completes: bool
     group_pages: tuple[tuple[int, ...], ...] = ()
+    fed: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tokens) + self.fed
+
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        """Its rows' input ids in host metadata (a fed row's is ``FED_INPUT``)."""
+        return (*self.tokens, FED_INPUT) if self.fed else self.tokens
 
 
 def write_locations(block_tables, row_request, positions, page_size: int):
@@ -137,9 +151,10 @@ def table_slots(tables: np.ndarray, row_request, positions, page_size: int) -> n
 class DecodeColumns:
     """Decode rows as the columns ``refresh_decode`` pads: the form a decode chain keeps
     from step to step (``runtime/decode_chain.py``), moving each row on a position rather
-    than rebuilding every row's table from its page lists. ``block_tables``: ``max_pages``
-    page ids per row, per cache group on dim 1 when there are several (``group_tables``)."""
-    tokens: np.ndarray        # int64
+    than rebuilding every row's table from its page lists. ``tokens``: None when every
+    row's input is fed on the device; ``block_tables``: ``max_pages`` page ids per row, per
+    cache group on dim 1 when there are several (``group_tables``)."""
+    tokens: np.ndarray | None  # int64
     positions: np.ndarray     # int64
     block_tables: np.ndarray  # int32
 
@@ -148,8 +163,12 @@ class DecodeColumns:
 
 
 def decode_columns(rows: Sequence[DecodeRow], max_pages: int, num_groups: int = 1) -> DecodeColumns:
+    """Rows are fed whole or not at all (a decode step's inputs are all unread or all known)."""
     n = len(rows)
-    return DecodeColumns(np.fromiter((r.token for r in rows), np.int64, n),
+    fed = sum(r.token is None for r in rows)
+    if fed not in (0, n):
+        raise InternalError(f"{fed} of {n} decode rows fed on the device: a step is fed whole or not at all")
+    return DecodeColumns(np.fromiter((r.token for r in rows), np.int64, n) if not fed else None,
                          np.fromiter((r.position for r in rows), np.int64, n),
                          item_tables(rows, num_groups, n, max_pages))
 
@@ -169,7 +188,8 @@ def refresh_decode(rows: Sequence[DecodeRow] | DecodeColumns, num_rows: int, max
     tables = np.full((num_rows, *live_tables.shape[1:]), NULL_PAGE, dtype=np.int32)
     tables[:count] = live_tables
     return DecodeMetadata(num_live_rows=count, **_on(
-        device, input_ids=_padded(columns.tokens, count, num_rows), positions=positions,
+        device, input_ids=_padded(columns.tokens, count, num_rows) if columns.tokens is not None else
+        np.full(num_rows, FED_INPUT, np.int64), positions=positions,
         slot_mapping=table_slots(tables, every_row, positions, page_size), block_tables=tables,
         row_request=every_row, sample_rows=every_row.copy()))
 
@@ -197,7 +217,7 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     max_chunks = num_table_rows - 1 if max_chunks is None else max_chunks
     if len(chunks) > max_chunks:
         raise InternalError(f"{len(chunks)} chunks in one step; a step holds at most {max_chunks}")
-    lengths = np.fromiter((len(c.tokens) for c in chunks), np.int64, len(chunks))
+    lengths = np.fromiter((c.num_rows for c in chunks), np.int64, len(chunks))
     starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
     completes = np.fromiter((c.completes for c in chunks), bool, len(chunks))
     _check_pages(chunks, starts + lengths, page_size)
@@ -208,7 +228,7 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     tables, slots = group_tables(chunks, num_groups, num_table_rows, max_pages, page_size, row_request, positions)
     num_view_rows = len(view) if num_view_rows is None else num_view_rows
     return ExtendMetadata(num_live_rows=rows, num_live_view_rows=len(view), **_on(
-        device, input_ids=_padded(chain.from_iterable(c.tokens for c in chunks), rows, num_rows),
+        device, input_ids=_padded(chain.from_iterable(c.input_ids for c in chunks), rows, num_rows),
         positions=positions, slot_mapping=slots,
         block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
@@ -260,7 +280,7 @@ def _check_pages(chunks: Sequence[ExtendChunk], ends: np.ndarray, page_size: int
 
 def kept_rows(chunk: ExtendChunk, width: int) -> int:
     """Rows of ``chunk`` in the decoder view: the last ``width`` if it completes, else one."""
-    return min(width if chunk.completes else 1, len(chunk.tokens))
+    return min(width if chunk.completes else 1, chunk.num_rows)
 
 
 def _decoder_view(lengths: np.ndarray, ends: np.ndarray, completes: np.ndarray, width: int):

@@ -15,8 +15,9 @@ from tokenspeed.backends.metadata import DecodeColumns
 
 def next_columns(columns: DecodeColumns, kept: list[int] | None, requests, scheduler) -> DecodeColumns | None:
     """The columns of the step chained on ``columns``' for ``requests`` (its rows ``kept``,
-    all if None), their input tokens fed on the device; None, with nothing taken from the
-    rows not yet grown, when a request at a page boundary finds no page."""
+    all if None), their input tokens fed on the device (no tokens on the host); None, with
+    nothing taken from the rows not yet grown, when a request at a page boundary finds no
+    page."""
     positions = columns.positions + 1 if kept is None else columns.positions[kept] + 1
     tables = columns.block_tables.copy() if kept is None else columns.block_tables[kept]
     for row in np.flatnonzero(scheduler.pages_may_change(positions)).tolist():
@@ -24,7 +25,7 @@ def next_columns(columns: DecodeColumns, kept: list[int] | None, requests, sched
         if not scheduler.grow(request, int(positions[row]) + 1):
             return None
         write_table_row(tables[row], request.page_lists())
-    return DecodeColumns(np.zeros(len(positions), np.int64), positions, tables)
+    return DecodeColumns(None, positions, tables)
 
 
 def write_table_row(row: np.ndarray, page_lists: list[list[int]]) -> None:

@@ -5,29 +5,35 @@ whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`
 the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
 same slots; batches above the ladder take it. Tokens land in one persistent buffer and
 reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
-so the host can prepare the next step while the GPU runs this one; a chained step takes
-its input tokens from the previous step's output on the device (``inputs``). Rows whose
-sampling needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities)
-are resampled from the step's logits before the copy.
+so the host can prepare the next step while the GPU runs this one. The step writes each
+row's token into its request's seat of the token column (``token_column``), inside the
+graph; a chained step takes its input tokens from there (``fed``). Rows whose sampling
+needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are
+resampled from the step's logits before the copy.
 """
 
 import torch
 
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
+from tokenspeed.errors import InternalError
 from tokenspeed.runtime.graphs import state_tensors
 from tokenspeed.runtime.ladders import bucket_for
 from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
 from tokenspeed.runtime.sampling_params import SamplingParams
 from tokenspeed.runtime.slots import MetadataSlots
 from tokenspeed.runtime.step_future import StepFuture, recorded_event
+from tokenspeed.runtime.token_column import FedRows
 
 PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 
 
 class DecodeRunner:
     def __init__(self, program, kv_cache, backend, *, max_decode_bs: int, max_pages: int,
-                 page_size: int, num_groups: int = 1):
+                 page_size: int, num_groups: int = 1, column: torch.Tensor | None = None):
+        """``column``: the token column its rows write to and chained rows read from (None:
+        no step of this runner is chained, as a verify step's)."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
+        self.column = column
         self.max_pages, self.page_size = max_pages, page_size
         self.num_groups = num_groups
         device = kv_cache.device
@@ -79,32 +85,47 @@ class DecodeRunner:
         named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
         named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
         state = state_tensors(*(s.graph_module for s in self.program.segments))
-        return {**named, **state, "kv_cache": self.kv_cache, "out": self.out}
+        column = {} if self.column is None else {"column": self.column}
+        return {**named, **state, "kv_cache": self.kv_cache, "out": self.out, **column}
 
     def run(self, rows, sampling: list[RowSampling]) -> list[int]:
         """One sampled token per row."""
         return self.launch(rows, sampling).tokens()
 
     def launch(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
-               inputs: torch.Tensor | None = None) -> StepFuture:
-        """Enqueue one step. ``inputs``: the rows' input tokens on the device (a chained
-        step's, from the step before: ``StepFuture.on_device``), else the rows' tokens."""
+               fed: FedRows | None = None) -> StepFuture:
+        """Enqueue one step. ``fed``: every row's input is its request's unread token, read
+        from the token column at the row's seat (a chained step); else the rows' tokens."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
         input_ids, out, hosts = self._row_views(bs, size)
         view = self.slots.publish(self.refresh(rows, size))
-        if inputs is not None:
-            input_ids.copy_(inputs)
         settings, processed = self._settings(sampling, size)
         settings = self.sampling.publish(settings)
+        if fed is not None:
+            self._feed(input_ids, fed, settings.seat[:bs])
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
         logprobs = None
         if processed:
             logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
+            self._write_column(settings.seat[:bs], out)
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
-        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs, out)
+        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs)
+
+    def _feed(self, input_ids: torch.Tensor, fed: FedRows, seats: torch.Tensor) -> None:
+        """The rows' inputs from the token column. Each row reads the seat it writes (its
+        request's: ``fed.seats``), whose values the published settings already hold on the
+        device: one gather, nothing copied from the host."""
+        if len(fed.rows) != len(input_ids) or self.column is None:
+            raise InternalError(f"a decode step of {len(input_ids)} rows fed {len(fed.rows)} rows "
+                                f"{'without' if self.column is None else 'from'} a token column")
+        torch.index_select(self.column, 0, seats, out=input_ids)
+
+    def _write_column(self, seats: torch.Tensor, tokens: torch.Tensor) -> None:
+        if self.column is not None:
+            self.column.index_copy_(0, seats, tokens)
 
     def _row_views(self, bs: int, size: int) -> tuple:
         """The first ``bs`` rows of the input ids (of the slots' views for ``size``), of the
@@ -119,6 +140,7 @@ class DecodeRunner:
         """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self.program(self.kv_cache, view)
         gumbel_argmax(logits, sampling, view.positions, out)
+        self._write_column(sampling.seat, out)
         return logits
 
     def _padded(self, sampling: list[RowSampling], size: int) -> SamplingTensors:

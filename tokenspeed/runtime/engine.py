@@ -1,14 +1,17 @@
-"""The engine loop: schedule a batch, run it (the runner samples), advance requests.
+"""The engine loop, as nano-vllm's ``LLMEngine.step``: schedule, launch, then postprocess
+the step before, over two records (``step_records``): the batch the scheduler decided and
+what the runner produced.
 
 With ``overlap``, a decode or extend batch is launched and left in flight; the next step
 is launched before the first one's tokens are read, so the host's scheduling and metadata
-work hides behind the GPU: the decode rows of the same requests, or, while prompts wait or
-are part-way computed, the next extend batch, whose rows for those requests take their
-input tokens on the device (the host holds a stand-in, ``PENDING``, in their outputs until
-the step in flight is read, within the same ``step``). A request that stops on a token is
-found one step late: the extra row's token is dropped, and the chain goes on without its
-row. Waiting requests join every few steps (``admit_every``). Rows whose sampling reads
-the tokens generated so far (penalties, ``min_tokens``) are not chained.
+work hides behind the GPU: the decode rows of the same requests (``step_chain``), or,
+while prompts wait or are part-way computed, the next extend batch. Rows whose inputs are
+tokens the host has not read take them on the device from the token column
+(``token_column``); the host counts those tokens (``Request.num_unread``) but never holds
+a stand-in for them. A request that stops on a token is found one step late: the extra
+row's token is dropped, and the chain goes on without its row. Waiting requests join
+every few steps (``admit_every``). Rows whose sampling reads the tokens generated so far
+(penalties, ``min_tokens``) are not chained.
 
 Under a chained decode step, the step before it is read at the start of the next ``step``
 (``unread``), just before the next launch: what the caller does between two calls (a
@@ -24,42 +27,31 @@ The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) seriali
 
 import time
 
-import attrs
 import torch
 
-from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, ExtendChunk
-from tokenspeed.runtime.decode_chain import next_columns
+from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
+from tokenspeed.errors import InternalError
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.prompt_limits import PromptLimits
 from tokenspeed.runtime.request import Request, RequestStatus
 from tokenspeed.runtime.sample_streams import stream_key
 from tokenspeed.runtime.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from tokenspeed.runtime.scheduler import ScheduledBatch, Scheduler
-from tokenspeed.runtime.speculative import window_rows
-from tokenspeed.runtime.step_future import FedTokens
+from tokenspeed.runtime.scheduler import Scheduler
+from tokenspeed.runtime.speculative import DraftBackoff
+from tokenspeed.runtime.speculative_steps import SpeculativeSteps
+from tokenspeed.runtime.step_chain import ChainedSteps
+from tokenspeed.runtime.step_records import InFlight, RunnerOutput, ScheduledBatch
+from tokenspeed.runtime.token_column import FedRows
 
 ADMIT_EVERY_STEPS = 4
-PENDING = 0     # a chained extend's host-side input for a token its device feeds (module doc)
 
 
-@attrs.frozen
-class InFlight:
-    """A launched step whose tokens the host has not read. ``counted``: its rows' input
-    tokens are counted as cached (an extend counts its chunks when launched; a decode
-    step's rows are counted when the next step is prepared: ``_settled``). A chained
-    decode step keeps its rows' ``columns``: the next one in the chain moves them on."""
-    requests: tuple[Request, ...]
-    future: object
-    counted: bool = False
-    columns: DecodeColumns | None = None   # a chained decode step's rows (``decode_chain``)
-
-
-class Engine:
+class Engine(ChainedSteps, SpeculativeSteps):
     def __init__(self, scheduler: Scheduler, *, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None, drafter=None,
                  verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS):
-        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling) -> future``);
-        ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
+        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
+        future``); ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
         of speculative windows, with ``drafter`` the one that proposes them
         (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
@@ -67,9 +59,11 @@ class Engine:
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``)."""
         if (verify is None) != (drafter is None):
-            raise ValueError("speculative decoding needs both a verify runner and its drafter")
+            raise InternalError("speculative decoding needs both a verify runner and its drafter, "
+                                f"got verify={verify!r}, drafter={drafter!r}")
         self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
         self.verify, self.drafter, self.verify_cost = verify, drafter, verify_cost
+        self.backoff = DraftBackoff()
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
@@ -108,15 +102,16 @@ class Engine:
         return requests
 
     def finish(self, request: Request, reason: str, stop_reason=None) -> None:
-        """End ``request`` now (a stop string, an abort): its pages return at once; a
-        token of it still in flight is dropped."""
+        """End ``request`` now (a stop string, an abort): its pages and seat return at once;
+        a token of it still unread is dropped."""
         if request.finished:
             return
         request.finish_reason, request.stop_reason = reason, stop_reason
-        request.status = RequestStatus.FINISHED
-        request.finish_time = time.time()
+        request.status, request.num_unread = RequestStatus.FINISHED, 0
+        request.stats.finish_time = time.time()
         self.num_finished += 1
         self.scheduler.finish(request)
+        self.backoff.release(request.id)
         if self.drafter is not None:
             self.drafter.release(request)
 
@@ -124,8 +119,6 @@ class Engine:
         """After a failed step: nothing of it may leak into the next one."""
         self.in_flight, self.unread, self._chained = None, None, 0
         for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if request.pending:         # its step failed before the token was read
-                _forget_pending([request])
             self.finish(request, "abort")
 
     @property
@@ -133,230 +126,115 @@ class Engine:
         return self.scheduler.has_work or self.in_flight is not None or self.unread is not None
 
     def step(self) -> list[Request]:
-        """Read the step left unread, then launch or run one batch; returns the requests
-        that finished in what was read."""
+        """Postprocess the step left unread; schedule and launch the next step (chained onto
+        the one in flight where it can be) and postprocess the one before it, unless the
+        new step is a chained decode step (then that one is read at the next call). Returns
+        the requests that finished in what was read."""
         flight, self.unread = self.unread, None
-        finished = self._collect(flight) if flight is not None else []
-        if self.in_flight is None:
-            return finished + self._schedule_step() if self.scheduler.has_work else finished
-        flight, self.in_flight = self._settled(self.in_flight), None
-        self.in_flight = self._chain(flight)
-        if self.in_flight is not None and self.in_flight.columns is not None:
-            self.unread = flight       # a chained decode step: no stand-in waits for it
-            return finished
-        return finished + self._collect(flight)
+        finished = self._postprocess(flight) if flight is not None else []
+        if self.in_flight is not None:
+            return finished + self._follow(self.in_flight)
+        return finished + self._fresh_step() if self.scheduler.has_work else finished
 
-    def _schedule_step(self) -> list[Request]:
-        """With nothing in flight: schedule a batch and launch it (or run it, and return
-        the requests it finished)."""
+    def _follow(self, last: InFlight) -> list[Request]:
+        """Launch the step chained onto ``last`` if one can be; postprocess ``last`` now
+        unless that step is a chained decode step."""
+        self.in_flight = None
+        batch = self._chained_batch(last)
+        if batch is not None:
+            self.in_flight = self._launch(batch, last)
+            if batch.kind == "decode":
+                self.unread = last
+                return []
+        return self._postprocess(last)
+
+    def _fresh_step(self) -> list[Request]:
+        """With nothing in flight: schedule a batch and launch it, left in flight with
+        overlap, else postprocessed at once (a verify step always is)."""
         batch = self.scheduler.schedule()
+        if not batch.requests:  # validation guarantees a lone request fits: never spin
+            raise InternalError(f"no batch could be scheduled for {len(self.scheduler.waiting)} waiting "
+                                f"requests ({self.scheduler.allocator.num_free} free KV pages)")
         drafts = self._drafts(batch) if self.drafter is not None else None
         if drafts and any(drafts) and self._verify_pays(batch.requests, list(map(len, drafts))):
             return self._verify(batch.requests, drafts)
-        if batch.kind == "decode" and batch.requests and self.overlap:
-            self.in_flight = InFlight(batch.requests, self.decode.launch(
-                _decode_rows(batch.requests), [r.sampling for r in batch.requests]))
-            return []
-        if not batch.requests:  # validation guarantees a lone request fits: never spin
-            raise RuntimeError(f"no batch could be scheduled for {len(self.scheduler.waiting)} waiting "
-                               f"requests ({self.scheduler.allocator.num_free} free KV pages)")
-        flight = self._extend(batch)
-        if self.overlap and flight.requests:   # the next step may chain onto it
+        flight = self._launch(batch)
+        if self.overlap and flight.sampled:   # the next step may chain onto it
             self.in_flight = flight
             return []
-        return self._collect(flight)
+        return self._postprocess(flight)
 
-    def _extend(self, batch: ScheduledBatch, fed: FedTokens | None = None) -> InFlight:
-        """Launch an extend batch and count its chunks as cached; in flight: its sampled rows."""
-        sampled = [r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens]
-        future = self._launch(batch, sampled, fed)
+    def _launch(self, batch: ScheduledBatch, last: InFlight | None = None) -> InFlight:
+        """Launch ``batch`` (``last``: the step it is chained onto); its rows' inputs count as
+        cached and its sampled rows' tokens as unread from now on."""
+        if batch.kind == "decode":
+            return self._launch_decode(batch, last)
+        sampled = tuple(r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens)
+        chunks, fed = self._chunks(batch)
+        future = self.prefill.launch(chunks, [r.sampling for r in sampled], fed)
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.count_cached(n)
             self.scheduler.remember_full_pages(request)
-        return InFlight(tuple(sampled), future, counted=True)
+        for request in sampled:
+            request.num_unread += 1
+        return InFlight(batch, sampled, future)
 
-    def _settled(self, flight: InFlight) -> InFlight:
-        """``flight`` with its decode rows' input tokens counted as cached: every step
-        launched from now on runs after it."""
-        if flight.counted:
-            return flight
+    def _launch_decode(self, batch: ScheduledBatch, last: InFlight | None) -> InFlight:
+        """A decode step: its rows from the requests, or moved on from ``last``'s (chained,
+        their inputs fed from the token column)."""
+        requests, sampling = batch.requests, [r.sampling for r in batch.requests]
+        if batch.columns is None:
+            fed, future = None, self.decode.launch(_decode_rows(requests), sampling)
+        else:
+            fed = last.fed if last.fed is not None and len(last.fed.rows) == len(requests) else \
+                FedRows(tuple(range(len(requests))), tuple(r.seat for r in requests))
+            future = self.decode.launch(batch.columns, sampling, fed)
         remember = self.scheduler.remember_full_pages if self.scheduler.prefix_caching else None
-        for request in flight.requests:   # every row of every step: nothing more than needed
-            if not request.finished:
-                request.num_cached += 1
-                if remember is not None:
-                    remember(request)
-        return InFlight(flight.requests, flight.future, True, flight.columns)
+        for request in requests:
+            request.num_cached += 1
+            request.num_unread += 1
+            if remember is not None:
+                remember(request)
+        return InFlight(batch, requests, future, fed)
 
-    def _chain(self, flight: InFlight) -> InFlight | None:
-        """Launch the rows of the requests still running once more, or, when prompt work is
-        due (a waiting request should join, or a prompt is part-way computed), the next
-        extend batch; None when something needs the host between steps."""
-        live = [r for r in flight.requests if not r.finished]
-        if not live or not any(self._wants_another(r) for r in live) or \
-                (flight.columns is None and any(r.sampling.reads_history for r in live)) or \
-                (self.drafter is not None and
-                 self._verify_pays(live, [self._would_draft(r) for r in live])):
-            self._chained = 0
-            return None
-        if self._admits_now() or len(self.scheduler.running) != len(live):
-            self._chained = 0
-            return self._chain_extend(flight, live) if self.drafter is None else None
-        kept = None if len(live) == len(flight.requests) else \
-            [i for i, r in enumerate(flight.requests) if not r.finished]
-        columns = self._chained_columns(flight, live, kept)
-        if columns is None:
-            self._chained = 0
-            return None
-        self._chained += 1
-        future = self.decode.launch(columns, [r.sampling for r in live], flight.future.on_device(kept))
-        return InFlight(tuple(live), future, columns=columns)
+    def _chunks(self, batch: ScheduledBatch) -> tuple[list[ExtendChunk], FedRows | None]:
+        """The batch's chunks; a chunk reaching a token the host has not read ends in a fed
+        row (``ExtendChunk.fed``), whose input the column holds at its request's seat."""
+        chunks, rows, seats, row = [], [], [], 0
+        for request, n in zip(batch.requests, batch.chunk_lens):
+            start, known = request.num_cached, request.num_known_tokens
+            end = start + n
+            pages, group_pages = request.row_pages()
+            chunks.append(ExtendChunk(request.tokens_between(start, min(end, known)), start, pages,
+                                      end == request.num_tokens, group_pages, fed=end > known))
+            row += n
+            if end > known:
+                rows.append(row - 1)
+                seats.append(request.seat)
+        return chunks, FedRows(tuple(rows), tuple(seats)) if rows else None
 
-    def _chained_columns(self, flight: InFlight, live: list[Request], kept) -> DecodeColumns | None:
-        """The chained step's rows (their input tokens fed on the device): the flight's
-        moved on a position, or, chained on an extend or an unchained decode step, built
-        from each request's pages; None when a request finds no page for its row.
-        (A chained step's rows never read their history: ``_chain`` checked at the first.)"""
-        if flight.columns is not None:
-            return next_columns(flight.columns, kept, live, self.scheduler)
-        rows = []
-        for request in live:
-            position = request.num_tokens
-            if not self.scheduler.grow(request, position + 1):
-                return None
-            rows.append(DecodeRow(0, position, tuple(request.pages), request.group_page_tuples()))
-        return self.decode.columns(rows)
-
-    def _chain_extend(self, flight: InFlight, live: list[Request]) -> InFlight | None:
-        """The next extend batch, scheduled as if the flight's tokens were known: each live
-        request that wants another token holds ``PENDING`` in their place, and its row, if
-        the batch has one, takes the token on the device. None when there is no prompt
-        work after all (the stand-ins go)."""
-        pending = [r for r in live if self._wants_another(r)]
-        for request in pending:
-            request.output.append(PENDING)
-            request.pending = True
-        try:
-            batch = self.scheduler.schedule_extend()
-            if batch.requests:
-                return self._extend(batch, _fed(flight, batch))
-        except BaseException:
-            _forget_pending(pending)
-            raise
-        _forget_pending(pending)
-        return None
-
-    def _admits_now(self) -> bool:
-        """Whether a waiting request joins now, ending the decode chain: when a seat is
-        free, and at most every ``admit_every`` chained steps. A join is an extend step (about
-        twice a decode step of as many rows, for the default model on an H200), and under a
-        steady stream of arrivals (a server) joining each at once made most steps one."""
-        return self.scheduler.has_free_seat and self._chained >= self.admit_every
-
-    def _drafts(self, batch: ScheduledBatch) -> list[tuple[int, ...]] | None:
-        """Each decode row's drafts (none where the request's sampling reads its history or
-        it backs off)."""
-        if batch.kind != "decode":
-            return None
-        limits = [self._draft_limit(r) for r in batch.requests]
-        drafts = self.drafter.propose_many(batch.requests, limits)
-        for request, limit, draft in zip(batch.requests, limits, drafts):
-            if not draft and limit > 0:
-                request.note_drafts(False)
-        return drafts
-
-    def _would_draft(self, request: Request) -> int:
-        """How many drafts ``request`` would verify now (for a chain to break); finding
-        none counts towards its back-off, as in ``_drafts``."""
-        limit = self._draft_limit(request)
-        drafts = self.drafter.would_propose(request, limit) if limit > 0 else 0
-        if limit > 0 and not drafts:
-            request.note_drafts(False)
-        return drafts
-
-    def _verify_pays(self, requests, num_drafts: list[int]) -> bool:
-        """Whether a verify step beats plain steps: it costs ``verify_cost`` chained plain
-        steps (no overlap, wider rows) for the whole batch, and gains, per request with
-        drafts, those its windows kept on average. Text that rarely repeats in a large
-        batch decodes plainly, and repetitive text verifies."""
-        if not any(num_drafts):
-            return False
-        gain = sum(r.expected_kept_drafts(n) for r, n in zip(requests, num_drafts) if n)
-        return gain >= (self.verify_cost - 1) * len(requests)
-
-    def _draft_limit(self, request: Request) -> int:
-        """How many drafts ``request`` may verify now: its tokens and context left, less the
-        window's own sample; 0 while its sampling reads its history or it backs off."""
-        if request.sampling.reads_history or request.num_tokens < request.drafts_from:
-            return 0
-        room = request.max_output - len(request.output)
-        return max(room - 1, 0)
-
-    def _verify(self, requests, drafts) -> list[Request]:
-        """One window per request, its last token then its drafts; each request keeps the
-        samples while every draft equals the sample before it (module ``speculative``)."""
-        rows, sampling, windows = [], [], []
-        for request, draft in zip(requests, drafts):
-            if not self.scheduler.grow(request, request.num_tokens + len(draft)):
-                draft = ()                   # no pages for the drafts: a plain row
-            rows += window_rows(request.last_token, request.num_tokens, tuple(request.pages), draft,
-                                request.group_page_tuples())
-            sampling += [request.sampling] * (1 + len(draft))
-            windows.append(draft)
-        future = self.verify.launch(rows, sampling)
-        tokens, logprobs, finished, row = future.tokens(), future.logprobs(), [], 0
-        for request, draft in zip(requests, windows):
-            width = 1 + len(draft)
-            kept = self._keep(request, draft, tokens[row:row + width], logprobs[row:row + width])
-            request.record_verify(kept, len(draft))
-            if request.finished:
+    def _postprocess(self, flight: InFlight) -> list[Request]:
+        """Read a launched step's tokens into its requests; the finished ones."""
+        output, finished = RunnerOutput.read(flight.future), []
+        for request, token, logprobs in zip(flight.sampled, output.tokens, output.logprobs):
+            if request.finished:   # it stopped a step earlier: drop the row
+                continue
+            request.num_unread -= 1
+            if self._append(request, token, logprobs):
                 finished.append(request)
-            row += width
         return finished
-
-    def _keep(self, request: Request, draft, tokens, logprobs) -> int:
-        """Append the window's samples while the drafts match them; how many were kept."""
-        for j, (token, lp) in enumerate(zip(tokens, logprobs)):
-            request.num_cached += 1        # row j's input is now a token of the request
-            self.scheduler.remember_full_pages(request)
-            if self._append(request, token, lp) or j == len(tokens) - 1 or draft[j] != token:
-                return j + 1
-        return len(tokens)
-
-    def _wants_another(self, request: Request) -> bool:
-        """Whether ``request`` can still need a token after the one in flight."""
-        return len(request.output) + 1 < request.max_output
-
-    def _collect(self, flight: InFlight) -> list[Request]:
-        """Read a settled flight's tokens into its requests; the finished ones."""
-        finished = []
-        future = flight.future
-        for request, token, logprobs in zip(flight.requests, future.tokens(), future.logprobs()):
-            if not request.finished:  # else it stopped a step earlier: drop the row
-                if self._append(request, token, logprobs):
-                    finished.append(request)
-        return finished
-
-    def _launch(self, batch: ScheduledBatch, sampled: list[Request], fed: FedTokens | None = None):
-        sampling = [r.sampling for r in sampled]
-        if batch.kind == "decode":
-            return self.decode.launch(_decode_rows(batch.requests), sampling)
-        chunks = [ExtendChunk(r.tokens_between(r.num_cached, r.num_cached + n), r.num_cached, tuple(r.pages),
-                              r.num_cached + n == r.num_tokens, r.group_page_tuples())
-                  for r, n in zip(batch.requests, batch.chunk_lens)]
-        return self.prefill.launch(chunks, sampling, fed)
 
     def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
-        """Add a sampled token (in its stand-in's place); True when it ends the request."""
-        if request.pending:
-            request.output[-1], request.pending = token, False
-            self.scheduler.remember_full_pages(request)
-        else:
-            request.output.append(token)
+        """Add a sampled token the host has read (a page whose tokens it completes is
+        remembered now: ``remember_full_pages``); True when it ends the request."""
+        request.output.append(token)
+        scheduler = self.scheduler   # (every row of every step: the common case first)
+        if scheduler.prefix_caching and request.num_cached // scheduler.page_size > request.num_pages_remembered:
+            scheduler.remember_full_pages(request)
         if logprobs is not None:
             request.logprobs.append(logprobs)
-        if request.first_token_time is None:
-            request.first_token_time = time.time()
+        if request.stats.first_token_time is None:
+            request.stats.first_token_time = time.time()
         if token in request.stop_ids and len(request.output) >= request.params.min_tokens:
             self.finish(request, "stop", token if token in request.params.stop_token_ids else None)
             return True
@@ -366,25 +244,6 @@ class Engine:
         return False
 
 
-def _fed(flight: InFlight, batch: ScheduledBatch) -> FedTokens:
-    """The token rows of ``batch`` whose inputs are ``flight``'s samples (its pending
-    requests' rows, one token each), with those samples on the device."""
-    flight_row = {id(r): i for i, r in enumerate(flight.requests)}
-    rows, sources, row = [], [], 0
-    for request, n in zip(batch.requests, batch.chunk_lens):
-        if request.pending:
-            rows.append(row)
-            sources.append(flight_row[id(request)])
-        row += n
-    return FedTokens(tuple(rows), flight.future.on_device(sources))
-
-
-def _forget_pending(requests) -> None:
-    for request in requests:
-        request.output.pop()
-        request.pending = False
-
-
 def _decode_rows(requests) -> list[DecodeRow]:
     """Each request's next decode row: its last token at the position after its cache."""
-    return [DecodeRow(r.last_token, r.num_tokens - 1, tuple(r.pages), r.group_page_tuples()) for r in requests]
+    return [DecodeRow(r.last_token, r.num_tokens - 1, *r.row_pages()) for r in requests]

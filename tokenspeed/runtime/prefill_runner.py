@@ -18,21 +18,27 @@ import torch
 
 from tokenspeed.backends.kernels.registry import direct_calls
 from tokenspeed.backends.metadata import kept_rows, tile_plan_length
+from tokenspeed.errors import InternalError
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import RowSampling, sample
+from tokenspeed.runtime.host_to_device import values_on
+from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, sample
 from tokenspeed.runtime.segment_graphs import SegmentGraphs
 from tokenspeed.runtime.slots import MetadataSlots, to_device
-from tokenspeed.runtime.step_future import FedTokens, StepFuture, device_index, recorded_event
+from tokenspeed.runtime.step_future import StepFuture, recorded_event
+from tokenspeed.runtime.token_column import FedRows
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
 
 
 class PrefillRunner:
     def __init__(self, program, kv_cache, backend, *, max_pages: int, page_size: int,
-                 view_width: int, token_ladder, view_ladder, max_chunks: int, num_groups: int = 1):
-        """Empty ladders: no graphs, every batch runs unpadded."""
+                 view_width: int, token_ladder, view_ladder, max_chunks: int, num_groups: int = 1,
+                 column: torch.Tensor | None = None):
+        """Empty ladders: no graphs, every batch runs unpadded. ``column``: the token column
+        (``token_column``) its sampled rows write to and fed rows read from."""
         self.program, self.kv_cache, self.backend = program, kv_cache, backend
+        self.column = column
         self.max_pages, self.page_size, self.view_width = max_pages, page_size, view_width
         self.num_groups = num_groups
         self.token_ladder, self.view_ladder = tuple(token_ladder), tuple(view_ladder)
@@ -89,22 +95,32 @@ class PrefillRunner:
         """Sampled tokens of the completing chunks, in chunk order."""
         return self.launch(chunks, sampling).tokens()
 
-    def launch(self, chunks, sampling: list[RowSampling], fed: FedTokens | None = None) -> StepFuture:
+    def launch(self, chunks, sampling: list[RowSampling], fed: FedRows | None = None) -> StepFuture:
         """Run the chunks; ``sampling``: one row per completing chunk, in chunk order;
-        ``fed``: token rows whose inputs are on the device (the chunks hold stand-ins)."""
-        tokens = sum(len(c.tokens) for c in chunks)
+        ``fed``: token rows whose inputs are unread tokens, read from the token column (their
+        chunks are marked ``fed``). Each sampled row's token goes to its seat."""
+        tokens = sum(c.num_rows for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
         t = bucket_for(self.token_ladder, tokens)
         v = bucket_for(self.view_ladder, views) if t else None   # above the buckets: all eager
         meta = self.plan(chunks, t or tokens, v)
         meta = self.slots.publish(meta) if t else to_device(meta, self.kv_cache.device)
         if fed is not None and fed.rows:
-            meta.input_ids.index_copy_(0, device_index(fed.rows, meta.input_ids.device),
-                                       fed.tokens.to(meta.input_ids.dtype))
+            self._feed(meta.input_ids, fed)
         logits = self._walk(meta, replay=t is not None)
-        sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows))
+        settings = SamplingTensors.build(sampling, logits.device)
+        sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows), settings=settings)
+        if self.column is not None:
+            self.column.index_copy_(0, settings.seat, sampled.tokens)
         return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),
-                          sampling, sampled.logprobs, sampled.tokens)
+                          sampling, sampled.logprobs)
+
+    def _feed(self, input_ids: torch.Tensor, fed: FedRows) -> None:
+        """Fed rows' inputs from the token column (their rows and seats in one copy)."""
+        if self.column is None:
+            raise InternalError(f"token rows {fed.rows} fed without a token column")
+        rows, seats = values_on([fed.rows, fed.seats], torch.int64, input_ids.device)
+        input_ids.index_copy_(0, rows, self.column.index_select(0, seats).to(input_ids.dtype))
 
     @torch.no_grad()   # kernels called directly run under autograd, which the dispatcher skipped
     def _walk(self, meta, capturer=None, capture_ladder: str | None = None, replay: bool = True) -> torch.Tensor:

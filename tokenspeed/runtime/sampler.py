@@ -26,6 +26,7 @@ import torch
 from tokenspeed.runtime.host_to_device import values_on
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, SamplingParams
+from tokenspeed.runtime.token_column import NULL_SEAT
 
 MIN_TEMPERATURE = 1e-5
 POSITION_KEY = 2654435761  # odd multiplier spreading positions over the noise keys
@@ -54,12 +55,14 @@ class RowSampling:
     """One sampled row: its settings, its noise seed, and the tokens its penalties and
     ``min_tokens`` read (``output`` may be the request's live list). What the settings
     alone decide is worked out once: these are read for every row of every step. The
-    tensors' values (``temperature``, ``top_k``, ``top_p``, ``seed``) are converted here."""
+    tensors' values (``temperature``, ``top_k``, ``top_p``, ``seed``) are converted here.
+    ``seat``: where the row's token is written in the token column (``token_column``)."""
     params: SamplingParams
     seed: int = attrs.field(converter=_noise_key)   # sample_streams.stream_key
     prompt: Sequence[int] = ()
     output: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()   # masked while fewer than min_tokens outputs exist
+    seat: int = NULL_SEAT
     masks_or_logprobs: bool = attrs.field(init=False)
     penalized: bool = attrs.field(init=False)
     masked_until: int = attrs.field(init=False)   # stop ids are masked while fewer outputs exist
@@ -111,16 +114,19 @@ class RowSampling:
 
 @attrs.frozen
 class SamplingTensors:
-    """What the in-graph sampler reads, one ``[rows]`` tensor each."""
+    """What the in-graph sampler reads, one ``[rows]`` tensor each, and where each row's
+    token goes in the token column (``seat``)."""
     temperature: torch.Tensor   # float32
     top_k: torch.Tensor         # int64; 1 marks a greedy row (other values are not applied)
     seed: torch.Tensor          # int64
+    seat: torch.Tensor          # int64
 
     @classmethod
     def build(cls, rows: Sequence[RowSampling], device) -> "SamplingTensors":
-        return cls(values_on([r.temperature for r in rows], torch.float32, device),
-                   values_on([r.top_k for r in rows], torch.int64, device),
-                   values_on([r.seed for r in rows], torch.int64, device))
+        """The integer columns travel as one tensor: one copy to the device, not three."""
+        top_k, seed, seat = values_on([[r.top_k for r in rows], [r.seed for r in rows], [r.seat for r in rows]],
+                                      torch.int64, device)
+        return cls(values_on([r.temperature for r in rows], torch.float32, device), top_k, seed, seat)
 
 
 def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -182,10 +188,11 @@ def _token_logprobs(token: int, logprob: float, ids: list[int], values: list[flo
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
-           out: torch.Tensor | None = None) -> Sampled:
-    """Process the rows that need it, then draw every row by the keyed Gumbel-max."""
+           out: torch.Tensor | None = None, settings: SamplingTensors | None = None) -> Sampled:
+    """Process the rows that need it, then draw every row by the keyed Gumbel-max
+    (``settings``: the rows' tensors, when the caller has built them)."""
     out = torch.empty(len(rows), dtype=torch.int64, device=logits.device) if out is None else out
-    settings = SamplingTensors.build(rows, logits.device)
+    settings = SamplingTensors.build(rows, logits.device) if settings is None else settings
     if not any(r.needs_processing for r in rows):
         return Sampled(gumbel_argmax(logits, settings, positions, out), None)
     scores = _processed(logits.float(), rows, settings)

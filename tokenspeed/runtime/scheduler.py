@@ -21,20 +21,14 @@ prompt token is always computed anew (its logits give the request's first token)
 
 from collections import deque
 
-import attrs
 import numpy as np
 
 from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.runtime.page_digests import PageDigests
 from tokenspeed.runtime.request import Request, RequestStatus
-
-
-@attrs.frozen
-class ScheduledBatch:
-    kind: str                          # "extend" | "decode"
-    requests: tuple[Request, ...]
-    chunk_lens: tuple[int, ...]        # new tokens per request this step
+from tokenspeed.runtime.step_records import ScheduledBatch
+from tokenspeed.runtime.token_column import NULL_SEAT, Seats
 
 
 class Scheduler:
@@ -50,6 +44,7 @@ class Scheduler:
         self.max_chunk_tokens = max_num_batched_tokens if max_chunk_tokens is None else max_chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.seats = Seats(max_num_seqs)    # of the token column, one per running request
 
     @property
     def num_groups(self) -> int:
@@ -90,8 +85,10 @@ class Scheduler:
     def schedule_extend(self) -> ScheduledBatch:
         """Prompt chunks and, with them, the decode rows, which come first for tokens and
         pages (up to half the budget, so prompts always advance): a long prompt never
-        stalls the requests already generating. No prompt work, no extend batch."""
-        decoding = [r for r in self.running if r.status is RequestStatus.DECODING and r.num_uncached]
+        stalls the requests already generating. No prompt work, no extend batch. (A
+        request whose last token is in flight needs no row after it.)"""
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODING and r.num_uncached
+                    and r.num_output_tokens < r.max_output]
         first = decoding[:self.max_num_batched_tokens // 2]
         decodes: list = []
         budget = self._take_all(first, self.max_num_batched_tokens, decodes)
@@ -121,9 +118,13 @@ class Scheduler:
                 self._release(self.waiting[0])  # a waiting request holds no pages
                 break
             budget = left
-            self.running.append(self.waiting.popleft())
-            self.running[-1].start_running()
+            self._start_running(self.waiting.popleft())
         return budget
+
+    def _start_running(self, request: Request) -> None:
+        self.running.append(request)
+        request.take_seat(self.seats.take())
+        request.start_running()
 
     def _awaits_shared_pages(self, request: Request) -> bool:
         """Whether the sample ``request`` shares pages with is still computing them."""
@@ -162,8 +163,8 @@ class Scheduler:
             request.num_dropped[g] = start
         request.num_pages_remembered = k
         request.num_cached = k * self.page_size
-        if request.first_token_time is None:
-            request.num_cached_prompt_tokens = request.num_cached
+        if request.stats.first_token_time is None:
+            request.stats.num_cached_prompt_tokens = request.num_cached
 
     def _first_read(self, pages: int, retention: int) -> int:
         """The first page a row after ``pages`` full pages reads in a group of ``retention``."""
@@ -184,12 +185,14 @@ class Scheduler:
         return 0
 
     def remember_full_pages(self, request: Request) -> None:
-        """Let the allocator know the pages ``request`` has filled since the last call (not
-        while a stand-in holds the place of its last token: the engine calls again)."""
-        if not self.prefix_caching or request.num_cached // self.page_size <= request.num_pages_remembered \
-                or request.pending:   # (every row of every step calls: the common case first)
+        """Let the allocator know the pages ``request`` has filled since the last call, as
+        far as the host knows their tokens (the engine calls again as it reads the rest)."""
+        if not self.prefix_caching or request.num_cached // self.page_size <= request.num_pages_remembered:
+            return   # (every row of every step calls: the common case first)
+        full = min(request.num_cached, request.num_known_tokens) // self.page_size
+        if full <= request.num_pages_remembered:
             return
-        full = min(request.num_cached // self.page_size, len(request.pages))
+        full = min(full, len(request.pages))
         digests = self.digests(request, full)
         for g, pages in enumerate(request.page_lists()):
             for index in range(request.num_pages_remembered, full):
@@ -268,10 +271,14 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
+        """Return its pages and its seat (a waiting request holds neither)."""
         for pages in request.page_lists():
             self.allocator.free([p for p in pages if p != NULL_PAGE])
         request.clear_pages(self.num_groups)
         request.num_cached, request.num_pages_remembered = 0, 0
+        if request.seat != NULL_SEAT:
+            self.seats.give_back(request.seat)
+            request.take_seat(NULL_SEAT)
 
 
 def _last_miss(found: list, n: int) -> list[int]:

@@ -16,7 +16,7 @@ with no draft verifies a window of one row.
 earlier occurrence of the longest suffix of the request's own tokens (``ngram_max`` down
 to ``ngram_min`` tokens): no extra model. It finds nothing on text that does not repeat,
 and then the step is a plain decode step. A request whose drafts keep failing backs off
-(``backoff_tokens``).
+(``DraftBackoff``).
 """
 
 from array import array
@@ -103,6 +103,46 @@ def backoff_tokens(misses: int) -> int:
     theirs: a window costs more than a plain step (no overlap, the unfused kernels), so
     text that does not repeat soon stops paying for it."""
     return min(2 ** misses, MAX_BACKOFF_TOKENS)
+
+
+@attrs.frozen
+class Backoff:
+    """A request's back-off: windows in a row whose drafts were all rejected (or none
+    found), and the token count before which it drafts no more."""
+    misses: int = 0
+    drafts_from: int = 0
+
+
+class DraftBackoff:
+    """The drafting policy's memory, per request id: after drafts that were all rejected,
+    or none found, a request waits ever longer before drafting again (searching costs host
+    time every step; a window, GPU time)."""
+
+    def __init__(self):
+        self._by_request: dict[int, Backoff] = {}
+
+    def drafts_from(self, request_id: int) -> int:
+        """No drafts for the request until it has this many tokens."""
+        backoff = self._by_request.get(request_id)
+        return 0 if backoff is None else backoff.drafts_from
+
+    def note(self, request_id: int, useful: bool, num_tokens: int) -> None:
+        """Drafts were ``useful`` (a window kept one) or not, the request at ``num_tokens``."""
+        if useful:
+            self._by_request.pop(request_id, None)
+            return
+        misses = self._by_request.get(request_id, Backoff()).misses + 1
+        self._by_request[request_id] = Backoff(misses, num_tokens + backoff_tokens(misses))
+
+    def release(self, request_id: int) -> None:
+        self._by_request.pop(request_id, None)
+
+
+def expected_kept_drafts(stats, num_drafts: int) -> float:
+    """Drafts of a window of ``num_drafts`` a request is expected to keep: the mean of its
+    windows so far (``RequestStats``), starting from half the window (weighing one window)."""
+    kept = stats.num_verified_tokens - stats.num_verify_steps   # less each window's own sample
+    return min(num_drafts, (kept + num_drafts / 2) / (stats.num_verify_steps + 1))
 
 
 def propose_ngram(tokens, k: int, n_max: int, n_min: int = 1) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from tokenspeed.runtime.decode_runner import DecodeRunner
 from tokenspeed.runtime.graphs import GraphCapturer
 from tokenspeed.runtime.ladders import decode_ladder, token_buckets as default_buckets, view_buckets
 from tokenspeed.runtime.prefill_runner import PrefillRunner
+from tokenspeed.runtime.token_column import token_column
 
 
 @attrs.frozen
@@ -43,15 +44,18 @@ log = logging.getLogger(__name__)
 def build_runners(programs: dict, kv_cache: torch.Tensor, backend, *, support: CudaGraphSupport,
                   config: CompileConfig, limits: EngineLimits, compile_workers: precompile.CompileWorkers,
                   verify_window: int = 1, num_groups: int = 1):
-    """The prefill and decode runners (and a verify runner, when ``programs`` has one, for
-    windows of ``verify_window`` rows per request) over ``kv_cache``, every graph
+    """The prefill and decode runners, over one token column (``token_column``), and a
+    verify runner, when ``programs`` has one, for windows of ``verify_window`` rows per
+    request (a verify step is read at once: no column), over ``kv_cache``, every graph
     ``support`` allows captured, and the report. ``compile_workers``: started by the
     caller, stopped here once the captures' kernels are compiled."""
     device = kv_cache.device
     ladder = decode_ladder(config.max_num_seqs, config.capture_sizes) if support.decode_graph else ()
     tokens, views = _prefill_ladders(config, support)
+    column = token_column(config.max_num_seqs, device)   # the decode and prefill runners' (module doc)
     decode = DecodeRunner(programs["decode"], kv_cache, backend, max_decode_bs=max((config.max_num_seqs, *ladder)),
-                          max_pages=limits.max_pages, page_size=config.page_size, num_groups=num_groups)
+                          max_pages=limits.max_pages, page_size=config.page_size, num_groups=num_groups,
+                          column=column)
     verify, verify_ladder = None, ()
     if "verify" in programs:
         rows = config.max_num_seqs * verify_window
@@ -60,7 +64,8 @@ def build_runners(programs: dict, kv_cache: torch.Tensor, backend, *, support: C
                               max_pages=limits.max_pages, page_size=config.page_size, num_groups=num_groups)
     prefill = PrefillRunner(programs["prefill"], kv_cache, backend, max_pages=limits.max_pages,
                             page_size=config.page_size, view_width=config.view_width, token_ladder=tokens,
-                            view_ladder=views, max_chunks=config.max_num_seqs, num_groups=num_groups)
+                            view_ladder=views, max_chunks=config.max_num_seqs, num_groups=num_groups,
+                            column=column)
     capturer = GraphCapturer(device)
     walks = len(prefill.capture_walks())
     start = time.perf_counter()

@@ -1,36 +1,18 @@
 """A step's sampled tokens on their way to the host: read them when they are needed,
 so the host can prepare the next step meanwhile."""
 
-from typing import NamedTuple
-
 import torch
 
 from tokenspeed.runtime.host_to_device import values_on
 from tokenspeed.runtime.sampler import LogprobTensors
 
 
-class FedTokens(NamedTuple):
-    """Input tokens a step takes on the device: ``tokens[i]`` is the input of its token row
-    ``rows[i]`` (rows of requests whose token the step before it samples)."""
-    rows: tuple[int, ...]
-    tokens: torch.Tensor
-
-
 class StepFuture:
     """Tokens in a host buffer an asynchronous copy fills (``event`` marks its end), and
     the log-probabilities of the rows that asked for them."""
 
-    def __init__(self, host: torch.Tensor, event, sampling, logprobs: LogprobTensors | None,
-                 device: torch.Tensor):
+    def __init__(self, host: torch.Tensor, event, sampling, logprobs: LogprobTensors | None):
         self.host, self.event, self.sampling, self.logprob_tensors = host, event, sampling, logprobs
-        self.device = device
-
-    def on_device(self, rows: list[int] | None = None) -> torch.Tensor:
-        """The tokens where the step wrote them (only ``rows``, in that order, if given): the
-        inputs of a step chained to this one, before the host has seen them."""
-        if rows is None:
-            return self.device
-        return self.device[device_index(rows, self.device.device)]
 
     def tokens(self) -> list[int]:
         if self.event is not None:

@@ -41,22 +41,23 @@ def check_chained_rows_match_pages(engine) -> None:
     """The decode step in flight, if chained on the one before (its rows moved on a position,
     not rebuilt: ``runtime/decode_chain.py``), holds each unfinished request's row as it
     stands. The step it is chained on is not read yet (``Engine.unread``), so the row sits
-    at the request's token count, its first uncached position, on a page it holds; its
-    table row is its page lists as they are; no page wholly behind a windowed group's
-    window is held."""
+    at the count of the request's tokens the host has read, the last position counted as
+    cached (its input is the unread token, ahead of the one the row samples), on a page it
+    holds; its table row is its page lists as they are; no page wholly behind a windowed
+    group's window is held."""
     flight, scheduler = engine.in_flight, engine.scheduler
     if flight is None or flight.columns is None:
         return
     assert engine.unread is not None, "a chained decode step, but the step before it was read"
     tables = flight.columns.block_tables
     tables = tables[:, None] if tables.ndim == 2 else tables
-    for row, request in enumerate(flight.requests):
+    for row, request in enumerate(flight.sampled):
         if request.finished:
             continue
         position = int(flight.columns.positions[row])
-        assert position == request.num_tokens == request.num_cached, \
-            f"row {row} at position {position}, its request has {request.num_tokens} tokens, " \
-            f"{request.num_cached} cached"
+        assert position == request.num_known_tokens == request.num_cached - 1 == request.num_tokens - 2, \
+            f"row {row} at position {position}, its request has {request.num_known_tokens} tokens read, " \
+            f"{request.num_unread} unread, {request.num_cached} cached"
         for group, (pages, retention) in enumerate(zip(request.page_lists(), scheduler.retentions)):
             held = tables[row, group].tolist()
             assert held[:len(pages)] == pages and set(held[len(pages):]) <= {NULL_PAGE}, \
