@@ -185,7 +185,7 @@ def test_rope_decode_attention_is_rope_write_then_attention(lengths, page_size, 
 def test_rope_decode_attention_rejects_mismatched_keys():
     kv, table, row_request, positions, slots, (q, k, v), cos_sin = rope_decode_case(
         [5], 0, 4, 4, 2, 16, torch.float32)
-    with pytest.raises(ValueError, match=r"k and v must be \[1, 2, 16\]"):
+    with pytest.raises(InternalError, match=r"k and v must be \[1, 2, 16\]"):
         triton_decode.rope_decode_attention(q, k[:, :1], v[:, :1], cos_sin, positions, kv, 0,
                                             slots, table, row_request, 1.0, 4)
 
@@ -307,7 +307,7 @@ def test_extend_attention_over_the_steps_plan(data, lengths, width, pad_rows, wi
 def test_attention_rejects_bad_shapes():
     kv, table = paged_setup([4], 4, 2, 16)
     rows = decode_rows([4], 0)
-    with pytest.raises(ValueError, match="multiple of kv heads"):
+    with pytest.raises(InternalError, match="multiple of kv heads"):
         triton_decode.decode_attention(torch.zeros(1, 3, 16, device=DEVICE), kv, 0, table,
                                        *rows, 1.0, 4)
 
@@ -432,7 +432,7 @@ def test_gated_gemv_is_silu_mul_then_gemv(m, n, k, splits):
     assert torch.equal(got, unfused)
     want = reference.gated_linear(gate_up, w, None)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"\[M, 2K\]"):
+    with pytest.raises(InternalError, match=r"\[M, 2K\]"):
         triton_gemv.linear(gate_up[:, :k], w, gated=True)
 
 
@@ -457,12 +457,12 @@ def test_norm_gemv_is_norm_then_gemv(m, n, k, residual, splits):
 
 
 def test_norm_gemv_rejects_a_wrong_norm_weight():
-    with pytest.raises(ValueError, match=r"norm weight must be \[4\]"):
+    with pytest.raises(InternalError, match=r"norm weight must be \[4\]"):
         triton_gemv.norm_linear(torch.zeros(1, 4), None, torch.zeros(3), 1e-6, torch.zeros(2, 4))
 
 
 def test_gemv_rejects_large_m():
-    with pytest.raises(ValueError, match="M 17"):
+    with pytest.raises(InternalError, match="M 17"):
         triton_gemv.linear(torch.zeros(17, 4), torch.zeros(4, 4))
 
 
@@ -514,7 +514,7 @@ def test_sampling_follows_the_softmax_and_its_keys():
 
 
 def test_sampling_rejects_mismatched_settings():
-    with pytest.raises(ValueError, match=r"top_k must be \[2\]"):
+    with pytest.raises(InternalError, match=r"top_k must be \[2\]"):
         triton_sampling.gumbel_argmax(torch.zeros(2, 5), torch.ones(2),
                                       torch.ones(3, dtype=torch.int64), torch.zeros(2),
                                       torch.zeros(2, dtype=torch.int64))

@@ -23,6 +23,7 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS, tile_capacity
+from tokenspeed.errors import InternalError
 
 MAX_HEAD_DIM = 256
 DEFAULT_SMS = 132
@@ -145,23 +146,23 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
 
 def check_paged_inputs(q, kv_cache, block_tables, row_request, positions):
     if q.dim() != 3:
-        raise ValueError(f"q must be [Q, H, D]; got {tuple(q.shape)}")
+        raise InternalError(f"q must be [Q, H, D]; got {tuple(q.shape)}")
     rows, heads, head_dim = q.shape
     if kv_cache.dim() != 5 or kv_cache.shape[4] != head_dim:
-        raise ValueError(f"kv_cache must be [L, 2, slots, Hkv, {head_dim}]; "
-                         f"got {tuple(kv_cache.shape)}")
+        raise InternalError(f"kv_cache must be [L, 2, slots, Hkv, {head_dim}]; "
+                            f"got {tuple(kv_cache.shape)}")
     kv_heads = kv_cache.shape[3]
     if heads % kv_heads:
-        raise ValueError(f"num heads {heads} must be a multiple of kv heads {kv_heads}")
+        raise InternalError(f"num heads {heads} must be a multiple of kv heads {kv_heads}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} must be <= {MAX_HEAD_DIM}")
     if block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a [R, M] table with contiguous rows")
+        raise InternalError("block_tables must be a [R, M] table with contiguous rows")
     if row_request.shape != (rows,) or positions.shape != (rows,):
-        raise ValueError(f"row_request and positions must be [{rows}]; got "
-                         f"{tuple(row_request.shape)} and {tuple(positions.shape)}")
+        raise InternalError(f"row_request and positions must be [{rows}]; got "
+                            f"{tuple(row_request.shape)} and {tuple(positions.shape)}")
     if kv_cache.stride(4) != 1:
-        raise ValueError("kv_cache must have a contiguous head_dim")
+        raise InternalError("kv_cache must have a contiguous head_dim")
 
 
 def cache_views(q, kv_cache, layer):

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.errors import InternalError
 
 
 @triton.jit
@@ -47,20 +48,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
              slot_mapping: torch.Tensor) -> None:
     """Write ``k[t], v[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` of ``layer``."""
     if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
+        raise InternalError(f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} "
+                            f"and {tuple(v.shape)}")
     tokens, heads, head_dim = k.shape
     if kv_cache.shape[3:] != (heads, head_dim):
-        raise ValueError(f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} do not match "
-                         f"k's ({heads}, {head_dim})")
+        raise InternalError(f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} do not match "
+                            f"k's ({heads}, {head_dim})")
     if slot_mapping.shape != (tokens,):
-        raise ValueError(f"slot_mapping must be [{tokens}]; got {tuple(slot_mapping.shape)}")
+        raise InternalError(f"slot_mapping must be [{tokens}]; got {tuple(slot_mapping.shape)}")
     if tokens == 0:
         return
     k, v = _unit_last_dim(k), _unit_last_dim(v)
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
     if k_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must have a contiguous head_dim")
+        raise InternalError("kv_cache must have a contiguous head_dim")
     _write_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),   # a cache group's column
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),

@@ -25,6 +25,7 @@ from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, \
     attend_loaded, cache_views, check_paged_inputs, load_block, sm_count
+from tokenspeed.errors import InternalError
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128
@@ -223,13 +224,13 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     if k.shape != v.shape or k.shape != (q.shape[0], *kv_cache.shape[3:]):
-        raise ValueError(f"k and v must be [{q.shape[0]}, {kv_cache.shape[3]}, "
-                         f"{kv_cache.shape[4]}]; got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise InternalError(f"k and v must be [{q.shape[0]}, {kv_cache.shape[3]}, "
+                            f"{kv_cache.shape[4]}]; got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] % 2 or cos_sin.dim() != 2 or cos_sin.shape[1] != q.shape[2]:
-        raise ValueError(f"head_dim {q.shape[2]} must be even and the cos_sin table "
-                         f"[positions, {q.shape[2]}]; got {tuple(cos_sin.shape)}")
+        raise InternalError(f"head_dim {q.shape[2]} must be even and the cos_sin table "
+                            f"[positions, {q.shape[2]}]; got {tuple(cos_sin.shape)}")
     if slot_mapping.shape != (q.shape[0],):
-        raise ValueError(f"slot_mapping must be [{q.shape[0]}]; got {tuple(slot_mapping.shape)}")
+        raise InternalError(f"slot_mapping must be [{q.shape[0]}]; got {tuple(slot_mapping.shape)}")
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
                  slot_mapping)   # may be a cache group's column of several groups' slots
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
@@ -250,7 +251,7 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
         pow2_rows = 1 << max(rows - 1, 0).bit_length()
         num_splits = choose_num_splits(pow2_rows, kv_heads, context, sm_count(q.device))
     if not 1 <= num_splits <= 1024:
-        raise ValueError(f"num_splits {num_splits} must be in 1..1024")
+        raise InternalError(f"num_splits {num_splits} must be in 1..1024")
     mid_o = torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
                         device=q.device) if num_splits > 1 else out
     mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.errors import InternalError
 
 
 def _num_warps(block: int) -> int:
@@ -47,7 +48,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, stride_x, stri
 def _rows_2d(x: torch.Tensor, name: str) -> torch.Tensor:
     """[..., width] -> [rows, width] with a unit last stride (a view when possible)."""
     if x.dim() < 1:
-        raise ValueError(f"{name} must have a last (hidden) dim; got shape {tuple(x.shape)}")
+        raise InternalError(f"{name} must have a last (hidden) dim; got shape {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     return x.reshape(-1, x.shape[-1])
 
@@ -55,9 +56,9 @@ def _rows_2d(x: torch.Tensor, name: str) -> torch.Tensor:
 def _norm(x, residual, weight, eps):
     shape = x.shape
     if weight.shape != (shape[-1],):
-        raise ValueError(f"weight must be [{shape[-1]}]; got {tuple(weight.shape)}")
+        raise InternalError(f"weight must be [{shape[-1]}]; got {tuple(weight.shape)}")
     if residual is not None and residual.shape != shape:
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(shape)}")
+        raise InternalError(f"residual {tuple(residual.shape)} must match x {tuple(shape)}")
     x = _rows_2d(x, "x")
     res = _rows_2d(residual, "residual") if residual is not None else x
     out = torch.empty_like(x)
@@ -99,7 +100,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.cons
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [..., 2I] (gate first): returns [..., I]."""
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up last dim must be even; got shape {tuple(gate_up.shape)}")
+        raise InternalError(f"gate_up last dim must be even; got shape {tuple(gate_up.shape)}")
     shape = gate_up.shape
     gate_up = _rows_2d(gate_up, "gate_up")
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -167,15 +168,15 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
     """Rotate q [T, H, D] and k [T, Hkv, D] at ``positions``; write rotated k and v to the
     cache slots ``slot_mapping``; return the rotated q (new tensor). Math in fp32."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"q must be [T, H, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise InternalError(f"q must be [T, H, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, "
+                            f"{tuple(k.shape)}, {tuple(v.shape)}")
     tokens, heads, head_dim = q.shape
     if head_dim % 2 or k.shape[2] != head_dim or cos_sin_cache.shape[-1] != head_dim:
-        raise ValueError(f"head_dim {head_dim} must be even and match k and cos_sin_cache "
-                         f"(last dims {k.shape[2]}, {cos_sin_cache.shape[-1]})")
+        raise InternalError(f"head_dim {head_dim} must be even and match k and cos_sin_cache "
+                            f"(last dims {k.shape[2]}, {cos_sin_cache.shape[-1]})")
     if kv_cache.shape[3:] != k.shape[1:]:
-        raise ValueError(f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} must match "
-                         f"k's {tuple(k.shape[1:])}")
+        raise InternalError(f"kv_cache heads/head_dim {tuple(kv_cache.shape[3:])} must match "
+                            f"k's {tuple(k.shape[1:])}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos_sin_cache = cos_sin_cache.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl, triton_attention
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.errors import InternalError
 
 MAX_M = 16
 NORM_TILE = 4096
@@ -230,8 +231,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None,
     k = weight.shape[1] if weight.dim() == 2 else -1
     if x.dim() != 2 or k < 0 or x.shape[1] != (2 * k if gated else k):
         need = "[M, 2K] (gate, up)" if gated else "[M, K]"
-        raise ValueError(f"x must be {need} and weight [N, K]; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise InternalError(f"x must be {need} and weight [N, K]; got {tuple(x.shape)} and "
+                            f"{tuple(weight.shape)}")
     return _launch(x, weight, bias, config, gated=gated)
 
 
@@ -241,12 +242,12 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     feeds a projection computed as its GEMV reads the input, saving the norm's kernel.
     Returns (out, sum); the sum is None without a residual."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise InternalError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and "
+                            f"{tuple(weight.shape)}")
     if norm_weight.shape != (x.shape[1],):
-        raise ValueError(f"norm weight must be [{x.shape[1]}]; got {tuple(norm_weight.shape)}")
+        raise InternalError(f"norm weight must be [{x.shape[1]}]; got {tuple(norm_weight.shape)}")
     if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        raise InternalError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     x = x.contiguous()
     total = torch.empty_like(x) if residual is not None else None
     norm = InputNorm(residual.contiguous() if residual is not None else None,
@@ -257,9 +258,9 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None = None):
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     if m > MAX_M:
-        raise ValueError(f"M {m} must be <= {MAX_M}; use torch.nn.functional.linear")
+        raise InternalError(f"M {m} must be <= {MAX_M}; use torch.nn.functional.linear")
     if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
+        raise InternalError(f"bias must be [{n}]; got {tuple(bias.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

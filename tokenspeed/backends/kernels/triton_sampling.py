@@ -18,6 +18,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.errors import InternalError
 
 MIN_TEMPERATURE = 1e-5
 POSITION_KEY = 2654435761  # as tokenspeed.runtime.sampler.POSITION_KEY
@@ -71,12 +72,12 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     ([rows] int64, may be strided) when given; ``block`` (a power of two) is the
     vocabulary slice of one program."""
     if logits.dim() != 2:
-        raise ValueError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
+        raise InternalError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
     for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds),
                     ("positions", positions)):
         if t.shape != (rows,):
-            raise ValueError(f"{name} must be [{rows}]; got {tuple(t.shape)}")
+            raise InternalError(f"{name} must be [{rows}]; got {tuple(t.shape)}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
     if rows == 0 or vocab == 0:
         return out
