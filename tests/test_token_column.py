@@ -106,13 +106,13 @@ class VerifyRunner(ColumnRunner):
 
 
 class TrueDrafts(PerRequestDrafts):
-    """Drafts at every fourth token count: the model's own tokens, except at every third."""
+    """Drafts at half the token counts: the model's own tokens, except at every third."""
 
     def propose_many(self, requests, limits):
         return [self._draft(r, n) if n > 0 else () for r, n in zip(requests, limits)]
 
     def would_propose(self, request, limit):
-        return min(2, limit) if request.num_known_tokens % 4 == 0 else 0
+        return min(2, limit) if request.num_known_tokens % 4 < 2 else 0
 
     def _draft(self, request, limit: int) -> tuple[int, ...]:
         tokens, draft = request.tokens, []

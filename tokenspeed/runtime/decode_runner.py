@@ -99,25 +99,25 @@ class DecodeRunner:
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
-        input_ids, out, hosts = self._row_views(bs, size)
+        input_ids, seats, out, hosts = self._row_views(bs, size)
         view = self.slots.publish(self.refresh(rows, size))
         settings, processed = self._settings(sampling, size)
         settings = self.sampling.publish(settings)
         if fed is not None:
-            self._feed(input_ids, fed, settings.seat[:bs])
+            self._feed(input_ids, fed, seats)
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
         logprobs = None
         if processed:
             logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
-            self._write_column(settings.seat[:bs], out)
+            self._write_column(seats, out)
         self._turn ^= 1
         hosts[self._turn].copy_(out, non_blocking=True)
         return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs)
 
     def _feed(self, input_ids: torch.Tensor, fed: FedRows, seats: torch.Tensor) -> None:
         """The rows' inputs from the token column. Each row reads the seat it writes (its
-        request's: ``fed.seats``), whose values the published settings already hold on the
-        device: one gather, nothing copied from the host."""
+        request's: ``fed.seats``), which the published sampling settings already hold on
+        the device (``seats``): one gather, nothing copied from the host."""
         if len(fed.rows) != len(input_ids) or self.column is None:
             raise InternalError(f"a decode step of {len(input_ids)} rows fed {len(fed.rows)} rows "
                                 f"{'without' if self.column is None else 'from'} a token column")
@@ -128,12 +128,12 @@ class DecodeRunner:
             self.column.index_copy_(0, seats, tokens)
 
     def _row_views(self, bs: int, size: int) -> tuple:
-        """The first ``bs`` rows of the input ids (of the slots' views for ``size``), of the
-        output tokens and of both host copies: built once per pair, as each slice costs
-        about a microsecond of every step."""
+        """The first ``bs`` rows of the input ids and the seats (of the slots' views for
+        ``size``), of the output tokens and of both host copies: built once per pair, as each
+        slice costs about a microsecond of every step."""
         if (bs, size) not in self._views:
-            self._views[bs, size] = (self.slots.view(size)["input_ids"][:bs], self.out[:bs],
-                                     tuple(h[:bs] for h in self.host_out))
+            self._views[bs, size] = (self.slots.view(size)["input_ids"][:bs], self.sampling.view(size)["seat"][:bs],
+                                     self.out[:bs], tuple(h[:bs] for h in self.host_out))
         return self._views[bs, size]
 
     def step(self, view, sampling: SamplingTensors, out):
