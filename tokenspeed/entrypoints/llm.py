@@ -2,14 +2,17 @@
 
 Several threads may call one ``LLM``: their requests join the same running batch (each
 caller steps the engine under one lock while its own requests are unfinished) and each
-gets exactly its own outputs. The server's engine loop drives the same engine through the
-same methods (``check``, ``add``, ``step``, ``abort``, ``text_of``, ``release``).
+gets exactly its own outputs. The engine is driven through its client interface
+(``EngineCore``, which the server's engine process drives too), and each prompt's text,
+stop strings and finish are decided by its ``PromptOutput``, as the server's API process
+decides them.
 """
 
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 
-import torch
+import attrs
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
@@ -17,11 +20,13 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.entrypoints import model_source
 from tokenspeed.entrypoints.chat_messages import conversations, template_messages
 from tokenspeed.entrypoints.cpu_threads import size_torch_threads
+from tokenspeed.entrypoints.engine_core import EngineCore
 from tokenspeed.entrypoints.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
 from tokenspeed.entrypoints.model_source import tokenizer_path
+from tokenspeed.entrypoints.output_processor import PromptOutput
 from tokenspeed.entrypoints.progress import Progress
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, parse_prompts
-from tokenspeed.entrypoints.text_stream import TextStream
+from tokenspeed.entrypoints.request_figures import prompt_metrics
 from tokenspeed.entrypoints.token_texts import with_token_texts
 from tokenspeed.models.gguf import default_model_path
 from tokenspeed.runtime import kv_pool
@@ -29,7 +34,7 @@ from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.draft_model import DraftModelDrafter
 from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
+from tokenspeed.runtime.outputs import RequestOutput
 from tokenspeed.runtime.prompt_limits import check_request
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
@@ -38,6 +43,13 @@ from tokenspeed.runtime.speculative import SpeculativeConfig
 from tokenspeed.tokenizer import Tokenizer
 
 __all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
+
+
+@attrs.frozen
+class LivePrompt:
+    """A prompt this ``LLM`` queued: its requests in the engine, and its answers."""
+    requests: list[Request]
+    output: PromptOutput
 
 
 class LLM:
@@ -80,8 +92,10 @@ class LLM:
             self.compiled = self._compile(config, backend, workers, speculative, draft)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
         self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter)
+        self.core = EngineCore(self.engine)
         self._lock = threading.Lock()
-        self._streams: dict[Request, TextStream] = {}
+        self._prompts: dict[int, LivePrompt] = {}    # by their key in ``core``
+        self._keys = itertools.count()
         self._failures, self._failure = 0, None   # failed steps so far, and the last error
 
     @property
@@ -150,16 +164,15 @@ class LLM:
         params = per_prompt(sampling_params, len(parsed), self.get_default_sampling_params())
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
-        groups = self.add(parsed, params)
-        requests = [r for g in groups for r in g]
+        keys = self._add(parsed, params)
+        groups = [self._prompts[key].requests for key in keys]
         try:
             with Progress(groups, use_tqdm) as progress:
-                self._serve(requests, progress.update)
+                self._serve([r for g in groups for r in g], progress.update)
         except BaseException:
-            self.abort(requests)   # an interrupt: nothing of this call runs on
-            self.release(requests)
+            self._drop(keys)   # an interrupt: nothing of this call runs on
             raise
-        return [self._output(prompt, group) for prompt, group in zip(parsed, groups)]
+        return [self._output(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -188,14 +201,14 @@ class LLM:
         return self._pieces(parsed[0], params)
 
     def _pieces(self, parsed: Prompt, params: SamplingParams) -> Iterator[str]:
-        [[request]] = self.add([parsed], [params])
+        [key] = self._add([parsed], [params])
+        [request], [text] = self._prompts[key].requests, self._prompts[key].output.completions
         try:
             while not request.finished:
                 self._serve([request], lambda finished: None, steps=1)
-                yield self.text_of(request).take_unread()
+                yield text.take_unread()
         finally:
-            self.abort([request])   # a consumer that stopped early
-            self.release([request])
+            self._drop([key])   # a consumer that stopped early
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):
@@ -218,20 +231,26 @@ class LLM:
                       has_tokenizer=self.tokenizer is not None)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
-        """Queue checked prompts; each becomes its ``n`` requests (and their text streams).
-        All or none: a prompt refused takes those queued before it out again."""
+        """Queue checked prompts; each becomes its ``n`` requests. All or none: a prompt
+        refused takes those queued before it out again."""
+        return [self._prompts[key].requests for key in self._add(prompts, params)]
+
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[int]:
+        """``add``, returning the prompts' keys."""
         with self._lock:
-            groups = []
+            keys = []
             try:
                 for prompt, sp in zip(prompts, params):
-                    groups.append(self.engine.add(prompt.token_ids, sp))
+                    keys.append(next(self._keys))
+                    requests = self.core.add(keys[-1], prompt.token_ids, sp)
+                    self._prompts[keys[-1]] = LivePrompt(requests, PromptOutput(self.tokenizer, sp,
+                                                                                len(prompt.token_ids)))
             except ValueError:
-                for request in (r for g in groups for r in g):
-                    self.engine.finish(request, "abort")
+                for key in keys:
+                    self.core.abort(key)
+                    self._prompts.pop(key, None)
                 raise
-            if self.tokenizer is not None:
-                self._streams.update({r: TextStream(self.tokenizer, r.params) for g in groups for r in g})
-            return groups
+            return keys
 
     def _serve(self, requests: list[Request], on_finish, steps: int | None = None) -> None:
         """Step the engine until ``requests`` finish (or ``steps`` steps ran); every step
@@ -261,14 +280,16 @@ class LLM:
             self._step()
 
     def _step(self) -> None:
-        with torch.inference_mode():
-            try:
-                self.engine.step()
-            except BaseException as exc:
-                self._failures, self._failure = self._failures + 1, exc
-                self.engine.abort_all()
-                raise
-            self._update_text()
+        try:
+            updates = self.core.step()
+        except BaseException as exc:
+            self._failures, self._failure = self._failures + 1, exc
+            raise
+        for key, update in updates:
+            live = self._prompts.get(key)
+            if live is not None:
+                for index in live.output.update(update)[1]:   # a stop string ended it
+                    self.core.finish(key, index)
 
     def abort(self, requests: list[Request]) -> None:
         """Finish the unfinished ``requests`` now, returning their pages."""
@@ -276,44 +297,26 @@ class LLM:
             for request in requests:
                 self.engine.finish(request, "abort")
 
-    def text_of(self, request: Request) -> TextStream | None:
-        return self._streams.get(request)
-
-    def release(self, requests: list[Request]) -> list[TextStream | None]:
-        """Forget the text streams of finished ``requests``; returns them."""
+    def release(self, requests: list[Request]) -> None:
+        """Forget the answers of the prompts of finished ``requests``."""
+        ours = set(map(id, requests))
         with self._lock:
-            return [self._streams.pop(r, None) for r in requests]
+            for key in [k for k, live in self._prompts.items() if id(live.requests[0]) in ours]:
+                del self._prompts[key]
 
-    def _update_text(self) -> None:
-        """Read new tokens into every open stream; a stop string finishes its request."""
-        for request, stream in self._streams.items():
-            if stream.seen < len(request.output) or (request.finished and not stream.closed):
-                stream.update(request.output, request.finished)
-                if stream.stop_string is not None and request.stop_reason != stream.stop_string and \
-                        (request.finish_reason != "stop" or stream.kept_tokens < len(request.output)):
-                    self._stopped_by_text(request, stream.stop_string)   # it came first
+    def _drop(self, keys: list[int]) -> None:
+        """End the prompts of ``keys`` (their pages return) and forget them."""
+        with self._lock:
+            for key in keys:
+                self.core.abort(key)
+                self._prompts.pop(key, None)
 
-    def _stopped_by_text(self, request: Request, stop_string: str) -> None:
-        """A stop string ends the request, also one that its length limit ended in the
-        same token: the reason is the stop string."""
-        if request.finished:
-            request.finish_reason, request.stop_reason = "stop", stop_string
-        else:
-            self.engine.finish(request, "stop", stop_string)
-
-    def _output(self, prompt: Prompt, group: list[Request]) -> RequestOutput:
-        streams = self.release(group)
-        completions = tuple(r.completion() if s is None else
-                            with_token_texts(r.completion(s.text, s.kept_tokens), self.tokenizer)
-                            for r, s in zip(group, streams))
-        first = [r.first_token_time for r in group if r.first_token_time is not None]
-        windows = sum(r.num_verify_steps for r in group)
-        metrics = RequestMetrics(group[0].arrival_time, min(first, default=None),
-                                 max(r.finish_time for r in group), len(prompt.token_ids),
-                                 sum(len(c.token_ids) for c in completions),
-                                 group[0].num_cached_prompt_tokens,
-                                 sum(r.num_verified_tokens for r in group) / windows if windows else None)
-        return RequestOutput(group[0].id, prompt.token_ids, completions, metrics, prompt.text)
+    def _output(self, prompt: Prompt, key: int) -> RequestOutput:
+        with self._lock:
+            live = self._prompts.pop(key)
+        completions = tuple(with_token_texts(c, self.tokenizer) for c in live.output.outputs())
+        metrics = prompt_metrics(live.requests, len(prompt.token_ids), live.output.num_output_tokens)
+        return RequestOutput(live.requests[0].id, prompt.token_ids, completions, metrics, prompt.text)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import attrs
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,9 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from tokenspeed.entrypoints.engine_client import EngineClient
-from tokenspeed.entrypoints.messages import StepReport
 from tokenspeed.entrypoints.engine_process import EngineProcess, EngineSpec
 from tokenspeed.entrypoints.frozen_heap import frozen_heap
+from tokenspeed.entrypoints.messages import StepReport
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.access import Access, error_bodies, guard
 from tokenspeed.entrypoints.openai.lifecycle import SHUTDOWN_TIMEOUT_S, check_timeout, run, uvicorn_config
@@ -32,6 +33,7 @@ from tokenspeed.entrypoints.openai.mailbox import Mailbox
 from tokenspeed.entrypoints.openai.metrics import ServerMetrics
 from tokenspeed.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                     DetokenizeRequest, TokenizeRequest)
+from tokenspeed.entrypoints.output_processor import PromptOutput
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, parse_prompts
 from tokenspeed.errors import RefusedRequest
 from tokenspeed.runtime.prompt_limits import check_request
@@ -41,9 +43,18 @@ MAX_BODY_BYTES = 4 << 20
 DISCONNECT_POLL_S = 0.5
 
 
+@attrs.frozen
+class Waiting:
+    """A prompt in flight: its answers so far, and where its handler reads them (as
+    ``(index, GroupUpdate)``: the prompt's index in its request)."""
+    mailbox: Mailbox
+    index: int
+    output: PromptOutput
+
+
 class Server:
     """What the handlers share: the link to the engine process, the tokenizer, the served
-    name, the metrics, and the mailbox and index of each prompt in flight (by key).
+    name, the metrics, and each prompt in flight (by key).
     ``connect()``: this server's channel to the engine, the engine's ``EngineInfo``, and
     the ``EngineProcess`` where this server owns it (blocking; called once, at start).
     ``request_timeout``: seconds a request may take from its submission (None: no limit);
@@ -62,7 +73,7 @@ class Server:
         self.engine: EngineClient | None = None
         self.stop_serving: Callable[[], None] | None = None
         self.exit_message: str | None = None
-        self._in_flight: dict[int, tuple[Mailbox, int]] = {}
+        self._in_flight: dict[int, Waiting] = {}
         self._keys = itertools.count()
 
     async def start(self) -> None:
@@ -78,18 +89,25 @@ class Server:
         return self.engine.info.limits
 
     def _dispatch(self, report: StepReport) -> None:
-        """Each update to its prompt's mailbox; a prompt aborted here (its client left)
-        has no mailbox any more, and its last update is dropped."""
+        """Each prompt's token update through its ``PromptOutput`` (the text, the stop
+        strings: a completion one ended is finished in the engine), then to its mailbox;
+        a prompt aborted here (its client left) is only counted once the engine ends it."""
         self.metrics.load(report.load)
         for key, update in report.updates:
+            waiting = self._in_flight.get(key)
+            if waiting is None:
+                if update.finished:
+                    self.metrics.finished_group(update.completed)
+                continue
+            answer, stopped = waiting.output.update(update)
+            for index in stopped:
+                with contextlib.suppress(OSError):   # a dead engine has nothing to finish
+                    self.engine.finish(key, index)
+            if answer is not None:
+                waiting.mailbox.put((waiting.index, answer))
             if update.finished:
-                self.metrics.finished_group(update.completed)
-                waiting = self._in_flight.pop(key, None)
-            else:
-                waiting = self._in_flight.get(key)
-            if waiting is not None:
-                mailbox, index = waiting
-                mailbox.put((index, update))
+                self.metrics.finished_group(waiting.output.completed(update.completed))
+                del self._in_flight[key]
 
     def _fail_all(self, message: str) -> None:
         """The engine process exited (or its loop failed): its requests fail at once, and
@@ -102,8 +120,8 @@ class Server:
     def fail_all(self, error: APIError) -> None:
         """End every request in flight with ``error`` (their prompts are aborted as their
         handlers finish)."""
-        for mailbox, _ in self._in_flight.values():
-            mailbox.fail(error)
+        for waiting in self._in_flight.values():
+            waiting.mailbox.fail(error)
 
     async def read(self, request: Request, model):
         """The body as ``model``: 415 unless it is declared JSON, 413 past the size limit,
@@ -140,7 +158,8 @@ class Server:
                 raise OSError("the engine process is gone")
             for i, prompt in enumerate(prompts):
                 keys.append(next(self._keys))
-                self._in_flight[keys[-1]] = (updates, i)
+                self._in_flight[keys[-1]] = Waiting(updates, i, PromptOutput(self.tokenizer, params,
+                                                                             len(prompt.token_ids)))
                 self.engine.submit(keys[-1], prompt, params)
                 self.metrics.admitted(len(prompt.token_ids) * params.n)
         except OSError as exc:
@@ -154,9 +173,12 @@ class Server:
         return keys, updates
 
     def abort(self, keys) -> None:
-        """Stop the prompts of ``keys`` that have not finished."""
+        """Stop the prompts of ``keys`` whose answers are not final (one that is waits
+        for the engine's end of it, to count it as answered)."""
         for key in keys:
-            if self._in_flight.pop(key, None) is not None:
+            waiting = self._in_flight.get(key)
+            if waiting is not None and not waiting.output.finished:
+                del self._in_flight[key]
                 with contextlib.suppress(OSError):   # a dead engine has nothing to abort
                     self.engine.abort(key)
 
