@@ -2,17 +2,12 @@
 
 Several threads may call one ``LLM``: their requests join the same running batch (each
 caller steps the engine under one lock while its own requests are unfinished) and each
-gets exactly its own outputs. The engine is driven through its client interface
-(``EngineCore``, which the server's engine process drives too), and each prompt's text,
-stop strings and finish are decided by its ``PromptOutput``, as the server's API process
-decides them.
+gets exactly its own outputs. Its ``client`` (``offline_client``) drives the engine
+through the engine-client interface that the server's engine process drives too, and
+answers each prompt as the server's API process does.
 """
 
-import itertools
-import threading
 from collections.abc import Iterator, Sequence
-
-import attrs
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
@@ -20,14 +15,11 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.entrypoints import model_source
 from tokenspeed.entrypoints.chat_messages import conversations, template_messages
 from tokenspeed.entrypoints.cpu_threads import size_torch_threads
-from tokenspeed.entrypoints.engine_core import EngineCore
 from tokenspeed.entrypoints.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
 from tokenspeed.entrypoints.model_source import tokenizer_path
-from tokenspeed.entrypoints.output_processor import PromptOutput
+from tokenspeed.entrypoints.offline_client import OfflineClient
 from tokenspeed.entrypoints.progress import Progress
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, parse_prompts
-from tokenspeed.entrypoints.request_figures import prompt_metrics
-from tokenspeed.entrypoints.token_texts import with_token_texts
 from tokenspeed.models.gguf import default_model_path
 from tokenspeed.runtime import kv_pool
 from tokenspeed.runtime.block_allocator import BlockAllocator
@@ -43,13 +35,6 @@ from tokenspeed.runtime.speculative import SpeculativeConfig
 from tokenspeed.tokenizer import Tokenizer
 
 __all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
-
-
-@attrs.frozen
-class LivePrompt:
-    """A prompt this ``LLM`` queued: its requests in the engine, and its answers."""
-    requests: list[Request]
-    output: PromptOutput
 
 
 class LLM:
@@ -92,11 +77,7 @@ class LLM:
             self.compiled = self._compile(config, backend, workers, speculative, draft)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
         self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter)
-        self.core = EngineCore(self.engine)
-        self._lock = threading.Lock()
-        self._prompts: dict[int, LivePrompt] = {}    # by their key in ``core``
-        self._keys = itertools.count()
-        self._failures, self._failure = 0, None   # failed steps so far, and the last error
+        self.client = OfflineClient(self.engine, self.tokenizer)
 
     @property
     def config(self):
@@ -164,15 +145,15 @@ class LLM:
         params = per_prompt(sampling_params, len(parsed), self.get_default_sampling_params())
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
-        keys = self._add(parsed, params)
-        groups = [self._prompts[key].requests for key in keys]
+        keys = self.client.add(parsed, params)
+        groups = [self.client.requests(key) for key in keys]
         try:
             with Progress(groups, use_tqdm) as progress:
-                self._serve([r for g in groups for r in g], progress.update)
+                self.client.serve([r for g in groups for r in g], progress.update)
         except BaseException:
-            self._drop(keys)   # an interrupt: nothing of this call runs on
+            self.client.drop(keys)   # an interrupt: nothing of this call runs on
             raise
-        return [self._output(prompt, key) for prompt, key in zip(parsed, keys)]
+        return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -201,14 +182,14 @@ class LLM:
         return self._pieces(parsed[0], params)
 
     def _pieces(self, parsed: Prompt, params: SamplingParams) -> Iterator[str]:
-        [key] = self._add([parsed], [params])
-        [request], [text] = self._prompts[key].requests, self._prompts[key].output.completions
+        [key] = self.client.add([parsed], [params])
+        [request], [text] = self.client.requests(key), self.client.output(key).completions
         try:
             while not request.finished:
-                self._serve([request], lambda finished: None, steps=1)
+                self.client.serve([request], lambda finished: None, steps=1)
                 yield text.take_unread()
         finally:
-            self._drop([key])   # a consumer that stopped early
+            self.client.drop([key])   # a consumer that stopped early
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):
@@ -233,90 +214,20 @@ class LLM:
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
         """Queue checked prompts; each becomes its ``n`` requests. All or none: a prompt
         refused takes those queued before it out again."""
-        return [self._prompts[key].requests for key in self._add(prompts, params)]
-
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[int]:
-        """``add``, returning the prompts' keys."""
-        with self._lock:
-            keys = []
-            try:
-                for prompt, sp in zip(prompts, params):
-                    keys.append(next(self._keys))
-                    requests = self.core.add(keys[-1], prompt.token_ids, sp)
-                    self._prompts[keys[-1]] = LivePrompt(requests, PromptOutput(self.tokenizer, sp,
-                                                                                len(prompt.token_ids)))
-            except ValueError:
-                for key in keys:
-                    self.core.abort(key)
-                    self._prompts.pop(key, None)
-                raise
-            return keys
-
-    def _serve(self, requests: list[Request], on_finish, steps: int | None = None) -> None:
-        """Step the engine until ``requests`` finish (or ``steps`` steps ran); every step
-        advances every caller's requests and their text, so a request may finish in a
-        step another caller ran: each is reported to ``on_finish`` once, whoever stepped."""
-        unreported, done, failures, scanned = list(requests), 0, self._failures, None
-        while True:
-            if self.engine.num_finished != scanned:   # a scan of thousands of requests is
-                scanned = self.engine.num_finished     # host time of every step: only on news
-                for request in [r for r in unreported if r.finished]:
-                    on_finish(request)
-                unreported = [r for r in unreported if not r.finished]
-            if not unreported or (steps is not None and done >= steps):
-                return
-            with self._lock:
-                if self._failures != failures and any(r.finish_reason == "abort" for r in unreported):
-                    raise RuntimeError("the engine failed in a step another caller ran; "
-                                       "its requests were aborted") from self._failure
-                if self.engine.num_finished == scanned:   # else some may be done: rescan first
-                    self._step()
-                    done += 1
+        return [self.client.requests(key) for key in self.client.add(prompts, params)]
 
     def step(self) -> None:
         """One engine step for everyone's requests, and their text. A step that fails
         aborts every request then in the engine, and raises."""
-        with self._lock:
-            self._step()
-
-    def _step(self) -> None:
-        try:
-            updates = self.core.step()
-        except BaseException as exc:
-            self._failures, self._failure = self._failures + 1, exc
-            raise
-        for key, update in updates:
-            live = self._prompts.get(key)
-            if live is not None:
-                for index in live.output.update(update)[1]:   # a stop string ended it
-                    self.core.finish(key, index)
+        self.client.step()
 
     def abort(self, requests: list[Request]) -> None:
         """Finish the unfinished ``requests`` now, returning their pages."""
-        with self._lock:
-            for request in requests:
-                self.engine.finish(request, "abort")
+        self.client.abort(requests)
 
     def release(self, requests: list[Request]) -> None:
         """Forget the answers of the prompts of finished ``requests``."""
-        ours = set(map(id, requests))
-        with self._lock:
-            for key in [k for k, live in self._prompts.items() if id(live.requests[0]) in ours]:
-                del self._prompts[key]
-
-    def _drop(self, keys: list[int]) -> None:
-        """End the prompts of ``keys`` (their pages return) and forget them."""
-        with self._lock:
-            for key in keys:
-                self.core.abort(key)
-                self._prompts.pop(key, None)
-
-    def _output(self, prompt: Prompt, key: int) -> RequestOutput:
-        with self._lock:
-            live = self._prompts.pop(key)
-        completions = tuple(with_token_texts(c, self.tokenizer) for c in live.output.outputs())
-        metrics = prompt_metrics(live.requests, len(prompt.token_ids), live.output.num_output_tokens)
-        return RequestOutput(live.requests[0].id, prompt.token_ids, completions, metrics, prompt.text)
+        self.client.release(requests)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
