@@ -67,6 +67,9 @@ class CompletionText:
         ``ended``): how many tokens it keeps, the stop string found, and the text."""
         if self.detokenizer is None:
             return len(token_ids), None, ""
+        if not self.params.stop:   # every token kept: one pass, no matching (most requests)
+            text = "".join(map(self.detokenizer.push, token_ids))
+            return len(token_ids), None, text + self.detokenizer.flush() if ended else text
         pieces, stop, seen = [], None, len(self.token_ids)
         for token_id in token_ids:
             seen += 1

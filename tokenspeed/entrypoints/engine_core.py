@@ -105,7 +105,7 @@ class EngineCore:
         news, self._news = self._news, {}
         updates, interval = [], self.stream_interval
         for key, prompt in list(self._live.items()):
-            if key in news or _due(prompt, interval):
+            if interval == 1 or key in news or _due(prompt, interval):   # 1: any gain is due
                 update = self._update(key, prompt, news.get(key))
                 if update is not None:
                     updates.append((key, update))
