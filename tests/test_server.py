@@ -647,3 +647,31 @@ def test_llm_add_queues_all_prompts_or_none(llm):
         llm.add(prompts, [GREEDY, bad])
     assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
     assert llm.engine.scheduler.allocator.num_free == free
+
+
+def test_a_step_that_fails_in_the_loop_is_logged_with_its_traceback(caplog):
+    """The step's requests get its message; the engine process's log gets the fault whole
+    (an internal fault is fixed in the code: its traceback says where)."""
+    from tokenspeed.entrypoints.messages import EngineLoad
+    from tokenspeed.errors import InternalError
+
+    class FailingCore:
+        keys, failed = (), threading.Event()
+
+        @property
+        def has_work(self):
+            return not self.failed.is_set()
+
+        def step(self):
+            self.failed.set()
+            raise InternalError("a broken invariant")
+
+        def load(self):
+            return EngineLoad(0, 0, 0)
+
+    core = FailingCore()
+    loop = EngineLoop(core, lambda client, report: None, print).start()
+    core.failed.wait(30)
+    loop.stop()
+    [record] = [r for r in caplog.records if r.exc_info]
+    assert isinstance(record.exc_info[1], InternalError) and "engine step failed" in record.getMessage()

@@ -18,6 +18,7 @@ engine's thread for every stream that gained tokens: they are ``msgspec`` Struct
 (``messages``), built in C and encoded once, straight from the records.
 """
 
+import logging
 import queue
 import threading
 
@@ -104,10 +105,12 @@ class EngineLoop:
 
     def _step(self) -> None:
         """One step; its updates, each to its client. A step that fails ends its requests,
-        which the next step reports, with the error, to their callers."""
+        which the next step reports, with the error, to their callers; its traceback is
+        logged here (an internal fault is fixed in the code, not in the input)."""
         try:
             updates = self.core.step()
         except Exception:  # noqa: BLE001 - the requests fail, the loop serves on
+            logging.getLogger(__name__).exception("an engine step failed; its requests fail with it")
             return
         for (client, key), update in updates:
             self._queue(client, key, update)
