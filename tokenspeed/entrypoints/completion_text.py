@@ -22,8 +22,8 @@ class CompletionText:
         self.detokenizer = None if tokenizer is None else \
             IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStrings(params.stop)
-        self.text = ""
-        self.read = 0                     # characters of text a streaming reader has taken
+        self._pieces: list[str] = []      # its text, as it came (joined when read)
+        self._read = 0                    # pieces a streaming reader has taken
         self.token_ids: list[int] = []    # those it keeps
         self.logprobs: list = []
         self.finish_reason: str | None = None
@@ -33,28 +33,36 @@ class CompletionText:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
     def feed(self, delta: TokenDelta) -> CompletionDelta | None:
         """What the answer gained from the engine's ``delta``: text, the tokens kept, and
         the finish once final; None when nothing (as for every delta after the end)."""
         if self.finish_reason is not None:
             return None
-        ended = delta.finish_reason is not None
-        kept, stop, text = self._read(delta.token_ids, ended)
-        if stop is not None and not (delta.finish_reason == "stop" and kept == len(delta.token_ids)):
-            self.finish_reason, self.stop_reason = "stop", stop   # it came before the engine's end
-        elif ended:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_token
+        kept, stop, text = self._read_tokens(delta.token_ids, delta.finish_reason is not None)
+        self._decide_finish(delta, kept, stop)
         if not (text or kept or self.finish_reason):
             return None
         token_ids, logprobs = delta.token_ids[:kept], delta.logprobs[:kept]
-        self.text += text
+        self._pieces.append(text)
         self.token_ids += token_ids
         self.logprobs += logprobs
         return CompletionDelta(self.index, text, token_ids, logprobs, self.finish_reason, self.stop_reason)
 
     def take_unread(self) -> str:
-        new, self.read = self.text[self.read:], len(self.text)
+        new, self._read = "".join(self._pieces[self._read:]), len(self._pieces)
         return new
+
+    def _decide_finish(self, delta: TokenDelta, kept: int, stop: str | None) -> None:
+        """A stop string ends the answer, unless the engine's token stop ended it at the same
+        token (that token completed the stop string: the engine's reason stands)."""
+        if stop is not None and not (delta.finish_reason == "stop" and kept == len(delta.token_ids)):
+            self.finish_reason, self.stop_reason = "stop", stop
+        elif delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_token
 
     def output(self) -> CompletionOutput:
         """The whole answer (its text None without a tokenizer)."""
@@ -62,7 +70,7 @@ class CompletionText:
         return CompletionOutput(self.index, tuple(self.token_ids), self.finish_reason,
                                 None if self.detokenizer is None else self.text, self.stop_reason, logprobs)
 
-    def _read(self, token_ids: tuple[int, ...], ended: bool) -> tuple[int, str | None, str]:
+    def _read_tokens(self, token_ids: tuple[int, ...], ended: bool) -> tuple[int, str | None, str]:
         """Detokenize ``token_ids`` up to a stop string (all of the held text too, once
         ``ended``): how many tokens it keeps, the stop string found, and the text."""
         if self.detokenizer is None:
