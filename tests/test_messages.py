@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.entrypoints import messages
 from tokenspeed.entrypoints.channel import HEADER, frame
-from tokenspeed.entrypoints.messages import (Abort, Completed, CompletionDelta, EngineFailed, EngineInfo, EngineLoad,
-                                             GroupUpdate, Heartbeat, MismatchedRecord, Record, StepReport, Submit)
+from tokenspeed.entrypoints.messages import (Abort, Completed, EngineFailed, EngineInfo, EngineLoad, Finish, Heartbeat,
+                                             MismatchedRecord, Record, StepReport, Submit, TokenDelta, TokenUpdate)
 from tokenspeed.entrypoints.prompts import Prompt
 from tokenspeed.runtime.outputs import TokenLogprobs
 from tokenspeed.runtime.prompt_limits import PromptLimits
@@ -18,20 +18,21 @@ from tokenspeed.runtime.prompt_limits import PromptLimits
 
 def step_report() -> StepReport:
     logprobs = (TokenLogprobs(5, -0.25, {5: -0.25, 9: -2.0}, {5: "a", 9: "b"}, 1),)
-    delta = CompletionDelta(1, "text", (5,), logprobs, "stop", "\n")
-    update = GroupUpdate((delta,), True, 4, 1, None, (Completed(1, "stop", 0.5, None),))
+    delta = TokenDelta(1, (5,), logprobs, "stop", 9)
+    update = TokenUpdate((delta,), True, 4, None, (Completed(1, "stop", 0.5, None),))
     return StepReport([(7, update)], EngineLoad(1, 0, 3))
 
 
 SAMPLES = {
     Submit: Submit(3, Prompt((1, 2, 3), "abc"), ts.SamplingParams(temperature=0.5, stop=("x",), n=2), 0),
     Abort: Abort(3, 0),
+    Finish: Finish(3, 1, 0),
     StepReport: step_report(),
     Heartbeat: Heartbeat(),
     EngineInfo: EngineInfo(PromptLimits(100, 256, 4, 63, (0, 16), 32), True, {"temperature": 0.6}),
     EngineFailed: EngineFailed("boom"),
 }
-DECODERS = {Submit: messages.to_engine_decoder, Abort: messages.to_engine_decoder}
+DECODERS = {Submit: messages.to_engine_decoder, Abort: messages.to_engine_decoder, Finish: messages.to_engine_decoder}
 
 
 def decoder_of(kind):
@@ -87,10 +88,10 @@ def test_a_field_added_or_removed_at_the_receiver_is_an_error_naming_the_type(ki
 
 
 def test_a_nested_record_of_another_shape_fails_its_report_not_a_shifted_value():
-    """A ``GroupUpdate`` without its last field, inside a report: the report fails to
+    """A ``TokenUpdate`` without its last field, inside a report: the report fails to
     decode (naming it and where), rather than its values sliding one place."""
-    short = variant(GroupUpdate, [(f.name, f.type) for f in msgspec.structs.fields(GroupUpdate)][:-1])
-    untagged = msgspec.defstruct("GroupUpdate", [(f, object) for f in short.__struct_fields__],
+    short = variant(TokenUpdate, [(f.name, f.type) for f in msgspec.structs.fields(TokenUpdate)][:-1])
+    untagged = msgspec.defstruct("TokenUpdate", [(f, object) for f in short.__struct_fields__],
                                  bases=(Record,))
     update = untagged(*[getattr(step_report().updates[0][1], f) for f in short.__struct_fields__])
     sent = StepReport([(7, update)], EngineLoad(1, 0, 3))
@@ -115,13 +116,13 @@ def test_a_record_of_the_other_direction_is_refused():
 token_logprobs = st.builds(TokenLogprobs, st.integers(0, 1 << 20), st.floats(allow_nan=False, max_value=0),
                            st.dictionaries(st.integers(0, 1 << 20), st.floats(allow_nan=False, max_value=0)),
                            st.none(), st.one_of(st.none(), st.integers(0, 20)))
-deltas = st.builds(CompletionDelta, st.integers(0, 100), st.text(), st.lists(st.integers(0, 1 << 20)).map(tuple),
+deltas = st.builds(TokenDelta, st.integers(0, 100), st.lists(st.integers(0, 1 << 20)).map(tuple),
                    st.lists(token_logprobs, max_size=3).map(tuple), st.sampled_from([None, "stop", "length"]),
-                   st.one_of(st.none(), st.integers(0, 1 << 20), st.text(max_size=5)))
+                   st.one_of(st.none(), st.integers(0, 1 << 20)))
 completions = st.builds(Completed, st.integers(0, 1000), st.sampled_from(["stop", "length", "abort"]),
                         st.one_of(st.none(), st.floats(0, 10)), st.one_of(st.none(), st.floats(0, 10)))
-updates = st.builds(GroupUpdate, st.lists(deltas, max_size=3).map(tuple), st.booleans(), st.integers(0, 1000),
-                    st.integers(0, 1000), st.one_of(st.none(), st.text()), st.lists(completions, max_size=2).map(tuple))
+updates = st.builds(TokenUpdate, st.lists(deltas, max_size=3).map(tuple), st.booleans(), st.integers(0, 1000),
+                    st.one_of(st.none(), st.text()), st.lists(completions, max_size=2).map(tuple))
 
 
 @settings(max_examples=60, deadline=None)

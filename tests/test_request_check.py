@@ -56,6 +56,18 @@ def test_any_token_outside_the_vocabulary_is_the_value_refused(prompt):
     assert (refused.field, refused.value, refused.limit) == ("prompt", bad[0], LIMITS.vocab_size)
 
 
+@pytest.mark.parametrize("params, field, value", [
+    ({"temperature": -1.0}, "temperature", -1.0), ({"top_k": 2**63}, "top_k", 2**63),
+    ({"stop": ["ok", ""]}, "stop", ("ok", "")), ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", 5)])
+def test_a_sampling_value_refused_carries_its_field(params, field, value):
+    """A bad ``SamplingParams`` value is a ``RefusedRequest`` naming its field: the server's
+    error ``param`` is read from it, never from the message."""
+    with pytest.raises(RefusedRequest) as refused:
+        ts.SamplingParams(**params)
+    assert (refused.value.field, refused.value.value) == (field, value)
+    assert str(refused.value).startswith(f"{field}=")
+
+
 def test_a_refusal_survives_pickling_with_its_fields():
     refused = refusal([5, 100])
     again = pickle.loads(pickle.dumps(refused))

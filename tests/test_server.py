@@ -21,9 +21,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed.entrypoints.engine_core import EngineCore
 from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
 from tokenspeed.entrypoints.engine_process import EngineSpec
 from tokenspeed.entrypoints.openai.server import create_app
+from tokenspeed.entrypoints.output_processor import PromptOutput
 from tokenspeed.entrypoints.prompts import parse_prompts
 
 from serving import free_port, running
@@ -308,7 +310,7 @@ def test_a_weights_only_directory_serves_token_ids(tmp_path):
 
 def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
     reports, crashes = [], []
-    loop = EngineLoop(llm, lambda client, r: reports.append(r), crashes.append).start()
+    loop = EngineLoop(EngineCore(llm.engine), lambda client, r: reports.append(r), crashes.append).start()
     loop.inbox.put(Submit(0, "not a prompt record", GREEDY, 0))
     loop.thread.join(timeout=30)
     assert not loop.thread.is_alive() and "the engine loop failed" in crashes[0]
@@ -336,12 +338,19 @@ def test_a_speculative_server_streams_what_plain_decoding_says(llm):
             assert counted == got.usage.completion_tokens, (stop, got.choices[0].text)
 
 
-def generate_and_loop(llm, params, prompt_text="The sea is", **loop_options):
+def answers(tokenizer, params, prompt, updates) -> list:
+    """An engine loop's token updates of ``prompt`` made into its answers, as the API
+    server's process makes them."""
+    output = PromptOutput(tokenizer, params, len(prompt.token_ids))
+    return [answer for answer in (output.update(u)[0] for u in updates) if answer is not None]
+
+
+def generate_and_loop(llm, params, prompt_text="The sea is", **core_options):
     """``generate``'s output for the prompt, and the updates an ``EngineLoop`` reports for
-    it, until the last finishes."""
+    it (as answers), until the last finishes."""
     want = llm.generate(prompt_text, params, use_tqdm=False)[0]
     reports = []
-    loop = EngineLoop(llm, lambda client, r: reports.append(r), print, **loop_options).start()
+    loop = EngineLoop(EngineCore(llm.engine, **core_options), lambda client, r: reports.append(r), print).start()
     [prompt] = parse_prompts(prompt_text, llm.tokenizer)
     loop.inbox.put(Submit(7, prompt, params, 0))
     for _ in range(600):
@@ -350,7 +359,7 @@ def generate_and_loop(llm, params, prompt_text="The sea is", **loop_options):
             break
         time.sleep(0.05)
     loop.stop()
-    return want, updates
+    return want, answers(llm.tokenizer, params, prompt, updates)
 
 
 def test_an_engine_loops_reports_join_to_the_completions(llm):
@@ -407,8 +416,8 @@ def test_a_stop_string_counts_only_the_tokens_kept(base_url, client, llm):
 def test_a_streamed_choice_is_the_json_of_its_dict(text, index, finish, stop):
     """Stream chunks format their choice directly (per token and client); the text must be
     what ``json.dumps`` makes of the choice's dict, escapes and all."""
-    from tokenspeed.entrypoints.engine_loop import CompletionDelta
     from tokenspeed.entrypoints.openai import responses
+    from tokenspeed.entrypoints.text_updates import CompletionDelta
     delta = CompletionDelta(0, text, (1,), (), finish, stop)
     for fmt in (responses.CompletionFormat(MODEL, None, 1), responses.ChatFormat(MODEL, None, 1)):
         assert fmt.delta_json(index, delta) == json.dumps(fmt.delta_choice(index, delta))
@@ -610,7 +619,7 @@ def test_a_submission_the_engine_refuses_fails_alone_and_the_loop_serves_on(llm)
     object.__setattr__(bad, "top_k", 2**63)      # as a record built around its checks
     want = llm.generate("The sea is", GREEDY, use_tqdm=False)[0]
     reports = []
-    loop = EngineLoop(llm, lambda client, r: reports.append(r), print).start()
+    loop = EngineLoop(EngineCore(llm.engine), lambda client, r: reports.append(r), print).start()
     [prompt] = parse_prompts("The sea is", llm.tokenizer)
     loop.inbox.put(Submit(1, prompt, bad, 0))
     loop.inbox.put(Submit(2, prompt, GREEDY, 0))
@@ -622,7 +631,7 @@ def test_a_submission_the_engine_refuses_fails_alone_and_the_loop_serves_on(llm)
             time.sleep(0.05)
     finally:
         loop.stop()
-    served = [u for r in reports for key, u in r.updates if key == 2]
+    served = answers(llm.tokenizer, GREEDY, prompt, [u for r in reports for key, u in r.updates if key == 2])
     assert updates[1].error and "top_k=9223372036854775808" in updates[1].error
     assert "".join(d.text for u in served for d in u.deltas) == want.text
 
@@ -638,3 +647,31 @@ def test_llm_add_queues_all_prompts_or_none(llm):
         llm.add(prompts, [GREEDY, bad])
     assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
     assert llm.engine.scheduler.allocator.num_free == free
+
+
+def test_a_step_that_fails_in_the_loop_is_logged_with_its_traceback(caplog):
+    """The step's requests get its message; the engine process's log gets the fault whole
+    (an internal fault is fixed in the code: its traceback says where)."""
+    from tokenspeed.entrypoints.messages import EngineLoad
+    from tokenspeed.errors import InternalError
+
+    class FailingCore:
+        keys, failed = (), threading.Event()
+
+        @property
+        def has_work(self):
+            return not self.failed.is_set()
+
+        def step(self):
+            self.failed.set()
+            raise InternalError("a broken invariant")
+
+        def load(self):
+            return EngineLoad(0, 0, 0)
+
+    core = FailingCore()
+    loop = EngineLoop(core, lambda client, report: None, print).start()
+    core.failed.wait(30)
+    loop.stop()
+    [record] = [r for r in caplog.records if r.exc_info]
+    assert isinstance(record.exc_info[1], InternalError) and "engine step failed" in record.getMessage()

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.engine_loop import CompletionDelta
+from tokenspeed.entrypoints.text_updates import CompletionDelta
 from tokenspeed.entrypoints.openai import responses
 from tokenspeed.entrypoints.openai.protocol import ChatMessage
 from tokenspeed.entrypoints.prompts import chat_prompt

@@ -2,6 +2,7 @@
 samples, stop strings and lengths, logprobs and their text offsets, and refusals."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.entrypoints.openai.protocol import MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -52,6 +53,29 @@ def test_a_stop_string_ends_the_text_before_it(client, llm):
     got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=24, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert got.finish_reason == "stop" and got.text == full[:full.index(stop)] and stop not in got.text
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stop_strings_decided_in_the_api_process_answer_as_generate_does(client, llm, data):
+    """Stop strings picked from the unconstrained output: the answer, whole or streamed,
+    is ``generate``'s (text, finish, stop reason, and the tokens kept as its usage)."""
+    plain = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                         use_tqdm=False)[0].text
+    piece = st.tuples(st.integers(0, len(plain) - 1), st.integers(1, 5)).map(lambda p: plain[p[0]:p[0] + p[1]])
+    stops = data.draw(st.lists(piece, min_size=1, max_size=3))
+    want = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stops),
+                        use_tqdm=False)[0]
+    asked = dict(model=MODEL, prompt="The sea is", max_tokens=24, temperature=0, stop=stops,
+                 extra_body={"ignore_eos": True})
+    whole = client.completions.create(**asked)
+    chunks = list(client.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert whole.choices[0].text == "".join(c.text for c in choices) == want.text
+    assert whole.choices[0].finish_reason == choices[-1].finish_reason == want.finish_reason
+    assert whole.choices[0].model_extra["stop_reason"] == choices[-1].model_extra["stop_reason"] == \
+        want.outputs[0].stop_reason
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
 def test_a_stream_is_chunks_then_usage_then_done(api):

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from tokenspeed.entrypoints.channel import FrameProtocol, FrameSocket, connect
 from tokenspeed.entrypoints.engine_process import EngineProcess
-from tokenspeed.entrypoints.messages import Abort, EngineFailed, EngineInfo, Heartbeat, StepReport, Submit
+from tokenspeed.entrypoints.messages import Abort, EngineFailed, EngineInfo, Finish, Heartbeat, StepReport, Submit
 
 HEARTBEAT_TIMEOUT_S = 1.0    # five beats missed: the engine process is stopped or hung
 
@@ -52,6 +52,11 @@ class EngineClient:
 
     def abort(self, key: int) -> None:
         self._sender().send(Abort(key, 0))
+
+    def finish(self, key: int, index: int) -> None:
+        """Completion ``index`` of ``key`` is final here (a stop string ended it): the
+        engine ends it too."""
+        self._sender().send(Finish(key, index, 0))
 
     async def stop(self) -> None:
         """Close this client's end (the engine drops its requests); stop the engine

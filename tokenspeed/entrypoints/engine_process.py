@@ -4,13 +4,14 @@ Streaming to many clients is Python work per token (JSON, server-sent events, th
 writes), and so is stepping the engine; in one process they take turns on one interpreter
 lock, and every token a client receives lengthens the next step (docs/PERFORMANCE.md,
 serving). So, as vLLM's engine core does, the engine and its loop run in a child process
-and the HTTP process only sends ``Submit``/``Abort`` records down a channel (``channel``;
-the records: ``messages``) and reads one ``StepReport`` per step back, and a ``Heartbeat``
+and the HTTP process only sends ``Submit``, ``Abort`` and ``Finish`` records down a channel
+(``channel``; the records: ``messages``) and reads one ``StepReport`` per step back, and a ``Heartbeat``
 every ``HEARTBEAT_INTERVAL_S`` from a thread of its own: an engine stopped outright (SIGSTOP,
 a hung driver) falls silent, and the HTTP process's health check says so.
 
-``EngineSpec.build`` makes the ``LLM`` inside the child: any picklable callable (a path
-and options through ``functools.partial(LLM, ...)``, or a module-level factory).
+``EngineSpec.build`` makes the ``LLM`` inside the child (the loop drives its engine, not
+it): any picklable callable (a path and options through ``functools.partial(LLM, ...)``,
+or a module-level factory).
 """
 
 import contextlib
@@ -26,6 +27,7 @@ import attrs
 import msgspec
 
 from tokenspeed.entrypoints.channel import FrameSocket, socket_pair
+from tokenspeed.entrypoints.engine_core import EngineCore
 from tokenspeed.entrypoints.engine_loop import EngineLoop
 from tokenspeed.entrypoints.frozen_heap import frozen_heap
 from tokenspeed.entrypoints.messages import (ClientGone, EngineFailed, EngineInfo, Heartbeat, from_engine_decoder,
@@ -49,7 +51,7 @@ def _positive(instance, attribute, value) -> None:
 class EngineSpec:
     """``build()`` returns the ``LLM`` (called in the child); ``tokenizer``: where the HTTP
     process loads the same tokenizer from (a model path), or None for token ids only;
-    ``stream_interval``: a completion's tokens go out every this many (``EngineLoop``)."""
+    ``stream_interval``: a completion's tokens go out every this many (``EngineCore``)."""
     build: Callable
     tokenizer: str | None = None
     stream_interval: int = attrs.field(default=1, validator=_positive)
@@ -167,9 +169,11 @@ def engine_main(spec: EngineSpec, ends: list) -> None:
 
 
 def start_loop(llm, channels: list, stream_interval: int = 1) -> tuple[EngineLoop, ReportSender]:
-    """The engine's loop, started, its reports sent to ``channels`` by a ``ReportSender``."""
+    """The loop over ``llm``'s engine (through an ``EngineCore`` of its own: the ``LLM`` only
+    built it), started, its reports sent to ``channels`` by a ``ReportSender``."""
     sender = ReportSender(channels, EngineFailed)
-    loop = EngineLoop(llm, sender.send, sender.fail, num_clients=len(channels), stream_interval=stream_interval)
+    core = EngineCore(llm.engine, stream_interval)
+    loop = EngineLoop(core, sender.send, sender.fail, num_clients=len(channels))
     return loop.start(), sender
 
 

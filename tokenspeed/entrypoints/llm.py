@@ -2,14 +2,12 @@
 
 Several threads may call one ``LLM``: their requests join the same running batch (each
 caller steps the engine under one lock while its own requests are unfinished) and each
-gets exactly its own outputs. The server's engine loop drives the same engine through the
-same methods (``check``, ``add``, ``step``, ``abort``, ``text_of``, ``release``).
+gets exactly its own outputs. Its ``client`` (``offline_client``) drives the engine
+through the engine-client interface that the server's engine process drives too, and
+answers each prompt as the server's API process does.
 """
 
-import threading
 from collections.abc import Iterator, Sequence
-
-import torch
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
@@ -19,17 +17,16 @@ from tokenspeed.entrypoints.chat_messages import conversations, template_message
 from tokenspeed.entrypoints.cpu_threads import size_torch_threads
 from tokenspeed.entrypoints.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
 from tokenspeed.entrypoints.model_source import tokenizer_path
+from tokenspeed.entrypoints.offline_client import OfflineClient
 from tokenspeed.entrypoints.progress import Progress
 from tokenspeed.entrypoints.prompts import Prompt, chat_prompt, parse_prompts
-from tokenspeed.entrypoints.text_stream import TextStream
-from tokenspeed.entrypoints.token_texts import with_token_texts
 from tokenspeed.models.gguf import default_model_path
 from tokenspeed.runtime import kv_pool
 from tokenspeed.runtime.block_allocator import BlockAllocator
 from tokenspeed.runtime.compile_config import CompileConfig
 from tokenspeed.runtime.draft_model import DraftModelDrafter
 from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.outputs import RequestMetrics, RequestOutput
+from tokenspeed.runtime.outputs import RequestOutput
 from tokenspeed.runtime.prompt_limits import check_request
 from tokenspeed.runtime.request import Request
 from tokenspeed.runtime.sampling_params import SamplingParams
@@ -80,9 +77,7 @@ class LLM:
             self.compiled = self._compile(config, backend, workers, speculative, draft)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
         self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter)
-        self._lock = threading.Lock()
-        self._streams: dict[Request, TextStream] = {}
-        self._failures, self._failure = 0, None   # failed steps so far, and the last error
+        self.client = OfflineClient(self.engine, self.tokenizer)
 
     @property
     def config(self):
@@ -150,16 +145,15 @@ class LLM:
         params = per_prompt(sampling_params, len(parsed), self.get_default_sampling_params())
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
-        groups = self.add(parsed, params)
-        requests = [r for g in groups for r in g]
+        keys = self.client.add(parsed, params)
+        groups = [self.client.requests(key) for key in keys]
         try:
             with Progress(groups, use_tqdm) as progress:
-                self._serve(requests, progress.update)
+                self.client.serve([r for g in groups for r in g], progress.update)
         except BaseException:
-            self.abort(requests)   # an interrupt: nothing of this call runs on
-            self.release(requests)
+            self.client.drop(keys)   # an interrupt: nothing of this call runs on
             raise
-        return [self._output(prompt, group) for prompt, group in zip(parsed, groups)]
+        return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -188,14 +182,14 @@ class LLM:
         return self._pieces(parsed[0], params)
 
     def _pieces(self, parsed: Prompt, params: SamplingParams) -> Iterator[str]:
-        [[request]] = self.add([parsed], [params])
+        [key] = self.client.add([parsed], [params])
+        [request], [text] = self.client.requests(key), self.client.output(key).completions
         try:
             while not request.finished:
-                self._serve([request], lambda finished: None, steps=1)
-                yield self.text_of(request).take_unread()
+                self.client.serve([request], lambda finished: None, steps=1)
+                yield text.take_unread()
         finally:
-            self.abort([request])   # a consumer that stopped early
-            self.release([request])
+            self.client.drop([key])   # a consumer that stopped early
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):
@@ -218,102 +212,22 @@ class LLM:
                       has_tokenizer=self.tokenizer is not None)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
-        """Queue checked prompts; each becomes its ``n`` requests (and their text streams).
-        All or none: a prompt refused takes those queued before it out again."""
-        with self._lock:
-            groups = []
-            try:
-                for prompt, sp in zip(prompts, params):
-                    groups.append(self.engine.add(prompt.token_ids, sp))
-            except ValueError:
-                for request in (r for g in groups for r in g):
-                    self.engine.finish(request, "abort")
-                raise
-            if self.tokenizer is not None:
-                self._streams.update({r: TextStream(self.tokenizer, r.params) for g in groups for r in g})
-            return groups
-
-    def _serve(self, requests: list[Request], on_finish, steps: int | None = None) -> None:
-        """Step the engine until ``requests`` finish (or ``steps`` steps ran); every step
-        advances every caller's requests and their text, so a request may finish in a
-        step another caller ran: each is reported to ``on_finish`` once, whoever stepped."""
-        unreported, done, failures, scanned = list(requests), 0, self._failures, None
-        while True:
-            if self.engine.num_finished != scanned:   # a scan of thousands of requests is
-                scanned = self.engine.num_finished     # host time of every step: only on news
-                for request in [r for r in unreported if r.finished]:
-                    on_finish(request)
-                unreported = [r for r in unreported if not r.finished]
-            if not unreported or (steps is not None and done >= steps):
-                return
-            with self._lock:
-                if self._failures != failures and any(r.finish_reason == "abort" for r in unreported):
-                    raise RuntimeError("the engine failed in a step another caller ran; "
-                                       "its requests were aborted") from self._failure
-                if self.engine.num_finished == scanned:   # else some may be done: rescan first
-                    self._step()
-                    done += 1
+        """Queue checked prompts; each becomes its ``n`` requests. All or none: a prompt
+        refused takes those queued before it out again."""
+        return [self.client.requests(key) for key in self.client.add(prompts, params)]
 
     def step(self) -> None:
         """One engine step for everyone's requests, and their text. A step that fails
         aborts every request then in the engine, and raises."""
-        with self._lock:
-            self._step()
-
-    def _step(self) -> None:
-        with torch.inference_mode():
-            try:
-                self.engine.step()
-            except BaseException as exc:
-                self._failures, self._failure = self._failures + 1, exc
-                self.engine.abort_all()
-                raise
-            self._update_text()
+        self.client.step()
 
     def abort(self, requests: list[Request]) -> None:
         """Finish the unfinished ``requests`` now, returning their pages."""
-        with self._lock:
-            for request in requests:
-                self.engine.finish(request, "abort")
+        self.client.abort(requests)
 
-    def text_of(self, request: Request) -> TextStream | None:
-        return self._streams.get(request)
-
-    def release(self, requests: list[Request]) -> list[TextStream | None]:
-        """Forget the text streams of finished ``requests``; returns them."""
-        with self._lock:
-            return [self._streams.pop(r, None) for r in requests]
-
-    def _update_text(self) -> None:
-        """Read new tokens into every open stream; a stop string finishes its request."""
-        for request, stream in self._streams.items():
-            if stream.seen < len(request.output) or (request.finished and not stream.closed):
-                stream.update(request.output, request.finished)
-                if stream.stop_string is not None and request.stop_reason != stream.stop_string and \
-                        (request.finish_reason != "stop" or stream.kept_tokens < len(request.output)):
-                    self._stopped_by_text(request, stream.stop_string)   # it came first
-
-    def _stopped_by_text(self, request: Request, stop_string: str) -> None:
-        """A stop string ends the request, also one that its length limit ended in the
-        same token: the reason is the stop string."""
-        if request.finished:
-            request.finish_reason, request.stop_reason = "stop", stop_string
-        else:
-            self.engine.finish(request, "stop", stop_string)
-
-    def _output(self, prompt: Prompt, group: list[Request]) -> RequestOutput:
-        streams = self.release(group)
-        completions = tuple(r.completion() if s is None else
-                            with_token_texts(r.completion(s.text, s.kept_tokens), self.tokenizer)
-                            for r, s in zip(group, streams))
-        first = [r.first_token_time for r in group if r.first_token_time is not None]
-        windows = sum(r.num_verify_steps for r in group)
-        metrics = RequestMetrics(group[0].arrival_time, min(first, default=None),
-                                 max(r.finish_time for r in group), len(prompt.token_ids),
-                                 sum(len(c.token_ids) for c in completions),
-                                 group[0].num_cached_prompt_tokens,
-                                 sum(r.num_verified_tokens for r in group) / windows if windows else None)
-        return RequestOutput(group[0].id, prompt.token_ids, completions, metrics, prompt.text)
+    def release(self, requests: list[Request]) -> None:
+        """Forget the answers of the prompts of finished ``requests``."""
+        self.client.release(requests)
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

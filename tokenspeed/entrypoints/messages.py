@@ -41,20 +41,29 @@ class Abort(Record, tag=True):
     client: int
 
 
+class Finish(Record, tag=True):
+    """A stop string ended completion ``index`` of ``key`` in the client's process (which
+    decides stop strings): the engine ends it now, returning its pages."""
+    key: int
+    index: int
+    client: int
+
+
 class ClientGone(Record):
     """A client's connection closed: its requests are aborted, it gets no more reports.
     (The engine process's relay makes it; it crosses no process boundary.)"""
     client: int
 
 
-class CompletionDelta(Record):
-    """What one completion gained in a step."""
+class TokenDelta(Record):
+    """The tokens one completion gained in a step (the engine sends no text: its clients
+    detokenize); ``finish_reason`` once the engine has ended it, ``stop_token`` the stop
+    token id that did (None for an end-of-sequence token, a length or an abort)."""
     index: int
-    text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None
-    stop_reason: str | int | None
+    stop_token: int | None
 
 
 class Completed(Record):
@@ -65,13 +74,13 @@ class Completed(Record):
     time_per_output_token: float | None
 
 
-class GroupUpdate(Record):
-    """A prompt's completions after a step; ``finished`` once all are, with each one's
-    figures in ``completed``; ``error`` when a step failed and took the request with it."""
-    deltas: tuple[CompletionDelta, ...]
+class TokenUpdate(Record):
+    """A prompt's completions after a step; ``finished`` once the engine has ended all of
+    them, with each one's figures in ``completed``; ``error`` when a step failed and took
+    the request with it."""
+    deltas: tuple[TokenDelta, ...]
     finished: bool
     num_prompt_tokens: int
-    num_output_tokens: int
     error: str | None
     completed: tuple[Completed, ...]
 
@@ -84,7 +93,7 @@ class EngineLoad(Record):
 
 class StepReport(Record, tag=True):
     """One client's updates of a step, each with its prompt's key, and the engine's load."""
-    updates: list[tuple[int, GroupUpdate]]
+    updates: list[tuple[int, TokenUpdate]]
     load: EngineLoad
 
 
@@ -103,7 +112,7 @@ class Heartbeat(Record, tag=True):
     """The engine process is running (sent to every client every ``HEARTBEAT_INTERVAL_S``)."""
 
 
-ToEngine = Union[Submit, Abort]
+ToEngine = Union[Submit, Abort, Finish]
 FromEngine = Union[StepReport, Heartbeat, EngineInfo, EngineFailed]
 
 

@@ -15,6 +15,8 @@ import numbers
 
 import attrs
 
+from tokenspeed.errors import RefusedRequest
+
 MAX_LOGPROBS = 20
 MAX_N = 128                      # OpenAI's cap on completions per prompt
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -23,7 +25,7 @@ FLOAT32_TINY = 2.0**-126         # the smallest normal float32
 
 
 def _fail(name, value, limit):
-    raise ValueError(f"{name}={value!r}: must be {limit}")
+    raise RefusedRequest(f"{name}={value!r}: must be {limit}", field=name, value=value, limit=limit)
 
 
 def _integer(value) -> bool:

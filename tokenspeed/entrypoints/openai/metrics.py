@@ -10,7 +10,7 @@ recent value of each gauge."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
-from tokenspeed.entrypoints.engine_loop import Completed, EngineLoad
+from tokenspeed.entrypoints.messages import Completed, EngineLoad
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenspeed.entrypoints.chat_messages import ROLES, template_messages
+from tokenspeed.errors import RefusedRequest
 from tokenspeed.runtime.sampling_params import SamplingParams
 
 MAX_PROMPTS = 2048          # prompts in one completions request (OpenAI's bound on its arrays)
@@ -175,9 +176,9 @@ UNSET_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "r
 
 
 def sampling_params(**fields) -> SamplingParams:
-    """``SamplingParams`` from request fields; a refused value is a 400 naming it (the
-    record's messages start with ``name=value``)."""
+    """``SamplingParams`` from request fields; a refused value is a 400 naming its field
+    (the refusal's own)."""
     try:
         return SamplingParams(**fields)
-    except ValueError as exc:
-        raise APIError(400, str(exc), str(exc).split("=", 1)[0]) from exc
+    except RefusedRequest as exc:
+        raise APIError(400, str(exc), exc.field) from exc

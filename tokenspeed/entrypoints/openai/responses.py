@@ -12,7 +12,7 @@ from json.encoder import encode_basestring_ascii as _string   # json.dumps of a 
 
 import attrs
 
-from tokenspeed.entrypoints.messages import CompletionDelta
+from tokenspeed.entrypoints.text_updates import CompletionDelta
 from tokenspeed.tokenizer import IncrementalDetokenizer
 
 OWNER = "tokenspeed"

@@ -1,0 +1,146 @@
+"""Text, stop strings and finish decided in one place, the caller's (``PromptOutput``):
+``LLM.generate`` cuts at the stop string an independent reading of the unconstrained
+output finds; the answer does not depend on how the engine's tokens are split into
+updates, nor on tokens the engine made after the stop; a stop string finishes the
+engine's request (its pages return); and the engine's reports carry no text."""
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.entrypoints.engine_core import EngineCore
+from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
+from tokenspeed.entrypoints.messages import Completed, TokenDelta, TokenUpdate
+from tokenspeed.entrypoints.output_processor import PromptOutput
+from tokenspeed.entrypoints.prompts import parse_prompts
+
+from text_models import text_model_dir
+
+PROMPT = "The sea is"
+LENGTH = 24
+PLAIN = ts.SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return ts.LLM(text_model_dir(), page_size=4, max_num_seqs=8, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    return llm.generate(PROMPT, PLAIN, use_tqdm=False)[0]
+
+
+def first_stop(tokenizer, token_ids, stops) -> tuple[int, str, str] | None:
+    """By decoding each prefix whole: the tokens kept (up to the one whose text completes a
+    stop string), the stop (the earliest to end, then the longest) and the text before it."""
+    for kept in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(list(token_ids[:kept]))
+        found = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
+        if found:
+            stop = min(found)[2]
+            return kept, stop, text[:text.find(stop)]
+    return None
+
+
+def stop_strings(text: str):
+    """One to three pieces of ``text`` (some past its end: never found)."""
+    piece = st.tuples(st.integers(0, len(text) - 1), st.integers(1, 6)).map(lambda p: text[p[0]:p[0] + p[1]])
+    return st.lists(st.one_of(piece, st.just("never in the text")), min_size=1, max_size=3)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_generate_cuts_at_the_stop_string_found_in_the_plain_output(llm, plain, data):
+    stops = data.draw(stop_strings(plain.text))
+    [got] = llm.generate(PROMPT, ts.SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True, stop=stops),
+                         use_tqdm=False)
+    want = first_stop(llm.tokenizer, plain.token_ids, stops)
+    if want is None:
+        assert (got.text, got.token_ids, got.finish_reason) == (plain.text, plain.token_ids, "length")
+        return
+    kept, stop, text = want
+    assert (got.text, got.token_ids, got.finish_reason, got.outputs[0].stop_reason) == \
+        (text, plain.token_ids[:kept], "stop", stop)
+
+
+def engine_updates(token_ids, cuts, finish: str) -> list[TokenUpdate]:
+    """The engine's updates of one completion of ``token_ids``, split at ``cuts``; the last
+    one finishes it."""
+    bounds = [0, *sorted(set(cuts)), len(token_ids)]
+    spans = [token_ids[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [TokenUpdate((TokenDelta(0, tuple(span), (), finish if i == len(spans) - 1 else None, None),),
+                        i == len(spans) - 1, 3, None, ()) for i, span in enumerate(spans)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_an_answer_does_not_depend_on_how_the_tokens_arrive(llm, plain, data):
+    """However the engine's tokens are split into updates (one a step, or a stream
+    interval's worth), and however many it made past the stop before it heard: the same
+    text, kept tokens and finish, counted as kept; the engine is told to finish the
+    completion once, when the stop came before the engine's own end."""
+    stops = data.draw(stop_strings(plain.text))
+    cuts = data.draw(st.lists(st.integers(1, LENGTH - 1), max_size=6))
+    params = ts.SamplingParams(temperature=0, max_tokens=LENGTH, stop=stops)
+    output = PromptOutput(llm.tokenizer, params, 3)
+    answers, told = [], []
+    for update in engine_updates(plain.token_ids, cuts, "length"):
+        answer, stopped = output.update(update)
+        answers += [answer] if answer is not None else []
+        told += stopped
+    deltas = [d for a in answers for d in a.deltas]
+    want = first_stop(llm.tokenizer, plain.token_ids, stops)
+    kept, stop, text = want if want is not None else (LENGTH, None, plain.text)
+    assert "".join(d.text for d in deltas) == text
+    assert tuple(t for d in deltas for t in d.token_ids) == plain.token_ids[:kept]
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == (("stop", stop) if stop else ("length", None))
+    assert answers[-1].finished and [a.finished for a in answers].count(True) == 1
+    last_start = max([c for c in cuts if c < LENGTH], default=0)
+    assert told == ([0] if stop is not None and kept <= last_start else [])
+    [figures] = output.completed((Completed(LENGTH, "abort" if told else "length", 0.1, 0.01),))
+    assert (figures.num_output_tokens, figures.finish_reason) == (kept, deltas[-1].finish_reason)
+
+
+def test_a_stop_string_finishes_the_engines_request_and_its_pages_return(llm, plain):
+    """Through the engine-client interface, as the server's processes use it: the answer
+    is final at the stop string, the engine is told, stops within a step or two, and every
+    page comes back."""
+    core, key = EngineCore(llm.engine), "stopped"
+    stop = plain.text[len(plain.text) // 3:len(plain.text) // 3 + 3]
+    params = ts.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[stop])
+    [prompt] = parse_prompts(PROMPT, llm.tokenizer)
+    [request] = core.add(key, prompt.token_ids, params)
+    output, deltas = PromptOutput(llm.tokenizer, params, len(prompt.token_ids)), []
+    while core.has_work:
+        for _, update in core.step():
+            answer, stopped = output.update(update)
+            deltas += answer.deltas if answer is not None else []
+            for index in stopped:
+                core.finish(key, index)
+    kept, _, text = first_stop(llm.tokenizer, plain.token_ids, [stop])
+    assert "".join(d.text for d in deltas) == text and deltas[-1].stop_reason == stop
+    assert request.finished and len(request.output) <= kept + 3
+    assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1
+    assert list(core.keys) == []
+
+
+def test_the_engine_sends_token_ids_and_no_text(llm, plain):
+    """The engine loop's reports, encoded as they cross to the API process, hold the
+    completion's tokens but not its text: that is made where it is read."""
+    reports = []
+    loop = EngineLoop(EngineCore(llm.engine), lambda client, report: reports.append(report), print).start()
+    [prompt] = parse_prompts(PROMPT, llm.tokenizer)
+    loop.inbox.put(Submit(1, prompt, PLAIN, 0))
+    try:
+        for _ in range(600):
+            if any(u.finished for r in list(reports) for _, u in r.updates):
+                break
+            loop.thread.join(0.05)
+    finally:
+        loop.stop()
+    sent = b"".join(msgspec.msgpack.encode(r) for r in reports)
+    tokens = [t for r in reports for _, u in r.updates for d in u.deltas for t in d.token_ids]
+    assert tuple(tokens) == plain.token_ids and len(plain.text) > 20
+    assert plain.text.encode() not in sent and plain.text[5:15].encode() not in sent
