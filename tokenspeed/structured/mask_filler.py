@@ -1,0 +1,62 @@
+"""Masks for a batch, filled in a worker thread while the device runs the step before.
+
+llguidance computes every row's mask in native code, in parallel, without the GIL
+(``LLExecutor``); ``MaskFiller.submit`` runs that in one worker thread and returns a
+future, so the engine's thread launches step n while the masks of step n+1 fill, and
+waits on the future only before it copies the bitmask to the device.
+
+A row is a ``MaskRow``: a matcher (or none, for a row with ``allowed_token_ids`` alone),
+the row it fills, the tokens allowed besides (``allowed``: a packed row ANDed in) and,
+for a speculative step, its draft tokens: the rows after ``row`` then get the masks
+after each draft token (as far as the grammar takes them). Rows not named are all ones.
+"""
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+import llguidance
+import llguidance.torch
+import torch
+
+from tokenspeed.structured.bitmask import ALL_ALLOWED
+from tokenspeed.structured.matcher import GrammarMatcher
+
+
+@attrs.frozen
+class MaskRow:
+    matcher: GrammarMatcher | None
+    row: int
+    allowed: torch.Tensor | None = None
+    drafts: tuple[int, ...] = ()
+
+
+class MaskFiller:
+    """Fills host bitmasks for batches; ``threads``: llguidance's workers (its default:
+    most of the cores, up to 32). ``close()`` ends the worker thread."""
+
+    def __init__(self, threads: int | None = None):
+        self._executor = llguidance.LLExecutor(threads)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-masks")
+
+    def fill(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> torch.Tensor:
+        """Writes the batch's masks into ``bitmask [rows, words]`` (host int32) and returns it."""
+        bitmask.fill_(ALL_ALLOWED)
+        plain = [(r.matcher.matcher, r.row) for r in rows if r.matcher and not r.drafts]
+        drafted = [(r.matcher.matcher, r.row, list(r.drafts)) for r in rows if r.matcher and r.drafts]
+        if plain:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+        for r in rows:
+            if r.allowed is not None:
+                bitmask[r.row: r.row + len(r.drafts) + 1] &= r.allowed
+        return bitmask
+
+    def submit(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> "Future[torch.Tensor]":
+        """``fill`` in the worker thread. Until the future is done, neither ``bitmask`` nor
+        the rows' matchers may be touched."""
+        return self._worker.submit(self.fill, list(rows), bitmask)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
