@@ -121,3 +121,8 @@ def test_logit_bias_adds_to_its_rows_alone(bias, rows):
         for token, value in bias.items():
             expected[r, token] += value
     torch.testing.assert_close(got, expected)
+
+
+def test_the_constraint_is_public_as_vllm_names_it():
+    import tokenspeed as ts
+    assert ts.StructuredOutputs is StructuredOutputs and "StructuredOutputs" in dir(ts)
