@@ -157,3 +157,16 @@ def test_allowed_token_ids_narrow_the_grammar_row(vocab):
         filler.close()
     assert unpack_bits(batch[0], guide.vocab_size).nonzero().flatten().tolist() == sorted(digits[:2])
     assert unpack_bits(batch[1], guide.vocab_size).nonzero().flatten().tolist() == sorted(bias.allowed_token_ids)
+
+
+def test_rows_past_the_bitmask_are_refused_before_any_write(vocab):
+    _, guide = vocab
+    matcher = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
+    filler = MaskFiller(threads=1)
+    try:
+        with pytest.raises(ValueError, match="mask row 1 with 2 draft rows after it is outside a bitmask of 3 rows"):
+            filler.fill([MaskRow(matcher, 1, drafts=(5, 6))], new_bitmask(3, guide.vocab_size))
+        with pytest.raises(ValueError, match="contiguous host int32"):
+            filler.fill([MaskRow(matcher, 0)], new_bitmask(3, guide.vocab_size)[:, :2])
+    finally:
+        filler.close()

@@ -23,6 +23,14 @@ def new_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.T
                       pin_memory=pin_memory)
 
 
+def check_host_bitmask(bitmask: torch.Tensor) -> None:
+    """llguidance writes masks through a raw pointer: only into a contiguous host int32
+    ``[rows, words]`` tensor."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.is_cuda or not bitmask.is_contiguous():
+        raise ValueError(f"a mask buffer must be a contiguous host int32 [rows, words] tensor; got "
+                         f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+
+
 def pack_allowed(token_ids, vocab_size: int) -> torch.Tensor:
     """The ``[words]`` row allowing exactly ``token_ids`` (each in [0, vocab_size))."""
     bits = torch.zeros(mask_words(vocab_size) * BITS, dtype=torch.bool)

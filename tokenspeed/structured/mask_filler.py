@@ -16,10 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 import llguidance
-import llguidance.torch
 import torch
 
-from tokenspeed.structured.bitmask import ALL_ALLOWED
+from tokenspeed.structured.bitmask import ALL_ALLOWED, check_host_bitmask
 from tokenspeed.structured.matcher import GrammarMatcher
 
 
@@ -29,6 +28,14 @@ class MaskRow:
     row: int
     allowed: torch.Tensor | None = None
     drafts: tuple[int, ...] = ()
+
+
+def _check_rows(rows: Sequence[MaskRow], size: int) -> None:
+    """llguidance checks a row's first index only; its draft rows follow it unchecked."""
+    for r in rows:
+        if r.row < 0 or r.row + len(r.drafts) >= size:
+            raise ValueError(f"mask row {r.row} with {len(r.drafts)} draft rows after it is outside "
+                             f"a bitmask of {size} rows")
 
 
 class MaskFiller:
@@ -41,13 +48,16 @@ class MaskFiller:
 
     def fill(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> torch.Tensor:
         """Writes the batch's masks into ``bitmask [rows, words]`` (host int32) and returns it."""
+        check_host_bitmask(bitmask)
+        _check_rows(rows, bitmask.shape[0])
         bitmask.fill_(ALL_ALLOWED)
+        where = (bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
         plain = [(r.matcher.matcher, r.row) for r in rows if r.matcher and not r.drafts]
         drafted = [(r.matcher.matcher, r.row, list(r.drafts)) for r in rows if r.matcher and r.drafts]
         if plain:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            self._executor.unsafe_compute_mask_ptr(plain, *where)
         if drafted:
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *where)
         for r in rows:
             if r.allowed is not None:
                 bitmask[r.row: r.row + len(r.drafts) + 1] &= r.allowed

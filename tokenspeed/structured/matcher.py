@@ -7,10 +7,10 @@ keeps, and ``rollback`` undoes tokens fed past a point. Once the grammar is comp
 """
 
 import llguidance
-import llguidance.torch
 import torch
 
 from tokenspeed.errors import InternalError, RefusedRequest
+from tokenspeed.structured.bitmask import check_host_bitmask
 from tokenspeed.structured.grammar import Grammar
 
 
@@ -67,4 +67,6 @@ class GrammarMatcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the next token's mask into row ``row`` of a host ``[rows, words]`` bitmask."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        check_host_bitmask(bitmask)
+        words = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
