@@ -4,6 +4,8 @@ narrower than the vocabulary), under the Triton interpreter on CPU and for real 
 The reference itself is checked against the bits one at a time."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -71,3 +73,24 @@ def test_mismatched_shapes_are_named():
         apply_token_bitmask_(torch.zeros(2, 40), torch.zeros(3, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="bitmask must be int32; got torch.int64"):
         apply_token_bitmask_(torch.zeros(2, 40), torch.zeros(2, 2, dtype=torch.int64))
+
+
+SM90 = """
+from test_kernel_compile import compile_sm90
+from tokenspeed.backends.kernels import triton_bitmask as b
+for logits in ("*fp32", "*bf16", "*fp16"):
+    kernel = compile_sm90(b._apply_bitmask_kernel, dict(logits_ptr=logits, mask_ptr="*i32", vocab="i32", words="i32",
+                          stride_logits="i32", stride_mask="i32"), dict(BLOCK=4096, USE_PDL=True))
+    assert "griddepcontrol.wait" in kernel.asm["ptx"], "the kernel waits for the step before"
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
+def test_the_kernel_compiles_for_sm90():
+    """As tests/test_kernel_compile.py does for the others: in a child, without the interpreter."""
+    pytest.importorskip("triton.backends.nvidia")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
