@@ -12,12 +12,14 @@ from tokenspeed.structured.bitmask import apply_token_bitmask_, mask_words, new_
 from tokenspeed.structured.grammar import Grammar, compile_grammar
 from tokenspeed.structured.mask_filler import MaskFiller, MaskRow
 from tokenspeed.structured.matcher import GrammarMatcher
+from tokenspeed.structured.response_format import from_response_format
 from tokenspeed.structured.spec import StructuredOutputs
 from tokenspeed.structured.token_bias import TokenBias, add_logit_bias_
+from tokenspeed.structured.tool_choice import tool_choice_constraint
 from tokenspeed.structured.vocabulary import guidance_tokenizer
 
 __all__ = [
     "Grammar", "GrammarMatcher", "MaskFiller", "MaskRow", "StructuredOutputs", "TokenBias",
-    "add_logit_bias_", "apply_token_bitmask_", "compile_grammar", "guidance_tokenizer",
-    "mask_words", "new_bitmask",
+    "add_logit_bias_", "apply_token_bitmask_", "compile_grammar", "from_response_format",
+    "guidance_tokenizer", "mask_words", "new_bitmask", "tool_choice_constraint",
 ]
