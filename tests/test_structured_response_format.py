@@ -61,6 +61,7 @@ def test_each_type_maps_to_its_constraint(response_format, expected):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "json_schema must be"),
 ])
 def test_a_malformed_format_is_refused_by_name(response_format, message):
-    with pytest.raises(RefusedRequest, match=message.replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")) as info:
+    with pytest.raises(RefusedRequest) as info:
         from_response_format(response_format)
+    assert message in str(info.value)
     assert info.value.field == "response_format"
