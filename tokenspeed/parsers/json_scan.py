@@ -15,6 +15,7 @@ import attrs
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 SCALAR = re.compile(r"[-+0-9.eEa-zA-Z]+")
 WHITESPACE = re.compile(r"\s*")
+STRUCTURE = re.compile(r'[\[\]{}"]')   # what changes the depth, or opens a string
 
 
 def skip_space(text: str, at: int) -> int:
@@ -36,20 +37,20 @@ def value_end(text: str, start: int) -> int | None:
 
 
 def _container_end(text: str, start: int) -> int | None:
-    depth, at = 0, start
-    while at < len(text):
-        char = text[at]
-        if char == '"':
+    """Jumps from bracket to bracket (a reply's arguments are rescanned at every piece)."""
+    depth, found = 0, STRUCTURE.search(text, start)
+    while found:
+        at = found.start()
+        if text[at] == '"':
             string = STRING.match(text, at)
             if string is None:
                 return None
-            at = string.end()
+            found = STRUCTURE.search(text, string.end())
             continue
-        depth += char in "{["
-        depth -= char in "}]"
-        at += 1
+        depth += 1 if text[at] in "{[" else -1
         if depth == 0:
-            return at
+            return at + 1
+        found = STRUCTURE.search(text, at + 1)
     return None
 
 
