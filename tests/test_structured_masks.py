@@ -170,3 +170,11 @@ def test_rows_past_the_bitmask_are_refused_before_any_write(vocab):
             filler.fill([MaskRow(matcher, 0)], new_bitmask(3, guide.vocab_size)[:, :2])
     finally:
         filler.close()
+
+
+def test_the_package_loads_without_torch_compile():
+    """llguidance.torch imports torch._dynamo (two seconds); the masks are filled without it."""
+    import subprocess
+    import sys
+    code = "import sys, tokenspeed.structured; sys.exit('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
