@@ -178,3 +178,15 @@ def test_the_package_loads_without_torch_compile():
     import sys
     code = "import sys, tokenspeed.structured; sys.exit('torch._dynamo' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputs(json_object=True),
+                                  StructuredOutputs(json={"x-guidance": {"whitespace_flexible": False},
+                                                          "type": "object"})])
+def test_json_whitespace_runs_are_bounded(vocab, spec):
+    """At most 16 characters of whitespace at a place (none, where the schema asks for compact JSON):
+    a sampled reply cannot spend its tokens on one run."""
+    tokenizer, guide = vocab
+    text = tokenizer.encode("{", add_special_tokens=False) + tokenizer.encode(" ", add_special_tokens=False) * 20
+    bound = 16 if spec.json_object else 0
+    assert GrammarMatcher(compile_grammar(spec, guide), guide).valid_prefix(text) == 1 + bound

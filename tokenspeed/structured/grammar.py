@@ -8,7 +8,8 @@ JSON whitespace is bounded (``JSON_WHITESPACE``): llguidance allows any run of i
 default, and a model sampled at a temperature can spend its whole ``max_tokens`` on one,
 leaving text that does not parse. Up to 16 characters at each place JSON allows
 whitespace keeps pretty-printed output (a newline and an indent) and ends every run.
-A schema's own top-level ``"x-guidance"`` options take precedence.
+A schema that sets its own whitespace (``whitespace_flexible`` or ``whitespace_pattern`` in
+its top-level ``"x-guidance"``) keeps it.
 """
 
 import json
@@ -22,6 +23,7 @@ from tokenspeed.structured.spec import StructuredOutputs
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 JSON_DEFAULTS = {"whitespace_pattern": JSON_WHITESPACE}
 ANY_OBJECT = '{"type": "object"}'
+WHITESPACE_OPTIONS = {"whitespace_flexible", "whitespace_pattern"}
 
 
 @attrs.frozen
@@ -45,7 +47,9 @@ def _schema(spec: StructuredOutputs, text: str) -> str:
         raise _refuse(spec, f"not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise _refuse(spec, f"a JSON Schema is an object or a boolean, not {type(schema).__name__}")
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    chosen = isinstance(own, dict) and WHITESPACE_OPTIONS & own.keys()
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=None if chosen else JSON_DEFAULTS)
 
 
 def _grammar_text(spec: StructuredOutputs) -> str:
