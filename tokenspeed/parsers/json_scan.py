@@ -15,6 +15,8 @@ import attrs
 STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 SCALAR = re.compile(r"[-+0-9.eEa-zA-Z]+")
 WHITESPACE = re.compile(r"\s*")
+FIELD_HEAD = re.compile(r'("(?:[^"\\]|\\.)*")\s*:\s*', re.DOTALL)   # "key": up to the value
+UNTIL_VALUE = re.compile(r"\s*(:\s*)?")
 STRUCTURE = re.compile(r'[\[\]{}"]')   # what changes the depth, or opens a string
 
 
@@ -75,29 +77,35 @@ def scan_object(text: str, start: int) -> ObjectScan:
     fields: dict[str, tuple[int, int | None]] = {}
     at = start + 1
     while True:
-        at = skip_space(text, at)
-        if at == len(text):
+        head = _field_head(text, skip_space(text, at), fields)
+        if isinstance(head, ObjectScan):
+            return head
+        key, value = head
+        end = value_end(text, value)
+        fields[key] = (value, end)
+        if end is None:
             return ObjectScan(fields, None)
-        if text[at] == "}":
-            return ObjectScan(fields, at + 1)
-        if text[at] == "," and fields:
-            at = skip_space(text, at + 1)
-        key = STRING.match(text, at)
-        if at == len(text) or key is None:
-            return ObjectScan(fields, None, broken=at < len(text) and text[at] != '"')
-        colon = skip_space(text, key.end())
-        if colon == len(text):
-            return ObjectScan(fields, None)
-        start_value = skip_space(text, colon + 1)
-        if text[colon] != ":":
-            return ObjectScan(fields, None, broken=True)
-        if start_value == len(text):
-            return ObjectScan(fields, None)
-        end_value = value_end(text, start_value)
-        try:
-            fields[json.loads(key.group())] = (start_value, end_value)
-        except ValueError:      # a key with a bad escape
-            return ObjectScan(fields, None, broken=True)
-        if end_value is None:
-            return ObjectScan(fields, None)
-        at = end_value
+        at = end
+
+
+def _field_head(text: str, at: int, fields: dict) -> tuple[str, int] | ObjectScan:
+    """The next field's key and where its value starts, or how the scan ends at ``at``."""
+    if text.startswith("}", at):
+        return ObjectScan(fields, at + 1)
+    if text.startswith(",", at) and fields:
+        at = skip_space(text, at + 1)
+    head = FIELD_HEAD.match(text, at)
+    if head is None or head.end() == len(text):
+        return ObjectScan(fields, None, broken=not _unfinished_head(text[at:]))
+    try:
+        return json.loads(head.group(1)), head.end()
+    except ValueError:      # a key with a bad escape
+        return ObjectScan(fields, None, broken=True)
+
+
+def _unfinished_head(rest: str) -> bool:
+    """Whether more text may still make ``rest`` a field's ``"key":`` (and its value)."""
+    key = STRING.match(rest)
+    if key is None:
+        return rest[:1] in ("", '"')
+    return UNTIL_VALUE.fullmatch(rest, key.end()) is not None
