@@ -22,7 +22,7 @@ from tokenspeed.structured.bitmask import ALL_ALLOWED, check_host_bitmask
 from tokenspeed.structured.matcher import GrammarMatcher
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)   # rows are never compared (a tensor has no truth value)
 class MaskRow:
     matcher: GrammarMatcher | None
     row: int
