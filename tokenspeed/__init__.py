@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 _HOMES = {"LLM": "tokenspeed.entrypoints.llm", "CompileConfig": "tokenspeed.runtime.compile_config",
           "RequestOutput": "tokenspeed.runtime.outputs", "SamplingParams": "tokenspeed.runtime.sampling_params",
-          "SpeculativeConfig": "tokenspeed.runtime.speculative", "Compiled": "tokenspeed.stages",
-          "Lowered": "tokenspeed.stages", "Traced": "tokenspeed.stages", "compile": "tokenspeed.stages",
-          "trace": "tokenspeed.stages"}
+          "SpeculativeConfig": "tokenspeed.runtime.speculative", "StructuredOutputs": "tokenspeed.structured",
+          "Compiled": "tokenspeed.stages", "Lowered": "tokenspeed.stages", "Traced": "tokenspeed.stages",
+          "compile": "tokenspeed.stages", "trace": "tokenspeed.stages"}
 __all__ = sorted([*_HOMES, "models"])
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from tokenspeed.runtime.sampling_params import SamplingParams
     from tokenspeed.runtime.speculative import SpeculativeConfig
     from tokenspeed.stages import Compiled, Lowered, Traced, compile, trace
+    from tokenspeed.structured import StructuredOutputs
 
 
 def __getattr__(name: str):

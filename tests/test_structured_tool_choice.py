@@ -1,0 +1,88 @@
+"""``tool_choice`` "required" or a named tool as a grammar: every walk through its masks
+that ends is a reply the format's parser reads back as calls of the allowed tools, with
+arguments that validate against each tool's schema (checked with jsonschema)."""
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tokenspeed.errors import RefusedRequest
+from tokenspeed.parsers import tool_parser
+from tokenspeed.structured import GrammarMatcher, compile_grammar, guidance_tokenizer, new_bitmask
+from tokenspeed.structured.bitmask import unpack_bits
+from tokenspeed.structured.tool_choice import tool_choice_constraint
+
+from tiny_vocab import tiny_tokenizer
+
+TOOLS = [
+    {"type": "function", "function": {"name": "set_age", "parameters": {
+        "type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                         "kind": {"enum": ["cat", "dog"]}},
+        "required": ["age"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ok", "parameters": {
+        "type": "object", "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS}
+CHOICES = ["required", *({"type": "function", "function": {"name": n}} for n in SCHEMAS)]
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    tokenizer = tiny_tokenizer()
+    return tokenizer, guidance_tokenizer(tokenizer)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(parser=st.sampled_from(["hermes", "llama3_json", "mistral"]), choice=st.sampled_from(CHOICES),
+       data=st.data())
+def test_the_calls_always_validate(vocab, parser, choice, data):
+    tokenizer, guide = vocab
+    eos = tokenizer.eos_token_ids[0]
+    matcher = GrammarMatcher(compile_grammar(tool_choice_constraint(TOOLS, choice, parser), guide), guide)
+    tokens, bitmask = [], new_bitmask(1, guide.vocab_size)
+    for _ in range(150):
+        matcher.fill(bitmask, 0)
+        ids = unpack_bits(bitmask[0], guide.vocab_size).nonzero().flatten().tolist()
+        token = data.draw(st.sampled_from(sorted(ids, key=lambda t: (t != eos, tokenizer.decode([t]).isspace()))))
+        if token == eos:
+            break
+        matcher.accept(token)
+        tokens.append(token)
+    else:
+        return
+    calls = tool_parser(parser).parse(tokenizer.decode(tokens)).tool_calls
+    assert calls if choice == "required" else [c.name for c in calls] == [choice["function"]["name"]]
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_mistrals_marker_is_its_token(vocab):
+    tokenizer, guide = vocab
+    marker = tokenizer.eos_token_ids[0]     # any id stands in for [TOOL_CALLS]'s
+    spec = tool_choice_constraint(TOOLS, "required", "mistral", marker_id=marker)
+    bitmask = new_bitmask(1, guide.vocab_size)
+    GrammarMatcher(compile_grammar(spec, guide), guide).fill(bitmask, 0)
+    assert unpack_bits(bitmask[0], guide.vocab_size).nonzero().flatten().tolist() == [marker]
+
+
+@pytest.mark.parametrize("tools, choice, field, message", [
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice",
+     "names no tool of ['ok', 'ping', 'set_age']"),
+    (TOOLS, "auto", "tool_choice", "names no tool"),
+    ([], "required", "tools", "needs at least one tool"),
+    ([{"type": "function", "function": {}}], "required", "tools", "tool 0 has no function name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}], "required", "tools",
+     "the parameters of 'f': Invalid type: objekt"),
+])
+def test_bad_tools_or_choices_are_refused_by_field(tools, choice, field, message):
+    with pytest.raises(RefusedRequest, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+        tool_choice_constraint(tools, choice, "hermes")
+    assert info.value.field == field
+
+
+def test_a_format_without_a_grammar_is_named():
+    with pytest.raises(ValueError, match="parser='pythonic': no tool-call grammar; choose one of hermes"):
+        tool_choice_constraint(TOOLS, "required", "pythonic")

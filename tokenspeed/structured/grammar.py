@@ -1,0 +1,79 @@
+"""A ``StructuredOutputs`` compiled to llguidance's grammar, checked where requests arrive.
+
+Whatever is wrong with a schema, a regular expression or a grammar is found here, by
+llguidance's own validator, and refused naming the field and llguidance's message: a
+request that gets past the door compiles in the engine.
+
+JSON whitespace is bounded (``JSON_WHITESPACE``): llguidance allows any run of it by
+default, and a model sampled at a temperature can spend its whole ``max_tokens`` on one,
+leaving text that does not parse. Up to 16 characters at each place JSON allows
+whitespace keeps pretty-printed output (a newline and an indent) and ends every run.
+A schema that sets its own whitespace (``whitespace_flexible`` or ``whitespace_pattern`` in
+its top-level ``"x-guidance"``) keeps it.
+"""
+
+import json
+
+import attrs
+import llguidance
+
+from tokenspeed.errors import RefusedRequest
+from tokenspeed.structured.spec import StructuredOutputs
+
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+JSON_DEFAULTS = {"whitespace_pattern": JSON_WHITESPACE}
+ANY_OBJECT = '{"type": "object"}'
+WHITESPACE_OPTIONS = {"whitespace_flexible", "whitespace_pattern"}
+
+
+@attrs.frozen
+class Grammar:
+    """``text``: llguidance's grammar (what ``LLMatcher`` takes); ``spec``: what it came from."""
+
+    spec: StructuredOutputs
+    text: str = attrs.field(repr=False)
+
+
+def _refuse(spec: StructuredOutputs, message: str) -> RefusedRequest:
+    value = getattr(spec, spec.kind)
+    return RefusedRequest(f"structured_outputs.{spec.kind}: {message}",
+                          field=f"structured_outputs.{spec.kind}", value=value, limit=None)
+
+
+def _schema(spec: StructuredOutputs, text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _refuse(spec, f"not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise _refuse(spec, f"a JSON Schema is an object or a boolean, not {type(schema).__name__}")
+    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    chosen = isinstance(own, dict) and WHITESPACE_OPTIONS & own.keys()
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=None if chosen else JSON_DEFAULTS)
+
+
+def _grammar_text(spec: StructuredOutputs) -> str:
+    if spec.kind == "json":
+        return _schema(spec, spec.json)
+    if spec.kind == "json_object":
+        return _schema(spec, ANY_OBJECT)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", list(spec.choice))
+    try:
+        return llguidance.grammar_from("grammar", spec.grammar)
+    except ValueError as exc:   # GBNF that does not convert to Lark
+        raise _refuse(spec, str(exc)) from None
+
+
+def compile_grammar(spec: StructuredOutputs,
+                    tokenizer: llguidance.LLTokenizer | None = None) -> Grammar:
+    """``spec`` as llguidance's grammar, refused with llguidance's message if it does not
+    compile. With the model's ``tokenizer`` (``guidance_tokenizer``) the check also covers
+    what depends on the vocabulary (special tokens a grammar names)."""
+    text = _grammar_text(spec)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+    if failed:
+        raise _refuse(spec, messages[0].strip())
+    return Grammar(spec, text)

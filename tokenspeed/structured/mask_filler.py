@@ -1,0 +1,72 @@
+"""Masks for a batch, filled in a worker thread while the device runs the step before.
+
+llguidance computes every row's mask in native code, in parallel, without the GIL
+(``LLExecutor``); ``MaskFiller.submit`` runs that in one worker thread and returns a
+future, so the engine's thread launches step n while the masks of step n+1 fill, and
+waits on the future only before it copies the bitmask to the device.
+
+A row is a ``MaskRow``: a matcher (or none, for a row with ``allowed_token_ids`` alone),
+the row it fills, the tokens allowed besides (``allowed``: a packed row ANDed in) and,
+for a speculative step, its draft tokens: the rows after ``row`` then get the masks
+after each draft token (as far as the grammar takes them). Rows not named are all ones.
+"""
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+import llguidance
+import torch
+
+from tokenspeed.structured.bitmask import ALL_ALLOWED, check_host_bitmask
+from tokenspeed.structured.matcher import GrammarMatcher
+
+
+@attrs.frozen(eq=False)   # rows are never compared (a tensor has no truth value)
+class MaskRow:
+    matcher: GrammarMatcher | None
+    row: int
+    allowed: torch.Tensor | None = None
+    drafts: tuple[int, ...] = ()
+
+
+def _check_rows(rows: Sequence[MaskRow], size: int) -> None:
+    """llguidance checks a row's first index only; its draft rows follow it unchecked."""
+    for r in rows:
+        if r.row < 0 or r.row + len(r.drafts) >= size:
+            raise ValueError(f"mask row {r.row} with {len(r.drafts)} draft rows after it is outside "
+                             f"a bitmask of {size} rows")
+
+
+class MaskFiller:
+    """Fills host bitmasks for batches; ``threads``: llguidance's workers (its default:
+    most of the cores, up to 32). ``close()`` ends the worker thread."""
+
+    def __init__(self, threads: int | None = None):
+        self._executor = llguidance.LLExecutor(threads)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-masks")
+
+    def fill(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> torch.Tensor:
+        """Writes the batch's masks into ``bitmask [rows, words]`` (host int32) and returns it."""
+        check_host_bitmask(bitmask)
+        _check_rows(rows, bitmask.shape[0])
+        bitmask.fill_(ALL_ALLOWED)
+        where = (bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
+        plain = [(r.matcher.matcher, r.row) for r in rows if r.matcher and not r.drafts]
+        drafted = [(r.matcher.matcher, r.row, list(r.drafts)) for r in rows if r.matcher and r.drafts]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, *where)
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *where)
+        for r in rows:
+            if r.allowed is not None:
+                bitmask[r.row: r.row + len(r.drafts) + 1] &= r.allowed
+        return bitmask
+
+    def submit(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> "Future[torch.Tensor]":
+        """``fill`` in the worker thread. Until the future is done, neither ``bitmask`` nor
+        the rows' matchers may be touched."""
+        return self._worker.submit(self.fill, list(rows), bitmask)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)

@@ -1,0 +1,72 @@
+"""``GrammarMatcher``: where one request stands in its grammar, token by token.
+
+The engine feeds it every token the request keeps and asks it for the next step's mask
+row. A speculative step checks its drafts first (``valid_prefix``), feeds the ones it
+keeps, and ``rollback`` undoes tokens fed past a point. Once the grammar is complete
+(``finished``) the mask allows only EOS; ``can_stop`` says EOS is allowed already.
+"""
+
+import llguidance
+import torch
+
+from tokenspeed.errors import InternalError, RefusedRequest
+from tokenspeed.structured.bitmask import check_host_bitmask
+from tokenspeed.structured.grammar import Grammar
+
+
+class GrammarMatcher:
+    """One request's llguidance matcher. Not thread-safe: while a batch fill
+    (``MaskFiller.submit``) runs, the matchers it holds are the worker's."""
+
+    def __init__(self, grammar: Grammar, tokenizer: llguidance.LLTokenizer):
+        self.grammar = grammar
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
+        self.eos_token_ids = frozenset(tokenizer.eos_tokens)
+        if self.matcher.is_error():
+            spec = grammar.spec
+            raise RefusedRequest(f"structured_outputs.{spec.kind}: {self.matcher.get_error()}",
+                                 field=f"structured_outputs.{spec.kind}",
+                                 value=getattr(spec, spec.kind), limit=None)
+
+    def accept(self, token: int) -> None:
+        """Feeds a token the request keeps. The mask allowed it, so a refusal is a fault."""
+        if not self.matcher.consume_token(token):
+            raise InternalError(f"the grammar refused token {token}, which its mask allowed: "
+                                f"{self.matcher.get_error()}")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a speculative draft) the grammar takes from here, in order;
+        nothing is fed. EOS counts where the text before it is complete (llguidance's own
+        count stops at EOS once the grammar has finished)."""
+        taken = self.matcher.validate_tokens(tokens)
+        if taken < len(tokens) and tokens[taken] in self.eos_token_ids and self._complete_after(tokens[:taken]):
+            taken += 1
+        return taken
+
+    def _complete_after(self, tokens: list[int]) -> bool:
+        if not self.matcher.consume_tokens(tokens):
+            raise InternalError(f"the grammar refused tokens {tokens} it had validated: {self.matcher.get_error()}")
+        complete = self.can_stop
+        self.rollback(len(tokens))
+        return complete
+
+    def rollback(self, num_tokens: int) -> None:
+        if not self.matcher.rollback(num_tokens):
+            raise InternalError(f"could not roll the grammar back {num_tokens} tokens: "
+                                f"{self.matcher.get_error()}")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar takes nothing more: only EOS may follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def can_stop(self) -> bool:
+        """The text so far is a complete match: EOS is allowed now."""
+        return self.matcher.is_accepting()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the next token's mask into row ``row`` of a host ``[rows, words]`` bitmask."""
+        check_host_bitmask(bitmask)
+        words = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
