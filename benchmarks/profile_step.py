@@ -11,8 +11,8 @@ import tokenspeed as ts
 from benchmarks import common
 from benchmarks.decode import PROMPT, our_tpot
 from tokenspeed.backends.metadata import DecodeRow
-from tokenspeed.runtime.ladders import bucket_for
-from tokenspeed.runtime.sampler import RowSampling
+from tokenspeed.execution.ladders import bucket_for
+from tokenspeed.execution.sampler import RowSampling
 
 
 def top_kernels(fn, n: int = 12) -> str:

@@ -36,12 +36,12 @@ import uvicorn
 
 import tokenspeed as ts
 from benchmarks import common
-from tokenspeed.entrypoints.bench import random_prompts
-from tokenspeed.entrypoints.bench_serve import RequestResult, summarize
-from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.api_servers import serve_many
-from tokenspeed.entrypoints.openai.server import create_app, uvicorn_config
-from tokenspeed.entrypoints.prompts import Prompt
+from tokenspeed.cli.bench import random_prompts
+from tokenspeed.cli.bench_serve import RequestResult, summarize
+from tokenspeed.server.engine_process import EngineSpec
+from tokenspeed.server.openai.api_servers import serve_many
+from tokenspeed.server.openai.server import create_app, uvicorn_config
+from tokenspeed.api.prompts import Prompt
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 CLIENTS_PER_PROCESS = 8      # the default; --clients-per-process

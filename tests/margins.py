@@ -36,7 +36,7 @@ def decisive_model(seed: int = 3, config=TINY_LLAMA):
 def greedy_margins(monkeypatch) -> list[float]:
     """Record the top-1/top-2 logit gap of every row sampled from here on: use it on an
     engine without graphs, which samples live rows only (no padding)."""
-    from tokenspeed.runtime import decode_runner, prefill_runner
+    from tokenspeed.execution import decode_runner, prefill_runner
     margins: list[float] = []
 
     def recorded(sampler):

@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from tokenspeed.entrypoints.openai.server import uvicorn_config
+from tokenspeed.server.openai.server import uvicorn_config
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenspeed.entrypoints.chat_messages import ROLES, conversations, template_messages
+from tokenspeed.api.chat_messages import ROLES, conversations, template_messages
 
 texts = st.text(max_size=20)
 contents = st.one_of(st.none(), texts, st.lists(texts.map(lambda t: {"type": "text", "text": t}), max_size=3))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.cli import main, parser
-from tokenspeed.entrypoints.help_format import DefaultsHelpFormatter
+from tokenspeed.cli.main import main, parser
+from tokenspeed.cli.help_format import DefaultsHelpFormatter
 
 from text_models import text_model_dir
 
@@ -75,7 +75,7 @@ def test_errors_are_one_line(capsys, argv, message):
                                      ["bench", "serve"]])
 def test_help_imports_no_torch(command):
     """``--help`` answers without importing torch (it took 5 s when a default needed it)."""
-    script = ("import sys\nfrom tokenspeed.entrypoints.cli import main\n"
+    script = ("import sys\nfrom tokenspeed.cli.main import main\n"
               f"try:\n    main({[*command, '--help']!r})\nexcept SystemExit:\n    pass\n"
               "print('torch imported:', 'torch' in sys.modules)")
     root = str(Path(__file__).resolve().parents[1])
@@ -118,8 +118,8 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
 def test_serve_flags_become_the_servers_options():
     """Timeouts and CORS from the command line reach the server as its options (parsed,
     no server started)."""
-    from tokenspeed.entrypoints import serve_cmd
-    from tokenspeed.entrypoints.cli import parser
+    from tokenspeed.cli import serve_cmd
+    from tokenspeed.cli.main import parser
     args = parser().parse_args(["serve", "m", "--request-timeout", "30", "--shutdown-timeout", "2",
                                 "--allowed-origins", "http://a.test", "--metrics-need-key"])
     assert (args.model_tag, args.request_timeout, args.shutdown_timeout) == ("m", 30.0, 2.0)
@@ -129,13 +129,13 @@ def test_serve_flags_become_the_servers_options():
 
 
 def test_a_served_model_id_is_named_as_it_is():
-    from tokenspeed.entrypoints.serve_cmd import _model_name
+    from tokenspeed.cli.serve_cmd import _model_name
     assert _model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert _model_name("/models/tiny.gguf") == "tiny"
 
 
 def test_engine_flags_reach_the_llms_options():
-    from tokenspeed.entrypoints.cli import llm_options, parser
+    from tokenspeed.cli.main import llm_options, parser
     args = parser().parse_args(["generate", "x", "--device", "cpu", "--max-chunk-tokens", "64",
                                 "--max-model-len", "512"])
     options = llm_options(args)

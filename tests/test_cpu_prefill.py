@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.backends.kernels import reference
 from tokenspeed.models.random import TINY_LLAMA
-from tokenspeed.runtime.compile_config import CPU_CHUNK_TOKENS, CompileConfig
+from tokenspeed.execution.compile_config import CPU_CHUNK_TOKENS, CompileConfig
 
 from hf_models import copy_checkpoint, edit_config, make_prompts
 from hf_models import reference as hf_reference

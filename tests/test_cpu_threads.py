@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tokenspeed.entrypoints.cpu_threads import allowed_cpus, size_torch_threads
+from tokenspeed.api.cpu_threads import allowed_cpus, size_torch_threads
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def test_token_ids_that_are_not_integers_are_refused_by_name(llm, bad):
 
 @pytest.mark.parametrize("bad", [1.0, "7", None])
 def test_a_prompt_record_of_non_integers_is_refused_by_name(llm, bad):
-    from tokenspeed.entrypoints.prompts import Prompt
+    from tokenspeed.api.prompts import Prompt
     with pytest.raises(TypeError, match=re.escape(f"prompt 0: token ids must be integers, got {bad!r}")):
         llm.generate([Prompt((5, bad, 6))])
 

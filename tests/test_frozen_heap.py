@@ -5,7 +5,7 @@ freezes this process's heap while that module runs, and an unfreeze releases it 
 import gc
 import weakref
 
-from tokenspeed.entrypoints.frozen_heap import frozen_heap
+from tokenspeed.server.frozen_heap import frozen_heap
 
 
 def test_a_frozen_heap_is_collected_again_once_unfrozen():

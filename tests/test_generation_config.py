@@ -7,7 +7,7 @@ import json
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.cli import main
+from tokenspeed.cli.main import main
 from tokenspeed.models.generation_config import sampling_defaults
 
 from text_models import text_model_dir

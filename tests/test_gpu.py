@@ -12,8 +12,8 @@ import torch
 import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.runtime.graphs import MovedTensorError
-from tokenspeed.runtime.sampler import RowSampling
+from tokenspeed.execution.graphs import MovedTensorError
+from tokenspeed.execution.sampler import RowSampling
 
 pytestmark = pytest.mark.gpu
 GREEDY = ts.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -156,7 +156,7 @@ def test_guard_catches_a_moved_tensor_in_debug_mode(monkeypatch):
 PRECOMPILE_CHECK = textwrap.dedent("""
     import json, os, torch, tokenspeed as ts
     from tokenspeed.models.random import TINY_LLAMA, random_model
-    from tokenspeed.runtime import startup
+    from tokenspeed.execution import startup
     cache, seen = os.environ["TRITON_CACHE_DIR"], []
     compile = startup.precompile.CompileWorkers.compile
     def compile_and_look(workers, variants):

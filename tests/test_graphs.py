@@ -16,8 +16,8 @@ from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.errors import InternalError
-from tokenspeed.runtime.sampler import RowSampling
-from tokenspeed.runtime.graphs import (GraphCaptureError, GraphCapturer, LateCaptureError,
+from tokenspeed.execution.sampler import RowSampling
+from tokenspeed.execution.graphs import (GraphCaptureError, GraphCapturer, LateCaptureError,
                                        MovedTensorError)
 
 from margins import ROW_COUNT_TOLERANCE, assert_decisive, decisive_model, greedy_margins
@@ -314,7 +314,7 @@ def test_a_cpu_engine_captures_nothing_unless_asked(model):
 
 
 def test_the_dry_run_walks_until_two_quiet_walks_then_the_largest():
-    from tokenspeed.runtime.startup import _walk_until_quiet
+    from tokenspeed.execution.startup import _walk_until_quiet
     new_at = {16: "a", 32: "b", 64: "c"}  # the variant each size brings, if any
     walked, variants = [], []
 

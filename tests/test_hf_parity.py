@@ -13,7 +13,7 @@ import pytest
 
 import tokenspeed as ts
 from tokenspeed.models.config import ModelConfig, RopeScaling
-from tokenspeed.runtime.prompt_limits import most_pages_held
+from tokenspeed.scheduling.prompt_limits import most_pages_held
 
 from hf_models import EOS, LLAMA3_ROPE, VARIANTS, checkpoint, copy_checkpoint, edit_config, \
     make_prompts, reference

@@ -20,12 +20,12 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from tokenspeed.backends.kernels import reference  # noqa: E402
 from tokenspeed.backends.kernels.blocks import next_power_of_2  # noqa: E402
 from tokenspeed.backends.metadata import ExtendChunk, attention_tiles, plan_extend, tile_capacity  # noqa: E402
-from tokenspeed.runtime.slots import to_device  # noqa: E402
+from tokenspeed.execution.slots import to_device  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
 from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
 from tokenspeed.errors import InternalError  # noqa: E402
-from tokenspeed.runtime.sampler import POSITION_KEY, RowSampling, sample  # noqa: E402
+from tokenspeed.execution.sampler import POSITION_KEY, RowSampling, sample  # noqa: E402
 import tokenspeed as ts  # noqa: E402
 
 FEW = settings(max_examples=15, deadline=None, derandomize=True)

@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
-from tokenspeed.runtime import kv_pool
-from tokenspeed.runtime.compile_config import CompileConfig
-from tokenspeed.runtime.sampler import RowSampling
+from tokenspeed.execution import kv_pool
+from tokenspeed.execution.compile_config import CompileConfig
+from tokenspeed.execution.sampler import RowSampling
 
 from margins import decisive_model
 

@@ -10,7 +10,7 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.ir.ops import ATTENTION_TARGETS, ROPE_WRITE_KV, WRITE_KV_TARGETS
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.runtime import kv_pool
+from tokenspeed.execution import kv_pool
 
 PAGE = 4
 KV_SHARED = {**TINY_LLAMA, "num_hidden_layers": 4, "num_kv_shared_layers": 2}

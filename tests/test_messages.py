@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.entrypoints import messages
-from tokenspeed.entrypoints.channel import HEADER, frame
-from tokenspeed.entrypoints.messages import (Abort, Completed, EngineFailed, EngineInfo, EngineLoad, Finish, Heartbeat,
+from tokenspeed.api import messages
+from tokenspeed.server.channel import HEADER, frame
+from tokenspeed.api.messages import (Abort, Completed, EngineFailed, EngineInfo, EngineLoad, Finish, Heartbeat,
                                              MismatchedRecord, Record, StepReport, Submit, TokenDelta, TokenUpdate)
-from tokenspeed.entrypoints.prompts import Prompt
-from tokenspeed.runtime.outputs import TokenLogprobs
-from tokenspeed.runtime.prompt_limits import PromptLimits
+from tokenspeed.api.prompts import Prompt
+from tokenspeed.execution.outputs import TokenLogprobs
+from tokenspeed.scheduling.prompt_limits import PromptLimits
 
 
 def step_report() -> StepReport:

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.engine_core import EngineCore
-from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
-from tokenspeed.entrypoints.messages import Completed, TokenDelta, TokenUpdate
-from tokenspeed.entrypoints.output_processor import PromptOutput
-from tokenspeed.entrypoints.prompts import parse_prompts
+from tokenspeed.api.engine_core import EngineCore
+from tokenspeed.server.engine_loop import EngineLoop, Submit
+from tokenspeed.api.messages import Completed, TokenDelta, TokenUpdate
+from tokenspeed.api.output_processor import PromptOutput
+from tokenspeed.api.prompts import parse_prompts
 
 from text_models import text_model_dir
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
+from tokenspeed.scheduling.block_allocator import BlockAllocator, OutOfPages
 
 from hf_models import checkpoint, make_prompts, reference
 
@@ -142,8 +142,8 @@ def test_digests_copied_from_an_earlier_request_are_those_its_own_tokens_give(tu
     """Each turn keeps some of an earlier request's tokens, then goes its own way; the
     digests a request copies from an earlier one equal those of a fresh computation, page
     for page, and they grow past what was known (outputs included) as a lone request's do."""
-    from tokenspeed.runtime.page_digests import PageDigests
-    from tokenspeed.runtime.request import Request
+    from tokenspeed.scheduling.page_digests import PageDigests
+    from tokenspeed.scheduling.request import Request
     digests, fresh, earlier = PageDigests(4, remembered), PageDigests(4, 0), [[1, 2, 3, 4, 5]]
     for kept, tail, more in turns:
         base = earlier[kept % len(earlier)]
@@ -159,8 +159,8 @@ def test_digests_copied_from_an_earlier_request_are_those_its_own_tokens_give(tu
 
 def test_a_follow_up_copies_the_digests_of_its_history(monkeypatch):
     import hashlib
-    from tokenspeed.runtime.page_digests import PageDigests
-    from tokenspeed.runtime.request import Request
+    from tokenspeed.scheduling.page_digests import PageDigests
+    from tokenspeed.scheduling.request import Request
     digests = PageDigests(4)
     history = Request(0, tuple(range(40)), ts.SamplingParams(), 0)
     known = digests(history, 10)
@@ -175,8 +175,8 @@ def test_conversations_that_open_alike_each_find_their_own_history(monkeypatch):
     """Two conversations share a system prompt of three pages; the first one's next turn
     copies the first one's digests, though the second came after it."""
     import hashlib
-    from tokenspeed.runtime.page_digests import PageDigests
-    from tokenspeed.runtime.request import Request
+    from tokenspeed.scheduling.page_digests import PageDigests
+    from tokenspeed.scheduling.request import Request
     digests, system = PageDigests(4), tuple(range(100, 112))
     first, second = (Request(i, system + tuple(range(i * 50, i * 50 + 40)), ts.SamplingParams(), 0)
                      for i in range(2))

@@ -6,10 +6,10 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tokenspeed.backends.metadata import kept_rows, plan_extend, refresh_decode, write_locations
-from tokenspeed.runtime.block_allocator import BlockAllocator, OutOfPages
+from tokenspeed.scheduling.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.errors import InternalError
 from tokenspeed.testing import invariants as inv
-from tokenspeed.runtime.speculative import window_rows
+from tokenspeed.engine.speculative import window_rows
 from tokenspeed.testing.strategies import block_tables, decode_cases, extend_cases, verify_cases
 
 DECODE_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "row_request")
@@ -158,7 +158,7 @@ def test_allocator_rejects_double_free():
 
 @given(capacity=st.integers(1, 40), max_pages=st.integers(1, 64), data=st.data())
 def test_a_publish_copies_every_byte_the_views_of_its_batch_read(capacity, max_pages, data):
-    from tokenspeed.runtime.slots import MetadataSlots
+    from tokenspeed.execution.slots import MetadataSlots
     slots = MetadataSlots(refresh_decode((), capacity, max_pages, 4), capacity, "cpu")
     rows = data.draw(st.integers(1, capacity))
     base, end = slots.device_bytes.data_ptr(), slots.used_bytes(rows)
@@ -171,7 +171,7 @@ def test_a_publish_copies_every_byte_the_views_of_its_batch_read(capacity, max_p
 
 @given(case=decode_cases(max_batch=8), data=st.data())
 def test_a_staged_publish_copies_the_batch_and_leaves_the_rest(case, data):
-    from tokenspeed.runtime.slots import MetadataSlots
+    from tokenspeed.execution.slots import MetadataSlots
     assume(len(case.rows) >= 2)
     capacity, shape = case.num_rows, (case.max_pages, case.page_size)
     slots = MetadataSlots(refresh_decode((), capacity, *shape), capacity, "cpu", staged=True)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.cli import main
+from tokenspeed.cli.main import main
 from tokenspeed.errors import InternalError, RefusedRequest
-from tokenspeed.runtime.block_allocator import BlockAllocator
-from tokenspeed.runtime.prompt_limits import PromptLimits, check_request
+from tokenspeed.scheduling.block_allocator import BlockAllocator
+from tokenspeed.scheduling.prompt_limits import PromptLimits, check_request
 
 from text_models import text_model_dir
 
@@ -90,14 +90,14 @@ def test_the_cli_prints_bad_input_as_one_line(capsys):
 
 
 FREE_TWICE = """
-from tokenspeed.runtime.block_allocator import BlockAllocator
+from tokenspeed.scheduling.block_allocator import BlockAllocator
 free = BlockAllocator.free
 def free_twice(self, pages):
     pages = list(pages)
     free(self, pages)
     free(self, pages)
 BlockAllocator.free = free_twice
-from tokenspeed.entrypoints.cli import main
+from tokenspeed.cli.main import main
 main(["generate", "hi", "--model", {model!r}, "--max-tokens", "2"])
 """
 

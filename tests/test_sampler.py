@@ -8,9 +8,9 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.runtime.sample_streams import stream_key
-from tokenspeed.runtime.sampler import RowSampling, SamplingTensors, sample
-from tokenspeed.runtime.sampling_params import MAX_N
+from tokenspeed.execution.sample_streams import stream_key
+from tokenspeed.execution.sampler import RowSampling, SamplingTensors, sample
+from tokenspeed.execution.sampling_params import MAX_N
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True)
 

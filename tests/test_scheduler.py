@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
-from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.block_allocator import BlockAllocator
-from tokenspeed.runtime.prompt_limits import check_request, most_pages_held
-from tokenspeed.runtime.sampling_params import MAX_N, SamplingParams
-from tokenspeed.runtime.scheduler import Scheduler
+from tokenspeed.engine.core import Engine
+from tokenspeed.scheduling.block_allocator import BlockAllocator
+from tokenspeed.scheduling.prompt_limits import check_request, most_pages_held
+from tokenspeed.execution.sampling_params import MAX_N, SamplingParams
+from tokenspeed.scheduling.scheduler import Scheduler
 from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
 
 VOCAB = 100
@@ -215,7 +215,7 @@ def test_a_readmitted_sample_shares_only_its_prompts_pages():
        output=st.lists(st.integers(0, VOCAB - 1), max_size=12), data=st.data())
 def test_a_requests_token_slices_equal_slices_of_its_tokens(prompt, output, data):
     """``tokens_between`` (the engine's chunks, built without joining prompt and output)."""
-    from tokenspeed.runtime.request import Request
+    from tokenspeed.scheduling.request import Request
     request = Request(0, tuple(prompt), SamplingParams(), 0, output=list(output))
     end = data.draw(st.integers(0, request.num_tokens))
     start = data.draw(st.integers(0, end))

@@ -21,12 +21,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.engine_core import EngineCore
-from tokenspeed.entrypoints.engine_loop import EngineLoop, Submit
-from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.server import create_app
-from tokenspeed.entrypoints.output_processor import PromptOutput
-from tokenspeed.entrypoints.prompts import parse_prompts
+from tokenspeed.api.engine_core import EngineCore
+from tokenspeed.server.engine_loop import EngineLoop, Submit
+from tokenspeed.server.engine_process import EngineSpec
+from tokenspeed.server.openai.server import create_app
+from tokenspeed.api.output_processor import PromptOutput
+from tokenspeed.api.prompts import parse_prompts
 
 from serving import free_port, running
 from text_models import llm_failing_on, text_model_dir
@@ -389,7 +389,7 @@ def test_a_stream_interval_sends_the_first_token_then_every_nth_then_the_end(llm
 
 
 def test_a_stream_interval_below_one_is_refused():
-    from tokenspeed.entrypoints import cli
+    from tokenspeed.cli import cli
     with pytest.raises(ValueError, match="stream_interval must be an integer of at least 1, got 0"):
         EngineSpec(print, stream_interval=0)
     with pytest.raises(SystemExit, match="--stream-interval must be at least 1, got 0"):
@@ -416,8 +416,8 @@ def test_a_stop_string_counts_only_the_tokens_kept(base_url, client, llm):
 def test_a_streamed_choice_is_the_json_of_its_dict(text, index, finish, stop):
     """Stream chunks format their choice directly (per token and client); the text must be
     what ``json.dumps`` makes of the choice's dict, escapes and all."""
-    from tokenspeed.entrypoints.openai import responses
-    from tokenspeed.entrypoints.text_updates import CompletionDelta
+    from tokenspeed.server.openai import responses
+    from tokenspeed.api.text_updates import CompletionDelta
     delta = CompletionDelta(0, text, (1,), (), finish, stop)
     for fmt in (responses.CompletionFormat(MODEL, None, 1), responses.ChatFormat(MODEL, None, 1)):
         assert fmt.delta_json(index, delta) == json.dumps(fmt.delta_choice(index, delta))
@@ -426,7 +426,7 @@ def test_a_streamed_choice_is_the_json_of_its_dict(text, index, finish, stop):
 
 def test_a_mailbox_hands_over_everything_that_arrived_and_loses_nothing_on_a_timeout():
     import asyncio
-    from tokenspeed.entrypoints.openai.mailbox import Mailbox
+    from tokenspeed.server.openai.mailbox import Mailbox
 
     async def scenario():
         box = Mailbox()
@@ -446,8 +446,8 @@ def test_a_report_sender_keeps_each_clients_order_and_survives_a_closed_pipe():
     """Reports leave the engine's thread through one queue: each client gets its
     messages in the order sent, a client whose pipe closed costs the others nothing, and
     ``close`` sends everything queued before it returns."""
-    from tokenspeed.entrypoints.engine_process import EngineFailed
-    from tokenspeed.entrypoints.report_sender import ReportSender
+    from tokenspeed.server.engine_process import EngineFailed
+    from tokenspeed.server.report_sender import ReportSender
 
     pipes = [multiprocessing.Pipe() for _ in range(3)]
     pipes[1][0].close()
@@ -466,8 +466,8 @@ def test_a_report_sender_keeps_each_clients_order_and_survives_a_closed_pipe():
 def test_a_report_that_cannot_be_sent_fails_every_client_once():
     """A report that does not pickle reaches nobody; every client hears the engine failed,
     and nothing is sent after that (as after a loop that failed)."""
-    from tokenspeed.entrypoints.engine_process import EngineFailed
-    from tokenspeed.entrypoints.report_sender import ReportSender
+    from tokenspeed.server.engine_process import EngineFailed
+    from tokenspeed.server.report_sender import ReportSender
 
     pipes = [multiprocessing.Pipe() for _ in range(2)]
     sender = ReportSender([theirs for _, theirs in pipes], EngineFailed)
@@ -487,10 +487,10 @@ def test_a_loop_that_fails_in_the_engine_process_tells_its_clients():
     """Wired as the engine process wires it, a loop that fails outside a step reaches each
     client as the engine's exit, with the loop's message."""
     import asyncio
-    from tokenspeed.entrypoints.channel import FrameSocket, socket_pair
-    from tokenspeed.entrypoints.engine_client import EngineClient
-    from tokenspeed.entrypoints.engine_process import start_loop
-    from tokenspeed.entrypoints.messages import from_engine_decoder, to_engine_decoder
+    from tokenspeed.server.channel import FrameSocket, socket_pair
+    from tokenspeed.server.engine_client import EngineClient
+    from tokenspeed.server.engine_process import start_loop
+    from tokenspeed.api.messages import from_engine_decoder, to_engine_decoder
 
     class Broken:
         @property
@@ -565,7 +565,7 @@ def _wait_for_api_servers(server) -> list[int]:
 
 
 def test_api_servers_refuse_a_bad_count_and_a_port_in_use():
-    from tokenspeed.entrypoints import cli
+    from tokenspeed.cli import cli
     with pytest.raises(SystemExit, match="--api-servers must be at least 1, got 0"):
         cli.main(["serve", "--api-servers", "0", "--device", "cpu"])
     with socket.socket() as taken:
@@ -652,7 +652,7 @@ def test_llm_add_queues_all_prompts_or_none(llm):
 def test_a_step_that_fails_in_the_loop_is_logged_with_its_traceback(caplog):
     """The step's requests get its message; the engine process's log gets the fault whole
     (an internal fault is fixed in the code: its traceback says where)."""
-    from tokenspeed.entrypoints.messages import EngineLoad
+    from tokenspeed.api.messages import EngineLoad
     from tokenspeed.errors import InternalError
 
     class FailingCore:

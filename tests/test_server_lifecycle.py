@@ -22,9 +22,9 @@ import uvloop
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.channel import FrameProtocol, FrameSocket, connect, frame, socket_pair
-from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.server import create_app
+from tokenspeed.server.channel import FrameProtocol, FrameSocket, connect, frame, socket_pair
+from tokenspeed.server.engine_process import EngineSpec
+from tokenspeed.server.openai.server import create_app
 
 from serving import free_port, running
 from text_models import text_model_dir
@@ -182,7 +182,7 @@ def test_timeouts_below_or_at_zero_are_refused():
     spec = EngineSpec(functools.partial(ts.LLM, "unused"), None)
     with pytest.raises(ValueError, match="request_timeout must be a number of seconds above 0, got 0"):
         create_app(spec, "m", request_timeout=0)
-    from tokenspeed.entrypoints.openai.server import serve
+    from tokenspeed.server.openai.server import serve
     with pytest.raises(ValueError, match="shutdown_timeout must be a number of seconds above 0, got -1"):
         serve(spec, "m", shutdown_timeout=-1)
 
@@ -205,7 +205,7 @@ def slow_llm(path: str, delay: float, **options):
 
 def serve_slowly(path: str, port: int) -> None:
     """``tokenspeed serve`` of a slow engine, drained for ``GRACE_S`` on SIGTERM."""
-    from tokenspeed.entrypoints.openai.server import serve
+    from tokenspeed.server.openai.server import serve
     serve(EngineSpec(functools.partial(slow_llm, path, 0.1, **OPTIONS), path), "m", port=port,
           shutdown_timeout=GRACE_S)
 

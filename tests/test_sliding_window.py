@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.backends.metadata import NULL_PAGE
-from tokenspeed.entrypoints.prompts import Prompt
+from tokenspeed.api.prompts import Prompt
 from tokenspeed.ir.cache_groups import CacheGroup
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.random import TINY_LLAMA, random_model

@@ -16,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.runtime.sampler import RowSampling
-from tokenspeed.runtime.speculative import PerRequestDrafts, propose_ngram
+from tokenspeed.execution.sampler import RowSampling
+from tokenspeed.engine.speculative import PerRequestDrafts, propose_ngram
 
 from margins import decisive_model
 
@@ -136,7 +136,7 @@ def test_speculative_must_be_a_config():
 def test_a_verify_runner_needs_its_config():
     from tokenspeed.errors import InternalError
     with pytest.raises(InternalError, match="both"):
-        from tokenspeed.runtime.engine import Engine
+        from tokenspeed.engine.core import Engine
         Engine(None, prefill=None, decode=None, model_config=types.SimpleNamespace(eos_token_ids=(), vocab_size=1),
                max_model_len=8, verify=object())
 

@@ -13,13 +13,13 @@ import types
 from hypothesis import given, settings, strategies as st
 
 from tokenspeed.backends.metadata import DecodeColumns, decode_columns
-from tokenspeed.runtime.block_allocator import BlockAllocator
-from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.prompt_limits import check_request
-from tokenspeed.runtime.sampling_params import SamplingParams
-from tokenspeed.runtime.scheduler import Scheduler
-from tokenspeed.runtime.speculative import PerRequestDrafts
-from tokenspeed.runtime.token_column import NULL_SEAT
+from tokenspeed.scheduling.block_allocator import BlockAllocator
+from tokenspeed.engine.core import Engine
+from tokenspeed.scheduling.prompt_limits import check_request
+from tokenspeed.execution.sampling_params import SamplingParams
+from tokenspeed.scheduling.scheduler import Scheduler
+from tokenspeed.engine.speculative import PerRequestDrafts
+from tokenspeed.execution.token_column import NULL_SEAT
 from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
 
 VOCAB, MAX_NUM_SEQS, MAX_MODEL_LEN = 50, 4, 200

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.runtime.outputs import Logprob
+from tokenspeed.execution.outputs import Logprob
 
 from text_models import text_model_dir
 

@@ -8,10 +8,10 @@ import pytest
 import tokenspeed as ts
 from tokenspeed import stages
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.runtime.decode_runner import DecodeRunner
-from tokenspeed.runtime.engine import Engine
-from tokenspeed.runtime.prefill_runner import PrefillRunner
-from tokenspeed.runtime.startup import build_runners
+from tokenspeed.execution.decode_runner import DecodeRunner
+from tokenspeed.engine.core import Engine
+from tokenspeed.execution.prefill_runner import PrefillRunner
+from tokenspeed.execution.startup import build_runners
 
 LEADING = [(Engine.__init__, ("self", "scheduler")),
            (stages.compile, ("prefill", "decode", "config")),

@@ -7,20 +7,20 @@ other commands that never touch a model do not pay for importing torch.
 import importlib
 from typing import TYPE_CHECKING
 
-_HOMES = {"LLM": "tokenspeed.entrypoints.llm", "CompileConfig": "tokenspeed.runtime.compile_config",
-          "RequestOutput": "tokenspeed.runtime.outputs", "SamplingParams": "tokenspeed.runtime.sampling_params",
-          "SpeculativeConfig": "tokenspeed.runtime.speculative", "StructuredOutputs": "tokenspeed.structured",
+_HOMES = {"LLM": "tokenspeed.api.llm", "CompileConfig": "tokenspeed.execution.compile_config",
+          "RequestOutput": "tokenspeed.execution.outputs", "SamplingParams": "tokenspeed.execution.sampling_params",
+          "SpeculativeConfig": "tokenspeed.engine.speculative", "StructuredOutputs": "tokenspeed.structured",
           "Compiled": "tokenspeed.stages", "Lowered": "tokenspeed.stages", "Traced": "tokenspeed.stages",
           "compile": "tokenspeed.stages", "trace": "tokenspeed.stages"}
 __all__ = sorted([*_HOMES, "models"])
 
 if TYPE_CHECKING:
     from tokenspeed import models
-    from tokenspeed.entrypoints.llm import LLM
-    from tokenspeed.runtime.compile_config import CompileConfig
-    from tokenspeed.runtime.outputs import RequestOutput
-    from tokenspeed.runtime.sampling_params import SamplingParams
-    from tokenspeed.runtime.speculative import SpeculativeConfig
+    from tokenspeed.api.llm import LLM
+    from tokenspeed.execution.compile_config import CompileConfig
+    from tokenspeed.execution.outputs import RequestOutput
+    from tokenspeed.execution.sampling_params import SamplingParams
+    from tokenspeed.engine.speculative import SpeculativeConfig
     from tokenspeed.stages import Compiled, Lowered, Traced, compile, trace
     from tokenspeed.structured import StructuredOutputs
 

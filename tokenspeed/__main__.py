@@ -1,3 +1,3 @@
-from tokenspeed.entrypoints.cli import main
+from tokenspeed.cli.main import main
 
 main()

@@ -30,12 +30,12 @@ from tokenspeed.ir.program import STAGES, Program, Segment
 from tokenspeed.ir.trace import trace_graph
 from tokenspeed.passes.manager import HistoryEntry
 from tokenspeed.passes.pipeline import run_pipeline
-from tokenspeed.runtime.compile_config import CompileConfig, EngineLimits
-from tokenspeed.runtime.decode_runner import DecodeRunner
-from tokenspeed.runtime import kv_pool
-from tokenspeed.runtime.prompt_limits import most_pages_held
-from tokenspeed.runtime.prefill_runner import PrefillRunner
-from tokenspeed.runtime.startup import StartupReport, build_runners
+from tokenspeed.execution.compile_config import CompileConfig, EngineLimits
+from tokenspeed.execution.decode_runner import DecodeRunner
+from tokenspeed.execution import kv_pool
+from tokenspeed.scheduling.prompt_limits import most_pages_held
+from tokenspeed.execution.prefill_runner import PrefillRunner
+from tokenspeed.execution.startup import StartupReport, build_runners
 
 
 def trace(model: torch.nn.Module) -> "Traced":

@@ -8,9 +8,9 @@ import openai
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.engine_process import EngineSpec
-from tokenspeed.entrypoints.openai.access import Access
-from tokenspeed.entrypoints.openai.server import create_app
+from tokenspeed.server.engine_process import EngineSpec
+from tokenspeed.server.openai.access import Access
+from tokenspeed.server.openai.server import create_app
 
 from openai_http import KEY, MODEL, ORIGIN, Api
 from serving import running

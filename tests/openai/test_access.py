@@ -5,8 +5,8 @@ other declared type), and OpenAI's error body for every error, routing's include
 import pytest
 from fastapi.testclient import TestClient
 
-from tokenspeed.entrypoints.openai.access import Access
-from tokenspeed.entrypoints.openai.server import Server, server_app
+from tokenspeed.server.openai.access import Access
+from tokenspeed.server.openai.server import Server, server_app
 
 from openai_http import KEY, ORIGIN, assert_error
 

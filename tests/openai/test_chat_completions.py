@@ -6,11 +6,11 @@ import openai
 import pytest
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.text_updates import CompletionDelta
-from tokenspeed.entrypoints.openai import responses
-from tokenspeed.entrypoints.openai.protocol import ChatMessage
-from tokenspeed.entrypoints.prompts import chat_prompt
-from tokenspeed.runtime.outputs import TokenLogprobs
+from tokenspeed.api.text_updates import CompletionDelta
+from tokenspeed.server.openai import responses
+from tokenspeed.server.openai.protocol import ChatMessage
+from tokenspeed.api.prompts import chat_prompt
+from tokenspeed.execution.outputs import TokenLogprobs
 from tokenspeed.tokenizer import ChatTemplate, load_tokenizer
 
 from openai_http import MODEL, assert_error

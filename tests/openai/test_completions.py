@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
-from tokenspeed.entrypoints.openai.protocol import MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tokenspeed.server.openai.protocol import MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 from openai_http import MODEL, assert_error
 
@@ -162,7 +162,7 @@ def test_unset_sampling_fields_take_the_models_defaults_then_openais():
     """The model's generation_config values (as the engine reports them) fill the fields a
     request leaves unset, as ``LLM.get_default_sampling_params`` does offline; a field the
     request sets wins, and what neither sets is OpenAI's default."""
-    from tokenspeed.entrypoints.openai.protocol import CompletionRequest
+    from tokenspeed.server.openai.protocol import CompletionRequest
     model = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 99}
     unset = CompletionRequest(prompt="x").sampling_params(16, None, model)
     assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.max_tokens) == (0.6, 0.9, 20, 0.0, 16)

@@ -24,7 +24,7 @@ FED_INPUT = 0   # a fed row's input id in host metadata: the device's copy repla
 @attrs.frozen
 class DecodeRow:
     """``token``: the row's input, None when it is fed on the device (an unread token:
-    ``runtime/token_column.py``); ``pages``: the request's pages of cache group 0;
+    ``execution/token_column.py``); ``pages``: the request's pages of cache group 0;
     ``group_pages``: those of groups 1.. (as many entries each: a windowed group's dropped
     ones are the null page)."""
     token: int | None
@@ -150,7 +150,7 @@ def table_slots(tables: np.ndarray, row_request, positions, page_size: int) -> n
 @attrs.frozen(eq=False)
 class DecodeColumns:
     """Decode rows as the columns ``refresh_decode`` pads: the form a decode chain keeps
-    from step to step (``runtime/decode_chain.py``), moving each row on a position rather
+    from step to step (``engine/decode_chain.py``), moving each row on a position rather
     than rebuilding every row's table from its page lists. ``tokens``: None when every
     row's input is fed on the device; ``block_tables``: ``max_pages`` page ids per row, per
     cache group on dim 1 when there are several (``group_tables``)."""

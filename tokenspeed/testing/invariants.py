@@ -3,7 +3,7 @@
 import torch
 
 from tokenspeed.backends.metadata import NULL_PAGE
-from tokenspeed.runtime.request import RequestStatus
+from tokenspeed.scheduling.request import RequestStatus
 
 
 def slot_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -39,7 +39,7 @@ def check_live_rows_equal(a, b, num_live: int, fields) -> None:
 
 def check_chained_rows_match_pages(engine) -> None:
     """The decode step in flight, if chained on the one before (its rows moved on a position,
-    not rebuilt: ``runtime/decode_chain.py``), holds each unfinished request's row as it
+    not rebuilt: ``engine/decode_chain.py``), holds each unfinished request's row as it
     stands. The step it is chained on is not read yet (``Engine.unread``), so the row sits
     at the count of the request's tokens the host has read, the last position counted as
     cached (its input is the unread token, ahead of the one the row samples), on a page it

@@ -4,7 +4,7 @@ The torch route (upcast, scale, uniform noise, two logs, add, argmax) is about t
 each a pass over ``[rows, vocab]``; at batch 32 and a 150k vocabulary that is most of a
 millisecond. Here each program scores one block of one row and keeps its best (value,
 index); a second launch picks each row's best block. Scores follow
-``tokenspeed.runtime.sampler.gumbel_argmax_reference``: greedy rows (``top_k == 1``) take
+``tokenspeed.execution.sampler.gumbel_argmax_reference``: greedy rows (``top_k == 1``) take
 the raw logit (so the result is argmax, first index on ties), the others
 ``logit / temperature + Gumbel noise``. The noise is Philox keyed by the row's seed and
 its position (``seed + position * POSITION_KEY``), read on the device: a captured graph
@@ -21,7 +21,7 @@ from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.errors import InternalError
 
 MIN_TEMPERATURE = 1e-5
-POSITION_KEY = 2654435761  # as tokenspeed.runtime.sampler.POSITION_KEY
+POSITION_KEY = 2654435761  # as tokenspeed.execution.sampler.POSITION_KEY
 BLOCK = 4096
 
 

@@ -1,0 +1,98 @@
+"""One completion's answer as the engine's tokens arrive: its text, detokenized token by
+token and cut at a stop string, the tokens (and log-probabilities) it keeps, and its
+final ``finish_reason``, decided here and nowhere else.
+
+Stop strings may span tokens, so text that could still begin one is held back. The token
+that completes a stop string is the completion's last: the answer is final at that point,
+the tokens the engine made after it are dropped, and its owner tells the engine to
+finish it. Before ``min_tokens`` tokens exist no stop string is matched.
+"""
+
+from tokenspeed.api.messages import TokenDelta
+from tokenspeed.api.text_updates import CompletionDelta
+from tokenspeed.execution.outputs import CompletionOutput
+from tokenspeed.tokenizer import IncrementalDetokenizer, StopStrings
+
+
+class CompletionText:
+    """``tokenizer`` None: token ids only (no text, and no stop strings to match)."""
+
+    def __init__(self, tokenizer, params, index: int):
+        self.params, self.index = params, index
+        self.detokenizer = None if tokenizer is None else \
+            IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStrings(params.stop)
+        self._pieces: list[str] = []      # its text, as it came (joined when read)
+        self._read = 0                    # pieces a streaming reader has taken
+        self.token_ids: list[int] = []    # those it keeps
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    def feed(self, delta: TokenDelta) -> CompletionDelta | None:
+        """What the answer gained from the engine's ``delta``: text, the tokens kept, and
+        the finish once final; None when nothing (as for every delta after the end)."""
+        if self.finish_reason is not None:
+            return None
+        kept, stop, text = self._read_tokens(delta.token_ids, delta.finish_reason is not None)
+        self._decide_finish(delta, kept, stop)
+        if not (text or kept or self.finish_reason):
+            return None
+        token_ids, logprobs = delta.token_ids[:kept], delta.logprobs[:kept]
+        self._pieces.append(text)
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        return CompletionDelta(self.index, text, token_ids, logprobs, self.finish_reason, self.stop_reason)
+
+    def take_unread(self) -> str:
+        new, self._read = "".join(self._pieces[self._read:]), len(self._pieces)
+        return new
+
+    def _decide_finish(self, delta: TokenDelta, kept: int, stop: str | None) -> None:
+        """A stop string ends the answer, unless the engine's token stop ended it at the same
+        token (that token completed the stop string: the engine's reason stands)."""
+        if stop is not None and not (delta.finish_reason == "stop" and kept == len(delta.token_ids)):
+            self.finish_reason, self.stop_reason = "stop", stop
+        elif delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_token
+
+    def output(self) -> CompletionOutput:
+        """The whole answer (its text None without a tokenizer)."""
+        logprobs = tuple(self.logprobs) if self.params.logprobs is not None else None
+        return CompletionOutput(self.index, tuple(self.token_ids), self.finish_reason,
+                                None if self.detokenizer is None else self.text, self.stop_reason, logprobs)
+
+    def _read_tokens(self, token_ids: tuple[int, ...], ended: bool) -> tuple[int, str | None, str]:
+        """Detokenize ``token_ids`` up to a stop string (all of the held text too, once
+        ``ended``): how many tokens it keeps, the stop string found, and the text."""
+        if self.detokenizer is None:
+            return len(token_ids), None, ""
+        if not self.params.stop:   # every token kept: one pass, no matching (most requests)
+            text = "".join(map(self.detokenizer.push, token_ids))
+            return len(token_ids), None, text + self.detokenizer.flush() if ended else text
+        pieces, stop, seen = [], None, len(self.token_ids)
+        for token_id in token_ids:
+            seen += 1
+            piece, stop = self._push(self.detokenizer.push(token_id), seen)
+            pieces.append(piece)
+            if stop is not None:
+                return seen - len(self.token_ids), stop, "".join(pieces)
+        if ended:
+            piece, stop = self._push(self.detokenizer.flush(), seen)
+            pieces.append(piece + self.stops.flush())   # nothing held after a stop
+        return len(token_ids), stop, "".join(pieces)
+
+    def _push(self, piece: str, seen: int) -> tuple[str, str | None]:
+        """The text of ``piece`` that may go out, and the stop string it completes."""
+        if not self.params.stop or seen < self.params.min_tokens:
+            return piece, None
+        check = self.stops.feed(piece)
+        return check.text, check.stop

@@ -1,0 +1,236 @@
+"""``ts.LLM``: load -> trace -> lower -> compile -> an engine; ``generate``, ``chat``, ``stream``.
+
+Several threads may call one ``LLM``: their requests join the same running batch (each
+caller steps the engine under one lock while its own requests are unfinished) and each
+gets exactly its own outputs. Its ``client`` (``offline_client``) drives the engine
+through the engine-client interface that the server's engine process drives too, and
+answers each prompt as the server's API process does.
+"""
+
+from collections.abc import Iterator, Sequence
+
+from tokenspeed import stages
+from tokenspeed.backends.kernels.precompile import CompileWorkers
+from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.api import model_source
+from tokenspeed.api.chat_messages import conversations, template_messages
+from tokenspeed.api.cpu_threads import size_torch_threads
+from tokenspeed.api.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
+from tokenspeed.api.model_source import tokenizer_path
+from tokenspeed.api.offline_client import OfflineClient
+from tokenspeed.api.progress import Progress
+from tokenspeed.api.prompts import Prompt, chat_prompt, parse_prompts
+from tokenspeed.models.gguf import default_model_path
+from tokenspeed.execution import kv_pool
+from tokenspeed.scheduling.block_allocator import BlockAllocator
+from tokenspeed.execution.compile_config import CompileConfig
+from tokenspeed.engine.draft_model import DraftModelDrafter
+from tokenspeed.engine.core import Engine
+from tokenspeed.execution.outputs import RequestOutput
+from tokenspeed.scheduling.prompt_limits import check_request
+from tokenspeed.scheduling.request import Request
+from tokenspeed.execution.sampling_params import SamplingParams
+from tokenspeed.scheduling.scheduler import Scheduler
+from tokenspeed.engine.speculative import SpeculativeConfig
+from tokenspeed.tokenizer import Tokenizer
+
+__all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
+
+
+class LLM:
+    def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None, revision: str | None = None,
+                 enforce_eager: bool = False, overlap: bool = True,
+                 enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
+                 backend=None, **compile_options):
+        """``model``: a Hugging Face directory or model id (``owner/name``, through the
+        Hugging Face cache; ``revision``: a branch, tag or commit of it), a GGUF file or a
+        tokenspeed model (default: the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
+        the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
+        path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
+        ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``max_chunk_tokens``,
+        ``num_kv_pages``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
+        ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
+        ``compile_workers``; another name is refused). ``enforce_eager``: no graphs, as
+        ``graphs=False``.
+        ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
+        requests reuse the cached pages of prompts that start alike. ``speculative``: decode
+        steps verify drafted tokens (``ts.SpeculativeConfig``; outputs are unchanged).
+        Requests that give no ``SamplingParams`` take ``get_default_sampling_params()``."""
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
+        model = default_model_path() if model is None else model_source.resolved(model, revision)
+        tokenizer = model_source.resolved(tokenizer)
+        config = CompileConfig(device=checked_device(device),
+                               **checked_compile_options(enforce_eager, compile_options))
+        self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading
+        size_torch_threads()
+        backend = backend or PagedAttentionBackend()
+        wanted = config.graph_support(backend.graph_support())
+        with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
+            reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
+            self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader)
+            self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
+            self.traced = stages.trace(self.model)
+            draft = None
+            if speculative is not None and speculative.method == "draft":
+                draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
+            self.compiled = self._compile(config, backend, workers, speculative, draft)
+        drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
+        self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter)
+        self.client = OfflineClient(self.engine, self.tokenizer)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def _compile(self, config: CompileConfig, backend, workers: CompileWorkers,
+                 speculative: SpeculativeConfig | None, draft: "LLM | None") -> stages.Compiled:
+        """Every mode lowered for what ``backend`` can capture, compiled over one pool; with a
+        draft model, the pool leaves room for the draft's pool of as many pages."""
+        support = backend.graph_support()
+        verify = stages.Verification(self.traced.lower("verify", decode_graph=support.decode_graph),
+                                     speculative.window) if speculative else None
+        return stages.compile(self.traced.lower("prefill", attention_breaks=not support.prefill_attention),
+                              self.traced.lower("decode", decode_graph=support.decode_graph), config,
+                              backend=backend, workers=workers, verify=verify,
+                              companion_page_bytes=draft.compiled.binding.geometry.page_bytes if draft else 0)
+
+    def _engine(self, config: CompileConfig, overlap: bool, enable_prefix_caching: bool,
+                speculative: SpeculativeConfig | None, drafter) -> Engine:
+        """The engine over the compiled runners, its scheduler sized by ``config`` and the pool."""
+        scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), page_size=config.page_size,
+                              max_num_seqs=config.max_num_seqs,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              prefix_caching=enable_prefix_caching,
+                              retentions=tuple(g.retention for g in self.model.config.cache_groups),
+                              max_chunk_tokens=config.chunk_tokens())
+        return Engine(scheduler, prefill=self.compiled.prefill, decode=self.compiled.decode,
+                      model_config=self.model.config, max_model_len=self.compiled.limits.max_model_len,
+                      overlap=overlap, seed=config.seed, verify=self.compiled.verify,
+                      drafter=drafter, verify_cost=speculative.verify_cost if speculative else 1.0)
+
+    def _draft_model(self, speculative: SpeculativeConfig, config: CompileConfig, device, dtype,
+                     enforce_eager: bool, compile_options: dict) -> "LLM":
+        """The draft model, compiled like this one over a stand-in pool of 2 pages (rebound by
+        ``_drafter`` to as many pages as ours, which the budget pays for together); refused
+        unless it has this model's vocabulary and context."""
+        draft = LLM(speculative.draft_model, device, dtype, enforce_eager=enforce_eager, overlap=False,
+                    enable_prefix_caching=False, **{**compile_options, "num_kv_pages": 2})
+        if len(draft.config.cache_groups) > 1:
+            raise ValueError("the draft model mixes sliding-window and full-attention layers (several cache "
+                             "groups): a draft model keeps one page list per request")
+        if draft.config.vocab_size != self.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
+                             f"target's {self.config.vocab_size}: drafts must be the target's tokens")
+        ours, theirs = config.resolve(self.config).max_model_len, draft.compiled.limits.max_model_len
+        if theirs < ours:
+            raise ValueError(f"the draft model's context ({theirs} tokens) is shorter than the "
+                             f"target's ({ours}): drafts past it could not be proposed")
+        return draft
+
+    def _drafter(self, draft: "LLM", num_tokens: int) -> DraftModelDrafter:
+        """The draft model's runners over a pool of as many pages as ours: its drafter keeps
+        every page of a request, and our pool was sized for whole contexts to match."""
+        pool = kv_pool.allocate(draft.compiled.binding.geometry, self.compiled.num_pages)
+        compiled = draft.compiled.rebind(pool)
+        return DraftModelDrafter(compiled.prefill, compiled.decode, compiled.num_pages,
+                                 compiled.config.page_size, num_tokens)
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (text, token ids or prompt dicts; see ``prompts``)."""
+        return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
+
+    def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        params = per_prompt(sampling_params, len(parsed), self.get_default_sampling_params())
+        for i, (prompt, p) in enumerate(zip(parsed, params)):
+            self.check(i, prompt, p)
+        keys = self.client.add(parsed, params)
+        groups = [self.client.requests(key) for key in keys]
+        try:
+            with Progress(groups, use_tqdm) as progress:
+                self.client.serve([r for g in groups for r in g], progress.update)
+        except BaseException:
+            self.client.drop(keys)   # an interrupt: nothing of this call runs on
+            raise
+        return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
+        such lists; see ``chat_messages``) through the model's chat template."""
+        prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt)
+                   for c in conversations(messages)]
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> Prompt:
+        """One conversation as a prompt, through the model's chat template."""
+        return chat_prompt(self._require_tokenizer(), template_messages(messages), add_generation_prompt)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """The text of one prompt's completion, piece by piece as it is generated (a bad
+        prompt or params are refused here, at the call, not at the first piece)."""
+        parsed = parse_prompts(prompt, self.tokenizer)
+        if len(parsed) != 1:
+            raise ValueError(f"stream takes one prompt (a string, token ids or a prompt dict), got "
+                             f"a list of {len(parsed)}: use generate for several")
+        [params] = per_prompt(sampling_params, 1, self.get_default_sampling_params())
+        if params.n != 1:
+            raise ValueError(f"stream takes one completion: n={params.n}")
+        self._require_tokenizer()
+        self.check(0, parsed[0], params)
+        return self._pieces(parsed[0], params)
+
+    def _pieces(self, parsed: Prompt, params: SamplingParams) -> Iterator[str]:
+        [key] = self.client.add([parsed], [params])
+        [request], [text] = self.client.requests(key), self.client.output(key).completions
+        try:
+            while not request.finished:
+                self.client.serve([request], lambda finished: None, steps=1)
+                yield text.take_unread()
+        finally:
+            self.client.drop([key])   # a consumer that stopped early
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):
+        the model's generation_config.json settings, else ``SamplingParams()``'s."""
+        return SamplingParams(**self._default_sampling)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling fields the model's generation_config.json sets (as vLLM's
+        ``get_diff_sampling_param``), what ``get_default_sampling_params`` builds on."""
+        return dict(self._default_sampling)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's name); an engine without one says so."""
+        return self._require_tokenizer()
+
+    def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
+        """Refuse, naming prompt ``index``, what this engine cannot serve."""
+        check_request(self.engine.limits, index, prompt.token_ids, params,
+                      has_tokenizer=self.tokenizer is not None)
+
+    def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
+        """Queue checked prompts; each becomes its ``n`` requests. All or none: a prompt
+        refused takes those queued before it out again."""
+        return [self.client.requests(key) for key in self.client.add(prompts, params)]
+
+    def step(self) -> None:
+        """One engine step for everyone's requests, and their text. A step that fails
+        aborts every request then in the engine, and raises."""
+        self.client.step()
+
+    def abort(self, requests: list[Request]) -> None:
+        """Finish the unfinished ``requests`` now, returning their pages."""
+        self.client.abort(requests)
+
+    def release(self, requests: list[Request]) -> None:
+        """Forget the answers of the prompts of finished ``requests``."""
+        self.client.release(requests)
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: load the model from a path, or "
+                             "pass tokenizer=")
+        return self.tokenizer

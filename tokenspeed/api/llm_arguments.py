@@ -1,0 +1,79 @@
+"""What ``ts.LLM``'s arguments may be, checked before anything loads: its device, dtype,
+compile options (``CompileConfig``'s fields) and per-prompt sampling params. A bad one is
+refused naming the argument and what is accepted, not deep inside a constructor."""
+
+import difflib
+
+import attrs
+import torch
+
+from tokenspeed.execution.compile_config import CompileConfig
+from tokenspeed.execution.sampling_params import SamplingParams
+
+LLM_OPTIONS = ("model", "device", "dtype", "tokenizer", "revision", "enforce_eager", "overlap",
+               "enable_prefix_caching", "speculative", "backend")
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
+
+
+def checked_device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but no CUDA GPU is available here: use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r}: tokenspeed runs on cpu or cuda")
+    return device
+
+
+def checked_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)} or a torch dtype")
+
+
+def checked_compile_options(enforce_eager: bool, options: dict) -> dict:
+    """``CompileConfig`` keyword arguments: ``options`` once every name is known, with
+    ``enforce_eager`` as ``graphs=False``."""
+    fields = tuple(attrs.fields_dict(CompileConfig))
+    unknown = [name for name in options if name not in fields]
+    if unknown:
+        raise TypeError(f"LLM() got an unknown argument {unknown[0]!r}{_close_to(unknown[0], fields)}; "
+                        f"it takes {', '.join(LLM_OPTIONS)}, and CompileConfig's "
+                        f"{', '.join(f for f in fields if f != 'device')}")
+    return _graphs_option(enforce_eager, options)
+
+
+def _close_to(name: str, fields: tuple[str, ...]) -> str:
+    names = LLM_OPTIONS + fields
+    close = [f for f in names if f.startswith(name)] or difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _graphs_option(enforce_eager: bool, options: dict) -> dict:
+    if not enforce_eager:
+        return options
+    if options.get("graphs"):
+        raise ValueError("enforce_eager=True and graphs=True contradict each other")
+    return {**options, "graphs": False}
+
+
+def per_prompt(params, n: int, default: SamplingParams) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt: ``params`` for all, one each, or ``default``."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or default] * n
+    if isinstance(params, (str, bytes, dict)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(params).__name__}")
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(bad).__name__}")
+    return params

@@ -1,0 +1,59 @@
+"""What ``ts.LLM`` reads from its ``model`` argument: the model, its tokenizer and its
+sampling defaults (a path's), each read once."""
+
+from pathlib import Path
+
+from tokenspeed.models.generation_config import FILE_NAME, sampling_defaults
+from tokenspeed.models.gguf import PlainGGUFReader, is_gguf
+from tokenspeed.models.hub import resolve_model
+from tokenspeed.models.loader import load
+from tokenspeed.execution.sampling_params import SamplingParams
+from tokenspeed.tokenizer import Tokenizer, load_tokenizer
+
+
+def resolved(source, revision: str | None = None):
+    """A path or Hugging Face model id as the local checkpoint it names (an id through the
+    hub's cache); a model or tokenizer object, or None, as it is."""
+    return str(resolve_model(source, revision)) if isinstance(source, (str, Path)) else source
+
+
+def gguf_reader(model):
+    """The GGUF file opened once, for the model and its tokenizer to read one parse."""
+    return PlainGGUFReader(model) if isinstance(model, (str, Path)) and is_gguf(model) and \
+        Path(model).is_file() else None
+
+
+def as_model(model, dtype, device, reader=None):
+    if isinstance(model, (str, Path)):
+        return load(model, dtype=dtype, device=device, gguf_reader=reader)
+    if not hasattr(model, "config"):
+        raise TypeError(f"expected a checkpoint path or a tokenspeed model, got {type(model).__name__}")
+    return model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
+
+
+def tokenizer_of(tokenizer, model, reader=None) -> Tokenizer | None:
+    """The tokenizer asked for, else the model path's if it brings one (a directory of
+    weights alone serves token-id prompts only)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    path = tokenizer_path(model) if isinstance(model, (str, Path)) else None
+    return None if path is None else load_tokenizer(path, reader)
+
+
+def tokenizer_path(model: str | Path) -> str | None:
+    """The model path, if it brings a tokenizer (a directory of weights alone does not)."""
+    path = Path(model)
+    return None if path.is_dir() and not (path / "tokenizer.json").is_file() else str(model)
+
+
+def sampling_defaults_of(model) -> dict:
+    """``model``'s generation_config.json settings, checked as ``SamplingParams`` (a bad
+    value is refused naming the file)."""
+    defaults = sampling_defaults(model)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{Path(model) / FILE_NAME}: {exc}") from exc
+    return defaults

@@ -1,0 +1,1 @@
+"""The ``tokenspeed`` command: generate, chat, bench, bench-serve, inspect and serve."""

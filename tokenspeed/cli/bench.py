@@ -1,0 +1,95 @@
+"""``tokenspeed bench latency|throughput``: offline figures in the format vLLM's
+``benchmark latency`` and ``benchmark throughput`` print, on random token prompts."""
+
+import json
+import statistics
+import time
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def add_command(commands, engine_options) -> None:
+    bench = commands.add_parser("bench", help="measure latency or throughput",
+                                description=__doc__).add_subparsers(dest="kind", required=True)
+    latency = bench.add_parser("latency", help="time one batch end to end, repeatedly")
+    engine_options(latency)
+    latency.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    latency.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    latency.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    latency.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
+    latency.add_argument("--num-iters", type=int, default=10, help="timed runs")
+    latency.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    latency.set_defaults(run=run_latency)
+    throughput = bench.add_parser("throughput", help="serve many requests at once")
+    engine_options(throughput)
+    throughput.add_argument("--num-prompts", type=int, default=256, help="requests to serve")
+    throughput.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    throughput.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    throughput.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    throughput.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    throughput.set_defaults(run=run_throughput)
+    from tokenspeed.cli import bench_serve
+    bench_serve.add_command(bench)
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch   # here, not at the top: ``tokenspeed --help`` imports this module
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab, (count, length), generator=generator).tolist()
+
+
+def percentiles(values: list[float]) -> dict[int, float]:
+    cuts = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {p: cuts[p - 1] for p in PERCENTILES}
+
+
+def _fixed_length(output_len: int):
+    """Exactly ``output_len`` tokens: EOS ignored (``min_tokens`` would also do, but it
+    sends every row through the post-step sampler and stops the overlap)."""
+    from tokenspeed.execution.sampling_params import SamplingParams
+    return SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+
+
+def run_latency(args) -> None:
+    from tokenspeed.cli.main import load_llm
+    llm = load_llm(args, max_num_seqs=args.batch_size, enable_prefix_caching=False)  # repeats
+    prompts = random_prompts(args.batch_size, args.input_len, llm.config.vocab_size)
+    params = _fixed_length(args.output_len)
+    for _ in range(args.num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - start)
+    print(f"Avg latency: {statistics.mean(latencies)} seconds")
+    for p, value in percentiles(latencies).items():
+        print(f"{p}% percentile latency: {value} seconds")
+    _write(args.output_json, {"avg_latency": statistics.mean(latencies), "latencies": latencies,
+                              "percentiles": percentiles(latencies)})
+
+
+def run_throughput(args) -> None:
+    from tokenspeed.cli.main import load_llm
+    llm = load_llm(args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.config.vocab_size)
+    params = _fixed_length(args.output_len)
+    llm.generate(prompts[:min(len(prompts), args.max_num_seqs)], params, use_tqdm=False)  # warm up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    total = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
+    generated = sum(len(o.token_ids) for o in outputs)
+    print(f"Throughput: {len(outputs) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "
+          f"{generated / elapsed:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {total - generated}")
+    print(f"Total num output tokens:  {generated}")
+    _write(args.output_json, {"elapsed_time": elapsed, "num_requests": len(outputs),
+                              "total_num_tokens": total, "requests_per_second": len(outputs) / elapsed,
+                              "tokens_per_second": total / elapsed})
+
+
+def _write(path, payload) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)

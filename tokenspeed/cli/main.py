@@ -1,0 +1,169 @@
+"""``tokenspeed`` command line: generate, chat, inspect, bench (and serve).
+
+Every command runs the embedded SmolLM2-135M-Instruct unless ``--model`` names a Hugging
+Face directory or a GGUF file. A bad argument or input ends the command with one line
+on stderr, not a traceback. Sampling flags left out take the model's defaults
+(``LLM.get_default_sampling_params``), as Python and the server do. Nothing here imports
+torch until a command runs: ``--help`` answers at once.
+"""
+
+import argparse
+import sys
+
+from tokenspeed.cli import bench, inspect_cmd, serve_cmd
+from tokenspeed.cli.help_format import show_defaults
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
+MODEL_DEFAULT = "the model's generation_config.json, else {}"
+
+
+def main(argv=None) -> None:
+    """Bad input (a ``RefusedRequest`` among the ``ValueError``s) ends the command with one
+    line; an ``InternalError`` is a fault in tokenspeed, so it passes with its traceback."""
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+        sys.exit(f"tokenspeed {args.command}: error: {exc}")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="tokenspeed", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True)
+    generate = _engine_command(commands, "generate", "complete a prompt, streaming the text", cmd_generate)
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_options(generate, max_tokens=128)
+    chat = _engine_command(commands, "chat", "talk to the model (an empty line or Ctrl-D ends)", cmd_chat)
+    chat.add_argument("--system", default=None, help="a system message")
+    _sampling_options(chat, max_tokens=256)
+    serve_cmd.add_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server",
+                                          lambda args: serve_cmd.run(args, llm_options(args, max_num_seqs=args.max_num_seqs))))
+    inspect_cmd.add_command(commands)
+    bench.add_command(commands, _engine_options)
+    show_defaults(top)
+    return top
+
+
+def _engine_command(commands, name: str, help_text: str, run) -> argparse.ArgumentParser:
+    command = commands.add_parser(name, help=help_text, description=help_text)
+    _engine_options(command)
+    command.set_defaults(run=run)
+    return command
+
+
+def _engine_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--model", default=None,
+                         help="a Hugging Face model directory or id (owner/name, through the Hugging Face cache) "
+                              "or a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    command.add_argument("--revision", default=None,
+                         help="with a model id: its branch, tag or commit (default: main)")
+    command.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is available, else cpu)")
+    command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    command.add_argument("--max-model-len", type=int, default=None,
+                         help="the longest context, prompt and output (default: the model's)")
+    command.add_argument("--max-chunk-tokens", type=int, default=None,
+                         help="the most prompt tokens a step computes for one request, so that others keep "
+                              "flowing during a long prompt (default: 256 on the CPU, else the step's budget)")
+    command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
+    command.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                         help="share of the GPU's memory the engine may fill, weights, graphs and KV "
+                              "pool included (the pool is sized after the captures)")
+    command.add_argument("--speculative-tokens", type=int, default=0,
+                         help="verify up to K drafts per decode step, n-grams or --draft-model's (0: off; "
+                              "outputs are unchanged)")
+    command.add_argument("--draft-model", default=None,
+                         help="with --speculative-tokens: drafts from this smaller model of the same "
+                              "vocabulary instead of n-grams")
+
+
+def _sampling_options(command: argparse.ArgumentParser, max_tokens: int) -> None:
+    """Sampling flags: each left out takes the model's default (vLLM's fields of its
+    generation_config.json), else ``SamplingParams``' (``max_tokens``: this command's)."""
+    command.set_defaults(fallback_max_tokens=max_tokens)
+    command.add_argument("--max-tokens", type=int, help="tokens to generate at most (default: "
+                         + MODEL_DEFAULT.format(max_tokens) + ")")
+    for flag, kind, fallback, meaning in (("--temperature", float, "1.0", "0 is greedy"),
+                                          ("--top-p", float, "1.0", "nucleus sampling's share"),
+                                          ("--top-k", int, "0, off", "sample among the k most likely"),
+                                          ("--min-p", float, "0.0", "drop tokens below this share of the best"),
+                                          ("--repetition-penalty", float, "1.0", "Hugging Face's")):
+        command.add_argument(flag, type=kind, help=f"{meaning} (default: {MODEL_DEFAULT.format(fallback)})")
+    command.add_argument("--seed", type=int, help="makes the samples reproducible (default: none)")
+    command.add_argument("--stop", action="append", help="a stop string (repeatable; default: none)")
+
+
+def load_llm(args, **options):
+    from tokenspeed.api.llm import LLM
+    return LLM(args.model, **llm_options(args, **options))
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def llm_options(args, **options) -> dict:
+    """``LLM`` keyword arguments from the engine options on the command line."""
+    from tokenspeed.engine.speculative import SpeculativeConfig
+    for name in ("max_model_len", "max_chunk_tokens"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    if args.draft_model is not None and not args.speculative_tokens:
+        raise ValueError("--draft-model needs --speculative-tokens K (drafts per step)")
+    if args.speculative_tokens:
+        method = "ngram" if args.draft_model is None else "draft"
+        options["speculative"] = SpeculativeConfig(method, args.speculative_tokens, draft_model=args.draft_model)
+    if args.revision is not None:
+        options["revision"] = args.revision
+    return dict(device=args.device or default_device(), dtype=args.dtype, enforce_eager=args.enforce_eager,
+                gpu_memory_utilization=args.gpu_memory_utilization, **options)
+
+
+def sampling(args, model_defaults: dict | None = None):
+    """The flags given over ``model_defaults`` (the LLM's ``sampling_defaults``), over the
+    command's own ``max_tokens``; without ``model_defaults``, the flags alone are checked
+    (before a model loads)."""
+    from tokenspeed.execution.sampling_params import SamplingParams
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    return SamplingParams(**{"max_tokens": args.fallback_max_tokens, **(model_defaults or {}), **given})
+
+
+def cmd_generate(args) -> None:
+    sampling(args)   # bad flags are refused before the model loads
+    llm, prompt = load_llm(args, max_num_seqs=1), args.prompt
+    params = sampling(args, llm.sampling_defaults)
+    if args.chat:
+        prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
+    for piece in llm.stream(prompt, params):
+        print(piece, end="", flush=True)
+    print()
+
+
+def cmd_chat(args) -> None:
+    sampling(args)
+    llm = load_llm(args, max_num_seqs=1)
+    params = sampling(args, llm.sampling_defaults)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while (line := _read_line()):
+        history.append({"role": "user", "content": line})
+        reply = []
+        for piece in llm.stream(llm.chat_prompt(history), params):
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _read_line() -> str:
+    try:
+        return input("> ").strip()
+    except EOFError:
+        return ""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The engine loop, as nano-vllm's ``LLMEngine.step``: schedule, launch, then postprocess
+the step before, over two records (``step_records``): the batch the scheduler decided and
+what the runner produced.
+
+With ``overlap``, a decode or extend batch is launched and left in flight; the next step
+is launched before the first one's tokens are read, so the host's scheduling and metadata
+work hides behind the GPU: the decode rows of the same requests (``step_chain``), or,
+while prompts wait or are part-way computed, the next extend batch. Rows whose inputs are
+tokens the host has not read take them on the device from the token column
+(``token_column``); the host counts those tokens (``Request.num_unread``) but never holds
+a stand-in for them. A request that stops on a token is found one step late: the extra
+row's token is dropped, and the chain goes on without its row. Waiting requests join
+every few steps (``admit_every``). Rows whose sampling reads the tokens generated so far
+(penalties, ``min_tokens``) are not chained.
+
+Under a chained decode step, the step before it is read at the start of the next ``step``
+(``unread``), just before the next launch: what the caller does between two calls (a
+server publishes every stream's tokens and admits arrivals) runs while the GPU has two
+steps queued, and only the next launch is left between one step's end on the GPU and the
+next one's start (reading each step at once would leave a served engine's GPU waiting
+for its host 0.16-0.22 ms of a decode step on average, and about 1.2 ms of an extend:
+docs/PERFORMANCE.md). The step read late may be an extend, so a request's first token
+comes a decode step later.
+
+The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
+"""
+
+import time
+
+import torch
+
+from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
+from tokenspeed.errors import InternalError
+from tokenspeed.execution.outputs import TokenLogprobs
+from tokenspeed.scheduling.prompt_limits import PromptLimits
+from tokenspeed.scheduling.request import Request, RequestStatus
+from tokenspeed.execution.sample_streams import stream_key
+from tokenspeed.execution.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from tokenspeed.scheduling.scheduler import Scheduler
+from tokenspeed.engine.speculative import DraftBackoff
+from tokenspeed.engine.speculative_steps import SpeculativeSteps
+from tokenspeed.engine.step_chain import ChainedSteps
+from tokenspeed.scheduling.step_records import InFlight, RunnerOutput, ScheduledBatch
+from tokenspeed.execution.token_column import FedRows
+
+ADMIT_EVERY_STEPS = 4
+
+
+class Engine(ChainedSteps, SpeculativeSteps):
+    def __init__(self, scheduler: Scheduler, *, prefill, decode, model_config, max_model_len: int,
+                 overlap: bool = True, seed: int = 0, verify=None, drafter=None,
+                 verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS):
+        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
+        future``); ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
+        ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
+        of speculative windows, with ``drafter`` the one that proposes them
+        (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
+        in chained plain steps (``_verify_pays``);
+        ``admit_every``: while a decode chain runs, requests wait up to this many steps to
+        join (``_admits_now``)."""
+        if (verify is None) != (drafter is None):
+            raise InternalError("speculative decoding needs both a verify runner and its drafter, "
+                                f"got verify={verify!r}, drafter={drafter!r}")
+        self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
+        self.verify, self.drafter, self.verify_cost = verify, drafter, verify_cost
+        self.backoff = DraftBackoff()
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len
+        self.overlap, self.admit_every = overlap, admit_every
+        self._chained = 0            # steps chained since the chain last broke
+        self.in_flight: InFlight | None = None   # launched last
+        self.unread: InFlight | None = None      # launched before it, its tokens not yet read
+        self.seeds = torch.Generator().manual_seed(seed)
+        self._next_id = 0
+        self.num_finished = 0        # requests finished so far: callers rescan theirs when it moves
+
+    @property
+    def limits(self) -> PromptLimits:
+        scheduler = self.scheduler
+        return PromptLimits(self.vocab_size, self.max_model_len, scheduler.page_size,
+                            scheduler.allocator.num_pages - 1, scheduler.retentions,
+                            scheduler.max_num_batched_tokens)
+
+    def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
+        """Queue ``params.n`` samples of a checked prompt; the later ones share its pages.
+        Each sample's noise stream comes from the seed and its index (``stream_key``). The
+        samples are made (their sampling settings converted) before any is queued: a value
+        that cannot be sampled refuses the request and leaves the engine as it was."""
+        seed = params.seed if params.seed is not None else \
+            int(torch.randint(INT64_MIN, INT64_MAX, (1,), generator=self.seeds))
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        max_output = min(params.max_tokens, self.max_model_len - len(prompt))
+        requests = []
+        for index in range(params.n):
+            requests.append(Request(self._next_id + index, prompt, params, stream_key(seed, index), index,
+                                    requests[0] if requests else None, stop_ids, max_output=max_output))
+        self._next_id += params.n
+        for request in requests:
+            self.scheduler.add(request)
+        return requests
+
+    def finish(self, request: Request, reason: str, stop_reason=None) -> None:
+        """End ``request`` now (a stop string, an abort): its pages and seat return at once;
+        a token of it still unread is dropped."""
+        if request.finished:
+            return
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.status, request.num_unread = RequestStatus.FINISHED, 0
+        request.stats.finish_time = time.time()
+        self.num_finished += 1
+        self.scheduler.finish(request)
+        self.backoff.release(request.id)
+        if self.drafter is not None:
+            self.drafter.release(request)
+
+    def abort_all(self) -> None:
+        """After a failed step: nothing of it may leak into the next one."""
+        self.in_flight, self.unread, self._chained = None, None, 0
+        for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.finish(request, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.in_flight is not None or self.unread is not None
+
+    def step(self) -> list[Request]:
+        """Postprocess the step left unread; schedule and launch the next step (chained onto
+        the one in flight where it can be) and postprocess the one before it, unless the
+        new step is a chained decode step (then that one is read at the next call). Returns
+        the requests that finished in what was read."""
+        flight, self.unread = self.unread, None
+        finished = self._postprocess(flight) if flight is not None else []
+        if self.in_flight is not None:
+            return finished + self._follow(self.in_flight)
+        return finished + self._fresh_step() if self.scheduler.has_work else finished
+
+    def _follow(self, last: InFlight) -> list[Request]:
+        """Launch the step chained onto ``last`` if one can be; postprocess ``last`` now
+        unless that step is a chained decode step."""
+        self.in_flight = None
+        batch = self._chained_batch(last)
+        if batch is not None:
+            self.in_flight = self._launch(batch, last)
+            if batch.kind == "decode":
+                self.unread = last
+                return []
+        return self._postprocess(last)
+
+    def _fresh_step(self) -> list[Request]:
+        """With nothing in flight: schedule a batch and launch it, left in flight with
+        overlap, else postprocessed at once (a verify step always is)."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:  # validation guarantees a lone request fits: never spin
+            raise InternalError(f"no batch could be scheduled for {len(self.scheduler.waiting)} waiting "
+                                f"requests ({self.scheduler.allocator.num_free} free KV pages)")
+        drafts = self._drafts(batch) if self.drafter is not None else None
+        if drafts and any(drafts) and self._verify_pays(batch.requests, list(map(len, drafts))):
+            return self._verify(batch.requests, drafts)
+        flight = self._launch(batch)
+        if self.overlap and flight.sampled:   # the next step may chain onto it
+            self.in_flight = flight
+            return []
+        return self._postprocess(flight)
+
+    def _launch(self, batch: ScheduledBatch, last: InFlight | None = None) -> InFlight:
+        """Launch ``batch`` (``last``: the step it is chained onto); its rows' inputs count as
+        cached and its sampled rows' tokens as unread from now on."""
+        if batch.kind == "decode":
+            return self._launch_decode(batch, last)
+        sampled = tuple(r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens)
+        chunks, fed = self._chunks(batch)
+        future = self.prefill.launch(chunks, [r.sampling for r in sampled], fed)
+        for request, n in zip(batch.requests, batch.chunk_lens):
+            request.count_cached(n)
+            self.scheduler.remember_full_pages(request)
+        for request in sampled:
+            request.num_unread += 1
+        return InFlight(batch, sampled, future)
+
+    def _launch_decode(self, batch: ScheduledBatch, last: InFlight | None) -> InFlight:
+        """A decode step: its rows from the requests, or moved on from ``last``'s (chained,
+        their inputs fed from the token column)."""
+        requests, sampling = batch.requests, [r.sampling for r in batch.requests]
+        if batch.columns is None:
+            fed, future = None, self.decode.launch(_decode_rows(requests), sampling)
+        else:
+            fed = last.fed if last.fed is not None and len(last.fed.rows) == len(requests) else \
+                FedRows(tuple(range(len(requests))), tuple(r.seat for r in requests))
+            future = self.decode.launch(batch.columns, sampling, fed)
+        remember = self.scheduler.remember_full_pages if self.scheduler.prefix_caching else None
+        for request in requests:
+            request.num_cached += 1
+            request.num_unread += 1
+            if remember is not None:
+                remember(request)
+        return InFlight(batch, requests, future, fed)
+
+    def _chunks(self, batch: ScheduledBatch) -> tuple[list[ExtendChunk], FedRows | None]:
+        """The batch's chunks; a chunk reaching a token the host has not read ends in a fed
+        row (``ExtendChunk.fed``), whose input the column holds at its request's seat."""
+        chunks, rows, seats, row = [], [], [], 0
+        for request, n in zip(batch.requests, batch.chunk_lens):
+            start, known = request.num_cached, request.num_known_tokens
+            end = start + n
+            pages, group_pages = request.row_pages()
+            chunks.append(ExtendChunk(request.tokens_between(start, min(end, known)), start, pages,
+                                      end == request.num_tokens, group_pages, fed=end > known))
+            row += n
+            if end > known:
+                rows.append(row - 1)
+                seats.append(request.seat)
+        return chunks, FedRows(tuple(rows), tuple(seats)) if rows else None
+
+    def _postprocess(self, flight: InFlight) -> list[Request]:
+        """Read a launched step's tokens into its requests; the finished ones."""
+        output, finished = RunnerOutput.read(flight.future), []
+        for request, token, logprobs in zip(flight.sampled, output.tokens, output.logprobs):
+            if request.finished:   # it stopped a step earlier: drop the row
+                continue
+            request.num_unread -= 1
+            if self._append(request, token, logprobs):
+                finished.append(request)
+        return finished
+
+    def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> bool:
+        """Add a sampled token the host has read (a page whose tokens it completes is
+        remembered now: ``remember_full_pages``); True when it ends the request."""
+        request.output.append(token)
+        scheduler = self.scheduler   # (every row of every step: the common case first)
+        if scheduler.prefix_caching and request.num_cached // scheduler.page_size > request.num_pages_remembered:
+            scheduler.remember_full_pages(request)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+        if request.stats.first_token_time is None:
+            request.stats.first_token_time = time.time()
+        if token in request.stop_ids and len(request.output) >= request.params.min_tokens:
+            self.finish(request, "stop", token if token in request.params.stop_token_ids else None)
+            return True
+        if len(request.output) >= request.max_output:
+            self.finish(request, "length")
+            return True
+        return False
+
+
+def _decode_rows(requests) -> list[DecodeRow]:
+    """Each request's next decode row: its last token at the position after its cache."""
+    return [DecodeRow(r.last_token, r.num_tokens - 1, *r.row_pages()) for r in requests]

@@ -1,0 +1,120 @@
+"""How a lowered model is compiled: its KV pool, batch limits, ladders and graphs.
+
+``CompileConfig`` is what a user asks for; ``EngineLimits`` is what it comes to for one
+model (its context length bounds ``max_model_len``, which sets the block-table width).
+"""
+
+import os
+
+import attrs
+import torch
+
+from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.execution.ladders import given_ladder
+
+MAX_COMPILE_WORKERS = 8
+CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
+
+
+def _at_least(minimum: int):
+    def check(instance, attribute, value):
+        if value is not None and value < minimum:
+            raise ValueError(f"{attribute.name}={value}: must be >= {minimum}")
+    return check
+
+
+def _share(instance, attribute, value):
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}={value}: must be in (0, 1]")
+
+
+def _within_step(instance, attribute, value):
+    if value is not None and not 1 <= value <= instance.max_num_batched_tokens:
+        raise ValueError(f"{attribute.name}={value}: must be in [1, max_num_batched_tokens="
+                         f"{instance.max_num_batched_tokens}]")
+
+
+def _sizes(instance, attribute, value):
+    if value is not None:
+        given_ladder(attribute.name, value)
+
+
+@attrs.frozen
+class CompileConfig:
+    """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
+    min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``: rows
+    per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
+    on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
+    ``num_kv_pages``: the pool's pages, page 0 included; else ``kv_cache_memory_bytes``, the
+    pool's bytes; else ``gpu_memory_utilization``, the share of a GPU's memory the engine
+    fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
+    exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``; a request of a
+    model windowed on every layer holds only its window's pages); ``compile_workers``:
+    processes that compile the Triton kernels before the captures (default: half the usable
+    cores, at most 8; 0 compiles each on first launch); ``max_chunk_tokens``: the most new
+    tokens a step computes for one request (``chunk_tokens``)."""
+    device: torch.device = attrs.field(default="cpu", converter=torch.device)
+    page_size: int = attrs.field(default=16, validator=_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
+    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
+    max_chunk_tokens: int | None = attrs.field(default=None, validator=_within_step)
+    num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2))
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_at_least(1))
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_share)
+    capture_sizes: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
+    token_buckets: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
+    view_width: int = attrs.field(default=1, validator=_at_least(1))
+    graphs: bool | None = None
+    seed: int = 0
+    compile_workers: int | None = attrs.field(default=None, validator=_at_least(0))
+
+    def graph_support(self, backend_support: CudaGraphSupport) -> CudaGraphSupport:
+        """What gets captured: the backend's support, where graphs are wanted at all."""
+        wanted = self.device.type == "cuda" if self.graphs is None else self.graphs
+        return backend_support if wanted else CudaGraphSupport(False, False, False)
+
+    def chunk_tokens(self) -> int:
+        """``max_chunk_tokens``, by default the whole step's budget, but on the CPU
+        ``CPU_CHUNK_TOKENS``: a CPU step costs about a second per 256 new tokens of a small
+        model, so a long prompt taking the whole budget would hold every other request back
+        for as long as its prefill runs; in chunks, a request that arrives meanwhile joins
+        the next step (as vLLM's chunked prefill does with its long-prefill threshold)."""
+        if self.max_chunk_tokens is not None:
+            return self.max_chunk_tokens
+        wanted = CPU_CHUNK_TOKENS if self.device.type == "cpu" else self.max_num_batched_tokens
+        return min(wanted, self.max_num_batched_tokens)
+
+    def workers_for(self, support: CudaGraphSupport) -> int:
+        """Compile workers to start: none without CUDA graphs (nothing compiles ahead)."""
+        captures = support.decode_graph or support.prefill_graph
+        if not captures or self.device.type != "cuda":
+            return 0
+        return default_workers() if self.compile_workers is None else self.compile_workers
+
+    def resolve(self, model_config) -> "EngineLimits":
+        longest = model_config.max_position_embeddings
+        max_model_len = longest if self.max_model_len is None else self.max_model_len
+        if max_model_len > longest:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, the model's "
+                             f"max_position_embeddings={longest}]")
+        return EngineLimits(max_model_len, -(-max_model_len // self.page_size))
+
+
+@attrs.frozen
+class EngineLimits:
+    max_model_len: int
+    max_pages: int           # block-table width: pages of the longest request
+
+
+def default_workers() -> int:
+    """Half the usable cores, at most 8: the other half stays with this process, which
+    traces, lowers and captures meanwhile (docs/PERFORMANCE.md, startup)."""
+    return min(usable_cores() // 2, MAX_COMPILE_WORKERS)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity and cgroup cpuset), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,161 @@
+"""The one decode path: refresh, publish into the slots, then replay or run eagerly.
+
+Capture = idle refresh (no live rows, placeholder tables of null pages) + capture of the
+whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
+the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
+same slots; batches above the ladder take it. Tokens land in one persistent buffer and
+reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
+so the host can prepare the next step while the GPU runs this one. The step writes each
+row's token into its request's seat of the token column (``token_column``), inside the
+graph; a chained step takes its input tokens from there (``fed``). Rows whose sampling
+needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are
+resampled from the step's logits before the copy.
+"""
+
+import torch
+
+from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
+from tokenspeed.errors import InternalError
+from tokenspeed.execution.graphs import state_tensors
+from tokenspeed.execution.ladders import bucket_for
+from tokenspeed.execution.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
+from tokenspeed.execution.sampling_params import SamplingParams
+from tokenspeed.execution.slots import MetadataSlots
+from tokenspeed.execution.step_future import StepFuture, recorded_event
+from tokenspeed.execution.token_column import FedRows
+
+PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
+
+
+class DecodeRunner:
+    def __init__(self, program, kv_cache, backend, *, max_decode_bs: int, max_pages: int,
+                 page_size: int, num_groups: int = 1, column: torch.Tensor | None = None):
+        """``column``: the token column its rows write to and chained rows read from (None:
+        no step of this runner is chained, as a verify step's)."""
+        self.program, self.kv_cache, self.backend = program, kv_cache, backend
+        self.column = column
+        self.max_pages, self.page_size = max_pages, page_size
+        self.num_groups = num_groups
+        device = kv_cache.device
+        self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
+        self.sampling = MetadataSlots(self._padded([], max_decode_bs), max_decode_bs, device)
+        self.out = torch.zeros(max_decode_bs, dtype=torch.int64, device=device)  # tokens
+        pinned = kv_cache.is_cuda
+        self.host_out = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
+        self._last_settings = ((), None)  # (key, (settings, ...)): unchanged ones republish free
+        self._views: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[int, object] = {}
+        self.ladder: tuple[int, ...] = ()
+
+    def columns(self, rows: list[DecodeRow]) -> DecodeColumns:
+        """``rows`` as the columns ``launch`` also takes (a decode chain keeps them)."""
+        return decode_columns(rows, self.max_pages, self.num_groups)
+
+    def refresh(self, rows, num_rows: int):
+        """Host-side descriptor; publishing moves it to the device in one copy."""
+        return self.backend.refresh_decode(rows, num_rows, self.max_pages, self.page_size,
+                                           num_groups=self.num_groups)
+
+    def capture(self, capturer, ladder: tuple[int, ...], progress=None, name: str = "decode") -> None:
+        """Largest rung first, so smaller graphs reuse the shared pool's memory."""
+        self.ladder = ladder
+        for bs in sorted(ladder, reverse=True):
+            view, sampling, out = self.idle_inputs(bs)
+            self.graphs[bs] = capturer.capture(
+                f"{name}[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o),
+                reach=lambda bs=bs: self.reach(bs))
+            if progress is not None:
+                progress.update(1)
+
+    def dry_step(self, bs: int) -> None:
+        """Rung ``bs``'s idle step, eagerly: under ``precompile.dry_run`` it records the
+        kernel variants its capture will launch (sampling keeps no state to restore)."""
+        self.step(*self.idle_inputs(bs))
+
+    def idle_inputs(self, bs: int) -> tuple:
+        """The step's inputs for rung ``bs`` with no live rows: the published metadata and
+        sampling settings, and the output rows."""
+        return (self.slots.publish(self.refresh((), bs)), self.sampling.publish(self._padded([], bs)),
+                self.out[:bs])
+
+    def reach(self, bs: int) -> dict[str, torch.Tensor]:
+        """Every tensor the step for ``bs`` reads or writes through the slots, and the
+        weights it reads."""
+        named = {f"meta.{n}": t for n, t in self.slots.view(bs).items()}
+        named.update({f"sampling.{n}": t for n, t in self.sampling.view(bs).items()})
+        state = state_tensors(*(s.graph_module for s in self.program.segments))
+        column = {} if self.column is None else {"column": self.column}
+        return {**named, **state, "kv_cache": self.kv_cache, "out": self.out, **column}
+
+    def run(self, rows, sampling: list[RowSampling]) -> list[int]:
+        """One sampled token per row."""
+        return self.launch(rows, sampling).tokens()
+
+    def launch(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
+               fed: FedRows | None = None) -> StepFuture:
+        """Enqueue one step. ``fed``: every row's input is its request's unread token, read
+        from the token column at the row's seat (a chained step); else the rows' tokens."""
+        bs = len(rows)
+        rung = bucket_for(self.ladder, bs) if self.graphs else None
+        size = rung or bs
+        input_ids, seats, out, hosts = self._row_views(bs, size)
+        view = self.slots.publish(self.refresh(rows, size))
+        settings, processed = self._settings(sampling, size)
+        settings = self.sampling.publish(settings)
+        if fed is not None:
+            self._feed(input_ids, fed, seats)
+        logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
+        logprobs = None
+        if processed:
+            logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
+            self._write_column(seats, out)
+        self._turn ^= 1
+        hosts[self._turn].copy_(out, non_blocking=True)
+        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs)
+
+    def _feed(self, input_ids: torch.Tensor, fed: FedRows, seats: torch.Tensor) -> None:
+        """The rows' inputs from the token column. Each row reads the seat it writes (its
+        request's: ``fed.seats``), which the published sampling settings already hold on
+        the device (``seats``): one gather, nothing copied from the host."""
+        if len(fed.rows) != len(input_ids) or self.column is None:
+            raise InternalError(f"a decode step of {len(input_ids)} rows fed {len(fed.rows)} rows "
+                                f"{'without' if self.column is None else 'from'} a token column")
+        torch.index_select(self.column, 0, seats, out=input_ids)
+
+    def _write_column(self, seats: torch.Tensor, tokens: torch.Tensor) -> None:
+        if self.column is not None:
+            self.column.index_copy_(0, seats, tokens)
+
+    def _row_views(self, bs: int, size: int) -> tuple:
+        """The first ``bs`` rows of the input ids and the seats (of the slots' views for
+        ``size``), of the output tokens and of both host copies: built once per pair, as each
+        slice costs about a microsecond of every step."""
+        if (bs, size) not in self._views:
+            self._views[bs, size] = (self.slots.view(size)["input_ids"][:bs], self.sampling.view(size)["seat"][:bs],
+                                     self.out[:bs], tuple(h[:bs] for h in self.host_out))
+        return self._views[bs, size]
+
+    def step(self, view, sampling: SamplingTensors, out):
+        """The whole step; returns the logits (a graph's static output when captured)."""
+        logits = self.program(self.kv_cache, view)
+        gumbel_argmax(logits, sampling, view.positions, out)
+        self._write_column(sampling.seat, out)
+        return logits
+
+    def _padded(self, sampling: list[RowSampling], size: int) -> SamplingTensors:
+        return SamplingTensors.build(list(sampling) + [PAD_ROW] * (size - len(sampling)), "cpu")
+
+    def _settings(self, sampling: list[RowSampling], size: int) -> tuple[SamplingTensors, bool]:
+        """The rows' settings padded to ``size``, and whether a row is resampled (its
+        sampling needs more than the step's own). A request's settings and seed never
+        change, so a batch's are mostly those of the step before: equal ones get back the
+        same object, which the slots republish for free. Only a ``min_tokens`` mask ends
+        as a row grows: those rows are asked again each step."""
+        key = (size, *sampling)  # rows are kept per request: compared by identity first
+        if key != self._last_settings[0]:
+            masked = tuple(r for r in sampling if r.masked_until)
+            self._last_settings = (key, (self._padded(sampling, size),
+                                         any(r.masks_or_logprobs for r in sampling), masked))
+        settings, always, masked = self._last_settings[1]
+        return settings, always or any(r.needs_processing for r in masked)

@@ -1,0 +1,164 @@
+"""The OpenAI-compatible endpoints: each reads and checks its request, submits its prompts
+through the ``Server`` and answers whole or as a stream of server-sent events."""
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenspeed.server.openai import responses
+from tokenspeed.server.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                    DetokenizeRequest, TokenizeRequest)
+from tokenspeed.api.prompts import Prompt, chat_prompt, parse_prompts
+
+if TYPE_CHECKING:
+    from tokenspeed.server.openai.server import Server
+
+
+def add_routes(app: FastAPI, server: "Server") -> None:
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if server.engine.responsive() else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return responses.model_list(server.model_name, server.limits.max_model_len,
+                                    server.limits.vocab_size)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await server.read(request, CompletionRequest)
+        body.unsupported()
+        prompts = await _prompts(body.prompt, server.tokenizer)
+        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs,
+                                      server.engine.info.sampling_defaults)
+        return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await server.read(request, ChatCompletionRequest)
+        body.unsupported()
+        prompts = [await _chat_prompt(server, body.messages, body.add_generation_prompt)]
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
+                                      server.engine.info.sampling_defaults)
+        return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await server.read(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        tokenizer = _tokenizer(server)
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens) \
+            if body.prompt is not None else \
+            (await _chat_prompt(server, body.messages, body.add_generation_prompt)).token_ids
+        return {"tokens": list(ids), "count": len(ids),
+                "max_model_len": server.limits.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await server.read(request, DetokenizeRequest)
+        vocab = server.limits.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": await asyncio.to_thread(_tokenizer(server).decode, body.tokens)}
+
+
+async def _answer(server: "Server", request: Request, body, prompts, params, field: str, fmt):
+    server.check(prompts, params, field)
+    keys, updates = server.submit(prompts, params)
+    if body.stream:
+        return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage),
+                                 media_type="text/event-stream")
+    per_prompt = await server.collect(request, keys, updates)
+    return fmt.complete(per_prompt, created=int(time.time()), request_id=uuid.uuid4().hex)
+
+
+async def _stream(server: "Server", keys, updates, fmt, include_usage: bool):
+    request_id, created = uuid.uuid4().hex, int(time.time())
+    pending, usage = set(range(len(keys))), responses.Usage()
+    prefix = fmt.chunk_prefix(request_id, created)
+    try:
+        if first := _event(fmt.first_chunks(request_id, created, len(keys))):
+            yield first
+        while pending:
+            events = []
+            try:
+                arrived = await updates.take_all()
+            except APIError as exc:   # the engine exited, the server is stopping, the deadline
+                yield _error_event(exc)
+                return
+            for index, update in arrived:   # one write for all that arrived
+                if update.error:
+                    yield "".join(events) + _error_event(APIError(500, update.error, None, "InternalServerError"))
+                    return
+                events.append(fmt.events(prefix, index, update))
+                if update.finished:
+                    pending.discard(index)
+                    usage = usage.add(update)
+            if not pending:   # the last tokens, the usage and the end go out in one write
+                if include_usage:
+                    events.append(_event([fmt.usage_chunk(usage, request_id, created)]))
+                events.append("data: [DONE]\n\n")
+            yield "".join(events)
+    finally:
+        updates.close()
+        server.abort(keys)
+
+
+def _error_event(error: APIError) -> str:
+    """A stream's last write when it fails: the error's body as an event, then the end."""
+    return f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n"
+
+
+def _event(chunks: list[dict]) -> str:
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+
+
+async def _prompts(prompt, tokenizer) -> list[Prompt]:
+    """The request's prompts; text is tokenized off the event loop (a long prompt would
+    hold up every stream for as long as it takes)."""
+    texts = isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+    try:
+        return await asyncio.to_thread(parse_prompts, prompt, tokenizer) if texts else \
+            parse_prompts(prompt, tokenizer)
+    except (TypeError, ValueError) as exc:
+        raise APIError(400, str(exc), "prompt") from exc
+
+
+async def _chat_prompt(server: "Server", messages, add_generation_prompt: bool) -> Prompt:
+    """The conversation through the chat template, off the event loop (as ``_prompts``)."""
+    _tokenizer(server)
+    try:
+        return await asyncio.to_thread(chat_prompt, server.tokenizer, [m.as_template_message() for m in messages],
+                                       add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
+
+
+def _max_tokens(server: "Server", requested: int | None, prompts: list[Prompt]) -> int:
+    """``None`` (chat's default): as many as the context leaves the longest prompt."""
+    if requested is not None:
+        return requested
+    room = server.limits.max_model_len - max(len(p.token_ids) for p in prompts)
+    return max(room, 1)
+
+
+def _tokenizer(server: "Server"):
+    if server.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+    return server.tokenizer
