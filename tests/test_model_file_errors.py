@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 
 import tokenspeed as ts
-from tokenspeed.cli import cli
+from tokenspeed.cli import main as cli
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.tokenizer import Tokenizer
 from tokenspeed.tokenizer.file_errors import TokenizerFileError

@@ -389,7 +389,7 @@ def test_a_stream_interval_sends_the_first_token_then_every_nth_then_the_end(llm
 
 
 def test_a_stream_interval_below_one_is_refused():
-    from tokenspeed.cli import cli
+    from tokenspeed.cli import main as cli
     with pytest.raises(ValueError, match="stream_interval must be an integer of at least 1, got 0"):
         EngineSpec(print, stream_interval=0)
     with pytest.raises(SystemExit, match="--stream-interval must be at least 1, got 0"):
@@ -565,7 +565,7 @@ def _wait_for_api_servers(server) -> list[int]:
 
 
 def test_api_servers_refuse_a_bad_count_and_a_port_in_use():
-    from tokenspeed.cli import cli
+    from tokenspeed.cli import main as cli
     with pytest.raises(SystemExit, match="--api-servers must be at least 1, got 0"):
         cli.main(["serve", "--api-servers", "0", "--device", "cpu"])
     with socket.socket() as taken:
