@@ -16,6 +16,8 @@ import numbers
 import attrs
 
 from tokenspeed.errors import RefusedRequest
+from tokenspeed.structured.spec import StructuredOutputs
+from tokenspeed.structured.token_bias import TokenBias, allowed_ids, bias_pairs
 
 MAX_LOGPROBS = 20
 MAX_N = 128                      # OpenAI's cap on completions per prompt
@@ -105,6 +107,11 @@ def _check_bool(instance, attribute, value):
         _fail(attribute.name, value, "True or False")
 
 
+def _check_structured(instance, attribute, value):
+    if value is not None and not isinstance(value, StructuredOutputs):
+        _fail("structured_outputs", value, "None or a StructuredOutputs")
+
+
 def _top_k(value):
     return 0 if value == -1 and _integer(value) else value
 
@@ -115,7 +122,11 @@ class SamplingParams:
     ``logprobs``: how many top log-probabilities to return with each sampled token (its
     own always comes with them); ``seed``: makes this request's samples reproducible,
     whatever else is in the batch; ``min_tokens``: EOS and ``stop_token_ids`` are masked,
-    and ``stop`` strings not matched, until that many tokens exist."""
+    and ``stop`` strings not matched, until that many tokens exist; ``structured_outputs``:
+    what the output must match (a JSON Schema, a regex, a choice, a grammar), enforced by
+    a token mask every step; ``logit_bias`` (token id -> bias in [-100, 100], added to its
+    logit, as OpenAI adds it) and ``allowed_token_ids`` (the only tokens it may sample)
+    take the same route."""
     n: int = attrs.field(default=1, validator=_int_in(1, MAX_N))
     temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, FLOAT32_MAX))
     top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
@@ -133,12 +144,27 @@ class SamplingParams:
     ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
     skip_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
+    structured_outputs: StructuredOutputs | None = attrs.field(default=None, validator=_check_structured)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=bias_pairs)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=allowed_ids)
 
     def __attrs_post_init__(self):
         if self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
         if self.temperature == 0:
             object.__setattr__(self, "top_k", 1)
+
+    @property
+    def token_bias(self) -> TokenBias | None:
+        """``logit_bias`` and ``allowed_token_ids`` as one record (None: neither is set)."""
+        if not self.logit_bias and self.allowed_token_ids is None:
+            return None
+        return TokenBias(self.logit_bias, self.allowed_token_ids)
+
+    @property
+    def constrained(self) -> bool:
+        """Its tokens are masked or biased before sampling (a grammar, allowed ids, a bias)."""
+        return self.structured_outputs is not None or self.token_bias is not None
 
     @property
     def greedy(self) -> bool:

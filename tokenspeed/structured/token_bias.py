@@ -30,9 +30,12 @@ def _token_id(field: str, key: object) -> int:
                          field=field, value=key, limit=None)
 
 
-def _bias_pairs(value: Mapping | None) -> tuple[tuple[int, float], ...]:
+def bias_pairs(value: Mapping | None) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and \
+            all(isinstance(p, Sequence) and len(p) == 2 for p in value):
+        value = dict(value)   # (id, bias) pairs, as the record holds them (and msgpack carries them)
     if not isinstance(value, Mapping):
         raise RefusedRequest(f"logit_bias={value!r}: must map token ids to biases",
                              field="logit_bias", value=value, limit=None)
@@ -47,7 +50,7 @@ def _bias(field: str, key: object, value: object) -> float:
     return float(value)
 
 
-def _allowed(value: Sequence | None) -> tuple[int, ...] | None:
+def allowed_ids(value: Sequence | None) -> tuple[int, ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes, Mapping)) or not len(value):
@@ -61,8 +64,8 @@ class TokenBias:
     """``logit_bias``: (token id, bias) pairs in id order; ``allowed_token_ids``: the only
     tokens a request may sample, or None for all of them."""
 
-    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=None, converter=_bias_pairs)
-    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_allowed)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=None, converter=bias_pairs)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=allowed_ids)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Refuses an id outside [0, vocab_size), naming its field."""
