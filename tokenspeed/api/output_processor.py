@@ -15,16 +15,14 @@ class PromptOutput:
     def __init__(self, tokenizer, params, num_prompt_tokens: int):
         self.completions = [CompletionText(tokenizer, params, i) for i in range(params.n)]
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0       # the tokens its answers kept so far
         self.error: str | None = None
+        self._open = params.n            # answers not final yet (counted: read per token)
 
     @property
     def finished(self) -> bool:
         """Every answer is final (or a failed step ended them all)."""
-        return self.error is not None or all(c.finished for c in self.completions)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
+        return self._open == 0 or self.error is not None
 
     def update(self, update: TokenUpdate) -> tuple[GroupUpdate | None, list[int]]:
         """What the answers gained from the engine's ``update`` (None: nothing, as for the
@@ -38,9 +36,13 @@ class PromptOutput:
         deltas, stopped = [], []
         for delta in update.deltas:
             gained = self.completions[delta.index].feed(delta)
-            if gained is not None:
-                deltas.append(gained)
-                if gained.finish_reason is not None and delta.finish_reason is None:
+            if gained is None:
+                continue
+            deltas.append(gained)
+            self.num_output_tokens += len(gained.token_ids)
+            if gained.finish_reason is not None:
+                self._open -= 1
+                if delta.finish_reason is None:
                     stopped.append(delta.index)
         if not deltas:
             return None, stopped
