@@ -14,6 +14,7 @@ within ``2e-2 * sum_k |x_k w_nk|``. Dequantization itself is exact (the same fp3
 products as ``gguf``'s).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -164,16 +165,41 @@ def test_bad_calls_are_named():
         triton_gguf_embedding.embedding(torch.zeros(3), weight, q4k, torch.float32)
 
 
+def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
+    from benchmarks import gguf_gemv
+    out = tmp_path / "gguf.json"
+    monkeypatch.setattr(sys, "argv", ["gguf_gemv", "--tiny", "--rows", "1", "2", "--formats", "Q4_K",
+                                      "--json", str(out)])
+    gguf_gemv.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["rows"]) for r in rows] == [("torch float32", 1), ("Q4_K", 1),
+                                                         ("torch float32", 2), ("Q4_K", 2)]
+    assert "GGUF linear kernels" in capsys.readouterr().out
+
+
 SM90 = """
-import sys
-from test_kernel_compile import compile_sm90
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from tokenspeed.backends.kernels import triton_gguf_embedding as e, triton_gguf_gemv as v, triton_gguf_matmul as m
 from tokenspeed.backends.kernels.gguf_blocks import block_format
+
+def compile_sm90(kernel, signature, constexprs, num_warps=4):
+    # pointers and integers divisible by 16, as a launch specializes the real ones
+    names = kernel.arg_names
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature}
+    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                       constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
 fmt = block_format(sys.argv[1])
 common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
 gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                     N="i32", K="i32", stride_wn="i32"), dict(HAS_BIAS=True, BLOCK_N=4, GROUPS=512 // fmt.group_size, **common))
 assert "griddepcontrol.wait" in gemv.asm["ptx"]
+if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
+    assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
 for block_m in (16, 128):
     mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                       M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32"),
@@ -190,7 +216,8 @@ assert "griddepcontrol.wait" in emb.asm["ptx"]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_kernels_compile_for_sm90(name):
-    """As tests/test_kernel_compile.py does for the others: in a child, without the interpreter."""
+    """As tests/test_kernel_compile.py does for the others: in a child, without the
+    interpreter (here with the alignment a launch specializes, which decides the loads)."""
     pytest.importorskip("triton.backends.nvidia")
     here = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

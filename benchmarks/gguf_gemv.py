@@ -1,0 +1,112 @@
+"""The GGUF linear kernels per block format, at the 1B shape's down projection (N 2048,
+K 8192), against a bf16 torch matmul (fp32 under ``--tiny``) and the bytes-read floor.
+
+    python -m benchmarks.gguf_gemv [--rows 1 32] [--json results/gguf_gemv.json]
+    python -m benchmarks.gguf_gemv --tiny        (CPU: the Triton interpreter, small shape)
+
+On a GPU each timing replays a CUDA graph of back-to-back calls over distinct weight copies
+(more bytes than L2 holds), as a decode step streams its layers. One row goes through the
+matrix-vector kernel, more through the tensor-core kernel (``triton_gguf_matmul.linear``).
+The floor is the weight's bytes over the measured device-to-device copy bandwidth. Weights
+are random blocks with finite fp16 scales: the values do not change the time. ``--tiny``
+only checks that the benchmark runs (interpreter times mean nothing).
+"""
+
+import argparse
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks import common  # noqa: E402
+from tokenspeed.backends.kernels import triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, BlockFormat, block_format  # noqa: E402
+
+SHAPE = (2048, 8192)  # llama-3.2-1b's down projection: N, K
+TINY_SHAPE = (48, 512)
+COPY_BYTES = 150 << 20  # a chain reads more than the H200's 50 MB of L2
+HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 fields
+
+
+def random_blocks(fmt: BlockFormat, n: int, k: int, device) -> torch.Tensor:
+    """``uint8 [n, row_bytes]``: random bytes, with each fp16 scale set to a modest value."""
+    blocks = torch.randint(0, 256, (n, k // fmt.block_size, fmt.type_size), dtype=torch.uint8,
+                           device=device)
+    for offset in HALVES[fmt.name]:
+        scales = (torch.rand(n, k // fmt.block_size, 1, device=device) * 0.02).half()
+        blocks[..., offset:offset + 2] = scales.view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+def copies(make, nbytes: int, tiny: bool) -> list:
+    """Distinct copies enough that a chain streams from memory, not from L2."""
+    count = 1 if tiny else min(64, max(8, -(-COPY_BYTES // nbytes)))
+    return [make() for _ in range(count)]
+
+
+def time_chain(weights, call, tiny: bool) -> float:
+    """Seconds per call of ``call(w)`` over ``weights`` (a CUDA graph of all of them)."""
+    if tiny:
+        return common.median_time(lambda: call(weights[0]), 1)
+    call(weights[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(w)
+    return common.gpu_time(graph.replay, iters=20) / len(weights)
+
+
+def measure(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth) -> dict:
+    n, k = shape
+    dtype = torch.float32 if tiny else torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    weights = copies(lambda: random_blocks(fmt, n, k, device), n * fmt.row_bytes(k), tiny)
+    us = time_chain(weights, lambda w: triton_gguf_matmul.linear(x, w, fmt), tiny) * 1e6
+    nbytes = weights[0].numel()
+    floor = nbytes / bandwidth * 1e6 if bandwidth else None
+    return {"format": fmt.name, "rows": m, "n": n, "k": k, "mb": nbytes / 1e6, "us": us,
+            "floor_us": floor, "of_floor": floor / us if floor else None}
+
+
+def measure_bf16(m: int, shape, tiny: bool, device, bandwidth) -> dict:
+    n, k = shape
+    dtype = torch.float32 if tiny else torch.bfloat16
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    weights = copies(lambda: torch.randn(n, k, device=device, dtype=dtype), n * k * 2, tiny)
+    us = time_chain(weights, lambda w: torch.nn.functional.linear(x, w), tiny) * 1e6
+    floor = n * k * 2 / bandwidth * 1e6 if bandwidth else None
+    return {"format": f"torch {str(dtype).split('.')[-1]}", "rows": m, "n": n, "k": k, "mb": n * k * 2 / 1e6,
+            "us": us, "floor_us": floor, "of_floor": floor / us if floor else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--formats", nargs="+", default=[q.name for q in SUPPORTED])
+    parser.add_argument("--tiny", action="store_true", help="small shape (CPU: interpreter)")
+    parser.add_argument("--json", default="results/gguf_gemv.json")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device, shape = ("cuda" if cuda else "cpu"), (TINY_SHAPE if args.tiny else SHAPE)
+    bandwidth = common.copy_bandwidth() if cuda else None
+    rows = []
+    for m in args.rows:
+        rows.append(measure_bf16(m, shape, args.tiny, device, bandwidth))
+        for name in args.formats:
+            rows.append(measure(block_format(name), m, shape, args.tiny, device, bandwidth))
+    for row in rows:  # each batch's first row is torch's
+        row["vs_torch"] = next(r["us"] for r in rows if r["rows"] == row["rows"]) / row["us"]
+    columns = ["format", "rows", "n", "k", "mb", "us", "floor_us", "of_floor", "vs_torch"]
+    print(common.table(rows, columns))
+    band = f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else "no floor on the CPU"
+    print(f"\n# GGUF linear kernels, {common.device_name()}, commit {common.git_commit()}, {band}; "
+          "us per call; of_floor: floor / time; vs_torch: torch's time / time")
+    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
+                                  "bandwidth": bandwidth, "tiny": args.tiny, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
