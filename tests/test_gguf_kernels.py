@@ -153,6 +153,9 @@ def test_bad_calls_are_named():
     weight = quantized("Q4_K", 4, 256)
     with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 144 bytes; got 100"):
         triton_gguf_gemv.gemv(torch.zeros(1, 256), weight[:, :100], q4k)
+    odd = torch.zeros(4 * 144 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(4, 144)
+    with pytest.raises(ValueError, match="Q4_K weight's rows must start at even addresses"):
+        triton_gguf_matmul.linear(torch.zeros(1, 256, device=DEVICE), odd, q4k)
     with pytest.raises(ValueError, match=r"x must be \[M, 256\] for a Q4_K weight of 256 columns; got \(1, 255\)"):
         triton_gguf_matmul.linear(torch.zeros(1, 255), weight, q4k)
     with pytest.raises(ValueError, match="x must be bfloat16, float16 or float32; got torch.int64"):

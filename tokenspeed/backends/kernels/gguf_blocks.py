@@ -81,6 +81,10 @@ def check_weight(weight: torch.Tensor, fmt: BlockFormat) -> int:
     if weight.stride(1) != 1:
         raise ValueError(f"a {fmt.name} weight's rows must be contiguous; got strides "
                          f"{weight.stride()}")
+    if weight.data_ptr() % 2 or weight.stride(0) % 2:
+        raise ValueError(f"a {fmt.name} weight's rows must start at even addresses (its fp16 "
+                         f"scales are read 2 bytes at a time); got address "
+                         f"{weight.data_ptr():#x} and row stride {weight.stride(0)}")
     return fmt.features(weight.shape[1])
 
 

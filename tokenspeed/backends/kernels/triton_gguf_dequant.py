@@ -40,10 +40,10 @@ def _byte(ptr, mask):
 
 @triton.jit
 def _half(ptr, mask):
-    """The little-endian fp16 at ``ptr`` (any alignment), as fp32."""
-    bits = tl.load(ptr, mask=mask, other=0).to(tl.uint16) | \
-        (tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    """The fp16 at byte ``ptr``, as fp32. Every fp16 of a block sits at an even offset and
+    every type size is even, so rows starting at even addresses keep them 2-byte aligned
+    (``gguf_blocks.check_weight``)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
