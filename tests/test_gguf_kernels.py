@@ -81,25 +81,27 @@ def test_matmul_equals_the_dequantized_product(name):
     fmt = block_format(name)
     k = 256 if fmt.block_size == 256 else 4 * fmt.block_size
     weight = quantized(name, 45, k, seed=2)
-    for m in (3, 17):
+    split = triton_gguf_matmul.MatmulConfig(16, 16, 64 // fmt.group_size, 3, 4, 2)
+    for m, config in ((3, None), (17, None), (17, split)):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-        got = triton_gguf_matmul.matmul(x, weight, fmt)
+        got = triton_gguf_matmul.matmul(x, weight, fmt, config=config)
         assert got.shape == (m, 45) and got.dtype == torch.float32
         assert_within(got, x, weight, fmt)
 
 
 @FEW
 @given(name=st.sampled_from(FORMATS), m=st.integers(1, 40), rows=st.integers(1, 70),
-       blocks=st.integers(1, 3), block_m=st.sampled_from([16, 32]))
-def test_linear_on_odd_shapes(name, m, rows, blocks, block_m):
-    """``linear`` (one row: the gemv; more: tiles, forced small here so that several row
-    and column tiles and bands meet the edges), with a bias."""
+       blocks=st.integers(1, 3), block_m=st.sampled_from([16, 32]), splits=st.integers(1, 3))
+def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
+    """``linear`` (one row: the gemv; more: tiles), and the tiles forced small so that
+    several row and column tiles and bands meet the edges, with K split (a split may get
+    less than the others, or nothing), with a bias."""
     fmt = block_format(name)
     k = blocks * (256 if fmt.block_size == 256 else 64)
     weight, gen = quantized(name, rows, k, seed=rows), torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(rows, generator=gen).to(DEVICE)
     assert_within(triton_gguf_matmul.linear(x, weight, fmt, bias), x, weight, fmt, bias)
-    tiles = triton_gguf_matmul.MatmulConfig(block_m, 16, max(1, 32 // fmt.group_size), 4, 2)
+    tiles = triton_gguf_matmul.MatmulConfig(block_m, 16, max(1, 32 // fmt.group_size), splits, 4, 2)
     assert_within(triton_gguf_matmul.matmul(x, weight, fmt, bias, config=tiles), x, weight, fmt, bias)
 
 
@@ -203,11 +205,13 @@ gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*
 assert "griddepcontrol.wait" in gemv.asm["ptx"]
 if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
     assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
-for block_m in (16, 128):
+for rows in (16, 64, 2048):  # the tiles a decode batch and a prefill get
+    c = m.choose_config(rows, 2048, 8192, fmt, 132)
     mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
-                      M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32"),
-                      dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=128 if block_m > 16 else 64,
-                           GROUPS=64 // fmt.group_size, BAND_M=8, PRECISION="tf32", **common), 8)
+                      M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
+                      stride_os="i32", stride_om="i32"),
+                      dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
+                           PRECISION="tf32", **common), c.num_warps)
     assert "mma" in mm.asm["ptx"], "tensor cores"
 emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
                    stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **common))

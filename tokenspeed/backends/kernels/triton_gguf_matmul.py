@@ -2,8 +2,14 @@
 batches of 2 rows or more, each weight tile decoded in registers to x's dtype and fed to
 ``tl.dot`` (fp32 accumulation).
 
-Up to 16 rows fit one row tile, so a decode batch reads each weight block once, as the
-matrix-vector kernel does; prefill tiles are 64-128 rows, visited in bands of
+The program computes the product transposed, ``W_tile @ x_tile.T``: the decoded weight is
+the left operand, which Hopper's wgmma reads from registers (the right one must be staged
+in shared memory, as the x tile is loaded), and the weight's rows fill the instruction's
+64-row side even when a decode batch has only a few rows.
+
+A decode batch of up to 64 rows is one row tile, so it reads each weight block once, as
+the matrix-vector kernel does, with K split over programs to keep every SM streaming;
+prefill tiles are 128 x 128, visited in bands of
 ``BAND_M`` row tiles so that the weight tiles a band shares stay in L2. ``linear`` picks
 this kernel or ``triton_gguf_gemv`` by the number of rows: it is the GGUF matmul op.
 """
@@ -13,62 +19,80 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl, triton_gguf_gemv
+from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv, triton_gguf_gemv
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear
+from tokenspeed.backends.kernels.triton_gemv import split_k
 from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
 
-SKINNY_M = 16
+SKINNY_M = 64
 
 
 @attrs.frozen
 class MatmulConfig:
-    """Tile rows and columns, scale groups per K tile, and the launch's warps and stages."""
+    """Tile rows (of x) and columns (weight rows), scale groups per K tile, K splits (each
+    a program, summed by a second kernel), and the launch's warps and stages."""
     block_m: int
     block_n: int
     groups: int
+    splits: int
     num_warps: int
     num_stages: int
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                   GROUP: tl.constexpr, BAND_M: tl.constexpr, PRECISION: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+def _banded_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND_M: tl.constexpr):
+    """(row tile, column tile) of this program: bands of ``BAND_M`` row tiles walk the
+    columns together, so a weight tile is read by the band while it is in L2."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid, per_band = tl.program_id(0), BAND_M * tiles_n
+    band = pid // per_band
+    band_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - band * BAND_M, BAND_M)
+    return band * BAND_M + (pid % per_band) % band_rows, (pid % per_band) // band_rows
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
+                   stride_wn, stride_os, stride_om, FORMAT: tl.constexpr,
+                   TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                   BAND_M: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    band = pid // (BAND_M * tiles_n)
-    band_rows = tl.minimum(tiles_m - band * BAND_M, BAND_M)
-    tile_m = band * BAND_M + (pid % (BAND_M * tiles_n)) % band_rows
-    tile_n = (pid % (BAND_M * tiles_n)) // band_rows
+    tile_m, tile_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, BAND_M)
+    split = tl.program_id(1)
     m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = m < M, n < N
     BLOCK_K: tl.constexpr = GROUPS * GROUP
     kk = tl.arange(0, BLOCK_K)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     x_tile = x_ptr + m.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # the product transposed: see above
     pdl.wait(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < K)[None, :], other=0.0)
-        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, K // GROUP, stride_wn, FORMAT,
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
+        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
                         TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + split.to(tl.int64) * stride_os + m.to(tl.int64)[None, :] * stride_om + \
+        n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
 
 
-def choose_config(m: int, n: int, fmt: BlockFormat) -> MatmulConfig:
-    """One 16-row tile for a decode batch (the weight read once); 64 x 128 tiles with K
-    tiles of 64 for prefill. Not yet swept on a GPU."""
-    groups = max(1, 64 // fmt.group_size)
+def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
+    """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): thin
+    column blocks and K tiles of 256, K split towards two programs an SM, since a program
+    has only a few KB in flight. More rows: 128 x 128 tiles, K tiles of 64. Not yet swept
+    on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
     if m <= SKINNY_M:
-        return MatmulConfig(SKINNY_M, 64 if n >= 4096 else 32, groups, 4, 3)
-    return MatmulConfig(64 if m <= 1024 else 128, 128, groups, 8, 3)
+        block_m, block_n, groups = max(16, next_power_of_2(m)), 32, 256 // fmt.group_size
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        splits = min(8, triton.cdiv(2 * sm_count, tiles), max(1, k // (4 * 256)))
+        return MatmulConfig(block_m, block_n, groups, splits, 4, 3)
+    return MatmulConfig(128, 128, 64 // fmt.group_size, 1, 8, 3)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
@@ -81,16 +105,32 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    c = config or choose_config(m, n, fmt)
-    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
-    _matmul_kernel[grid](
-        x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), FORMAT=fmt.code, TYPE_SIZE=fmt.type_size,
-        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups,
-        GROUP=fmt.group_size, BAND_M=8,
+    c = config or choose_config(m, n, k, fmt, triton_attention.sm_count(x.device))
+    k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
+    part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
+                                               device=x.device)
+    launch = pdl.launch_options(x.device)
+    _matmul_kernel[(triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), splits)](
+        x, weight, bias if bias is not None and splits == 1 else x, part, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
+        FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, GROUP=fmt.group_size, BAND_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c.num_warps,
-        num_stages=c.num_stages, **pdl.launch_options(x.device))
+        num_stages=c.num_stages, **launch)
+    if splits > 1:
+        _sum_splits(part, bias, out, launch)
     return out
+
+
+def _sum_splits(part, bias, out, launch) -> None:
+    """``out = sum of part's splits (+ bias)``, in a fixed order (deterministic): the
+    split-K GEMV's reduction, which this shares."""
+    splits, m, n = part.shape
+    block = min(1024, next_power_of_2(n))
+    triton_gemv._reduce_kernel[(m, triton.cdiv(n, block))](
+        part, bias if bias is not None else out, out, n, splits, part.stride(0),
+        part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        **launch)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
