@@ -30,7 +30,7 @@ import gguf  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import gguf_reference  # noqa: E402
+from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, block_format  # noqa: E402
 
@@ -105,6 +105,29 @@ def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
     assert_within(triton_gguf_matmul.matmul(x, weight, fmt, bias, config=tiles), x, weight, fmt, bias)
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_gemv_computes_its_gated_or_normed_input(name):
+    """As ``triton_gemv`` does for bf16 weights: silu(gate) * up, or rms_norm(x + residual)
+    * norm weight (its sum written once), each as the unfused ops compute it."""
+    fmt, k = block_format(name), 512
+    weight, gen = quantized(name, 37, k, seed=5), torch.Generator().manual_seed(5)
+    gate_up, x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
+                                               for shape in ((1, 2 * k), (1, k), (1, k), (k,), (37,)))
+    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, groups=128 // fmt.group_size, num_warps=4)
+    for config in (None, several_tiles):
+        got = triton_gguf_gemv.gemv(gate_up, weight, fmt, bias, config=config, gated=True)
+        assert_within(got, reference.silu_and_mul(gate_up), weight, fmt, bias)
+        for res in (None, residual):
+            out, total = triton_gguf_gemv.norm_gemv(x, res, norm_weight, 1e-5, weight, fmt, config=config)
+            normed = reference.rms_norm(x if res is None else x + res, norm_weight, 1e-5)
+            assert_within(out, normed, weight, fmt)
+            assert total is None if res is None else torch.equal(total, x + res)
+    expected = gguf_reference.norm_linear(x, residual, norm_weight, 1e-5, weight, fmt, bias)
+    got = triton_gguf_gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, fmt, bias)
+    assert_within(got[0], reference.rms_norm(x + residual, norm_weight, 1e-5), weight, fmt, bias)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 def test_16_bit_inputs(name, dtype):
@@ -166,6 +189,12 @@ def test_bad_calls_are_named():
         triton_gguf_matmul.matmul(torch.zeros(2, 256), weight.float(), q4k)
     with pytest.raises(ValueError, match=r"bias must be \[4\]; got \(5,\)"):
         triton_gguf_matmul.linear(torch.zeros(1, 256), weight, q4k, torch.zeros(5))
+    with pytest.raises(ValueError, match=r"a gated x must be \[1, 512\] \(gate, up\); got \(1, 256\)"):
+        triton_gguf_gemv.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k, gated=True)
+    with pytest.raises(ValueError, match=r"norm weight must be \[256\]; got \(255,\)"):
+        triton_gguf_gemv.norm_gemv(torch.zeros(1, 256), None, torch.zeros(255), 1e-5, weight, q4k)
+    with pytest.raises(ValueError, match=r"x must be one row; got \(2, 256\)"):
+        triton_gguf_gemv.gemv(torch.zeros(2, 256), weight, q4k)
     with pytest.raises(ValueError, match=r"ids must be int32 or int64 \[T\]; got torch.float32"):
         triton_gguf_embedding.embedding(torch.zeros(3), weight, q4k, torch.float32)
 
@@ -193,18 +222,21 @@ from tokenspeed.backends.kernels.gguf_blocks import block_format
 def compile_sm90(kernel, signature, constexprs, num_warps=4):
     # pointers and integers divisible by 16, as a launch specializes the real ones
     names = kernel.arg_names
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in signature}
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t != "fp32"}
     source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
                        constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 fmt = block_format(sys.argv[1])
 common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
-gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
-                    N="i32", K="i32", stride_wn="i32"), dict(HAS_BIAS=True, BLOCK_N=4, GROUPS=512 // fmt.group_size, **common))
-assert "griddepcontrol.wait" in gemv.asm["ptx"]
-if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
-    assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
+for gated, norm in ((False, False), (True, False), (False, True)):
+    gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
+                        w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", stride_wn="i32", eps="fp32"),
+                        dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=4,
+                             GROUPS=512 // fmt.group_size, **common))
+    assert "griddepcontrol.wait" in gemv.asm["ptx"]
+    if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
+        assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
 for rows in (16, 64, 2048):  # the tiles a decode batch and a prefill get
     c = m.choose_config(rows, 2048, 8192, fmt, 132)
     mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",

@@ -6,6 +6,7 @@ import gguf
 import numpy as np
 import torch
 
+from tokenspeed.backends.kernels import reference
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight
 
 
@@ -27,3 +28,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
 def embedding(ids: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
               dtype: torch.dtype) -> torch.Tensor:
     return dequantize(weight, fmt)[ids].to(dtype)
+
+
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
+                 bias: torch.Tensor = None) -> torch.Tensor:
+    return linear(reference.silu_and_mul(gate_up), weight, fmt, bias)
+
+
+def norm_linear(x, residual, norm_weight, eps, weight, fmt: BlockFormat, bias=None) -> list:
+    """[out] without a residual, [out, x + residual] with one: ``reference.norm_linear``'s."""
+    if residual is None:
+        return [linear(reference.rms_norm(x, norm_weight, eps), weight, fmt, bias)]
+    normed, total = reference.add_rms_norm(x, residual, norm_weight, eps)
+    return [linear(normed, weight, fmt, bias), total]

@@ -5,8 +5,10 @@ One row only streams the weight, so speed is the bytes read: a quantized weight 
 fewer than bf16. Each program owns ``BLOCK_N`` output rows and walks K in tiles of
 ``GROUPS`` scale groups, accumulating products elementwise in fp32 (no tensor-core
 padding for one row) and summing once at the end. Under PDL the first weight tile is
-decoded before the program waits for the kernel that writes x. Several rows go to
-``triton_gguf_matmul`` (tensor cores, the weight still read once for up to 16 rows).
+decoded before the program waits for the kernel that writes x. As ``triton_gemv`` does
+for bf16 weights (and with its input code), the input may be computed as it is read:
+silu(gate) * up, or rms_norm(x + residual) * weight. Several rows go to
+``triton_gguf_matmul`` (tensor cores, the weight still read once for up to 64 rows).
 """
 
 import attrs
@@ -14,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
-from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear
+from tokenspeed.backends.kernels import pdl, triton_gemv
+from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear, check_weight
+from tokenspeed.backends.kernels.triton_gemv import InputNorm
 from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
 
 
@@ -28,10 +31,24 @@ class GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                 FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _row_tile(x_ptr, res_ptr, nw_ptr, k, K, inv, GATED: tl.constexpr, NORM: tl.constexpr,
+              HAS_RES: tl.constexpr):
+    """fp32 ``[1, BLOCK_K]`` of the input row, computed as the bf16 GEMV computes it."""
+    row = tl.arange(0, 1)
+    mask = (row < 1)[:, None] & (k < K)[None, :]
+    x = triton_gemv._input(x_ptr, res_ptr, nw_ptr, row[:, None] * 0 + k[None, :], k, mask, K,
+                           inv, GATED, NORM, HAS_RES)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                 eps, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
                  USE_PDL: tl.constexpr):
+    """GATED: x is (gate, up), the input silu(gate) * up; NORM: rms_norm(x + residual) *
+    norm weight, its statistics read first, the sum written by program 0."""
     pdl.start(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -41,13 +58,17 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
     w = weight_tile(w_ptr, n, nmask, 0, groups, stride_wn, FORMAT, TYPE_SIZE, BLOCK_N,
                     GROUPS, GROUP)
     pdl.wait(USE_PDL)
-    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-    acc = w * x[None, :]
+    inv = tl.zeros([1], tl.float32)
+    if NORM:
+        row = tl.arange(0, 1)
+        write_rows = tl.where(tl.program_id(0) == 0, 1, 0)
+        inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, row, row < 1, K, 0, eps,
+                                   write_rows, HAS_RES, 1, BLOCK_K)
+    acc = w * _row_tile(x_ptr, res_ptr, nw_ptr, kk, K, inv, GATED, NORM, HAS_RES)
     for k0 in range(BLOCK_K, K, BLOCK_K):  # the first tile, peeled, came before the wait
         w = weight_tile(w_ptr, n, nmask, k0 // GROUP, groups, stride_wn, FORMAT, TYPE_SIZE,
                         BLOCK_N, GROUPS, GROUP)
-        x = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+        acc += w * _row_tile(x_ptr, res_ptr, nw_ptr, k0 + kk, K, inv, GATED, NORM, HAS_RES)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
@@ -64,20 +85,54 @@ def choose_config(n: int, k: int, fmt: BlockFormat) -> GemvConfig:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """``x [1, K] @ dequantize(weight).T (+ bias)`` as ``[1, N]`` in x's dtype, fp32
-    accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``."""
-    k, n = check_linear(x, weight, fmt, bias)
-    if x.shape[0] != 1:
-        raise ValueError(f"x must be one row [1, {k}]; got {tuple(x.shape)}")
+    accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``. ``gated``: x is
+    ``[1, 2K]`` (gate, up) and the input silu(gate) * up, saving the activation's kernel."""
+    k = check_weight(weight, fmt)
+    if gated:
+        check_linear(x[:, :k], weight, fmt, bias)
+        if x.shape[1] != 2 * k:
+            raise ValueError(f"a gated x must be [1, {2 * k}] (gate, up); got {tuple(x.shape)}")
+    else:
+        check_linear(x, weight, fmt, bias)
+    return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0), gated)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+              eps: float, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
+              config: GemvConfig | None = None):
+    """``gemv(rms_norm(x + residual) * norm_weight)`` and ``x + residual`` (None without
+    a residual), the norm computed as the GEMV reads its input, saving the norm's kernel."""
+    k = check_linear(x, weight, fmt, bias)[0]
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm weight must be [{k}]; got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     x = x.contiguous()
+    total = torch.empty_like(x) if residual is not None else None
+    norm = InputNorm(residual.contiguous() if residual is not None else None,
+                     norm_weight.contiguous(), total, eps)
+    return _launch(x, weight, fmt, bias, config, norm, False, normed=True), total
+
+
+def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=False):
+    if x.shape[0] != 1:
+        raise ValueError(f"x must be one row; got {tuple(x.shape)}")
+    x, n, k = x.contiguous(), weight.shape[0], fmt.features(weight.shape[1])
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if n == 0:
+    if n == 0 or k == 0:
         return out
     config = config or choose_config(n, k, fmt)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0),
-        FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n, GROUPS=config.groups, GROUP=fmt.group_size,
-        num_warps=config.num_warps, **pdl.launch_options(x.device))
+        x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
+        _or(bias, x), out, n, k, weight.stride(0), norm.eps, FORMAT=fmt.code,
+        TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None, GATED=gated, NORM=normed,
+        HAS_RES=norm.residual is not None, BLOCK_N=config.block_n, GROUPS=config.groups,
+        GROUP=fmt.group_size, num_warps=config.num_warps, **pdl.launch_options(x.device))
     return out
+
+
+def _or(tensor, placeholder):
+    """A pointer argument the kernel does not read when ``tensor`` is None."""
+    return placeholder if tensor is None else tensor
