@@ -1,5 +1,6 @@
 """The GGUF linear kernels per block format, at the 1B shape's down projection (N 2048,
-K 8192), against a bf16 torch matmul (fp32 under ``--tiny``) and the bytes-read floor.
+K 8192), against a bf16 torch matmul and bf16 split-K GEMV (fp32 under ``--tiny``) and the
+bytes-read floor.
 
     python -m benchmarks.gguf_gemv [--rows 1 32] [--json results/gguf_gemv.json]
     python -m benchmarks.gguf_gemv --tiny        (CPU: the Triton interpreter, small shape)
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks import common  # noqa: E402
-from tokenspeed.backends.kernels import triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels import triton_gemv, triton_gguf_matmul  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, BlockFormat, block_format  # noqa: E402
 
 SHAPE = (2048, 8192)  # llama-3.2-1b's down projection: N, K
@@ -71,15 +72,23 @@ def measure(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth) -> d
             "floor_us": floor, "of_floor": floor / us if floor else None}
 
 
-def measure_bf16(m: int, shape, tiny: bool, device, bandwidth) -> dict:
+def measure_16_bit(m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
+    """torch's matmul, and up to 16 rows the bf16 split-K GEMV a decode step runs."""
     n, k = shape
     dtype = torch.float32 if tiny else torch.bfloat16
     x = torch.randn(m, k, device=device, dtype=dtype)
     weights = copies(lambda: torch.randn(n, k, device=device, dtype=dtype), n * k * 2, tiny)
-    us = time_chain(weights, lambda w: torch.nn.functional.linear(x, w), tiny) * 1e6
     floor = n * k * 2 / bandwidth * 1e6 if bandwidth else None
-    return {"format": f"torch {str(dtype).split('.')[-1]}", "rows": m, "n": n, "k": k, "mb": n * k * 2 / 1e6,
-            "us": us, "floor_us": floor, "of_floor": floor / us if floor else None}
+    calls = {"torch": torch.nn.functional.linear}
+    if m <= triton_gemv.MAX_M:
+        calls["triton_gemv"] = triton_gemv.linear
+    rows = []
+    for name, call in calls.items():
+        us = time_chain(weights, lambda w: call(x, w), tiny) * 1e6
+        rows.append({"format": f"{name} {str(dtype).split('.')[-1]}", "rows": m, "n": n, "k": k,
+                     "mb": n * k * 2 / 1e6, "us": us, "floor_us": floor,
+                     "of_floor": floor / us if floor else None})
+    return rows
 
 
 def main() -> None:
@@ -94,7 +103,7 @@ def main() -> None:
     bandwidth = common.copy_bandwidth() if cuda else None
     rows = []
     for m in args.rows:
-        rows.append(measure_bf16(m, shape, args.tiny, device, bandwidth))
+        rows += measure_16_bit(m, shape, args.tiny, device, bandwidth)
         for name in args.formats:
             rows.append(measure(block_format(name), m, shape, args.tiny, device, bandwidth))
     for row in rows:  # each batch's first row is torch's

@@ -10,8 +10,9 @@ odd: rows not a multiple of a program's row block, K of a few blocks, batches of
 Tolerances: fp32 inputs accumulate in fp32 in another order than the float64 reference,
 so each output is within ``1e-5 * sum_k |x_k w_nk|`` of it; 16-bit inputs (the matmul
 rounds the decoded weight to x's dtype for the tensor cores; the output is rounded to it)
-within ``2e-2 * sum_k |x_k w_nk|``. Dequantization itself is exact (the same fp32
-products as ``gguf``'s).
+within ``2e-2 * sum_k |x_k w_nk|``. Dequantization itself is exact under the interpreter
+(the same fp32 products as ``gguf``'s); a GPU may fuse ``scale * q + offset`` into one
+rounding, so it is compared within 2^-20 of the table's largest value.
 """
 
 import json
@@ -97,7 +98,7 @@ def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
     several row and column tiles and bands meet the edges, with K split (a split may get
     less than the others, or nothing), with a bias."""
     fmt = block_format(name)
-    k = blocks * (256 if fmt.block_size == 256 else 64)
+    k = blocks * fmt.block_size  # 32, 64, 96 or 256, 512, 768
     weight, gen = quantized(name, rows, k, seed=rows), torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(rows, generator=gen).to(DEVICE)
     assert_within(triton_gguf_matmul.linear(x, weight, fmt, bias), x, weight, fmt, bias)
@@ -149,13 +150,13 @@ def test_embedding_gathers_dequantized_rows(name):
     weight = quantized(name, 11, k, seed=4)
     table = gguf_reference.dequantize(weight, fmt)
     ids = torch.tensor([3, 0, 10, 3, 7], device=DEVICE)
+    exact = dict(rtol=2**-20, atol=2**-20 * float(table.abs().max()))  # a GPU may fuse d * q + m
     got = triton_gguf_embedding.embedding(ids, weight, fmt, torch.float32)
-    torch.testing.assert_close(got, table[ids], rtol=2**-20, atol=0)
+    torch.testing.assert_close(got, table[ids], **exact)
     got = triton_gguf_embedding.embedding(ids.int(), weight, fmt, torch.bfloat16)
     # within one bf16 step: the interpreter rounds fp32 to bf16 toward zero, a GPU to nearest
     torch.testing.assert_close(got.float(), table[ids], rtol=2**-7, atol=0)
-    torch.testing.assert_close(triton_gguf_embedding.dequantize(weight, fmt, torch.float32),
-                               table, rtol=2**-20, atol=0)
+    torch.testing.assert_close(triton_gguf_embedding.dequantize(weight, fmt, torch.float32), table, **exact)
 
 
 def test_layouts_are_the_gguf_packages():
@@ -206,8 +207,9 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
                                       "--json", str(out)])
     gguf_gemv.main()
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["format"], r["rows"]) for r in rows] == [("torch float32", 1), ("Q4_K", 1),
-                                                         ("torch float32", 2), ("Q4_K", 2)]
+    assert [(r["format"], r["rows"]) for r in rows] == [
+        ("torch float32", 1), ("triton_gemv float32", 1), ("Q4_K", 1),
+        ("torch float32", 2), ("triton_gemv float32", 2), ("Q4_K", 2)]
     assert "GGUF linear kernels" in capsys.readouterr().out
 
 
