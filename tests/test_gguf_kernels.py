@@ -182,20 +182,24 @@ def test_bad_calls_are_named():
     odd = torch.zeros(4 * 144 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(4, 144)
     with pytest.raises(ValueError, match="Q4_K weight's rows must start at even addresses"):
         triton_gguf_matmul.linear(torch.zeros(1, 256, device=DEVICE), odd, q4k)
-    with pytest.raises(ValueError, match=r"x must be \[M, 256\] for a Q4_K weight of 256 columns; got \(1, 255\)"):
+    with pytest.raises(ValueError, match=r"x must be \[1, 256\] for a Q4_K weight of 256 columns; got \(1, 255\)"):
         triton_gguf_matmul.linear(torch.zeros(1, 255), weight, q4k)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\] for a Q4_K weight of 256 columns; got \(3, 255\)"):
+        triton_gguf_matmul.linear(torch.zeros(3, 255), weight, q4k)
     with pytest.raises(ValueError, match="x must be bfloat16, float16 or float32; got torch.int64"):
         triton_gguf_matmul.matmul(torch.zeros(2, 256, dtype=torch.long), weight, q4k)
     with pytest.raises(ValueError, match=r"must be uint8 \[N, row_bytes\]; got torch.float32"):
         triton_gguf_matmul.matmul(torch.zeros(2, 256), weight.float(), q4k)
     with pytest.raises(ValueError, match=r"bias must be \[4\]; got \(5,\)"):
         triton_gguf_matmul.linear(torch.zeros(1, 256), weight, q4k, torch.zeros(5))
-    with pytest.raises(ValueError, match=r"a gated x must be \[1, 512\] \(gate, up\); got \(1, 256\)"):
+    with pytest.raises(ValueError, match=r"x must be \[1, 512\] \(gate, up\) for a Q4_K weight of 256 columns; got \(1, 256\)"):
         triton_gguf_gemv.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k, gated=True)
     with pytest.raises(ValueError, match=r"norm weight must be \[256\]; got \(255,\)"):
         triton_gguf_gemv.norm_gemv(torch.zeros(1, 256), None, torch.zeros(255), 1e-5, weight, q4k)
-    with pytest.raises(ValueError, match=r"x must be one row; got \(2, 256\)"):
+    with pytest.raises(ValueError, match=r"x must be \[1, 256\] for a Q4_K weight of 256 columns; got \(2, 256\)"):
         triton_gguf_gemv.gemv(torch.zeros(2, 256), weight, q4k)
+    with pytest.raises(ValueError, match=r"x must be one row \[1, 256\]; got \(2, 256\)"):
+        triton_gguf_gemv.norm_gemv(torch.zeros(2, 256), None, torch.zeros(256), 1e-5, weight, q4k)
     with pytest.raises(ValueError, match=r"ids must be int32 or int64 \[T\]; got torch.float32"):
         triton_gguf_embedding.embedding(torch.zeros(3), weight, q4k, torch.float32)
 

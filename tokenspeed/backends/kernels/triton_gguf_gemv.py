@@ -90,12 +90,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
     accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``. ``gated``: x is
     ``[1, 2K]`` (gate, up) and the input silu(gate) * up, saving the activation's kernel."""
     k = check_weight(weight, fmt)
-    if gated:
-        check_linear(x[:, :k], weight, fmt, bias)
-        if x.shape[1] != 2 * k:
-            raise ValueError(f"a gated x must be [1, {2 * k}] (gate, up); got {tuple(x.shape)}")
-    else:
-        check_linear(x, weight, fmt, bias)
+    need = [1, 2 * k] if gated else [1, k]
+    if list(x.shape) != need:
+        raise ValueError(f"x must be {need}{' (gate, up)' if gated else ''} for a {fmt.name} "
+                         f"weight of {k} columns; got {tuple(x.shape)}")
+    check_linear(x[:, :k], weight, fmt, bias)  # its dtype and the bias
     return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0), gated)
 
 
@@ -105,6 +104,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     """``gemv(rms_norm(x + residual) * norm_weight)`` and ``x + residual`` (None without
     a residual), the norm computed as the GEMV reads its input, saving the norm's kernel."""
     k = check_linear(x, weight, fmt, bias)[0]
+    if x.shape[0] != 1:
+        raise ValueError(f"x must be one row [1, {k}]; got {tuple(x.shape)}")
     if norm_weight.shape != (k,):
         raise ValueError(f"norm weight must be [{k}]; got {tuple(norm_weight.shape)}")
     if residual is not None and residual.shape != x.shape:
@@ -117,11 +118,11 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 
 
 def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=False):
-    if x.shape[0] != 1:
-        raise ValueError(f"x must be one row; got {tuple(x.shape)}")
     x, n, k = x.contiguous(), weight.shape[0], fmt.features(weight.shape[1])
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
+        if norm.total is not None:
+            norm.total.copy_(x + norm.residual)
         return out
     config = config or choose_config(n, k, fmt)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
