@@ -84,11 +84,13 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
 
 def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
     """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): thin
-    column blocks and K tiles of 256, K split towards two programs an SM, since a program
-    has only a few KB in flight. More rows: 128 x 128 tiles, K tiles of 64. Not yet swept
-    on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
+    column blocks, K split towards two programs an SM, since a program has only a few KB
+    in flight. More rows: 128 x 128 tiles. K tiles are the longest that compile without
+    spilling registers for every format (ptxas, sm_90a): 128 up to 32 rows, else 64. Not
+    yet swept on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
     if m <= SKINNY_M:
-        block_m, block_n, groups = max(16, next_power_of_2(m)), 32, 256 // fmt.group_size
+        block_m = max(16, next_power_of_2(m))
+        block_n, groups = 32, (128 if block_m <= 32 else 64) // fmt.group_size
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         splits = min(8, triton.cdiv(2 * sm_count, tiles), max(1, k // (4 * 256)))
         return MatmulConfig(block_m, block_n, groups, splits, 4, 3)
