@@ -106,6 +106,18 @@ def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
     assert_within(triton_gguf_matmul.matmul(x, weight, fmt, bias, config=tiles), x, weight, fmt, bias)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
+    """The 1B model's down projection on an H200's 132 SMs: up to 64 rows are one row
+    tile; every batch gets at least a program an SM (K split where tiles alone do not)."""
+    fmt, sms = block_format(name), 132
+    for m in (2, 7, 16, 17, 33, 64, 65, 128, 300, 2048):
+        c = triton_gguf_matmul.choose_config(m, 2048, 8192, fmt, sms)
+        assert m > triton_gguf_matmul.SKINNY_M or c.block_m >= m
+        tiles = -(-m // c.block_m) * -(-2048 // c.block_n)
+        assert tiles * c.splits >= sms and (c.groups * fmt.group_size) in (64, 128)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])
 def test_gemv_computes_its_gated_or_normed_input(name):
     """As ``triton_gemv`` does for bf16 weights: silu(gate) * up, or rms_norm(x + residual)

@@ -85,16 +85,34 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
 def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
     """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): thin
     column blocks, K split towards two programs an SM, since a program has only a few KB
-    in flight. More rows: 128 x 128 tiles. K tiles are the longest that compile without
-    spilling registers for every format (ptxas, sm_90a): 128 up to 32 rows, else 64. Not
-    yet swept on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
+    in flight. More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be) where the
+    large ones would leave SMs idle. K tiles are the longest that compile without spilling
+    registers for every format (ptxas, sm_90a): 128 up to 32 rows, else 64. Not yet swept
+    on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
+    k_tile = 64
     if m <= SKINNY_M:
         block_m = max(16, next_power_of_2(m))
-        block_n, groups = 32, (128 if block_m <= 32 else 64) // fmt.group_size
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        splits = min(8, triton.cdiv(2 * sm_count, tiles), max(1, k // (4 * 256)))
-        return MatmulConfig(block_m, block_n, groups, splits, 4, 3)
-    return MatmulConfig(128, 128, 64 // fmt.group_size, 1, 8, 3)
+        k_tile = 128 if block_m <= 32 else 64
+        return _filled(MatmulConfig(block_m, 32, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
+                       sm_count, max_splits=8)
+    large = MatmulConfig(128, 128, k_tile // fmt.group_size, 1, 8, 3)
+    if _tiles(large, m, n) >= sm_count:
+        return large
+    return _filled(MatmulConfig(64, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k, sm_count,
+                   max_splits=4)
+
+
+def _tiles(config: MatmulConfig, m: int, n: int) -> int:
+    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+
+
+def _filled(config: MatmulConfig, m, n, k, sm_count, max_splits) -> MatmulConfig:
+    """``config`` with K split towards two programs an SM, each split at least 1024 long."""
+    tiles = _tiles(config, m, n)
+    if tiles >= sm_count:
+        return config
+    splits = min(max_splits, triton.cdiv(2 * sm_count, tiles), max(1, k // 1024))
+    return attrs.evolve(config, splits=splits)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
