@@ -2,12 +2,13 @@
 K 8192), against a bf16 torch matmul and bf16 split-K GEMV (fp32 under ``--tiny``) and the
 bytes-read floor.
 
-    python -m benchmarks.gguf_gemv [--rows 1 32] [--json results/gguf_gemv.json]
+    python -m benchmarks.gguf_gemv [--rows 1 32 2048] [--json results/gguf_gemv.json]
     python -m benchmarks.gguf_gemv --tiny        (CPU: the Triton interpreter, small shape)
 
 On a GPU each timing replays a CUDA graph of back-to-back calls over distinct weight copies
 (more bytes than L2 holds), as a decode step streams its layers. One row goes through the
-matrix-vector kernel, more through the tensor-core kernel (``triton_gguf_matmul.linear``).
+matrix-vector kernel, more through the tensor-core kernel (``triton_gguf_matmul.linear``);
+2048 rows is a prefill's.
 The floor is the weight's bytes over the measured device-to-device copy bandwidth. Weights
 are random blocks with finite fp16 scales: the values do not change the time. ``--tiny``
 only checks that the benchmark runs (interpreter times mean nothing).
@@ -93,7 +94,7 @@ def measure_16_bit(m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 32, 2048])
     parser.add_argument("--formats", nargs="+", default=[q.name for q in SUPPORTED])
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU: interpreter)")
     parser.add_argument("--json", default="results/gguf_gemv.json")

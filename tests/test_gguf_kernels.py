@@ -255,7 +255,7 @@ for gated, norm in ((False, False), (True, False), (False, True)):
     assert "griddepcontrol.wait" in gemv.asm["ptx"]
     if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
         assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
-for rows in (16, 64, 2048):  # the tiles a decode batch and a prefill get
+for rows in (16, 64, 128, 2048):  # the tiles decode batches and a prefill get
     c = m.choose_config(rows, 2048, 8192, fmt, 132)
     mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                       M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
