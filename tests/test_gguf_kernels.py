@@ -70,8 +70,9 @@ def test_gemv_equals_the_dequantized_product(name):
     k = 2 * fmt.block_size if fmt.block_size == 256 else 8 * fmt.block_size
     weight = quantized(name, 37, k)  # 37 rows: not a multiple of any row block
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, groups=2, num_warps=4)
-    for config in (None, several_tiles):
+    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, groups=2, splits=1, num_warps=4)
+    split = triton_gguf_gemv.GemvConfig(block_n=8, groups=1, splits=3, num_warps=4)
+    for config in (None, several_tiles, split):
         got = triton_gguf_gemv.gemv(x, weight, fmt, config=config)
         assert got.shape == (1, 37) and got.dtype == torch.float32
         assert_within(got, x, weight, fmt)
@@ -109,13 +110,17 @@ def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
 @pytest.mark.parametrize("name", FORMATS)
 def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
     """The 1B model's down projection on an H200's 132 SMs: up to 64 rows are one row
-    tile; every batch gets at least a program an SM (K split where tiles alone do not)."""
+    tile; every batch, and one row of any projection, gets at least a program an SM (K
+    split where tiles alone do not)."""
     fmt, sms = block_format(name), 132
     for m in (2, 7, 16, 17, 33, 64, 65, 128, 300, 2048):
         c = triton_gguf_matmul.choose_config(m, 2048, 8192, fmt, sms)
         assert m > triton_gguf_matmul.SKINNY_M or c.block_m >= m
         tiles = -(-m // c.block_m) * -(-2048 // c.block_n)
         assert tiles * c.splits >= sms and (c.groups * fmt.group_size) in (64, 128)
+    for n, k in ((2048, 8192), (512, 2048), (128256, 2048)):  # one row
+        c = triton_gguf_gemv.choose_config(n, k, fmt, sms)
+        assert -(-n // c.block_n) * c.splits >= sms
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])
@@ -126,8 +131,9 @@ def test_gemv_computes_its_gated_or_normed_input(name):
     weight, gen = quantized(name, 37, k, seed=5), torch.Generator().manual_seed(5)
     gate_up, x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
                                                for shape in ((1, 2 * k), (1, k), (1, k), (k,), (37,)))
-    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, groups=128 // fmt.group_size, num_warps=4)
-    for config in (None, several_tiles):
+    several_tiles = triton_gguf_gemv.GemvConfig(4, 128 // fmt.group_size, 1, 4)
+    split = triton_gguf_gemv.GemvConfig(4, 128 // fmt.group_size, 3, 4)
+    for config in (None, several_tiles, split):
         got = triton_gguf_gemv.gemv(gate_up, weight, fmt, bias, config=config, gated=True)
         assert_within(got, reference.silu_and_mul(gate_up), weight, fmt, bias)
         for res in (None, residual):
@@ -249,7 +255,8 @@ fmt = block_format(sys.argv[1])
 common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
 for gated, norm in ((False, False), (True, False), (False, True)):
     gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
-                        w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", stride_wn="i32", eps="fp32"),
+                        w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
+                        stride_wn="i32", stride_os="i32", eps="fp32"),
                         dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=4,
                              GROUPS=512 // fmt.group_size, **common))
     assert "griddepcontrol.wait" in gemv.asm["ptx"]

@@ -8,7 +8,7 @@ in shared memory, as the x tile is loaded), and the weight's rows fill the instr
 64-row side even when a decode batch has only a few rows.
 
 A decode batch of up to 64 rows is one row tile, so it reads each weight block once, as
-the matrix-vector kernel does, with K split over programs to keep every SM streaming;
+the matrix-vector kernel does, with K split over programs to keep every SM streaming (the GEMV's reduction sums them);
 prefill tiles are 128 x 128, visited in bands of
 ``BAND_M`` row tiles so that the weight tiles a band shares stay in L2. ``linear`` picks
 this kernel or ``triton_gguf_gemv`` by the number of rows: it is the GGUF matmul op.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv, triton_gguf_gemv
+from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
@@ -138,19 +138,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c.num_warps,
         num_stages=c.num_stages, **launch)
     if splits > 1:
-        _sum_splits(part, bias, out, launch)
+        triton_gguf_gemv.sum_splits(part, bias, out, launch)
     return out
-
-
-def _sum_splits(part, bias, out, launch) -> None:
-    """``out = sum of part's splits (+ bias)``, in a fixed order (deterministic): the
-    split-K GEMV's reduction, which this shares."""
-    splits, m, n = part.shape
-    block = min(1024, next_power_of_2(n))
-    triton_gemv._reduce_kernel[(m, triton.cdiv(n, block))](
-        part, bias if bias is not None else out, out, n, splits, part.stride(0),
-        part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        **launch)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
