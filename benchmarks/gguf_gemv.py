@@ -4,6 +4,7 @@ bytes-read floor.
 
     python -m benchmarks.gguf_gemv [--rows 1 32 2048] [--json results/gguf_gemv.json]
     python -m benchmarks.gguf_gemv --tiny        (CPU: the Triton interpreter, small shape)
+    python -m benchmarks.gguf_gemv --sweep --formats Q4_K --rows 1 32   (other configs too)
 
 On a GPU each timing replays a CUDA graph of back-to-back calls over distinct weight copies
 (more bytes than L2 holds), as a decode step streams its layers. One row goes through the
@@ -11,10 +12,13 @@ matrix-vector kernel, more through the tensor-core kernel (``triton_gguf_matmul.
 2048 rows is a prefill's.
 The floor is the weight's bytes over the measured device-to-device copy bandwidth. Weights
 are random blocks with finite fp16 scales: the values do not change the time. ``--tiny``
-only checks that the benchmark runs (interpreter times mean nothing).
+only checks that the benchmark runs (interpreter times mean nothing). ``--sweep`` times the
+kernel's other configs (``config`` column; the chosen one is ``chosen``) and prints each
+format's best: about 20 compiles a format and row count.
 """
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -22,8 +26,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import attrs  # noqa: E402
+import triton  # noqa: E402
+
 from benchmarks import common  # noqa: E402
-from tokenspeed.backends.kernels import triton_gemv, triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels import triton_gemv, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, BlockFormat, block_format  # noqa: E402
 
 SHAPE = (2048, 8192)  # llama-3.2-1b's down projection: N, K
@@ -61,16 +68,60 @@ def time_chain(weights, call, tiny: bool) -> float:
     return common.gpu_time(graph.replay, iters=20) / len(weights)
 
 
-def measure(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth) -> dict:
+def measure(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth,
+            config=None) -> dict:
+    """``linear`` as the engine calls it, or (``config``) its kernel for that config."""
     n, k = shape
     dtype = torch.float32 if tiny else torch.bfloat16
     x = torch.randn(m, k, device=device, dtype=dtype)
     weights = copies(lambda: random_blocks(fmt, n, k, device), n * fmt.row_bytes(k), tiny)
-    us = time_chain(weights, lambda w: triton_gguf_matmul.linear(x, w, fmt), tiny) * 1e6
+    us = time_chain(weights, kernel(x, fmt, config), tiny) * 1e6
     nbytes = weights[0].numel()
     floor = nbytes / bandwidth * 1e6 if bandwidth else None
     return {"format": fmt.name, "rows": m, "n": n, "k": k, "mb": nbytes / 1e6, "us": us,
-            "floor_us": floor, "of_floor": floor / us if floor else None}
+            "floor_us": floor, "of_floor": floor / us if floor else None,
+            "config": "chosen" if config is None else _describe(config)}
+
+
+def kernel(x, fmt: BlockFormat, config):
+    """weight -> output: ``linear``, or the GEMV or matmul that ``config`` configures."""
+    if config is None:
+        return lambda w: triton_gguf_matmul.linear(x, w, fmt)
+    if isinstance(config, triton_gguf_gemv.GemvConfig):
+        return lambda w: triton_gguf_gemv.gemv(x, w, fmt, config=config)
+    return lambda w: triton_gguf_matmul.matmul(x, w, fmt, config=config)
+
+
+def candidates(fmt: BlockFormat, m: int) -> list:
+    """The configs ``--sweep`` times: split counts are not compiled in, so they are cheap."""
+    if m == 1:
+        tiles = itertools.product([2, 4, 8], [256, 512, 1024], [1, 2, 4], [4, 8])
+        return [triton_gguf_gemv.GemvConfig(bn, tile // fmt.group_size, splits, warps)
+                for bn, tile, splits, warps in tiles]
+    block_m = max(16, triton.next_power_of_2(m)) if m <= triton_gguf_matmul.SKINNY_M else 128
+    if m <= triton_gguf_matmul.SKINNY_M:
+        tiles = itertools.product([block_m], [16, 32, 64], [64, 128], [1, 2, 4, 8], [4], [2, 3])
+    else:
+        tiles = itertools.product([64, 128], [64, 128], [64], [1], [4, 8], [3, 4])
+    return [triton_gguf_matmul.MatmulConfig(bm, bn, tile // fmt.group_size, splits, warps,
+                                            stages)
+            for bm, bn, tile, splits, warps, stages in tiles]
+
+
+def sweep(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
+    rows = []
+    for config in candidates(fmt, m):
+        try:
+            rows.append(measure(fmt, m, shape, tiny, device, bandwidth, config))
+        except Exception as exc:  # e.g. a config that needs more shared memory than there is
+            print(f"  skip {fmt.name} {_describe(config)}: {type(exc).__name__}", flush=True)
+    best = min(rows, key=lambda row: row["us"])
+    print(f"  {fmt.name} x {m} rows: best {best['us']:.2f} us with {best['config']}", flush=True)
+    return rows
+
+
+def _describe(config) -> str:
+    return "(" + ", ".join(str(v) for v in attrs.astuple(config)) + ")"
 
 
 def measure_16_bit(m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
@@ -97,6 +148,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 32, 2048])
     parser.add_argument("--formats", nargs="+", default=[q.name for q in SUPPORTED])
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU: interpreter)")
+    parser.add_argument("--sweep", action="store_true", help="also time other configs (GPU)")
     parser.add_argument("--json", default="results/gguf_gemv.json")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -107,9 +159,11 @@ def main() -> None:
         rows += measure_16_bit(m, shape, args.tiny, device, bandwidth)
         for name in args.formats:
             rows.append(measure(block_format(name), m, shape, args.tiny, device, bandwidth))
+            if args.sweep:
+                rows += sweep(block_format(name), m, shape, args.tiny, device, bandwidth)
     for row in rows:  # each batch's first row is torch's
         row["vs_torch"] = next(r["us"] for r in rows if r["rows"] == row["rows"]) / row["us"]
-    columns = ["format", "rows", "n", "k", "mb", "us", "floor_us", "of_floor", "vs_torch"]
+    columns = ["format", "rows", "n", "k", "mb", "us", "floor_us", "of_floor", "vs_torch", "config"]
     print(common.table(rows, columns))
     band = f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else "no floor on the CPU"
     print(f"\n# GGUF linear kernels, {common.device_name()}, commit {common.git_commit()}, {band}; "
