@@ -1,0 +1,293 @@
+"""The GGUF kernels (matrix-vector, tensor-core matmul, embedding gather) against the
+``gguf`` package's own dequantization followed by a float op, for every supported block
+format, under the Triton interpreter on CPU (for real on a GPU).
+
+Weights of the simple formats are written by ``gguf.quants.quantize``; the K-quants, which
+it cannot write, are random bytes with modest finite fp16 scales set in place (every byte
+pattern of their packed 6-bit and int8 scales and quants is valid). Shapes are small and
+odd: rows not a multiple of a program's row block, K of a few blocks, batches of 1, 3 and 17.
+
+Tolerances: fp32 inputs accumulate in fp32 in another order than the float64 reference,
+so each output is within ``1e-5 * sum_k |x_k w_nk|`` of it; 16-bit inputs (the matmul
+rounds the decoded weight to x's dtype for the tensor cores; the output is rounded to it)
+within ``2e-2 * sum_k |x_k w_nk|``. Dequantization itself is exact under the interpreter
+(the same fp32 products as ``gguf``'s); a GPU may fuse ``scale * q + offset`` into one
+rounding, so it is compared within 2^-20 of the table's largest value.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import gguf  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
+from tokenspeed.backends.kernels import triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, block_format  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = [q.name for q in SUPPORTED]
+SCALE_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 fields
+FEW = settings(max_examples=8, deadline=None, derandomize=True)
+
+
+def quantized(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """``uint8 [rows, row_bytes]`` of format ``name``."""
+    fmt, rng = block_format(name), np.random.default_rng(seed)
+    if name not in SCALE_HALVES:
+        weights = rng.standard_normal((rows, k)).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(weights, fmt.qtype)).to(DEVICE)
+    blocks = rng.integers(0, 256, (rows, k // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    for offset in SCALE_HALVES[name]:
+        scales = rng.uniform(-0.02, 0.02, blocks.shape[:2] + (1,)).astype(np.float16)
+        blocks[..., offset:offset + 2] = scales.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(rows, -1)).to(DEVICE)
+
+
+def assert_within(got, x, weight, fmt, bias=None, relative=1e-5):
+    """|got - exact| <= relative * sum_k |x_k w_nk| elementwise (exact: float64)."""
+    w = torch.from_numpy(gguf.quants.dequantize(weight.cpu().numpy(), fmt.qtype)).double()
+    x = x.cpu().double()
+    exact = x @ w.T + (bias.cpu().double() if bias is not None else 0)
+    bound = relative * (x.abs() @ w.abs().T) + 1e-6
+    error = (got.cpu().double() - exact).abs()
+    assert (error <= bound).all(), f"max error {error.max():.3g}, bound there {bound.flatten()[error.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_gemv_equals_the_dequantized_product(name):
+    fmt = block_format(name)
+    k = 2 * fmt.block_size if fmt.block_size == 256 else 8 * fmt.block_size
+    weight = quantized(name, 37, k)  # 37 rows: not a multiple of any row block
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, groups=2, splits=1, num_warps=4)
+    split = triton_gguf_gemv.GemvConfig(block_n=8, groups=1, splits=3, num_warps=4)
+    for config in (None, several_tiles, split):
+        got = triton_gguf_gemv.gemv(x, weight, fmt, config=config)
+        assert got.shape == (1, 37) and got.dtype == torch.float32
+        assert_within(got, x, weight, fmt)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_equals_the_dequantized_product(name):
+    fmt = block_format(name)
+    k = 256 if fmt.block_size == 256 else 4 * fmt.block_size
+    weight = quantized(name, 45, k, seed=2)
+    split = triton_gguf_matmul.MatmulConfig(16, 16, 64 // fmt.group_size, 3, 4, 2)
+    for m, config in ((3, None), (17, None), (17, split)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        got = triton_gguf_matmul.matmul(x, weight, fmt, config=config)
+        assert got.shape == (m, 45) and got.dtype == torch.float32
+        assert_within(got, x, weight, fmt)
+
+
+@FEW
+@given(name=st.sampled_from(FORMATS), m=st.integers(1, 40), rows=st.integers(1, 70),
+       blocks=st.integers(1, 3), block_m=st.sampled_from([16, 32]), splits=st.integers(1, 3))
+def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
+    """``linear`` (one row: the gemv; more: tiles), and the tiles forced small so that
+    several row and column tiles and bands meet the edges, with K split (a split may get
+    less than the others, or nothing), with a bias."""
+    fmt = block_format(name)
+    k = blocks * fmt.block_size  # 32, 64, 96 or 256, 512, 768
+    weight, gen = quantized(name, rows, k, seed=rows), torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(rows, generator=gen).to(DEVICE)
+    assert_within(triton_gguf_matmul.linear(x, weight, fmt, bias), x, weight, fmt, bias)
+    tiles = triton_gguf_matmul.MatmulConfig(block_m, 16, max(1, 32 // fmt.group_size), splits, 4, 2)
+    assert_within(triton_gguf_matmul.matmul(x, weight, fmt, bias, config=tiles), x, weight, fmt, bias)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
+    """The 1B model's down projection on an H200's 132 SMs: up to 64 rows are one row
+    tile; every batch, and one row of any projection, gets at least a program an SM (K
+    split where tiles alone do not)."""
+    fmt, sms = block_format(name), 132
+    for m in (2, 7, 16, 17, 33, 64, 65, 128, 300, 2048):
+        c = triton_gguf_matmul.choose_config(m, 2048, 8192, fmt, sms)
+        assert m > triton_gguf_matmul.SKINNY_M or c.block_m >= m
+        tiles = -(-m // c.block_m) * -(-2048 // c.block_n)
+        assert tiles * c.splits >= sms and (c.groups * fmt.group_size) in (64, 128)
+    for n, k in ((2048, 8192), (512, 2048), (128256, 2048)):  # one row
+        c = triton_gguf_gemv.choose_config(n, k, fmt, sms)
+        assert -(-n // c.block_n) * c.splits >= sms
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_gemv_computes_its_gated_or_normed_input(name):
+    """As ``triton_gemv`` does for bf16 weights: silu(gate) * up, or rms_norm(x + residual)
+    * norm weight (its sum written once), each as the unfused ops compute it."""
+    fmt, k = block_format(name), 512
+    weight, gen = quantized(name, 37, k, seed=5), torch.Generator().manual_seed(5)
+    gate_up, x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
+                                               for shape in ((1, 2 * k), (1, k), (1, k), (k,), (37,)))
+    several_tiles = triton_gguf_gemv.GemvConfig(4, 128 // fmt.group_size, 1, 4)
+    split = triton_gguf_gemv.GemvConfig(4, 128 // fmt.group_size, 3, 4)
+    for config in (None, several_tiles, split):
+        got = triton_gguf_gemv.gemv(gate_up, weight, fmt, bias, config=config, gated=True)
+        assert_within(got, reference.silu_and_mul(gate_up), weight, fmt, bias)
+        torch.testing.assert_close(got, gguf_reference.gated_linear(gate_up, weight, fmt, bias),
+                                   rtol=1e-4, atol=1e-4)
+        for res in (None, residual):
+            out, total = triton_gguf_gemv.norm_gemv(x, res, norm_weight, 1e-5, weight, fmt, config=config)
+            normed = reference.rms_norm(x if res is None else x + res, norm_weight, 1e-5)
+            assert_within(out, normed, weight, fmt)
+            assert total is None if res is None else torch.equal(total, x + res)
+    expected = gguf_reference.norm_linear(x, residual, norm_weight, 1e-5, weight, fmt, bias)
+    got = triton_gguf_gemv.norm_gemv(x, residual, norm_weight, 1e-5, weight, fmt, bias)
+    assert_within(got[0], reference.rms_norm(x + residual, norm_weight, 1e-5), weight, fmt, bias)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_16_bit_inputs(name, dtype):
+    """The interpreter's bf16 ``tl.dot`` is wrong (the products of bf16 tiles it loads
+    itself come out ~1e10), so bf16 reaches the tensor-core kernel only on a GPU."""
+    fmt = block_format(name)
+    weight = quantized(name, 20, 256, seed=3)
+    for m in (1, 17) if DEVICE == "cuda" or dtype != torch.bfloat16 else (1,):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+        got = triton_gguf_matmul.linear(x, weight, fmt)
+        assert got.dtype == dtype
+        assert_within(got.float(), x.float(), weight, fmt, relative=2e-2)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_embedding_gathers_dequantized_rows(name):
+    fmt = block_format(name)
+    k = 512 if fmt.block_size == 256 else 96
+    weight = quantized(name, 11, k, seed=4)
+    table = gguf_reference.dequantize(weight, fmt)
+    ids = torch.tensor([3, 0, 10, 3, 7], device=DEVICE)
+    exact = dict(rtol=2**-20, atol=2**-20 * float(table.abs().max()))  # a GPU may fuse d * q + m
+    got = triton_gguf_embedding.embedding(ids, weight, fmt, torch.float32)
+    torch.testing.assert_close(got, gguf_reference.embedding(ids, weight, fmt, torch.float32), **exact)
+    got = triton_gguf_embedding.embedding(ids.int(), weight, fmt, torch.bfloat16)
+    # within one bf16 step: the interpreter rounds fp32 to bf16 toward zero, a GPU to nearest
+    torch.testing.assert_close(got.float(), table[ids], rtol=2**-7, atol=0)
+    torch.testing.assert_close(triton_gguf_embedding.dequantize(weight, fmt, torch.float32), table, **exact)
+
+
+def test_layouts_are_the_gguf_packages():
+    for qtype in SUPPORTED:
+        fmt = block_format(qtype)
+        assert (fmt.block_size, fmt.type_size) == GGML_QUANT_SIZES[qtype]
+        assert fmt.block_size % fmt.group_size == 0
+        assert (7, fmt.row_bytes(512)) == gguf.quants.quant_shape_to_byte_shape((7, 512), qtype)
+    assert block_format("Q6_K") == block_format(14) == block_format(gguf.GGMLQuantizationType.Q6_K)
+
+
+def test_bad_calls_are_named():
+    q4k = block_format("Q4_K")
+    with pytest.raises(ValueError, match="GGUF type Q2_K has no kernel; supported: Q8_0, Q4_0"):
+        block_format("Q2_K")
+    with pytest.raises(ValueError, match="unknown GGUF type 'Q9'"):
+        block_format("Q9")
+    with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 256 elements; got 100"):
+        q4k.row_bytes(100)
+    weight = quantized("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 144 bytes; got 100"):
+        triton_gguf_gemv.gemv(torch.zeros(1, 256), weight[:, :100], q4k)
+    odd = torch.zeros(4 * 144 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(4, 144)
+    with pytest.raises(ValueError, match="Q4_K weight's rows must start at even addresses"):
+        triton_gguf_matmul.linear(torch.zeros(1, 256, device=DEVICE), odd, q4k)
+    with pytest.raises(ValueError, match=r"x must be \[1, 256\] for a Q4_K weight of 256 columns; got \(1, 255\)"):
+        triton_gguf_matmul.linear(torch.zeros(1, 255), weight, q4k)
+    with pytest.raises(ValueError, match=r"x must be \[M, 256\] for a Q4_K weight of 256 columns; got \(3, 255\)"):
+        triton_gguf_matmul.linear(torch.zeros(3, 255), weight, q4k)
+    with pytest.raises(ValueError, match="x must be bfloat16, float16 or float32; got torch.int64"):
+        triton_gguf_matmul.matmul(torch.zeros(2, 256, dtype=torch.long), weight, q4k)
+    with pytest.raises(ValueError, match=r"must be uint8 \[N, row_bytes\]; got torch.float32"):
+        triton_gguf_matmul.matmul(torch.zeros(2, 256), weight.float(), q4k)
+    with pytest.raises(ValueError, match=r"bias must be \[4\]; got \(5,\)"):
+        triton_gguf_matmul.linear(torch.zeros(1, 256), weight, q4k, torch.zeros(5))
+    with pytest.raises(ValueError, match=r"x must be \[1, 512\] \(gate, up\) for a Q4_K weight of 256 columns; got \(1, 256\)"):
+        triton_gguf_gemv.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k, gated=True)
+    with pytest.raises(ValueError, match=r"norm weight must be \[256\]; got \(255,\)"):
+        triton_gguf_gemv.norm_gemv(torch.zeros(1, 256), None, torch.zeros(255), 1e-5, weight, q4k)
+    with pytest.raises(ValueError, match=r"x must be \[1, 256\] for a Q4_K weight of 256 columns; got \(2, 256\)"):
+        triton_gguf_gemv.gemv(torch.zeros(2, 256), weight, q4k)
+    with pytest.raises(ValueError, match=r"x must be one row \[1, 256\]; got \(2, 256\)"):
+        triton_gguf_gemv.norm_gemv(torch.zeros(2, 256), None, torch.zeros(256), 1e-5, weight, q4k)
+    with pytest.raises(ValueError, match=r"ids must be int32 or int64 \[T\]; got torch.float32"):
+        triton_gguf_embedding.embedding(torch.zeros(3), weight, q4k, torch.float32)
+
+
+def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
+    from benchmarks import gguf_gemv
+    out = tmp_path / "gguf.json"
+    monkeypatch.setattr(sys, "argv", ["gguf_gemv", "--tiny", "--rows", "1", "2", "--formats", "Q4_K",
+                                      "--json", str(out)])
+    gguf_gemv.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["rows"]) for r in rows] == [
+        ("torch float32", 1), ("triton_gemv float32", 1), ("Q4_K", 1),
+        ("torch float32", 2), ("triton_gemv float32", 2), ("Q4_K", 2)]
+    assert "GGUF linear kernels" in capsys.readouterr().out
+
+
+SM90 = """
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenspeed.backends.kernels import triton_gguf_embedding as e, triton_gguf_gemv as v, triton_gguf_matmul as m
+from tokenspeed.backends.kernels.gguf_blocks import block_format
+
+def compile_sm90(kernel, signature, constexprs, num_warps=4):
+    # pointers and integers divisible by 16, as a launch specializes the real ones
+    names = kernel.arg_names
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t != "fp32"}
+    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                       constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+fmt = block_format(sys.argv[1])
+common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
+for gated, norm in ((False, False), (False, True)):  # gated differs only in triton_gemv's input code
+    gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
+                        w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
+                        stride_wn="i32", stride_os="i32", eps="fp32"),
+                        dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=4,
+                             GROUPS=512 // fmt.group_size, **common))
+    assert "griddepcontrol.wait" in gemv.asm["ptx"]
+    if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
+        assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
+for rows in (16, 128, 2048):  # the tiles of a decode batch, a small batch, a prefill
+    c = m.choose_config(rows, 2048, 8192, fmt, 132)
+    mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
+                      M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
+                      stride_os="i32", stride_om="i32"),
+                      dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
+                           PRECISION="tf32", **common), c.num_warps)
+    assert "mma" in mm.asm["ptx"], "tensor cores"
+emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
+                   stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **common))
+assert "griddepcontrol.wait" in emb.asm["ptx"]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_kernels_compile_for_sm90(name):
+    """As tests/test_kernel_compile.py does for the others: in a child, without the
+    interpreter (here with the alignment a launch specializes, which decides the loads)."""
+    pytest.importorskip("triton.backends.nvidia")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", SM90, name], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

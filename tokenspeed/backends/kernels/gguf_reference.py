@@ -1,0 +1,43 @@
+"""The torch reference of the GGUF kernels: ``gguf``'s own dequantization, then the float
+op. The oracle the Triton kernels are tested against, and what a CPU would compute from the
+same bytes (the CPU engine dequantizes GGUF files once, at load)."""
+
+import gguf
+import numpy as np
+import torch
+
+from tokenspeed.backends.kernels import reference
+from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight
+
+
+def dequantize(weight: torch.Tensor, fmt: BlockFormat, dtype=torch.float32) -> torch.Tensor:
+    """``uint8 [N, row_bytes]`` -> ``[N, K]`` in ``dtype``, on ``weight``'s device."""
+    check_weight(weight, fmt)
+    values = gguf.quants.dequantize(weight.cpu().numpy(), fmt.qtype)
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).to(weight.device, dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
+           bias: torch.Tensor = None) -> torch.Tensor:
+    """In fp32, rounded to x's dtype, as the kernels accumulate."""
+    w = dequantize(weight, fmt)
+    b = bias.float() if bias is not None else None
+    return torch.nn.functional.linear(x.float(), w, b).to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
+              dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(weight, fmt)[ids].to(dtype)
+
+
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
+                 bias: torch.Tensor = None) -> torch.Tensor:
+    return linear(reference.silu_and_mul(gate_up), weight, fmt, bias)
+
+
+def norm_linear(x, residual, norm_weight, eps, weight, fmt: BlockFormat, bias=None) -> list:
+    """[out] without a residual, [out, x + residual] with one: ``reference.norm_linear``'s."""
+    if residual is None:
+        return [linear(reference.rms_norm(x, norm_weight, eps), weight, fmt, bias)]
+    normed, total = reference.add_rms_norm(x, residual, norm_weight, eps)
+    return [linear(normed, weight, fmt, bias), total]

@@ -1,0 +1,132 @@
+"""Decoding GGUF blocks inside a Triton program, shared by the GGUF matmul, matrix-vector
+and embedding kernels (layouts: ``gguf_blocks.py``).
+
+A tile is ``[rows, groups, group_size]``: ``row`` is each row's byte offset
+(``[R, 1, 1]``), ``g`` the groups' index within the row (``[1, G, 1]``), ``j`` the
+element within a group (``[1, 1, GROUP]``). Scales and offsets are read once per group
+(``[R, G, 1]``), quants once per element; an element's value is ``scale * q + offset``
+in fp32, as ``gguf.quants.dequantize`` computes it (fp16 scales widened to fp32). The
+byte offsets inside a block follow llama.cpp's structs (``block_q4_K`` and kin) in the
+order ``gguf.quants`` unpacks them.
+"""
+
+import triton
+import triton.language as tl
+from gguf.constants import QK_K, GGMLQuantizationType as Q
+
+Q8_0 = tl.constexpr(int(Q.Q8_0))
+Q4_0 = tl.constexpr(int(Q.Q4_0))
+Q4_1 = tl.constexpr(int(Q.Q4_1))
+Q5_0 = tl.constexpr(int(Q.Q5_0))
+Q5_1 = tl.constexpr(int(Q.Q5_1))
+Q4_K = tl.constexpr(int(Q.Q4_K))
+Q5_K = tl.constexpr(int(Q.Q5_K))
+Q6_K = tl.constexpr(int(Q.Q6_K))
+K_SUB_BLOCKS = tl.constexpr(8)                 # Q4_K / Q5_K: 8 sub-blocks of 32, 6-bit scales
+K_SCALES = tl.constexpr(4)                     # Q4_K / Q5_K: 2 fp16 (d, dmin), then 12 scale bytes
+K_QH = tl.constexpr(16)                        # Q5_K: the high bits, QK_K / 8 bytes
+Q4_K_QS = tl.constexpr(16)                     # Q4_K: the nibbles, QK_K / 2 bytes
+Q5_K_QS = tl.constexpr(16 + QK_K // 8)         # Q5_K: the nibbles, after the high bits
+Q6_K_GROUPS = tl.constexpr(QK_K // 16)         # Q6_K: 16 int8 scales, one per 16 elements
+Q6_K_QH = tl.constexpr(QK_K // 2)              # Q6_K: low nibbles first, then 2-bit highs
+Q6_K_SCALES = tl.constexpr(QK_K // 2 + QK_K // 4)
+Q6_K_D = tl.constexpr(QK_K // 2 + QK_K // 4 + QK_K // 16)
+
+
+@triton.jit
+def _byte(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _half(ptr, mask):
+    """The fp16 at byte ``ptr``, as fp32. Every fp16 of a block sits at an even offset and
+    every type size is even, so rows starting at even addresses keep them 2-byte aligned
+    (``gguf_blocks.check_weight``)."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: a block is one group; fp16 d (and min m for *_1),
+    then (5-bit formats) 32 high bits, then the quants."""
+    base = w_ptr + row + g.to(tl.int64) * TYPE_SIZE
+    d = _half(base, mask)
+    if FORMAT == Q8_0:
+        q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
+        values = d * q.to(tl.float32)
+    else:
+        header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
+        five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
+        quants: tl.constexpr = header + 4 if five else header
+        q = (_byte(base + quants + j % 16, mask) >> (4 * (j // 16))) & 15
+        if five:
+            q = q | (((_byte(base + header + j // 8, mask) >> (j % 8)) & 1) << 4)
+        if header == 4:
+            values = d * q.to(tl.float32) + _half(base + 2, mask)
+        else:
+            values = d * (q - (16 if five else 8)).to(tl.float32)
+    return values
+
+
+@triton.jit
+def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    """Q4_K, Q5_K: fp16 d and dmin, 8 pairs of 6-bit (scale, min) packed in 12 bytes, then
+    (Q5_K) 32 bytes of high bits, then nibbles: byte b of each 32 holds sub-blocks 2c and
+    2c + 1 (low, high nibble)."""
+    base = w_ptr + row + (g // K_SUB_BLOCKS).to(tl.int64) * TYPE_SIZE
+    s = g % K_SUB_BLOCKS
+    low = base + K_SCALES + s % 4
+    a, b, c = _byte(low, mask), _byte(low + 4, mask), _byte(low + 8, mask)
+    upper = s >= 4
+    scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
+    least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
+    quants: tl.constexpr = Q5_K_QS if FORMAT == Q5_K else Q4_K_QS
+    q = (_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
+    if FORMAT == Q5_K:
+        q = q | (((_byte(base + K_QH + j, mask) >> s) & 1) << 4)
+    return _half(base, mask) * scale * q.to(tl.float32) - _half(base + 2, mask) * least
+
+
+@triton.jit
+def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
+    """Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d. Element
+    e of a half h = e // 128 takes nibble (r // 64) of byte r % 64 and bit pair r // 32 of
+    byte r % 32, r = e % 128; the value is d * scale * (q - 32)."""
+    base = w_ptr + row + (g // Q6_K_GROUPS).to(tl.int64) * TYPE_SIZE
+    s = g % Q6_K_GROUPS
+    e = s * 16 + j
+    h, r = e // 128, e % 128
+    low = (_byte(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 15
+    high = (_byte(base + Q6_K_QH + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
+    scale = tl.load(base + Q6_K_SCALES + s, mask=mask, other=0).to(tl.int8, bitcast=True)
+    d = _half(base + Q6_K_D, mask) * scale.to(tl.float32)
+    return d * ((low | (high << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    """fp32 ``[R, G, GROUP]``: the values of groups ``g`` of rows at byte offsets ``row``
+    (``mask``: ``[R, G, 1]``, the groups that exist; others read as 0)."""
+    if FORMAT == Q6_K:
+        values = _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE)
+    elif FORMAT == Q4_K or FORMAT == Q5_K:
+        values = _q4_q5_k(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    else:
+        values = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    return values
+
+
+@triton.jit
+def weight_tile(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
+                TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                GROUP: tl.constexpr):
+    """fp32 ``[BLOCK_N, GROUPS * GROUP]``: rows ``n`` (``[BLOCK_N]``), groups ``g0`` to
+    ``g0 + GROUPS`` of each (``groups``: how many a row has; past them, and past
+    ``nmask``, zeros)."""
+    g = g0 + tl.arange(0, GROUPS)[None, :, None]
+    j = tl.arange(0, GROUP)[None, None, :]
+    row = n.to(tl.int64)[:, None, None] * stride_wn
+    mask = nmask[:, None, None] & (g < groups)
+    values = group_values(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    return tl.reshape(values, [BLOCK_N, GROUPS * GROUP])

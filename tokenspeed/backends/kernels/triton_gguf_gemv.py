@@ -1,0 +1,172 @@
+"""Matrix-vector product over a GGUF weight: ``x [1, K] @ W[N, K].T`` for a decode step
+of one row, W read as its blocks (``gguf_blocks.py``) and decoded in registers.
+
+One row only streams the weight, so speed is the bytes read: a quantized weight is 2-4x
+fewer than bf16. Each program owns ``BLOCK_N`` output rows and walks K in tiles of
+``GROUPS`` scale groups, accumulating products elementwise in fp32 (no tensor-core
+padding for one row) and summing once at the end; K is split over programs (their
+partial sums added by a second kernel) where the column blocks alone leave SMs idle.
+Under PDL the first weight tile is
+decoded before the program waits for the kernel that writes x. As ``triton_gemv`` does
+for bf16 weights (and with its input code), the input may be computed as it is read:
+silu(gate) * up, or rms_norm(x + residual) * weight. Several rows go to
+``triton_gguf_matmul`` (tensor cores, the weight still read once for up to 64 rows).
+"""
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear, check_weight
+from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
+from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
+
+
+@attrs.frozen
+class GemvConfig:
+    """Output rows per program, scale groups per K tile, K splits (each a program, summed
+    by a second kernel), and the launch's warps."""
+    block_n: int
+    groups: int
+    splits: int
+    num_warps: int
+
+
+@triton.jit
+def _row_tile(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
+              NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """fp32 ``[1, BLOCK_K]`` of the input row (zeros from ``k_hi``), computed as the bf16
+    GEMV computes it."""
+    row = tl.arange(0, 1)
+    mask = (row < 1)[:, None] & (k < k_hi)[None, :]
+    x = triton_gemv._input(x_ptr, res_ptr, nw_ptr, row[:, None] * 0 + k[None, :], k, mask, K,
+                           inv, GATED, NORM, HAS_RES)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K,
+                 k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
+                 TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                 NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUPS: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    """GATED: x is (gate, up), the input silu(gate) * up; NORM: rms_norm(x + residual) *
+    norm weight, its statistics read first, the sum written by the first program."""
+    pdl.start(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask, split = n < N, tl.program_id(1)
+    BLOCK_K: tl.constexpr = GROUPS * GROUP
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w = weight_tile(w_ptr, n, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                    TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
+    pdl.wait(USE_PDL)
+    inv = tl.zeros([1], tl.float32)
+    if NORM:
+        row = tl.arange(0, 1)
+        write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
+        inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, row, row < 1, K, 0, eps,
+                                   write_rows, HAS_RES, 1, BLOCK_K)
+    acc = w * _row_tile(x_ptr, res_ptr, nw_ptr, k_lo + kk, k_hi, K, inv, GATED, NORM, HAS_RES)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile came before the wait
+        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
+        acc += w * _row_tile(x_ptr, res_ptr, nw_ptr, k0 + kk, k_hi, K, inv, GATED, NORM,
+                             HAS_RES)
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + n, y.to(out_ptr.dtype.element_ty),
+             mask=nmask)
+
+
+def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
+    """Thin column blocks (the 1B model's smallest projection, 2048 rows, gives 512
+    programs) with K tiles of 512 elements (a Q4_K tile is 288 bytes a row); K split
+    where the column blocks leave SMs idle (a program has only a few KB in flight, so
+    more programs an SM hide more latency). Not yet swept on a GPU
+    (``benchmarks/gguf_gemv.py --sweep`` times the alternatives)."""
+    block_n = 4 if n >= 1024 else 2
+    tile = min(512, max(fmt.group_size, next_power_of_2(k)))
+    blocks = triton.cdiv(n, block_n)
+    splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
+                                                   max(1, k // 1024))
+    return GemvConfig(block_n, tile // fmt.group_size, splits, 4)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """``x [1, K] @ dequantize(weight).T (+ bias)`` as ``[1, N]`` in x's dtype, fp32
+    accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``. ``gated``: x is
+    ``[1, 2K]`` (gate, up) and the input silu(gate) * up, saving the activation's kernel."""
+    k = check_weight(weight, fmt)
+    need = [1, 2 * k] if gated else [1, k]
+    if list(x.shape) != need:
+        raise ValueError(f"x must be {need}{' (gate, up)' if gated else ''} for a {fmt.name} "
+                         f"weight of {k} columns; got {tuple(x.shape)}")
+    check_linear(x[:, :k], weight, fmt, bias)  # its dtype and the bias
+    return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0), gated)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+              eps: float, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
+              config: GemvConfig | None = None):
+    """``gemv(rms_norm(x + residual) * norm_weight)`` and ``x + residual`` (None without
+    a residual), the norm computed as the GEMV reads its input, saving the norm's kernel."""
+    k = check_linear(x, weight, fmt, bias)[0]
+    if x.shape[0] != 1:
+        raise ValueError(f"x must be one row [1, {k}]; got {tuple(x.shape)}")
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm weight must be [{k}]; got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    x = x.contiguous()
+    total = torch.empty_like(x) if residual is not None else None
+    norm = InputNorm(residual.contiguous() if residual is not None else None,
+                     norm_weight.contiguous(), total, eps)
+    return _launch(x, weight, fmt, bias, config, norm, False, normed=True), total
+
+
+def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=False):
+    x, n, k = x.contiguous(), weight.shape[0], fmt.features(weight.shape[1])
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        if norm.total is not None:
+            norm.total.copy_(x + norm.residual)
+        return out
+    c = config or choose_config(n, k, fmt, triton_attention.sm_count(x.device))
+    k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
+    part = out if splits == 1 else torch.empty((splits, 1, n), dtype=torch.float32,
+                                               device=x.device)
+    launch = pdl.launch_options(x.device)
+    _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
+        x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
+        _or(bias, x), part, n, k, k_per_split, weight.stride(0),
+        part.stride(0) if splits > 1 else 0, norm.eps, FORMAT=fmt.code,
+        TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1, GATED=gated,
+        NORM=normed, HAS_RES=norm.residual is not None, BLOCK_N=c.block_n, GROUPS=c.groups,
+        GROUP=fmt.group_size, num_warps=c.num_warps, **launch)
+    if splits > 1:
+        sum_splits(part, bias, out, launch)
+    return out
+
+
+def _or(tensor, placeholder):
+    """A pointer argument the kernel does not read when ``tensor`` is None."""
+    return placeholder if tensor is None else tensor
+
+
+def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               launch: dict) -> None:
+    """``out = sum of part's splits (+ bias)`` in a fixed order (deterministic): the
+    split-K GEMV's reduction kernel, shared with ``triton_gguf_matmul``."""
+    splits, m, n = part.shape
+    block = min(1024, next_power_of_2(n))
+    triton_gemv._reduce_kernel[(m, triton.cdiv(n, block))](
+        part, bias if bias is not None else out, out, n, splits, part.stride(0),
+        part.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        **launch)

@@ -1,0 +1,151 @@
+"""Tensor-core matrix product over a GGUF weight: ``x [M, K] @ W[N, K].T`` for prefill and
+batches of 2 rows or more, each weight tile decoded in registers to x's dtype and fed to
+``tl.dot`` (fp32 accumulation).
+
+The program computes the product transposed, ``W_tile @ x_tile.T``: the decoded weight is
+the left operand, which Hopper's wgmma reads from registers (the right one must be staged
+in shared memory, as the x tile is loaded), and the weight's rows fill the instruction's
+64-row side even when a decode batch has only a few rows.
+
+A decode batch of up to 64 rows is one row tile, so it reads each weight block once, as
+the matrix-vector kernel does, with K split over programs to keep every SM streaming (the GEMV's reduction sums them);
+prefill tiles are 128 x 128, visited in bands of
+``BAND_M`` row tiles so that the weight tiles a band shares stay in L2. ``linear`` picks
+this kernel or ``triton_gguf_gemv`` by the number of rows: it is the GGUF matmul op.
+"""
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear
+from tokenspeed.backends.kernels.triton_gemv import split_k
+from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
+
+SKINNY_M = 64
+
+
+@attrs.frozen
+class MatmulConfig:
+    """Tile rows (of x) and columns (weight rows), scale groups per K tile, K splits (each
+    a program, summed by a second kernel), and the launch's warps and stages."""
+    block_m: int
+    block_n: int
+    groups: int
+    splits: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _banded_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND_M: tl.constexpr):
+    """(row tile, column tile) of this program: bands of ``BAND_M`` row tiles walk the
+    columns together, so a weight tile is read by the band while it is in L2."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid, per_band = tl.program_id(0), BAND_M * tiles_n
+    band = pid // per_band
+    band_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - band * BAND_M, BAND_M)
+    return band * BAND_M + (pid % per_band) % band_rows, (pid % per_band) // band_rows
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
+                   stride_wn, stride_os, stride_om, FORMAT: tl.constexpr,
+                   TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                   BAND_M: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    tile_m, tile_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, BAND_M)
+    split = tl.program_id(1)
+    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    BLOCK_K: tl.constexpr = GROUPS * GROUP
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_tile = x_ptr + m.to(tl.int64)[:, None] * stride_xm + kk[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # the product transposed: see above
+    pdl.wait(USE_PDL)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
+        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + split.to(tl.int64) * stride_os + m.to(tl.int64)[None, :] * stride_om + \
+        n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
+    """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): thin
+    column blocks, K split towards two programs an SM, since a program has only a few KB
+    in flight. More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be) where the
+    large ones would leave SMs idle. K tiles are the longest that compile without spilling
+    registers for every format (ptxas, sm_90a): 128 up to 32 rows, else 64. Not yet swept
+    on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
+    k_tile = 64
+    if m <= SKINNY_M:
+        block_m = max(16, next_power_of_2(m))
+        k_tile = 128 if block_m <= 32 else 64
+        return _filled(MatmulConfig(block_m, 32, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
+                       sm_count, max_splits=8)
+    large = MatmulConfig(128, 128, k_tile // fmt.group_size, 1, 8, 3)
+    if _tiles(large, m, n) >= sm_count:
+        return large
+    return _filled(MatmulConfig(64, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k, sm_count,
+                   max_splits=4)
+
+
+def _tiles(config: MatmulConfig, m: int, n: int) -> int:
+    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+
+
+def _filled(config: MatmulConfig, m, n, k, sm_count, max_splits) -> MatmulConfig:
+    """``config`` with K split towards two programs an SM, each split at least 1024 long."""
+    tiles = _tiles(config, m, n)
+    if tiles >= sm_count:
+        return config
+    splits = min(max_splits, triton.cdiv(2 * sm_count, tiles), max(1, k // 1024))
+    return attrs.evolve(config, splits=splits)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
+           config: MatmulConfig | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequantize(weight).T (+ bias)`` as ``[M, N]`` in x's dtype (bf16, fp16
+    or fp32), fp32 accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``."""
+    k, n = check_linear(x, weight, fmt, bias)
+    m = x.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    c = config or choose_config(m, n, k, fmt, triton_attention.sm_count(x.device))
+    k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
+    part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
+                                               device=x.device)
+    launch = pdl.launch_options(x.device)
+    _matmul_kernel[(triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), splits)](
+        x, weight, bias if bias is not None and splits == 1 else x, part, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
+        FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, GROUP=fmt.group_size, BAND_M=8,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c.num_warps,
+        num_stages=c.num_stages, **launch)
+    if splits > 1:
+        triton_gguf_gemv.sum_splits(part, bias, out, launch)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
+           bias: torch.Tensor = None) -> torch.Tensor:
+    """The GGUF matmul op: one row by the matrix-vector kernel, more by tensor cores."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return triton_gguf_gemv.gemv(x, weight, fmt, bias)
+    return matmul(x, weight, fmt, bias)
+
