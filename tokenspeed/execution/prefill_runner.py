@@ -26,6 +26,7 @@ from tokenspeed.execution.sampler import RowSampling, SamplingTensors, sample
 from tokenspeed.execution.segment_graphs import SegmentGraphs
 from tokenspeed.execution.slots import MetadataSlots, to_device
 from tokenspeed.execution.step_future import StepFuture, recorded_event
+from tokenspeed.execution.step_masks import StepMasks
 from tokenspeed.execution.token_column import FedRows
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
@@ -95,10 +96,12 @@ class PrefillRunner:
         """Sampled tokens of the completing chunks, in chunk order."""
         return self.launch(chunks, sampling).tokens()
 
-    def launch(self, chunks, sampling: list[RowSampling], fed: FedRows | None = None) -> StepFuture:
+    def launch(self, chunks, sampling: list[RowSampling], fed: FedRows | None = None,
+               masks: StepMasks | None = None) -> StepFuture:
         """Run the chunks; ``sampling``: one row per completing chunk, in chunk order;
         ``fed``: token rows whose inputs are unread tokens, read from the token column (their
-        chunks are marked ``fed``). Each sampled row's token goes to its seat."""
+        chunks are marked ``fed``); ``masks``: the sampled rows' token masks. Each sampled
+        row's token goes to its seat."""
         tokens = sum(c.num_rows for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
         t = bucket_for(self.token_ladder, tokens)
@@ -109,7 +112,8 @@ class PrefillRunner:
             self._feed(meta.input_ids, fed)
         logits = self._walk(meta, replay=t is not None)
         settings = SamplingTensors.build(sampling, logits.device)
-        sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows), settings=settings)
+        sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows), settings=settings,
+                         masks=masks)
         if self.column is not None:
             self.column.index_copy_(0, settings.seat, sampled.tokens)
         return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),

@@ -46,6 +46,12 @@ def check_request(limits: PromptLimits, index: int, prompt: tuple[int, ...], par
     if params.stop and not has_tokenizer:
         raise RefusedRequest(f"{where}: stop strings need a tokenizer, and this engine has none: use "
                              "stop_token_ids", field="stop", value=params.stop, limit=None)
+    if params.structured_outputs is not None and not has_tokenizer:
+        raise RefusedRequest(f"{where}: structured_outputs need a tokenizer (a grammar is compiled against "
+                             "the vocabulary as it spells it), and this engine has none",
+                             field="structured_outputs", value=params.structured_outputs, limit=None)
+    if params.token_bias is not None:
+        params.token_bias.check_vocabulary(limits.vocab_size)
     if not prompt:
         raise RefusedRequest(f"{where} is empty", field="prompt", value=0, limit=1)
     _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
