@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.errors import RefusedRequest
 
 from text_models import text_model_dir
@@ -63,3 +64,124 @@ def test_regex_and_choice_hold(llm):
         assert re.fullmatch(REGEX, text), text
     chosen = {t for seed in SEEDS for t in texts(llm, constrained(ts.StructuredOutputs(choice=CHOICE), seed))}
     assert chosen <= set(CHOICE)
+
+
+def test_allowed_token_ids_only_yield_those_ids(llm):
+    allowed = [11, 305, 1024, 4000]
+    for seed in SEEDS:
+        out = llm.generate([PROMPT], ts.SamplingParams(temperature=1.0, seed=seed, max_tokens=8,
+                                                       allowed_token_ids=allowed), use_tqdm=False)
+        assert set(out[0].outputs[0].token_ids) <= set(allowed)
+
+
+def test_a_logit_bias_of_100_makes_its_token_chosen(llm):
+    for seed in SEEDS:
+        out = llm.generate([PROMPT], ts.SamplingParams(temperature=1.0, seed=seed, max_tokens=8,
+                                                       logit_bias={777: 100}), use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == [777] * 8
+
+
+def test_greedy_output_a_constraint_already_allows_is_unchanged(llm):
+    plain = llm.generate([PROMPT], ts.SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    regex = re.escape(plain.text) + r"[\s\S]*"
+    held = llm.generate([PROMPT], ts.SamplingParams(temperature=0, max_tokens=12,
+                                                    structured_outputs=ts.StructuredOutputs(regex=regex)),
+                        use_tqdm=False)[0].outputs[0]
+    assert held.token_ids == plain.token_ids
+
+
+def mixed_batch(seed: int) -> list[ts.SamplingParams]:
+    """Constrained and unconstrained rows side by side, a few sampled, one greedy."""
+    return [constrained(ts.StructuredOutputs(json=SCHEMA), seed),
+            ts.SamplingParams(temperature=1.0, seed=seed + 1, max_tokens=24),
+            constrained(ts.StructuredOutputs(regex=REGEX), seed + 2),
+            ts.SamplingParams(temperature=0, max_tokens=30, structured_outputs=ts.StructuredOutputs(json=SCHEMA)),
+            ts.SamplingParams(temperature=1.0, seed=seed + 3, max_tokens=10, allowed_token_ids=[5, 6, 7],
+                              logit_bias={6: 3.0})]
+
+
+def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sync):
+    forwards, forward = [], llm.compiled.decode.forward
+    llm.compiled.decode.forward = lambda rows, s, fed=None: (forwards.append(fed is not None), forward(rows, s, fed))[1]
+    try:
+        on = llm.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
+    finally:
+        del llm.compiled.decode.forward
+    off = llm_sync.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert any(forwards), "no constrained decode step was chained onto the step in flight"
+    jsonschema.validate(json.loads(on[0].outputs[0].text), SCHEMA)
+    assert re.fullmatch(REGEX, on[2].outputs[0].text)
+
+
+def test_each_of_n_completions_holds_its_constraint(llm):
+    out = llm.generate([PROMPT], constrained(ts.StructuredOutputs(choice=CHOICE), 3, n=4), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(c.text in CHOICE and c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_a_bad_schema_is_refused_at_the_call_and_nothing_else_is_affected(llm):
+    good = constrained(ts.StructuredOutputs(regex=REGEX), 1)
+    bad = ts.SamplingParams(structured_outputs=ts.StructuredOutputs(json={"type": "object", "minProperties": "x"}))
+    with pytest.raises(RefusedRequest, match=r"structured_outputs\.json") as caught:
+        llm.generate([PROMPT, PROMPT], [good, bad], use_tqdm=False)
+    assert caught.value.field == "structured_outputs.json"
+    assert not llm.engine.has_work and llm.engine._num_constrained == 0
+    assert re.fullmatch(REGEX, texts(llm, good)[0])
+
+
+@pytest.mark.parametrize("params, field", [
+    (ts.SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
+    (ts.SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
+    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="(unclosed")), "structured_outputs.regex")])
+def test_bad_ids_and_grammars_are_refused_by_field(llm, params, field):
+    with pytest.raises(RefusedRequest) as caught:
+        llm.generate([PROMPT], params, use_tqdm=False)
+    assert caught.value.field == field and field in str(caught.value)
+
+
+def test_an_engine_without_a_tokenizer_refuses_structured_outputs(llm):
+    engine, grammars = llm.engine, llm.engine.grammars
+    engine.grammars = None
+    try:
+        with pytest.raises(RefusedRequest, match="structured_outputs: this engine has no tokenizer"):
+            engine.add((1, 2, 3), ts.SamplingParams(structured_outputs=ts.StructuredOutputs(choice=["a"])))
+    finally:
+        engine.grammars = grammars
+    assert not engine.has_work
+
+
+class AnswerDrafts(PerRequestDrafts):
+    """Drafts from the answers plain decoding gave (found by their prompts), every other
+    window's last draft wrong: windows keep some drafts and reject others."""
+
+    def __init__(self, answers: dict[tuple[int, ...], tuple[int, ...]]):
+        self.answers = answers
+
+    def propose(self, tokens, limit: int) -> tuple[int, ...]:
+        tokens = tuple(tokens)
+        for prompt, answer in self.answers.items():
+            if tokens[:len(prompt)] == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = list(answer[done:done + min(limit, 3)])
+                if drafts and done % 2:
+                    drafts[-1] = drafts[-1] + 1
+                return tuple(drafts)
+        return ()
+
+
+def test_speculative_decoding_gives_the_tokens_of_plain_constrained_decoding(llm):
+    prompts = [PROMPT, "Describe a cat:", "Describe a dog:"]
+    params = [ts.SamplingParams(temperature=0, max_tokens=40, structured_outputs=s) for s in
+              (ts.StructuredOutputs(json=SCHEMA), ts.StructuredOutputs(regex=r"[a-z ]{1,60}"), None)]
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    drafting = ts.LLM(str(text_model_dir()), page_size=4, speculative=ts.SpeculativeConfig(verify_cost=1.0))
+    drafting.engine.drafter = AnswerDrafts({o.prompt_token_ids: o.outputs[0].token_ids for o in plain})
+    windows, launch = [], drafting.compiled.verify.launch
+
+    def verify(rows, sampling, masks=None):
+        windows.append((len(rows), masks is not None and masks.bitmask is not None))
+        return launch(rows, sampling, masks=masks)
+    drafting.compiled.verify.launch = verify
+    with_drafts = drafting.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in with_drafts] == [o.outputs[0].token_ids for o in plain]
+    assert any(masked and rows > 3 for rows, masked in windows), f"no masked window held drafts: {windows}"

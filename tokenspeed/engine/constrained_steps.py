@@ -83,9 +83,12 @@ class ConstrainedSteps:
     def _constrained(self, requests) -> bool:
         return bool(self._num_constrained) and any(r.constraint is not None for r in requests)
 
-    def _draw_masked(self, flight: InFlight) -> InFlight:
+    def _draw_masked(self, flight: InFlight) -> InFlight | None:
         """A decode step ``AwaitingMasks`` drawn with its rows' masks (every token of its
-        requests read: their matchers are where the step samples)."""
+        requests read: their matchers are where the step samples); None, undrawn, when
+        every one of its requests finished in the step before (nothing of it is read)."""
+        if all(r.finished for r in flight.sampled):
+            return None
         future = self.decode.draw(flight.future.forward, self._step_masks(flight.sampled))
         return attrs.evolve(flight, future=future)
 
