@@ -132,7 +132,8 @@ def test_a_bad_schema_is_refused_at_the_call_and_nothing_else_is_affected(llm):
 @pytest.mark.parametrize("params, field", [
     (ts.SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
     (ts.SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
-    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="(unclosed")), "structured_outputs.regex")])
+    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="(unclosed")), "structured_outputs.regex"),
+    (ts.SamplingParams(min_tokens=2, structured_outputs=ts.StructuredOutputs(choice=["a"])), "min_tokens")])
 def test_bad_ids_and_grammars_are_refused_by_field(llm, params, field):
     with pytest.raises(RefusedRequest) as caught:
         llm.generate([PROMPT], params, use_tqdm=False)
@@ -185,3 +186,32 @@ def test_speculative_decoding_gives_the_tokens_of_plain_constrained_decoding(llm
     with_drafts = drafting.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in with_drafts] == [o.outputs[0].token_ids for o in plain]
     assert any(masked and rows > 3 for rows, masked in windows), f"no masked window held drafts: {windows}"
+
+
+SPECS = {"json": ts.StructuredOutputs(json=SCHEMA), "regex": ts.StructuredOutputs(regex=REGEX),
+         "choice": ts.StructuredOutputs(choice=CHOICE), None: None}
+row = st.builds(lambda kind, seed, greedy, max_tokens: ts.SamplingParams(
+    temperature=0.0 if greedy else 1.0, seed=seed, max_tokens=max_tokens, structured_outputs=SPECS[kind]),
+    st.sampled_from(list(SPECS)), st.integers(0, 2**16), st.booleans(), st.integers(1, 32))
+
+
+def holds(params: ts.SamplingParams, text: str, reason: str) -> bool:
+    """A completion that stopped spells what its constraint asks (one cut by its length
+    need not be complete)."""
+    spec = params.structured_outputs
+    if spec is None or reason != "stop":
+        return True
+    if spec.kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    return bool(re.fullmatch(REGEX, text)) if spec.kind == "regex" else text in CHOICE
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(row, min_size=1, max_size=5))
+def test_mixed_workloads_hold_their_constraints_with_or_without_overlap(llm, llm_sync, params):
+    prompts = [f"{PROMPT} {i}" for i in range(len(params))]
+    on = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    off = [o.outputs[0] for o in llm_sync.generate(prompts, params, use_tqdm=False)]
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert all(holds(p, c.text, c.finish_reason) for p, c in zip(params, on))

@@ -24,6 +24,7 @@ from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.step_masks import MaskBuffers, StepMasks
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.scheduling.constraint import Constraint
+from tokenspeed.scheduling.prompt_limits import check_constraint
 from tokenspeed.scheduling.step_records import AwaitingMasks, InFlight
 from tokenspeed.structured import MaskFiller
 
@@ -34,12 +35,12 @@ class ConstrainedSteps:
 
     def _constraints(self, params: SamplingParams) -> list[Constraint | None]:
         """The constraint of each of ``params.n`` samples (None: unconstrained); a grammar
-        that does not compile, or a token id outside the vocabulary, is refused by field."""
+        that does not compile, a token id outside the vocabulary or ``min_tokens`` with a
+        grammar is refused by field."""
         if not params.constrained:
             return [None] * params.n
+        check_constraint(params, self.vocab_size)
         bias = params.token_bias
-        if bias is not None:
-            bias.check_vocabulary(self.vocab_size)
         matchers = [None] * params.n
         if params.structured_outputs is not None:
             matchers = self._grammars_for(params).matchers(params.structured_outputs, params.n)
