@@ -4,14 +4,15 @@ the row's draw (``sampler.sample``), so the same keyed Gumbel-max picks the toke
 The engine fills the host bitmask (``MaskFiller``: a grammar's mask ANDed with a row's
 ``allowed_token_ids``) into a pinned buffer of its own (``MaskBuffers``); the step copies
 it to the device and masks the rows' logits (``apply_token_bitmask_``: the Triton kernel on
-CUDA), then adds their ``logit_bias``. A step without a constrained row has no
+CUDA), then adds their ``logit_bias`` (as ``add_logit_bias_`` adds it). A step without a constrained row has no
 ``StepMasks``: no copy, no kernel.
 """
 
 import attrs
 import torch
 
-from tokenspeed.structured import TokenBias, add_logit_bias_, apply_token_bitmask_, new_bitmask
+from tokenspeed.execution.host_to_device import values_on
+from tokenspeed.structured import TokenBias, apply_token_bitmask_, new_bitmask
 
 
 @attrs.frozen(eq=False)   # holds a tensor: never compared
@@ -28,7 +29,15 @@ class StepMasks:
         scores = logits.to(torch.float32, copy=True)
         if self.bitmask is not None:
             apply_token_bitmask_(scores, self.bitmask.to(scores.device, non_blocking=True))
-        return add_logit_bias_(scores, self.biases)
+        return self._biased(scores) if self.biases else scores
+
+    def _biased(self, scores: torch.Tensor) -> torch.Tensor:
+        """``add_logit_bias_``'s sum, its indices copied as the step's other settings are
+        (``values_on``: a copy from pageable memory would wait for the forward in flight)."""
+        pairs = [(row, token, value) for row, bias in self.biases for token, value in bias.logit_bias]
+        rows, tokens = values_on([[p[0] for p in pairs], [p[1] for p in pairs]], torch.int64, scores.device)
+        values = values_on([p[2] for p in pairs], torch.float32, scores.device)
+        return scores.index_put_((rows, tokens), values, accumulate=True)
 
 
 class MaskBuffers:
