@@ -34,11 +34,13 @@ PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 @attrs.frozen(eq=False)
 class Forward:
     """A decode step whose first stage is enqueued (``DecodeRunner.forward``): its logits and
-    positions (padded to its rung; the live rows first), its rows' sampling, whether a row is resampled whatever its masks
+    positions (padded to its rung; the live rows first), its rows' sampling and their
+    settings on the device, whether a row is resampled whatever its masks
     (``processed``), and the views its draw writes."""
     logits: torch.Tensor
     positions: torch.Tensor
     sampling: list[RowSampling]
+    settings: SamplingTensors       # the rows' published settings, padded like the logits
     processed: bool
     seats: torch.Tensor
     out: torch.Tensor
@@ -132,7 +134,7 @@ class DecodeRunner:
         if fed is not None:
             self._feed(input_ids, fed, seats)
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
-        return Forward(logits, view.positions, sampling, processed, seats, out, hosts)
+        return Forward(logits, view.positions, sampling, settings, processed, seats, out, hosts)
 
     def draw(self, forward: "Forward", masks: StepMasks | None = None) -> StepFuture:
         """The step's second stage: rows whose sampling needs more than the graph's draw
@@ -142,7 +144,7 @@ class DecodeRunner:
         if forward.processed or masks is not None:
             bs = len(forward.sampling)
             logprobs = sample(forward.logits[:bs], forward.sampling, forward.positions[:bs], out=out,
-                              masks=masks).logprobs
+                              settings=forward.settings.head(bs), masks=masks).logprobs
             self._write_column(forward.seats, out)
         self._turn ^= 1
         host = forward.hosts[self._turn]

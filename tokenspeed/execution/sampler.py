@@ -129,6 +129,10 @@ class SamplingTensors:
                                       torch.int64, device)
         return cls(values_on([r.temperature for r in rows], torch.float32, device), top_k, seed, seat)
 
+    def head(self, rows: int) -> "SamplingTensors":
+        """The first ``rows`` rows (views: a padded step's live rows, already on the device)."""
+        return SamplingTensors(self.temperature[:rows], self.top_k[:rows], self.seed[:rows], self.seat[:rows])
+
 
 def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return seeds + positions.to(torch.int64) * POSITION_KEY
