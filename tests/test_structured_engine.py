@@ -114,6 +114,18 @@ def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sy
     assert re.fullmatch(REGEX, on[2].outputs[0].text)
 
 
+def test_preempted_constrained_requests_recompute_to_the_same_tokens(llm):
+    """A request preempted for pages keeps its matcher where its read tokens left it."""
+    tight = ts.LLM(str(text_model_dir()), page_size=4, num_kv_pages=30, max_num_seqs=4)
+    preempted, preempt = [], tight.engine.scheduler._preempt
+    tight.engine.scheduler._preempt = lambda request: (preempted.append(request.id), preempt(request))
+    params = mixed_batch(3) + mixed_batch(9)
+    roomy = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    pressed = tight.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in pressed] == [o.outputs[0].token_ids for o in roomy]
+    assert preempted, "no request was preempted"
+
+
 def test_each_of_n_completions_holds_its_constraint(llm):
     out = llm.generate([PROMPT], constrained(ts.StructuredOutputs(choice=CHOICE), 3, n=4), use_tqdm=False)[0]
     assert len(out.outputs) == 4 and all(c.text in CHOICE and c.finish_reason == "stop" for c in out.outputs)
