@@ -61,22 +61,23 @@ class ConstrainedSteps:
         row is constrained."""
         if not self._num_constrained:
             return None
+        windows = [()] * len(requests) if drafts is None else [tuple(d) for d in drafts]
         rows, biases, row = [], [], 0
-        for i, request in enumerate(requests):
-            draft = () if drafts is None else tuple(drafts[i])
+        for request, draft in zip(requests, windows):
             constraint = request.constraint
             if constraint is not None and not request.finished:
-                if constraint.masks:
-                    rows.append(constraint.mask_row(row, draft))
-                if constraint.bias is not None:
-                    biases += [(row + j, constraint.bias) for j in range(1 + len(draft))]
+                rows += [constraint.mask_row(row, draft)] if constraint.masks else []
+                biases += [(row + j, constraint.bias) for j in range(1 + len(draft))] if constraint.bias else []
             row += 1 + len(draft)
         if not rows and not biases:
             return None
         return StepMasks(self._filled(rows, row) if rows else None, tuple(biases))
 
     def _filled(self, rows, num_rows: int) -> torch.Tensor:
-        if self._mask_filler is None:   # the first constrained step: no thread before
+        """The host bitmask of a step of ``num_rows`` rows with ``rows`` masked (the filler and
+        its buffers are made at the first constrained step: an engine that never sees one
+        starts no mask threads)."""
+        if self._mask_filler is None:
             self._mask_filler = MaskFiller()
             self._mask_buffers = MaskBuffers(self.vocab_size, pinned=torch.cuda.is_available())
         return self._mask_filler.fill(rows, self._mask_buffers.take(num_rows))
