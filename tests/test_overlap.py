@@ -93,8 +93,8 @@ def test_extend_batches_chain_onto_the_step_in_flight(kw):
     def run_counting_fed(overlap):
         llm = ts.LLM(checkpoint("llama"), page_size=4, overlap=overlap, **kw)
         fed, launch = [], llm.compiled.prefill.launch
-        llm.compiled.prefill.launch = lambda c, s, f=None, m=None: (fed.append(f is not None and len(f.rows)),
-                                                                    launch(c, s, f, m))[1]
+        llm.compiled.prefill.launch = lambda c, s, f=None: (fed.append(f is not None and len(f.rows)),
+                                                            launch(c, s, f))[1]
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1, "pages leaked"
         return [(list(o.token_ids), o.finish_reason) for o in outs], fed

@@ -43,7 +43,7 @@ class CountingRunner:
     def columns(self, rows):
         return decode_columns(rows, MAX_PAGES, self.num_groups)
 
-    def launch(self, batch, sampling, inputs=None, masks=None) -> Future:
+    def launch(self, batch, sampling, inputs=None) -> Future:
         return Future([5] * len(sampling))
 
 
@@ -51,7 +51,7 @@ class KeyedRunner(CountingRunner):
     """Samples a token keyed by the row's seed and input position, the end of sequence (0)
     about one row in six: requests stop part-way through a chain, whatever the batches."""
 
-    def launch(self, batch, sampling, inputs=None, masks=None) -> Future:
+    def launch(self, batch, sampling, inputs=None) -> Future:
         if isinstance(batch, DecodeColumns):
             positions = batch.positions.tolist()
         elif batch and isinstance(batch[0], DecodeRow):

@@ -114,6 +114,19 @@ def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sy
     assert re.fullmatch(REGEX, on[2].outputs[0].text)
 
 
+def test_requests_join_constrained_ones_in_flight_by_chained_extends(llm_sync):
+    """Two seats, five requests: each join is an extend chained onto the constrained decode
+    step in flight, its constrained rows drawn once that step is read."""
+    joining = ts.LLM(str(text_model_dir()), page_size=4, max_num_seqs=2)
+    fed, forward = [], joining.compiled.prefill.forward
+    joining.compiled.prefill.forward = lambda c, s, f=None: (fed.append(bool(f and f.rows)), forward(c, s, f))[1]
+    params = mixed_batch(5)
+    on = joining.generate([PROMPT] * 5, params, use_tqdm=False)
+    off = llm_sync.generate([PROMPT] * 5, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert any(fed), "no constrained extend was chained onto a step in flight"
+
+
 def test_preempted_constrained_requests_recompute_to_the_same_tokens(llm):
     """A request preempted for pages keeps its matcher where its read tokens left it."""
     tight = ts.LLM(str(text_model_dir()), page_size=4, num_kv_pages=30, max_num_seqs=4)

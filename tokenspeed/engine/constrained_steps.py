@@ -2,17 +2,16 @@
 masks computed for each step that samples them, and the two-stage decode launch that
 keeps the overlap.
 
-A decode step's masks need the tokens of the step before, which the overlapped loop reads
-only after launching the next step. So a decode step with constrained rows is launched in
-two stages: its forward (``DecodeRunner.forward``: the model and the unconstrained draw,
-its inputs from the token column) at once, which leaves it ``AwaitingMasks``; then the
-host reads the step before, its tokens advance the matchers, and the masks are filled
-(llguidance's native code, without the GIL) while the device runs the forward; then the
-draw (``DecodeRunner.draw``: masks copied to the device, the constrained rows drawn
-again, the column written, the tokens' copy to the host). An extend step draws at once:
-its constrained rows' tokens are all read when it launches (an extend is not chained onto
-a step with constrained rows in flight). A verify step masks each window row by the
-grammar's state after the drafts before it (drafts the grammar refuses are cut first).
+A step's masks need the tokens of the step before, which the overlapped loop reads only
+after launching the next step. So a step with constrained rows is launched in two stages:
+its forward (``DecodeRunner.forward``: the model and the unconstrained draw, its inputs
+from the token column; ``PrefillRunner.forward``: the model) at once, which leaves it
+``AwaitingMasks``; then the host reads the step before, its tokens advance the matchers,
+and the masks are filled (llguidance's native code, without the GIL) while the device
+runs the forward; then the draw (masks copied to the device, the constrained rows drawn,
+the column written, the tokens' copy to the host). A verify step, read at once, masks
+each window row by the grammar's state after the drafts before it (drafts the grammar
+refuses are cut first).
 
 Nothing here runs for a batch without a constrained request (``_num_constrained``).
 """
@@ -86,12 +85,13 @@ class ConstrainedSteps:
         return bool(self._num_constrained) and any(r.constraint is not None for r in requests)
 
     def _draw_masked(self, flight: InFlight) -> InFlight | None:
-        """A decode step ``AwaitingMasks`` drawn with its rows' masks (every token of its
-        requests read: their matchers are where the step samples); None, undrawn, when
-        every one of its requests finished in the step before (nothing of it is read)."""
+        """A step ``AwaitingMasks`` drawn with its rows' masks (every token of its requests
+        read: their matchers are where the step samples); None, undrawn, when every one of
+        its requests finished in the step before (nothing of it is read)."""
         if all(r.finished for r in flight.sampled):
             return None
-        future = self.decode.draw(flight.future.forward, self._step_masks(flight.sampled))
+        runner = self.decode if flight.batch.kind == "decode" else self.prefill
+        future = runner.draw(flight.future.forward, self._step_masks(flight.sampled))
         return attrs.evolve(flight, future=future)
 
     def _valid_drafts(self, requests, drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -22,10 +22,10 @@ for its host 0.16-0.22 ms of a decode step on average, and about 1.2 ms of an ex
 docs/PERFORMANCE.md). The step read late may be an extend, so a request's first token
 comes a decode step later.
 
-A decode step with constrained rows (``structured_outputs``, ``allowed_token_ids``,
-``logit_bias``: ``constrained_steps``) is launched in two stages: its forward at once, then,
-once the step before is read and its tokens have advanced the rows' grammars, the draw
-under their masks. The step before is read then, between the stages, not at the next call.
+A step with constrained rows (``structured_outputs``, ``allowed_token_ids``, ``logit_bias``:
+``constrained_steps``) is launched in two stages: its forward at once, then, once the step
+before is read and its tokens have advanced the rows' grammars, the draw under their
+masks. The step before is read then, between the stages, not at the next call.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
@@ -56,8 +56,8 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
     def __init__(self, scheduler: Scheduler, *, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None, drafter=None,
                  verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS, grammars=None):
-        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed, masks) ->
-        future``; a decode runner also launches in two stages, ``forward`` and ``draw``); ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
+        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
+        future``, or in two stages: ``forward``, then ``draw(forward, masks)``); ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
         ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
         of speculative windows, with ``drafter`` the one that proposes them
         (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
@@ -191,7 +191,9 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             return self._launch_decode(batch, last)
         sampled = tuple(r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens)
         chunks, fed = self._chunks(batch)
-        future = self.prefill.launch(chunks, [r.sampling for r in sampled], fed, self._step_masks(sampled))
+        sampling = [r.sampling for r in sampled]
+        future = AwaitingMasks(self.prefill.forward(chunks, sampling, fed)) if self._constrained(sampled) \
+            else self.prefill.launch(chunks, sampling, fed)
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.count_cached(n)
             self.scheduler.remember_full_pages(request)

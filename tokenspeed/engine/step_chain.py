@@ -7,9 +7,8 @@ is due (a waiting request should join, or a prompt is part-way computed), the ne
 batch, scheduled with the in-flight tokens counted (``Request.num_unread``): the rows of
 requests whose newest token is in flight are fed from the column the same way. No chain
 where something needs the host between steps: rows whose sampling reads their history
-(chained onto an extend or a plain decode step), drafts worth a verify step, or an extend
-while constrained requests are in flight (a decode step of theirs chains in two stages:
-``constrained_steps``).
+(chained onto an extend or a plain decode step), or drafts worth a verify step. A step with
+constrained rows chains in two stages (``constrained_steps``).
 """
 
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow
@@ -20,7 +19,7 @@ from tokenspeed.scheduling.step_records import InFlight, ScheduledBatch
 
 class ChainedSteps:
     """Mixed into ``Engine``: reads its ``scheduler``, ``decode``, ``drafter`` and
-    ``admit_every``, and keeps its ``_chained`` count (``_constrained``: ``ConstrainedSteps``')."""
+    ``admit_every``, and keeps its ``_chained`` count."""
 
     def _chained_batch(self, last: InFlight) -> ScheduledBatch | None:
         """The batch to launch onto ``last`` (in flight, unread): the decode rows of the
@@ -32,8 +31,6 @@ class ChainedSteps:
             return None
         if self._admits_now() or len(self.scheduler.running) != len(live):
             self._chained = 0
-            if self._constrained(live):   # an extend draws at once: their masks need their tokens
-                return None
             batch = self.scheduler.schedule_extend()
             return batch if batch.requests else None
         columns = self._chained_columns(last, live)

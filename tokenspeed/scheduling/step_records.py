@@ -36,9 +36,9 @@ class RunnerOutput:
 
 @attrs.frozen(eq=False)
 class AwaitingMasks:
-    """A launched decode step's first stage (the runner's ``forward``): the model runs and
-    draws every row unconstrained; its constrained rows are drawn again once the host has
-    their masks, which need the tokens of the step before (``engine.constrained_steps``)."""
+    """A launched step's first stage (its runner's ``forward``: the model); its rows are
+    drawn once the host has their masks, which need the tokens of the step before
+    (``engine.constrained_steps``)."""
     forward: object
 
 
