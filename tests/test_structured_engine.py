@@ -102,7 +102,8 @@ def mixed_batch(seed: int) -> list[ts.SamplingParams]:
 
 def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sync):
     forwards, forward = [], llm.compiled.decode.forward
-    llm.compiled.decode.forward = lambda rows, s, fed=None: (forwards.append(fed is not None), forward(rows, s, fed))[1]
+    llm.compiled.decode.forward = lambda rows, s, fed=None: (forwards.append(fed is not None),
+                                                             forward(rows, s, fed))[1]
     try:
         on = llm.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
     finally:

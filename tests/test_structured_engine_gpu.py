@@ -16,10 +16,11 @@ def gpu_llm(**kw):
 
 
 def workload(seed: int) -> list[ts.SamplingParams]:
-    spec = [ts.StructuredOutputs(json=SCHEMA), ts.StructuredOutputs(regex=REGEX), ts.StructuredOutputs(choice=CHOICE),
-            None, ts.StructuredOutputs(json=SCHEMA)]
-    return [ts.SamplingParams(temperature=0.0 if i == 4 else 1.0, seed=seed + i, max_tokens=96, structured_outputs=s,
-                              logit_bias={13: 2.0} if i == 3 else None) for i, s in enumerate(spec)]
+    spec = [ts.StructuredOutputs(json=SCHEMA), ts.StructuredOutputs(regex=REGEX),
+            ts.StructuredOutputs(choice=CHOICE), None, ts.StructuredOutputs(json=SCHEMA)]
+    return [ts.SamplingParams(temperature=0.0 if i == 4 else 1.0, seed=seed + i, max_tokens=96,
+                              structured_outputs=s, logit_bias={13: 2.0} if i == 3 else None)
+            for i, s in enumerate(spec)]
 
 
 def test_constrained_decoding_with_cuda_graphs_equals_eager():

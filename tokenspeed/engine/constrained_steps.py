@@ -24,7 +24,7 @@ from tokenspeed.execution.step_masks import MaskBuffers, StepMasks
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.scheduling.constraint import Constraint
 from tokenspeed.scheduling.prompt_limits import check_constraint
-from tokenspeed.scheduling.step_records import AwaitingMasks, InFlight
+from tokenspeed.scheduling.step_records import InFlight
 from tokenspeed.structured import MaskFiller
 
 

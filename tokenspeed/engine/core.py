@@ -57,9 +57,10 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
                  overlap: bool = True, seed: int = 0, verify=None, drafter=None,
                  verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS, grammars=None):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
-        future``, or in two stages: ``forward``, then ``draw(forward, masks)``); ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
-        ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
-        of speculative windows, with ``drafter`` the one that proposes them
+        future``, or in two stages: ``forward``, then ``draw(forward, masks)``);
+        ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``); ``seed``
+        draws the noise seeds of requests that bring none; ``verify``: the runner of
+        speculative windows, with ``drafter`` the one that proposes them
         (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
         in chained plain steps (``_verify_pays``);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
