@@ -7,7 +7,9 @@ never pays for it. The model's vocabulary (its logits' width) may be wider than 
 tokenizer's: the ids past it are empty tokens, which no mask allows.
 """
 
-from tokenspeed.structured import GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer
+from tokenspeed.structured import Grammar, GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer
+
+KEPT_GRAMMARS = 64
 
 
 class Grammars:
@@ -16,6 +18,7 @@ class Grammars:
         the model's logits' width."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._guide = None
+        self._kept: dict[StructuredOutputs, Grammar] = {}   # in use order, the newest last
 
     @property
     def guide(self):
@@ -25,6 +28,15 @@ class Grammars:
         return self._guide
 
     def matchers(self, spec: StructuredOutputs, n: int) -> list[GrammarMatcher]:
-        """``n`` matchers of ``spec``'s grammar, compiled once (a bad one refused, naming it)."""
-        grammar = compile_grammar(spec, self.guide)
+        """``n`` matchers of ``spec``'s grammar (a bad one refused, naming it)."""
+        grammar = self._compiled(spec)
         return [GrammarMatcher(grammar, self.guide) for _ in range(n)]
+
+    def _compiled(self, spec: StructuredOutputs) -> Grammar:
+        """``spec`` compiled, the last ``KEPT_GRAMMARS`` kept: a pipeline sends one schema with
+        every request, and the engine's thread compiles while every request waits."""
+        grammar = self._kept.pop(spec, None) or compile_grammar(spec, self.guide)
+        self._kept[spec] = grammar
+        if len(self._kept) > KEPT_GRAMMARS:
+            del self._kept[next(iter(self._kept))]
+        return grammar
