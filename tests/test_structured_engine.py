@@ -155,6 +155,12 @@ def test_a_bad_schema_is_refused_at_the_call_and_nothing_else_is_affected(llm):
     assert re.fullmatch(REGEX, texts(llm, good)[0])
 
 
+def test_a_stream_with_a_bad_grammar_is_refused_at_the_call(llm):
+    with pytest.raises(RefusedRequest, match=r"structured_outputs\.regex"):
+        llm.stream(PROMPT, ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="[z-a]")))
+    assert not llm.engine.has_work
+
+
 @pytest.mark.parametrize("params, field", [
     (ts.SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
     (ts.SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),

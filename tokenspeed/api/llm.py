@@ -212,9 +212,12 @@ class LLM:
         return self._require_tokenizer()
 
     def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
-        """Refuse, naming prompt ``index``, what this engine cannot serve."""
+        """Refuse, naming prompt ``index`` (or the field), what this engine cannot serve: a
+        grammar that does not compile too, before anything is queued."""
         check_request(self.engine.limits, index, prompt.token_ids, params,
                       has_tokenizer=self.tokenizer is not None)
+        if params.structured_outputs is not None:
+            self.engine.grammars.check(params.structured_outputs)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
         """Queue checked prompts; each becomes its ``n`` requests. All or none: a prompt

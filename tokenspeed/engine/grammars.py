@@ -32,6 +32,10 @@ class Grammars:
         grammar = self._compiled(spec)
         return [GrammarMatcher(grammar, self.guide) for _ in range(n)]
 
+    def check(self, spec: StructuredOutputs) -> None:
+        """Refuse ``spec`` now if it does not compile (compiled, it is kept for its requests)."""
+        self._compiled(spec)
+
     def _compiled(self, spec: StructuredOutputs) -> Grammar:
         """``spec`` compiled, the last ``KEPT_GRAMMARS`` kept: a pipeline sends one schema with
         every request, and the engine's thread compiles while every request waits."""
