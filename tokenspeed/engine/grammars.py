@@ -7,6 +7,8 @@ never pays for it. The model's vocabulary (its logits' width) may be wider than 
 tokenizer's: the ids past it are empty tokens, which no mask allows.
 """
 
+import threading
+
 from tokenspeed.structured import Grammar, GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer
 
 KEPT_GRAMMARS = 64
@@ -18,14 +20,16 @@ class Grammars:
         the model's logits' width."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._guide = None
+        self._lock = threading.Lock()   # callers check requests on their own threads
         self._kept: dict[StructuredOutputs, Grammar] = {}   # in use order, the newest last
 
     @property
     def guide(self):
         """llguidance's tokenizer, built once."""
-        if self._guide is None:
-            self._guide = guidance_tokenizer(self.tokenizer, self.vocab_size)
-        return self._guide
+        with self._lock:
+            if self._guide is None:
+                self._guide = guidance_tokenizer(self.tokenizer, self.vocab_size)
+            return self._guide
 
     def matchers(self, spec: StructuredOutputs, n: int) -> list[GrammarMatcher]:
         """``n`` matchers of ``spec``'s grammar (a bad one refused, naming it)."""
@@ -39,8 +43,12 @@ class Grammars:
     def _compiled(self, spec: StructuredOutputs) -> Grammar:
         """``spec`` compiled, the last ``KEPT_GRAMMARS`` kept: a pipeline sends one schema with
         every request, and the engine's thread compiles while every request waits."""
-        grammar = self._kept.pop(spec, None) or compile_grammar(spec, self.guide)
-        self._kept[spec] = grammar
-        if len(self._kept) > KEPT_GRAMMARS:
-            del self._kept[next(iter(self._kept))]
+        guide = self.guide
+        with self._lock:
+            grammar = self._kept.pop(spec, None)
+        grammar = grammar or compile_grammar(spec, guide)
+        with self._lock:
+            self._kept[spec] = grammar
+            if len(self._kept) > KEPT_GRAMMARS:
+                del self._kept[next(iter(self._kept))]
         return grammar
