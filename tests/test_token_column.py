@@ -55,7 +55,7 @@ class ColumnRunner:
     def columns(self, rows):
         return decode_columns(rows, MAX_MODEL_LEN, self.num_groups)
 
-    def launch(self, rows, sampling, fed=None) -> Future:
+    def launch(self, rows, sampling, fed=None, masks=None) -> Future:
         """A decode or verify step's rows, or an extend batch's chunks."""
         if rows and not isinstance(rows, DecodeColumns) and hasattr(rows[0], "completes"):
             return self._extend(rows, sampling, fed)

@@ -26,6 +26,7 @@ from tokenspeed.scheduling.block_allocator import BlockAllocator
 from tokenspeed.execution.compile_config import CompileConfig
 from tokenspeed.engine.draft_model import DraftModelDrafter
 from tokenspeed.engine.core import Engine
+from tokenspeed.engine.grammars import Grammars
 from tokenspeed.execution.outputs import RequestOutput
 from tokenspeed.scheduling.prompt_limits import check_request
 from tokenspeed.scheduling.request import Request
@@ -97,17 +98,21 @@ class LLM:
 
     def _engine(self, config: CompileConfig, overlap: bool, enable_prefix_caching: bool,
                 speculative: SpeculativeConfig | None, drafter) -> Engine:
-        """The engine over the compiled runners, its scheduler sized by ``config`` and the pool."""
+        """The engine over the compiled runners, its scheduler sized by ``config`` and the pool;
+        grammars compile against the tokenizer's vocabulary (llguidance's view of it is built
+        at the first constrained request)."""
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), page_size=config.page_size,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               prefix_caching=enable_prefix_caching,
                               retentions=tuple(g.retention for g in self.model.config.cache_groups),
                               max_chunk_tokens=config.chunk_tokens())
+        grammars = Grammars(self.tokenizer, self.model.config.vocab_size) if self.tokenizer is not None else None
         return Engine(scheduler, prefill=self.compiled.prefill, decode=self.compiled.decode,
                       model_config=self.model.config, max_model_len=self.compiled.limits.max_model_len,
                       overlap=overlap, seed=config.seed, verify=self.compiled.verify,
-                      drafter=drafter, verify_cost=speculative.verify_cost if speculative else 1.0)
+                      drafter=drafter, verify_cost=speculative.verify_cost if speculative else 1.0,
+                      grammars=grammars)
 
     def _draft_model(self, speculative: SpeculativeConfig, config: CompileConfig, device, dtype,
                      enforce_eager: bool, compile_options: dict) -> "LLM":
@@ -207,9 +212,12 @@ class LLM:
         return self._require_tokenizer()
 
     def check(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
-        """Refuse, naming prompt ``index``, what this engine cannot serve."""
+        """Refuse, naming prompt ``index`` (or the field), what this engine cannot serve: a
+        grammar that does not compile too, before anything is queued."""
         check_request(self.engine.limits, index, prompt.token_ids, params,
                       has_tokenizer=self.tokenizer is not None)
+        if params.structured_outputs is not None:
+            self.engine.grammars.check(params.structured_outputs)
 
     def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Request]]:
         """Queue checked prompts; each becomes its ``n`` requests. All or none: a prompt

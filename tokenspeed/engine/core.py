@@ -22,6 +22,11 @@ for its host 0.16-0.22 ms of a decode step on average, and about 1.2 ms of an ex
 docs/PERFORMANCE.md). The step read late may be an extend, so a request's first token
 comes a decode step later.
 
+A step with constrained rows (``structured_outputs``, ``allowed_token_ids``, ``logit_bias``:
+``constrained_steps``) is launched in two stages: its forward at once, then, once the step
+before is read and its tokens have advanced the rows' grammars, the draw under their
+masks. The step before is read then, between the stages, not at the next call.
+
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
 
@@ -38,26 +43,29 @@ from tokenspeed.execution.sample_streams import stream_key
 from tokenspeed.execution.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from tokenspeed.scheduling.scheduler import Scheduler
 from tokenspeed.engine.speculative import DraftBackoff
+from tokenspeed.engine.constrained_steps import ConstrainedSteps
 from tokenspeed.engine.speculative_steps import SpeculativeSteps
 from tokenspeed.engine.step_chain import ChainedSteps
-from tokenspeed.scheduling.step_records import InFlight, RunnerOutput, ScheduledBatch
+from tokenspeed.scheduling.step_records import AwaitingMasks, InFlight, RunnerOutput, ScheduledBatch
 from tokenspeed.execution.token_column import FedRows
 
 ADMIT_EVERY_STEPS = 4
 
 
-class Engine(ChainedSteps, SpeculativeSteps):
+class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
     def __init__(self, scheduler: Scheduler, *, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None, drafter=None,
-                 verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS):
+                 verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS, grammars=None):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
-        future``); ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``);
-        ``seed`` draws the noise seeds of requests that bring none; ``verify``: the runner
-        of speculative windows, with ``drafter`` the one that proposes them
+        future``, or in two stages: ``forward``, then ``draw(forward, masks)``);
+        ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``); ``seed``
+        draws the noise seeds of requests that bring none; ``verify``: the runner of
+        speculative windows, with ``drafter`` the one that proposes them
         (``speculative.PerRequestDrafts``' methods); ``verify_cost``: a verify step's cost
         in chained plain steps (``_verify_pays``);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
-        join (``_admits_now``)."""
+        join (``_admits_now``); ``grammars``: compiles ``structured_outputs`` against the
+        model's vocabulary (``engine.grammars.Grammars``; None: no tokenizer, refused)."""
         if (verify is None) != (drafter is None):
             raise InternalError("speculative decoding needs both a verify runner and its drafter, "
                                 f"got verify={verify!r}, drafter={drafter!r}")
@@ -74,6 +82,9 @@ class Engine(ChainedSteps, SpeculativeSteps):
         self.seeds = torch.Generator().manual_seed(seed)
         self._next_id = 0
         self.num_finished = 0        # requests finished so far: callers rescan theirs when it moves
+        self.grammars = grammars
+        self._num_constrained = 0    # unfinished requests with a constraint: none, no mask work
+        self._mask_filler = self._mask_buffers = None   # made at the first constrained step
 
     @property
     def limits(self) -> PromptLimits:
@@ -86,17 +97,20 @@ class Engine(ChainedSteps, SpeculativeSteps):
         """Queue ``params.n`` samples of a checked prompt; the later ones share its pages.
         Each sample's noise stream comes from the seed and its index (``stream_key``). The
         samples are made (their sampling settings converted) before any is queued: a value
-        that cannot be sampled refuses the request and leaves the engine as it was."""
+        that cannot be sampled, a grammar that does not compile or a token id outside the
+        vocabulary refuses the request and leaves the engine as it was."""
         seed = params.seed if params.seed is not None else \
             int(torch.randint(INT64_MIN, INT64_MAX, (1,), generator=self.seeds))
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
         max_output = min(params.max_tokens, self.max_model_len - len(prompt))
         requests = []
-        for index in range(params.n):
+        for index, constraint in enumerate(self._constraints(params)):
             requests.append(Request(self._next_id + index, prompt, params, stream_key(seed, index), index,
-                                    requests[0] if requests else None, stop_ids, max_output=max_output))
+                                    requests[0] if requests else None, stop_ids, max_output=max_output,
+                                    constraint=constraint))
         self._next_id += params.n
+        self._num_constrained += sum(r.constraint is not None for r in requests)
         for request in requests:
             self.scheduler.add(request)
         return requests
@@ -110,6 +124,7 @@ class Engine(ChainedSteps, SpeculativeSteps):
         request.status, request.num_unread = RequestStatus.FINISHED, 0
         request.stats.finish_time = time.time()
         self.num_finished += 1
+        self._num_constrained -= request.constraint is not None
         self.scheduler.finish(request)
         self.backoff.release(request.id)
         if self.drafter is not None:
@@ -143,6 +158,10 @@ class Engine(ChainedSteps, SpeculativeSteps):
         batch = self._chained_batch(last)
         if batch is not None:
             self.in_flight = self._launch(batch, last)
+            if self.in_flight.awaits_masks:   # read ``last`` while its forward runs, then draw
+                finished = self._postprocess(last)
+                self.in_flight = self._draw_masked(self.in_flight)
+                return finished
             if batch.kind == "decode":
                 self.unread = last
                 return []
@@ -159,6 +178,8 @@ class Engine(ChainedSteps, SpeculativeSteps):
         if drafts and any(drafts) and self._verify_pays(batch.requests, list(map(len, drafts))):
             return self._verify(batch.requests, drafts)
         flight = self._launch(batch)
+        if flight.awaits_masks:   # the masks are filled while its forward runs
+            flight = self._draw_masked(flight)
         if self.overlap and flight.sampled:   # the next step may chain onto it
             self.in_flight = flight
             return []
@@ -171,7 +192,9 @@ class Engine(ChainedSteps, SpeculativeSteps):
             return self._launch_decode(batch, last)
         sampled = tuple(r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens)
         chunks, fed = self._chunks(batch)
-        future = self.prefill.launch(chunks, [r.sampling for r in sampled], fed)
+        sampling = [r.sampling for r in sampled]
+        future = AwaitingMasks(self.prefill.forward(chunks, sampling, fed)) if self._constrained(sampled) \
+            else self.prefill.launch(chunks, sampling, fed)
         for request, n in zip(batch.requests, batch.chunk_lens):
             request.count_cached(n)
             self.scheduler.remember_full_pages(request)
@@ -184,11 +207,13 @@ class Engine(ChainedSteps, SpeculativeSteps):
         their inputs fed from the token column)."""
         requests, sampling = batch.requests, [r.sampling for r in batch.requests]
         if batch.columns is None:
-            fed, future = None, self.decode.launch(_decode_rows(requests), sampling)
+            fed, rows = None, _decode_rows(requests)
         else:
             fed = last.fed if last.fed is not None and len(last.fed.rows) == len(requests) else \
                 FedRows(tuple(range(len(requests))), tuple(r.seat for r in requests))
-            future = self.decode.launch(batch.columns, sampling, fed)
+            rows = batch.columns
+        future = AwaitingMasks(self.decode.forward(rows, sampling, fed)) if self._constrained(requests) \
+            else self.decode.launch(rows, sampling, fed)
         remember = self.scheduler.remember_full_pages if self.scheduler.prefix_caching else None
         for request in requests:
             request.num_cached += 1
@@ -228,6 +253,7 @@ class Engine(ChainedSteps, SpeculativeSteps):
         """Add a sampled token the host has read (a page whose tokens it completes is
         remembered now: ``remember_full_pages``); True when it ends the request."""
         request.output.append(token)
+        completes = request.constraint is not None and self._accept(request, token)
         scheduler = self.scheduler   # (every row of every step: the common case first)
         if scheduler.prefix_caching and request.num_cached // scheduler.page_size > request.num_pages_remembered:
             scheduler.remember_full_pages(request)
@@ -238,8 +264,8 @@ class Engine(ChainedSteps, SpeculativeSteps):
         if token in request.stop_ids and len(request.output) >= request.params.min_tokens:
             self.finish(request, "stop", token if token in request.params.stop_token_ids else None)
             return True
-        if len(request.output) >= request.max_output:
-            self.finish(request, "length")
+        if completes or len(request.output) >= request.max_output:   # a complete grammar stops
+            self.finish(request, "stop" if completes else "length")
             return True
         return False
 

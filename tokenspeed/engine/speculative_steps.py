@@ -14,15 +14,17 @@ from tokenspeed.scheduling.step_records import RunnerOutput, ScheduledBatch
 
 class SpeculativeSteps:
     """Mixed into ``Engine``: reads its ``drafter``, ``verify``, ``verify_cost``, ``backoff``
-    and ``scheduler``, and appends tokens through its ``_append``."""
+    and ``scheduler``, appends tokens through its ``_append`` (which feeds a constrained
+    request's matcher the tokens it keeps: the drafts it rejects never reach it) and masks
+    windows through ``ConstrainedSteps``."""
 
     def _drafts(self, batch: ScheduledBatch) -> list[tuple[int, ...]] | None:
         """Each decode row's drafts (none where the request's sampling reads its history or
-        it backs off)."""
+        it backs off; a constrained request's, as far as its grammar takes them)."""
         if batch.kind != "decode":
             return None
         limits = [self._draft_limit(r) for r in batch.requests]
-        drafts = self.drafter.propose_many(batch.requests, limits)
+        drafts = self._valid_drafts(batch.requests, self.drafter.propose_many(batch.requests, limits))
         for request, limit, draft in zip(batch.requests, limits, drafts):
             if not draft and limit > 0:
                 self.backoff.note(request.id, False, request.num_known_tokens)
@@ -66,7 +68,8 @@ class SpeculativeSteps:
             rows += window_rows(request.last_token, request.num_tokens, pages, draft, group_pages)
             sampling += [request.sampling] * (1 + len(draft))
             windows.append(draft)
-        output, finished, row = RunnerOutput.read(self.verify.launch(rows, sampling)), [], 0
+        masks = self._step_masks(requests, windows)
+        output, finished, row = RunnerOutput.read(self.verify.launch(rows, sampling, masks=masks)), [], 0
         for request, draft in zip(requests, windows):
             width = 1 + len(draft)
             kept = self._keep(request, draft, output.tokens[row:row + width], output.logprobs[row:row + width])

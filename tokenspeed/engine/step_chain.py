@@ -7,7 +7,8 @@ is due (a waiting request should join, or a prompt is part-way computed), the ne
 batch, scheduled with the in-flight tokens counted (``Request.num_unread``): the rows of
 requests whose newest token is in flight are fed from the column the same way. No chain
 where something needs the host between steps: rows whose sampling reads their history
-(chained onto an extend or a plain decode step), or drafts worth a verify step.
+(chained onto an extend or a plain decode step), or drafts worth a verify step. A step with
+constrained rows chains in two stages (``constrained_steps``).
 """
 
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow

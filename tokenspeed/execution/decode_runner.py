@@ -9,9 +9,12 @@ so the host can prepare the next step while the GPU runs this one. The step writ
 row's token into its request's seat of the token column (``token_column``), inside the
 graph; a chained step takes its input tokens from there (``fed``). Rows whose sampling
 needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are
-resampled from the step's logits before the copy.
+resampled from the step's logits before the copy. A step with constrained rows is
+enqueued in two stages (``forward``, then ``draw`` with the rows' masks), so the host
+computes the masks while the device runs the model.
 """
 
+import attrs
 import torch
 
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
@@ -22,9 +25,26 @@ from tokenspeed.execution.sampler import RowSampling, SamplingTensors, gumbel_ar
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.execution.slots import MetadataSlots
 from tokenspeed.execution.step_future import StepFuture, recorded_event
+from tokenspeed.execution.step_masks import StepMasks
 from tokenspeed.execution.token_column import FedRows
 
 PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
+
+
+@attrs.frozen(eq=False)
+class Forward:
+    """A decode step whose first stage is enqueued (``DecodeRunner.forward``): its logits and
+    positions (padded to its rung; the live rows first), its rows' sampling and their
+    settings on the device, whether a row is resampled whatever its masks
+    (``processed``), and the views its draw writes."""
+    logits: torch.Tensor
+    positions: torch.Tensor
+    sampling: list[RowSampling]
+    settings: SamplingTensors       # the rows' published settings, padded like the logits
+    processed: bool
+    seats: torch.Tensor
+    out: torch.Tensor
+    hosts: tuple[torch.Tensor, torch.Tensor]
 
 
 class DecodeRunner:
@@ -93,9 +113,17 @@ class DecodeRunner:
         return self.launch(rows, sampling).tokens()
 
     def launch(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
-               fed: FedRows | None = None) -> StepFuture:
+               fed: FedRows | None = None, masks: StepMasks | None = None) -> StepFuture:
         """Enqueue one step. ``fed``: every row's input is its request's unread token, read
-        from the token column at the row's seat (a chained step); else the rows' tokens."""
+        from the token column at the row's seat (a chained step); else the rows' tokens.
+        ``masks``: the constrained rows' token masks."""
+        return self.draw(self.forward(rows, sampling, fed), masks)
+
+    def forward(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
+                fed: FedRows | None = None) -> "Forward":
+        """The step's first stage: the graph (model, keyed draw of every row, column write),
+        enqueued at once. ``draw`` enqueues the rest; until it has, the step's tokens are
+        neither final nor on their way to the host."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
         size = rung or bs
@@ -106,13 +134,22 @@ class DecodeRunner:
         if fed is not None:
             self._feed(input_ids, fed, seats)
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
-        logprobs = None
-        if processed:
-            logprobs = sample(logits[:bs], sampling, view.positions[:bs], out=out).logprobs
-            self._write_column(seats, out)
+        return Forward(logits, view.positions, sampling, settings, processed, seats, out, hosts)
+
+    def draw(self, forward: "Forward", masks: StepMasks | None = None) -> StepFuture:
+        """The step's second stage: rows whose sampling needs more than the graph's draw
+        (``masks``, processing) drawn again from its logits into the column, then the
+        tokens' copy to the host. Enqueued after ``forward``, before the next step."""
+        logprobs, out = None, forward.out
+        if forward.processed or masks is not None:
+            bs = len(forward.sampling)
+            logprobs = sample(forward.logits[:bs], forward.sampling, forward.positions[:bs], out=out,
+                              settings=forward.settings.head(bs), masks=masks).logprobs
+            self._write_column(forward.seats, out)
         self._turn ^= 1
-        hosts[self._turn].copy_(out, non_blocking=True)
-        return StepFuture(hosts[self._turn], recorded_event(self.kv_cache.device), sampling, logprobs)
+        host = forward.hosts[self._turn]
+        host.copy_(out, non_blocking=True)
+        return StepFuture(host, recorded_event(self.kv_cache.device), forward.sampling, logprobs)
 
     def _feed(self, input_ids: torch.Tensor, fed: FedRows, seats: torch.Tensor) -> None:
         """The rows' inputs from the token column. Each row reads the seat it writes (its

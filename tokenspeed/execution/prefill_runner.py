@@ -11,9 +11,12 @@ first rows (the rows past it keep an earlier step's pages: no tile names them). 
 those graphs the attention output's padded rows are left undefined (no tile covers them);
 they flow only through padded rows, whose cache writes go to the null page. A batch above
 the largest bucket, or any batch when no graphs were captured, runs every segment
-eagerly: one walk over the same segments.
+eagerly: one walk over the same segments. A step is enqueued in two stages, the walk
+(``forward``) and the sampling (``draw``), which a step with constrained rows launches once
+the host has their masks.
 """
 
+import attrs
 import torch
 
 from tokenspeed.backends.kernels.registry import direct_calls
@@ -26,9 +29,19 @@ from tokenspeed.execution.sampler import RowSampling, SamplingTensors, sample
 from tokenspeed.execution.segment_graphs import SegmentGraphs
 from tokenspeed.execution.slots import MetadataSlots, to_device
 from tokenspeed.execution.step_future import StepFuture, recorded_event
+from tokenspeed.execution.step_masks import StepMasks
 from tokenspeed.execution.token_column import FedRows
 
 TOKEN_ROW_FIELDS = ("input_ids", "positions", "slot_mapping", "row_request")
+
+
+@attrs.frozen(eq=False)
+class ExtendForward:
+    """An extend step whose model is enqueued (``PrefillRunner.forward``): its sampled rows'
+    logits and positions, and their sampling."""
+    logits: torch.Tensor
+    positions: torch.Tensor
+    sampling: list[RowSampling]
 
 
 class PrefillRunner:
@@ -99,6 +112,11 @@ class PrefillRunner:
         """Run the chunks; ``sampling``: one row per completing chunk, in chunk order;
         ``fed``: token rows whose inputs are unread tokens, read from the token column (their
         chunks are marked ``fed``). Each sampled row's token goes to its seat."""
+        return self.draw(self.forward(chunks, sampling, fed))
+
+    def forward(self, chunks, sampling: list[RowSampling], fed: FedRows | None = None) -> "ExtendForward":
+        """The step's first stage, the model over the chunks, enqueued at once; ``draw``
+        samples its rows (a step with constrained rows draws once their masks are known)."""
         tokens = sum(c.num_rows for c in chunks)
         views = sum(kept_rows(c, self.view_width) for c in chunks)
         t = bucket_for(self.token_ladder, tokens)
@@ -108,12 +126,17 @@ class PrefillRunner:
         if fed is not None and fed.rows:
             self._feed(meta.input_ids, fed)
         logits = self._walk(meta, replay=t is not None)
-        settings = SamplingTensors.build(sampling, logits.device)
-        sampled = sample(logits, sampling, meta.positions.index_select(0, meta.sample_rows), settings=settings)
+        return ExtendForward(logits, meta.positions.index_select(0, meta.sample_rows), sampling)
+
+    def draw(self, forward: "ExtendForward", masks: StepMasks | None = None) -> StepFuture:
+        """The step's second stage: its rows sampled (``masks``: the constrained rows'), each
+        token into its seat of the column and on its way to the host."""
+        settings = SamplingTensors.build(forward.sampling, forward.logits.device)
+        sampled = sample(forward.logits, forward.sampling, forward.positions, settings=settings, masks=masks)
         if self.column is not None:
             self.column.index_copy_(0, settings.seat, sampled.tokens)
-        return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(logits.device),
-                          sampling, sampled.logprobs)
+        return StepFuture(sampled.tokens.to("cpu", non_blocking=True), recorded_event(forward.logits.device),
+                          forward.sampling, sampled.logprobs)
 
     def _feed(self, input_ids: torch.Tensor, fed: FedRows) -> None:
         """Fed rows' inputs from the token column (their rows and seats in one copy)."""

@@ -8,9 +8,9 @@ draws the same again. On CUDA the draw is one Triton kernel pair (``gumbel_argma
 captured decode step's sampler; elsewhere the torch reference.
 
 Rows that need more than that (penalties, ``min_tokens`` masks, top-k/top-p/min-p masks,
-log-probabilities) are processed after the step, in torch, then drawn by the same keyed
-Gumbel-max with their temperature already applied: a row that needs nothing of it gets
-the same token on either route.
+log-probabilities, a constraint's token masks: ``step_masks``) are processed after the
+step, in torch, then drawn by the same keyed Gumbel-max with their temperature already
+applied: a row that needs nothing of it gets the same token on either route.
 
 A row's settings are converted to what its tensors hold (and refused by name where they
 do not fit) when the row is made, as its request is added: a batch is built only of rows
@@ -26,6 +26,7 @@ import torch
 from tokenspeed.execution.host_to_device import values_on
 from tokenspeed.execution.outputs import TokenLogprobs
 from tokenspeed.execution.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, SamplingParams
+from tokenspeed.execution.step_masks import StepMasks
 from tokenspeed.execution.token_column import NULL_SEAT
 
 MIN_TEMPERATURE = 1e-5
@@ -128,6 +129,10 @@ class SamplingTensors:
                                       torch.int64, device)
         return cls(values_on([r.temperature for r in rows], torch.float32, device), top_k, seed, seat)
 
+    def head(self, rows: int) -> "SamplingTensors":
+        """The first ``rows`` rows (views: a padded step's live rows, already on the device)."""
+        return SamplingTensors(self.temperature[:rows], self.top_k[:rows], self.seed[:rows], self.seat[:rows])
+
 
 def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return seeds + positions.to(torch.int64) * POSITION_KEY
@@ -188,14 +193,16 @@ def _token_logprobs(token: int, logprob: float, ids: list[int], values: list[flo
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
-           out: torch.Tensor | None = None, settings: SamplingTensors | None = None) -> Sampled:
-    """Process the rows that need it, then draw every row by the keyed Gumbel-max
-    (``settings``: the rows' tensors, when the caller has built them)."""
+           out: torch.Tensor | None = None, settings: SamplingTensors | None = None,
+           masks: StepMasks | None = None) -> Sampled:
+    """Mask the constrained rows (``masks``) and process the rows that need it, then draw
+    every row by the keyed Gumbel-max (``settings``: the rows' tensors, when the caller has
+    built them). Log-probabilities are the model's, before masks."""
     out = torch.empty(len(rows), dtype=torch.int64, device=logits.device) if out is None else out
     settings = SamplingTensors.build(rows, logits.device) if settings is None else settings
-    if not any(r.needs_processing for r in rows):
+    if masks is None and not any(r.needs_processing for r in rows):
         return Sampled(gumbel_argmax(logits, settings, positions, out), None)
-    scores = _processed(logits.float(), rows, settings)
+    scores = _processed(logits.float() if masks is None else masks.applied(logits), rows, settings)
     tempered = attrs.evolve(settings, temperature=torch.ones_like(settings.temperature))
     tokens = gumbel_argmax(scores, tempered, positions, out)
     wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]

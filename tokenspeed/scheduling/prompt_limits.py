@@ -46,12 +46,29 @@ def check_request(limits: PromptLimits, index: int, prompt: tuple[int, ...], par
     if params.stop and not has_tokenizer:
         raise RefusedRequest(f"{where}: stop strings need a tokenizer, and this engine has none: use "
                              "stop_token_ids", field="stop", value=params.stop, limit=None)
+    if params.structured_outputs is not None and not has_tokenizer:
+        raise RefusedRequest(f"{where}: structured_outputs need a tokenizer (a grammar is compiled against "
+                             "the vocabulary as it spells it), and this engine has none",
+                             field="structured_outputs", value=params.structured_outputs, limit=None)
+    check_constraint(params, limits.vocab_size)
     if not prompt:
         raise RefusedRequest(f"{where} is empty", field="prompt", value=0, limit=1)
     _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
     _check_vocabulary("stop_token_ids", "stop_token_ids", "stop token id", params.stop_token_ids,
                       limits.vocab_size)
     _check_length(limits, where, len(prompt), params.max_tokens)
+
+
+def check_constraint(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse token ids outside the vocabulary (``logit_bias``, ``allowed_token_ids``), and
+    ``min_tokens`` with a grammar: a grammar complete before then allows only the end of
+    sequence, which ``min_tokens`` forbids, leaving no token to sample."""
+    if params.token_bias is not None:
+        params.token_bias.check_vocabulary(vocab_size)
+    if params.structured_outputs is not None and params.min_tokens:
+        raise RefusedRequest(f"min_tokens={params.min_tokens}: must be 0 with structured_outputs (a complete "
+                             "grammar allows only the end of sequence, which min_tokens forbids)",
+                             field="min_tokens", value=params.min_tokens, limit=0)
 
 
 def _check_length(limits: PromptLimits, where: str, prompt_tokens: int, max_tokens: int) -> None:

@@ -15,6 +15,7 @@ from array import array
 import attrs
 
 from tokenspeed.execution.outputs import CompletionOutput, TokenLogprobs
+from tokenspeed.scheduling.constraint import Constraint
 from tokenspeed.scheduling.request_stats import RequestStats
 from tokenspeed.execution.sampler import RowSampling
 from tokenspeed.execution.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class Request:
     seat: int = NULL_SEAT                  # its seat of the token column while it runs
     stats: RequestStats = attrs.Factory(RequestStats)
     max_output: int = attrs.field(default=None, kw_only=True)   # max_tokens, less if the context ends first
+    constraint: Constraint | None = attrs.field(default=None, kw_only=True)   # masks of its tokens
     sampling: RowSampling = attrs.field(init=False)  # its sampled rows (reads output live)
     _page_lists: list[list[int]] = attrs.field(init=False, factory=lambda: [[]])
     _token_array: array = attrs.field(init=False)

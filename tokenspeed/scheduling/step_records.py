@@ -34,15 +34,28 @@ class RunnerOutput:
         return cls(tuple(future.tokens()), tuple(future.logprobs()))
 
 
+@attrs.frozen(eq=False)
+class AwaitingMasks:
+    """A launched step's first stage (its runner's ``forward``: the model); its rows are
+    drawn once the host has their masks, which need the tokens of the step before
+    (``engine.constrained_steps``)."""
+    forward: object
+
+
 @attrs.frozen
 class InFlight:
     """A launched step whose tokens the host has not read: its batch, the requests of its
-    sampled rows in row order, and its future. ``fed``: a chained decode step's fed rows,
+    sampled rows in row order, and its future (``AwaitingMasks`` until its second stage is
+    launched). ``fed``: a chained decode step's fed rows,
     kept for the next step of the chain while its rows stay the same."""
     batch: ScheduledBatch
     sampled: tuple[Request, ...]
     future: object
     fed: FedRows | None = None
+
+    @property
+    def awaits_masks(self) -> bool:
+        return isinstance(self.future, AwaitingMasks)
 
     @property
     def columns(self) -> DecodeColumns | None:

@@ -1,0 +1,28 @@
+"""A step's masks as the sampler applies them: the bitmask and the biases over a copy of the
+logits (the model's stay for log-probabilities), the biases summed as ``add_logit_bias_``
+sums them; the host buffers taken in turn."""
+
+import torch
+
+from tokenspeed.execution.step_masks import MaskBuffers, StepMasks
+from tokenspeed.structured import TokenBias, add_logit_bias_
+from tokenspeed.structured.bitmask import pack_allowed
+
+
+def test_masks_and_biases_apply_to_a_copy_as_the_structured_helpers_do():
+    logits = torch.randn(3, 70, generator=torch.Generator().manual_seed(0))
+    bitmask = torch.stack([pack_allowed([1, 5, 64], 70), pack_allowed(range(70), 70), pack_allowed([2], 70)])
+    biases = ((0, TokenBias({5: 3.0, 64: -1.5})), (1, TokenBias({0: 100.0})), (0, TokenBias({5: 1.0})))
+    scores = StepMasks(bitmask, biases).applied(logits)
+    want = add_logit_bias_(logits.clone(), biases)
+    allowed = torch.zeros(3, 70, dtype=torch.bool)
+    allowed[0, [1, 5, 64]], allowed[1], allowed[2, 2] = True, True, True
+    assert torch.equal(scores, want.masked_fill(~allowed, float("-inf")))
+    assert not torch.equal(scores, logits) and logits.isfinite().all()
+
+
+def test_buffers_alternate_and_grow():
+    buffers = MaskBuffers(100, pinned=False)
+    first, second, third = buffers.take(2), buffers.take(3), buffers.take(2)
+    assert first.shape == (2, 4) and second.shape == (3, 4) and third.data_ptr() == first.data_ptr()
+    assert second.data_ptr() != first.data_ptr() and buffers.take(5).shape == (5, 4)

@@ -1,0 +1,249 @@
+"""Constrained decoding through ``ts.LLM.generate``: what a request's ``structured_outputs``,
+``allowed_token_ids`` and ``logit_bias`` ask is what it gets, sampled at temperature 1 over
+several seeds, with overlap on or off, with n > 1, beside unconstrained requests and under
+speculative decoding; what cannot be served is refused at the call, by field.
+
+The model is a tiny random Llama over SmolLM2's real vocabulary (``text_models``): its
+text is nonsense, so every constrained token is the mask's doing."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.engine.speculative import PerRequestDrafts
+from tokenspeed.errors import RefusedRequest
+
+from text_models import text_model_dir
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "kind": {"enum": ["cat", "dog", "fish"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 30},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["name", "kind", "age"], "additionalProperties": False}
+REGEX = r"[A-Z][a-z]{1,5}-[0-9]{2,3}"
+CHOICE = ["red", "green", "blue", "light yellow"]
+PROMPT = "Describe a pet:"
+SEEDS = range(4)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return ts.LLM(str(text_model_dir()), page_size=4)
+
+
+@pytest.fixture(scope="module")
+def llm_sync():
+    return ts.LLM(str(text_model_dir()), page_size=4, overlap=False)
+
+
+def constrained(spec: ts.StructuredOutputs, seed: int, max_tokens: int = 96, **kw) -> ts.SamplingParams:
+    return ts.SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=spec, **kw)
+
+
+def texts(llm, params, prompts=(PROMPT,)) -> list[str]:
+    outs = llm.generate(list(prompts), params, use_tqdm=False)
+    return [c.text for o in outs for c in o.outputs]
+
+
+def test_json_samples_parse_and_validate(llm):
+    params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed) for seed in SEEDS]
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_regex_and_choice_hold(llm):
+    for seed in SEEDS:
+        [text] = texts(llm, constrained(ts.StructuredOutputs(regex=REGEX), seed))
+        assert re.fullmatch(REGEX, text), text
+    chosen = {t for seed in SEEDS for t in texts(llm, constrained(ts.StructuredOutputs(choice=CHOICE), seed))}
+    assert chosen <= set(CHOICE)
+
+
+def test_allowed_token_ids_only_yield_those_ids(llm):
+    allowed = [11, 305, 1024, 4000]
+    for seed in SEEDS:
+        out = llm.generate([PROMPT], ts.SamplingParams(temperature=1.0, seed=seed, max_tokens=8,
+                                                       allowed_token_ids=allowed), use_tqdm=False)
+        assert set(out[0].outputs[0].token_ids) <= set(allowed)
+
+
+def test_a_logit_bias_of_100_makes_its_token_chosen(llm):
+    for seed in SEEDS:
+        out = llm.generate([PROMPT], ts.SamplingParams(temperature=1.0, seed=seed, max_tokens=8,
+                                                       logit_bias={777: 100}), use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == [777] * 8
+
+
+def test_greedy_output_a_constraint_already_allows_is_unchanged(llm):
+    plain = llm.generate([PROMPT], ts.SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    regex = re.escape(plain.text) + r"[\s\S]*"
+    held = llm.generate([PROMPT], ts.SamplingParams(temperature=0, max_tokens=12,
+                                                    structured_outputs=ts.StructuredOutputs(regex=regex)),
+                        use_tqdm=False)[0].outputs[0]
+    assert held.token_ids == plain.token_ids
+
+
+def mixed_batch(seed: int) -> list[ts.SamplingParams]:
+    """Constrained and unconstrained rows side by side, a few sampled, one greedy."""
+    return [constrained(ts.StructuredOutputs(json=SCHEMA), seed),
+            ts.SamplingParams(temperature=1.0, seed=seed + 1, max_tokens=24),
+            constrained(ts.StructuredOutputs(regex=REGEX), seed + 2),
+            ts.SamplingParams(temperature=0, max_tokens=30, structured_outputs=ts.StructuredOutputs(json=SCHEMA)),
+            ts.SamplingParams(temperature=1.0, seed=seed + 3, max_tokens=10, allowed_token_ids=[5, 6, 7],
+                              logit_bias={6: 3.0})]
+
+
+def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sync):
+    forwards, forward = [], llm.compiled.decode.forward
+    llm.compiled.decode.forward = lambda rows, s, fed=None: (forwards.append(fed is not None),
+                                                             forward(rows, s, fed))[1]
+    try:
+        on = llm.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
+    finally:
+        del llm.compiled.decode.forward
+    off = llm_sync.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert any(forwards), "no constrained decode step was chained onto the step in flight"
+    jsonschema.validate(json.loads(on[0].outputs[0].text), SCHEMA)
+    assert re.fullmatch(REGEX, on[2].outputs[0].text)
+
+
+def test_requests_join_constrained_ones_in_flight_by_chained_extends(llm_sync):
+    """Two seats, five requests: each join is an extend chained onto the constrained decode
+    step in flight, its constrained rows drawn once that step is read."""
+    joining = ts.LLM(str(text_model_dir()), page_size=4, max_num_seqs=2)
+    fed, forward = [], joining.compiled.prefill.forward
+    joining.compiled.prefill.forward = lambda c, s, f=None: (fed.append(bool(f and f.rows)), forward(c, s, f))[1]
+    params = mixed_batch(5)
+    on = joining.generate([PROMPT] * 5, params, use_tqdm=False)
+    off = llm_sync.generate([PROMPT] * 5, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert any(fed), "no constrained extend was chained onto a step in flight"
+
+
+def test_preempted_constrained_requests_recompute_to_the_same_tokens(llm):
+    """A request preempted for pages keeps its matcher where its read tokens left it."""
+    tight = ts.LLM(str(text_model_dir()), page_size=4, num_kv_pages=30, max_num_seqs=4)
+    preempted, preempt = [], tight.engine.scheduler._preempt
+    tight.engine.scheduler._preempt = lambda request: (preempted.append(request.id), preempt(request))
+    params = mixed_batch(3) + mixed_batch(9)
+    roomy = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    pressed = tight.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in pressed] == [o.outputs[0].token_ids for o in roomy]
+    assert preempted, "no request was preempted"
+
+
+def test_each_of_n_completions_holds_its_constraint(llm):
+    out = llm.generate([PROMPT], constrained(ts.StructuredOutputs(choice=CHOICE), 3, n=4), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(c.text in CHOICE and c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_a_bad_schema_is_refused_at_the_call_and_nothing_else_is_affected(llm):
+    good = constrained(ts.StructuredOutputs(regex=REGEX), 1)
+    bad = ts.SamplingParams(structured_outputs=ts.StructuredOutputs(json={"type": "object", "minProperties": "x"}))
+    with pytest.raises(RefusedRequest, match=r"structured_outputs\.json") as caught:
+        llm.generate([PROMPT, PROMPT], [good, bad], use_tqdm=False)
+    assert caught.value.field == "structured_outputs.json"
+    assert not llm.engine.has_work and llm.engine._num_constrained == 0
+    assert re.fullmatch(REGEX, texts(llm, good)[0])
+
+
+def test_a_stream_with_a_bad_grammar_is_refused_at_the_call(llm):
+    with pytest.raises(RefusedRequest, match=r"structured_outputs\.regex"):
+        llm.stream(PROMPT, ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="[z-a]")))
+    assert not llm.engine.has_work
+
+
+@pytest.mark.parametrize("params, field", [
+    (ts.SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
+    (ts.SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
+    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="(unclosed")), "structured_outputs.regex"),
+    (ts.SamplingParams(min_tokens=2, structured_outputs=ts.StructuredOutputs(choice=["a"])), "min_tokens")])
+def test_bad_ids_and_grammars_are_refused_by_field(llm, params, field):
+    with pytest.raises(RefusedRequest) as caught:
+        llm.generate([PROMPT], params, use_tqdm=False)
+    assert caught.value.field == field and field in str(caught.value)
+
+
+def test_an_engine_without_a_tokenizer_refuses_structured_outputs(llm):
+    engine, grammars = llm.engine, llm.engine.grammars
+    engine.grammars = None
+    try:
+        with pytest.raises(RefusedRequest, match="structured_outputs: this engine has no tokenizer"):
+            engine.add((1, 2, 3), ts.SamplingParams(structured_outputs=ts.StructuredOutputs(choice=["a"])))
+    finally:
+        engine.grammars = grammars
+    assert not engine.has_work
+
+
+class AnswerDrafts(PerRequestDrafts):
+    """Drafts from the answers plain decoding gave (found by their prompts), every other
+    window's last draft wrong: windows keep some drafts and reject others."""
+
+    def __init__(self, answers: dict[tuple[int, ...], tuple[int, ...]]):
+        self.answers = answers
+
+    def propose(self, tokens, limit: int) -> tuple[int, ...]:
+        tokens = tuple(tokens)
+        for prompt, answer in self.answers.items():
+            if tokens[:len(prompt)] == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = list(answer[done:done + min(limit, 3)])
+                if drafts and done % 2:
+                    drafts[-1] = drafts[-1] + 1
+                return tuple(drafts)
+        return ()
+
+
+def test_speculative_decoding_gives_the_tokens_of_plain_constrained_decoding(llm):
+    prompts = [PROMPT, "Describe a cat:", "Describe a dog:"]
+    params = [ts.SamplingParams(temperature=0, max_tokens=40, structured_outputs=s) for s in
+              (ts.StructuredOutputs(json=SCHEMA), ts.StructuredOutputs(regex=r"[a-z ]{1,60}"), None)]
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    drafting = ts.LLM(str(text_model_dir()), page_size=4, speculative=ts.SpeculativeConfig(verify_cost=1.0))
+    drafting.engine.drafter = AnswerDrafts({o.prompt_token_ids: o.outputs[0].token_ids for o in plain})
+    windows, launch = [], drafting.compiled.verify.launch
+
+    def verify(rows, sampling, masks=None):
+        windows.append((len(rows), masks is not None and masks.bitmask is not None))
+        return launch(rows, sampling, masks=masks)
+    drafting.compiled.verify.launch = verify
+    with_drafts = drafting.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in with_drafts] == [o.outputs[0].token_ids for o in plain]
+    assert any(masked and rows > 3 for rows, masked in windows), f"no masked window held drafts: {windows}"
+
+
+SPECS = {"json": ts.StructuredOutputs(json=SCHEMA), "regex": ts.StructuredOutputs(regex=REGEX),
+         "choice": ts.StructuredOutputs(choice=CHOICE), None: None}
+row = st.builds(lambda kind, seed, greedy, max_tokens: ts.SamplingParams(
+    temperature=0.0 if greedy else 1.0, seed=seed, max_tokens=max_tokens, structured_outputs=SPECS[kind]),
+    st.sampled_from(list(SPECS)), st.integers(0, 2**16), st.booleans(), st.integers(1, 32))
+
+
+def holds(params: ts.SamplingParams, text: str, reason: str) -> bool:
+    """A completion that stopped spells what its constraint asks (one cut by its length
+    need not be complete)."""
+    spec = params.structured_outputs
+    if spec is None or reason != "stop":
+        return True
+    if spec.kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    return bool(re.fullmatch(REGEX, text)) if spec.kind == "regex" else text in CHOICE
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(row, min_size=1, max_size=5))
+def test_mixed_workloads_hold_their_constraints_with_or_without_overlap(llm, llm_sync, params):
+    prompts = [f"{PROMPT} {i}" for i in range(len(params))]
+    on = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    off = [o.outputs[0] for o in llm_sync.generate(prompts, params, use_tqdm=False)]
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert all(holds(p, c.text, c.finish_reason) for p, c in zip(params, on))
