@@ -62,7 +62,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
                                       server.engine.info.sampling_defaults, constraint)
         if tools.parser is not None:   # the formats' markers may be special tokens (vLLM's parsers keep them)
             params = attrs.evolve(params, skip_special_tokens=False)
-        parsing = ReplyParsing.of(server.parsers.reasoning_parser, tools.parser)
+        parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser)
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 
@@ -160,6 +160,12 @@ def _chat_constraint(server: "Server", body: ChatCompletionRequest):
     constraint = tools.constraint or constraint
     server.check_constraint(constraint)
     return tools, constraint
+
+
+def _reasoning_parser(server: "Server", constraint) -> str | None:
+    """None for a constrained reply: its grammar holds from the first token, so the reply
+    has no thought to split off (a ``deepseek_r1`` parser would take it all for one)."""
+    return None if constraint is not None else server.parsers.reasoning_parser
 
 
 async def _chat_prompt(server: "Server", body) -> Prompt:
