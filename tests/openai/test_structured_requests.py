@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tokenspeed.server.openai.api_error import APIError
-from tokenspeed.server.openai.chat_parsers import ChatParsers, ParserFlags
+from tokenspeed.server.openai.chat_parsers import ChatParsers
 from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest
 from tokenspeed.server.openai.grammar_check import Constraint, GrammarCheck
 from tokenspeed.server.openai.protocol import CompletionRequest
@@ -141,12 +141,3 @@ def test_the_tools_and_chat_template_kwargs_are_template_variables():
     assert request.template_variables() == {"enable_thinking": False, "tools": TOOLS}
     with pytest.raises(APIError, match=r"chat_template_kwargs: \['tools'\] are set by"):
         chat(chat_template_kwargs={"tools": []}).template_variables()
-
-
-def test_the_parser_flags_default_to_the_chat_templates_formats():
-    template = "{% if enable_thinking %}<think>{% endif %}<tool_call>"
-    assert ParserFlags().resolve(template) == ChatParsers("hermes", "qwen3")
-    assert ParserFlags("mistral", "none").resolve(template) == ChatParsers("mistral", None)
-    assert ParserFlags().resolve(None) == ChatParsers()
-    with pytest.raises(ValueError, match="--tool-call-parser='hermez': unknown; choose one of hermes"):
-        ParserFlags("hermez")

@@ -68,10 +68,11 @@ def run(args, llm_options: dict) -> None:
     for flag, value in (("--api-servers", args.api_servers), ("--stream-interval", args.stream_interval)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    parsers = parser_flags(args)
     spec = EngineSpec.of(args.model, args.stream_interval, **llm_options)
     name = args.served_model_name or _model_name(args.model)
     options = dict(api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
-                   request_timeout=args.request_timeout, access=access(args), parser_flags=parser_flags(args))
+                   request_timeout=args.request_timeout, access=access(args), parser_flags=parsers)
     try:
         if args.api_servers == 1:
             serve(spec, name, host=args.host, port=args.port, **options)
