@@ -1,7 +1,8 @@
 """The OpenAI-compatible endpoints: each reads and checks its request, submits its prompts
 through the ``Server`` and answers whole or as a stream of server-sent events. A request's
 constraint on its output (``response_format``, ``structured_outputs``, a required or named
-tool call) is compiled before it is queued, off the event loop (``Server.check_constraint``)."""
+tool call) is compiled before it is queued, off the event loop (``Server.check_constraint``);
+a request without one makes no trip to a worker thread for it."""
 
 import asyncio
 import json
@@ -46,7 +47,8 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         body.unsupported()
         prompts = await _prompts(body.prompt, server.tokenizer)
         constraint = body.output_constraint()
-        await asyncio.to_thread(server.check_constraint, constraint)
+        if constraint is not None:
+            await asyncio.to_thread(server.check_constraint, constraint)
         params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
@@ -55,13 +57,9 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await server.read(request, ChatCompletionRequest)
-        tools, constraint = await asyncio.to_thread(_chat_constraint, server, body)
+        tools, constraint = await _chat_constraint(server, body)
         prompts = [await _chat_prompt(server, body)]
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
-                                      server.engine.info.sampling_defaults, constraint)
-        if tools.parser is not None:   # the formats' markers may be special tokens (vLLM's parsers keep them)
-            params = attrs.evolve(params, skip_special_tokens=False)
+        params = _chat_params(server, body, prompts, tools, constraint)
         parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser)
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
@@ -150,8 +148,16 @@ async def _prompts(prompt, tokenizer) -> list[Prompt]:
         raise APIError(400, str(exc), "prompt") from exc
 
 
-def _chat_constraint(server: "Server", body: ChatCompletionRequest):
-    """The request's tool use, and its constraint (the tool choice's or the output's), compiled."""
+async def _chat_constraint(server: "Server", body: ChatCompletionRequest):
+    """The request's tool use and its constraint (the tool choice's or the output's),
+    compiled off the event loop; a request with neither tools nor a constraint has
+    nothing to compile, and stays on it."""
+    compiles = body.tools or body.response_format or body.structured_outputs
+    return await asyncio.to_thread(_compiled_constraint, server, body) if compiles else \
+        _compiled_constraint(server, body)
+
+
+def _compiled_constraint(server: "Server", body: ChatCompletionRequest):
     tools = tool_use(body, server.parsers, server.tokenizer)
     constraint = body.output_constraint()
     if tools.constraint is not None and constraint is not None:
@@ -160,6 +166,15 @@ def _chat_constraint(server: "Server", body: ChatCompletionRequest):
     constraint = tools.constraint or constraint
     server.check_constraint(constraint)
     return tools, constraint
+
+
+def _chat_params(server: "Server", body: ChatCompletionRequest, prompts, tools, constraint):
+    """Special tokens stay in a reply whose calls are parsed: a format's marker may be one
+    (vLLM's parsers keep them likewise)."""
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
+                                  server.engine.info.sampling_defaults, constraint)
+    return attrs.evolve(params, skip_special_tokens=False) if tools.parser is not None else params
 
 
 def _reasoning_parser(server: "Server", constraint) -> str | None:
