@@ -9,7 +9,7 @@ import pytest
 
 from tokenspeed.server.openai.api_error import APIError
 from tokenspeed.server.openai.chat_parsers import ChatParsers
-from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest
+from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenspeed.server.openai.grammar_check import Constraint, GrammarCheck
 from tokenspeed.server.openai.protocol import CompletionRequest
 from tokenspeed.server.openai.tool_use import tool_use
@@ -141,3 +141,11 @@ def test_the_tools_and_chat_template_kwargs_are_template_variables():
     assert request.template_variables() == {"enable_thinking": False, "tools": TOOLS}
     with pytest.raises(APIError, match=r"chat_template_kwargs: \['tools'\] are set by"):
         chat(chat_template_kwargs={"tools": []}).template_variables()
+
+
+def test_tokenize_takes_the_templates_fields_with_messages_only():
+    request = TokenizeRequest.model_validate_json(json.dumps({"prompt": "x", "tools": TOOLS}))
+    with pytest.raises(APIError, match="tools go through the chat template: send messages") as refused:
+        request.check_input()
+    assert refused.value.param == "tools"
+    TokenizeRequest.model_validate_json(json.dumps({"messages": HELLO, "tools": TOOLS})).check_input()

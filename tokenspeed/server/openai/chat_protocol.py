@@ -119,3 +119,11 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+
+    def check_input(self) -> None:
+        """Exactly one of ``prompt`` and ``messages``; the template's fields only with messages."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        for name in ("tools", "chat_template_kwargs"):
+            if self.prompt is not None and getattr(self, name) is not None:
+                raise APIError(400, f"{name} go through the chat template: send messages, not a prompt", name)

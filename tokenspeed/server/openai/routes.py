@@ -67,8 +67,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await server.read(request, TokenizeRequest)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        body.check_input()
         tokenizer = _tokenizer(server)
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens) \
             if body.prompt is not None else \
