@@ -8,7 +8,7 @@ import pytest
 import tokenspeed as ts
 from tokenspeed.api.text_updates import CompletionDelta
 from tokenspeed.server.openai import responses
-from tokenspeed.server.openai.protocol import ChatMessage
+from tokenspeed.server.openai.chat_protocol import ChatMessage
 from tokenspeed.api.prompts import chat_prompt
 from tokenspeed.execution.outputs import TokenLogprobs
 from tokenspeed.tokenizer import ChatTemplate, load_tokenizer
@@ -95,14 +95,6 @@ def test_openais_fields_that_mean_nothing_here_are_accepted_and_ignored(client):
                                           ("reasoning_effort", "low"), ("frobnicate", 1)])
 def test_fields_that_would_change_the_answer_are_refused(api, field, value):
     assert_error(api.post(PATH, {"messages": HELLO, field: value}), 400, "BadRequestError", field)
-
-
-def test_tools_and_a_json_response_format_are_refused(client):
-    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
-        client.chat.completions.create(model=MODEL, messages=HELLO, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {}}}])
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(model=MODEL, messages=HELLO, response_format={"type": "json_object"})
 
 
 def test_stream_options_need_a_stream(api):

@@ -3,14 +3,22 @@ message one accepts the other does not refuse.
 
 A message is a dict with a ``role`` (system, user, assistant, developer, tool), a
 ``content`` (a string, a list of ``{"type": "text", "text": ...}`` parts, or None) and
-optionally a ``name``. The template sees the content as one string, a developer message
-as a system one, and the ``name`` where given (transformers passes it on likewise).
+optionally a ``name``. An assistant message may carry the ``tool_calls`` it made (OpenAI's
+``{"id", "type": "function", "function": {"name", "arguments"}}``) and the
+``reasoning_content`` it thought; a tool message, the ``tool_call_id`` it answers. The
+template sees the content as one string, a developer message as a system one, the other
+fields where given (transformers passes them on likewise), and each call's ``arguments``
+as a dict: the JSON text OpenAI sends, parsed, as tool-calling templates expect them
+(vLLM parses them likewise).
 """
 
+import json
 from collections.abc import Mapping, Sequence
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
-FIELDS = ("role", "content", "name")
+FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+ROLE_OF_FIELD = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
+CALL_FIELDS = ("id", "type", "function")
 
 
 def conversations(messages) -> list[list[dict]]:
@@ -42,11 +50,61 @@ def _message(message, where: str) -> dict:
         raise ValueError(f"{where}.role={role!r}: must be one of {', '.join(ROLES)}")
     out = {"role": "system" if role == "developer" else role,
            "content": _content(message.get("content"), f"{where}.content")}
-    if message.get("name") is not None:
-        if not isinstance(message["name"], str):
-            raise TypeError(f"{where}.name={message['name']!r}: must be a string")
-        out["name"] = message["name"]
+    for field in ("name", "tool_call_id", "reasoning_content"):
+        if message.get(field) is not None:
+            out[field] = _string(message[field], role, field, where)
+    if message.get("tool_calls") is not None:
+        _check_role(role, "tool_calls", where)
+        out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
     return out
+
+
+def _string(value, role: str, field: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where}.{field}={value!r}: must be a string")
+    _check_role(role, field, where)
+    return value
+
+
+def _check_role(role: str, field: str, where: str) -> None:
+    wanted = ROLE_OF_FIELD.get(field)
+    if wanted is not None and role != wanted:
+        raise ValueError(f"{where}.{field}: only a message of role {wanted!r} has one, not one of role {role!r}")
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not _is_list(calls):
+        raise TypeError(f"{where} must be a list of tool calls, got {_shown(calls)}")
+    return [_tool_call(c, f"{where}[{i}]") for i, c in enumerate(calls)]
+
+
+def _tool_call(call, where: str) -> dict:
+    """``{"id"?, "type": "function", "function": {"name", "arguments"}}``, its arguments as a dict."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) \
+            or set(call) - set(CALL_FIELDS) or call.get("type", "function") != "function":
+        raise ValueError(f"{where} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                         f"'arguments': str}}}}, got {_shown(call)}")
+    out = {"type": "function", "function": {"name": function["name"],
+                                            "arguments": _arguments(function.get("arguments"), where)}}
+    if call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
+
+
+def _arguments(arguments, where: str) -> dict:
+    """The JSON text of a call's arguments (or the dict itself), as a dict; none: ``{}``."""
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    if arguments is None or arguments == "":
+        return {}
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}.function.arguments is not JSON ({exc}): {_shown(arguments)}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object, got {_shown(arguments)}")
+    return parsed
 
 
 def _content(content, where: str) -> str:

@@ -85,10 +85,11 @@ def encode(tokenizer, text: str, where: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def chat_prompt(tokenizer, messages, add_generation_prompt: bool = True) -> Prompt:
+def chat_prompt(tokenizer, messages, add_generation_prompt: bool = True, **template_variables) -> Prompt:
     """One conversation as a prompt: the template's text and its tokens (the template
-    writes the special tokens it wants; none are added again)."""
+    writes the special tokens it wants; none are added again). ``template_variables``:
+    further variables for the template (``tools``, ``enable_thinking``, ...)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, **template_variables)
     return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
 

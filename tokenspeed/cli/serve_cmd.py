@@ -21,6 +21,7 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                             "fewer, larger chunks cost the engine less under many clients")
     _lifecycle_options(serve)
     _access_options(serve)
+    _parser_options(serve)
 
 
 def _lifecycle_options(serve: argparse.ArgumentParser) -> None:
@@ -40,6 +41,23 @@ def _access_options(serve: argparse.ArgumentParser) -> None:
                        help="with --api-key: /metrics needs the key too (default: open to scrapers)")
 
 
+def _parser_options(serve: argparse.ArgumentParser) -> None:
+    from tokenspeed.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
+    serve.add_argument("--tool-call-parser", default=None,
+                       help=f"how replies write tool calls: {', '.join(sorted(TOOL_PARSERS))}, or none "
+                            "(default: the format the chat template teaches, if it shows one)")
+    serve.add_argument("--reasoning-parser", default=None,
+                       help=f"how replies write their reasoning, split off as reasoning_content: "
+                            f"{', '.join(sorted(REASONING_PARSERS))}, or none (default: from the chat "
+                            "template's <think>, if it has one)")
+
+
+def parser_flags(args):
+    """The parser flags, checked (an unknown name is refused before the engine starts)."""
+    from tokenspeed.server.openai.chat_parsers import ParserFlags
+    return ParserFlags(args.tool_call_parser, args.reasoning_parser)
+
+
 def run(args, llm_options: dict) -> None:
     from tokenspeed.server.engine_process import EngineSpec, EngineStartError
     from tokenspeed.api.llm import checked_device, checked_dtype
@@ -50,10 +68,11 @@ def run(args, llm_options: dict) -> None:
     for flag, value in (("--api-servers", args.api_servers), ("--stream-interval", args.stream_interval)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    parsers = parser_flags(args)
     spec = EngineSpec.of(args.model, args.stream_interval, **llm_options)
     name = args.served_model_name or _model_name(args.model)
     options = dict(api_key=args.api_key, shutdown_timeout=args.shutdown_timeout,
-                   request_timeout=args.request_timeout, access=access(args))
+                   request_timeout=args.request_timeout, access=access(args), parser_flags=parsers)
     try:
         if args.api_servers == 1:
             serve(spec, name, host=args.host, port=args.port, **options)

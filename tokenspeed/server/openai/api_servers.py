@@ -25,6 +25,7 @@ import attrs
 
 from tokenspeed.server.engine_process import EngineInfo, EngineProcess, EngineSpec
 from tokenspeed.server.openai.access import Access
+from tokenspeed.server.openai.chat_parsers import ParserFlags
 from tokenspeed.server.openai.lifecycle import FINAL_WRITE_S, SHUTDOWN_TIMEOUT_S, ServerExited, check_timeout
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"   # read when a process imports prometheus_client
@@ -47,7 +48,8 @@ class Timeouts:
 
 def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key: str | None,
                count: int, log_level: str = "info", shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-               request_timeout: float | None = None, access: Access = Access()) -> None:
+               request_timeout: float | None = None, access: Access = Access(),
+               parser_flags: ParserFlags = ParserFlags()) -> None:
     """Start the engine (an ``EngineStartError`` says why it could not), then ``count`` API
     servers on ``host:port``; return once Ctrl-C or SIGTERM has stopped them, or raise
     ``ServerExited`` once one has exited unasked and the others are stopped."""
@@ -60,7 +62,7 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
             with tempfile.TemporaryDirectory(prefix="tokenspeed-metrics-") as metrics_dir, \
                     _environment(MULTIPROC_ENV, metrics_dir), parent_end:
                 servers = [_api_server(engine, i, info, spec.tokenizer, model_name, api_key, sock, metrics_dir,
-                                       log_level, lifeline, timeouts, access) for i in range(count)]
+                                       log_level, lifeline, timeouts, access, parser_flags) for i in range(count)]
                 lifeline.close()
                 for channel in engine.channels:   # each now held by its server alone: when one
                     channel.close()               # exits, the engine drops its requests
@@ -74,18 +76,19 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
 
 
 def _api_server(engine: EngineProcess, index: int, info: EngineInfo, tokenizer, model_name, api_key, sock,
-                metrics_dir, log_level, lifeline, timeouts: Timeouts, access: Access) -> multiprocessing.Process:
+                metrics_dir, log_level, lifeline, timeouts: Timeouts, access: Access,
+                parser_flags: ParserFlags) -> multiprocessing.Process:
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=api_server_main, name=f"tokenspeed-api-{index}", daemon=True,
                               args=(engine.channels[index].sock, info, tokenizer, model_name, api_key, sock,
-                                    metrics_dir, log_level, lifeline, timeouts, access))
+                                    metrics_dir, log_level, lifeline, timeouts, access, parser_flags))
     process.start()
     return process
 
 
 def api_server_main(engine_end, info: EngineInfo, tokenizer, model_name: str, api_key: str | None, sock,
                     metrics_dir: str, log_level: str, lifeline, timeouts: Timeouts = Timeouts(),
-                    access: Access = Access()) -> None:
+                    access: Access = Access(), parser_flags: ParserFlags = ParserFlags()) -> None:
     """A child: one uvicorn server on the shared socket, linked to the engine by
     ``engine_end`` (its channel's socket). When ``lifeline`` (the parent's pipe) closes, it
     sends itself SIGTERM: a parent killed outright leaves no server behind (and, their
@@ -96,7 +99,7 @@ def api_server_main(engine_end, info: EngineInfo, tokenizer, model_name: str, ap
     from tokenspeed.server.openai.server import Server, server_app
     threading.Thread(target=_stop_when_closed, args=(lifeline,), daemon=True).start()
     server = Server(lambda: (FrameSocket(engine_end, from_engine_decoder()), info, None), tokenizer, model_name,
-                    api_key, metrics_dir=metrics_dir, request_timeout=timeouts.request)
+                    api_key, metrics_dir=metrics_dir, request_timeout=timeouts.request, parser_flags=parser_flags)
     host, port = sock.getsockname()[:2]
     app = server_app(server, access)
     try:

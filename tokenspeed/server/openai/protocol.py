@@ -6,35 +6,28 @@ OpenAI fields that mean nothing to a local server (``user``; for chat also ``met
 ``store``, ``service_tier``, ``parallel_tool_calls``, ``prompt_cache_key``,
 ``safety_identifier``): read, checked for type, and ignored.
 
+Constraints on the output (``response_format``, vLLM's ``structured_outputs``) become a
+``Constraint`` here; the handler compiles it at the door (``grammar_check``).
+``logit_bias`` and vLLM's ``allowed_token_ids`` go to ``SamplingParams`` as they are.
+The chat request's own fields (messages, tools) are ``chat_protocol``'s.
+
 The door's bounds (``MAX_PROMPTS``, ``MAX_STOP_STRINGS``, ``MAX_STOP_CHARS``) are far
 past what a client asks for, and close the door on requests built to wedge the server
 (a 1 MB stop string is matched against every step's text).
 """
 
-from typing import Literal
+from pydantic import BaseModel, ConfigDict
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from tokenspeed.api.chat_messages import ROLES, template_messages
 from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.sampling_params import SamplingParams
+from tokenspeed.server.openai.api_error import APIError
+from tokenspeed.server.openai.grammar_check import Constraint
+from tokenspeed.structured import StructuredOutputs, from_response_format
+from tokenspeed.structured.spec import KINDS
 
 MAX_PROMPTS = 2048          # prompts in one completions request (OpenAI's bound on its arrays)
 MAX_STOP_STRINGS = 64       # OpenAI allows 4
 MAX_STOP_CHARS = 1024       # characters in one stop string
-
-
-class APIError(Exception):
-    """An answer other than 200: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "BadRequestError"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}
 
 
 class Strict(BaseModel):
@@ -65,12 +58,15 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, model_defaults: dict) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, model_defaults: dict,
+                        constraint: Constraint | None = None) -> SamplingParams:
         """``model_defaults``: the model's generation_config values (as ``LLM``'s), for the
-        fields the request leaves unset, over OpenAI's defaults."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        fields the request leaves unset, over OpenAI's defaults; ``constraint``: what the
+        output must match (``output_constraint``'s, or the tool choice's)."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
         self._check_stop()
@@ -82,7 +78,22 @@ class SamplingFields(Strict):
                                frequency_penalty=self.frequency_penalty,
                                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                stop_token_ids=self.stop_token_ids or (),
-                               skip_special_tokens=self.skip_special_tokens)
+                               skip_special_tokens=self.skip_special_tokens,
+                               structured_outputs=constraint.spec if constraint else None,
+                               logit_bias=self.logit_bias or (), allowed_token_ids=self.allowed_token_ids)
+
+    def output_constraint(self) -> Constraint | None:
+        """What ``response_format`` or ``structured_outputs`` asks of the output (one of them)."""
+        try:
+            spec = from_response_format(self.response_format)
+        except RefusedRequest as exc:
+            raise APIError(400, str(exc), exc.field) from exc
+        if self.structured_outputs is None:
+            return None if spec is None else Constraint(spec, "response_format")
+        if spec is not None:
+            raise APIError(400, "response_format and structured_outputs both constrain the output: give one",
+                           "structured_outputs")
+        return Constraint(_structured_outputs(self.structured_outputs), "structured_outputs")
 
     def _check_stop(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -116,63 +127,24 @@ class CompletionRequest(SamplingFields):
                            "per request", "prompt")
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Strict):
-    role: Literal[ROLES]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def as_template_message(self) -> dict:
-        """Shaped by the check ``LLM.chat`` makes (``chat_messages``): one rule for both."""
-        return template_messages([self.model_dump(exclude_none=True)])[0]
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    tools: list | None = None
-    response_format: dict | None = None
-    metadata: dict[str, str] | None = None          # accepted and ignored (see the module's note)
-    store: bool | None = None
-    service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-
-    def unsupported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than text is not supported", "response_format")
-
-    def logprobs_count(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class TokenizeRequest(Strict):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 
 
 UNSET_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def _structured_outputs(value: dict) -> StructuredOutputs:
+    """vLLM's ``structured_outputs`` request field: one of its kinds of constraint."""
+    unknown = sorted(set(value) - set(KINDS))
+    if unknown:
+        raise APIError(400, f"structured_outputs: unknown field(s) {unknown}; it takes one of "
+                       f"{', '.join(KINDS)}", "structured_outputs")
+    try:
+        return StructuredOutputs(**value)
+    except RefusedRequest as exc:
+        raise APIError(400, str(exc), exc.field) from exc
 
 
 def sampling_params(**fields) -> SamplingParams:

@@ -4,6 +4,9 @@ A prompt's completion ``i`` is choice ``prompt index * n + i``. Streams send, pe
 only deltas that carry text or a finish; chat streams open each choice with its role.
 A format serves one response: it follows each choice's text (``TextOffsets``) across the
 chunks of a stream, so that streamed ``text_offset`` values are those of the whole answer.
+A chat reply read by parsers (``ReplyParsing``: reasoning, tool calls) is sent as the
+message fields they read, and streamed as their deltas, each choice through its own
+``ReplyStream``.
 """
 
 import json
@@ -13,6 +16,7 @@ from json.encoder import encode_basestring_ascii as _string   # json.dumps of a 
 import attrs
 
 from tokenspeed.api.text_updates import CompletionDelta
+from tokenspeed.server.openai.chat_replies import ReplyParsing, ReplyStream, finish_reason
 from tokenspeed.tokenizer import IncrementalDetokenizer
 
 OWNER = "tokenspeed"
@@ -160,9 +164,17 @@ class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True,
+                 parsing: ReplyParsing | None = None):
+        super().__init__(model, tokenizer, n, skip_special_tokens)
+        self.parsing = parsing
+        self._streams: dict[int, ReplyStream] = {}     # by choice index
+
     def choice(self, c: CompletionDelta) -> dict:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c.index, c.logprobs), "finish_reason": c.finish_reason,
+        fields = {"content": c.text} if self.parsing is None else self.parsing.message(c.text)
+        return {"index": c.index, "message": {"role": "assistant", **fields},
+                "logprobs": self.logprobs(c.index, c.logprobs),
+                "finish_reason": finish_reason(c.finish_reason, "tool_calls" in fields),
                 "stop_reason": c.stop_reason}
 
     def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
@@ -170,6 +182,25 @@ class ChatFormat(_Format):
         return [{**envelope, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]}
                 for i in range(num_prompts * self.n)]
+
+    def events(self, prefix: str, index: int, update) -> str:
+        if self.parsing is None:
+            return super().events(prefix, index, update)
+        return "".join(f"{prefix}{json.dumps(choice)}]}}\n\n"
+                       for d in update.deltas for choice in self._parsed_choices(index * self.n + d.index, d))
+
+    def _parsed_choices(self, index: int, d) -> list[dict]:
+        """The parsers' deltas of ``d``, a chunk's choice each (none: one for the log-probabilities
+        or the finish, if ``d`` has either); the log-probabilities go with the first, the
+        finish with the last."""
+        stream = self._streams.setdefault(index, self.parsing.stream())
+        messages = stream.feed(d.text) + (stream.finish() if d.finish_reason else [])
+        deltas = [m.as_openai() for m in messages] or ([{}] if d.logprobs or d.finish_reason else [])
+        last = len(deltas) - 1
+        return [{"index": index, "delta": delta, "logprobs": self.logprobs(index, d.logprobs) if i == 0 else None,
+                 "finish_reason": finish_reason(d.finish_reason, stream.called) if i == last else None,
+                 "stop_reason": d.stop_reason if i == last else None}
+                for i, delta in enumerate(deltas)]
 
     def delta_choice(self, index: int, d) -> dict:
         return {"index": index, "delta": {"content": d.text} if d.text else {},

@@ -1,5 +1,8 @@
 """The OpenAI-compatible endpoints: each reads and checks its request, submits its prompts
-through the ``Server`` and answers whole or as a stream of server-sent events."""
+through the ``Server`` and answers whole or as a stream of server-sent events. A request's
+constraint on its output (``response_format``, ``structured_outputs``, a required or named
+tool call) is compiled before it is queued, off the event loop (``Server.check_constraint``);
+a request without one makes no trip to a worker thread for it."""
 
 import asyncio
 import json
@@ -7,14 +10,17 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+import attrs
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenspeed.server.openai import responses
-from tokenspeed.server.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                    DetokenizeRequest, TokenizeRequest)
+from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from tokenspeed.server.openai.chat_replies import ReplyParsing
+from tokenspeed.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
+from tokenspeed.server.openai.tool_use import tool_use
 from tokenspeed.api.prompts import Prompt, chat_prompt, parse_prompts
 
 if TYPE_CHECKING:
@@ -40,31 +46,32 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         body = await server.read(request, CompletionRequest)
         body.unsupported()
         prompts = await _prompts(body.prompt, server.tokenizer)
+        constraint = body.output_constraint()
+        if constraint is not None:
+            await asyncio.to_thread(server.check_constraint, constraint)
         params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs,
-                                      server.engine.info.sampling_defaults)
+                                      server.engine.info.sampling_defaults, constraint)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await server.read(request, ChatCompletionRequest)
-        body.unsupported()
-        prompts = [await _chat_prompt(server, body.messages, body.add_generation_prompt)]
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
-                                      server.engine.info.sampling_defaults)
+        tools, constraint = await _chat_constraint(server, body)
+        prompts = [await _chat_prompt(server, body)]
+        params = _chat_params(server, body, prompts, tools, constraint)
+        parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser)
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
-            server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await server.read(request, TokenizeRequest)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        body.check_input()
         tokenizer = _tokenizer(server)
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens) \
             if body.prompt is not None else \
-            (await _chat_prompt(server, body.messages, body.add_generation_prompt)).token_ids
+            (await _chat_prompt(server, body)).token_ids
         return {"tokens": list(ids), "count": len(ids),
                 "max_model_len": server.limits.max_model_len}
 
@@ -140,12 +147,49 @@ async def _prompts(prompt, tokenizer) -> list[Prompt]:
         raise APIError(400, str(exc), "prompt") from exc
 
 
-async def _chat_prompt(server: "Server", messages, add_generation_prompt: bool) -> Prompt:
-    """The conversation through the chat template, off the event loop (as ``_prompts``)."""
+async def _chat_constraint(server: "Server", body: ChatCompletionRequest):
+    """The request's tool use and its constraint (the tool choice's or the output's),
+    compiled off the event loop; a request with neither tools nor a constraint has
+    nothing to compile, and stays on it."""
+    compiles = body.tools or body.response_format or body.structured_outputs
+    return await asyncio.to_thread(_compiled_constraint, server, body) if compiles else \
+        _compiled_constraint(server, body)
+
+
+def _compiled_constraint(server: "Server", body: ChatCompletionRequest):
+    tools = tool_use(body, server.parsers, server.tokenizer)
+    constraint = body.output_constraint()
+    if tools.constraint is not None and constraint is not None:
+        raise APIError(400, f"tool_choice and {constraint.field} both constrain the output: give one",
+                       "tool_choice")
+    constraint = tools.constraint or constraint
+    server.check_constraint(constraint)
+    return tools, constraint
+
+
+def _chat_params(server: "Server", body: ChatCompletionRequest, prompts, tools, constraint):
+    """Special tokens stay in a reply whose calls are parsed: a format's marker may be one
+    (vLLM's parsers keep them likewise)."""
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
+                                  server.engine.info.sampling_defaults, constraint)
+    return attrs.evolve(params, skip_special_tokens=False) if tools.parser is not None else params
+
+
+def _reasoning_parser(server: "Server", constraint) -> str | None:
+    """None for a constrained reply: its grammar holds from the first token, so the reply
+    has no thought to split off (a ``deepseek_r1`` parser would take it all for one)."""
+    return None if constraint is not None else server.parsers.reasoning_parser
+
+
+async def _chat_prompt(server: "Server", body) -> Prompt:
+    """The conversation (with the tools and ``chat_template_kwargs``) through the chat
+    template, off the event loop (as ``_prompts``)."""
     _tokenizer(server)
+    messages, variables = body.checked_messages(), body.template_variables()
     try:
-        return await asyncio.to_thread(chat_prompt, server.tokenizer, [m.as_template_message() for m in messages],
-                                       add_generation_prompt)
+        return await asyncio.to_thread(chat_prompt, server.tokenizer, messages, body.add_generation_prompt,
+                                       **variables)
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
 

@@ -24,10 +24,12 @@ from tokenspeed.server.engine_process import EngineProcess, EngineSpec
 from tokenspeed.server.frozen_heap import frozen_heap
 from tokenspeed.api.messages import StepReport
 from tokenspeed.server.openai.access import Access, error_bodies, guard
+from tokenspeed.server.openai.chat_parsers import ParserFlags
+from tokenspeed.server.openai.grammar_check import Constraint, GrammarCheck
 from tokenspeed.server.openai.lifecycle import SHUTDOWN_TIMEOUT_S, check_timeout, run, uvicorn_config
 from tokenspeed.server.openai.mailbox import Mailbox
 from tokenspeed.server.openai.metrics import ServerMetrics
-from tokenspeed.server.openai.protocol import APIError
+from tokenspeed.server.openai.api_error import APIError
 from tokenspeed.server.openai.routes import add_routes
 from tokenspeed.api.output_processor import PromptOutput
 from tokenspeed.api.prompts import Prompt
@@ -49,21 +51,27 @@ class Waiting:
 
 
 class Server:
-    """What the handlers share: the link to the engine process, the tokenizer, the served
-    name, the metrics, and each prompt in flight (by key).
+    """What the handlers share: the link to the engine process, the tokenizer (and the
+    grammar check over its vocabulary), the chat parsers, the served name, the metrics,
+    and each prompt in flight (by key).
     ``connect()``: this server's channel to the engine, the engine's ``EngineInfo``, and
     the ``EngineProcess`` where this server owns it (blocking; called once, at start).
     ``request_timeout``: seconds a request may take from its submission (None: no limit);
     past them it is aborted and answered 504. ``stop_serving``: called once the engine
-    has gone (``lifecycle.DrainingServer`` sets it); ``exit_message`` then says why."""
+    has gone (``lifecycle.DrainingServer`` sets it); ``exit_message`` then says why.
+    ``parser_flags``: ``--tool-call-parser`` and ``--reasoning-parser``, resolved against
+    the chat template (``parsers``)."""
 
     def __init__(self, connect: Callable, tokenizer: str | None, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, metrics_dir: str | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, parser_flags: ParserFlags = ParserFlags()):
         check_timeout("request_timeout", request_timeout)
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.request_timeout = request_timeout
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.parsers = parser_flags.resolve(template.source if template is not None else None)
+        self.grammars = GrammarCheck(self.tokenizer)
         self.metrics = ServerMetrics(metrics_dir)
         self.connect = connect
         self.engine: EngineClient | None = None
@@ -145,6 +153,16 @@ class Server:
                               has_tokenizer=self.engine.info.has_tokenizer)
             except RefusedRequest as exc:
                 raise APIError(400, str(exc), field if exc.field == "prompt" else exc.field) from exc
+        if params.token_bias is not None:
+            try:
+                params.token_bias.check_vocabulary(self.limits.vocab_size)
+            except RefusedRequest as exc:
+                raise APIError(400, str(exc), exc.field) from exc
+
+    def check_constraint(self, constraint: Constraint | None) -> None:
+        """Compile ``constraint`` against the model's vocabulary: a 400 naming its field if
+        it does not compile (blocking: call it off the event loop)."""
+        self.grammars.check(constraint, self.limits.vocab_size)
 
     def submit(self, prompts: list[Prompt], params) -> tuple[list[int], Mailbox]:
         """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
@@ -208,14 +226,14 @@ class Server:
 
 def create_app(spec: EngineSpec, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, access: Access = Access(),
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None, parser_flags: ParserFlags = ParserFlags()) -> FastAPI:
     """The app and its own engine process, which starts (unless started already: see
     ``serve``) and stops with the app's lifespan. ``access``: CORS and whether
-    ``/metrics`` needs the key."""
+    ``/metrics`` needs the key; ``parser_flags``: the chat parsers (``Server``)."""
     process = EngineProcess(spec)
     connect = lambda: (process.channels[0], process.start(), process)   # noqa: E731
     return server_app(Server(connect, spec.tokenizer, model_name, api_key, max_body_bytes,
-                             request_timeout=request_timeout), access)
+                             request_timeout=request_timeout, parser_flags=parser_flags), access)
 
 
 def server_app(server: Server, access: Access = Access()) -> FastAPI:
@@ -253,11 +271,13 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-          request_timeout: float | None = None, access: Access = Access()) -> None:
+          request_timeout: float | None = None, access: Access = Access(),
+          parser_flags: ParserFlags = ParserFlags()) -> None:
     """Start the engine (an ``EngineStartError`` says why it could not), then serve until
     SIGINT or SIGTERM (drained for ``shutdown_timeout`` seconds: ``lifecycle``); raise
     ``ServerExited`` if the engine process exits unasked."""
-    app = create_app(spec, model_name, api_key, access=access, request_timeout=request_timeout)
+    app = create_app(spec, model_name, api_key, access=access, request_timeout=request_timeout,
+                     parser_flags=parser_flags)
     config = uvicorn_config(app, host, port, "info", shutdown_timeout)   # bad options refused first
     app.state.server.connect()   # starts the engine process here, before the port is bound
     run(app, config)

@@ -1,0 +1,129 @@
+"""The chat request bodies (``/v1/chat/completions``, and ``/tokenize`` given messages),
+checked as strictly as ``protocol``'s: the messages (with the calls an assistant made and
+the tools' answers), the ``tools`` and ``tool_choice``, and ``chat_template_kwargs``,
+further variables for the chat template (``enable_thinking: false``, say), as vLLM
+passes them. The template's own variables (``messages``, ``tools``,
+``add_generation_prompt``) are set by their fields, not through ``chat_template_kwargs``.
+"""
+
+from typing import Literal
+
+from pydantic import Field
+
+from tokenspeed.api.chat_messages import ROLES, template_messages
+from tokenspeed.server.openai.api_error import APIError
+from tokenspeed.server.openai.protocol import SamplingFields, Strict
+
+OWN_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str | dict
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal[ROLES]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def as_template_message(self) -> dict:
+        """Shaped by the check ``LLM.chat`` makes (``chat_messages``): one rule for both."""
+        return template_messages([self.model_dump(exclude_none=True)])[0]
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatTemplateFields(Strict):
+    """What the chat template sees: the conversation, the tools and further variables."""
+
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+
+    def checked_messages(self) -> list[dict]:
+        """The messages as the template takes them, refused (400) as ``LLM.chat`` refuses them."""
+        try:
+            return template_messages([m.model_dump(exclude_none=True) for m in self.messages])
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc), "messages") from exc
+
+    def template_variables(self) -> dict:
+        """``tools`` (as the client sent them: transformers passes dicts on unchanged) and
+        ``chat_template_kwargs``."""
+        variables = dict(self.chat_template_kwargs or {})
+        clash = sorted(set(variables) & set(OWN_VARIABLES))
+        if clash:
+            raise APIError(400, f"chat_template_kwargs: {clash} are set by the request's own fields "
+                           f"({', '.join(OWN_VARIABLES)}), not here", "chat_template_kwargs")
+        if self.tools:
+            variables["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return variables
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    metadata: dict[str, str] | None = None          # accepted and ignored (see ``protocol``'s note)
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    def check_input(self) -> None:
+        """Exactly one of ``prompt`` and ``messages``; the template's fields only with messages."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        for name in ("tools", "chat_template_kwargs"):
+            if self.prompt is not None and getattr(self, name) is not None:
+                raise APIError(400, f"{name} go through the chat template: send messages, not a prompt", name)

@@ -1,0 +1,85 @@
+"""A chat reply as OpenAI's message: the reasoning split off first (``reasoning_content``),
+then the tool calls read from what is left (``tool_calls``), whole or as stream deltas
+that join to the whole (vLLM's chain and its delta shapes: each parser's stream is the
+differences between its scans of the growing text, so the pieces add up to its parse).
+A reply that made calls finishes with ``"tool_calls"``, unless it was cut short.
+"""
+
+import attrs
+
+from tokenspeed.parsers import DeltaMessage, ThinkParser, ToolParser, reasoning_parser, tool_parser
+
+TOOL_CALLS = "tool_calls"
+
+
+@attrs.frozen
+class ReplyParsing:
+    """How one request's replies are read: ``reasoning`` and ``tools`` parsers (None: the
+    reply is not read that way)."""
+
+    reasoning: ThinkParser | None = None
+    tools: ToolParser | None = None
+
+    @classmethod
+    def of(cls, reasoning_name: str | None, tools_name: str | None) -> "ReplyParsing | None":
+        """The parsing by the parsers' names; None when neither is named (the reply is plain text)."""
+        if reasoning_name is None and tools_name is None:
+            return None
+        return cls(reasoning_parser(reasoning_name) if reasoning_name else None,
+                   tool_parser(tools_name) if tools_name else None)
+
+    def message(self, text: str) -> dict:
+        """A whole reply's message fields: ``content``, and ``reasoning_content`` and
+        ``tool_calls`` where their parsers read them."""
+        fields = {}
+        content = text
+        if self.reasoning is not None:
+            fields["reasoning_content"], content = self.reasoning.parse(text)
+        fields["content"] = content
+        if self.tools is not None and content is not None:
+            parsed = self.tools.parse(content)
+            fields["content"] = parsed.content
+            if parsed.tool_calls:
+                fields[TOOL_CALLS] = [call.as_openai() for call in parsed.tool_calls]
+        return fields
+
+    def stream(self) -> "ReplyStream":
+        return ReplyStream(self)
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """``"tool_calls"`` for a reply that made calls and ended as it chose to."""
+    return TOOL_CALLS if called and reason == "stop" else reason
+
+
+class ReplyStream:
+    """One streamed reply: ``feed`` each new piece of text, ``finish`` at its end; each
+    returns the deltas to send. ``called``: the reply has made a tool call."""
+
+    def __init__(self, parsing: ReplyParsing):
+        self._reasoning = parsing.reasoning.stream() if parsing.reasoning is not None else None
+        self._tools = parsing.tools.stream() if parsing.tools is not None else None
+        self.called = False
+
+    def feed(self, piece: str) -> list[DeltaMessage]:
+        split = self._reasoning.feed(piece) if self._reasoning is not None else [DeltaMessage(content=piece)]
+        return self._through_tools(split, final=False)
+
+    def finish(self) -> list[DeltaMessage]:
+        split = self._reasoning.finish() if self._reasoning is not None else []
+        return self._through_tools(split, final=True)
+
+    def _through_tools(self, split: list[DeltaMessage], final: bool) -> list[DeltaMessage]:
+        """The reasoning as it is; the content through the tool-call parser, if there is one."""
+        if self._tools is None:
+            return [m for m in split if m.content or m.reasoning_content]
+        out = []
+        for message in split:
+            if message.reasoning_content:
+                out.append(DeltaMessage(reasoning_content=message.reasoning_content))
+            if message.content:
+                out += self._tools.feed(message.content)
+        if final:
+            out += self._tools.finish()
+        self.called = self.called or any(m.tool_calls for m in out)
+        return out
