@@ -97,9 +97,11 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer directory or GGUF file (default: the default model's)")
     parser.add_argument("--json", default="results/structured_decode.json")
     args = parser.parse_args()
-    tokenizer = load_tokenizer(default_model_path())
+    tokenizer = load_tokenizer(args.tokenizer or default_model_path())
     compiled = compile_times(tokenizer)
     rows = []
     for shape in args.shapes:
