@@ -7,9 +7,10 @@ into what a Hugging Face directory holds, so the model is built and checked one 
 - metadata becomes config.json fields and goes through ``ModelConfig.from_hf`` (the same
   strict checks), plus a check of the GGUF-only keys that would change the result;
 - tensors are dequantized by the ``gguf`` package itself (or kept as their blocks where
-  ``block_plan`` says so), renamed to Hugging Face names, and, in ``llama`` files, the rows of ``attn_q``/``attn_k`` are put back in Hugging
-  Face order (llama.cpp's converter interleaves the two rotary halves of every head;
-  its ``qwen2``/``qwen3`` conversions do not);
+  ``block_plan`` says so), renamed to Hugging Face names, and, in ``llama`` files, the
+  rows of ``attn_q``/``attn_k`` (whole block rows, if kept) are put back in Hugging Face
+  order (llama.cpp's converter interleaves the two rotary halves of every head; its
+  ``qwen2``/``qwen3`` conversions do not);
 - Llama 3 rope scaling, which llama.cpp stores as per-frequency divisors
   (``rope_freqs.weight``), is recovered as ``llama3`` parameters and checked to
   reproduce every divisor.

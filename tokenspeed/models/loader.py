@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models import gguf as gguf_file
-from tokenspeed.models.block_plan import BlockPlan, plan, stored_matrices, swap_layers
+from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
 from tokenspeed.models.errors import ModelFileError
@@ -69,15 +69,23 @@ def _check_dtype_argument(dtype) -> None:
 
 
 def _load_gguf(path, dtype, device, reader, quantized) -> LlamaForCausalLM:
+    """On CUDA ``dtype=None`` makes a float32 default bfloat16 (vLLM's "auto"): the file's
+    values are no more exact in float32 than its 16-bit scales make them."""
     checkpoint = gguf_file.open_gguf(path, reader)
     on_cuda = torch.device(device).type == "cuda"
+    model, kept = _with_block_layers(checkpoint, on_cuda if quantized is None else quantized)
+    dtype = dtype or (torch.bfloat16 if on_cuda and checkpoint.dtype == torch.float32 else checkpoint.dtype)
+    return _filled(_allocated(model, dtype, device), checkpoint, path, kept)
+
+
+def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:
+    """The model on the meta device with, if ``keep_blocks``, the layers ``block_plan``
+    keeps in blocks swapped in; and the checkpoint names of the weights read as blocks."""
     model = _on_meta(checkpoint.config)
-    kept = BlockPlan({}, frozenset())
-    if on_cuda if quantized is None else quantized:
-        kept = plan(model, stored_matrices(checkpoint.reader))
-        swap_layers(model, kept)
-    cuda_default = torch.bfloat16 if on_cuda and checkpoint.dtype == torch.float32 else checkpoint.dtype
-    return _filled(_allocated(model, dtype or cuda_default, device), checkpoint, path, kept.kept)
+    if not keep_blocks:
+        return model, frozenset()
+    block_plan = plan(model, stored_matrices(checkpoint.reader))
+    return swap_layers(model, block_plan), block_plan.kept
 
 
 def _filled(model, checkpoint, path, kept: frozenset[str] = frozenset()) -> LlamaForCausalLM:
