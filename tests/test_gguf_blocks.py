@@ -106,15 +106,31 @@ def test_unpermuting_block_rows_equals_unpermuting_the_dequantized_rows(qtype):
     np.testing.assert_array_equal(gguf.quants.dequantize(unpermuted, qtype), expected.numpy())
 
 
-def test_a_stacked_projection_of_mixed_formats_is_dequantized_and_logged(caplog):
+def test_a_stacked_projection_of_two_formats_keeps_each_parts_blocks(caplog, monkeypatch):
+    """As a Q4_K_M file mixes Q4_K and Q6_K: the parts stay separate layers, unfused."""
     path, _ = k_layout_file(Q.Q4_K, matrix_type=Q.Q6_K)   # ffn_up Q6_K, ffn_gate Q4_K
     with caplog.at_level(logging.WARNING):
         model = ts.models.load(path, quantized=True)
-    assert "model.layers.0.mlp.gate_up_proj" not in block_layers(model)
-    assert block_layers(model)["model.layers.0.self_attn.qkv_proj"] == "Q4_K"
-    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
-    [line] = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
-    assert "1 stacked projections whose parts mix formats" in line and "gate_up_proj" in line
+    layers = block_layers(model)
+    assert layers["model.layers.0.mlp.gate_up_proj.gate_proj"] == "Q4_K"
+    assert layers["model.layers.0.mlp.gate_up_proj.up_proj"] == "Q6_K"
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "Q4_K"
+    assert not [r for r in caplog.records if "dequantized at load" in r.getMessage()]
+    prompts = make_prompts((3, 9), seed=2, vocab=K_LAYOUT["vocab"])
+    margins = greedy_margins(monkeypatch)
+    assert generate(model, prompts) == generate(ts.models.load(path), prompts)
+    assert_decisive(margins)
+
+
+def test_a_file_missing_a_part_of_a_two_format_projection_is_refused_naming_it():
+    path, raw = k_layout_file(Q.Q4_K, matrix_type=Q.Q6_K)
+    del raw["blk.0.ffn_up.weight"]
+    norms = {n: np.ones(K_LAYOUT["hidden"], np.float32) for n in
+             ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight")}
+    path = write(new_tmpdir("ts_gguf_blocks_") / "missing.gguf", "llama", metadata(*K_LAYOUT.values()),
+                 {**raw, **norms})
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.up_proj.weight'\]"):
+        ts.models.load(path, quantized=True)
 
 
 def test_a_format_no_kernel_reads_is_dequantized_with_one_line_naming_it(caplog):

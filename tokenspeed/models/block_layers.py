@@ -44,6 +44,22 @@ class BlockLinear(nn.Module):
                 f"format={self.weight_format}, bias={self.bias is not None}")
 
 
+class BlockLinearParts(nn.Module):
+    """A stacked projection whose parts are stored in different block formats (a Q4_K_M
+    file's Q4_K queries beside Q6_K values): each part its own ``BlockLinear``, named as
+    the checkpoint names it, the outputs concatenated. Block rows of two formats cannot
+    share one tensor; the layer stays unfused rather than dequantized."""
+
+    def __init__(self, parts: dict[str, BlockLinear]):
+        super().__init__()
+        self.part_names = tuple(parts)
+        for name, layer in parts.items():
+            setattr(self, name, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([getattr(self, name)(x) for name in self.part_names], dim=-1)
+
+
 class BlockEmbedding(nn.Module):
     """Rows of a table kept in blocks, decoded in the model's dtype as they are gathered.
 

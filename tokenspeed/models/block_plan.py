@@ -2,11 +2,11 @@
 
 A matrix stored in a block format a kernel reads (``tokenspeed.ir.weights.BLOCK_FORMATS``)
 stays in its blocks: its layer becomes a ``BlockLinear`` (or ``BlockEmbedding``) over the
-file's bytes. A stacked projection (``qkv_proj``, ``gate_up_proj``) keeps its blocks when
-every part is stored in one format: its parts' block rows are stacked along N as their
-float rows would be (rows are independent). Everything else is dequantized at load, and
-one log line says which formats and stacked projections that was, with their counts.
-A tied head reads the embedding's blocks.
+file's bytes. A stacked projection (``qkv_proj``, ``gate_up_proj``) whose parts share one
+format stacks their block rows along N as their float rows would be (rows are
+independent); parts of several block formats stay separate layers (``BlockLinearParts``).
+Everything else is dequantized at load, and one log line names those formats with their
+tensors' counts. A tied head reads the embedding's blocks.
 """
 
 import collections
@@ -16,7 +16,7 @@ import attrs
 from torch import nn
 
 from tokenspeed.ir.weights import BLOCK_FORMATS
-from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear
+from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear, BlockLinearParts
 from tokenspeed.models.gguf import hf_name, logical_shape
 from tokenspeed.models.llama import STACKED, stacked_sizes
 
@@ -35,9 +35,11 @@ class StoredMatrix:
 
 @attrs.frozen
 class BlockPlan:
-    """``layers``: our module name -> the format of its blocks (every part's); ``kept``: the
-    checkpoint's names of the tensors read as blocks."""
+    """``layers``: our layer's name -> its blocks (every part's, stacked); ``split_layers``:
+    a stacked projection's name -> its parts' blocks by checkpoint part name (``q_proj``),
+    in stacking order; ``kept``: the checkpoint's names of the tensors read as blocks."""
     layers: dict[str, StoredMatrix]
+    split_layers: dict[str, dict[str, StoredMatrix]]
     kept: frozenset[str]
 
 
@@ -48,19 +50,23 @@ def stored_matrices(reader) -> dict[str, StoredMatrix]:
 
 
 def plan(model: nn.Module, stored: dict[str, StoredMatrix]) -> BlockPlan:
-    """The layers of ``model`` (dense, on any device) whose every part is stored in one block
+    """The layers of ``model`` (dense, on any device) whose every part is stored in a block
     format, at the shape the model expects (a wrong shape is left to the loader's check)."""
-    parts = _parts_by_layer(model, stored)
-    layers, kept = {}, set()
-    for layer, names in parts.items():
-        kept_matrix = _kept(model, layer, [stored[n] for n in names])
-        if kept_matrix is not None:
-            layers[layer] = kept_matrix
-            kept.update(names)
+    layers, split_layers, kept = {}, {}, set()
+    for layer, names in _parts_by_layer(model, stored).items():
+        parts = [stored[n] for n in names]
+        if not _fits(model, layer, parts):
+            continue
+        if len({(p.format, p.row_bytes) for p in parts}) == 1:
+            layers[layer] = StoredMatrix(parts[0].format, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                                         parts[0].row_bytes)
+        else:
+            split_layers[layer] = {n.removesuffix(".weight").rpartition(".")[2]: p for n, p in zip(names, parts)}
+        kept.update(names)
     if model.config.tie_word_embeddings and EMBEDDING in layers:
         layers[HEAD] = layers[EMBEDDING]
-    _log_dequantized(stored, parts, layers)
-    return BlockPlan(layers, frozenset(kept))
+    _log_dequantized(stored, kept)
+    return BlockPlan(layers, split_layers, frozenset(kept))
 
 
 def _parts_by_layer(model, stored) -> dict[str, list[str]]:
@@ -83,19 +89,14 @@ def _layer_of(model, name: str) -> tuple[str, int]:
     return f"{base}.{stacked}", index
 
 
-def _kept(model, layer: str, parts: list[StoredMatrix]) -> StoredMatrix | None:
-    formats = {p.format for p in parts}
-    if len(formats) != 1 or not formats <= set(BLOCK_FORMATS):
-        return None
+def _fits(model, layer: str, parts: list[StoredMatrix]) -> bool:
+    """Every part in a block format, of the shape the model's layer expects."""
     module = _module(model, layer)
-    if module is None:
-        return None
+    if module is None or not {p.format for p in parts} <= set(BLOCK_FORMATS):
+        return False
     stacked = layer.rpartition(".")[2]
     sizes = stacked_sizes(model.config, stacked) if stacked in STACKED_LAYERS else [module.weight.shape[0]]
-    k = module.weight.shape[1]
-    if [p.shape for p in parts] != [(n, k) for n in sizes] or len({p.row_bytes for p in parts}) != 1:
-        return None
-    return StoredMatrix(parts[0].format, (sum(sizes), k), parts[0].row_bytes)
+    return [p.shape for p in parts] == [(n, module.weight.shape[1]) for n in sizes]
 
 
 def _module(model, layer: str) -> nn.Module | None:
@@ -106,27 +107,31 @@ def _module(model, layer: str) -> nn.Module | None:
     return module if isinstance(module, (nn.Linear, nn.Embedding)) else None
 
 
-def _log_dequantized(stored, parts, layers) -> None:
-    """One line: the quantized formats dequantized, by count, and the stacked projections
-    whose parts mix formats."""
-    unread = collections.Counter(m.format for m in stored.values()
-                                 if m.format not in BLOCK_FORMATS + ("F32", "F16", "BF16"))
-    mixed = [layer for layer, names in parts.items() if layer not in layers and len(names) > 1
-             and {stored[n].format for n in names} <= set(BLOCK_FORMATS)]
-    reasons = [f"{count} {fmt} tensors (no kernel reads {fmt})" for fmt, count in sorted(unread.items())]
-    if mixed:
-        reasons.append(f"{len(mixed)} stacked projections whose parts mix formats (the first: {mixed[0]})")
-    if reasons:
-        log.warning("GGUF weights dequantized at load: %s", "; ".join(reasons))
+def _log_dequantized(stored, kept) -> None:
+    """One line naming the quantized formats dequantized, with their tensors' counts."""
+    unread = collections.Counter(m.format for name, m in stored.items()
+                                 if name not in kept and m.format not in ("F32", "F16", "BF16"))
+    if unread:
+        log.warning("GGUF weights dequantized at load: %s", ", ".join(
+            f"{count} {fmt} tensors" + (" (in a layer with a part no kernel reads)" if fmt in BLOCK_FORMATS
+                                        else f" (no kernel reads {fmt})")
+            for fmt, count in sorted(unread.items())))
 
 
 def swap_layers(model: nn.Module, block_plan: BlockPlan) -> nn.Module:
     """``model`` (on the meta device) with each planned layer a block layer."""
     for layer, matrix in block_plan.layers.items():
-        parent, _, attr = layer.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, attr, _block_layer(getattr(owner, attr), matrix))
+        _replace(model, layer, lambda dense, m=matrix: _block_layer(dense, m))
+    for layer, parts in block_plan.split_layers.items():
+        _replace(model, layer, lambda dense, p=parts: BlockLinearParts(
+            {name: _block_layer(dense, m) for name, m in p.items()}))
     return model
+
+
+def _replace(model: nn.Module, layer: str, new) -> None:
+    parent, _, attr = layer.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    setattr(owner, attr, new(getattr(owner, attr)))
 
 
 def _block_layer(dense: nn.Module, matrix: StoredMatrix) -> nn.Module:

@@ -116,10 +116,14 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
         loaded.add(name)
         return
     for part, (stacked, index) in STACKED.items():
-        target = name.replace(f".{part}.", f".{stacked}.")
+        target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
         if target != name and target in params:
             _copy(params[target].split(stacked_sizes(model.config, stacked))[index], tensor, name, model.config)
             loaded.add(f"{target}#{index}")
+            return
+        if own != name and own in params:  # a part kept as its own layer (``BlockLinearParts``)
+            _copy(params[own], tensor, name, model.config)
+            loaded.add(own)
             return
     unexpected.append(name)
 
@@ -127,7 +131,7 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
 def _check_complete(model, loaded: set, unexpected: list) -> None:
     expected = set()
     for name, _ in model.named_parameters(remove_duplicate=False):
-        stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
+        stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
         parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
         expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
     missing = sorted(_checkpoint_name(n) for n in expected - loaded - _tied(model, loaded))
