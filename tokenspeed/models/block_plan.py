@@ -58,15 +58,25 @@ def plan(model: nn.Module, stored: dict[str, StoredMatrix]) -> BlockPlan:
         if not _fits(model, layer, parts):
             continue
         if len({(p.format, p.row_bytes) for p in parts}) == 1:
-            layers[layer] = StoredMatrix(parts[0].format, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
-                                         parts[0].row_bytes)
+            layers[layer] = _stacked(parts)
         else:
-            split_layers[layer] = {n.removesuffix(".weight").rpartition(".")[2]: p for n, p in zip(names, parts)}
+            split_layers[layer] = {_part_name(n): p for n, p in zip(names, parts)}
         kept.update(names)
     if model.config.tie_word_embeddings and EMBEDDING in layers:
         layers[HEAD] = layers[EMBEDDING]
     _log_dequantized(stored, kept)
     return BlockPlan(layers, split_layers, frozenset(kept))
+
+
+def _stacked(parts: list[StoredMatrix]) -> StoredMatrix:
+    """Parts of one format as one matrix: their block rows one after another."""
+    first = parts[0]
+    return StoredMatrix(first.format, (sum(p.shape[0] for p in parts), first.shape[1]), first.row_bytes)
+
+
+def _part_name(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``."""
+    return name.removesuffix(".weight").rpartition(".")[2]
 
 
 def _parts_by_layer(model, stored) -> dict[str, list[str]]:
