@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.backends.kernels import cuda, reference
@@ -97,12 +98,14 @@ def test_blocks_are_the_files_bytes_with_q_and_k_rows_unpermuted():
         np.testing.assert_array_equal(decoded, expected, err_msg=layer)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_1], ids=lambda q: q.name)
-def test_unpermuting_block_rows_equals_unpermuting_the_dequantized_rows(qtype):
-    rows = np.random.default_rng(0).standard_normal((4 * 2 * 3, 64)).astype(np.float32)
-    raw = gguf.quants.quantize(rows, qtype)
-    unpermuted = ts_gguf.unpermute_rows(torch.from_numpy(raw), 4).numpy()
-    expected = ts_gguf.unpermute_rows(torch.from_numpy(gguf.quants.dequantize(raw, qtype)), 4)
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(qtype=st.sampled_from([Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]), heads=st.integers(1, 4),
+       pairs=st.integers(1, 4), blocks_per_row=st.integers(1, 3))
+def test_unpermuting_block_rows_equals_unpermuting_the_dequantized_rows(qtype, heads, pairs, blocks_per_row):
+    rows = np.random.default_rng(heads * pairs).standard_normal((heads * 2 * pairs, 32 * blocks_per_row))
+    raw = gguf.quants.quantize(rows.astype(np.float32), qtype)
+    unpermuted = ts_gguf.unpermute_rows(torch.from_numpy(raw), heads).numpy()
+    expected = ts_gguf.unpermute_rows(torch.from_numpy(gguf.quants.dequantize(raw, qtype)), heads)
     np.testing.assert_array_equal(gguf.quants.dequantize(unpermuted, qtype), expected.numpy())
 
 
