@@ -29,6 +29,7 @@ from test_gguf import K_LAYOUT, encode, gguf_from_hf, k_layout_file, llama_cpp_p
 
 Q = gguf.GGMLQuantizationType
 GREEDY = ts.SamplingParams(temperature=0, max_tokens=8)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CUDA kernels' tensors
 PROMPTS = make_prompts((5, 19), seed=5)
 
 
@@ -198,18 +199,18 @@ def test_greedy_tokens_of_a_q4_k_file_equal_the_dequantized_models(monkeypatch):
 
 def blocks(qtype, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     w = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(w, qtype))
+    return torch.from_numpy(gguf.quants.quantize(w, qtype)).to(DEVICE)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_cuda_ops_read_the_blocks_as_the_reference_does(rows):
-    """Each op's CUDA kernel (the Triton interpreter here) with a block weight: the GEMV
+    """Each op's CUDA kernel (under the Triton interpreter on a CPU) with a block weight: the GEMV
     forms for one row, the matmul for more; fp32 sums in another order than the reference."""
     torch.manual_seed(0)
     k, n = 64, 40
-    weight, x = blocks(Q.Q4_1, n, k), torch.randn(rows, k)
-    gate_up, residual = torch.randn(rows, 2 * k), torch.randn(rows, k)
-    norm_weight, bias = torch.rand(k), torch.randn(n)
+    weight, x = blocks(Q.Q4_1, n, k), torch.randn(rows, k, device=DEVICE)
+    gate_up, residual = torch.randn(rows, 2 * k, device=DEVICE), torch.randn(rows, k, device=DEVICE)
+    norm_weight, bias = torch.rand(k, device=DEVICE), torch.randn(n, device=DEVICE)
     calls = [("linear", (x, weight, bias, "Q4_1")), ("gated_linear", (gate_up, weight, None, "Q4_1")),
              ("norm_linear", (x, residual, norm_weight, 1e-6, weight, bias, "Q4_1")),
              ("norm_linear", (x, None, norm_weight, 1e-6, weight, None, "Q4_1"))]
@@ -226,7 +227,7 @@ def as_list(out) -> list:
 
 def test_cuda_embedding_gathers_decoded_rows_in_the_asked_dtype():
     """Exact in float32; bfloat16 within a rounding (the interpreter may truncate)."""
-    table, ids = blocks(Q.Q8_0, 10, 64), torch.tensor([3, 0, 9, 3])
+    table, ids = blocks(Q.Q8_0, 10, 64), torch.tensor([3, 0, 9, 3], device=DEVICE)
     expected = reference.embedding(ids, table, "Q8_0", 64, torch.float32)
     assert torch.equal(cuda.embedding(ids, table, "Q8_0", 64, torch.float32), expected)
     got = cuda.embedding(ids, table, "Q8_0", 64, torch.bfloat16)
