@@ -141,7 +141,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     backend = backend or PagedAttentionBackend()
     _check_prefill_attention(prefill, backend.graph_support())
     limits = config.resolve(decode.config)
-    weights = next(decode.program.graph_module.parameters())
+    # the activations' dtype: a weight kept in GGUF blocks is uint8
+    weights = next(p for p in decode.program.graph_module.parameters() if p.is_floating_point())
     geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
     per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
                                       whole_contexts=bool(companion_page_bytes))

@@ -15,6 +15,8 @@ is part of its shape, so no op takes it as an argument. A ``cos_sin`` table is
 
 import torch
 
+from tokenspeed.ir.weights import DENSE
+
 
 def _op(name: str, mutates_args=()):
     """Declare ``tokenspeed::name`` with the decorated function's signature as its schema
@@ -112,25 +114,37 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_op("linear")
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A linear layer whose kernel the backend chooses by shape (a GEMV for few rows)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           weight_format: str = DENSE) -> torch.Tensor:
+    """A linear layer whose kernel the backend chooses by shape (a GEMV for few rows) and by
+    ``weight_format`` (``tokenspeed.ir.weights``): a block format's weight is its
+    ``uint8 [N, row_bytes]`` blocks, so N is ``weight.shape[0]`` either way."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 @_op("gated_linear")
-def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_format: str = DENSE) -> torch.Tensor:
     """``linear(silu_and_mul(gate_up))``: the MLP activation read inside the down projection."""
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
 @_op("norm_linear")
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+                weight_format: str = DENSE) -> list[torch.Tensor]:
     """``[linear(rms_norm(x + residual)), x + residual]`` (``[linear(rms_norm(x))]`` without
     a residual): a norm read inside the projection it feeds."""
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     return [out] if residual is None else [out, torch.empty_like(x)]
+
+
+@_op("embedding")
+def embedding(ids: torch.Tensor, weight: torch.Tensor, weight_format: str, features: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a table in ``weight_format`` as ``[T, features]`` in ``dtype``: a
+    table kept in blocks is decoded as it is gathered, never widened whole."""
+    return weight.new_empty(ids.shape[0], features, dtype=dtype)
 
 
 OPS = torch.ops.tokenspeed
@@ -144,4 +158,4 @@ ROPE_WRITE_KV = OPS.rope_write_kv.default
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV)   # the ops that write the cache (and need every row)
 OP_NAMES = ("write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
             "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear")
+            "norm_linear", "embedding")

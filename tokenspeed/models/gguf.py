@@ -6,10 +6,11 @@ into what a Hugging Face directory holds, so the model is built and checked one 
 
 - metadata becomes config.json fields and goes through ``ModelConfig.from_hf`` (the same
   strict checks), plus a check of the GGUF-only keys that would change the result;
-- tensors are dequantized by the ``gguf`` package itself, renamed to Hugging Face names,
-  and, in ``llama`` files, the rows of ``attn_q``/``attn_k`` are put back in Hugging
-  Face order (llama.cpp's converter interleaves the two rotary halves of every head;
-  its ``qwen2``/``qwen3`` conversions do not);
+- tensors are dequantized by the ``gguf`` package itself (or kept as their blocks where
+  ``block_plan`` says so), renamed to Hugging Face names, and, in ``llama`` files, the
+  rows of ``attn_q``/``attn_k`` (whole block rows, if kept) are put back in Hugging Face
+  order (llama.cpp's converter interleaves the two rotary halves of every head; its
+  ``qwen2``/``qwen3`` conversions do not);
 - Llama 3 rope scaling, which llama.cpp stores as per-frequency divisors
   (``rope_freqs.weight``), is recovered as ``llama3`` parameters and checked to
   reproduce every divisor.
@@ -17,7 +18,7 @@ into what a Hugging Face directory holds, so the model is built and checked one 
 dtype rule (``dtype=None``): float16 when every matrix (tensor of 2+ dims) is stored F16,
 bfloat16 when every one is BF16, float32 otherwise (F32 files, mixed files and every
 quantized file: dequantized values are products of a float16 scale and an integer,
-which the 16-bit types cannot hold exactly).
+which the 16-bit types cannot hold exactly). On CUDA the loader makes float32 bfloat16.
 """
 
 import importlib.util
@@ -30,6 +31,7 @@ import gguf
 import numpy as np
 import torch
 
+from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models.config import ModelConfig, RopeScaling
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.layers import rope_inv_freq
@@ -83,21 +85,36 @@ class GGUFCheckpoint:
     dtype: torch.dtype
     permuted: bool
 
-    def tensors(self):
-        """(Hugging Face name, float32 tensor) pairs, dequantized one at a time."""
+    def tensors(self, kept: frozenset[str] = frozenset()):
+        """(Hugging Face name, tensor) pairs, read one at a time: float32 dequantized, or,
+        for the names in ``kept``, the file's blocks as a ``BlockWeight``."""
         for tensor in self.reader.tensors:
             if tensor.name != ROPE_FREQS:
                 name = hf_name(tensor.name)
-                yield name, self._weights(tensor, kind=name.split(".")[-2])
+                read = self._blocks if name in kept else self._weights
+                yield name, read(tensor, kind=name.split(".")[-2])
 
     def _weights(self, tensor, kind: str) -> torch.Tensor:
         # a plain view of the mapped bytes: numpy's memmap subclass makes slicing slow
         weights = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        weights = torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))  # the map is read-only
+        return self._unpermuted(torch.from_numpy(np.require(weights, np.float32, ["C", "W"])), kind)
+
+    def _blocks(self, tensor, kind: str) -> BlockWeight:
+        """Rows of blocks are unpermuted as whole rows: a row's blocks never mix rows."""
+        blocks = torch.from_numpy(np.require(tensor.data, np.uint8, ["C", "W"]))  # the map is read-only
+        return BlockWeight(self._unpermuted(blocks, kind), tensor.tensor_type.name,
+                           logical_shape(tensor))
+
+    def _unpermuted(self, weights: torch.Tensor, kind: str) -> torch.Tensor:
         if self.permuted and kind in ("q_proj", "k_proj"):
             heads = self.config.num_heads if kind == "q_proj" else self.config.num_kv_heads
-            weights = unpermute_rows(weights, heads)
+            return unpermute_rows(weights, heads)
         return weights
+
+
+def logical_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in torch order (the file lists dimensions fastest first)."""
+    return tuple(int(d) for d in reversed(tensor.shape))
 
 
 def is_gguf(path) -> bool:

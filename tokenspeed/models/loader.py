@@ -8,7 +8,9 @@ meta device first, so nothing is initialised twice).
 import torch
 from tqdm import tqdm
 
+from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models import gguf as gguf_file
+from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
 from tokenspeed.models.errors import ModelFileError
@@ -27,23 +29,36 @@ class CheckpointMismatchError(ValueError):
 
 def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
     """An uninitialised model: parameters allocated (rotary tables compute themselves)."""
+    return _allocated(_on_meta(config), dtype, device)
+
+
+def _on_meta(config: ModelConfig) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        return LlamaForCausalLM(config)
+
+
+def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
     model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
-def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None) -> LlamaForCausalLM:
+def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
+         quantized: bool | None = None) -> LlamaForCausalLM:
     """A Hugging Face directory, a ``.gguf`` file (``gguf_reader``: that file already
     opened with ``gguf.GGUFReader``), or a Hugging Face model id (``owner/name``, at
     ``revision``; see ``hub.resolve_model``). ``dtype=None`` keeps the directory's
-    ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``."""
+    ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``, and
+    on CUDA float32 becomes bfloat16. ``quantized`` (GGUF): keep the weights of the block
+    formats kernels read in their blocks (``block_plan``); None: on CUDA only (the CPU
+    runs dequantized weights faster than it decodes blocks)."""
     path = resolve_model(path, revision)
     _check_dtype_argument(dtype)
     if gguf_file.is_gguf(path):
-        return _load_gguf(path, dtype, device, gguf_reader)
+        return _load_gguf(path, dtype, device, gguf_reader, quantized)
+    if quantized:
+        raise ValueError(f"quantized=True: only GGUF files keep quantized weights; {path} is not one")
     checkpoint = open_dir(path)
     return _filled(build(checkpoint.config, dtype or checkpoint.dtype, device), checkpoint, path)
 
@@ -53,15 +68,31 @@ def _check_dtype_argument(dtype) -> None:
         raise ValueError(f"dtype={dtype}: tokenspeed runs {', '.join(RUNNABLE_DTYPES)}")
 
 
-def _load_gguf(path, dtype, device, reader) -> LlamaForCausalLM:
+def _load_gguf(path, dtype, device, reader, quantized) -> LlamaForCausalLM:
+    """On CUDA ``dtype=None`` makes a float32 default bfloat16 (vLLM's "auto"): the file's
+    values are no more exact in float32 than its 16-bit scales make them."""
     checkpoint = gguf_file.open_gguf(path, reader)
-    return _filled(build(checkpoint.config, dtype or checkpoint.dtype, device), checkpoint, path)
+    on_cuda = torch.device(device).type == "cuda"
+    model, kept = _with_block_layers(checkpoint, on_cuda if quantized is None else quantized)
+    dtype = dtype or (torch.bfloat16 if on_cuda and checkpoint.dtype == torch.float32 else checkpoint.dtype)
+    return _filled(_allocated(model, dtype, device), checkpoint, path, kept)
 
 
-def _filled(model, checkpoint, path) -> LlamaForCausalLM:
-    """``model`` with ``checkpoint``'s tensors; a mismatch names the checkpoint ``path``."""
+def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:
+    """The model on the meta device with, if ``keep_blocks``, the layers ``block_plan``
+    keeps in blocks swapped in; and the checkpoint names of the weights read as blocks."""
+    model = _on_meta(checkpoint.config)
+    if not keep_blocks:
+        return model, frozenset()
+    block_plan = plan(model, stored_matrices(checkpoint.reader))
+    return swap_layers(model, block_plan), block_plan.kept
+
+
+def _filled(model, checkpoint, path, kept: frozenset[str] = frozenset()) -> LlamaForCausalLM:
+    """``model`` with ``checkpoint``'s tensors (those named in ``kept`` as their blocks); a
+    mismatch names the checkpoint ``path``."""
     try:
-        load_state_dict(model, checkpoint.tensors())
+        load_state_dict(model, checkpoint.tensors(kept) if kept else checkpoint.tensors())
     except CheckpointMismatchError as exc:
         raise ModelFileError(path, str(exc)) from exc
     return model.eval()
@@ -85,10 +116,14 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
         loaded.add(name)
         return
     for part, (stacked, index) in STACKED.items():
-        target = name.replace(f".{part}.", f".{stacked}.")
+        target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
         if target != name and target in params:
             _copy(params[target].split(stacked_sizes(model.config, stacked))[index], tensor, name, model.config)
             loaded.add(f"{target}#{index}")
+            return
+        if own != name and own in params:  # a part kept as its own layer (``BlockLinearParts``)
+            _copy(params[own], tensor, name, model.config)
+            loaded.add(own)
             return
     unexpected.append(name)
 
@@ -96,7 +131,7 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
 def _check_complete(model, loaded: set, unexpected: list) -> None:
     expected = set()
     for name, _ in model.named_parameters(remove_duplicate=False):
-        stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
+        stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
         parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
         expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
     missing = sorted(_checkpoint_name(n) for n in expected - loaded - _tied(model, loaded))
@@ -123,7 +158,9 @@ def _checkpoint_name(expected: str) -> str:
     return name.replace(f".{stacked}.", f".{part}.")
 
 
-def _copy(param: torch.Tensor, value: torch.Tensor, name: str, config: ModelConfig) -> None:
+def _copy(param: torch.Tensor, value, name: str, config: ModelConfig) -> None:
+    """``value``: a tensor, or a ``BlockWeight`` whose blocks fill a block layer's weight."""
+    value = value.blocks if isinstance(value, BlockWeight) else value
     if param.shape != value.shape:
         raise CheckpointMismatchError(f"tensor {name}: checkpoint shape {tuple(value.shape)}, model "
                                       f"expects {tuple(param.shape)} ({shape_origin(config, name)})")

@@ -1,7 +1,8 @@
 """The CUDA kernel of every IR op: Triton, or cuBLAS where it wins.
 
-The kernel is chosen from shapes alone (projections: a GEMV up to ``GEMV_MAX_ROWS`` rows),
-never from tensor values, so eager runs and captured graphs of the same shapes take the
+The kernel is chosen from shapes and the weight's format alone (projections: a GEMV up
+to ``GEMV_MAX_ROWS`` rows; a GGUF block format's weight by the GGUF kernels), never from
+tensor values, so eager runs and captured graphs of the same shapes take the
 same kernels. Triton modules are imported on first use, so a CPU process never loads
 Triton. Where a fused form is slower for a shape (see docs/PERFORMANCE.md), the op runs
 as the CUDA kernels of its parts.
@@ -9,8 +10,10 @@ as the CUDA kernels of its parts.
 
 import torch
 
+from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.reference import flat_slots
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
+from tokenspeed.ir.weights import DENSE
 
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 
@@ -72,30 +75,64 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
                                           layer, slot_mapping)
 
 
-def linear(x, weight, bias):
+def linear(x, weight, bias, weight_format=DENSE):
+    if weight_format != DENSE:
+        return _block_linear(x, weight, bias, weight_format)
     if x.shape[0] <= GEMV_MAX_ROWS:
         from tokenspeed.backends.kernels import triton_gemv
         return triton_gemv.linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def gated_linear(gate_up, weight, bias):
+def _block_linear(x, weight, bias, weight_format):
+    """A block format's weight read by the GGUF kernels: the GEMV for one row, the
+    dequantizing tensor-core matmul for more."""
+    from tokenspeed.backends.kernels import triton_gguf_matmul
+    rows = x.reshape(-1, x.shape[-1])
+    out = triton_gguf_matmul.linear(rows, weight, block_format(weight_format), bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gated_linear(gate_up, weight, bias, weight_format=DENSE):
     """Fused for one row only: with more, the activation between the loads and ``tl.dot``
     stalls the GEMV's pipeline."""
     if gate_up.shape[0] == 1:
+        return _gated_gemv(gate_up, weight, bias, weight_format)
+    return linear(silu_and_mul(gate_up), weight, bias, weight_format)
+
+
+def _gated_gemv(gate_up, weight, bias, weight_format):
+    if weight_format == DENSE:
         from tokenspeed.backends.kernels import triton_gemv
         return triton_gemv.linear(gate_up, weight, bias, gated=True)
-    return linear(silu_and_mul(gate_up), weight, bias)
+    from tokenspeed.backends.kernels import triton_gguf_gemv
+    return triton_gguf_gemv.gemv(gate_up, weight, block_format(weight_format), bias, gated=True)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE):
     """Fused for one row only: with more, every GEMV program re-reads all rows for the
     statistics in a loop that is not pipelined."""
     if x.dim() == 2 and x.shape[0] == 1:
-        from tokenspeed.backends.kernels import triton_gemv
-        out, total = triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format)
         return [out] if total is None else [out, total]
     if residual is None:
-        return [linear(rms_norm(x, norm_weight, eps), weight, bias)]
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return [linear(normed, weight, bias), total]
+    return [linear(normed, weight, bias, weight_format), total]
+
+
+def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format):
+    if weight_format == DENSE:
+        from tokenspeed.backends.kernels import triton_gemv
+        return triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias)
+    from tokenspeed.backends.kernels import triton_gguf_gemv
+    return triton_gguf_gemv.norm_gemv(x, residual, norm_weight, eps, weight,
+                                      block_format(weight_format), bias)
+
+
+def embedding(ids, weight, weight_format, features, dtype):
+    """A block table's rows decoded as they are gathered (``triton_gguf_embedding``)."""
+    if weight_format == DENSE:
+        return weight[ids].to(dtype)
+    from tokenspeed.backends.kernels import triton_gguf_embedding
+    return triton_gguf_embedding.embedding(ids, weight, block_format(weight_format), dtype)

@@ -12,8 +12,11 @@ How the CPU computes it, a request's rows at once, is ``torch_attention.py``'s.
 
 import torch
 
+from tokenspeed.backends.kernels import gguf_reference
+from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
+from tokenspeed.ir.weights import DENSE
 
 
 def flat_slots(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -77,16 +80,27 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
 
 
-def linear(x, weight, bias):
-    return torch.nn.functional.linear(x, weight, bias)
+def linear(x, weight, bias, weight_format=DENSE):
+    """A block format's weight through ``gguf``'s dequantization (``gguf_reference``)."""
+    if weight_format == DENSE:
+        return torch.nn.functional.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    out = gguf_reference.linear(rows, weight, block_format(weight_format), bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def gated_linear(gate_up, weight, bias):
-    return linear(silu_and_mul(gate_up), weight, bias)
+def gated_linear(gate_up, weight, bias, weight_format=DENSE):
+    return linear(silu_and_mul(gate_up), weight, bias, weight_format)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE):
     if residual is None:
-        return [linear(rms_norm(x, norm_weight, eps), weight, bias)]
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return [linear(normed, weight, bias), total]
+    return [linear(normed, weight, bias, weight_format), total]
+
+
+def embedding(ids, weight, weight_format, features, dtype):
+    if weight_format == DENSE:
+        return weight[ids].to(dtype)
+    return gguf_reference.embedding(ids, weight, block_format(weight_format), dtype)

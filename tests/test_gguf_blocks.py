@@ -1,0 +1,285 @@
+"""GGUF weights kept in their blocks (``quantized=True``; the default on CUDA): which layers
+keep them, what the graphs show, and tokens equal to the same file dequantized.
+
+On the CPU the block layers run the reference (``gguf``'s dequantization, then the float
+op), so the two models compute the same float32 products: tokens must be equal, and the
+margins are checked so that a GPU run of the same comparison means something. The CUDA
+dispatch of each op is run here through the Triton interpreter.
+"""
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.backends.kernels import cuda, reference
+from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED
+from tokenspeed.ir.weights import BLOCK_FORMATS, BlockWeight
+from tokenspeed.models import gguf as ts_gguf
+from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear
+from tokenspeed.models.random import TINY_LLAMA, hf_state_dict
+
+from hf_models import checkpoint, make_prompts, new_tmpdir
+from margins import assert_decisive, decisive_model, greedy_margins
+from test_gguf import K_LAYOUT, encode, gguf_from_hf, k_layout_file, llama_cpp_permute, metadata, write
+
+Q = gguf.GGMLQuantizationType
+GREEDY = ts.SamplingParams(temperature=0, max_tokens=8)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CUDA kernels' tensors
+PROMPTS = make_prompts((5, 19), seed=5)
+
+
+def decisive_file(qtype, tied: bool = False) -> str:
+    """``margins.decisive_model`` (clear greedy choices) written as llama.cpp writes a
+    llama file, its matrices quantized to ``qtype``."""
+    model = decisive_model(config={**TINY_LLAMA, "tie_word_embeddings": tied})
+    c = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_layers)
+    tensors = {}
+    for name, tensor in hf_state_dict(model).items():
+        if tied and name == "lm_head.weight":
+            continue
+        w = tensor.numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            w = llama_cpp_permute(w, c.num_heads if ".q_proj." in name else c.num_kv_heads)
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = encode(w, qtype)
+    meta = metadata(c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                    c.head_dim, c.vocab_size)
+    return write(new_tmpdir("ts_gguf_blocks_") / f"decisive-{qtype.name}.gguf", "llama", meta, tensors)
+
+
+def generate(model, prompts=PROMPTS):
+    llm = ts.LLM(model, device="cpu", enforce_eager=True, max_model_len=256, page_size=4, max_num_seqs=4)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def block_layers(model) -> dict[str, str]:
+    return {name: m.weight_format for name, m in model.named_modules()
+            if isinstance(m, (BlockLinear, BlockEmbedding))}
+
+
+def test_the_ir_names_the_formats_the_backends_read():
+    assert BLOCK_FORMATS == tuple(q.name for q in SUPPORTED)
+
+
+# ---------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_matrix_keeps_its_blocks_and_a_tied_head_reads_the_embedding(tied):
+    path = decisive_file(Q.Q4_1, tied)
+    model = ts.models.load(path, quantized=True)
+    layers = block_layers(model)
+    c = model.config
+    assert len(layers) == 2 + 4 * c.num_layers  # qkv, o, gate_up, down and set(layers.values()) == {"Q4_1"}
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "norm" in n)
+    dense = sum(p.numel() * 4 for p in ts.models.load(path).parameters())
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) < dense / 5
+
+
+def test_the_cpu_default_stays_dequantized():
+    model = ts.models.load(decisive_file(Q.Q8_0))
+    assert block_layers(model) == {} and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_blocks_are_the_files_bytes_with_q_and_k_rows_unpermuted():
+    """Each stacked part is the file's block rows, q and k put back in Hugging Face row
+    order as whole rows: their dequantization is the dequantized model's slice."""
+    path = decisive_file(Q.Q8_0)
+    blocks, dense = ts.models.load(path, quantized=True), ts.models.load(path)
+    for layer in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj"):
+        module = blocks.get_submodule(f"model.layers.1.{layer}")
+        decoded = gguf.quants.dequantize(module.weight.detach().numpy(), Q.Q8_0)
+        expected = dense.get_submodule(f"model.layers.1.{layer}").weight.detach().numpy()
+        np.testing.assert_array_equal(decoded, expected, err_msg=layer)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(qtype=st.sampled_from([Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]), heads=st.integers(1, 4),
+       pairs=st.integers(1, 4), blocks_per_row=st.integers(1, 3))
+def test_unpermuting_block_rows_equals_unpermuting_the_dequantized_rows(qtype, heads, pairs, blocks_per_row):
+    rows = np.random.default_rng(heads * pairs).standard_normal((heads * 2 * pairs, 32 * blocks_per_row))
+    raw = gguf.quants.quantize(rows.astype(np.float32), qtype)
+    unpermuted = ts_gguf.unpermute_rows(torch.from_numpy(raw), heads).numpy()
+    expected = ts_gguf.unpermute_rows(torch.from_numpy(gguf.quants.dequantize(raw, qtype)), heads)
+    np.testing.assert_array_equal(gguf.quants.dequantize(unpermuted, qtype), expected.numpy())
+
+
+def test_a_stacked_projection_of_two_formats_keeps_each_parts_blocks(caplog, monkeypatch):
+    """As a Q4_K_M file mixes Q4_K and Q6_K: the parts stay separate layers, unfused."""
+    path, _ = k_layout_file(Q.Q4_K, matrix_type=Q.Q6_K)   # ffn_up Q6_K, ffn_gate Q4_K
+    with caplog.at_level(logging.WARNING):
+        model = ts.models.load(path, quantized=True)
+    layers = block_layers(model)
+    assert layers["model.layers.0.mlp.gate_up_proj.gate_proj"] == "Q4_K"
+    assert layers["model.layers.0.mlp.gate_up_proj.up_proj"] == "Q6_K"
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "Q4_K"
+    assert not [r for r in caplog.records if "dequantized at load" in r.getMessage()]
+    prompts = make_prompts((3, 9), seed=2, vocab=K_LAYOUT["vocab"])
+    margins = greedy_margins(monkeypatch)
+    assert generate(model, prompts) == generate(ts.models.load(path), prompts)
+    assert_decisive(margins)
+
+
+def test_a_file_missing_a_part_of_a_two_format_projection_is_refused_naming_it():
+    path, raw = k_layout_file(Q.Q4_K, matrix_type=Q.Q6_K)
+    del raw["blk.0.ffn_up.weight"]
+    norms = {n: np.ones(K_LAYOUT["hidden"], np.float32) for n in
+             ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight")}
+    path = write(new_tmpdir("ts_gguf_blocks_") / "missing.gguf", "llama", metadata(*K_LAYOUT.values()),
+                 {**raw, **norms})
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.up_proj.weight'\]"):
+        ts.models.load(path, quantized=True)
+
+
+def test_a_format_no_kernel_reads_is_dequantized_with_one_line_naming_it(caplog):
+    path, _ = k_layout_file(Q.Q3_K)
+    with caplog.at_level(logging.WARNING):
+        model = ts.models.load(path, quantized=True)
+    assert block_layers(model) == {}
+    [line] = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert "9 Q3_K tensors (no kernel reads Q3_K)" in line
+
+
+def test_quantized_asked_of_a_directory_is_refused():
+    with pytest.raises(ValueError, match="only GGUF files keep quantized weights"):
+        ts.models.load(checkpoint("llama"), quantized=True)
+
+
+def test_a_block_weight_with_rows_of_another_count_is_refused():
+    with pytest.raises(ValueError, match=r"must be uint8 \[4, row_bytes\]"):
+        BlockWeight(torch.zeros(3, 34, dtype=torch.uint8), "Q8_0", (4, 32))
+
+
+# ---------------------------------------------------------------- the graphs
+
+
+def test_decode_graphs_show_one_linear_op_with_the_weights_format():
+    model = ts.models.load(decisive_file(Q.Q4_0), quantized=True)
+    decode = ts.trace(model).lower(mode="decode")
+    text = decode.as_text()
+    c = model.config
+    assert text.count("tokenspeed.norm_linear(") == 2 * c.num_layers  # qkv, gate_up
+    assert text.count("tokenspeed.gated_linear(") == c.num_layers       # down
+    assert text.count("tokenspeed.linear(") == c.num_layers + 1         # o, the head
+    assert text.count("'Q4_0'") == 4 * c.num_layers + 2                 # and the embedding
+    assert "tokenspeed.embedding(%input_ids, %embed_tokens_weight, 'Q4_0', 64, torch.float32)" in text
+
+
+# ---------------------------------------------------------------- tokens
+
+
+@pytest.mark.parametrize("qtype, tied", [(Q.Q8_0, False), (Q.Q4_0, True), (Q.Q4_1, False), (Q.Q5_0, True)],
+                         ids=["Q8_0", "Q4_0-tied", "Q4_1", "Q5_0-tied"])
+def test_greedy_tokens_equal_the_dequantized_models(qtype, tied, monkeypatch):
+    path = decisive_file(qtype, tied)
+    margins = greedy_margins(monkeypatch)
+    kept = generate(ts.models.load(path, quantized=True))
+    assert_decisive(margins)
+    assert kept == generate(ts.models.load(path)) and all(len(t) == GREEDY.max_tokens for t in kept)
+
+
+def test_greedy_tokens_of_a_q4_k_file_equal_the_dequantized_models(monkeypatch):
+    """Random Q4_K blocks (``gguf`` cannot write K-quants) in a one-layer model."""
+    path, _ = k_layout_file(Q.Q4_K)
+    prompts = make_prompts((3, 9), seed=2, vocab=K_LAYOUT["vocab"])
+    margins = greedy_margins(monkeypatch)
+    kept = generate(ts.models.load(path, quantized=True), prompts)
+    assert_decisive(margins)
+    assert kept == generate(ts.models.load(path), prompts)
+
+
+# ---------------------------------------------------------------- the CUDA dispatch
+
+
+def blocks(qtype, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(w, qtype)).to(DEVICE)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cuda_ops_read_the_blocks_as_the_reference_does(rows):
+    """Each op's CUDA kernel (under the Triton interpreter on a CPU) with a block weight: the GEMV
+    forms for one row, the matmul for more; fp32 sums in another order than the reference."""
+    torch.manual_seed(0)
+    k, n = 64, 40
+    weight, x = blocks(Q.Q4_1, n, k), torch.randn(rows, k, device=DEVICE)
+    gate_up, residual = torch.randn(rows, 2 * k, device=DEVICE), torch.randn(rows, k, device=DEVICE)
+    norm_weight, bias = torch.rand(k, device=DEVICE), torch.randn(n, device=DEVICE)
+    calls = [("linear", (x, weight, bias, "Q4_1")), ("gated_linear", (gate_up, weight, None, "Q4_1")),
+             ("norm_linear", (x, residual, norm_weight, 1e-6, weight, bias, "Q4_1")),
+             ("norm_linear", (x, None, norm_weight, 1e-6, weight, None, "Q4_1"))]
+    for name, args in calls:
+        got, expected = as_list(getattr(cuda, name)(*args)), as_list(getattr(reference, name)(*args))
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-4, msg=name)
+
+
+def as_list(out) -> list:
+    return out if isinstance(out, list) else [out]
+
+
+def test_cuda_embedding_gathers_decoded_rows_in_the_asked_dtype():
+    """Exact in float32; bfloat16 within a rounding (the interpreter may truncate)."""
+    table, ids = blocks(Q.Q8_0, 10, 64), torch.tensor([3, 0, 9, 3], device=DEVICE)
+    expected = reference.embedding(ids, table, "Q8_0", 64, torch.float32)
+    assert torch.equal(cuda.embedding(ids, table, "Q8_0", 64, torch.float32), expected)
+    got = cuda.embedding(ids, table, "Q8_0", 64, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -7, atol=0)
+
+
+# ---------------------------------------------------------------- on the GPU
+
+
+def cuda_llm(model, **kw):
+    return ts.LLM(model, device="cuda", **{"max_model_len": 256, "max_num_seqs": 4,
+                                          "gpu_memory_utilization": 0.2, **kw})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, monkeypatch):
+    """float32 activations on both sides; the quantized model runs its captured graphs (the
+    GGUF GEMV at batch 1..4, the matmul in prefill), the dequantized one eagerly, its
+    margins checked."""
+    path = decisive_file(qtype) if qtype != Q.Q4_K else k_layout_file(qtype)[0]
+    vocab = K_LAYOUT["vocab"] if qtype == Q.Q4_K else TINY_LLAMA["vocab_size"]
+    prompts = make_prompts((3, 9, 17, 30), seed=7, vocab=vocab)
+    kept = ts.models.load(path, dtype=torch.float32, device="cuda")
+    assert block_layers(kept)
+    tokens = [o.token_ids for o in cuda_llm(kept).generate(prompts, GREEDY)]
+    margins = greedy_margins(monkeypatch)
+    dense = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=False)
+    assert tokens == [o.token_ids for o in cuda_llm(dense, enforce_eager=True).generate(prompts, GREEDY)]
+    assert_decisive(margins)
+
+
+@pytest.mark.gpu
+def test_gpu_default_model_answers_the_readme_chat_the_same_quantized_and_dequantized():
+    """The README's greedy chat on the embedded SmolLM2 (Q4_1, its embedding Q8_0), bfloat16
+    as ``dtype=None`` gives on CUDA; the blocks take well under half of bfloat16's bytes."""
+    try:
+        path = ts.models.default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    greedy = ts.SamplingParams(temperature=0, max_tokens=32)
+    kept = ts.LLM(device="cuda", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.2)
+    assert set(block_layers(kept.model).values()) == {"Q4_1", "Q8_0"}
+    answer, kept_bytes = kept.chat(chat, greedy)[0].text, weight_bytes(kept.model)
+    del kept
+    dense = ts.models.load(path, device="cuda", quantized=False)
+    assert all(p.dtype == torch.bfloat16 for p in dense.parameters())
+    assert kept_bytes < 0.5 * weight_bytes(dense)
+    assert cuda_llm(dense, tokenizer=str(path)).chat(chat, greedy)[0].text == answer and "4" in answer
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,30 @@
+"""Weight formats the IR's matrix ops accept: a dense weight in the activations' dtype,
+or a GGUF block format whose bytes stay as the file stores them.
+
+The ops take the weight tensor and its format's name (``weight_format``), so a graph
+shows one ``tokenspeed::linear`` whatever the weight, and a backend picks the kernel that
+reads the format. The block layouts themselves are the ``gguf`` package's (read by the
+backends); the IR only names the formats it carries.
+"""
+
+import attrs
+import torch
+
+DENSE = "dense"
+BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@attrs.frozen
+class BlockWeight:
+    """A matrix kept in its GGUF blocks: ``blocks`` is ``uint8 [N, row_bytes]`` (whole
+    blocks per row), ``shape`` the logical ``(N, K)`` it decodes to."""
+    blocks: torch.Tensor
+    format: str = attrs.field(validator=attrs.validators.in_(BLOCK_FORMATS))
+    shape: tuple[int, int] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self):
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or \
+                self.blocks.shape[0] != self.shape[0]:
+            raise ValueError(f"{self.format} blocks of a {self.shape} weight must be uint8 "
+                             f"[{self.shape[0]}, row_bytes]; got {self.blocks.dtype} "
+                             f"{tuple(self.blocks.shape)}")
