@@ -1,4 +1,4 @@
-"""GGUF weights kept in their blocks (``quantized=True``; the default on CUDA): which layers
+"""GGUF weights kept in their blocks (``quantized=True``): which layers
 keep them, what the graphs show, and tokens equal to the same file dequantized.
 
 On the CPU the block layers run the reference (``gguf``'s dequantization, then the float
@@ -263,20 +263,19 @@ def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, monkeypatch)
 
 @pytest.mark.gpu
 def test_gpu_default_model_answers_the_readme_chat_the_same_quantized_and_dequantized():
-    """The README's greedy chat on the embedded SmolLM2 (Q4_1, its embedding Q8_0), bfloat16
-    as ``dtype=None`` gives on CUDA; the blocks take well under half of bfloat16's bytes."""
+    """The README's greedy chat on the embedded SmolLM2 (Q4_1, its embedding Q8_0), in
+    bfloat16; the blocks take well under half of bfloat16's bytes."""
     try:
         path = ts.models.default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
     greedy = ts.SamplingParams(temperature=0, max_tokens=32)
-    kept = ts.LLM(device="cuda", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.2)
-    assert set(block_layers(kept.model).values()) == {"Q4_1", "Q8_0"}
-    answer, kept_bytes = kept.chat(chat, greedy)[0].text, weight_bytes(kept.model)
-    del kept
-    dense = ts.models.load(path, device="cuda", quantized=False)
-    assert all(p.dtype == torch.bfloat16 for p in dense.parameters())
+    blocks = ts.models.load(path, dtype=torch.bfloat16, device="cuda", quantized=True)
+    assert set(block_layers(blocks).values()) == {"Q4_1", "Q8_0"}
+    answer, kept_bytes = cuda_llm(blocks, tokenizer=str(path)).chat(chat, greedy)[0].text, weight_bytes(blocks)
+    del blocks
+    dense = ts.models.load(path, dtype=torch.bfloat16, device="cuda")
     assert kept_bytes < 0.5 * weight_bytes(dense)
     assert cuda_llm(dense, tokenizer=str(path)).chat(chat, greedy)[0].text == answer and "4" in answer
 

@@ -18,7 +18,7 @@ into what a Hugging Face directory holds, so the model is built and checked one 
 dtype rule (``dtype=None``): float16 when every matrix (tensor of 2+ dims) is stored F16,
 bfloat16 when every one is BF16, float32 otherwise (F32 files, mixed files and every
 quantized file: dequantized values are products of a float16 scale and an integer,
-which the 16-bit types cannot hold exactly). On CUDA the loader makes float32 bfloat16.
+which the 16-bit types cannot hold exactly).
 """
 
 import importlib.util

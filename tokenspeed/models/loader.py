@@ -45,14 +45,14 @@ def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
 
 
 def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
-         quantized: bool | None = None) -> LlamaForCausalLM:
+         quantized: bool = False) -> LlamaForCausalLM:
     """A Hugging Face directory, a ``.gguf`` file (``gguf_reader``: that file already
     opened with ``gguf.GGUFReader``), or a Hugging Face model id (``owner/name``, at
     ``revision``; see ``hub.resolve_model``). ``dtype=None`` keeps the directory's
-    ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``, and
-    on CUDA float32 becomes bfloat16. ``quantized`` (GGUF): keep the weights of the block
-    formats kernels read in their blocks (``block_plan``); None: on CUDA only (the CPU
-    runs dequantized weights faster than it decodes blocks)."""
+    ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``.
+    ``quantized`` (GGUF): keep the weights of the block formats kernels read in their
+    blocks (``block_plan``). Asked for, not the default: the GGUF kernels have not yet run
+    on a GPU, and a CPU runs dequantized weights faster than it decodes blocks."""
     path = resolve_model(path, revision)
     _check_dtype_argument(dtype)
     if gguf_file.is_gguf(path):
@@ -68,14 +68,10 @@ def _check_dtype_argument(dtype) -> None:
         raise ValueError(f"dtype={dtype}: tokenspeed runs {', '.join(RUNNABLE_DTYPES)}")
 
 
-def _load_gguf(path, dtype, device, reader, quantized) -> LlamaForCausalLM:
-    """On CUDA ``dtype=None`` makes a float32 default bfloat16 (vLLM's "auto"): the file's
-    values are no more exact in float32 than its 16-bit scales make them."""
+def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM:
     checkpoint = gguf_file.open_gguf(path, reader)
-    on_cuda = torch.device(device).type == "cuda"
-    model, kept = _with_block_layers(checkpoint, on_cuda if quantized is None else quantized)
-    dtype = dtype or (torch.bfloat16 if on_cuda and checkpoint.dtype == torch.float32 else checkpoint.dtype)
-    return _filled(_allocated(model, dtype, device), checkpoint, path, kept)
+    model, kept = _with_block_layers(checkpoint, quantized)
+    return _filled(_allocated(model, dtype or checkpoint.dtype, device), checkpoint, path, kept)
 
 
 def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:
