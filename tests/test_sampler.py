@@ -8,6 +8,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.sample_streams import stream_key
 from tokenspeed.execution.sampler import RowSampling, SamplingTensors, sample
 from tokenspeed.execution.sampling_params import MAX_N
@@ -448,3 +449,12 @@ def test_the_kernel_draws_from_keys_across_the_whole_int64_range():
         tokens = draw(keys)
         assert torch.equal(tokens, draw(keys)) and len(set(tokens.tolist())) > 4
         assert (tokens != draw(keys.roll(1))).sum() > rows // 2
+
+
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1])
+def test_a_row_refuses_a_seed_past_int64_naming_it(seed):
+    """A value that slipped past the request check is refused where the row is made, as a
+    request's refusal (its field and bound named), not a bare ValueError."""
+    with pytest.raises(RefusedRequest, match=r"^seed=.*: must fit a signed 64-bit integer") as refused:
+        RowSampling(ts.SamplingParams(), seed)
+    assert (refused.value.field, refused.value.value) == ("seed", seed)

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from tokenspeed.execution.host_to_device import values_on
+from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.outputs import TokenLogprobs
-from tokenspeed.execution.sampling_params import FLOAT32_TINY, INT64_MAX, INT64_MIN, SamplingParams
+from tokenspeed.execution.sampling_params import FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, INT64_MIN, SamplingParams
 from tokenspeed.execution.step_masks import StepMasks
 from tokenspeed.execution.token_column import NULL_SEAT
 
@@ -35,7 +36,8 @@ POSITION_KEY = 2654435761  # odd multiplier spreading positions over the noise k
 
 def _int64(name: str, value: int) -> int:
     if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"{name}={value!r}: must fit a signed 64-bit integer")
+        raise RefusedRequest(f"{name}={value!r}: must fit a signed 64-bit integer", field=name, value=value,
+                             limit="[-2**63, 2**63 - 1]")
     return value
 
 
@@ -43,7 +45,8 @@ def _float32(name: str, value: float) -> float:
     with np.errstate(over="ignore"):
         rounded = float(np.float32(value))
     if not np.isfinite(rounded):
-        raise ValueError(f"{name}={value!r}: must be a finite float32")
+        raise RefusedRequest(f"{name}={value!r}: must be a finite float32", field=name, value=value,
+                             limit=FLOAT32_MAX)
     return rounded
 
 
