@@ -94,6 +94,17 @@ def gpu_time(fn, iters: int = 10, warmup: int = 2) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def graph_time_per_call(weights, call, iters: int = 10) -> float:
+    """Seconds per ``call(w)``, timed as one CUDA graph of it over every weight in ``weights``
+    (enough of them that none stays in L2 between its calls)."""
+    call(weights[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(w)
+    return gpu_time(graph.replay, iters=iters) / len(weights)
+
+
 def median_time(fn, repeats: int = 5) -> float:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []

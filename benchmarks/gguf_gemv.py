@@ -60,12 +60,7 @@ def time_chain(weights, call, tiny: bool) -> float:
     """Seconds per call of ``call(w)`` over ``weights`` (a CUDA graph of all of them)."""
     if tiny:
         return common.median_time(lambda: call(weights[0]), 1)
-    call(weights[0])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            call(w)
-    return common.gpu_time(graph.replay, iters=20) / len(weights)
+    return common.graph_time_per_call(weights, call, iters=20)
 
 
 def measure(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth,

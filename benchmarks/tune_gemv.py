@@ -59,16 +59,6 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
 
 
-def time_chain(weights, launch) -> float:
-    """Seconds per launch of one graph of ``launch(w)`` over ``weights``."""
-    launch(weights[0])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            launch(w)
-    return common.gpu_time(graph.replay, iters=10) / len(weights)
-
-
 def launcher(m: int, k: int, kind: str):
     """``config -> (weight -> output)``, the GEMV called as the step calls it."""
     dev = dict(device="cuda", dtype=torch.bfloat16)
@@ -83,15 +73,15 @@ def launcher(m: int, k: int, kind: str):
 def tune(name: str, m: int, n: int, k: int, sms: int) -> dict:
     kind = fused_input(name, m)
     weights, launch = weight_copies(n, k), launcher(m, k, kind)
-    base = time_chain(weights, launch(None))
+    base = common.graph_time_per_call(weights, launch(None))
     best = base, triton_gemv.choose_config(m, n, k, sms, normed=kind == "normed")
     for cfg in configs(m, k, kind):
         try:
-            best = min(best, (time_chain(weights, launch(cfg)), cfg))
+            best = min(best, (common.graph_time_per_call(weights, launch(cfg)), cfg))
         except Exception as exc:  # a config Triton cannot compile (too much shared memory)
             print(f"  skip {cfg}: {type(exc).__name__}")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    torch_t = time_chain(weights, lambda w: torch.nn.functional.linear(x, w))
+    torch_t = common.graph_time_per_call(weights, lambda w: torch.nn.functional.linear(x, w))
     return {"m": m, "n": n, "k": k, "input": kind, "chosen_us": base * 1e6,
             "best_us": best[0] * 1e6, "best_config": best[1], "torch_us": torch_t * 1e6,
             "mb": n * k * 2 / 1e6}

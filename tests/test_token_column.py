@@ -22,6 +22,8 @@ from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.execution.token_column import NULL_SEAT
 from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
 
+from test_scheduler import Future
+
 VOCAB, MAX_NUM_SEQS, MAX_MODEL_LEN = 50, 4, 200
 
 
@@ -30,17 +32,6 @@ def next_token(seed: int, position: int, token: int) -> int:
     sequence (0) about one row in eight."""
     h = (seed * 2654435761 + position * 40503 + (token + 7) * 9973) % 2**32
     return 0 if h % 8 == 0 else 1 + h % (VOCAB - 1)
-
-
-class Future:
-    def __init__(self, tokens: list[int]):
-        self._tokens = tokens
-
-    def tokens(self) -> list[int]:
-        return list(self._tokens)
-
-    def logprobs(self) -> list:
-        return [None] * len(self._tokens)
 
 
 class ColumnRunner:

@@ -244,15 +244,23 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise InternalError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and "
                             f"{tuple(weight.shape)}")
+    x, norm = input_norm(x, residual, norm_weight, eps, InternalError)
+    return _launch(x, weight, bias, config, norm=norm), norm.total
+
+
+def input_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               error: type[Exception]) -> tuple[torch.Tensor, InputNorm]:
+    """``x`` contiguous and the ``InputNorm`` a GEMV reads it through (the sum's buffer made
+    when there is a residual), once ``norm_weight`` and ``residual`` fit ``x [1, K]``; a
+    misfit raises ``error`` (the GGUF GEMV's callers get a ``ValueError``)."""
     if norm_weight.shape != (x.shape[1],):
-        raise InternalError(f"norm weight must be [{x.shape[1]}]; got {tuple(norm_weight.shape)}")
+        raise error(f"norm weight must be [{x.shape[1]}]; got {tuple(norm_weight.shape)}")
     if residual is not None and residual.shape != x.shape:
-        raise InternalError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        raise error(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     x = x.contiguous()
     total = torch.empty_like(x) if residual is not None else None
-    norm = InputNorm(residual.contiguous() if residual is not None else None,
-                     norm_weight.contiguous(), total, eps)
-    return _launch(x, weight, bias, config, norm=norm), total
+    return x, InputNorm(residual.contiguous() if residual is not None else None,
+                        norm_weight.contiguous(), total, eps)
 
 
 def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None = None):

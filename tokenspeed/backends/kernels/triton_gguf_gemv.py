@@ -120,15 +120,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     k = check_linear(x, weight, fmt, bias)[0]
     if x.shape[0] != 1:
         raise ValueError(f"x must be one row [1, {k}]; got {tuple(x.shape)}")
-    if norm_weight.shape != (k,):
-        raise ValueError(f"norm weight must be [{k}]; got {tuple(norm_weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-    x = x.contiguous()
-    total = torch.empty_like(x) if residual is not None else None
-    norm = InputNorm(residual.contiguous() if residual is not None else None,
-                     norm_weight.contiguous(), total, eps)
-    return _launch(x, weight, fmt, bias, config, norm, False, normed=True), total
+    x, norm = triton_gemv.input_norm(x, residual, norm_weight, eps, ValueError)
+    return _launch(x, weight, fmt, bias, config, norm, False, normed=True), norm.total
 
 
 def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=False):
