@@ -1,7 +1,8 @@
 """GGUF files: the default SmolLM2 file against transformers, and small files written here
 from the random-weight Hugging Face models of ``hf_models`` the way llama.cpp's
 converter writes them (its tensor names from ``gguf.get_tensor_name_map``, its Q/K row
-permutation for ``llama``, matrices quantized by ``gguf.quants.quantize``).
+permutation for ``llama``, matrices quantized by ``gguf.quants.quantize``: the pieces of
+``tokenspeed.models.gguf_writer``).
 """
 
 import contextlib
@@ -19,13 +20,13 @@ import pytest
 import torch
 
 import tokenspeed as ts
-from tokenspeed.models import gguf as ts_gguf
+from tokenspeed.models import gguf as ts_gguf, gguf_writer
+from tokenspeed.models.gguf_writer import S, U, F, encode, llama_cpp_permute, random_blocks, write
 from tokenspeed.models.random import hf_state_dict
 
 from hf_models import EOS, hf_model, make_prompts, new_tmpdir, reference
 
 Q = gguf.GGMLQuantizationType
-S, U, F = gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
 GREEDY = ts.SamplingParams(temperature=0, max_tokens=8)
 PROMPTS = make_prompts((5, 30), seed=3)
 LONG_PROMPTS = make_prompts((100,), seed=4)  # past llama3_rope's original 64 positions
@@ -49,35 +50,9 @@ def generate(model, prompts=PROMPTS):
 # ---------------------------------------------------------------- writing GGUF files
 
 
-def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's ``LlamaModel.permute`` (Hugging Face rows -> GGUF rows)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write(path, arch: str, meta: dict, tensors: dict) -> str:
-    """A GGUF file: ``meta`` keys without the ``{arch}.`` prefix (value, type), and
-    ``tensors`` as name -> float32 array or (raw bytes, type)."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, (value, vtype) in meta.items():
-        writer.add_key_value(key if key.startswith(("tokenizer.", "general.")) else f"{arch}.{key}",
-                             value, vtype)
-    for name, tensor in tensors.items():
-        raw, qtype = tensor if isinstance(tensor, tuple) else (tensor, None)
-        writer.add_tensor(name, raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
-
-
-def metadata(layers, hidden, ffn, heads, kv_heads, head_dim, vocab, theta=10000.0, context=256) -> dict:
-    return {"block_count": (layers, U), "context_length": (context, U), "embedding_length": (hidden, U),
-            "feed_forward_length": (ffn, U), "attention.head_count": (heads, U),
-            "attention.head_count_kv": (kv_heads, U), "attention.key_length": (head_dim, U),
-            "attention.value_length": (head_dim, U), "rope.dimension_count": (head_dim, U),
-            "rope.freq_base": (theta, F), "attention.layer_norm_rms_epsilon": (1e-6, F),
-            "vocab_size": (vocab, U), "tokenizer.ggml.eos_token_id": (EOS, U)}
+def metadata(*shape, **keys) -> dict:
+    """``gguf_writer.metadata`` naming ``hf_models``' end-of-sequence token."""
+    return gguf_writer.metadata(*shape, eos=EOS, **keys)
 
 
 def hf_metadata(cfg) -> dict:
@@ -85,11 +60,6 @@ def hf_metadata(cfg) -> dict:
     return metadata(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
                     cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size,
                     cfg.rope_parameters["rope_theta"], cfg.max_position_embeddings)
-
-
-def encode(w: np.ndarray, qtype):
-    """Matrices quantized to ``qtype``; vectors (norms, biases) stay F32 as llama.cpp keeps them."""
-    return w if qtype == Q.F32 or w.ndim == 1 else (gguf.quants.quantize(w, qtype), qtype)
 
 
 def gguf_from_hf(variant: str, qtype=Q.F32, extra_tensors=None) -> str:
@@ -268,13 +238,6 @@ def test_rope_freqs_that_are_not_llama3_are_refused():
 
 
 K_LAYOUT = dict(layers=1, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64, vocab=32)  # rows of 256
-
-
-def random_blocks(shape, qtype, seed: int) -> np.ndarray:
-    """Random bytes of a ``shape`` tensor of ``qtype``, every byte below 0x3c so that any
-    float16 / bfloat16 scale in them is finite and small."""
-    byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
-    return np.random.default_rng(seed).integers(0, 0x3C, size=byte_shape, dtype=np.uint8)
 
 
 def k_layout_file(qtype, matrix_type=None) -> tuple[str, dict]:

@@ -9,6 +9,7 @@ dispatch of each op is run here through the Triton interpreter.
 
 import logging
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -21,11 +22,12 @@ from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED
 from tokenspeed.ir.weights import BLOCK_FORMATS, BlockWeight
 from tokenspeed.models import gguf as ts_gguf
 from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear
+from tokenspeed.models.gguf_writer import write, write_llama
 from tokenspeed.models.random import TINY_LLAMA, hf_state_dict
 
-from hf_models import checkpoint, make_prompts, new_tmpdir
+from hf_models import EOS, checkpoint, make_prompts, new_tmpdir
 from margins import assert_decisive, decisive_model, greedy_margins
-from test_gguf import K_LAYOUT, encode, gguf_from_hf, k_layout_file, llama_cpp_permute, metadata, write
+from test_gguf import K_LAYOUT, k_layout_file, metadata
 
 Q = gguf.GGMLQuantizationType
 GREEDY = ts.SamplingParams(temperature=0, max_tokens=8)
@@ -37,19 +39,9 @@ def decisive_file(qtype, tied: bool = False) -> str:
     """``margins.decisive_model`` (clear greedy choices) written as llama.cpp writes a
     llama file, its matrices quantized to ``qtype``."""
     model = decisive_model(config={**TINY_LLAMA, "tie_word_embeddings": tied})
-    c = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_layers)
-    tensors = {}
-    for name, tensor in hf_state_dict(model).items():
-        if tied and name == "lm_head.weight":
-            continue
-        w = tensor.numpy()
-        if ".q_proj." in name or ".k_proj." in name:
-            w = llama_cpp_permute(w, c.num_heads if ".q_proj." in name else c.num_kv_heads)
-        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = encode(w, qtype)
-    meta = metadata(c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                    c.head_dim, c.vocab_size)
-    return write(new_tmpdir("ts_gguf_blocks_") / f"decisive-{qtype.name}.gguf", "llama", meta, tensors)
+    config = attrs.evolve(model.config, eos_token_ids=(EOS,))
+    path = new_tmpdir("ts_gguf_blocks_") / f"decisive-{qtype.name}.gguf"
+    return write_llama(path, config, hf_state_dict(model), qtype)
 
 
 def generate(model, prompts=PROMPTS):
