@@ -145,19 +145,20 @@ def choose_config(m: int, n: int, k: int, sm_count: int) -> GemvConfig:
     the bandwidth: the same grids with K tiles of twice the elements.
 
     One row: 2-4 output rows and 2048 columns a program (4-8 KB of weight; 40-52
-    registers a thread, ptxas sm_90a, so ~12 programs an SM); from K = 4096 (the down
-    projection, 256 bf16 programs of 32 KB at 128 registers, 2 an SM), 4 rows of 4096
-    with 8 warps (16 KB at 73 registers gated, 3 an SM), since 8 rows would need 143
-    registers and fit one program an SM. Several rows: ``tl.dot`` tiles of 32-64
+    registers a thread, ptxas sm_90a, so ~12 programs an SM, all resident at once for
+    the 1B projections); from K = 4096 (the down projection: bf16 runs 256 programs of
+    32 KB, all resident, 2 an SM), 4 rows of 4096 with 4 warps: 512 programs of 16 KB,
+    gated at 128 registers so 4 an SM, again all resident (8 warps would take 3 an SM,
+    and 8 rows 143 registers, one an SM). Several rows: ``tl.dot`` tiles of 32-64
     columns and 128 of K (one block scale's columns), software-pipelined. K is split
     where the column blocks leave SMs idle. Every block_n divides 128, as block scales
     require. Not yet swept on a GPU (``benchmarks/fp8_linear.py --sweep``)."""
     if m == 1:
-        block_n, block_k, warps = (4, 4096, 8) if k >= 4096 else (2 if n <= 4096 else 4, 2048, 4)
+        block_n, block_k, warps = (4, 4096, 4) if k >= 4096 else (2 if n <= 4096 else 4, 2048, 4)
         n_blocks = triton.cdiv(n, block_n)
         splits = 1
         if n_blocks < sm_count:
-            splits, block_k, warps = min(4, triton.cdiv(2 * sm_count, n_blocks)), 2048, 4
+            splits, block_k = min(4, triton.cdiv(2 * sm_count, n_blocks)), 2048
         stages = 3
     else:
         block_n, block_k, warps = (64 if n >= 2048 else 32), BLOCK, 4
