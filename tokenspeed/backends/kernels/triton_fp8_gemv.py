@@ -142,19 +142,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, s
 def choose_config(m: int, n: int, k: int, sm_count: int) -> GemvConfig:
     """(block_n, block_k, splits, warps, stages) by reasoning from ``triton_gemv``'s
     H200 sweeps, which found the bytes a program has in flight, not its elements, to set
-    the bandwidth: the same grids with K tiles of twice the elements.
+    the bandwidth: grids like its own, with K tiles of twice the elements.
 
-    One row: 2-4 output rows and 2048 columns a program (4-8 KB of weight; 40-52
-    registers a thread, ptxas sm_90a, so ~12 programs an SM, all resident at once for
-    the 1B projections); from K = 4096 (the down projection: bf16 runs 256 programs of
-    32 KB, all resident, 2 an SM), 4 rows of 4096 with 4 warps: 512 programs of 16 KB,
-    gated at 128 registers so 4 an SM, again all resident (8 warps would take 3 an SM,
-    and 8 rows 143 registers, one an SM). Several rows: ``tl.dot`` tiles of 32-64
-    columns and 128 of K (one block scale's columns), software-pipelined. K is split
-    where the column blocks leave SMs idle. Every block_n divides 128, as block scales
-    require. Not yet swept on a GPU (``benchmarks/fp8_linear.py --sweep``)."""
+    One row: 4 output rows a program (each program also reads the input tile from L2:
+    4 FP8 rows keep that read at half the weight's bytes, as 2 bf16 rows do) and 2048
+    columns (8 KB of weight at 52 registers a thread, ptxas sm_90a: all of a 1B
+    projection's programs resident at once); from K = 4096 (the down projection: bf16
+    runs 256 programs of 32 KB, 2 an SM, all resident) 4096 columns with 4 warps: 512
+    programs of 16 KB, gated at 128 registers so 4 an SM, again all resident (8 warps
+    would fit 3 an SM, and 8 rows need 143 registers, one an SM). Several rows:
+    ``tl.dot`` tiles of 32-64 columns and 128 of K (one block scale's columns),
+    software-pipelined. K is split where the column blocks leave SMs idle. Every block_n
+    divides 128, as block scales require. Not yet swept on a GPU
+    (``benchmarks/fp8_linear.py --sweep``)."""
     if m == 1:
-        block_n, block_k, warps = (4, 4096, 4) if k >= 4096 else (2 if n <= 4096 else 4, 2048, 4)
+        block_n, block_k, warps = 4, (4096 if k >= 4096 else 2048), 4
         n_blocks = triton.cdiv(n, block_n)
         splits = 1
         if n_blocks < sm_count:
