@@ -1,0 +1,62 @@
+"""The FP8 weight kernels compile for an H100/H200 (sm_90) on a machine without a GPU, as
+tests/test_kernel_compile.py checks the others: in a child, without the interpreter,
+with the chosen configs and the alignment a launch specializes. The block matmul must
+reach the FP8 tensor cores, and the activation quantizer's scale is an IEEE quotient, as
+torch's is (Triton's ``/`` is an approximate one)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenspeed.backends.kernels import triton_fp8_block_matmul as b, triton_fp8_gemv as g, triton_fp8_quantize as q
+
+def compile_sm90(kernel, signature, constexprs, num_warps, num_stages=3):
+    # pointers and integers divisible by 16, as a launch specializes the real ones
+    names = kernel.arg_names
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t != "fp32"}
+    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                       constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+ints = lambda *names: {n: "i32" for n in names}
+gemv = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+            **ints("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_os", "stride_om"))
+for rows in (1, 16):
+    for n, k in ((2048, 8192), (3072, 2048)):
+        c = g.choose_config(rows, n, k, 132)
+        for blocks in (False, True):
+            ptx = compile_sm90(g._gemv_kernel, gemv, dict(HAS_BIAS=True, GATED=k == 8192, BLOCK_SCALES=blocks,
+                               BLOCK_M=1 if rows == 1 else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                               PRECISION="tf32", USE_PDL=True), c.num_warps, c.num_stages)
+            assert "griddepcontrol.wait" in ptx
+matmul = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+              **ints("M", "N", "K", "k_per_split", "stride_xm", "stride_xsm", "stride_wn", "stride_wsn", "stride_os", "stride_om"))
+for rows in (16, 300, 2048):
+    c = b.choose_config(rows, 2048, 8192, 132)
+    ptx = compile_sm90(b._matmul_kernel, matmul, dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BAND_M=8,
+                       USE_PDL=True), c.num_warps, c.num_stages)
+    assert "e4m3.e4m3" in ptx and "wgmma" in ptx, "FP8 tensor cores"
+quant = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **ints("M", "K", "group", "stride_xm", "stride_qm", "stride_sm"))
+ptx = compile_sm90(q._quantize_kernel, quant, dict(ROWS=16, BLOCK=128, USE_PDL=True), 4)
+assert "div.rn.f32" in ptx and "e4m3" in ptx
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
+def test_the_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,54 @@
+"""FP8 linear layers for prefill and batches (M > 16): the activations quantized per
+token, then the product on the FP8 tensor cores.
+
+A per-channel weight goes to ``torch._scaled_mm`` with row-wise scales (``scale_a``
+``[M, 1]``, one a token; ``scale_b`` ``[1, N]``, one an output channel), which cuBLAS
+(or, on builds older than CUDA 12.9, torch's CUTLASS kernel) runs on Hopper's FP8 tensor
+cores; ``use_fast_accum`` stays off, so the FP8 partial sums are promoted to fp32 as the
+block kernel promotes them. What torch 2.11-2.14 accept on CUDA, and so what ``linear``
+checks on every device (the CPU accepts more): FP8 operands, the first row-major and the
+second column-major (the weight ``[N, K]`` transposed, as stored); K and N multiples of
+16; float32 scales, contiguous; bfloat16 and float16 outputs (a float32 one only where
+row-wise scaling runs through cuBLAS, CUDA 12.9 or later; elsewhere torch refuses it by
+name); a fused bias only of the output's 16-bit dtype, never with a float32 output, which
+gets its bias added after. A weight whose K or N is not a multiple of 16 is refused with
+both numbers: padding it would copy the weight at every call.
+
+A 128 x 128 block-scaled weight goes to ``triton_fp8_block_matmul``.
+"""
+
+import torch
+
+from tokenspeed.backends.kernels import triton_fp8_block_matmul
+from tokenspeed.backends.kernels.fp8_weights import check_fp8_linear
+from tokenspeed.backends.kernels.triton_fp8_quantize import quantize_activations
+
+ALIGNMENT = 16  # of K and N, for torch._scaled_mm
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequantize(weight, scale).T (+ bias)`` as ``[M, N]`` in x's dtype; the
+    scale's layout (``[N]`` or 128 x 128 blocks) picks the kernel."""
+    if scale.dim() == 2:
+        return triton_fp8_block_matmul.linear(x, weight, scale, bias)
+    return scaled_mm(x, weight, scale, bias)
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-channel product: x quantized per token, then ``torch._scaled_mm``."""
+    k, n = check_fp8_linear(x, weight, scale, bias)
+    if scale.dim() != 1:
+        raise ValueError(f"torch._scaled_mm takes a per-channel scale [{n}]; got "
+                         f"{list(scale.shape)}")
+    if k % ALIGNMENT or n % ALIGNMENT:
+        raise ValueError(f"torch._scaled_mm needs K and N multiples of {ALIGNMENT}; got "
+                         f"K={k}, N={n}")
+    if x.shape[0] == 0:
+        return torch.zeros((0, n), dtype=x.dtype, device=x.device)
+    xq, xs = quantize_activations(x)
+    fused = bias is not None and x.dtype != torch.float32
+    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, n),
+                           bias=bias.to(x.dtype) if fused else None, out_dtype=x.dtype)
+    return out if bias is None or fused else out + bias.to(x.dtype)

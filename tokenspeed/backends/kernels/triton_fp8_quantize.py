@@ -1,0 +1,95 @@
+"""Activations quantized to FP8 in one kernel: a scale per row (per token, for
+``torch._scaled_mm``) or per row and 128 columns (for block-scaled weights), and the
+quantized values, ``fp8_weights.quantize_activation_groups`` computed in one launch.
+
+Prefill multiplies 2048 rows or more, and its FP8 matmul is only about 20 us a projection
+on an H200 (1B shapes): the five or so torch kernels of the reference (abs, amax, divide,
+clamp, convert, each a pass over the rows) would cost most of what FP8 saves. This kernel
+reads a tile of rows once for their largest magnitudes and once more (from L2) to write
+them quantized.
+
+The conversion rounds in fp32 first (``round_to_e4m3``), so ``.to(float8e4nv)`` only
+ever sees values it represents exactly: the GPU's conversion and the Triton
+interpreter's (which mis-rounds values whose rounding carries into the next exponent,
+7.79 to 4.0) then agree, and the tests compare with torch's conversion bit for bit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.fp8_weights import ACTIVATION_DTYPES, FP8, FP8_MAX, MIN_AMAX
+
+TILE = 2048  # elements a program holds at a time (16 a thread with 4 warps)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest float8_e4m3fn value (ties to even),
+    still fp32, its sign kept (-0.0 too). A normal magnitude keeps 3 of fp32's 23 mantissa
+    bits (the integer add carries into the exponent as rounding must); below 2^-6 the
+    spacing is a fixed 2^-9, and adding 1.5 * 2^14 rounds to it."""
+    magnitude = tl.abs(v)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    subnormal = ((magnitude + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+    return (tl.where(magnitude < 0.015625, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, group, stride_xm, stride_qm, stride_sm,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row tile, group): the largest magnitude of each row over ``group``
+    columns, then those columns quantized with it."""
+    pdl.start(USE_PDL)
+    m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    kk = tl.arange(0, BLOCK)
+    lo = g * group
+    hi = tl.minimum(lo + group, K)
+    rows = m.to(tl.int64)[:, None]
+    pdl.wait(USE_PDL)
+    amax = tl.zeros([ROWS], tl.float32)
+    for k0 in range(lo, hi, BLOCK):
+        mask = (m < M)[:, None] & (k0 + kk < hi)[None, :]
+        x = tl.load(x_ptr + rows * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+    scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)  # IEEE, as torch divides
+    tl.store(s_ptr + m * stride_sm + g, scale, mask=m < M)
+    inverse = tl.math.div_rn(1.0, scale)  # a product an element, not a quotient
+    for k0 in range(lo, hi, BLOCK):
+        mask = (m < M)[:, None] & (k0 + kk < hi)[None, :]
+        x = tl.load(x_ptr + rows * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
+        v = tl.minimum(tl.maximum(x.to(tl.float32) * inverse[:, None], -_FP8_MAX), _FP8_MAX)
+        tl.store(q_ptr + rows * stride_qm + k0 + kk[None, :],
+                 round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_activations(x: torch.Tensor, group: int | None = None):
+    """(``float8_e4m3fn [M, K]``, ``float32 [M, ceil(K / group)]``) of ``x [M, K]``: a
+    scale per row and ``group`` columns, or per row (``[M, 1]``) when ``group`` is None;
+    equal to ``fp8_weights.quantize_activation_groups``."""
+    if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"activations to quantize must be bfloat16, float16 or float32 "
+                         f"[M, K]; got {x.dtype} {tuple(x.shape)}")
+    if group is not None and group < 1:
+        raise ValueError(f"a quantization group must hold at least 1 column; got {group}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    group = max(k, 1) if group is None else group
+    groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scale
+    block = min(next_power_of_2(group), TILE)
+    rows = max(1, min(16, TILE // block, next_power_of_2(m)))
+    _quantize_kernel[(triton.cdiv(m, rows), groups)](
+        x, q, scale, m, k, group, x.stride(0), q.stride(0), scale.stride(0), ROWS=rows,
+        BLOCK=block, num_warps=4, **pdl.launch_options(x.device))
+    return q, scale
