@@ -240,3 +240,12 @@ def test_generation_config_eos_ids_are_added():
     path = copy_checkpoint("llama")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
     assert set(ts.models.load(path).config.eos_token_ids) == {2, 7}
+
+
+@pytest.mark.parametrize("stored, device, runs", [
+    (torch.float32, "cuda", torch.bfloat16), (torch.float32, "cuda:1", torch.bfloat16),
+    (torch.float16, "cuda", torch.float16), (torch.bfloat16, "cuda", torch.bfloat16),
+    (torch.float32, "cpu", torch.float32), (torch.bfloat16, "cpu", torch.bfloat16)])
+def test_dtype_none_runs_float32_checkpoints_in_bfloat16_on_a_gpu_only(stored, device, runs):
+    from tokenspeed.models.loader import run_dtype
+    assert run_dtype(stored, device) == runs

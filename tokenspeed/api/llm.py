@@ -15,7 +15,8 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.api import model_source
 from tokenspeed.api.chat_messages import conversations, template_messages
 from tokenspeed.api.cpu_threads import size_torch_threads
-from tokenspeed.api.llm_arguments import checked_compile_options, checked_device, checked_dtype, per_prompt
+from tokenspeed.api.llm_arguments import (checked_compile_options, checked_device, checked_dtype,
+                                          checked_quantization, per_prompt)
 from tokenspeed.api.model_source import tokenizer_path
 from tokenspeed.api.offline_client import OfflineClient
 from tokenspeed.api.progress import Progress
@@ -39,14 +40,17 @@ __all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
 
 
 class LLM:
-    def __init__(self, model=None, device="cpu", dtype=None, *, tokenizer=None, revision: str | None = None,
+    def __init__(self, model=None, device="cpu", dtype=None, *, quantization: str | None = None,
+                 tokenizer=None, revision: str | None = None,
                  enforce_eager: bool = False, overlap: bool = True,
                  enable_prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
                  backend=None, **compile_options):
         """``model``: a Hugging Face directory or model id (``owner/name``, through the
         Hugging Face cache; ``revision``: a branch, tag or commit of it), a GGUF file or a
         tokenspeed model (default: the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
-        the checkpoint's). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
+        the checkpoint's). ``quantization="fp8"``: the linear layers' weights quantized to FP8
+        at load, one scale per output channel (GGUF files and FP8 checkpoints stay as stored
+        without it). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
         path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``max_chunk_tokens``,
         ``num_kv_pages``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
@@ -69,7 +73,8 @@ class LLM:
         wanted = config.graph_support(backend.graph_support())
         with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
             reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
-            self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader)
+            self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader,
+                                               checked_quantization(quantization))
             self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
             self.traced = stages.trace(self.model)
             draft = None

@@ -10,8 +10,9 @@ import torch
 from tokenspeed.execution.compile_config import CompileConfig
 from tokenspeed.execution.sampling_params import SamplingParams
 
-LLM_OPTIONS = ("model", "device", "dtype", "tokenizer", "revision", "enforce_eager", "overlap",
-               "enable_prefix_caching", "speculative", "backend")
+LLM_OPTIONS = ("model", "device", "dtype", "quantization", "tokenizer", "revision", "enforce_eager",
+               "overlap", "enable_prefix_caching", "speculative", "backend")
+QUANTIZATIONS = ("fp8",)
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
@@ -35,6 +36,13 @@ def checked_dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.removeprefix("torch.")]
     raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)} or a torch dtype")
+
+
+def checked_quantization(quantization) -> str | None:
+    if quantization is None or quantization in QUANTIZATIONS:
+        return quantization
+    raise ValueError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)} or None "
+                     f"(GGUF files and FP8 checkpoints load quantized as they are stored)")
 
 
 def checked_compile_options(enforce_eager: bool, options: dict) -> dict:

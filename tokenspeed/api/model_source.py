@@ -6,6 +6,7 @@ from pathlib import Path
 from tokenspeed.models.generation_config import FILE_NAME, sampling_defaults
 from tokenspeed.models.gguf import PlainGGUFReader, is_gguf
 from tokenspeed.models.hub import resolve_model
+from tokenspeed.models.fp8_layers import quantized_to_fp8
 from tokenspeed.models.loader import load
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.tokenizer import Tokenizer, load_tokenizer
@@ -23,7 +24,13 @@ def gguf_reader(model):
         Path(model).is_file() else None
 
 
-def as_model(model, dtype, device, reader=None):
+def as_model(model, dtype, device, reader=None, quantization: str | None = None):
+    """The model on ``device``, quantized at load if asked (``quantization="fp8"``)."""
+    model = _loaded(model, dtype, device, reader)
+    return quantized_to_fp8(model) if quantization == "fp8" else model
+
+
+def _loaded(model, dtype, device, reader):
     if isinstance(model, (str, Path)):
         return load(model, dtype=dtype, device=device, gguf_reader=reader)
     if not hasattr(model, "config"):

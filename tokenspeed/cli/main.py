@@ -62,6 +62,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
                          help="with a model id: its branch, tag or commit (default: main)")
     command.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is available, else cpu)")
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    command.add_argument("--quantization", default=None,
+                         help="quantize a 16- or 32-bit model's weights at load: fp8 (e4m3, one scale per "
+                              "output channel; default: the weights as stored)")
     command.add_argument("--max-model-len", type=int, default=None,
                          help="the longest context, prompt and output (default: the model's)")
     command.add_argument("--max-chunk-tokens", type=int, default=None,
@@ -116,8 +119,9 @@ def llm_options(args, **options) -> dict:
     if args.speculative_tokens:
         method = "ngram" if args.draft_model is None else "draft"
         options["speculative"] = SpeculativeConfig(method, args.speculative_tokens, draft_model=args.draft_model)
-    if args.revision is not None:
-        options["revision"] = args.revision
+    for name in ("revision", "quantization"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     return dict(device=args.device or default_device(), dtype=args.dtype, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization, **options)
 

@@ -1,10 +1,12 @@
 """Weight formats the IR's matrix ops accept: a dense weight in the activations' dtype,
-or a GGUF block format whose bytes stay as the file stores them.
+a GGUF block format whose bytes stay as the file stores them, or FP8 (e4m3) with scales.
 
 The ops take the weight tensor and its format's name (``weight_format``), so a graph
 shows one ``tokenspeed::linear`` whatever the weight, and a backend picks the kernel that
 reads the format. The block layouts themselves are the ``gguf`` package's (read by the
-backends); the IR only names the formats it carries.
+backends); the IR only names the formats it carries. An FP8 weight's ``weight_scale`` is
+the op's last argument: float32 ``[N]`` (one scale per output channel) or
+``[ceil(N / 128), ceil(K / 128)]`` (one per 128 x 128 tile); weight = fp8 value x scale.
 """
 
 import attrs
@@ -12,6 +14,8 @@ import torch
 
 DENSE = "dense"
 BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FP8 = "fp8_e4m3"
+FP8_TILE = 128   # the side of a tile sharing one scale in block-scaled FP8 checkpoints
 
 
 @attrs.frozen

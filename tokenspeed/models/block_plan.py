@@ -18,11 +18,10 @@ from torch import nn
 from tokenspeed.ir.weights import BLOCK_FORMATS
 from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear, BlockLinearParts
 from tokenspeed.models.gguf import hf_name, logical_shape
-from tokenspeed.models.llama import STACKED, stacked_sizes
+from tokenspeed.models.layer_swap import (EMBEDDING, HEAD, layer_module, part_sizes, parts_by_layer,
+                                          replace_layer)
 
 log = logging.getLogger(__name__)
-EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
-STACKED_LAYERS = frozenset(stacked for stacked, _ in STACKED.values())
 
 
 @attrs.frozen
@@ -53,7 +52,7 @@ def plan(model: nn.Module, stored: dict[str, StoredMatrix]) -> BlockPlan:
     """The layers of ``model`` (dense, on any device) whose every part is stored in a block
     format, at the shape the model expects (a wrong shape is left to the loader's check)."""
     layers, split_layers, kept = {}, {}, set()
-    for layer, names in _parts_by_layer(model, stored).items():
+    for layer, names in parts_by_layer(model, stored).items():
         parts = [stored[n] for n in names]
         if not _fits(model, layer, parts):
             continue
@@ -79,42 +78,12 @@ def _part_name(name: str) -> str:
     return name.removesuffix(".weight").rpartition(".")[2]
 
 
-def _parts_by_layer(model, stored) -> dict[str, list[str]]:
-    """Our layer -> its checkpoint weights in stacking order (one for an unstacked layer)."""
-    parts = collections.defaultdict(dict)
-    for name in stored:
-        layer, index = _layer_of(model, name)
-        parts[layer][index] = name
-    return {layer: [by_index[i] for i in sorted(by_index)] for layer, by_index in parts.items()}
-
-
-def _layer_of(model, name: str) -> tuple[str, int]:
-    """As the loader maps it: the layer of that name if the model has one (a KV-shared
-    layer's own ``q_proj``), else the stacked projection it is a slice of."""
-    module = name.removesuffix(".weight")
-    base, _, part = module.rpartition(".")
-    if _module(model, module) is not None or part not in STACKED:
-        return module, 0
-    stacked, index = STACKED[part]
-    return f"{base}.{stacked}", index
-
-
 def _fits(model, layer: str, parts: list[StoredMatrix]) -> bool:
     """Every part in a block format, of the shape the model's layer expects."""
-    module = _module(model, layer)
+    module = layer_module(model, layer)
     if module is None or not {p.format for p in parts} <= set(BLOCK_FORMATS):
         return False
-    stacked = layer.rpartition(".")[2]
-    sizes = stacked_sizes(model.config, stacked) if stacked in STACKED_LAYERS else [module.weight.shape[0]]
-    return [p.shape for p in parts] == [(n, module.weight.shape[1]) for n in sizes]
-
-
-def _module(model, layer: str) -> nn.Module | None:
-    try:
-        module = model.get_submodule(layer)
-    except AttributeError:
-        return None
-    return module if isinstance(module, (nn.Linear, nn.Embedding)) else None
+    return [p.shape for p in parts] == [(n, module.weight.shape[1]) for n in part_sizes(model, layer)]
 
 
 def _log_dequantized(stored, kept) -> None:
@@ -131,17 +100,11 @@ def _log_dequantized(stored, kept) -> None:
 def swap_layers(model: nn.Module, block_plan: BlockPlan) -> nn.Module:
     """``model`` (on the meta device) with each planned layer a block layer."""
     for layer, matrix in block_plan.layers.items():
-        _replace(model, layer, lambda dense, m=matrix: _block_layer(dense, m))
+        replace_layer(model, layer, lambda dense, m=matrix: _block_layer(dense, m))
     for layer, parts in block_plan.split_layers.items():
-        _replace(model, layer, lambda dense, p=parts: BlockLinearParts(
+        replace_layer(model, layer, lambda dense, p=parts: BlockLinearParts(
             {name: _block_layer(dense, m) for name, m in p.items()}))
     return model
-
-
-def _replace(model: nn.Module, layer: str, new) -> None:
-    parent, _, attr = layer.rpartition(".")
-    owner = model.get_submodule(parent) if parent else model
-    setattr(owner, attr, new(getattr(owner, attr)))
 
 
 def _block_layer(dense: nn.Module, matrix: StoredMatrix) -> nn.Module:

@@ -9,6 +9,7 @@ import attrs
 
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
 from tokenspeed.models.config_values import check_values
+from tokenspeed.models.fp8_scheme import fp8_scheme
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -180,11 +181,9 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
 
 
 def _check_quantization(hf: dict) -> None:
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise _unsupported("quantization_config", method, "quantized Hugging Face checkpoints "
-                                                          "are not supported (GGUF files are)")
+    """FP8 checkpoints load (``fp8_scheme``); any other quantization is refused."""
+    if hf.get("quantization_config"):
+        fp8_scheme(hf["quantization_config"])
 
 
 def _max_positions(hf: dict) -> int:

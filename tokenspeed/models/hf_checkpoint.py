@@ -18,6 +18,8 @@ from safetensors import SafetensorError, safe_open
 from tokenspeed.models.config import ModelConfig, eos_ids
 from tokenspeed.models.config_values import RUNNABLE_DTYPES, check_dtype
 from tokenspeed.models.errors import ModelFileError
+from tokenspeed.models.fp8_checkpoint import stored_tensors
+from tokenspeed.models.fp8_scheme import Fp8Scheme, fp8_scheme
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 TENSOR_DTYPES = tuple(getattr(torch, name) for name in RUNNABLE_DTYPES)
@@ -26,15 +28,25 @@ TENSOR_DTYPES = tuple(getattr(torch, name) for name in RUNNABLE_DTYPES)
 @attrs.frozen
 class HFCheckpoint:
     """An opened directory: the config it describes (tying as transformers resolves it),
-    the dtype ``dtype=None`` loads it in, and its safetensors files."""
+    the dtype ``dtype=None`` loads it in, its safetensors files and, for an FP8
+    checkpoint, how its FP8 matrices are scaled."""
     config: ModelConfig
     dtype: torch.dtype
     files: tuple[Path, ...]
+    fp8: Fp8Scheme | None = None
 
     def tensors(self):
-        """(name, tensor) pairs, file after file."""
+        """(name, tensor) pairs, file after file (FP8 scales as our layers hold them)."""
+        pairs = (pair for file in self.files for pair in read_tensors(file, self.fp8 is not None))
+        return stored_tensors(pairs) if self.fp8 else pairs
+
+    def fp8_weights(self) -> list[str]:
+        """The names of the matrices stored in FP8, read from the files' headers."""
+        names = []
         for file in self.files:
-            yield from read_tensors(file)
+            with opened(file) as f:
+                names += [n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"]
+        return names
 
 
 def open_dir(path) -> HFCheckpoint:
@@ -45,7 +57,8 @@ def open_dir(path) -> HFCheckpoint:
     config, files = read_config(path, hf), safetensors_files(path)
     if config.tie_word_embeddings and _distinct_lm_head(files):
         config = attrs.evolve(config, tie_word_embeddings=False)
-    return HFCheckpoint(config, getattr(torch, check_dtype(hf) or "float32"), tuple(files))
+    fp8 = fp8_scheme(hf["quantization_config"]) if hf.get("quantization_config") else None
+    return HFCheckpoint(config, getattr(torch, check_dtype(hf) or "float32"), tuple(files), fp8)
 
 
 def read_json(file: Path) -> dict:
@@ -121,17 +134,18 @@ def opened(file: Path):
         raise ModelFileError(file, f"not a readable safetensors file (truncated or corrupt: {exc})") from exc
 
 
-def read_tensors(file: Path):
-    """(name, tensor) pairs of one safetensors file, each of a dtype the engine runs."""
+def read_tensors(file: Path, fp8: bool = False):
+    """(name, tensor) pairs of one safetensors file, each of a dtype the engine runs (and
+    FP8, where the config declares an FP8 scheme)."""
     with opened(file) as f:
         for name in f.keys():
-            yield name, _runnable(f.get_tensor(name), name, file)
+            yield name, _runnable(f.get_tensor(name), name, file, fp8)
 
 
-def _runnable(tensor: torch.Tensor, name: str, file: Path) -> torch.Tensor:
-    """A tensor of another dtype (FP8, integers) holds values that a plain cast to the
-    model's dtype would change (FP8 weights need their scales)."""
-    if tensor.dtype not in TENSOR_DTYPES:
+def _runnable(tensor: torch.Tensor, name: str, file: Path, fp8: bool) -> torch.Tensor:
+    """A tensor of another dtype (FP8 without a declared scheme, integers) holds values
+    that a plain cast to the model's dtype would change (FP8 weights need their scales)."""
+    if tensor.dtype not in TENSOR_DTYPES and not (fp8 and tensor.dtype == torch.float8_e4m3fn):
         raise ModelFileError(file, f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
                                    f"tokenspeed reads {', '.join(RUNNABLE_DTYPES)} tensors")
     return tensor

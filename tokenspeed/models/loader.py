@@ -14,6 +14,7 @@ from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
 from tokenspeed.models.errors import ModelFileError
+from tokenspeed.models.fp8_checkpoint import fitted_scale, fp8_layers, part_rows, swap_fp8_layers
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
@@ -45,22 +46,31 @@ def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
 
 
 def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
-         quantized: bool = False) -> LlamaForCausalLM:
+         quantized: bool | None = None) -> LlamaForCausalLM:
     """A Hugging Face directory, a ``.gguf`` file (``gguf_reader``: that file already
     opened with ``gguf.GGUFReader``), or a Hugging Face model id (``owner/name``, at
     ``revision``; see ``hub.resolve_model``). ``dtype=None`` keeps the directory's
-    ``torch_dtype``/``dtype`` (float32 if absent); for GGUF see ``gguf.default_dtype``.
-    ``quantized`` (GGUF): keep the weights of the block formats kernels read in their
-    blocks (``block_plan``). Asked for, not the default: the GGUF kernels have not yet run
-    on a GPU, and a CPU runs dequantized weights faster than it decodes blocks."""
+    ``torch_dtype``/``dtype`` (float32 if absent; for GGUF see ``gguf.default_dtype``),
+    except that a GPU runs float32 as bfloat16 (``run_dtype``). ``quantized`` (GGUF): keep
+    the weights of the block formats kernels read in their blocks (``block_plan``); by
+    default on a GPU only, as a CPU runs dequantized weights faster than it decodes
+    blocks. FP8 checkpoints keep their FP8 layers on every device."""
     path = resolve_model(path, revision)
     _check_dtype_argument(dtype)
     if gguf_file.is_gguf(path):
-        return _load_gguf(path, dtype, device, gguf_reader, quantized)
+        keep_blocks = torch.device(device).type == "cuda" if quantized is None else quantized
+        return _load_gguf(path, dtype, device, gguf_reader, keep_blocks)
     if quantized:
         raise ValueError(f"quantized=True: only GGUF files keep quantized weights; {path} is not one")
     checkpoint = open_dir(path)
-    return _filled(build(checkpoint.config, dtype or checkpoint.dtype, device), checkpoint, path)
+    return _filled(_allocated(_with_fp8_layers(checkpoint), dtype or run_dtype(checkpoint.dtype, device), device),
+                   checkpoint, path)
+
+
+def run_dtype(stored: torch.dtype, device) -> torch.dtype:
+    """The dtype ``dtype=None`` runs a checkpoint stored in ``stored`` in: as stored, but
+    bfloat16 for float32 on a GPU (vLLM's ``auto``: tensor cores, half the bytes read)."""
+    return torch.bfloat16 if stored == torch.float32 and torch.device(device).type == "cuda" else stored
 
 
 def _check_dtype_argument(dtype) -> None:
@@ -71,7 +81,7 @@ def _check_dtype_argument(dtype) -> None:
 def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM:
     checkpoint = gguf_file.open_gguf(path, reader)
     model, kept = _with_block_layers(checkpoint, quantized)
-    return _filled(_allocated(model, dtype or checkpoint.dtype, device), checkpoint, path, kept)
+    return _filled(_allocated(model, dtype or run_dtype(checkpoint.dtype, device), device), checkpoint, path, kept)
 
 
 def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:
@@ -82,6 +92,14 @@ def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM,
         return model, frozenset()
     block_plan = plan(model, stored_matrices(checkpoint.reader))
     return swap_layers(model, block_plan), block_plan.kept
+
+
+def _with_fp8_layers(checkpoint) -> LlamaForCausalLM:
+    """The model on the meta device, its layers stored in FP8 (if any) ``Fp8Linear``s."""
+    model = _on_meta(checkpoint.config)
+    if checkpoint.fp8 is None:
+        return model
+    return swap_fp8_layers(model, fp8_layers(model, checkpoint.fp8_weights()), checkpoint.fp8)
 
 
 def _filled(model, checkpoint, path, kept: frozenset[str] = frozenset()) -> LlamaForCausalLM:
@@ -114,7 +132,8 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
     for part, (stacked, index) in STACKED.items():
         target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
         if target != name and target in params:
-            _copy(params[target].split(stacked_sizes(model.config, stacked))[index], tensor, name, model.config)
+            parts = params[target].split(part_rows(params[target], stacked_sizes(model.config, stacked)))
+            _copy(parts[index], tensor, name, model.config)
             loaded.add(f"{target}#{index}")
             return
         if own != name and own in params:  # a part kept as its own layer (``BlockLinearParts``)
@@ -155,8 +174,9 @@ def _checkpoint_name(expected: str) -> str:
 
 
 def _copy(param: torch.Tensor, value, name: str, config: ModelConfig) -> None:
-    """``value``: a tensor, or a ``BlockWeight`` whose blocks fill a block layer's weight."""
-    value = value.blocks if isinstance(value, BlockWeight) else value
+    """``value``: a tensor, a per-tensor FP8 scale (repeated over the channels it scales),
+    or a ``BlockWeight`` whose blocks fill a block layer's weight."""
+    value = value.blocks if isinstance(value, BlockWeight) else fitted_scale(name, param, value)
     if param.shape != value.shape:
         raise CheckpointMismatchError(f"tensor {name}: checkpoint shape {tuple(value.shape)}, model "
                                       f"expects {tuple(param.shape)} ({shape_origin(config, name)})")

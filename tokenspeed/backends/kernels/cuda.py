@@ -1,7 +1,8 @@
 """The CUDA kernel of every IR op: Triton, or cuBLAS where it wins.
 
 The kernel is chosen from shapes and the weight's format alone (projections: a GEMV up
-to ``GEMV_MAX_ROWS`` rows; a GGUF block format's weight by the GGUF kernels), never from
+to ``GEMV_MAX_ROWS`` rows; a GGUF block format's weight by the GGUF kernels; an FP8
+weight by the FP8 GEMV, or FP8 tensor cores past ``GEMV_MAX_ROWS``), never from
 tensor values, so eager runs and captured graphs of the same shapes take the
 same kernels. Triton modules are imported on first use, so a CPU process never loads
 Triton. Where a fused form is slower for a shape (see docs/PERFORMANCE.md), the op runs
@@ -13,7 +14,7 @@ import torch
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.reference import flat_slots
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
-from tokenspeed.ir.weights import DENSE
+from tokenspeed.ir.weights import DENSE, FP8
 
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 
@@ -75,7 +76,9 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
                                           layer, slot_mapping)
 
 
-def linear(x, weight, bias, weight_format=DENSE):
+def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
+    if weight_format == FP8:
+        return _fp8_linear(x, weight, bias, weight_scale)
     if weight_format != DENSE:
         return _block_linear(x, weight, bias, weight_format)
     if x.shape[0] <= GEMV_MAX_ROWS:
@@ -93,15 +96,30 @@ def _block_linear(x, weight, bias, weight_format):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def gated_linear(gate_up, weight, bias, weight_format=DENSE):
+def _fp8_linear(x, weight, bias, scale, gated=False):
+    """The FP8 GEMV for decode's rows (``gated``: it reads ``silu_and_mul`` of its input),
+    activations quantized per row onto FP8 tensor cores for more."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= GEMV_MAX_ROWS:
+        from tokenspeed.backends.kernels import triton_fp8_gemv
+        out = triton_fp8_gemv.linear(rows, weight, scale, bias, gated=gated)
+    else:
+        from tokenspeed.backends.kernels import fp8_matmul
+        out = fp8_matmul.linear(silu_and_mul(rows) if gated else rows, weight, scale, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None):
     """Fused for one row only: with more, the activation between the loads and ``tl.dot``
     stalls the GEMV's pipeline."""
     if gate_up.shape[0] == 1:
-        return _gated_gemv(gate_up, weight, bias, weight_format)
-    return linear(silu_and_mul(gate_up), weight, bias, weight_format)
+        return _gated_gemv(gate_up, weight, bias, weight_format, weight_scale)
+    return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale)
 
 
-def _gated_gemv(gate_up, weight, bias, weight_format):
+def _gated_gemv(gate_up, weight, bias, weight_format, weight_scale):
+    if weight_format == FP8:
+        return _fp8_linear(gate_up, weight, bias, weight_scale, gated=True)
     if weight_format == DENSE:
         from tokenspeed.backends.kernels import triton_gemv
         return triton_gemv.linear(gate_up, weight, bias, gated=True)
@@ -109,16 +127,16 @@ def _gated_gemv(gate_up, weight, bias, weight_format):
     return triton_gguf_gemv.gemv(gate_up, weight, block_format(weight_format), bias, gated=True)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None):
     """Fused for one row only: with more, every GEMV program re-reads all rows for the
-    statistics in a loop that is not pipelined."""
-    if x.dim() == 2 and x.shape[0] == 1:
+    statistics in a loop that is not pipelined. An FP8 weight's norm runs before its GEMV."""
+    if x.dim() == 2 and x.shape[0] == 1 and weight_format != FP8:
         out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format)
         return [out] if total is None else [out, total]
     if residual is None:
-        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format)]
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return [linear(normed, weight, bias, weight_format), total]
+    return [linear(normed, weight, bias, weight_format, weight_scale), total]
 
 
 def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format):

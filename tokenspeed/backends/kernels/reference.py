@@ -16,7 +16,7 @@ from tokenspeed.backends.kernels import gguf_reference
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
-from tokenspeed.ir.weights import DENSE
+from tokenspeed.ir.weights import DENSE, FP8
 
 
 def flat_slots(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -80,24 +80,28 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
 
 
-def linear(x, weight, bias, weight_format=DENSE):
-    """A block format's weight through ``gguf``'s dequantization (``gguf_reference``)."""
+def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
+    """A block format's weight through ``gguf``'s dequantization (``gguf_reference``), an
+    FP8 weight times its scales (``fp8_weights.dequantize``)."""
     if weight_format == DENSE:
         return torch.nn.functional.linear(x, weight, bias)
+    if weight_format == FP8:
+        from tokenspeed.backends.kernels.fp8_weights import dequantize
+        return torch.nn.functional.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])
     out = gguf_reference.linear(rows, weight, block_format(weight_format), bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def gated_linear(gate_up, weight, bias, weight_format=DENSE):
-    return linear(silu_and_mul(gate_up), weight, bias, weight_format)
+def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None):
+    return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None):
     if residual is None:
-        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format)]
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return [linear(normed, weight, bias, weight_format), total]
+    return [linear(normed, weight, bias, weight_format, weight_scale), total]
 
 
 def embedding(ids, weight, weight_format, features, dtype):
