@@ -111,7 +111,9 @@ def quantize_activation_groups(x: torch.Tensor, group: int = BLOCK):
     m, k = x.shape
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scale = padded.abs().amax(2).clamp(min=MIN_AMAX) / FP8_MAX
+    # times 1 / FP8_MAX, not divided by it: torch on CUDA divides by a scalar as a product
+    # by its inverse, so a product is what every device and the kernel compute alike
+    scale = padded.abs().amax(2).clamp(min=MIN_AMAX) * (1 / FP8_MAX)
     inverse = (1 / scale).repeat_interleave(group, 1)[:, :k]  # as the Triton kernel rounds
     return to_fp8(x.float() * inverse), scale
 

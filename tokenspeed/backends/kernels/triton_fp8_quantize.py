@@ -24,6 +24,7 @@ from tokenspeed.backends.kernels.fp8_weights import ACTIVATION_DTYPES, FP8, FP8_
 
 TILE = 2048  # elements a program holds at a time (16 a thread with 4 warps)
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_STEP = tl.constexpr(1 / FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
@@ -59,7 +60,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, group, stride_xm, stride_qm, str
         mask = (m < M)[:, None] & (k0 + kk < hi)[None, :]
         x = tl.load(x_ptr + rows * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-    scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)  # IEEE, as torch divides
+    scale = tl.maximum(amax, _MIN_AMAX) * _FP8_STEP  # a product, as the reference computes it
     tl.store(s_ptr + m * stride_sm + g, scale, mask=m < M)
     inverse = tl.math.div_rn(1.0, scale)  # a product an element, not a quotient
     for k0 in range(lo, hi, BLOCK):
