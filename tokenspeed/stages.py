@@ -143,7 +143,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     limits = config.resolve(decode.config)
     # the activations' dtype: a weight kept in GGUF blocks is uint8
     weights = next(p for p in decode.program.graph_module.parameters() if p.is_floating_point())
-    geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
+    geometry = kv_pool.geometry_for(decode.config, config.page_size, config.kv_dtype(weights.dtype), config.device)
     per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
                                       whole_contexts=bool(companion_page_bytes))
     sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes=companion_page_bytes)
