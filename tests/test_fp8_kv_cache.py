@@ -1,0 +1,296 @@
+"""The FP8 KV cache (``kv_cache_dtype="fp8_e4m3"``): every kernel that writes or reads the
+pool against the torch reference with a float8 pool, the pool's sizing and dtype, the
+scales' path from the model to the kernels, and the engine's tokens against a float32
+pool on prompts whose greedy choices stand clear of what FP8 can move.
+
+Under the Triton interpreter (triton 3.9) a float32 -> float8e4nv conversion rounds wrongly
+when rounding carries into the next exponent (7.79 becomes 4.0, not 8.0); GPUs round
+right. So the interpreted write tests store values that sit exactly on the e4m3 grid
+times the scale (no rounding happens: the kernels' conversion is still the one they run),
+and a GPU test writes random values.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import tokenspeed as ts  # noqa: E402
+from margins import decisive_model  # noqa: E402
+from test_kernels import DEVICE, as_pages, decode_rows, extend_rows, gpu, paged_setup  # noqa: E402
+from tokenspeed.backends.kernels import reference, triton_attention, triton_cache  # noqa: E402
+from tokenspeed.backends.kernels import triton_decode, triton_fused  # noqa: E402
+from tokenspeed.execution import decode_runner, prefill_runner  # noqa: E402
+from tokenspeed.execution.compile_config import CompileConfig  # noqa: E402
+from tokenspeed.models.kv_scales import kv_scales, set_kv_scales  # noqa: E402
+from tokenspeed.models.random import TINY_LLAMA, random_model  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.5, 2.0      # powers of two: x * scale and x / scale are exact
+# FP8 keys and values move these tiny models' logits by up to ~0.1 (seen: 0.093); token
+# comparisons hold where every greedy margin exceeds twice the largest logit change.
+FP8_LOGIT_TOLERANCE = 0.15
+# Prompts whose greedy choices over 4 tokens all lead by more than 2 * FP8_LOGIT_TOLERANCE
+# on decisive_model(3) with a float32 pool (checked by the test).
+CLEAR_PROMPTS = (
+    [91, 474, 305, 385, 66, 31, 126, 10, 480, 374, 361, 263, 63, 468, 448, 35, 399, 136, 273, 49, 161,
+     297, 332, 12, 9, 17, 23, 128, 103],
+    [4, 459, 355, 211, 22, 43, 145, 425, 147, 466, 88, 95, 143, 245, 466],
+    [249, 292, 408, 84, 81, 230, 181, 405, 387, 73, 14, 485, 496, 106, 132, 290, 427, 198, 189, 174, 16,
+     34, 178, 64, 489, 145, 298, 491, 70],
+)
+GREEDY = ts.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def on_grid(shape, scale: float, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Values an FP8 cache with ``scale`` stores exactly (no rounding), some of them past
+    its range (+-448 * scale, where it saturates)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 48).clamp(-448, 448).to(FP8).float()
+    x.view(-1)[::7] = 1000.0
+    x.view(-1)[3::7] = -1000.0
+    return (x * scale).to(dtype).to(DEVICE)
+
+
+def fp8_pool(layers, slots, kv_heads, head_dim) -> torch.Tensor:
+    return torch.zeros(layers, 2, slots, kv_heads, head_dim, dtype=FP8, device=DEVICE)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def identity_rotation(head_dim: int, positions: int) -> torch.Tensor:
+    """A ``cos_sin`` table that rotates nothing: rotated keys stay on the grid."""
+    return torch.cat([torch.ones(positions, head_dim // 2), torch.zeros(positions, head_dim // 2)],
+                     -1).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_keys_and_values_over_their_scales(dtype):
+    tokens, kv_heads, head_dim, page_size = 9, 2, 16, 4
+    k = on_grid((tokens, kv_heads, head_dim), K_SCALE, 1, dtype)
+    v = on_grid((tokens, kv_heads, head_dim), V_SCALE, 2, dtype)
+    slots = (torch.randperm(7 * page_size)[:tokens] + page_size).to(DEVICE)
+    got, want = fp8_pool(2, 8 * page_size, kv_heads, head_dim), fp8_pool(2, 8 * page_size, kv_heads, head_dim)
+    triton_cache.write_kv(k, v, got, 1, slots, K_SCALE, V_SCALE)
+    reference.write_kv(k, v, as_pages(want, page_size), 1, slots, K_SCALE, V_SCALE)
+    assert same_bytes(got, want)
+    stored = want[1, 0, slots].float()
+    assert torch.equal(stored, (k.float() / K_SCALE).clamp(-448, 448)) and stored.abs().max() == 448
+
+
+def test_rope_and_write_kv_stores_the_rotated_keys_over_their_scale():
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 16
+    q = torch.randn(tokens, heads, head_dim, device=DEVICE)
+    k = on_grid((tokens, kv_heads, head_dim), K_SCALE, 3)
+    v = on_grid((tokens, kv_heads, head_dim), V_SCALE, 4)
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    slots = (torch.randperm(60)[:tokens] + 4).to(DEVICE)
+    table = identity_rotation(head_dim, 64)
+    got, want = fp8_pool(2, 64, kv_heads, head_dim), fp8_pool(2, 64, kv_heads, head_dim)
+    q_got = triton_fused.rope_and_write_kv(q, k, v, table, positions, got, 1, slots, K_SCALE, V_SCALE)
+    q_want = reference.rope_write_kv(q, k, v, table, positions, as_pages(want, 4), 1, slots, K_SCALE, V_SCALE)
+    torch.testing.assert_close(q_got, q_want)
+    assert same_bytes(got, want) and want[1].float().abs().max() == 448
+
+
+def fp8_cache(lengths, page_size, kv_heads, head_dim):
+    kv, table = paged_setup(lengths, page_size, kv_heads, head_dim)
+    return (kv * 8).to(FP8), table
+
+
+def check_fp8_attention(fn, lengths, rows, page_size, heads, kv_heads, head_dim, window=0, **kwargs):
+    """The kernel over an FP8 pool with non-unit scales equals the reference."""
+    kv, table = fp8_cache(lengths, page_size, kv_heads, head_dim)
+    row_request, positions = rows
+    q = torch.randn(len(positions), heads, head_dim, device=DEVICE)
+    scale = head_dim ** -0.5
+    got = fn(q, kv, 1, table, row_request, positions, scale, page_size, window=window, k_scale=K_SCALE,
+             v_scale=V_SCALE, **kwargs)
+    want = reference.attention(q, as_pages(kv, page_size), 1, table, row_request, positions, scale, window,
+                               K_SCALE, V_SCALE)
+    live = len(lengths) if fn is triton_decode.decode_attention else len(positions)
+    torch.testing.assert_close(got[:live], want[:live], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits,window", [(1, 0), (3, 0), (3, 5)])
+def test_decode_attention_reads_an_fp8_pool(splits, window):
+    lengths = [7, 40, 19]
+    check_fp8_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, 1), 4, 4, 2, 16,
+                        window=window, num_splits=splits)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_extend_attention_reads_an_fp8_pool(window):
+    lengths, cached = [12, 30], [5, 0]
+    check_fp8_attention(triton_attention.extend_attention, lengths, extend_rows(lengths, cached, 1), 4, 4, 2,
+                        16, window=window)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rope_decode_attention_writes_and_reads_an_fp8_pool(splits):
+    """The row's own key, quantized as the cache stores it, is attended from registers."""
+    lengths, page_size, heads, kv_heads, head_dim = [9, 30], 4, 4, 2, 16
+    kv, table = fp8_cache(lengths, page_size, kv_heads, head_dim)
+    row_request, positions = decode_rows(lengths, 0)
+    slots = table[row_request, positions // page_size].long() * page_size + positions % page_size
+    q = torch.randn(len(lengths), heads, head_dim, device=DEVICE)
+    k = on_grid((len(lengths), kv_heads, head_dim), K_SCALE, 5)
+    v = on_grid((len(lengths), kv_heads, head_dim), V_SCALE, 6)
+    cos_sin, want_kv = identity_rotation(head_dim, 64), kv.clone()
+    args = (table, row_request, head_dim ** -0.5)
+    got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, slots, *args, page_size,
+                                              num_splits=splits, k_scale=K_SCALE, v_scale=V_SCALE)
+    want = reference.rope_decode_attention(q, k, v, cos_sin, positions, as_pages(want_kv, page_size), 1, slots,
+                                           *args, 0, K_SCALE, V_SCALE)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert same_bytes(kv, want_kv)
+
+
+def test_a_pool_of_the_model_s_dtype_ignores_the_scales():
+    """As vLLM with ``kv_cache_dtype="auto"``: the scales are a float8 pool's."""
+    lengths, page_size = [6, 13], 4
+    kv, table = paged_setup(lengths, page_size, 2, 8)
+    row_request, positions = decode_rows(lengths, 0)
+    slots = table[row_request, positions // page_size].long() * page_size + positions % page_size
+    q, k, v = torch.randn(2, 4, 8, device=DEVICE), *(torch.randn(2, 2, 8, device=DEVICE) for _ in range(2))
+    args = (table, row_request, positions, 0.3, page_size)
+    for write in (triton_cache.write_kv, lambda *a: reference.write_kv(a[0], a[1], as_pages(a[2], page_size), *a[3:])):
+        scaled, plain = kv.clone(), kv.clone()
+        write(k, v, scaled, 1, slots, K_SCALE, V_SCALE)
+        write(k, v, plain, 1, slots)
+        assert torch.equal(scaled, plain)
+    for attend in (triton_decode.decode_attention, triton_attention.extend_attention):
+        assert torch.equal(attend(q, kv, 1, *args, k_scale=K_SCALE, v_scale=V_SCALE), attend(q, kv, 1, *args))
+
+
+@pytest.mark.parametrize("value", ["int8", "FP8", "float8_e5m2", ""])
+def test_a_bad_kv_cache_dtype_is_refused(value):
+    message = f"kv_cache_dtype={value!r}: expected one of auto, fp8, fp8_e4m3"
+    with pytest.raises(ValueError, match=message):
+        CompileConfig(kv_cache_dtype=value)
+    with pytest.raises(ValueError, match=message):
+        ts.LLM(random_model(TINY_LLAMA), kv_cache_dtype=value)
+
+
+def test_an_fp8_pool_holds_twice_the_pages_of_a_bfloat16_one():
+    model = random_model(TINY_LLAMA, dtype=torch.bfloat16)
+    kw = dict(kv_cache_memory_bytes=1 << 20, max_num_seqs=64, graphs=False)
+    pools = {d: ts.LLM(model, kv_cache_dtype=d, **kw).compiled for d in ("auto", "fp8", "fp8_e4m3")}
+    assert pools["auto"].kv_cache.dtype == torch.bfloat16
+    assert pools["fp8"].kv_cache.dtype == pools["fp8_e4m3"].kv_cache.dtype == FP8
+    assert pools["fp8"].num_pages == pools["fp8_e4m3"].num_pages == 2 * pools["auto"].num_pages == 512
+
+
+def test_set_kv_scales_reaches_every_cache_op_of_the_ir():
+    model = random_model(TINY_LLAMA)
+    set_kv_scales(model, [[0.25, 4.0], [0.5, 2.0]])
+    assert torch.equal(kv_scales(model), torch.tensor([[0.25, 4.0], [0.5, 2.0]]))
+    traced = ts.trace(model)
+    for text in (traced.as_text(), traced.lower("decode").as_text(), traced.lower("prefill").as_text()):
+        cache_ops = [line for line in text.splitlines() if "%kv_cache," in line]
+        assert {line.split("%kv_cache, ")[1][0] for line in cache_ops} == {"0", "1"}
+        for line in cache_ops:
+            layer = line.split("%kv_cache, ")[1][0]
+            assert line.endswith("k_scale=0.25, v_scale=4.0)" if layer == "0" else "k_scale=0.5, v_scale=2.0)")
+
+
+@pytest.mark.parametrize("scales, message", [
+    ([[1.0, 1.0]], r"kv_scales of shape \(1, 2\): expected \[num_layers=2, 2\]"),
+    ([[1.0, 0.0], [1.0, 1.0]], r"kv_scales\[0, 1\] = 0.0: a value scale must be finite and > 0"),
+    ([[1.0, 1.0], [float("nan"), 1.0]], r"kv_scales\[1, 0\] = nan: a key scale must be finite and > 0")])
+def test_bad_kv_scales_are_refused(scales, message):
+    model = random_model(TINY_LLAMA)
+    with pytest.raises(ValueError, match=message):
+        set_kv_scales(model, scales)
+    assert torch.equal(kv_scales(model), torch.ones(2, 2))
+
+
+def recorded_logits(monkeypatch) -> list[torch.Tensor]:
+    """Every sampled row's logits from here on (an engine without graphs samples live rows only)."""
+    logits: list[torch.Tensor] = []
+
+    def recorded(sampler):
+        def run(rows, *args, **kwargs):
+            logits.append(rows.float().clone())
+            return sampler(rows, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(decode_runner, "gumbel_argmax", recorded(decode_runner.gumbel_argmax))
+    monkeypatch.setattr(prefill_runner, "sample", recorded(prefill_runner.sample))
+    return logits
+
+
+def generate(model, device="cpu", **kw):
+    llm = ts.LLM(model, device, enable_prefix_caching=False, overlap=False, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(list(CLEAR_PROMPTS), GREEDY, use_tqdm=False)]
+
+
+def check_clear_and_close(plain: list[torch.Tensor], fp8: list[torch.Tensor]) -> None:
+    """Every greedy choice of the plain pool leads by more than twice what FP8 moved."""
+    assert plain and [t.shape for t in plain] == [t.shape for t in fp8]
+    top2 = torch.cat(plain).topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 2 * FP8_LOGIT_TOLERANCE
+    assert max((a - b).abs().max().item() for a, b in zip(plain, fp8)) < FP8_LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("scales", [None, [[K_SCALE, V_SCALE], [V_SCALE, K_SCALE]]])
+def test_fp8_kv_tokens_equal_float32_kv_tokens(monkeypatch, scales):
+    model = decisive_model(3)
+    if scales is not None:
+        set_kv_scales(model, scales)
+    logits = recorded_logits(monkeypatch)
+    plain = generate(model, graphs=False)
+    plain_logits = logits[:]
+    logits.clear()
+    assert generate(model, graphs=False, kv_cache_dtype="fp8") == plain
+    check_clear_and_close(plain_logits, logits)
+
+
+def test_fp8_pool_graphs_equal_eager():
+    """Invariant 5 over an FP8 pool, through the CPU stand-in's captures."""
+    model, kw = decisive_model(3), dict(kv_cache_dtype="fp8_e4m3", max_num_seqs=4, page_size=4,
+                                        max_num_batched_tokens=64, capture_sizes=(1, 2, 4))
+    assert generate(model, graphs=True, **kw) == generate(model, graphs=False, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_write_kernels_round_random_values_as_torch_does(dtype):
+    """Off the grid: the device's conversion rounds to nearest as torch's does (one e4m3
+    step apart at most where the division rounds differently)."""
+    tokens, heads, kv_heads, head_dim = 64, 8, 2, 128
+    q, k, v = (torch.randn(tokens, h, head_dim, device="cuda").mul(300).to(dtype) for h in (heads, kv_heads, kv_heads))
+    slots, positions = torch.randperm(512, device="cuda")[:tokens] + 16, torch.arange(tokens, device="cuda")
+    table = identity_rotation(head_dim, tokens)
+    writes = [(lambda kv: triton_cache.write_kv(k, v, kv, 1, slots, K_SCALE, V_SCALE),
+               lambda kv: reference.write_kv(k, v, as_pages(kv, 16), 1, slots, K_SCALE, V_SCALE)),
+              (lambda kv: triton_fused.rope_and_write_kv(q, k, v, table, positions, kv, 1, slots, K_SCALE, V_SCALE),
+               lambda kv: reference.rope_write_kv(q, k, v, table, positions, as_pages(kv, 16), 1, slots, K_SCALE,
+                                                  V_SCALE))]
+    for kernel, ref in writes:
+        got, want = fp8_pool(2, 544, kv_heads, head_dim), fp8_pool(2, 544, kv_heads, head_dim)
+        kernel(got)
+        ref(want)
+        assert (got.view(torch.uint8) == want.view(torch.uint8)).float().mean() > 0.999
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -3, atol=2 ** -9)
+
+
+@gpu
+def test_gpu_engine_with_fp8_kv_equals_float32_kv(monkeypatch):
+    """The whole engine on CUDA, graphs and all, over an FP8 pool; margins from an eager
+    float32 pool."""
+    model = decisive_model(3)
+    kw = dict(max_num_seqs=4, max_model_len=256, gpu_memory_utilization=0.3)
+    logits = recorded_logits(monkeypatch)
+    plain = generate(model, "cuda", enforce_eager=True, **kw)
+    plain_logits = logits[:]
+    logits.clear()
+    assert generate(model, "cuda", enforce_eager=True, kv_cache_dtype="fp8", **kw) == plain
+    check_clear_and_close(plain_logits, logits)
+    monkeypatch.undo()
+    assert generate(model, "cuda", kv_cache_dtype="fp8", **kw) == plain
