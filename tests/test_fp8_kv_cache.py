@@ -177,6 +177,21 @@ def test_a_bad_kv_cache_dtype_is_refused(value):
         ts.LLM(random_model(TINY_LLAMA), kv_cache_dtype=value)
 
 
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench", "latency"]])
+def test_the_command_line_s_kv_cache_dtype_reaches_the_llm(command):
+    from tokenspeed.cli.main import llm_options, parser
+    assert llm_options(parser().parse_args([*command, "--device", "cpu"]))["kv_cache_dtype"] == "auto"
+    args = parser().parse_args([*command, "--device", "cpu", "--kv-cache-dtype", "fp8"])
+    assert llm_options(args)["kv_cache_dtype"] == "fp8"
+
+
+def test_a_bad_kv_cache_dtype_on_the_command_line_is_one_line():
+    from tokenspeed.cli.main import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--kv-cache-dtype", "int8"])
+    assert str(exit_.value).endswith("kv_cache_dtype='int8': expected one of auto, fp8, fp8_e4m3")
+
+
 def test_an_fp8_pool_holds_twice_the_pages_of_a_bfloat16_one():
     model = random_model(TINY_LLAMA, dtype=torch.bfloat16)
     kw = dict(kv_cache_memory_bytes=1 << 20, max_num_seqs=64, graphs=False)
