@@ -273,6 +273,26 @@ def test_fp8_pool_graphs_equal_eager():
     assert generate(model, graphs=True, **kw) == generate(model, graphs=False, **kw)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_over_fp8_pools_gives_plain_decodings_tokens(method):
+    """Invariant 10 over FP8 pools: the verify windows read and write the target's, and a
+    draft model, compiled with the same options, drafts from an FP8 pool of its own."""
+    target = random_model(TINY_LLAMA)   # small weights: continuations repeat, n-grams find them
+    kw = dict(max_num_seqs=4, page_size=4, graphs=False, kv_cache_dtype="fp8")
+    config = ts.SpeculativeConfig(method=method, num_tokens=3, verify_cost=1.0,
+                                  draft_model=target if method == "draft" else None)
+    speculative = ts.LLM(target, speculative=config, **kw)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], list(range(30, 60))]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = speculative.generate(prompts, params, use_tqdm=False)
+    plain = ts.LLM(target, **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert max(o.metrics.mean_accept_length or 0 for o in got) > 2
+    assert speculative.compiled.kv_cache.dtype == FP8
+    if method == "draft":
+        assert speculative.engine.drafter.prefill.kv_cache.dtype == FP8
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_write_kernels_round_random_values_as_torch_does(dtype):
