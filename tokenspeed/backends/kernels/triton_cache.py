@@ -45,9 +45,7 @@ def from_cache(x, TY: tl.constexpr):
 def as_query(q, CACHE_TY: tl.constexpr):
     """Queries in the type products with the cache's keys run in: the cache's, unless it
     is float8, whose keys are widened to the queries' type instead."""
-    if CACHE_TY.is_fp8():
-        return q
-    return q.to(CACHE_TY)
+    return q.to(q.dtype if CACHE_TY.is_fp8() else CACHE_TY)
 
 
 @triton.jit
