@@ -192,6 +192,15 @@ def test_a_bad_kv_cache_dtype_on_the_command_line_is_one_line():
     assert str(exit_.value).endswith("kv_cache_dtype='int8': expected one of auto, fp8, fp8_e4m3")
 
 
+def test_fp8_on_a_gpu_without_float8_conversions_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    config = CompileConfig(device="cuda:0", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': float8 needs a GPU of compute capability 8.9 "
+                                         "or later; cuda:0 has 8.0"):
+        config.kv_dtype(torch.bfloat16)
+    assert CompileConfig(device="cuda:0").kv_dtype(torch.bfloat16) == torch.bfloat16
+
+
 def test_an_fp8_pool_holds_twice_the_pages_of_a_bfloat16_one():
     model = random_model(TINY_LLAMA, dtype=torch.bfloat16)
     kw = dict(kv_cache_memory_bytes=1 << 20, max_num_seqs=64, graphs=False)
@@ -199,6 +208,7 @@ def test_an_fp8_pool_holds_twice_the_pages_of_a_bfloat16_one():
     assert pools["auto"].kv_cache.dtype == torch.bfloat16
     assert pools["fp8"].kv_cache.dtype == pools["fp8_e4m3"].kv_cache.dtype == FP8
     assert pools["fp8"].num_pages == pools["fp8_e4m3"].num_pages == 2 * pools["auto"].num_pages == 512
+    assert "512 KV pages of 16 tokens in float8_e4m3fn" in pools["fp8"].as_text()
 
 
 def test_set_kv_scales_reaches_every_cache_op_of_the_ir():

@@ -267,7 +267,8 @@ class Compiled:
     def as_text(self) -> str:
         """What runs: each segment, whether it replays a graph, and over which ladder."""
         lines = [f"# compiled for {self.kv_cache.device}: {self.num_pages} KV pages of "
-                 f"{self.config.page_size} tokens, max_model_len={self.limits.max_model_len}",
+                 f"{self.config.page_size} tokens in {str(self.kv_cache.dtype).removeprefix('torch.')}, "
+                 f"max_model_len={self.limits.max_model_len}",
                  self.pool.as_text(), self.startup.as_text()]
         replayed = {"prefill": {name for name, _ in self.prefill.graphs}}
         for mode, runner in (("decode", self.decode), ("verify", self.verify)):

@@ -14,6 +14,7 @@ from tokenspeed.execution.ladders import given_ladder
 
 MAX_COMPILE_WORKERS = 8
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_CAPABILITY = (8, 9)   # the first CUDA devices with float8 conversions (Ada)
 CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
 
 
@@ -87,8 +88,16 @@ class CompileConfig:
         return backend_support if wanted else CudaGraphSupport(False, False, False)
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV pool's dtype for a model whose activations are ``model_dtype``."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+        """The KV pool's dtype for a model whose activations are ``model_dtype``; float8 on
+        a GPU that converts to it (compute capability 8.9 on: Ada, Hopper and later)."""
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if dtype is not None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < FP8_CAPABILITY:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: float8 needs a GPU of compute "
+                                 f"capability {'.'.join(map(str, FP8_CAPABILITY))} or later; "
+                                 f"{self.device} has {'.'.join(map(str, capability))}")
+        return dtype or model_dtype
 
     def chunk_tokens(self) -> int:
         """``max_chunk_tokens``, by default the whole step's budget, but on the CPU
