@@ -11,6 +11,7 @@ and a GPU test writes random values.
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from tokenspeed.backends.kernels import reference, triton_attention, triton_cach
 from tokenspeed.backends.kernels import triton_decode, triton_fused  # noqa: E402
 from tokenspeed.execution import decode_runner, prefill_runner  # noqa: E402
 from tokenspeed.execution.compile_config import CompileConfig  # noqa: E402
+from tokenspeed.ir.ops import ATTENTION, WRITE_KV  # noqa: E402
 from tokenspeed.models.kv_scales import kv_scales, set_kv_scales  # noqa: E402
 from tokenspeed.models.random import TINY_LLAMA, random_model  # noqa: E402
 
@@ -222,6 +224,26 @@ def test_set_kv_scales_reaches_every_cache_op_of_the_ir():
         for line in cache_ops:
             layer = line.split("%kv_cache, ")[1][0]
             assert line.endswith("k_scale=0.25, v_scale=4.0)" if layer == "0" else "k_scale=0.5, v_scale=2.0)")
+
+
+GROUPED = {**TINY_LLAMA, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention"]}   # two cache groups, both layers in row 0
+KV_SHARED = {**TINY_LLAMA, "num_hidden_layers": 4, "num_kv_shared_layers": 2}   # layers 2, 3 read layer 1's
+
+
+@pytest.mark.parametrize("config, source", [(GROUPED, [0, 1]), (KV_SHARED, [0, 1, 1, 1])],
+                         ids=["cache_groups", "kv_shared"])
+def test_a_layer_s_cache_ops_carry_the_scales_of_the_layer_whose_cache_it_reads(config, source):
+    """By layer, not by cache row (grouped layers share rows)."""
+    model = random_model(config)
+    scales = torch.tensor([[0.25 * (i + 1), 4.0 / (i + 1)] for i in range(len(source))])
+    set_kv_scales(model, scales)
+    ops = [n for n in ts.trace(model).graph_module.graph.nodes if n.target in (WRITE_KV, ATTENTION)]
+    assert len(ops) == len(source) + len(set(source))   # an attention per layer, a write per cache
+    for node in ops:
+        layer = int(re.match(r"layer(\d+)_", node.args[0].name).group(1))
+        k_scale, v_scale = scales[source[layer]].tolist()
+        assert node.kwargs == {"k_scale": k_scale, "v_scale": v_scale}
 
 
 @pytest.mark.parametrize("scales, message", [
