@@ -11,7 +11,9 @@ Layout (see ``reference.py``): ``kv_cache[layer, 0 | 1, slot, kv_head, head_dim]
 
 ``to_cache`` and ``from_cache`` are how every kernel writes and reads a cache element: a
 float8 cache stores ``x / scale`` saturated at +-448 and is widened through float32
-(``kv_fp8``); another dtype is a plain cast. The float8 conversion happens in the kernel.
+(``kv_fp8``); another dtype is a plain cast. The float8 conversion happens in the kernel
+(under the Triton interpreter it rounds wrongly where rounding carries into the next
+exponent; ``tests/test_fp8_kv_cache.py`` says how its tests keep clear of that).
 """
 
 import torch
@@ -44,7 +46,8 @@ def from_cache(x, TY: tl.constexpr):
 @triton.jit
 def as_query(q, CACHE_TY: tl.constexpr):
     """Queries in the type products with the cache's keys run in: the cache's, unless it
-    is float8, whose keys are widened to the queries' type instead."""
+    is float8, whose keys are widened to the queries' type instead. One expression: Triton
+    compiles both returns of a constexpr branch, and they would differ in type."""
     return q.to(q.dtype if CACHE_TY.is_fp8() else CACHE_TY)
 
 
