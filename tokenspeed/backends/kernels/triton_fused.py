@@ -189,7 +189,8 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
     half = head_dim // 2
     _rope_kv_kernel[(tokens,)](
         q, k, v, cos_sin_cache, positions, slot_mapping, slot_mapping.stride(0), q_out, k_cache,
-        v_cache, *kv_fp8.applied(kv_cache.dtype, k_scale, v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        v_cache, *kv_fp8.applied(kv_cache.dtype, k_scale, v_scale), q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
         k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
         BLOCK_Q=next_power_of_2(heads), BLOCK_KV=next_power_of_2(k.shape[1]),
