@@ -24,7 +24,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import kv_fp8, pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.kernels.triton_cache import as_query, from_cache
+from tokenspeed.backends.kernels.triton_cache import as_query
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS, tile_capacity
 from tokenspeed.errors import InternalError
 
@@ -68,7 +68,7 @@ def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, lo, qk_scale, CAUSAL: tl
     CAUSAL masks key j for query row i unless lo[i] <= j <= pos[i] (``lo``: where the row's
     sliding window starts, else 0); otherwise only ``valid`` keys. ``k`` and ``v`` as the
     cache holds them: widened to q's type here."""
-    k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if CAUSAL:
         seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= lo[:, None])

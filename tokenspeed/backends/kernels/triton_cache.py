@@ -9,11 +9,11 @@ capture.
 Layout (see ``reference.py``): ``kv_cache[layer, 0 | 1, slot, kv_head, head_dim]``,
 ``slot = page * page_size + offset``, page 0 is the null page that padding rows write into.
 
-``to_cache`` and ``from_cache`` are how every kernel writes and reads a cache element: a
-float8 cache stores ``x / scale`` saturated at +-448 and is widened through float32
-(``kv_fp8``); another dtype is a plain cast. The float8 conversion happens in the kernel
+``to_cache`` is how every kernel writes a cache element: a float8 cache stores
+``x / scale`` saturated at +-448 (``kv_fp8``); another dtype is a plain cast. Readers widen
+what they load to the queries' type (``as_query``). The float8 conversion happens in the kernel
 (under the Triton interpreter it rounds wrongly where rounding carries into the next
-exponent; ``tests/test_fp8_kv_cache.py`` says how its tests keep clear of that).
+exponent; ``tests/test_fp8_kv_kernels.py`` says how its tests keep clear of that).
 """
 
 import torch
@@ -33,14 +33,6 @@ def to_cache(x, scale, CACHE_TY: tl.constexpr):
     if CACHE_TY.is_fp8():
         return tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX).to(CACHE_TY)
     return x.to(CACHE_TY)
-
-
-@triton.jit
-def from_cache(x, TY: tl.constexpr):
-    """Cache elements as ``TY`` (unscaled: kernels fold the scales into their arithmetic)."""
-    if x.dtype.is_fp8():
-        return x.to(tl.float32).to(TY)
-    return x.to(TY)
 
 
 @triton.jit

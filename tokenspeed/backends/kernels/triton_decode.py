@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import kv_fp8, pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.kernels.triton_cache import as_query, from_cache, to_cache
+from tokenspeed.backends.kernels.triton_cache import as_query, to_cache
 from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, \
     attend_loaded, cache_views, check_paged_inputs, load_block, sm_count
 from tokenspeed.errors import InternalError
@@ -60,7 +60,7 @@ def _rotated(row_ptr, d, mask, cos_sin_row, HALF: tl.constexpr):
 def _attend_new_key(q, m, l, acc, k, v, qk_scale):
     """One online-softmax step (base 2) over the row's own key, as ``attend_block`` (``k``
     and ``v`` as the cache holds them)."""
-    k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
     m_new = tl.maximum(m, s)
     alpha = tl.exp2(m - m_new)
