@@ -43,22 +43,25 @@ def gemv_variants():
             assert compile_sm90(triton_gemv._gemv_kernel, signature, flags).asm["ptx"]
 
 
+CACHES = ("*bf16", "*fp8e4nv")   # a 16-bit KV pool and an FP8 one
+
+
 def decode_kernels():
     """Decode attention with and without the fused rotary, one split and several."""
     from tokenspeed.backends.kernels import triton_decode
     names = triton_decode._decode_kernel.arg_names
-    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
+    pointers = dict(q_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
                     pos_ptr="*i64", out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32",
                     kn_ptr="*bf16", vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64")
-    signature = {**pointers, "qk_scale": "fp32", "window": "i32",
+    signature = {**pointers, "qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "window": "i32",
                  **{n: "i32" for n in names if n.startswith("stride")}}
-    for rope in (False, True):
-        for splits in (1, 8):
-            flags = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=splits,
-                         BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32", ROPE=rope,
-                         USE_PDL=True)
-            ptx = compile_sm90(triton_decode._decode_kernel, signature, flags).asm["ptx"]
-            assert "griddepcontrol.wait" in ptx
+    for rope, splits, cache in [(r, s, c) for r in (False, True) for s in (1, 8) for c in CACHES]:
+        flags = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=splits,
+                     BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32", ROPE=rope,
+                     USE_PDL=True)
+        ptx = compile_sm90(triton_decode._decode_kernel, {**signature, "k_ptr": cache, "v_ptr": cache},
+                           flags).asm["ptx"]
+        assert "griddepcontrol.wait" in ptx
     merge = compile_sm90(triton_decode._combine_kernel, dict(
         mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64", out_ptr="*bf16", window="i32",
         stride_or="i32", stride_oh="i32"),
@@ -85,18 +88,38 @@ def extend_kernels():
     plan = compile_sm90(a._tile_plan_kernel, dict(req_ptr="*i64", first_ptr="*i32", rows="i32",
                                                   max_tiles="i32"), dict(BLOCK_M=64, BLOCK=1024))
     names = a._extend_kernel.arg_names
-    signature = {**dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
+    signature = {**dict(q_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
                         pos_ptr="*i64", out_ptr="*bf16", tile_first_ptr="*i32", qk_scale="fp32",
-                        window="i32"),
+                        v_scale="fp32", window="i32"),
                  **{n: "i32" for n in names if n.startswith("stride")}}
-    extend = compile_sm90(a._extend_kernel, signature, dict(
-        GROUP=4, GROUP_P=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=a.extend_block_n(64), BLOCK_D=64,
-        PRECISION="tf32",
-        USE_PDL=True))
-    assert plan.asm["ptx"] and "griddepcontrol.wait" in extend.asm["ptx"]
+    for cache in CACHES:
+        extend = compile_sm90(a._extend_kernel, {**signature, "k_ptr": cache, "v_ptr": cache}, dict(
+            GROUP=4, GROUP_P=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=64, BLOCK_N=a.extend_block_n(64), BLOCK_D=64,
+            PRECISION="tf32",
+            USE_PDL=True))
+        assert plan.asm["ptx"] and "griddepcontrol.wait" in extend.asm["ptx"]
 
 
-@pytest.mark.parametrize("check", ["gemv_variants", "decode_kernels", "sampling_kernels", "extend_kernels"])
+def cache_writes():
+    """The cache writes, into a 16-bit pool and into an FP8 one (converted in the kernel)."""
+    from tokenspeed.backends.kernels import triton_cache, triton_fused
+    scales = dict(k_scale="fp32", v_scale="fp32", stride_sm="i32")
+    for cache in CACHES:
+        pointers = dict(k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_ptr="*i64")
+        write = compile_sm90(triton_cache._write_kv_kernel, {**pointers, **scales, **{
+            n: "i32" for n in triton_cache._write_kv_kernel.arg_names if n.startswith("stride_")}},
+            dict(NUM_HEADS=8, HEAD_DIM=64, BLOCK_H=8, BLOCK_D=64, USE_PDL=True))
+        rope = compile_sm90(triton_fused._rope_kv_kernel, {
+            **pointers, **scales, "q_ptr": "*bf16", "cache_ptr": "*fp32", "pos_ptr": "*i64", "q_out_ptr": "*bf16",
+            **{n: "i32" for n in triton_fused._rope_kv_kernel.arg_names if n.startswith("stride_")}},
+            dict(NUM_Q=32, NUM_KV=8, HALF=32, BLOCK_Q=32, BLOCK_KV=8, BLOCK_HALF=32, USE_PDL=True))
+        converts = ("cvt.rn.satfinite.e4m3x2.f32" in write.asm["ptx"]) + ("cvt.rn.satfinite.e4m3x2.f32" in
+                                                                         rope.asm["ptx"])
+        assert converts == (2 if cache == "*fp8e4nv" else 0)
+
+
+@pytest.mark.parametrize("check", ["gemv_variants", "decode_kernels", "sampling_kernels", "extend_kernels",
+                                   "cache_writes"])
 def test_kernels_compile_for_sm90(check):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -143,7 +143,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     limits = config.resolve(decode.config)
     # the activations' dtype: a weight kept in GGUF blocks is uint8
     weights = next(p for p in decode.program.graph_module.parameters() if p.is_floating_point())
-    geometry = kv_pool.geometry_for(decode.config, config.page_size, weights.dtype, config.device)
+    geometry = kv_pool.geometry_for(decode.config, config.page_size, config.kv_dtype(weights.dtype), config.device)
     per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
                                       whole_contexts=bool(companion_page_bytes))
     sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes=companion_page_bytes)
@@ -267,7 +267,8 @@ class Compiled:
     def as_text(self) -> str:
         """What runs: each segment, whether it replays a graph, and over which ladder."""
         lines = [f"# compiled for {self.kv_cache.device}: {self.num_pages} KV pages of "
-                 f"{self.config.page_size} tokens, max_model_len={self.limits.max_model_len}",
+                 f"{self.config.page_size} tokens in {str(self.kv_cache.dtype).removeprefix('torch.')}, "
+                 f"max_model_len={self.limits.max_model_len}",
                  self.pool.as_text(), self.startup.as_text()]
         replayed = {"prefill": {name for name, _ in self.prefill.graphs}}
         for mode, runner in (("decode", self.decode), ("verify", self.verify)):

@@ -55,7 +55,9 @@ class LLM:
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``max_chunk_tokens``,
         ``num_kv_pages``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
         ``capture_sizes``, ``token_buckets``, ``view_width``, ``graphs``, ``seed``,
-        ``compile_workers``; another name is refused). ``enforce_eager``: no graphs, as
+        ``compile_workers``, ``kv_cache_dtype``; another name is refused). ``kv_cache_dtype``:
+        ``"auto"`` (the model's dtype) or ``"fp8_e4m3"``/``"fp8"``: the KV pool stores float8
+        through the model's ``kv_scales``. ``enforce_eager``: no graphs, as
         ``graphs=False``.
         ``overlap``: prepare decode step n+1 while step n runs. ``enable_prefix_caching``:
         requests reuse the cached pages of prompts that start alike. ``speculative``: decode

@@ -74,6 +74,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                          help="share of the GPU's memory the engine may fill, weights, graphs and KV "
                               "pool included (the pool is sized after the captures)")
+    command.add_argument("--kv-cache-dtype", default="auto",
+                         help="what the KV cache stores: auto (the model's dtype), fp8 or fp8_e4m3 (float8 "
+                              "e4m3 with per-layer scales: twice the tokens fit)")
     command.add_argument("--speculative-tokens", type=int, default=0,
                          help="verify up to K drafts per decode step, n-grams or --draft-model's (0: off; "
                               "outputs are unchanged)")
@@ -123,7 +126,8 @@ def llm_options(args, **options) -> dict:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return dict(device=args.device or default_device(), dtype=args.dtype, enforce_eager=args.enforce_eager,
-                gpu_memory_utilization=args.gpu_memory_utilization, **options)
+                gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+                **options)
 
 
 def sampling(args, model_defaults: dict | None = None):

@@ -13,6 +13,8 @@ from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.execution.ladders import given_ladder
 
 MAX_COMPILE_WORKERS = 8
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_CAPABILITY = (8, 9)   # the first CUDA devices with float8 conversions (Ada)
 CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
 
 
@@ -34,6 +36,11 @@ def _within_step(instance, attribute, value):
                          f"{instance.max_num_batched_tokens}]")
 
 
+def _kv_cache_dtype(instance, attribute, value):
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"{attribute.name}={value!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 def _sizes(instance, attribute, value):
     if value is not None:
         given_ladder(attribute.name, value)
@@ -52,7 +59,10 @@ class CompileConfig:
     model windowed on every layer holds only its window's pages); ``compile_workers``:
     processes that compile the Triton kernels before the captures (default: half the usable
     cores, at most 8; 0 compiles each on first launch); ``max_chunk_tokens``: the most new
-    tokens a step computes for one request (``chunk_tokens``)."""
+    tokens a step computes for one request (``chunk_tokens``); ``kv_cache_dtype``: what the
+    KV pool stores, ``"auto"`` the model's dtype, ``"fp8_e4m3"`` (or ``"fp8"``) float8 e4m3
+    through each layer's scales (``models.kv_scales``), half the bytes of 16-bit values per
+    token, so twice the pages fit in a budget."""
     device: torch.device = attrs.field(default="cpu", converter=torch.device)
     page_size: int = attrs.field(default=16, validator=_at_least(1))
     max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
@@ -70,11 +80,24 @@ class CompileConfig:
     graphs: bool | None = None
     seed: int = 0
     compile_workers: int | None = attrs.field(default=None, validator=_at_least(0))
+    kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
 
     def graph_support(self, backend_support: CudaGraphSupport) -> CudaGraphSupport:
         """What gets captured: the backend's support, where graphs are wanted at all."""
         wanted = self.device.type == "cuda" if self.graphs is None else self.graphs
         return backend_support if wanted else CudaGraphSupport(False, False, False)
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model whose activations are ``model_dtype``; float8 on
+        a GPU that converts to it (compute capability 8.9 on: Ada, Hopper and later)."""
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if dtype is not None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < FP8_CAPABILITY:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: float8 needs a GPU of compute "
+                                 f"capability {'.'.join(map(str, FP8_CAPABILITY))} or later; "
+                                 f"{self.device} has {'.'.join(map(str, capability))}")
+        return dtype or model_dtype
 
     def chunk_tokens(self) -> int:
         """``max_chunk_tokens``, by default the whole step's budget, but on the CPU

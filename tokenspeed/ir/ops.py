@@ -9,7 +9,10 @@ last cache write: keys and values are needed on every token row, queries only on
 that are kept.
 
 The cache is ``kv_cache[layer, 0 | 1, page, offset, kv_head, head_dim]``: the page size
-is part of its shape, so no op takes it as an argument. A ``cos_sin`` table is
+is part of its shape, so no op takes it as an argument. The ops that write or read it
+take the layer's ``k_scale`` and ``v_scale``: a float8 cache stores ``k / k_scale`` and
+reads back ``stored * k_scale`` (``backends.kernels.kv_fp8``); another dtype ignores
+them. Models pass them as keywords, so the IR names them. A ``cos_sin`` table is
 ``cat(cos, sin)`` of every position's rotary angles (``tokenspeed.ir.rope``).
 """
 
@@ -41,7 +44,7 @@ def _unregistered(name: str):
 
 @_op("write_kv", mutates_args=("kv_cache",))
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store a layer's keys and values ``[rows, kv_heads, head_dim]`` at their slots."""
     return None
 
@@ -49,7 +52,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
 @_op("attention")
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
               row_request: torch.Tensor, positions: torch.Tensor, scale: float,
-              window: int) -> torch.Tensor:
+              window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Row r attends causally to positions ``0..positions[r]`` of request
     ``row_request[r]``, found through ``block_tables``; with a sliding ``window`` (0: the
     whole context) only to the last ``window`` of them, ``positions[r] - window + 1`` on."""
@@ -59,7 +62,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables:
 @_op("extend_attention")
 def extend_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor, scale: float,
-                     window: int) -> torch.Tensor:
+                     window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """``attention`` over rows grouped by request into the step's tiles: tile t is the rows
     ``tiles[t] .. tiles[t + 1] - 1``, all of one request; ``tiles`` ends with the number of
     rows it covers, and a row outside every tile (padding) has no defined output. What
@@ -71,7 +74,7 @@ def extend_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
 @_op("decode_attention")
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, scale: float,
-                     window: int) -> torch.Tensor:
+                     window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """``attention`` restricted to one row per request: what decode lowering selects."""
     return torch.empty_like(q)
 
@@ -98,7 +101,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 @_op("rope_write_kv", mutates_args=("kv_cache",))
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                   positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Rotate q and k, write k and v to the cache; returns the rotated q."""
     return torch.empty_like(q)
 
@@ -107,7 +110,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: to
 def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                          row_request: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                          row_request: torch.Tensor, scale: float, window: int, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
     value and attends, using that key from registers."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)

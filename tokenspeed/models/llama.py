@@ -4,7 +4,8 @@ Parameter names follow Hugging Face, except that projections reading the same in
 stacked (``qkv_proj``, ``gate_up_proj``): one matrix product instead of three or two. The
 loader maps checkpoint tensors into their slices (``STACKED``).
 Every per-step tensor comes in through ``meta`` (a descriptor); attention and cache
-writes are the ``tokenspeed::`` custom ops, so the traced graph names what it reads.
+writes are the ``tokenspeed::`` custom ops, so the traced graph names what it reads. The
+scales of an FP8 cache (``kv_scales``) enter the graph as the ops' constants when traced.
 """
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from tokenspeed.ir import ops
 from tokenspeed.ir.cache_groups import CacheGroup, cache_slot
 from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.kv_scales import layer_scales, unit_scales
 from tokenspeed.models.layers import RMSNorm, Rotary
 
 
@@ -31,9 +33,12 @@ def stacked_sizes(config: ModelConfig, stacked: str) -> list[int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...]):
-        """``groups``: the model's cache groups (``config.cache_groups``, computed once)."""
+    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...],
+                 kv_scales: torch.Tensor):
+        """``groups``: the model's cache groups (``config.cache_groups``, computed once);
+        ``kv_scales``: the model's (``models.kv_scales``), read when traced."""
         super().__init__()
+        self.kv_scales = kv_scales
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.layer, self.kv_layer = layer, c.kv_source_layer(layer)
@@ -64,7 +69,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         q = self.rotary(q, positions)
         o = ops.attention(q, kv_cache, self.row, self._of_group(meta.block_tables), meta.row_request,
-                          positions, self.scale, self.window)
+                          positions, self.scale, self.window, **layer_scales(self.kv_scales, self.kv_layer))
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
     def _write_kv(self, k, v, positions, kv_cache, meta):
@@ -72,7 +77,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             k = self.k_norm(k)
-        ops.write_kv(self.rotary(k, positions), v, kv_cache, self.row, self._of_group(meta.slot_mapping))
+        ops.write_kv(self.rotary(k, positions), v, kv_cache, self.row, self._of_group(meta.slot_mapping),
+                     **layer_scales(self.kv_scales, self.kv_layer))
 
     def _of_group(self, field):
         """This layer's group's block tables or write locations: with several groups the
@@ -91,10 +97,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...]):
+    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...],
+                 kv_scales: torch.Tensor):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, groups)
+        self.self_attn = Attention(config, layer, groups, kv_scales)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -108,7 +115,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         groups = config.cache_groups
-        self.layers = nn.ModuleList(DecoderLayer(config, i, groups) for i in range(config.num_layers))
+        self.kv_scales = unit_scales(config.num_layers)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, groups, self.kv_scales)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, kv_cache, meta):

@@ -103,7 +103,7 @@ def fuse_rope_write_kv(gm: fx.GraphModule, *, config, **_) -> None:
         with gm.graph.inserting_after(q_rot):
             fused = gm.graph.call_function(ops.rope_write_kv.default,
                                            (q_rot.args[0], k_rot.args[0], v, table, k_rot.args[1],
-                                            cache, layer, slots))
+                                            cache, layer, slots), write.kwargs)   # the layer's KV scales
         q_rot.replace_all_uses_with(fused)
         rename(fused, f"{q_rot.name}_write_kv")
         _same_stage(write, fused)
@@ -120,10 +120,11 @@ def fuse_rope_decode_attention(gm: fx.GraphModule, **_) -> None:
             continue
         q, k, v, table, positions, cache, layer, slots = rope.args
         _, cache_read, layer_read, block_tables, row_request, positions_read, scale, window = node.args
-        if (cache_read, layer_read, positions_read) != (cache, layer, positions):
+        if (cache_read, layer_read, positions_read, node.kwargs) != (cache, layer, positions, rope.kwargs):
             continue
         _substitute(gm, node, ROPE_DECODE_ATTENTION, (q, k, v, table, positions, cache, layer,
-                                                     slots, block_tables, row_request, scale, window))
+                                                     slots, block_tables, row_request, scale, window),
+                    kwargs=node.kwargs)
         gm.graph.erase_node(rope)
 
 
@@ -195,11 +196,11 @@ def _outputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _substitute(gm: fx.GraphModule, node: fx.Node, target, args,
-                after: fx.Node | None = None) -> fx.Node:
+                after: fx.Node | None = None, kwargs=None) -> fx.Node:
     """A call of ``target`` on ``args`` takes ``node``'s place, readers, name and stage;
     it goes before ``node``, or right after ``after`` where ``node`` comes too early."""
     with gm.graph.inserting_before(node) if after is None else gm.graph.inserting_after(after):
-        new = gm.graph.call_function(target, args)
+        new = gm.graph.call_function(target, args, kwargs)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     rename(new, node.name)

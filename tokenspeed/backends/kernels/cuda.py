@@ -19,40 +19,46 @@ from tokenspeed.ir.weights import DENSE, FP8
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 
 
-def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
+def write_kv(k, v, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     from tokenspeed.backends.kernels import triton_cache
-    triton_cache.write_kv(k, v, flat_slots(kv_cache)[0], layer, slot_mapping)
+    triton_cache.write_kv(k, v, flat_slots(kv_cache)[0], layer, slot_mapping, k_scale, v_scale)
 
 
-def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
+def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
+              v_scale=1.0):
     from tokenspeed.backends.kernels import triton_attention
     flat, page_size = flat_slots(kv_cache)
     return triton_attention.extend_attention(q, flat, layer, block_tables, row_request,
-                                             positions, scale, page_size, window=window)
+                                             positions, scale, page_size, window=window,
+                                             k_scale=k_scale, v_scale=v_scale)
 
 
-def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, tiles, scale, window):
+def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, tiles, scale, window,
+                     k_scale=1.0, v_scale=1.0):
     from tokenspeed.backends.kernels import triton_attention
     flat, page_size = flat_slots(kv_cache)
     return triton_attention.extend_attention(q, flat, layer, block_tables, row_request, positions, scale,
                                              page_size, plan=triton_attention.ExtendPlan(tiles, EXTEND_TILE_ROWS),
-                                             window=window)
+                                             window=window, k_scale=k_scale, v_scale=v_scale)
 
 
-def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
+                     v_scale=1.0):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.decode_attention(q, flat, layer, block_tables, row_request,
-                                          positions, scale, page_size, window=window)
+                                          positions, scale, page_size, window=window,
+                                          k_scale=k_scale, v_scale=v_scale)
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
-                          block_tables, row_request, scale, window):
+                          block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, flat, layer,
                                                slot_mapping, block_tables, row_request,
-                                               scale, page_size, window=window)
+                                               scale, page_size, window=window,
+                                               k_scale=k_scale, v_scale=v_scale)
 
 
 def silu_and_mul(gate_up):
@@ -70,10 +76,10 @@ def add_rms_norm(x, residual, weight, eps):
     return list(triton_fused.add_rms_norm(x, residual, weight, eps))
 
 
-def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
+def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):
     from tokenspeed.backends.kernels import triton_fused
     return triton_fused.rope_and_write_kv(q, k, v, cos_sin, positions, flat_slots(kv_cache)[0],
-                                          layer, slot_mapping)
+                                          layer, slot_mapping, k_scale, v_scale)
 
 
 def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):

@@ -7,12 +7,13 @@ Attention is described per query row, so one formulation serves decode, extend a
 narrowed decoder view: row r belongs to request ``row_request[r]`` and sits at position
 ``positions[r]``; it attends causally to positions 0..positions[r] of that request (the
 last ``window`` of them with a sliding window), found through ``block_tables[row_request[r]]``.
-How the CPU computes it, a request's rows at once, is ``torch_attention.py``'s.
+How the CPU computes it, a request's rows at once, is ``torch_attention.py``'s. An FP8
+cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8``).
 """
 
 import torch
 
-from tokenspeed.backends.kernels import gguf_reference
+from tokenspeed.backends.kernels import gguf_reference, kv_fp8
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
@@ -24,32 +25,46 @@ def flat_slots(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kv_cache.flatten(2, 3), kv_cache.shape[3]
 
 
-def write_kv(k, v, kv_cache, layer, slot_mapping) -> None:
+def write_kv(k, v, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     flat, _ = flat_slots(kv_cache)
-    flat[layer, 0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-    flat[layer, 1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+    scales = kv_fp8.applied(flat.dtype, k_scale, v_scale)
+    for i, (x, x_scale) in enumerate(zip((k, v), scales)):
+        _put(flat[layer, i], slot_mapping, kv_fp8.stored(x, x_scale, flat.dtype))
 
 
-def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
-    return _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, q.shape[0])
+def _put(slots: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """``slots[slot_mapping] = values``; float8 through its bytes (the CPU has no float8
+    ``index_copy_``)."""
+    if slots.element_size() == 1:
+        slots, values = slots.view(torch.uint8), values.view(torch.uint8)
+    slots.index_copy_(0, slot_mapping, values)
 
 
-def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, tiles, scale, window):
+def attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
+              v_scale=1.0):
+    return _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, q.shape[0],
+                      (k_scale, v_scale))
+
+
+def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, tiles, scale, window,
+                     k_scale=1.0, v_scale=1.0):
     """The rows the tiles cover (the first ``tiles[-1]``); the others, padding, are zero."""
     return _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window,
-                      int(tiles[-1]))
+                      int(tiles[-1]), (k_scale, v_scale))
 
 
-def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, num_rows):
+def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, num_rows, scales):
     flat, page_size = flat_slots(kv_cache)
     return paged_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size,
-                           window, num_rows)
+                           window, num_rows, kv_fp8.applied(flat.dtype, *scales))
 
 
-def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window):
+def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
+                     v_scale=1.0):
     """One row per request: every row alone in its run."""
     flat, page_size = flat_slots(kv_cache)
-    return lone_rows_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size, window)
+    return lone_rows_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size, window,
+                               kv_fp8.applied(flat.dtype, k_scale, v_scale))
 
 
 def silu_and_mul(gate_up):
@@ -68,16 +83,17 @@ def add_rms_norm(x, residual, weight, eps):
     return [rms_norm(total, weight, eps), total]
 
 
-def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping):
+def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):
     rows = cos_sin[positions]
-    write_kv(apply_rotary(k, rows), v, kv_cache, layer, slot_mapping)
+    write_kv(apply_rotary(k, rows), v, kv_cache, layer, slot_mapping, k_scale, v_scale)
     return apply_rotary(q, rows)
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
-                          block_tables, row_request, scale, window):
-    q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping)
-    return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window)
+                          block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0):
+    q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale, v_scale)
+    return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window,
+                            k_scale, v_scale)
 
 
 def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):

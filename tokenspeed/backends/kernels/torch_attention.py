@@ -10,17 +10,22 @@ costs. Gathered per row instead, every row copies all the keys before it, and a 
 attention grows with the cube of its length in copies (600 tokens took two minutes on
 the CPU). A row alone in its run (a decode row: one per request) reads its request's
 keys once either way; such rows go together, ``ROWS_PER_CHUNK`` at a time, in one
-batched product. Scores and softmax are float32 whatever the cache's dtype.
+batched product. Scores and softmax are float32 whatever the cache's dtype; an FP8
+cache's elements are read through its layer's scales (``kv_scales``: key, value; see
+``kv_fp8``).
 """
 
 import torch
 import torch.nn.functional as F
 
+from tokenspeed.backends.kernels import kv_fp8
+
 ROWS_PER_CHUNK = 64  # lone rows attended at once: bounds their gathered keys' memory
+UNSCALED = (1.0, 1.0)
 
 
 def paged_attention(q, kv, block_tables, row_request, positions, scale, page_size: int, window: int,
-                    num_rows: int) -> torch.Tensor:
+                    num_rows: int, kv_scales: tuple[float, float] = UNSCALED) -> torch.Tensor:
     """Attention of the first ``num_rows`` rows of ``q`` (``[rows, H, D]``) over one layer's
     cache ``kv`` (``[2, slots, Hkv, D]``); the rows after them are zero."""
     out = torch.zeros_like(q) if num_rows < q.shape[0] else torch.empty_like(q)
@@ -29,24 +34,25 @@ def paged_attention(q, kv, block_tables, row_request, positions, scale, page_siz
         if length > 1:
             rows = slice(start, start + length)
             table = block_tables[int(row_request[start])]
-            out[rows] = _attend_run(q[rows], kv, table, int(positions[start]), scale, page_size, window)
+            out[rows] = _attend_run(q[rows], kv, table, int(positions[start]), scale, page_size, window,
+                                    kv_scales)
     lone = torch.tensor([start for start, length in zip(starts, lengths) if length == 1],
                         dtype=torch.long, device=q.device)
     if len(lone):
         out[lone] = lone_rows_attention(q[lone], kv, block_tables, row_request[lone], positions[lone], scale,
-                                        page_size, window)
+                                        page_size, window, kv_scales)
     return out
 
 
 def lone_rows_attention(q, kv, block_tables, row_request, positions, scale, page_size: int,
-                        window: int) -> torch.Tensor:
+                        window: int, kv_scales: tuple[float, float] = UNSCALED) -> torch.Tensor:
     """Every row over its own request's keys, ``ROWS_PER_CHUNK`` rows at a time: for rows
     of distinct requests (decode rows), which need no search for runs."""
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], ROWS_PER_CHUNK):
         rows = slice(start, start + ROWS_PER_CHUNK)
         out[rows] = _attend_rows(q[rows], kv, block_tables, row_request[rows].long(), positions[rows].long(),
-                                 scale, page_size, window)
+                                 scale, page_size, window, kv_scales)
     return out
 
 
@@ -61,13 +67,13 @@ def row_runs(row_request: torch.Tensor, positions: torch.Tensor) -> tuple[list[i
     return starts.tolist(), (ends - starts).tolist()
 
 
-def _attend_run(q, kv, table, first: int, scale, page_size: int, window: int) -> torch.Tensor:
+def _attend_run(q, kv, table, first: int, scale, page_size: int, window: int, kv_scales) -> torch.Tensor:
     """Rows at positions ``first ..`` of the request whose block-table row is ``table``:
     its keys from the first any row sees (all, or the first row's window) to the last row."""
     last = first + q.shape[0] - 1
     keys = torch.arange(max(first - window + 1, 0) if window else 0, last + 1, device=q.device)
     slots = table[keys // page_size].long() * page_size + keys % page_size
-    k, v = (kv[i][slots].float().transpose(0, 1) for i in (0, 1))              # [Hkv, Lk, D]
+    k, v = (kv_fp8.read(kv[i][slots], kv_scales[i]).transpose(0, 1) for i in (0, 1))   # [Hkv, Lk, D]
     visible = _visible(keys, torch.arange(first, last + 1, device=q.device), window)
     out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible,
                                          scale=scale, enable_gqa=True)
@@ -89,11 +95,11 @@ def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
     return pages * page_size + pos % page_size
 
 
-def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size: int, window: int):
+def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size: int, window: int, kv_scales):
     """Each row over its own request's keys: ``[Q, L, Hkv, D]`` gathered, one per row."""
     length = int(positions.max()) + 1
     slots = key_slots(block_tables, requests, length, page_size)                 # [Q, L]
-    k, v = kv[0][slots].float(), kv[1][slots].float()                           # [Q, L, Hkv, D]
+    k, v = (kv_fp8.read(kv[i][slots], kv_scales[i]) for i in (0, 1))            # [Q, L, Hkv, D]
     grouped = q.float().unflatten(1, (k.shape[2], -1))                            # [Q, Hkv, G, D]
     scores = torch.einsum("qkgd,qlkd->qkgl", grouped, k) * scale
     visible = _visible(torch.arange(length, device=q.device), positions, window)

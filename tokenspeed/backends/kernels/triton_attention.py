@@ -3,7 +3,9 @@ decode shares (``triton_decode.py``).
 
 Semantics match ``reference.paged_attention``: query row r attends causally to positions
 0..positions[r] of request row_request[r], found through block_tables[row_request[r]];
-query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32.
+query head h reads KV head h // (H // Hkv); scores, softmax and sums run in fp32. A
+float8 cache's keys and values are widened to the queries' type as they are loaded; its
+key scale is folded into the softmax scale and its value scale into the output.
 
 ``extend_attention`` has many rows per request. Tiles of BLOCK_M consecutive rows of one
 request share every key block through ``tl.dot``, and so do the query heads of one KV
@@ -20,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import kv_fp8, pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.triton_cache import as_query
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS, tile_capacity
 from tokenspeed.errors import InternalError
 
@@ -63,7 +66,9 @@ def attend_loaded(q, m, l, acc, k, v, kpos, valid, pos, lo, qk_scale, CAUSAL: tl
     """One online-softmax step (base 2) over a loaded key block.
 
     CAUSAL masks key j for query row i unless lo[i] <= j <= pos[i] (``lo``: where the row's
-    sliding window starts, else 0); otherwise only ``valid`` keys."""
+    sliding window starts, else 0); otherwise only ``valid`` keys. ``k`` and ``v`` as the
+    cache holds them: widened to q's type here."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if CAUSAL:
         seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= lo[:, None])
@@ -90,7 +95,7 @@ def attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos, valid, pos, 
 
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_first_ptr,
-                   qk_scale, window, stride_qr, stride_qh, stride_or, stride_oh,
+                   qk_scale, v_scale, window, stride_qr, stride_qh, stride_or, stride_oh,
                    stride_bt, stride_slot, stride_kvh,
                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,7 +119,8 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
     pos = tl.load(pos_ptr + rows, mask=live, other=-1).to(tl.int32)
     qmask = live[:, None] & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + rows[:, None] * stride_qr + head[:, None] * stride_qh + d[None, :], mask=qmask,
-                other=0.0).to(k_ptr.dtype.element_ty)
+                other=0.0)
+    q = as_query(q, k_ptr.dtype.element_ty)
     m = tl.full([BLOCK_M], -1e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -139,7 +145,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, tile_
         m, l, acc = attend_block(q, m, l, acc, k_ptr, v_ptr, bt_row, kv_base, kpos,
                                  (kpos < hi) & (kpos >= tile_lo), pos, lo, stride_slot, qk_scale,
                                  True, HEAD_DIM, PAGE_SIZE, BLOCK_D, PRECISION)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     tl.store(out_ptr + rows[:, None] * stride_or + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
 
@@ -166,11 +172,13 @@ def check_paged_inputs(q, kv_cache, block_tables, row_request, positions):
 
 
 def cache_views(q, kv_cache, layer):
-    """Kernel arguments shared by decode and extend: K/V views, blocks, dot precision."""
+    """Kernel arguments shared by decode and extend: K/V views, blocks, dot precision (of
+    the type products run in: see ``as_query``)."""
     k_cache, v_cache = kv_cache[layer].unbind(0)   # one indexing op, not two: every eager attention
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_d = max(16, next_power_of_2(q.shape[2]))
-    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    products = q.dtype if kv_fp8.is_fp8(kv_cache.dtype) else kv_cache.dtype
+    precision = "ieee" if products == torch.float32 else "tf32"
     return q, k_cache, v_cache, block_d, precision
 
 
@@ -236,12 +244,13 @@ def extend_block_n(head_dim: int) -> int:
 
 
 def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
-                     page_size, plan: ExtendPlan = None, window: int = 0):
+                     page_size, plan: ExtendPlan = None, window: int = 0, k_scale: float = 1.0,
+                     v_scale: float = 1.0):
     """Ragged causal attention of many rows per request (prefix hits included), each
     request's rows together; ``plan`` (``extend_tile_plan``'s, or the step's from
     ``plan_extend`` with tiles of ``EXTEND_BLOCK_M`` rows) is built here unless given: rows
     outside its tiles are left undefined; ``window``: each row sees only its last
-    ``window`` positions (0: all)."""
+    ``window`` positions (0: all); ``k_scale``, ``v_scale``: a float8 cache's."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     rows, heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -252,6 +261,7 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     block_n = extend_block_n(head_dim)
     group = heads // kv_cache.shape[3]
     group_p = next_power_of_2(group)
+    k_scale, v_scale = kv_fp8.applied(kv_cache.dtype, k_scale, v_scale)
     if group_p > plan.block_m:
         raise ValueError(f"{heads} query heads over {kv_cache.shape[3]} KV heads: at most "
                          f"{plan.block_m} query heads per KV head")
@@ -264,7 +274,7 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     # with the tiles first, 176 with the heads first).
     _extend_kernel[(kv_cache.shape[3] * group_p, len(plan.first) - 1)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, plan.first,
-        scale * LOG2E, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E * k_scale, v_scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,

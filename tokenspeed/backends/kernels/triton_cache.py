@@ -8,19 +8,43 @@ capture.
 
 Layout (see ``reference.py``): ``kv_cache[layer, 0 | 1, slot, kv_head, head_dim]``,
 ``slot = page * page_size + offset``, page 0 is the null page that padding rows write into.
+
+``to_cache`` is how every kernel writes a cache element: a float8 cache stores
+``x / scale`` saturated at +-448 (``kv_fp8``); another dtype is a plain cast. Readers widen
+what they load to the queries' type (``as_query``). The float8 conversion happens in the kernel
+(under the Triton interpreter it rounds wrongly where rounding carries into the next
+exponent; ``tests/test_fp8_kv_kernels.py`` says how its tests keep clear of that).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import kv_fp8, pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.errors import InternalError
 
+FP8_MAX = tl.constexpr(kv_fp8.FP8_MAX)
+
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sm,
+def to_cache(x, scale, CACHE_TY: tl.constexpr):
+    """``x`` as a cache of ``CACHE_TY`` stores it."""
+    if CACHE_TY.is_fp8():
+        return tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX).to(CACHE_TY)
+    return x.to(CACHE_TY)
+
+
+@triton.jit
+def as_query(q, CACHE_TY: tl.constexpr):
+    """Queries in the type products with the cache's keys run in: the cache's, unless it
+    is float8, whose keys are widened to the queries' type instead. One expression: Triton
+    compiles both returns of a constexpr branch, and they would differ in type."""
+    return q.to(q.dtype if CACHE_TY.is_fp8() else CACHE_TY)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sm, k_scale, v_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
@@ -34,10 +58,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sm
     src = token.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
     dst = slot * stride_slot + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + src, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_scale, k_cache_ptr.dtype.element_ty), mask=mask)
     src = token.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
     v = tl.load(v_ptr + src, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_scale, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _unit_last_dim(t: torch.Tensor) -> torch.Tensor:
@@ -45,8 +69,9 @@ def _unit_last_dim(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-             slot_mapping: torch.Tensor) -> None:
-    """Write ``k[t], v[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` of ``layer``."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write ``k[t], v[t]`` ([T, Hkv, D]) into slot ``slot_mapping[t]`` of ``layer``
+    (through ``k_scale`` and ``v_scale`` into a float8 cache)."""
     if k.dim() != 3 or k.shape != v.shape:
         raise InternalError(f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)} "
                             f"and {tuple(v.shape)}")
@@ -64,6 +89,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
         raise InternalError("kv_cache must have a contiguous head_dim")
     _write_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),   # a cache group's column
+        *kv_fp8.applied(kv_cache.dtype, k_scale, v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0),
         k_cache.stride(1),
         NUM_HEADS=heads, HEAD_DIM=head_dim,

@@ -12,7 +12,9 @@ launches can be captured.
 ``rope_decode_attention`` takes q, k and v as the projection wrote them. Each program
 rotates its q heads; the program whose split holds the row's own position rotates that
 key, attends to it from registers and writes it and its value to the cache: the kernel
-that did only this (``triton_fused.rope_and_write_kv``) cost a launch per layer.
+that did only this (``triton_fused.rope_and_write_kv``) cost a launch per layer. With a
+float8 cache that key is attended as the cache stores it (quantized), as a later step reads
+it; the scales are folded in as ``triton_attention`` folds them.
 """
 
 from typing import NamedTuple
@@ -21,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import kv_fp8, pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.triton_cache import as_query, to_cache
 from tokenspeed.backends.kernels.triton_attention import LOG2E, attend_block, \
     attend_loaded, cache_views, check_paged_inputs, load_block, sm_count
 from tokenspeed.errors import InternalError
@@ -55,7 +58,9 @@ def _rotated(row_ptr, d, mask, cos_sin_row, HALF: tl.constexpr):
 
 @triton.jit
 def _attend_new_key(q, m, l, acc, k, v, qk_scale):
-    """One online-softmax step (base 2) over the row's own key, as ``attend_block``."""
+    """One online-softmax step (base 2) over the row's own key, as ``attend_block`` (``k``
+    and ``v`` as the cache holds them)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale
     m_new = tl.maximum(m, s)
     alpha = tl.exp2(m - m_new)
@@ -81,7 +86,7 @@ def _first_key(pos, window):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, stride_sm, qk_scale, window,
+                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, stride_sm, qk_scale, k_scale, v_scale, window,
                    stride_qr, stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
                    stride_knr, stride_knh, stride_vnr, stride_vnh, stride_cs,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -130,7 +135,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
             q = q.to(q_ptr.dtype.element_ty)
         else:
             q = tl.load(q_rows + d[None, :], mask=hmask, other=0.0)
-        q = q.to(k_ptr.dtype.element_ty)
+        q = as_query(q, k_ptr.dtype.element_ty)
         m = tl.full([BLOCK_G], -1e30, tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -148,16 +153,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
             if (lo <= pos) & (pos < hi):  # this split holds the row's own key
                 dmask = d < HEAD_DIM
                 k = _rotated(kn_ptr + row * stride_knr + kv_head * stride_knh, d, dmask, cs_row,
-                             HEAD_DIM // 2).to(kn_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
-                v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask,
-                            other=0.0).to(v_ptr.dtype.element_ty)
+                             HEAD_DIM // 2).to(kn_ptr.dtype.element_ty)
+                k = to_cache(k, k_scale, k_ptr.dtype.element_ty)
+                v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask, other=0.0)
+                v = to_cache(v, v_scale, v_ptr.dtype.element_ty)
                 m, l, acc = _attend_new_key(q, m, l, acc, k, v, qk_scale)
                 slot = tl.load(slot_ptr + row * stride_sm).to(tl.int64) * stride_slot \
                     + kv_head * stride_kvh
                 tl.store(k_ptr + slot + d, k, mask=dmask)
                 tl.store(v_ptr + slot + d, v, mask=dmask)
         safe_l = tl.where(l > 0, l, 1.0)
-        o = acc / safe_l[:, None]
+        o = acc / safe_l[:, None] * v_scale
         if NUM_SPLITS == 1:
             tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=hmask)
@@ -201,9 +207,11 @@ def choose_num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int)
 
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
-                     page_size, num_splits=None, max_context=None, window: int = 0):
+                     page_size, num_splits=None, max_context=None, window: int = 0, k_scale: float = 1.0,
+                     v_scale: float = 1.0):
     """One query row per request; CUDA-graph safe. ``window``: each row sees only its last
-    ``window`` positions (0: all); the splits share the window.
+    ``window`` positions (0: all); the splits share the window. ``k_scale``, ``v_scale``:
+    a float8 cache's.
 
     ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
     ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
@@ -214,12 +222,12 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     """
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, window)
+                   num_splits, max_context, window, (k_scale, v_scale))
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, page_size, num_splits=None,
-                          max_context=None, window: int = 0):
+                          max_context=None, window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0):
     """``rope_and_write_kv`` then ``decode_attention`` in one kernel: q [R, H, D], k and v
     [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache."""
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
@@ -234,12 +242,13 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
                  slot_mapping)   # may be a cache group's column of several groups' slots
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, window, new=new)
+                   num_splits, max_context, window, (k_scale, v_scale), new=new)
 
 
 def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-            num_splits, max_context, window, *, new: NewKey | None = None):
-    """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``)."""
+            num_splits, max_context, window, kv_scales, *, new: NewKey | None = None):
+    """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``);
+    ``kv_scales``: (key, value) scales of a float8 cache."""
     rows, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -259,9 +268,11 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
     launch = pdl.launch_options(q.device)
     block_n = 64 if head_dim <= 128 else 32
     kn, vn, cos_sin, slots = new if new is not None else (q, q, q, positions)  # unread
+    k_scale, v_scale = kv_fp8.applied(kv_cache.dtype, *kv_scales)
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        kn, vn, cos_sin, slots, slots.stride(0), scale * LOG2E, window, q.stride(0), q.stride(1),
+        kn, vn, cos_sin, slots, slots.stride(0), scale * LOG2E * k_scale, k_scale, v_scale, window,
+        q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import kv_fp8, pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.triton_cache import to_cache
 from tokenspeed.errors import InternalError
 
 
@@ -128,7 +129,7 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin,
 
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, stride_sm, q_out_ptr,
-                    k_cache_ptr, v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                    k_cache_ptr, v_cache_ptr, k_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_kh,
                     stride_vt, stride_vh, stride_cache, stride_ot, stride_oh, stride_slot, stride_ch,
                     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -156,17 +157,19 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, pos_ptr, slot_ptr, stride_sm
     dst = k_cache_ptr + slot * stride_slot + h[:, None] * stride_ch + j[None, :]
     k_ty = k_ptr.dtype.element_ty
     c_ty = k_cache_ptr.dtype.element_ty
-    tl.store(dst, o1.to(k_ty).to(c_ty), mask=mask)
-    tl.store(dst + HALF, o2.to(k_ty).to(c_ty), mask=mask)
+    tl.store(dst, to_cache(o1.to(k_ty), k_scale, c_ty), mask=mask)
+    tl.store(dst + HALF, to_cache(o2.to(k_ty), k_scale, c_ty), mask=mask)
     src = v_ptr + t * stride_vt + h[:, None] * stride_vh + j[None, :]
     dst = v_cache_ptr + slot * stride_slot + h[:, None] * stride_ch + j[None, :]
-    tl.store(dst, tl.load(src, mask=mask).to(c_ty), mask=mask)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(c_ty), mask=mask)
+    tl.store(dst, to_cache(tl.load(src, mask=mask), v_scale, c_ty), mask=mask)
+    tl.store(dst + HALF, to_cache(tl.load(src + HALF, mask=mask), v_scale, c_ty), mask=mask)
 
 
-def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_mapping):
+def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_mapping, k_scale=1.0,
+                      v_scale=1.0):
     """Rotate q [T, H, D] and k [T, Hkv, D] at ``positions``; write rotated k and v to the
-    cache slots ``slot_mapping``; return the rotated q (new tensor). Math in fp32."""
+    cache slots ``slot_mapping`` (through ``k_scale`` and ``v_scale`` into a float8 cache);
+    return the rotated q (new tensor). Math in fp32."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0]:
         raise InternalError(f"q must be [T, H, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, "
                             f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -186,7 +189,8 @@ def rope_and_write_kv(q, k, v, cos_sin_cache, positions, kv_cache, layer, slot_m
     half = head_dim // 2
     _rope_kv_kernel[(tokens,)](
         q, k, v, cos_sin_cache, positions, slot_mapping, slot_mapping.stride(0), q_out, k_cache,
-        v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        v_cache, *kv_fp8.applied(kv_cache.dtype, k_scale, v_scale), q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0),
         k_cache.stride(1), NUM_Q=heads, NUM_KV=k.shape[1], HALF=half,
         BLOCK_Q=next_power_of_2(heads), BLOCK_KV=next_power_of_2(k.shape[1]),
