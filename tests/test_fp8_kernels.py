@@ -122,6 +122,32 @@ def test_matmul_equals_the_product_of_quantized_rows(layout):
         assert_within(got, quantized_rows(x, group), w, bias)
 
 
+@settings(max_examples=9, deadline=None, derandomize=True)
+@given(kernel=st.sampled_from(["gemv channel", "gemv block", "block", "scaled_mm"]),
+       rows=st.integers(1, 16), n=st.integers(1, 10).map(lambda c: 16 * c),
+       k=st.integers(1, 18).map(lambda c: 16 * c), block_n=st.sampled_from([16, 32]),
+       block_k=st.sampled_from([16, 64, 128]), splits=st.integers(1, 3), with_bias=st.booleans())
+def test_linear_on_odd_shapes(kernel, rows, n, k, block_n, block_k, splits, with_bias):
+    """Every kernel with its tiles forced small, so that row and column tiles, block rows
+    and K splits (one may get less than the others, or nothing) meet the edges: the GEMV
+    up to 16 rows, the block matmul and ``torch._scaled_mm`` (whose N stays a multiple of
+    16) from 17."""
+    n = n if kernel == "scaled_mm" else n - 3
+    m = rows if kernel.startswith("gemv") else rows + 16
+    weight, scale = fp8_weight("block" if "block" in kernel else "channel", n=n, k=k, seed=n + k)
+    w, x = fp8_weights.dequantize(weight, scale), rand(m, k, seed=m)
+    bias = rand(n, seed=k) if with_bias else None
+    if kernel.startswith("gemv"):
+        config = triton_fp8_gemv.GemvConfig(block_n // (16 if m == 1 else 1), block_k, splits, 4, 1)
+        assert_within(triton_fp8_gemv.linear(x, weight, scale, bias, config=config), x, w, bias)
+    elif kernel == "block":
+        config = triton_fp8_block_matmul.MatmulConfig(16, block_n, splits, 4, 1)
+        got = triton_fp8_block_matmul.linear(x, weight, scale, bias, config=config)
+        assert_within(got, quantized_rows(x, fp8_weights.BLOCK), w, bias)
+    else:
+        assert_within(fp8_matmul.linear(x, weight, scale, bias), quantized_rows(x), w, bias)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_inputs(dtype):
     """Outputs in x's dtype: the fused bias of ``torch._scaled_mm``, the GEMV's rounding.
