@@ -68,7 +68,7 @@ def assert_within(got, x, w, bias=None, relative=1e-5):
 
 def quantized_rows(x, group=None):
     """x as the FP8 matmuls see it: quantized by the reference, back in float."""
-    q, scale = fp8_weights.quantize_activation_groups(x, group or x.shape[1])
+    q, scale = fp8_weights.quantize_activation_groups(x, group)
     return q.float() * scale.repeat_interleave(group or x.shape[1], 1)[:, :x.shape[1]]
 
 
@@ -174,10 +174,11 @@ def test_activation_quantizer_equals_the_reference_bit_for_bit():
     x[4, :8] = torch.tensor([448.0, 7.79, -7.79, 3.97, -0.0, 1e-4, -1e-4, 0.0147])
     for rows, group in ((1, None), (17, None), (3, 128), (17, 128), (17, 100)):
         got_q, got_scale = triton_fp8_quantize.quantize_activations(x[:rows], group)
-        want_q, want_scale = fp8_weights.quantize_activation_groups(x[:rows], group or 300)
+        want_q, want_scale = fp8_weights.quantize_activation_groups(x[:rows], group)
         assert torch.equal(got_scale, want_scale)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     assert triton_fp8_quantize.quantize_activations(x[4:5])[0][0, 1].float() == 8.0
+    assert fp8_weights.quantize_activations(x)[1].shape == (17, 1)
 
 
 def test_the_kernels_rounding_is_torchs_over_the_whole_range():

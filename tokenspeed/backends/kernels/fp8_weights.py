@@ -98,17 +98,18 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``float8_e4m3fn [M, K]``, ``float32 [M, 1]``): per-token dynamic scales, each row's
     largest magnitude (at least ``MIN_AMAX``) mapped to ``FP8_MAX``."""
-    return quantize_activation_groups(x, max(x.shape[1], 1))
+    return quantize_activation_groups(x, None)
 
 
-def quantize_activation_groups(x: torch.Tensor, group: int = BLOCK):
+def quantize_activation_groups(x: torch.Tensor, group: int | None = BLOCK):
     """(``float8_e4m3fn [M, K]``, ``float32 [M, ceil(K / group)]``): a scale per row and
-    ``group`` columns (the last group may be shorter), as ``quantize_activations`` makes
-    one per row."""
+    ``group`` columns (the last group may be shorter; None: the whole row), as
+    ``quantize_activations`` makes one per row."""
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activations to quantize must be bfloat16, float16 or float32 "
                          f"[M, K]; got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
+    group = max(k, 1) if group is None else group
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     scale = padded.abs().amax(2).clamp(min=MIN_AMAX) / FP8_MAX
