@@ -91,14 +91,19 @@ def test_gemv_equals_the_dequantized_product(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gemv_computes_its_gated_input(layout):
-    """silu(gate) * up of a ``[M, 2K]`` row, as the unfused activation computes it."""
-    weight, scale = fp8_weight(layout, seed=5)
+def test_kernels_compute_their_gated_input(layout):
+    """silu(gate) * up of ``[M, 2K]`` rows, as the unfused activation computes it: read by
+    the GEMV, or quantized by the matmuls' activation quantizer."""
+    n = 160 if layout == "channel" else N  # torch._scaled_mm needs N % 16 == 0
+    weight, scale = fp8_weight(layout, n=n, seed=5)
     w = fp8_weights.dequantize(weight, scale)
     for m, config in ((1, triton_fp8_gemv.GemvConfig(16, 64, 2, 4, 1)), (3, None)):
         gate_up = rand(m, 2 * K, seed=6)
         got = triton_fp8_gemv.linear(gate_up, weight, scale, gated=True, config=config)
         assert_within(got, reference.silu_and_mul(gate_up), w)
+    gate_up = rand(17, 2 * K, seed=7)
+    got = fp8_matmul.linear(gate_up, weight, scale, gated=True)
+    assert_within(got, reference.silu_and_mul(gate_up), w, relative=2**-4)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -262,6 +267,10 @@ def test_bad_calls_are_named():
          r"bias must be \[32\]"),
         (lambda: triton_fp8_gemv.linear(x, weight, scale, gated=True),
          r"x must be \[M, 128\] \(gate, up\) for an FP8 weight of 64 columns; got \(1, 64\)"),
+        (lambda: fp8_matmul.linear(torch.zeros(17, 64, device=DEVICE), weight, scale, gated=True),
+         r"x must be \[M, 128\] \(gate, up\) for an FP8 weight of 64 columns; got \(17, 64\)"),
+        (lambda: triton_fp8_quantize.quantize_activations(torch.zeros(2, 63), gated=True),
+         r"activations to quantize must be bfloat16, float16 or float32 \[M, 2K\] \(gate, up\); got torch.float32 \(2, 63\)"),
         (lambda: triton_fp8_gemv.linear(torch.zeros(17, 64, device=DEVICE), weight, scale),
          "the FP8 GEMV takes at most 16 rows; got 17"),
         (lambda: triton_fp8_gemv.linear(x, weight, torch.ones(1, 1, device=DEVICE),
@@ -312,4 +321,7 @@ def test_bf16_on_the_gpu(layout):
         group = fp8_weights.BLOCK if layout == "block" else None
         assert got.dtype == torch.bfloat16
         assert_within(got.float(), quantized_rows(x, group), w, bias.float(), relative=2e-2)
+    gate_up = rand(300, 2 * 8192, seed=17).bfloat16()
+    got = fp8_matmul.linear(gate_up, weight, scale, bias, gated=True)
+    assert_within(got.float(), reference.silu_and_mul(gate_up).float(), w, bias.float(), relative=2**-4)
 

@@ -53,11 +53,14 @@ def check_weight(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
 
 
 def check_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> tuple[int, int]:
-    """(K, N) of a well-formed ``x [M, K] @ (weight * scale).T + bias``."""
+                     bias: torch.Tensor | None, gated: bool = False) -> tuple[int, int]:
+    """(K, N) of a well-formed ``x [M, K] @ (weight * scale).T + bias``; ``gated``: of
+    ``silu(gate) * up`` for x ``[M, 2K]`` (gate, up)."""
     n, k = check_weight(weight, scale)
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}] for an FP8 weight of {k} columns; got "
+    width = 2 * k if gated else k
+    if x.dim() != 2 or x.shape[1] != width:
+        need = f"[M, {width}] (gate, up)" if gated else f"[M, {width}]"
+        raise ValueError(f"x must be {need} for an FP8 weight of {k} columns; got "
                          f"{tuple(x.shape)}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x must be bfloat16, float16 or float32; got {x.dtype}")
