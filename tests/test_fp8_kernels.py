@@ -32,44 +32,12 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import fp8_matmul, fp8_weights, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_fp8_block_matmul, triton_fp8_gemv, triton_fp8_quantize  # noqa: E402
-from tokenspeed.backends.kernels.fp8_weights import FP8, block_scale_shape  # noqa: E402
+from tokenspeed.backends.kernels.fp8_weights import FP8  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-N, K = 150, 208  # a partial block row and column; K % 16 == 0, so torch._scaled_mm takes it
+from fp8_cases import DEVICE, K, N, assert_within, fp8_weight, quantized_rows, rand  # noqa: E402
+
 LAYOUTS = ["channel", "block"]
 FEW = settings(max_examples=6, deadline=None, derandomize=True)
-
-
-def fp8_weight(layout: str, n: int = N, k: int = K, seed: int = 0):
-    """(weight, scale): a random float weight quantized per channel, or FP8 values with
-    random 128 x 128 block scales of different magnitudes."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen)
-    if layout == "channel":
-        weight, scale = fp8_weights.quantize_per_channel(w)
-    else:
-        weight = fp8_weights.to_fp8(w * 64)
-        scale = torch.rand(block_scale_shape(n, k), generator=gen) * 0.03 + 0.001
-    return weight.to(DEVICE), scale.to(DEVICE)
-
-
-def rand(*shape, seed=1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
-
-
-def assert_within(got, x, w, bias=None, relative=1e-5):
-    """|got - exact| <= relative * sum_k |x_k w_nk| elementwise (exact: float64)."""
-    x, w = x.cpu().double(), w.cpu().double()
-    exact = x @ w.T + (bias.cpu().double() if bias is not None else 0)
-    bound = relative * (x.abs() @ w.abs().T) + 1e-6
-    error = (got.cpu().double() - exact).abs()
-    assert (error <= bound).all(), f"max error {error.max():.3g}, bound there {bound.flatten()[error.argmax()]:.3g}"
-
-
-def quantized_rows(x, group=None):
-    """x as the FP8 matmuls see it: quantized by the reference, back in float."""
-    q, scale = fp8_weights.quantize_activation_groups(x, group)
-    return q.float() * scale.repeat_interleave(group or x.shape[1], 1)[:, :x.shape[1]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -301,30 +269,3 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
         ("torch float32", 1), ("triton_gemv float32", 1), ("fp8 channel", 1), ("fp8 block", 1),
         ("torch float32", 17), ("fp8 channel", 17), ("fp8 block", 17)]
     assert "FP8 linear kernels" in capsys.readouterr().out
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_bf16_on_the_gpu(layout):
-    """bf16 activations through every path (the GEMV's ``tl.dot`` and the FP8 tensor
-    cores, which the interpreter cannot run in 16 bits) with the chosen configs: the 1B
-    model's down projection (gated: the MLP's gate_up rows) for decode and small
-    batches, and a short-K weight for a prefill's 2048 rows (its large tiles), within
-    16-bit rounding of the float64 product."""
-    weight, scale = fp8_weight(layout, n=2048, k=8192, seed=15)
-    w, bias = fp8_weights.dequantize(weight, scale), rand(2048, seed=16).bfloat16()
-    for m in (1, 16):
-        gate_up = rand(m, 2 * 8192, seed=m).bfloat16()
-        got = triton_fp8_gemv.linear(gate_up, weight, scale, bias, gated=True)
-        assert_within(got.float(), reference.silu_and_mul(gate_up).float(), w, bias.float(), relative=2e-2)
-    gate_up = rand(300, 2 * 8192, seed=17).bfloat16()
-    got = fp8_matmul.linear(gate_up, weight, scale, bias, gated=True)
-    assert_within(got.float(), reference.silu_and_mul(gate_up).float(), w, bias.float(), relative=2**-4)
-    group = fp8_weights.BLOCK if layout == "block" else None
-    short, short_scale = fp8_weight(layout, n=2048, k=256, seed=18)
-    for m, (weight, scale) in ((17, (weight, scale)), (300, (weight, scale)), (2048, (short, short_scale))):
-        x = rand(m, weight.shape[1], seed=m).bfloat16()
-        got = fp8_matmul.linear(x, weight, scale, bias)
-        assert got.dtype == torch.bfloat16
-        assert_within(got.float(), quantized_rows(x, group), fp8_weights.dequantize(weight, scale), bias.float(),
-                      relative=2e-2)
