@@ -9,10 +9,10 @@ blocks) at 2048 rows, beside torch's bf16 ``linear`` and (up to 16 rows) the bf1
     python -m benchmarks.fp8_linear --sweep --projections down --rows 1   (other configs too)
 
 On a GPU each timing replays a CUDA graph of back-to-back calls over distinct weight
-copies (more bytes than L2 holds), as a decode step streams its layers. Every kernel is
-called as the engine calls it: the down projection's GEMVs read the MLP's gate_up rows
-(``gated``: silu(gate) * up computed as x is read); the FP8 matmul rows include
-quantizing the activations (``quant_us`` is that kernel alone). The floor is the
+copies (more bytes than L2 holds), as a decode step streams its layers. The down
+projection's kernels read the MLP's gate_up rows (``gated``: silu(gate) * up computed as
+x is read, or as it is quantized; torch's row multiplies it precomputed); the FP8 matmul
+rows include quantizing the activations (``quant_us`` is that kernel alone). The floor is the
 weight's bytes over the measured device-to-device copy bandwidth; ``tflops`` is the
 product's rate. ``--tiny`` only checks that the benchmark runs (interpreter times mean
 nothing). ``--sweep`` also times the kernels' other configs (``config`` column; the
@@ -53,7 +53,7 @@ class Case:
 
     @property
     def gated(self) -> bool:
-        return self.projection == "down" and self.rows <= triton_fp8_gemv.MAX_M
+        return self.projection == "down"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,8 +121,8 @@ def fp8_call(case: Case, x: torch.Tensor, config=None):
     if case.rows <= triton_fp8_gemv.MAX_M:
         return lambda ws: triton_fp8_gemv.linear(x, *ws, gated=case.gated, config=config)
     if config is not None:
-        return lambda ws: triton_fp8_block_matmul.linear(x, *ws, config=config)
-    return lambda ws: fp8_matmul.linear(x, *ws)
+        return lambda ws: triton_fp8_block_matmul.linear(x, *ws, config=config, gated=case.gated)
+    return lambda ws: fp8_matmul.linear(x, *ws, gated=case.gated)
 
 
 def measure_fp8(case: Case, layout: str, bandwidth, config=None) -> dict:
@@ -133,8 +133,8 @@ def measure_fp8(case: Case, layout: str, bandwidth, config=None) -> dict:
     extra = {"config": "chosen" if config is None else describe(config)}
     if case.rows > triton_fp8_gemv.MAX_M:
         group = fp8_weights.BLOCK if layout == "block" else None
-        quant = time_chain([x], lambda a: triton_fp8_quantize.quantize_activations(a, group),
-                           case.tiny)
+        quant = time_chain([x], lambda a: triton_fp8_quantize.quantize_activations(
+            a, group, case.gated), case.tiny)
         extra["quant_us"] = quant * 1e6
     return row(case, f"fp8 {layout}", nbytes, seconds, bandwidth, **extra)
 

@@ -45,8 +45,9 @@ for rows in (16, 300, 2048):
                        USE_PDL=True), c.num_warps, c.num_stages)
     assert "e4m3.e4m3" in ptx and "wgmma" in ptx, "FP8 tensor cores"
 quant = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **ints("M", "K", "group", "stride_xm", "stride_qm", "stride_sm"))
-ptx = compile_sm90(q._quantize_kernel, quant, dict(ROWS=16, BLOCK=128, USE_PDL=True), 4)
-assert "div.rn.f32" in ptx and "e4m3" in ptx
+for gated in (False, True):
+    ptx = compile_sm90(q._quantize_kernel, quant, dict(GATED=gated, ROWS=16, BLOCK=128, USE_PDL=True), 4)
+    assert "div.rn.f32" in ptx and "e4m3" in ptx
 """
 
 

@@ -32,44 +32,12 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import fp8_matmul, fp8_weights, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_fp8_block_matmul, triton_fp8_gemv, triton_fp8_quantize  # noqa: E402
-from tokenspeed.backends.kernels.fp8_weights import FP8, block_scale_shape  # noqa: E402
+from tokenspeed.backends.kernels.fp8_weights import FP8  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-N, K = 150, 208  # a partial block row and column; K % 16 == 0, so torch._scaled_mm takes it
+from fp8_cases import DEVICE, K, N, assert_within, fp8_weight, quantized_rows, rand  # noqa: E402
+
 LAYOUTS = ["channel", "block"]
 FEW = settings(max_examples=6, deadline=None, derandomize=True)
-
-
-def fp8_weight(layout: str, n: int = N, k: int = K, seed: int = 0):
-    """(weight, scale): a random float weight quantized per channel, or FP8 values with
-    random 128 x 128 block scales of different magnitudes."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen)
-    if layout == "channel":
-        weight, scale = fp8_weights.quantize_per_channel(w)
-    else:
-        weight = fp8_weights.to_fp8(w * 64)
-        scale = torch.rand(block_scale_shape(n, k), generator=gen) * 0.03 + 0.001
-    return weight.to(DEVICE), scale.to(DEVICE)
-
-
-def rand(*shape, seed=1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
-
-
-def assert_within(got, x, w, bias=None, relative=1e-5):
-    """|got - exact| <= relative * sum_k |x_k w_nk| elementwise (exact: float64)."""
-    x, w = x.cpu().double(), w.cpu().double()
-    exact = x @ w.T + (bias.cpu().double() if bias is not None else 0)
-    bound = relative * (x.abs() @ w.abs().T) + 1e-6
-    error = (got.cpu().double() - exact).abs()
-    assert (error <= bound).all(), f"max error {error.max():.3g}, bound there {bound.flatten()[error.argmax()]:.3g}"
-
-
-def quantized_rows(x, group=None):
-    """x as the FP8 matmuls see it: quantized by the reference, back in float."""
-    q, scale = fp8_weights.quantize_activation_groups(x, group or x.shape[1])
-    return q.float() * scale.repeat_interleave(group or x.shape[1], 1)[:, :x.shape[1]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -91,14 +59,19 @@ def test_gemv_equals_the_dequantized_product(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_gemv_computes_its_gated_input(layout):
-    """silu(gate) * up of a ``[M, 2K]`` row, as the unfused activation computes it."""
-    weight, scale = fp8_weight(layout, seed=5)
+def test_kernels_compute_their_gated_input(layout):
+    """silu(gate) * up of ``[M, 2K]`` rows, as the unfused activation computes it: read by
+    the GEMV, or quantized by the matmuls' activation quantizer."""
+    n = 160 if layout == "channel" else N  # torch._scaled_mm needs N % 16 == 0
+    weight, scale = fp8_weight(layout, n=n, seed=5)
     w = fp8_weights.dequantize(weight, scale)
     for m, config in ((1, triton_fp8_gemv.GemvConfig(16, 64, 2, 4, 1)), (3, None)):
         gate_up = rand(m, 2 * K, seed=6)
         got = triton_fp8_gemv.linear(gate_up, weight, scale, gated=True, config=config)
         assert_within(got, reference.silu_and_mul(gate_up), w)
+    gate_up = rand(17, 2 * K, seed=7)
+    got = fp8_matmul.linear(gate_up, weight, scale, gated=True)
+    assert_within(got, reference.silu_and_mul(gate_up), w, relative=2**-4)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -120,6 +93,32 @@ def test_matmul_equals_the_product_of_quantized_rows(layout):
         split = triton_fp8_block_matmul.MatmulConfig(16, 32, 2, 4, 2)
         got = triton_fp8_block_matmul.linear(x, weight, scale, bias, config=split)
         assert_within(got, quantized_rows(x, group), w, bias)
+
+
+@settings(max_examples=9, deadline=None, derandomize=True)
+@given(kernel=st.sampled_from(["gemv channel", "gemv block", "block", "scaled_mm"]),
+       rows=st.integers(1, 16), n=st.integers(1, 10).map(lambda c: 16 * c),
+       k=st.integers(1, 18).map(lambda c: 16 * c), block_n=st.sampled_from([16, 32]),
+       block_k=st.sampled_from([16, 64, 128]), splits=st.integers(1, 3), with_bias=st.booleans())
+def test_linear_on_odd_shapes(kernel, rows, n, k, block_n, block_k, splits, with_bias):
+    """Every kernel with its tiles forced small, so that row and column tiles, block rows
+    and K splits (one may get less than the others, or nothing) meet the edges: the GEMV
+    up to 16 rows, the block matmul and ``torch._scaled_mm`` (whose N stays a multiple of
+    16) from 17."""
+    n = n if kernel == "scaled_mm" else n - 3
+    m = rows if kernel.startswith("gemv") else rows + 16
+    weight, scale = fp8_weight("block" if "block" in kernel else "channel", n=n, k=k, seed=n + k)
+    w, x = fp8_weights.dequantize(weight, scale), rand(m, k, seed=m)
+    bias = rand(n, seed=k) if with_bias else None
+    if kernel.startswith("gemv"):
+        config = triton_fp8_gemv.GemvConfig(block_n // (16 if m == 1 else 1), block_k, splits, 4, 1)
+        assert_within(triton_fp8_gemv.linear(x, weight, scale, bias, config=config), x, w, bias)
+    elif kernel == "block":
+        config = triton_fp8_block_matmul.MatmulConfig(16, block_n, splits, 4, 1)
+        got = triton_fp8_block_matmul.linear(x, weight, scale, bias, config=config)
+        assert_within(got, quantized_rows(x, fp8_weights.BLOCK), w, bias)
+    else:
+        assert_within(fp8_matmul.linear(x, weight, scale, bias), quantized_rows(x), w, bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -148,10 +147,11 @@ def test_activation_quantizer_equals_the_reference_bit_for_bit():
     x[4, :8] = torch.tensor([448.0, 7.79, -7.79, 3.97, -0.0, 1e-4, -1e-4, 0.0147])
     for rows, group in ((1, None), (17, None), (3, 128), (17, 128), (17, 100)):
         got_q, got_scale = triton_fp8_quantize.quantize_activations(x[:rows], group)
-        want_q, want_scale = fp8_weights.quantize_activation_groups(x[:rows], group or 300)
+        want_q, want_scale = fp8_weights.quantize_activation_groups(x[:rows], group)
         assert torch.equal(got_scale, want_scale)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     assert triton_fp8_quantize.quantize_activations(x[4:5])[0][0, 1].float() == 8.0
+    assert fp8_weights.quantize_activations(x)[1].shape == (17, 1)
 
 
 def test_the_kernels_rounding_is_torchs_over_the_whole_range():
@@ -235,6 +235,10 @@ def test_bad_calls_are_named():
          r"bias must be \[32\]"),
         (lambda: triton_fp8_gemv.linear(x, weight, scale, gated=True),
          r"x must be \[M, 128\] \(gate, up\) for an FP8 weight of 64 columns; got \(1, 64\)"),
+        (lambda: fp8_matmul.linear(torch.zeros(17, 64, device=DEVICE), weight, scale, gated=True),
+         r"x must be \[M, 128\] \(gate, up\) for an FP8 weight of 64 columns; got \(17, 64\)"),
+        (lambda: triton_fp8_quantize.quantize_activations(torch.zeros(2, 63), gated=True),
+         r"activations to quantize must be bfloat16, float16 or float32 \[M, 2K\] \(gate, up\); got torch.float32 \(2, 63\)"),
         (lambda: triton_fp8_gemv.linear(torch.zeros(17, 64, device=DEVICE), weight, scale),
          "the FP8 GEMV takes at most 16 rows; got 17"),
         (lambda: triton_fp8_gemv.linear(x, weight, torch.ones(1, 1, device=DEVICE),
@@ -265,24 +269,3 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
         ("torch float32", 1), ("triton_gemv float32", 1), ("fp8 channel", 1), ("fp8 block", 1),
         ("torch float32", 17), ("fp8 channel", 17), ("fp8 block", 17)]
     assert "FP8 linear kernels" in capsys.readouterr().out
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_bf16_on_the_gpu(layout):
-    """bf16 activations through every path (the GEMV's ``tl.dot`` and the FP8 tensor
-    cores, which the interpreter cannot run in 16 bits), at the 1B model's down
-    projection shape, within 16-bit rounding of the float64 product."""
-    weight, scale = fp8_weight(layout, n=2048, k=8192, seed=15)
-    w, bias = fp8_weights.dequantize(weight, scale), rand(2048, seed=16).bfloat16()
-    for m in (1, 16):
-        gate_up = rand(m, 2 * 8192, seed=m).bfloat16()
-        got = triton_fp8_gemv.linear(gate_up, weight, scale, bias, gated=True)
-        assert_within(got.float(), reference.silu_and_mul(gate_up).float(), w, bias.float(), relative=2e-2)
-    for m in (17, 300, 2048):
-        x = rand(m, 8192, seed=m).bfloat16()
-        got = fp8_matmul.linear(x, weight, scale, bias)
-        group = fp8_weights.BLOCK if layout == "block" else None
-        assert got.dtype == torch.bfloat16
-        assert_within(got.float(), quantized_rows(x, group), w, bias.float(), relative=2e-2)
-

@@ -27,18 +27,19 @@ ALIGNMENT = 16  # of K and N, for torch._scaled_mm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequantize(weight, scale).T (+ bias)`` as ``[M, N]`` in x's dtype; the
-    scale's layout (``[N]`` or 128 x 128 blocks) picks the kernel."""
+    scale's layout (``[N]`` or 128 x 128 blocks) picks the kernel. ``gated``: x is
+    ``[M, 2K]`` (gate, up) and the input silu(gate) * up, computed as x is quantized."""
     if scale.dim() == 2:
-        return triton_fp8_block_matmul.linear(x, weight, scale, bias)
-    return scaled_mm(x, weight, scale, bias)
+        return triton_fp8_block_matmul.linear(x, weight, scale, bias, gated=gated)
+    return scaled_mm(x, weight, scale, bias, gated)
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """The per-channel product: x quantized per token, then ``torch._scaled_mm``."""
-    k, n = check_fp8_linear(x, weight, scale, bias)
+    k, n = check_fp8_linear(x, weight, scale, bias, gated)
     if scale.dim() != 1:
         raise ValueError(f"torch._scaled_mm takes a per-channel scale [{n}]; got "
                          f"{list(scale.shape)}")
@@ -47,8 +48,9 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"K={k}, N={n}")
     if x.shape[0] == 0:
         return torch.zeros((0, n), dtype=x.dtype, device=x.device)
-    xq, xs = quantize_activations(x)
+    xq, xs = quantize_activations(x, None, gated)
     fused = bias is not None and x.dtype != torch.float32
     out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, n),
                            bias=bias.to(x.dtype) if fused else None, out_dtype=x.dtype)
     return out if bias is None or fused else out + bias.to(x.dtype)
+

@@ -53,11 +53,14 @@ def check_weight(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
 
 
 def check_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> tuple[int, int]:
-    """(K, N) of a well-formed ``x [M, K] @ (weight * scale).T + bias``."""
+                     bias: torch.Tensor | None, gated: bool = False) -> tuple[int, int]:
+    """(K, N) of a well-formed ``x [M, K] @ (weight * scale).T + bias``; ``gated``: of
+    ``silu(gate) * up`` for x ``[M, 2K]`` (gate, up)."""
     n, k = check_weight(weight, scale)
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}] for an FP8 weight of {k} columns; got "
+    width = 2 * k if gated else k
+    if x.dim() != 2 or x.shape[1] != width:
+        need = f"[M, {width}] (gate, up)" if gated else f"[M, {width}]"
+        raise ValueError(f"x must be {need} for an FP8 weight of {k} columns; got "
                          f"{tuple(x.shape)}")
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x must be bfloat16, float16 or float32; got {x.dtype}")
@@ -98,17 +101,18 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``float8_e4m3fn [M, K]``, ``float32 [M, 1]``): per-token dynamic scales, each row's
     largest magnitude (at least ``MIN_AMAX``) mapped to ``FP8_MAX``."""
-    return quantize_activation_groups(x, max(x.shape[1], 1))
+    return quantize_activation_groups(x, None)
 
 
-def quantize_activation_groups(x: torch.Tensor, group: int = BLOCK):
+def quantize_activation_groups(x: torch.Tensor, group: int | None = BLOCK):
     """(``float8_e4m3fn [M, K]``, ``float32 [M, ceil(K / group)]``): a scale per row and
-    ``group`` columns (the last group may be shorter), as ``quantize_activations`` makes
-    one per row."""
+    ``group`` columns (the last group may be shorter; None: the whole row), as
+    ``quantize_activations`` makes one per row."""
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activations to quantize must be bfloat16, float16 or float32 "
                          f"[M, K]; got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
+    group = max(k, 1) if group is None else group
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     # times 1 / FP8_MAX, not divided by it: torch on CUDA divides by a scalar as a product

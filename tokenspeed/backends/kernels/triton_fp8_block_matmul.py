@@ -112,10 +112,13 @@ def _filled(config: MatmulConfig, m, n, k, sm_count, max_splits) -> MatmulConfig
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-           bias: torch.Tensor | None = None, config: MatmulConfig | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, config: MatmulConfig | None = None,
+           gated: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequantize(weight, scale).T (+ bias)`` as ``[M, N]`` in x's dtype, for a
-    block scale ``[ceil(N/128), ceil(K/128)]``; x is quantized per row and 128 columns."""
-    k, n = check_fp8_linear(x, weight, scale, bias)
+    block scale ``[ceil(N/128), ceil(K/128)]``; x is quantized per row and 128 columns.
+    ``gated``: x is ``[M, 2K]`` (gate, up) and the input silu(gate) * up, computed as x
+    is quantized."""
+    k, n = check_fp8_linear(x, weight, scale, bias, gated)
     if scale.dim() != 2:
         raise ValueError(f"the block FP8 matmul needs a 128 x 128 block scale "
                          f"[{triton.cdiv(n, BLOCK)}, {triton.cdiv(k, BLOCK)}]; got "
@@ -128,7 +131,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    xq, xs = quantize_activations(x, BLOCK)
+    xq, xs = quantize_activations(x, BLOCK, gated)
     k_per_split, splits = split_k(k, BLOCK, c.splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)

@@ -180,11 +180,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     accumulation, for M <= 16. ``gated``: x is ``[M, 2K]`` (gate, up) and the input
     silu(gate) * up, saving the MLP's activation kernel. ``config`` overrides
     ``choose_config`` (tuning, tests)."""
-    k = weight.shape[1] if weight.dim() == 2 else -1
-    if gated and (x.dim() != 2 or x.shape[1] != 2 * k):
-        raise ValueError(f"x must be [M, {2 * k}] (gate, up) for an FP8 weight of {k} "
-                         f"columns; got {tuple(x.shape)}")
-    check_fp8_linear(x[:, :k] if gated else x, weight, scale, bias)
+    k = check_fp8_linear(x, weight, scale, bias, gated)[0]
     if x.shape[0] > MAX_M:
         raise ValueError(f"the FP8 GEMV takes at most {MAX_M} rows; got {x.shape[0]} (use "
                          f"fp8_matmul.linear)")

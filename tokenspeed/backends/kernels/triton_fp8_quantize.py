@@ -6,7 +6,8 @@ Prefill multiplies 2048 rows or more, and its FP8 matmul is only about 20 us a p
 on an H200 (1B shapes): the five or so torch kernels of the reference (abs, amax, divide,
 clamp, convert, each a pass over the rows) would cost most of what FP8 saves. This kernel
 reads a tile of rows once for their largest magnitudes and once more (from L2) to write
-them quantized.
+them quantized. Before the down projection it can compute the MLP's silu(gate) * up as
+it reads the gate_up rows (``gated``), as the GEMVs do.
 
 The conversion rounds in fp32 first (``round_to_e4m3``), so ``.to(float8e4nv)`` only
 ever sees values it represents exactly: the GPU's conversion and the Triton
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import pdl, triton_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.fp8_weights import ACTIVATION_DTYPES, FP8, FP8_MAX, MIN_AMAX
 
@@ -43,45 +44,58 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def _input_tile(x_ptr, rows, mmask, k, hi, K, stride_xm, GATED: tl.constexpr):
+    """fp32 ``[ROWS, BLOCK]`` of the input (zeros past ``hi``): x, or silu(gate) * up of
+    ``[M, 2K]`` rows, rounded to x's dtype as ``triton_gemv`` computes it."""
+    mask = mmask[:, None] & (k < hi)[None, :]
+    x = triton_gemv._input(x_ptr, x_ptr, x_ptr, rows * stride_xm + k[None, :], k, mask, K, 0.0,
+                           GATED, False, False)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, group, stride_xm, stride_qm, stride_sm,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                     GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """Program (row tile, group): the largest magnitude of each row over ``group``
-    columns, then those columns quantized with it."""
+    columns, then those columns quantized with it (the second read hits L2)."""
     pdl.start(USE_PDL)
     m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     kk = tl.arange(0, BLOCK)
     lo = g * group
     hi = tl.minimum(lo + group, K)
-    rows = m.to(tl.int64)[:, None]
+    rows, mmask = m.to(tl.int64)[:, None], m < M
     pdl.wait(USE_PDL)
     amax = tl.zeros([ROWS], tl.float32)
     for k0 in range(lo, hi, BLOCK):
-        mask = (m < M)[:, None] & (k0 + kk < hi)[None, :]
-        x = tl.load(x_ptr + rows * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+        x = _input_tile(x_ptr, rows, mmask, k0 + kk, hi, K, stride_xm, GATED)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
     scale = tl.maximum(amax, _MIN_AMAX) * _FP8_STEP  # a product, as the reference computes it
-    tl.store(s_ptr + m * stride_sm + g, scale, mask=m < M)
+    tl.store(s_ptr + m * stride_sm + g, scale, mask=mmask)
     inverse = tl.math.div_rn(1.0, scale)  # a product an element, not a quotient
     for k0 in range(lo, hi, BLOCK):
-        mask = (m < M)[:, None] & (k0 + kk < hi)[None, :]
-        x = tl.load(x_ptr + rows * stride_xm + k0 + kk[None, :], mask=mask, other=0.0)
-        v = tl.minimum(tl.maximum(x.to(tl.float32) * inverse[:, None], -_FP8_MAX), _FP8_MAX)
+        x = _input_tile(x_ptr, rows, mmask, k0 + kk, hi, K, stride_xm, GATED)
+        v = tl.minimum(tl.maximum(x * inverse[:, None], -_FP8_MAX), _FP8_MAX)
         tl.store(q_ptr + rows * stride_qm + k0 + kk[None, :],
-                 round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+                 round_to_e4m3(v).to(q_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & (k0 + kk < hi)[None, :])
 
 
-def quantize_activations(x: torch.Tensor, group: int | None = None):
+def quantize_activations(x: torch.Tensor, group: int | None = None, gated: bool = False):
     """(``float8_e4m3fn [M, K]``, ``float32 [M, ceil(K / group)]``) of ``x [M, K]``: a
     scale per row and ``group`` columns, or per row (``[M, 1]``) when ``group`` is None;
-    equal to ``fp8_weights.quantize_activation_groups``."""
-    if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
+    equal to ``fp8_weights.quantize_activation_groups``. ``gated``: x is ``[M, 2K]``
+    (gate, up) and what is quantized silu(gate) * up, which saves the activation's own
+    kernel and its output's round trip through memory."""
+    if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES or (gated and x.shape[1] % 2):
+        need = "[M, 2K] (gate, up)" if gated else "[M, K]"
         raise ValueError(f"activations to quantize must be bfloat16, float16 or float32 "
-                         f"[M, K]; got {x.dtype} {tuple(x.shape)}")
+                         f"{need}; got {x.dtype} {tuple(x.shape)}")
     if group is not None and group < 1:
         raise ValueError(f"a quantization group must hold at least 1 column; got {group}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    m, k = x.shape
+    m, k = x.shape[0], x.shape[1] // (2 if gated else 1)
     group = max(k, 1) if group is None else group
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=FP8, device=x.device)
@@ -91,6 +105,6 @@ def quantize_activations(x: torch.Tensor, group: int | None = None):
     block = min(next_power_of_2(group), TILE)
     rows = max(1, min(16, TILE // block, next_power_of_2(m)))
     _quantize_kernel[(triton.cdiv(m, rows), groups)](
-        x, q, scale, m, k, group, x.stride(0), q.stride(0), scale.stride(0), ROWS=rows,
-        BLOCK=block, num_warps=4, **pdl.launch_options(x.device))
+        x, q, scale, m, k, group, x.stride(0), q.stride(0), scale.stride(0), GATED=gated,
+        ROWS=rows, BLOCK=block, num_warps=4, **pdl.launch_options(x.device))
     return q, scale
