@@ -31,7 +31,7 @@ CLEAR_PROMPTS = (
      34, 178, 64, 489, 145, 298, 491, 70],
 )
 GREEDY = ts.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("value", ["int8", "FP8", "float8_e5m2", ""])

@@ -223,3 +223,20 @@ def test_cuda_ops_read_fp8_weights_as_the_reference_does(rows, tiled):
         for g, e in zip(*(o if isinstance(o, list) else [o] for o in (got, expected))):
             bound = (1e-4 if rows <= 16 else 0.1) * e.abs().max().item()
             assert (g - e).abs().max().item() <= bound, (name, (g - e).abs().max().item(), bound)
+
+
+def test_a_checkpoints_kv_cache_scales_reach_the_model():
+    """vLLM's ``self_attn.k_scale`` / ``v_scale`` and compressed-tensors' ``output_scale``
+    names; a scale that is not positive is refused naming it."""
+    from safetensors.torch import load_file
+    from tokenspeed.models.kv_scales import kv_scales
+    path, _ = fp8_file("fp8-tile")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors |= {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+                "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([2.0])}
+    save_file(tensors, str(path / "model.safetensors"))
+    assert kv_scales(ts.models.load(str(path))).tolist() == [[0.5, 1.0], [1.0, 2.0]]
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(-1.0)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"kv_scales\[0, 0\] = -1.0: a key scale must be finite and > 0"):
+        ts.models.load(str(path))

@@ -65,10 +65,11 @@ class LLM:
         Requests that give no ``SamplingParams`` take ``get_default_sampling_params()``."""
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
+        config = CompileConfig(device=checked_device(device),   # bad options refused before a model is found
+                               **checked_compile_options(enforce_eager, compile_options))
+        quantization = checked_quantization(quantization)
         model = default_model_path() if model is None else model_source.resolved(model, revision)
         tokenizer = model_source.resolved(tokenizer)
-        config = CompileConfig(device=checked_device(device),
-                               **checked_compile_options(enforce_eager, compile_options))
         self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading
         size_torch_threads()
         backend = backend or PagedAttentionBackend()
@@ -76,7 +77,7 @@ class LLM:
         with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
             reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
             self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader,
-                                               checked_quantization(quantization))
+                                               quantization)
             self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
             self.traced = stages.trace(self.model)
             draft = None

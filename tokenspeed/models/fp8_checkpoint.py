@@ -21,6 +21,10 @@ from tokenspeed.models.layer_swap import layer_module, part_sizes, parts_by_laye
 log = logging.getLogger(__name__)
 SCALE_NAMES = {"weight_scale_inv": "weight_scale", "weight_scale": "weight_scale"}
 UNREAD = ("input_scale",)
+# A layer's KV-cache scales as FP8 checkpoints name them (vLLM's, and compressed-tensors'
+# outputs of k_proj / v_proj): (key 0 | value 1).
+KV_SCALES = {"self_attn.k_scale": 0, "self_attn.v_scale": 1,
+             "self_attn.k_proj.output_scale": 0, "self_attn.v_proj.output_scale": 1}
 
 
 def fp8_layers(model: nn.Module, fp8_weights) -> dict[str, list[str]]:
@@ -88,3 +92,12 @@ def part_rows(param: torch.Tensor, sizes: list[int]) -> list[int]:
     if param.shape[0] == sum(sizes) or any(n % FP8_TILE for n in sizes):
         return sizes
     return [n // FP8_TILE for n in sizes]
+
+
+def kv_scale_entry(name: str) -> tuple[int, int] | None:
+    """(layer, 0 for the key | 1 for the value) of a checkpoint's KV-cache scale, else None."""
+    head, _, rest = name.partition("model.layers.")
+    layer, _, leaf = rest.partition(".")
+    if head or not layer.isdigit() or leaf not in KV_SCALES:
+        return None
+    return int(layer), KV_SCALES[leaf]

@@ -14,7 +14,8 @@ from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
 from tokenspeed.models.errors import ModelFileError
-from tokenspeed.models.fp8_checkpoint import fitted_scale, fp8_layers, part_rows, swap_fp8_layers
+from tokenspeed.models.fp8_checkpoint import fitted_scale, fp8_layers, kv_scale_entry, part_rows, swap_fp8_layers
+from tokenspeed.models.kv_scales import kv_scales, set_kv_scales
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
@@ -125,6 +126,12 @@ def load_state_dict(model: torch.nn.Module, state) -> None:
 
 def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> None:
     """Copy one checkpoint tensor into its parameter or its slice of a stacked one."""
+    entry = kv_scale_entry(name)
+    if entry is not None and entry[0] < model.config.num_layers:   # read by an FP8 pool
+        scales = kv_scales(model)
+        scales[entry] = float(tensor)
+        set_kv_scales(model, scales)
+        return
     if name in params:
         _copy(params[name], tensor, name, model.config)
         loaded.add(name)
