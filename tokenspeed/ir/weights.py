@@ -7,6 +7,8 @@ reads the format. The block layouts themselves are the ``gguf`` package's (read 
 backends); the IR only names the formats it carries. An FP8 weight's ``weight_scale`` is
 the op's last argument: float32 ``[N]`` (one scale per output channel) or
 ``[ceil(N / 128), ceil(K / 128)]`` (one per 128 x 128 tile); weight = fp8 value x scale.
+The FP8 grid's bound and the per-channel quantizer live here too: ``quantization="fp8"``
+quantizes at load with it (models), the kernels' reference and tests with it (backends).
 """
 
 import attrs
@@ -16,6 +18,7 @@ DENSE = "dense"
 BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 FP8 = "fp8_e4m3"
 FP8_TILE = 128   # the side of a tile sharing one scale in block-scaled FP8 checkpoints
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 @attrs.frozen
@@ -32,3 +35,24 @@ class BlockWeight:
             raise ValueError(f"{self.format} blocks of a {self.shape} weight must be uint8 "
                              f"[{self.shape[0]}, row_bytes]; got {self.blocks.dtype} "
                              f"{tuple(self.blocks.shape)}")
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``float8_e4m3fn [N, K]``, ``float32 [N]``) of a float weight: each row's largest
+    magnitude maps to ``FP8_MAX``; an all-zero row gets scale 1. Runs once, at load."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"a weight to quantize must be a float [N, K]; got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    amax = w.abs().amax(1).float() if w.shape[1] else w.new_zeros(w.shape[0], dtype=torch.float32)
+    bad = (~torch.isfinite(amax)).nonzero()
+    if len(bad):
+        raise ValueError(f"a weight to quantize must be finite; row {int(bad[0])} holds "
+                         f"{float(amax[bad[0]])}")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return to_fp8(w.float() / scale[:, None]), scale
+
+
+def to_fp8(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn, saturated at ``FP8_MAX`` (a quotient by a scale may round a
+    hair past it; torch's conversion does not saturate)."""
+    return v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenspeed.ir import ops
-from tokenspeed.ir.weights import FP8, FP8_TILE
+from tokenspeed.ir.weights import FP8, FP8_TILE, quantize_per_channel
 from tokenspeed.models.layer_swap import replace_layer
 
 
@@ -47,7 +47,6 @@ class Fp8Linear(nn.Module):
     @classmethod
     def quantized(cls, dense: nn.Linear) -> "Fp8Linear":
         """``dense`` quantized per output channel (``quantization="fp8"``), on its device."""
-        from tokenspeed.backends.kernels.fp8_weights import quantize_per_channel
         with torch.device("meta"):
             layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None)
         weight, scale = quantize_per_channel(dense.weight.detach())

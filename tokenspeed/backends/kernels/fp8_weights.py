@@ -16,9 +16,10 @@ that ``LLM(quantization="fp8")`` quantizes a 16-bit checkpoint with.
 import torch
 import torch.nn.functional as F
 
+from tokenspeed.ir.weights import FP8_MAX, FP8_TILE, quantize_per_channel, to_fp8  # noqa: F401 (the reference's)
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-BLOCK = 128  # the rows and columns of a block scale's tile, and an activation group
+BLOCK = FP8_TILE  # the rows and columns of a block scale's tile, and an activation group
 MIN_AMAX = 1e-12  # an all-zero activation row still gets a finite, nonzero scale
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -83,21 +84,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor,
     return (weight.float() * tiles).to(dtype)
 
 
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``float8_e4m3fn [N, K]``, ``float32 [N]``) of a float weight: each row's largest
-    magnitude maps to ``FP8_MAX``; an all-zero row gets scale 1. Runs once, at load."""
-    if w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"a weight to quantize must be a float [N, K]; got {w.dtype} "
-                         f"{tuple(w.shape)}")
-    amax = w.abs().amax(1).float() if w.shape[1] else w.new_zeros(w.shape[0], dtype=torch.float32)
-    bad = (~torch.isfinite(amax)).nonzero()
-    if len(bad):
-        raise ValueError(f"a weight to quantize must be finite; row {int(bad[0])} holds "
-                         f"{float(amax[bad[0]])}")
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return to_fp8(w.float() / scale[:, None]), scale
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``float8_e4m3fn [M, K]``, ``float32 [M, 1]``): per-token dynamic scales, each row's
     largest magnitude (at least ``MIN_AMAX``) mapped to ``FP8_MAX``."""
@@ -120,9 +106,3 @@ def quantize_activation_groups(x: torch.Tensor, group: int | None = BLOCK):
     scale = padded.abs().amax(2).clamp(min=MIN_AMAX) * (1 / FP8_MAX)
     inverse = (1 / scale).repeat_interleave(group, 1)[:, :k]  # as the Triton kernel rounds
     return to_fp8(x.float() * inverse), scale
-
-
-def to_fp8(v: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn, saturated at ``FP8_MAX`` (a quotient by a scale may round a
-    hair past it; torch's conversion does not saturate)."""
-    return v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
