@@ -159,6 +159,37 @@ def test_allowed_token_ids_narrow_the_grammar_row(vocab):
     assert unpack_bits(batch[1], guide.vocab_size).nonzero().flatten().tolist() == sorted(bias.allowed_token_ids)
 
 
+def test_a_reused_buffer_is_filled_whole_and_without_a_torch_op(vocab):
+    """Rows without a grammar and a draft window past what the grammar takes come back all
+    ones from a buffer holding an older step's masks; the host's writes are no torch op (one
+    over a batch would wake torch's thread pool against llguidance's workers)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    tokenizer, guide = vocab
+    matchers = [GrammarMatcher(compile_grammar(SPECS[k], guide), guide) for k in ("regex", "choice")]
+    drafts = tuple(tokenizer.encode("1a2", add_special_tokens=False))   # the choice grammar takes none
+    bitmask = torch.zeros(6 + len(drafts), new_bitmask(1, guide.vocab_size).shape[1], dtype=torch.int32)
+    filler = MaskFiller(threads=1)
+    try:
+        with Ops() as ops:
+            filler.fill([MaskRow(matchers[0], 1), MaskRow(matchers[1], 3, drafts=drafts)], bitmask)
+    finally:
+        filler.close()
+    assert set(ops.seen) <= {"aten.detach.default"}     # numpy's view of the buffer
+    assert (bitmask[[0, 2]] == -1).all() and (bitmask[4:] == -1).all()
+    assert torch.equal(unpack_bits(bitmask[1], guide.vocab_size), mask_of(matchers[0], guide.vocab_size))
+    assert torch.equal(unpack_bits(bitmask[3], guide.vocab_size), mask_of(matchers[1], guide.vocab_size))
+
+
 def test_rows_past_the_bitmask_are_refused_before_any_write(vocab):
     _, guide = vocab
     matcher = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
