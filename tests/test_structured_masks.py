@@ -123,6 +123,31 @@ def test_a_batch_fill_in_the_worker_equals_one_row_at_a_time(vocab):
     assert (batch[[1, 4]] == -1).all()     # rows without a constraint allow everything
 
 
+def test_copies_share_a_lexer_and_move_apart(vocab):
+    """Copies of a kept matcher, fed different texts and filled in one batch (with a row of
+    another lexer), have the masks of matchers made afresh; the kept one stays at the start."""
+    tokenizer, guide = vocab
+    grammar = compile_grammar(SPECS["json"], guide)
+    origin = GrammarMatcher(grammar, guide)
+    texts = ['{"kind": "c', '{"kind": "dog", "age": 4', "", '{"kind": "cat", "age": 1, "tags": ["a']
+    copies, fresh = [origin.copy() for _ in texts], [GrammarMatcher(grammar, guide) for _ in texts]
+    for text, a, b in zip(texts, copies, fresh):
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            a.accept(t)
+            b.accept(t)
+    other = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
+    assert len({id(m.lexer) for m in copies + [origin]}) == 1 and other.lexer is not origin.lexer
+    filler = MaskFiller(threads=2)
+    try:
+        rows = [MaskRow(m, i) for i, m in enumerate([copies[0], other, *copies[1:]])]
+        batch = filler.fill(rows, new_bitmask(len(rows), guide.vocab_size))
+    finally:
+        filler.close()
+    for row, m in enumerate([fresh[0], other, *fresh[1:]]):
+        assert torch.equal(unpack_bits(batch[row], guide.vocab_size), mask_of(m, guide.vocab_size))
+    assert torch.equal(mask_of(origin, guide.vocab_size), mask_of(fresh[2], guide.vocab_size))
+
+
 def test_draft_rows_hold_the_masks_after_each_draft_token(vocab):
     """A speculative row's mask rows follow its drafts; the matcher is left where it was."""
     tokenizer, guide = vocab
