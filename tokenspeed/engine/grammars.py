@@ -29,6 +29,9 @@ class KeptGrammar:
     copies: int = 0
 
     def matchers(self, guide, n: int) -> list[GrammarMatcher]:
+        """``n`` copies of the kept matcher, a fresh one (and lexer) made when the last has
+        served ``COPIES_PER_LEXER``: a lexer's states are never dropped, so one shared for
+        the engine's life would grow towards llguidance's limit on them."""
         if self.origin is None or self.copies >= COPIES_PER_LEXER:
             self.origin, self.copies = GrammarMatcher(self.grammar, guide), 0
         self.copies += n
