@@ -215,6 +215,13 @@ def test_a_reused_buffer_is_filled_whole_and_without_a_torch_op(vocab):
     assert torch.equal(unpack_bits(bitmask[3], guide.vocab_size), mask_of(matchers[1], guide.vocab_size))
 
 
+def test_the_filler_leaves_cores_to_the_engine(monkeypatch):
+    from tokenspeed.structured import mask_filler
+    for cores, threads in ((None, 1), (1, 1), (2, 1), (16, 8), (192, mask_filler.MAX_THREADS)):
+        monkeypatch.setattr(mask_filler.os, "cpu_count", lambda c=cores: c)
+        assert mask_filler.default_threads() == threads
+
+
 def test_rows_past_the_bitmask_are_refused_before_any_write(vocab):
     _, guide = vocab
     matcher = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)

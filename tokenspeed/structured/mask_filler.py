@@ -19,6 +19,7 @@ which then spin for a while on every core, just as llguidance's workers start; o
 two-core host that made a 32-row fill up to four times slower.
 """
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,6 +30,8 @@ import torch
 
 from tokenspeed.structured.bitmask import ALL_ALLOWED, check_host_bitmask
 from tokenspeed.structured.matcher import GrammarMatcher
+
+MAX_THREADS = 8
 
 
 @attrs.frozen(eq=False)   # rows are never compared (a tensor has no truth value)
@@ -64,12 +67,20 @@ def _batches(rows: Sequence[MaskRow]) -> list[list[MaskRow]]:
     return [sorted(rows, key=lambda r: id(r.matcher.lexer))]
 
 
+def default_threads() -> int:
+    """Half the cores, at most ``MAX_THREADS``: llguidance's own default (80% of the cores,
+    up to 32) leaves little to the engine's thread, torch's pool and a server's threads on
+    the same cores, and its idle workers spin before they sleep. Only rows of different lexers
+    are computed in parallel (``_batches``)."""
+    return max(1, min(MAX_THREADS, (os.cpu_count() or 2) // 2))
+
+
 class MaskFiller:
-    """Fills host bitmasks for batches; ``threads``: llguidance's workers (its default:
-    most of the cores, up to 32). ``close()`` ends the worker thread."""
+    """Fills host bitmasks for batches; ``threads``: llguidance's workers (``default_threads``).
+    ``close()`` ends the worker thread."""
 
     def __init__(self, threads: int | None = None):
-        self._executor = llguidance.LLExecutor(threads)
+        self._executor = llguidance.LLExecutor(threads or default_threads())
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-masks")
 
     def fill(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> torch.Tensor:
