@@ -10,7 +10,10 @@ is padded with empty tokens no mask allows. Every row decodes greedily through a
 cannot complete within the run (an array of at least a thousand objects of enums, bounded
 integers and short strings), so each row runs its whole length under masks; the ratio
 ``x_plain`` is constrained over unconstrained time per token, both with overlap (the
-engine's default). Writes one table and a JSON file.
+engine's default). ``fill_ms`` and ``accept_ms`` are the host's share of a constrained
+step, on the engine's thread, replayed from the run's own tokens through the engine's
+grammars (a batch's masks, its tokens fed to the matchers): a step is host-bound when
+they, with the plain step's host work, pass the forward. Writes one table and a JSON file.
 """
 
 import argparse
@@ -25,7 +28,8 @@ import tokenspeed as ts
 from benchmarks import common
 from tokenspeed.models import default_model_path
 from tokenspeed.models.random import random_model
-from tokenspeed.structured import GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer
+from tokenspeed.structured import (GrammarMatcher, MaskFiller, MaskRow, StructuredOutputs, compile_grammar,
+                                   guidance_tokenizer, new_bitmask)
 from tokenspeed.tokenizer import load_tokenizer
 
 PROMPT = 512
@@ -47,14 +51,33 @@ def shape_config(shape: str) -> dict:
     return TINY if shape == "tiny" else common.SHAPES[shape]
 
 
-def tpot(llm, batch: int, new_tokens: int, spec: StructuredOutputs | None) -> float:
-    """Seconds per output token: the difference of a run of ``new_tokens + 1`` and one of 1."""
+def tpot(llm, batch: int, new_tokens: int, spec: StructuredOutputs | None) -> tuple[float, list]:
+    """Seconds per output token (the difference of a run of ``new_tokens + 1`` and one of 1),
+    and the last long run's token ids per row."""
     prompts = [[100 + (7 * i + j) % 900 for j in range(PROMPT)] for i in range(batch)]
-    run = lambda n: llm.generate(prompts, ts.SamplingParams(  # noqa: E731
-        temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=spec), use_tqdm=False)
+    outputs = []
+    run = lambda n: outputs.append(llm.generate(prompts, ts.SamplingParams(  # noqa: E731
+        temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=spec), use_tqdm=False))
     run(4)
-    return (common.median_time(lambda: run(new_tokens + 1), 3) -
-            common.median_time(lambda: run(1), 3)) / new_tokens
+    long = common.median_time(lambda: run(new_tokens + 1), 3)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs[-1]]
+    return (long - common.median_time(lambda: run(1), 3)) / new_tokens, tokens
+
+
+def host_costs(llm, spec: StructuredOutputs, tokens: list[list[int]]) -> dict:
+    """Milliseconds per step of a batch's mask fill and of feeding its tokens to the matchers."""
+    matchers = llm.engine.grammars.matchers(spec, len(tokens))
+    filler, bitmask = MaskFiller(), new_bitmask(len(tokens), llm.engine.vocab_size)
+    fill = accept = 0.0
+    for step in range(len(tokens[0])):
+        start = time.perf_counter()
+        filler.fill([MaskRow(m, row) for row, m in enumerate(matchers)], bitmask)
+        middle = time.perf_counter()
+        for m, row in zip(matchers, tokens):
+            m.accept(row[step])
+        fill, accept = fill + middle - start, accept + time.perf_counter() - middle
+    filler.close()
+    return {"fill_ms": fill / len(tokens[0]) * 1e3, "accept_ms": accept / len(tokens[0]) * 1e3}
 
 
 def compile_times(tokenizer) -> dict:
@@ -78,10 +101,11 @@ def bench_shape(shape: str, batches, new_tokens: int, device: str, tokenizer, do
     spec = StructuredOutputs(json=ENDLESS)
     for batch in batches:
         with torch.inference_mode():
-            plain = tpot(llm, batch, new_tokens, None)
-            constrained = tpot(llm, batch, new_tokens, spec)
+            plain, _ = tpot(llm, batch, new_tokens, None)
+            constrained, tokens = tpot(llm, batch, new_tokens, spec)
         row = {"shape": shape, "vocab": model.config.vocab_size, "batch": batch, "plain_ms": plain * 1e3,
-               "constrained_ms": constrained * 1e3, "x_plain": constrained / plain}
+               "constrained_ms": constrained * 1e3, "x_plain": constrained / plain,
+               **host_costs(llm, spec, tokens)}
         done.append(row)
         print(common.table([row], list(row)), flush=True)
     del llm, model

@@ -1,6 +1,6 @@
 """The engine's grammars: compiled against the tokenizer's vocabulary padded to the model's,
-a schema sent again reuses its compiled grammar (the most recent ``KEPT_GRAMMARS`` kept),
-and a bad one is refused each time it comes."""
+a schema sent again reuses its compiled grammar (the most recent ``KEPT_GRAMMARS`` kept)
+and its lexer, and a bad one is refused each time it comes."""
 
 import pytest
 
@@ -36,3 +36,17 @@ def test_a_bad_grammar_is_refused_every_time(grammars):
     for _ in range(2):
         with pytest.raises(RefusedRequest, match="structured_outputs.regex"):
             grammars.matchers(StructuredOutputs(regex="(a"), 1)
+
+
+def test_a_schema_s_requests_copy_one_matcher_and_a_lexer_is_renewed(grammars, monkeypatch):
+    """Matchers of one schema share a lexer (no compile per request); after
+    ``COPIES_PER_LEXER`` of them the next ones start a fresh lexer, and every one starts at
+    the grammar's beginning whatever the others took."""
+    monkeypatch.setattr(grammars_module, "COPIES_PER_LEXER", 3)
+    spec = StructuredOutputs(regex="[0-9]{2}")
+    first = grammars.matchers(spec, 2)
+    first[0].accept(grammars.tokenizer.encode("1", add_special_tokens=False)[0])
+    second, third = grammars.matchers(spec, 1)[0], grammars.matchers(spec, 1)[0]
+    assert first[0].lexer is first[1].lexer is second.lexer and third.lexer is not second.lexer
+    assert [m.valid_prefix([grammars.tokenizer.encode("7", add_special_tokens=False)[0]] * 3)
+            for m in (first[0], first[1], second, third)] == [1, 2, 2, 2]

@@ -247,3 +247,18 @@ def test_mixed_workloads_hold_their_constraints_with_or_without_overlap(llm, llm
     off = [o.outputs[0] for o in llm_sync.generate(prompts, params, use_tqdm=False)]
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert all(holds(p, c.text, c.finish_reason) for p, c in zip(params, on))
+
+
+def test_masked_rows_draw_the_same_tokens_on_either_route(llm, monkeypatch):
+    """A decode step whose rows need nothing but their masks draws them inside the Gumbel-max
+    (``StepMasks.draw``); its tokens are those of the general route (``sampler.sample``)."""
+    from tokenspeed.execution.step_masks import StepMasks
+    params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed, max_tokens=24) for seed in SEEDS[:2]]
+    params.append(ts.SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=ts.StructuredOutputs(regex=REGEX)))
+    draws = []
+    monkeypatch.setattr(StepMasks, "draw", lambda self, *a, _draw=StepMasks.draw: draws.append(1) or _draw(self, *a))
+    fused = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert draws
+    monkeypatch.setattr(StepMasks, "masks_only", property(lambda self: False))
+    general = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in general]

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import triton_bitmask  # noqa: E402
+from tokenspeed.backends.kernels import triton_bitmask, triton_sampling  # noqa: E402
 from tokenspeed.structured.bitmask import (apply_token_bitmask_, apply_token_bitmask_reference,  # noqa: E402
                                            mask_words, pack_allowed, pack_bits, unpack_bits)
 
@@ -45,6 +45,28 @@ def test_the_kernel_equals_the_reference(rows, vocab, word_slack, block, dtype, 
     covered = min(vocab, words * 32)   # a free row's mask allows every token its words cover
     for row in free:
         assert torch.equal(got[row, :covered].cpu(), logits[row, :covered])
+
+
+@FEW
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 150), block=st.sampled_from([16, 64, 256]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_the_masked_draw_equals_masking_then_drawing(rows, vocab, block, dtype, data):
+    """The Gumbel-max launches reading the mask give the tokens of the masked float32 copy
+    drawn by ``triton_sampling``: greedy and tempered rows, free rows, seeds and positions."""
+    free = data.draw(st.lists(st.integers(0, rows - 1), max_size=rows))
+    mask = random_mask(rows, mask_words(vocab), free, seed=vocab + rows)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype).to(DEVICE)
+    greedy = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+    top_k = torch.tensor([1 if g else 0 for g in greedy], dtype=torch.int64, device=DEVICE)
+    temperature = torch.tensor(data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=rows,
+                                                  max_size=rows)), device=DEVICE)
+    seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + vocab
+    positions = torch.arange(rows, dtype=torch.int64, device=DEVICE) + 3
+    masked = triton_bitmask.apply_token_bitmask(logits.float(), mask.to(DEVICE))
+    expected = triton_sampling.gumbel_argmax(masked, temperature, top_k, seeds, positions, block=block)
+    got = triton_bitmask.masked_gumbel_argmax(logits, mask.to(DEVICE), temperature, top_k, seeds, positions,
+                                              torch.empty(rows, dtype=torch.int64, device=DEVICE), block=block)
+    assert torch.equal(got, expected)
 
 
 def test_a_mask_narrower_than_the_vocabulary_forbids_the_rest():
@@ -83,6 +105,11 @@ for logits in ("*fp32", "*bf16", "*fp16"):
     kernel = compile_sm90(b._apply_bitmask_kernel, dict(logits_ptr=logits, mask_ptr="*i32", vocab="i32", words="i32",
                           stride_logits="i32", stride_mask="i32"), dict(BLOCK=4096, USE_PDL=True))
     assert "griddepcontrol.wait" in kernel.asm["ptx"], "the kernel waits for the step before"
+draw = compile_sm90(b._masked_block_best_kernel, dict(
+    logits_ptr="*bf16", mask_ptr="*i32", temp_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64", pos_ptr="*i64",
+    best_val_ptr="*fp32", best_idx_ptr="*i32", vocab="i32", words="i32", stride_row="i32", stride_mask="i32",
+    num_blocks="i32"), dict(MIN_T=1e-5, KEY=b.POSITION_KEY, BLOCK=4096, USE_PDL=True), 8)
+assert "griddepcontrol.wait" in draw.asm["ptx"], "the masked draw waits for the step before"
 """
 
 

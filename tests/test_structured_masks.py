@@ -123,6 +123,31 @@ def test_a_batch_fill_in_the_worker_equals_one_row_at_a_time(vocab):
     assert (batch[[1, 4]] == -1).all()     # rows without a constraint allow everything
 
 
+def test_copies_share_a_lexer_and_move_apart(vocab):
+    """Copies of a kept matcher, fed different texts and filled in one batch (with a row of
+    another lexer), have the masks of matchers made afresh; the kept one stays at the start."""
+    tokenizer, guide = vocab
+    grammar = compile_grammar(SPECS["json"], guide)
+    origin = GrammarMatcher(grammar, guide)
+    texts = ['{"kind": "c', '{"kind": "dog", "age": 4', "", '{"kind": "cat", "age": 1, "tags": ["a']
+    copies, fresh = [origin.copy() for _ in texts], [GrammarMatcher(grammar, guide) for _ in texts]
+    for text, a, b in zip(texts, copies, fresh):
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            a.accept(t)
+            b.accept(t)
+    other = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
+    assert len({id(m.lexer) for m in copies + [origin]}) == 1 and other.lexer is not origin.lexer
+    filler = MaskFiller(threads=2)
+    try:
+        rows = [MaskRow(m, i) for i, m in enumerate([copies[0], other, *copies[1:]])]
+        batch = filler.fill(rows, new_bitmask(len(rows), guide.vocab_size))
+    finally:
+        filler.close()
+    for row, m in enumerate([fresh[0], other, *fresh[1:]]):
+        assert torch.equal(unpack_bits(batch[row], guide.vocab_size), mask_of(m, guide.vocab_size))
+    assert torch.equal(mask_of(origin, guide.vocab_size), mask_of(fresh[2], guide.vocab_size))
+
+
 def test_draft_rows_hold_the_masks_after_each_draft_token(vocab):
     """A speculative row's mask rows follow its drafts; the matcher is left where it was."""
     tokenizer, guide = vocab
@@ -157,6 +182,44 @@ def test_allowed_token_ids_narrow_the_grammar_row(vocab):
         filler.close()
     assert unpack_bits(batch[0], guide.vocab_size).nonzero().flatten().tolist() == sorted(digits[:2])
     assert unpack_bits(batch[1], guide.vocab_size).nonzero().flatten().tolist() == sorted(bias.allowed_token_ids)
+
+
+def test_a_reused_buffer_is_filled_whole_and_without_a_torch_op(vocab):
+    """Rows without a grammar and a draft window past what the grammar takes come back all
+    ones from a buffer holding an older step's masks; the host's writes are no torch op (one
+    over a batch would wake torch's thread pool against llguidance's workers)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    tokenizer, guide = vocab
+    matchers = [GrammarMatcher(compile_grammar(SPECS[k], guide), guide) for k in ("regex", "choice")]
+    drafts = tuple(tokenizer.encode("1a2", add_special_tokens=False))   # the choice grammar takes none
+    bitmask = torch.zeros(6 + len(drafts), new_bitmask(1, guide.vocab_size).shape[1], dtype=torch.int32)
+    filler = MaskFiller(threads=1)
+    try:
+        with Ops() as ops:
+            filler.fill([MaskRow(matchers[0], 1), MaskRow(matchers[1], 3, drafts=drafts)], bitmask)
+    finally:
+        filler.close()
+    assert set(ops.seen) <= {"aten.detach.default"}     # numpy's view of the buffer
+    assert (bitmask[[0, 2]] == -1).all() and (bitmask[4:] == -1).all()
+    assert torch.equal(unpack_bits(bitmask[1], guide.vocab_size), mask_of(matchers[0], guide.vocab_size))
+    assert torch.equal(unpack_bits(bitmask[3], guide.vocab_size), mask_of(matchers[1], guide.vocab_size))
+
+
+def test_the_filler_leaves_cores_to_the_engine(monkeypatch):
+    from tokenspeed.structured import mask_filler
+    for cores, threads in ((None, 1), (1, 1), (2, 1), (16, 8), (192, mask_filler.MAX_THREADS)):
+        monkeypatch.setattr(mask_filler.os, "cpu_count", lambda c=cores: c)
+        assert mask_filler.default_threads() == threads
 
 
 def test_rows_past_the_bitmask_are_refused_before_any_write(vocab):

@@ -1,25 +1,37 @@
 """Masks for a batch, filled in a worker thread while the device runs the step before.
 
-llguidance computes every row's mask in native code, in parallel, without the GIL
-(``LLExecutor``); ``MaskFiller.submit`` runs that in one worker thread and returns a
-future, so the engine's thread launches step n while the masks of step n+1 fill, and
-waits on the future only before it copies the bitmask to the device.
+llguidance computes every row's mask in native code, without the GIL: rows of different
+lexers in parallel (``LLExecutor``), rows whose matchers share one (``GrammarMatcher.copy``)
+one after another, as the lexer's lock would serialise them anyway. ``MaskFiller.submit``
+runs that in one worker thread and returns a future, so the engine's thread launches step
+n while the masks of step n+1 fill, and waits on the future only before it copies the
+bitmask to the device.
 
 A row is a ``MaskRow``: a matcher (or none, for a row with ``allowed_token_ids`` alone),
 the row it fills, the tokens allowed besides (``allowed``: a packed row ANDed in) and,
 for a speculative step, its draft tokens: the rows after ``row`` then get the masks
 after each draft token (as far as the grammar takes them). Rows not named are all ones.
+
+The host's own writes (the rows llguidance leaves set to all ones, ``allowed`` ANDed in)
+go through numpy on the calling thread, never a torch op: a torch op over a batch's
+bitmask (32 rows of a 49k vocabulary is past its grain) runs on torch's intra-op threads,
+which then spin for a while on every core, just as llguidance's workers start; on a busy
+two-core host that made a 32-row fill up to four times slower.
 """
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 import llguidance
+import numpy as np
 import torch
 
 from tokenspeed.structured.bitmask import ALL_ALLOWED, check_host_bitmask
 from tokenspeed.structured.matcher import GrammarMatcher
+
+MAX_THREADS = 8
 
 
 @attrs.frozen(eq=False)   # rows are never compared (a tensor has no truth value)
@@ -38,29 +50,57 @@ def _check_rows(rows: Sequence[MaskRow], size: int) -> None:
                              f"a bitmask of {size} rows")
 
 
+def _not_computed(rows: Sequence[MaskRow], size: int) -> np.ndarray:
+    """The rows llguidance does not overwrite whole: those without a grammar, and a
+    speculative row's window (its masks stop where the grammar stops taking the drafts)."""
+    unset = np.ones(size, dtype=bool)
+    unset[[r.row for r in rows if r.matcher is not None and not r.drafts]] = False
+    return unset
+
+
+def _batches(rows: Sequence[MaskRow]) -> list[list[MaskRow]]:
+    """The calls to llguidance: with one lexer among the rows, a row at a time (llguidance
+    computes a lone row on the calling thread; its workers would only queue on the lexer's
+    lock); with several, one call, the rows sorted by lexer (the workers take runs of the list)."""
+    if len({id(r.matcher.lexer) for r in rows}) <= 1:
+        return [[r] for r in rows]
+    return [sorted(rows, key=lambda r: id(r.matcher.lexer))]
+
+
+def default_threads() -> int:
+    """Half the cores, at most ``MAX_THREADS``: llguidance's own default (80% of the cores,
+    up to 32) leaves little to the engine's thread, torch's pool and a server's threads on
+    the same cores, and its idle workers spin before they sleep. Only rows of different lexers
+    are computed in parallel (``_batches``)."""
+    return max(1, min(MAX_THREADS, (os.cpu_count() or 2) // 2))
+
+
 class MaskFiller:
-    """Fills host bitmasks for batches; ``threads``: llguidance's workers (its default:
-    most of the cores, up to 32). ``close()`` ends the worker thread."""
+    """Fills host bitmasks for batches; ``threads``: llguidance's workers (``default_threads``).
+    ``close()`` ends the worker thread."""
 
     def __init__(self, threads: int | None = None):
-        self._executor = llguidance.LLExecutor(threads)
+        self._executor = llguidance.LLExecutor(threads or default_threads())
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-masks")
 
     def fill(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> torch.Tensor:
         """Writes the batch's masks into ``bitmask [rows, words]`` (host int32) and returns it."""
         check_host_bitmask(bitmask)
         _check_rows(rows, bitmask.shape[0])
-        bitmask.fill_(ALL_ALLOWED)
+        words = bitmask.numpy()
+        words[_not_computed(rows, len(words))] = ALL_ALLOWED
         where = (bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), bitmask.shape[0])
-        plain = [(r.matcher.matcher, r.row) for r in rows if r.matcher and not r.drafts]
-        drafted = [(r.matcher.matcher, r.row, list(r.drafts)) for r in rows if r.matcher and r.drafts]
-        if plain:
-            self._executor.unsafe_compute_mask_ptr(plain, *where)
-        if drafted:
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *where)
+        for batch in _batches([r for r in rows if r.matcher is not None]):
+            plain = [(r.matcher.matcher, r.row) for r in batch if not r.drafts]
+            drafted = [(r.matcher.matcher, r.row, list(r.drafts)) for r in batch if r.drafts]
+            if plain:
+                self._executor.unsafe_compute_mask_ptr(plain, *where)
+            if drafted:
+                self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *where)
         for r in rows:
             if r.allowed is not None:
-                bitmask[r.row: r.row + len(r.drafts) + 1] &= r.allowed
+                window = words[r.row: r.row + len(r.drafts) + 1]
+                np.bitwise_and(window, r.allowed.numpy(), out=window)
         return bitmask
 
     def submit(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> "Future[torch.Tensor]":

@@ -4,6 +4,14 @@ The engine feeds it every token the request keeps and asks it for the next step'
 row. A speculative step checks its drafts first (``valid_prefix``), feeds the ones it
 keeps, and ``rollback`` undoes tokens fed past a point. Once the grammar is complete
 (``finished``) the mask allows only EOS; ``can_stop`` says EOS is allowed already.
+
+A matcher made from a grammar compiles it and starts a lexer of its own, whose states
+(a DFA built lazily, as bytes arrive) every mask and token walks through. ``copy`` makes
+one in a few microseconds instead of the compile's milliseconds, and the copy shares the
+lexer: states one request built serve the next, which made masks about three times
+cheaper and tokens' acceptance twice (a JSON schema at batch 32, on the CPU). llguidance
+locks a shared lexer for a whole mask, so rows of one lexer are computed one after
+another (``MaskFiller``); ``lexer`` names it.
 """
 
 import llguidance
@@ -14,6 +22,10 @@ from tokenspeed.structured.bitmask import check_host_bitmask
 from tokenspeed.structured.grammar import Grammar
 
 
+class Lexer:
+    """What matchers sharing one llguidance lexer have in common (compared by identity)."""
+
+
 class GrammarMatcher:
     """One request's llguidance matcher. Not thread-safe: while a batch fill
     (``MaskFiller.submit``) runs, the matchers it holds are the worker's."""
@@ -22,11 +34,20 @@ class GrammarMatcher:
         self.grammar = grammar
         self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
         self.eos_token_ids = frozenset(tokenizer.eos_tokens)
+        self.lexer = Lexer()
         if self.matcher.is_error():
             spec = grammar.spec
             raise RefusedRequest(f"structured_outputs.{spec.kind}: {self.matcher.get_error()}",
                                  field=f"structured_outputs.{spec.kind}",
                                  value=getattr(spec, spec.kind), limit=None)
+
+    def copy(self) -> "GrammarMatcher":
+        """A matcher where this one stands (a kept, unused one: the grammar's start), sharing
+        its lexer; the two then move independently."""
+        twin = object.__new__(GrammarMatcher)
+        twin.grammar, twin.eos_token_ids, twin.lexer = self.grammar, self.eos_token_ids, self.lexer
+        twin.matcher = self.matcher.deep_copy()
+        return twin
 
     def accept(self, token: int) -> None:
         """Feeds a token the request keeps. The mask allowed it, so a refusal is a fault."""
