@@ -274,3 +274,13 @@ def test_gpu_default_model_answers_the_readme_chat_the_same_quantized_and_dequan
 
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_prefill_sized_rows_decode_the_weight_whole_as_the_reference_does():
+    """From ``GGUF_DEQUANTIZED_ROWS`` rows the weight is decoded for cuBLAS (under the
+    Triton interpreter on a CPU): the same products as the reference, in another order."""
+    torch.manual_seed(1)
+    weight, bias = blocks(Q.Q8_0, 40, 64), torch.randn(40, device=DEVICE)
+    x = torch.randn(cuda.GGUF_DEQUANTIZED_ROWS + 3, 64, device=DEVICE)
+    torch.testing.assert_close(cuda.linear(x, weight, bias, "Q8_0"), reference.linear(x, weight, bias, "Q8_0"),
+                               rtol=1e-5, atol=1e-4)

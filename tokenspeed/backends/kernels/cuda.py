@@ -17,6 +17,7 @@ from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 from tokenspeed.ir.weights import DENSE, FP8
 
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
+GGUF_DEQUANTIZED_ROWS = 128  # from here a GGUF weight is decoded whole for cuBLAS (prefill)
 
 
 def write_kv(k, v, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
@@ -95,10 +96,17 @@ def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
 
 def _block_linear(x, weight, bias, weight_format):
     """A block format's weight read by the GGUF kernels: the GEMV for one row, the
-    dequantizing tensor-core matmul for more."""
-    from tokenspeed.backends.kernels import triton_gguf_matmul
-    rows = x.reshape(-1, x.shape[-1])
-    out = triton_gguf_matmul.linear(rows, weight, block_format(weight_format), bias)
+    dequantizing tensor-core matmul for more; from ``GGUF_DEQUANTIZED_ROWS`` rows (prefill)
+    the weight is decoded whole into x's dtype and multiplied by cuBLAS, whose matmul
+    outruns decoding each tile (its 2.5 bytes an element more are ~20 us for the 1B
+    shape's largest projection, against a matmul of ~180 us)."""
+    from tokenspeed.backends.kernels import triton_gguf_embedding, triton_gguf_matmul
+    rows, fmt = x.reshape(-1, x.shape[-1]), block_format(weight_format)
+    if rows.shape[0] >= GGUF_DEQUANTIZED_ROWS:
+        every_row = torch.arange(weight.shape[0], device=weight.device)
+        out = torch.nn.functional.linear(rows, triton_gguf_embedding.embedding(every_row, weight, fmt, x.dtype), bias)
+    else:
+        out = triton_gguf_matmul.linear(rows, weight, fmt, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
