@@ -47,20 +47,21 @@ def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
 
 
 def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
-         quantized: bool | None = None) -> LlamaForCausalLM:
+         quantized: bool = False) -> LlamaForCausalLM:
     """A Hugging Face directory, a ``.gguf`` file (``gguf_reader``: that file already
     opened with ``gguf.GGUFReader``), or a Hugging Face model id (``owner/name``, at
     ``revision``; see ``hub.resolve_model``). ``dtype=None`` keeps the directory's
     ``torch_dtype``/``dtype`` (float32 if absent; for GGUF see ``gguf.default_dtype``),
     except that a GPU runs float32 as bfloat16 (``run_dtype``). ``quantized`` (GGUF): keep
-    the weights of the block formats kernels read in their blocks (``block_plan``); by
-    default on a GPU only, as a CPU runs dequantized weights faster than it decodes
-    blocks. FP8 checkpoints keep their FP8 layers on every device."""
+    the weights of the block formats kernels read in their blocks (``block_plan``). Asked
+    for, not yet the default on a GPU: there a Q8_0 model's tokens with its blocks still
+    differ from the dequantized model's (tests/test_gguf_blocks.py, GPU), and a CPU runs
+    dequantized weights faster than it decodes blocks. FP8 checkpoints keep their FP8
+    layers on every device."""
     path = resolve_model(path, revision)
     _check_dtype_argument(dtype)
     if gguf_file.is_gguf(path):
-        keep_blocks = torch.device(device).type == "cuda" if quantized is None else quantized
-        return _load_gguf(path, dtype, device, gguf_reader, keep_blocks)
+        return _load_gguf(path, dtype, device, gguf_reader, quantized)
     if quantized:
         raise ValueError(f"quantized=True: only GGUF files keep quantized weights; {path} is not one")
     checkpoint = open_dir(path)
