@@ -284,3 +284,56 @@ def test_prefill_sized_rows_decode_the_weight_whole_as_the_reference_does():
     x = torch.randn(cuda.GGUF_DEQUANTIZED_ROWS + 3, 64, device=DEVICE)
     torch.testing.assert_close(cuda.linear(x, weight, bias, "Q8_0"), reference.linear(x, weight, bias, "Q8_0"),
                                rtol=1e-5, atol=1e-4)
+
+
+def checked_against_reference(kernels, monkeypatch) -> list[str]:
+    """Every GGUF-weight op of ``kernels`` (a kernel module) wrapped to compare its output
+    with the reference on the same arguments, as the model's steps call it; returns the
+    list the mismatches (op, format, input shape and strides, error) are added to."""
+    mismatches = []
+
+    def checked(name):
+        kernel, oracle = getattr(kernels, name), getattr(reference, name)
+
+        def run(*args):
+            out = kernel(*args)
+            if any(a in BLOCK_FORMATS for a in args if isinstance(a, str)):
+                for got, want in zip(as_list(out), as_list(oracle(*args))):
+                    error = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
+                    if error > 1e-3 * max(1.0, want.abs().max().item()):
+                        x = args[0]
+                        mismatches.append(f"{name} {[a for a in args if isinstance(a, str)]} x "
+                                          f"{tuple(x.shape)} strides {x.stride()}: error {error:.3g}")
+            return out
+        return run
+
+    for name in ("linear", "gated_linear", "norm_linear", "embedding"):
+        monkeypatch.setattr(kernels, name, checked(name))
+    return mismatches
+
+
+def test_each_block_op_of_a_model_step_matches_the_reference_through_the_cuda_kernels(monkeypatch):
+    """The CUDA kernels (under the Triton interpreter) on the model's own activations,
+    every op compared as the steps run it: tokens equal the dequantized model's."""
+    path = decisive_file(Q.Q8_0)
+    prompts = make_prompts((3, 9), seed=7, vocab=TINY_LLAMA["vocab_size"])
+    want = generate(ts.models.load(path), prompts)
+    mismatches = checked_against_reference(cuda, monkeypatch)
+    for name in ("linear", "gated_linear", "norm_linear", "embedding"):   # the CPU runs them
+        monkeypatch.setattr(reference, name, getattr(cuda, name))
+    assert generate(ts.models.load(path, quantized=True), prompts) == want
+    assert not mismatches, mismatches
+
+
+@pytest.mark.gpu
+def test_gpu_each_block_op_of_a_model_step_matches_the_reference(monkeypatch):
+    """On the GPU, eagerly: a mismatch names the op, the format and the input's shape and
+    strides as the model's steps call it (where the graphs' tokens differ, this says why)."""
+    path = decisive_file(Q.Q8_0)
+    prompts = make_prompts((3, 9, 17), seed=7, vocab=TINY_LLAMA["vocab_size"])
+    mismatches = checked_against_reference(cuda, monkeypatch)
+    kept = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=True)
+    tokens = [o.token_ids for o in cuda_llm(kept, enforce_eager=True).generate(prompts, GREEDY)]
+    assert not mismatches, mismatches
+    dense = ts.models.load(path, dtype=torch.float32, device="cuda")
+    assert tokens == [o.token_ids for o in cuda_llm(dense, enforce_eager=True).generate(prompts, GREEDY)]
