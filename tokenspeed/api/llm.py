@@ -49,8 +49,7 @@ class LLM:
         Hugging Face cache; ``revision``: a branch, tag or commit of it), a GGUF file or a
         tokenspeed model (default: the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``quantization="fp8"``: the linear layers' weights quantized to FP8
-        at load, one scale per output channel (GGUF files and FP8 checkpoints stay as stored
-        without it). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
+        at load, one scale per output channel (FP8 checkpoints load in FP8 without it). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
         path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``max_chunk_tokens``,
         ``num_kv_pages``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,

@@ -42,7 +42,7 @@ def checked_quantization(quantization) -> str | None:
     if quantization is None or quantization in QUANTIZATIONS:
         return quantization
     raise ValueError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)} or None "
-                     f"(GGUF files and FP8 checkpoints load quantized as they are stored)")
+                     f"(FP8 checkpoints load in FP8 as stored, without it)")
 
 
 def checked_compile_options(enforce_eager: bool, options: dict) -> dict:
