@@ -105,6 +105,23 @@ def graph_time_per_call(weights, call, iters: int = 10) -> float:
     return gpu_time(graph.replay, iters=iters) / len(weights)
 
 
+COPY_BYTES = 150 << 20  # a chain of weight copies reads more than the H200's 50 MB of L2
+
+
+def weight_copies(make, nbytes: int, tiny: bool) -> list:
+    """Distinct copies enough that a chain streams from memory, not from L2 (one when
+    ``tiny``: a CPU check that the benchmark runs)."""
+    count = 1 if tiny else min(64, max(8, -(-COPY_BYTES // nbytes)))
+    return [make() for _ in range(count)]
+
+
+def time_chain(weights, call, tiny: bool) -> float:
+    """Seconds per call of ``call(w)`` over ``weights`` (a CUDA graph of all of them)."""
+    if tiny:
+        return median_time(lambda: call(weights[0]), 1)
+    return graph_time_per_call(weights, call, iters=20)
+
+
 def median_time(fn, repeats: int = 5) -> float:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []

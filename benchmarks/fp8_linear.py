@@ -37,7 +37,6 @@ from tokenspeed.backends.kernels import triton_fp8_gemv, triton_fp8_quantize, tr
 PROJECTIONS = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
                "down": (2048, 8192)}  # llama-3.2-1b: N, K
 TINY = 64  # --tiny divides each dimension by this (every one stays a multiple of 16)
-COPY_BYTES = 150 << 20  # a chain reads more than the H200's 50 MB of L2
 LAYOUTS = ("channel", "block")
 
 
@@ -71,19 +70,6 @@ def fp8_weight(case: Case, layout: str):
     return weight, torch.rand(shape, device=case.device) * 0.01 + 0.001
 
 
-def copies(make, nbytes: int, tiny: bool) -> list:
-    """Distinct copies enough that a chain streams from memory, not from L2."""
-    count = 1 if tiny else min(64, max(8, -(-COPY_BYTES // nbytes)))
-    return [make() for _ in range(count)]
-
-
-def time_chain(weights, call, tiny: bool) -> float:
-    """Seconds per call of ``call(w)`` over ``weights`` (a CUDA graph of all of them)."""
-    if tiny:
-        return common.median_time(lambda: call(weights[0]), 1)
-    return common.graph_time_per_call(weights, call, iters=20)
-
-
 def row(case: Case, kernel: str, nbytes: int, seconds: float, bandwidth, **extra) -> dict:
     floor = nbytes / bandwidth * 1e6 if bandwidth else None
     us = seconds * 1e6
@@ -96,7 +82,7 @@ def row(case: Case, kernel: str, nbytes: int, seconds: float, bandwidth, **extra
 def measure_16_bit(case: Case, bandwidth) -> list[dict]:
     """torch's linear, and up to 16 rows the bf16 split-K GEMV a decode step runs."""
     nbytes = case.n * case.k * 2
-    weights = copies(lambda: torch.randn(case.n, case.k, device=case.device, dtype=case.dtype),
+    weights = common.weight_copies(lambda: torch.randn(case.n, case.k, device=case.device, dtype=case.dtype),
                      nbytes, case.tiny)
     x = case.x()
     plain = reference_input(x, case)
@@ -104,7 +90,7 @@ def measure_16_bit(case: Case, bandwidth) -> list[dict]:
     if case.rows <= triton_gemv.MAX_M:
         calls["triton_gemv"] = lambda w: triton_gemv.linear(x, w, gated=case.gated)
     name = str(case.dtype).split(".")[-1]
-    return [row(case, f"{kernel} {name}", nbytes, time_chain(weights, call, case.tiny), bandwidth)
+    return [row(case, f"{kernel} {name}", nbytes, common.time_chain(weights, call, case.tiny), bandwidth)
             for kernel, call in calls.items()]
 
 
@@ -127,13 +113,13 @@ def fp8_call(case: Case, x: torch.Tensor, config=None):
 
 def measure_fp8(case: Case, layout: str, bandwidth, config=None) -> dict:
     nbytes = case.n * case.k
-    weights = copies(lambda: fp8_weight(case, layout), nbytes, case.tiny)
+    weights = common.weight_copies(lambda: fp8_weight(case, layout), nbytes, case.tiny)
     x = case.x()
-    seconds = time_chain(weights, fp8_call(case, x, config), case.tiny)
+    seconds = common.time_chain(weights, fp8_call(case, x, config), case.tiny)
     extra = {"config": "chosen" if config is None else describe(config)}
     if case.rows > triton_fp8_gemv.MAX_M:
         group = fp8_weights.BLOCK if layout == "block" else None
-        quant = time_chain([x], lambda a: triton_fp8_quantize.quantize_activations(
+        quant = common.time_chain([x], lambda a: triton_fp8_quantize.quantize_activations(
             a, group, case.gated), case.tiny)
         extra["quant_us"] = quant * 1e6
     return row(case, f"fp8 {layout}", nbytes, seconds, bandwidth, **extra)

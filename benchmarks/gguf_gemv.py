@@ -35,7 +35,6 @@ from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, BlockFormat, bloc
 
 SHAPE = (2048, 8192)  # llama-3.2-1b's down projection: N, K
 TINY_SHAPE = (48, 512)
-COPY_BYTES = 150 << 20  # a chain reads more than the H200's 50 MB of L2
 HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 fields
 
@@ -50,27 +49,14 @@ def random_blocks(fmt: BlockFormat, n: int, k: int, device) -> torch.Tensor:
     return blocks.reshape(n, -1)
 
 
-def copies(make, nbytes: int, tiny: bool) -> list:
-    """Distinct copies enough that a chain streams from memory, not from L2."""
-    count = 1 if tiny else min(64, max(8, -(-COPY_BYTES // nbytes)))
-    return [make() for _ in range(count)]
-
-
-def time_chain(weights, call, tiny: bool) -> float:
-    """Seconds per call of ``call(w)`` over ``weights`` (a CUDA graph of all of them)."""
-    if tiny:
-        return common.median_time(lambda: call(weights[0]), 1)
-    return common.graph_time_per_call(weights, call, iters=20)
-
-
 def measure(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth,
             config=None) -> dict:
     """``linear`` as the engine calls it, or (``config``) its kernel for that config."""
     n, k = shape
     dtype = torch.float32 if tiny else torch.bfloat16
     x = torch.randn(m, k, device=device, dtype=dtype)
-    weights = copies(lambda: random_blocks(fmt, n, k, device), n * fmt.row_bytes(k), tiny)
-    us = time_chain(weights, kernel(x, fmt, config), tiny) * 1e6
+    weights = common.weight_copies(lambda: random_blocks(fmt, n, k, device), n * fmt.row_bytes(k), tiny)
+    us = common.time_chain(weights, kernel(x, fmt, config), tiny) * 1e6
     nbytes = weights[0].numel()
     floor = nbytes / bandwidth * 1e6 if bandwidth else None
     return {"format": fmt.name, "rows": m, "n": n, "k": k, "mb": nbytes / 1e6, "us": us,
@@ -124,14 +110,14 @@ def measure_16_bit(m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
     n, k = shape
     dtype = torch.float32 if tiny else torch.bfloat16
     x = torch.randn(m, k, device=device, dtype=dtype)
-    weights = copies(lambda: torch.randn(n, k, device=device, dtype=dtype), n * k * 2, tiny)
+    weights = common.weight_copies(lambda: torch.randn(n, k, device=device, dtype=dtype), n * k * 2, tiny)
     floor = n * k * 2 / bandwidth * 1e6 if bandwidth else None
     calls = {"torch": torch.nn.functional.linear}
     if m <= triton_gemv.MAX_M:
         calls["triton_gemv"] = triton_gemv.linear
     rows = []
     for name, call in calls.items():
-        us = time_chain(weights, lambda w: call(x, w), tiny) * 1e6
+        us = common.time_chain(weights, lambda w: call(x, w), tiny) * 1e6
         rows.append({"format": f"{name} {str(dtype).split('.')[-1]}", "rows": m, "n": n, "k": k,
                      "mb": n * k * 2 / 1e6, "us": us, "floor_us": floor,
                      "of_floor": floor / us if floor else None})

@@ -4,12 +4,10 @@ with the chosen configs and the alignment a launch specializes. The block matmul
 reach the FP8 tensor cores, and the activation quantizer's scale is an IEEE quotient, as
 torch's is (Triton's ``/`` is an approximate one)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from sm90 import assert_compiles
 
 SM90 = """
 import triton
@@ -54,10 +52,4 @@ for gated in (False, True):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
 def test_the_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", SM90], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_compiles(["-c", SM90])

@@ -121,7 +121,7 @@ def test_fp8_checkpoint_loads_fp8_and_gives_the_dequantized_models_tokens(scheme
 def test_fp8_layers_show_in_the_graph_with_their_scales():
     path, _ = fp8_file("fp8-tile")
     llm, _ = generate(str(path), prompts=PROMPTS[:1])
-    text = llm.traced.as_text() if hasattr(llm.traced, "as_text") else str(llm.traced)
+    text = llm.traced.as_text()
     assert "fp8_e4m3" in text and "weight_scale" in text
 
 

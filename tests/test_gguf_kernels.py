@@ -17,7 +17,6 @@ rounding, so it is compared within 2^-20 of the table's largest value.
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -30,6 +29,7 @@ if not torch.cuda.is_available():
 import gguf  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
+from sm90 import assert_compiles  # noqa: E402
 
 from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
@@ -284,10 +284,4 @@ assert "griddepcontrol.wait" in emb.asm["ptx"]
 def test_the_kernels_compile_for_sm90(name):
     """As tests/test_kernel_compile.py does for the others: in a child, without the
     interpreter (here with the alignment a launch specializes, which decides the loads)."""
-    pytest.importorskip("triton.backends.nvidia")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", SM90, name], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_compiles(["-c", SM90, name])

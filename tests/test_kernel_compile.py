@@ -7,12 +7,12 @@ a child process, since the tests import the kernels in interpreter mode. Skipped
 machines, which compile and run every kernel in the GPU tests.
 """
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from sm90 import assert_compiles
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
 
@@ -121,13 +121,7 @@ def cache_writes():
 @pytest.mark.parametrize("check", ["gemv_variants", "decode_kernels", "sampling_kernels", "extend_kernels",
                                    "cache_writes"])
 def test_kernels_compile_for_sm90(check):
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert_compiles([__file__, check])
 
 
 def test_the_precompile_marker_names_the_variant_set(tmp_path, monkeypatch):

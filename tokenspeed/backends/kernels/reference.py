@@ -14,6 +14,7 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 import torch
 
 from tokenspeed.backends.kernels import gguf_reference, kv_fp8
+from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
@@ -102,7 +103,6 @@ def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
     if weight_format == DENSE:
         return torch.nn.functional.linear(x, weight, bias)
     if weight_format == FP8:
-        from tokenspeed.backends.kernels.fp8_weights import dequantize
         return torch.nn.functional.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])
     out = gguf_reference.linear(rows, weight, block_format(weight_format), bias)

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.kernels.triton_sampling import MIN_TEMPERATURE, POSITION_KEY, _row_best_kernel
+from tokenspeed.backends.kernels.triton_sampling import (MIN_TEMPERATURE, POSITION_KEY, _row_best_kernel,
+                                                          store_block_best)
 
 BLOCK = 4096
 
@@ -73,16 +74,8 @@ def _masked_block_best_kernel(logits_ptr, mask_ptr, temp_ptr, top_k_ptr, seed_pt
     allowed = in_vocab & (((word >> (cols % 32)) & 1) == 1)
     x = tl.load(logits_ptr + row * stride_row + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
     x = tl.where(allowed, x, float("-inf"))
-    greedy = tl.load(top_k_ptr + row) == 1
-    temperature = tl.maximum(tl.load(temp_ptr + row), MIN_T)
-    key = tl.load(seed_ptr + row) + tl.load(pos_ptr + row).to(tl.int64) * KEY
-    u = tl.rand(key, cols)
-    u = tl.minimum(tl.maximum(u, 1e-10), 1.0 - 1e-7)
-    noisy = x / temperature - tl.log(-tl.log(u))
-    score = tl.where(greedy, x, tl.where(in_vocab, noisy, float("-inf")))
-    best = tl.argmax(score, 0, tie_break_left=True)
-    tl.store(best_val_ptr + row * num_blocks + block, tl.max(score, 0))
-    tl.store(best_idx_ptr + row * num_blocks + block, block * BLOCK + best)
+    store_block_best(x, in_vocab, cols, row, block, temp_ptr, top_k_ptr, seed_ptr, pos_ptr, best_val_ptr,
+                     best_idx_ptr, num_blocks, MIN_T, KEY, BLOCK)
 
 
 def masked_gumbel_argmax(logits: torch.Tensor, bitmask: torch.Tensor, temperature: torch.Tensor,
