@@ -23,9 +23,11 @@ docs/PERFORMANCE.md). The step read late may be an extend, so a request's first 
 comes a decode step later.
 
 A step with constrained rows (``structured_outputs``, ``allowed_token_ids``, ``logit_bias``:
-``constrained_steps``) is launched in two stages: its forward at once, then, once the step
-before is read and its tokens have advanced the rows' grammars, the draw under their
-masks. The step before is read then, between the stages, not at the next call.
+``constrained_steps``) is launched in two stages: its forward, chained like any other, and
+left in flight with the step before unread; at the next call, once that step is read and
+its tokens have advanced the rows' grammars, the draw under their masks, and at once the
+forward of the step after. So what the caller does between calls runs while the device
+has a forward queued, and the masks are filled while the next one runs.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
@@ -147,6 +149,8 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         the requests that finished in what was read."""
         flight, self.unread = self.unread, None
         finished = self._postprocess(flight) if flight is not None else []
+        if self.in_flight is not None and self.in_flight.awaits_masks:   # its masks need what was just read
+            self.in_flight = self._draw_masked(self.in_flight)
         if self.in_flight is not None:
             return finished + self._follow(self.in_flight)
         return finished + self._fresh_step() if self.scheduler.has_work else finished
@@ -158,11 +162,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         batch = self._chained_batch(last)
         if batch is not None:
             self.in_flight = self._launch(batch, last)
-            if self.in_flight.awaits_masks:   # read ``last`` while its forward runs, then draw
-                finished = self._postprocess(last)
-                self.in_flight = self._draw_masked(self.in_flight)
-                return finished
-            if batch.kind == "decode":
+            if batch.kind == "decode" or self.in_flight.awaits_masks:
                 self.unread = last
                 return []
         return self._postprocess(last)
