@@ -70,3 +70,10 @@ def checkpoint_name(key: str, architecture: str) -> str:
     stored = {("w13", "0"): gate, ("w13", "1"): up, ("w2", "0"): down}[(kind, part)]
     prefix = prefix.replace(".mlp.", ".block_sparse_moe.") if architecture == MIXTRAL else prefix
     return f"{prefix}.{expert}.{stored}.weight"
+
+
+def expert_tensors(name: str, stacked: torch.Tensor, architecture: str) -> dict[str, torch.Tensor]:
+    """A stacked experts parameter as the checkpoint stores it, one matrix an expert and part."""
+    parts = STACKED_PARTS[name.rsplit(".", 1)[1]]
+    return {checkpoint_name(ExpertPiece(name, e, p).key, architecture): piece.contiguous()
+            for e in range(stacked.shape[0]) for p, piece in enumerate(stacked[e].chunk(parts))}

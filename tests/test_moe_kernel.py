@@ -1,0 +1,82 @@
+"""The fused MoE Triton kernel (``triton_moe``) against the op's reference.
+
+On CPU under the Triton interpreter on small float32 shapes (odd widths, one to 17
+tokens); the ``gpu`` tests run bfloat16 at Qwen3-30B-A3B's expert shapes.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tokenspeed.backends.kernels import moe_reference, triton_moe  # noqa: E402
+
+from test_moe import routed  # noqa: E402
+
+FEW = settings(max_examples=15, deadline=None, derandomize=True)
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def on_device(*tensors, dtype=None):
+    return [t.to(DEVICE, dtype=dtype if t.is_floating_point() and dtype else t.dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("experts", [4, 8])
+@pytest.mark.parametrize("k", [1, 2])
+def test_kernel_matches_the_reference(tokens, experts, k):
+    x, w13, w2, weights, ids = on_device(*routed(tokens, experts, k, 48, 40, seed=tokens * experts + k))
+    out = triton_moe.moe(x, w13, w2, weights, ids.int())
+    torch.testing.assert_close(out, moe_reference.moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@FEW
+@given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 3), st.sampled_from([4, 16]))
+def test_every_pair_sits_in_one_block_of_its_expert(tokens, experts, k, block_m):
+    k = min(k, experts)
+    ids = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).topk(k).indices
+    grouped = triton_moe.expert_blocks(ids.to(DEVICE), experts, block_m)
+    slots, owners = grouped.slots.cpu(), grouped.experts.cpu().repeat_interleave(block_m)
+    pairs = tokens * k
+    assert len(grouped.experts) == triton_moe.max_blocks(pairs, experts, block_m)
+    real = slots < pairs
+    assert sorted(slots[real].tolist()) == list(range(pairs))          # each pair exactly once
+    assert torch.equal(owners[real], ids.reshape(-1)[slots[real]])      # in a block of its expert
+    assert bool((slots[~real] == pairs).all())
+
+
+@pytest.mark.parametrize("padding", [1, 6])
+def test_padding_rows_leave_real_rows_alone(padding):
+    x, w13, w2, weights, ids = on_device(*routed(5, 8, 2, 48, 40, seed=1))
+    pad = on_device(*routed(padding, 8, 2, 48, 40, seed=2))
+    out = triton_moe.moe(torch.cat([x, 1e3 * pad[0]]), w13, w2, torch.cat([weights, pad[3]]),
+                         torch.cat([ids, pad[4]]))
+    torch.testing.assert_close(out[:5], triton_moe.moe(x, w13, w2, weights, ids), rtol=1e-6, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+def test_kernel_at_qwen3_30b_shapes(tokens):
+    x, w13, w2, weights, ids = on_device(*routed(tokens, 128, 8, 2048, 768, seed=tokens), dtype=torch.bfloat16)
+    out = triton_moe.moe(x, w13, w2, weights.float(), ids)
+    want = moe_reference.moe(*on_device(x, w13, w2, weights, ids, dtype=torch.float32))
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+def test_kernel_in_a_cuda_graph_follows_new_routing():
+    x, w13, w2, weights, ids = on_device(*routed(8, 16, 2, 256, 128, seed=4), dtype=torch.bfloat16)
+    triton_moe.moe(x, w13, w2, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.moe(x, w13, w2, weights, ids)
+    ids.copy_(torch.flip(ids, dims=(0,)))
+    graph.replay()
+    torch.testing.assert_close(out, triton_moe.moe(x, w13, w2, weights, ids), rtol=0, atol=0)
