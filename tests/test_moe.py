@@ -189,4 +189,5 @@ def test_mixtral_round_trips_through_hf_names():
 def test_the_ir_shows_the_moe_op(mode):
     text = stages.trace(ts.models.load(checkpoint("qwen3_moe"))).lower(mode).as_text()
     assert text.count("tokenspeed.moe(") == 1      # layer 0 sparse, layer 1 dense (mlp_only_layers)
-    assert "topk(" in text
+    assert "%layer0_moe = tokenspeed.moe(%layer0_post_attention_layernorm, %layer0_experts_w13, " \
+           "%layer0_experts_w2, %layer0_topk_weights, %layer0_topk_ids)" in text
