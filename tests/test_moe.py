@@ -108,6 +108,14 @@ def test_moe_settings_are_read():
     assert ModelConfig.from_hf({**QWEN3_MOE, "num_experts": 0}).moe is None   # dense, as transformers
 
 
+def test_sliding_windows_bind_every_layer_as_transformers_reads_them():
+    mixtral = json.loads((checkpoint("mixtral") / "config.json").read_text())
+    assert ModelConfig.from_hf({**mixtral, "sliding_window": 16}).layer_windows == (16, 16)
+    qwen = {**QWEN3_MOE, "sliding_window": 16, "max_window_layers": 2, "layer_types": ["full_attention"] * 4}
+    assert ModelConfig.from_hf(qwen).layer_windows == ()
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).layer_windows == (16,) * 4
+
+
 @pytest.mark.parametrize("fields, fragments", [
     ({"num_experts_per_tok": 5}, ("num_experts_per_tok=5", "4")),
     ({"mlp_only_layers": [4]}, ("mlp_only_layers=[4]", "[0, 4)")),
@@ -143,6 +151,7 @@ def test_gguf_mixture_of_experts_is_refused():
 @pytest.mark.parametrize("variant, name", [
     ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w3.weight"),
     ("mixtral", "model.layers.0.block_sparse_moe.experts.0.w2.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.gate.weight"),
     ("qwen3_moe", "model.layers.0.mlp.experts.7.gate_proj.weight"),
     ("qwen3_moe", "model.layers.0.mlp.experts.2.down_proj.weight"),
 ])

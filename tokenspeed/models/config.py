@@ -164,15 +164,17 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
     says otherwise: transformers' ``AutoConfig`` reads such a config as Ministral, whose
     layers follow ``layer_types`` (as vLLM's Mistral does). () when none binds: a window
     that spans every position the model takes changes nothing. Llama has no sliding
-    window in transformers, so one there is refused rather than guessed."""
+    window in transformers, so one there is refused rather than guessed. Mixtral and
+    Qwen3-MoE window every layer by ``sliding_window`` alone (their attention reads no
+    ``layer_types`` nor ``max_window_layers``)."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
     if arch in QWEN and not hf.get("use_sliding_window"):
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise _unsupported("sliding_window", window, "a window is a number of positions >= 1")
-    types = hf.get("layer_types")
+    types = None if arch in MOE_ARCHITECTURES else hf.get("layer_types")
     if types is None:
-        first = (hf.get("max_window_layers") or 0) if arch in QWEN else 0
+        first = (hf.get("max_window_layers") or 0) if arch in QWEN and arch not in MOE_ARCHITECTURES else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise _unsupported("layer_types", types, f"expected {n} of {', '.join(LAYER_TYPES)}")

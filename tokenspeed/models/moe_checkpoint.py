@@ -43,6 +43,11 @@ def our_name(name: str) -> str:
     return name.replace(".block_sparse_moe.", ".mlp.")
 
 
+def stored_name(name: str, architecture: str) -> str:
+    """``our_name`` undone: Mixtral's every MLP is its ``block_sparse_moe``."""
+    return name.replace(".mlp.", ".block_sparse_moe.") if architecture == MIXTRAL else name
+
+
 def expert_piece(name: str) -> ExpertPiece | None:
     """The slice a checkpoint tensor fills, if it is an expert's matrix."""
     found = EXPERT.match(name)
@@ -68,8 +73,7 @@ def checkpoint_name(key: str, architecture: str) -> str:
     prefix, kind = name.rsplit(".", 1)
     gate, up, down = NAMES.get(architecture, QWEN_NAMES)
     stored = {("w13", "0"): gate, ("w13", "1"): up, ("w2", "0"): down}[(kind, part)]
-    prefix = prefix.replace(".mlp.", ".block_sparse_moe.") if architecture == MIXTRAL else prefix
-    return f"{prefix}.{expert}.{stored}.weight"
+    return stored_name(f"{prefix}.{expert}.{stored}.weight", architecture)
 
 
 def expert_tensors(name: str, stacked: torch.Tensor, architecture: str) -> dict[str, torch.Tensor]:

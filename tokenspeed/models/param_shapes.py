@@ -26,10 +26,12 @@ def _dimensions(config: ModelConfig, expert: bool) -> dict[str, tuple[str, str |
     heads = f"num_attention_heads={c.num_heads} x head_dim={c.head_dim}"
     kv_heads = f"num_key_value_heads={c.num_kv_heads} x head_dim={c.head_dim}"
     vocab, head_dim = f"vocab_size={c.vocab_size}", f"head_dim={c.head_dim}"
+    experts = f"num_experts={c.moe.num_experts}" if c.moe is not None else None
     return {
         "q_proj": (heads, hidden), "k_proj": (kv_heads, hidden), "v_proj": (kv_heads, hidden),
         "o_proj": (hidden, heads), "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden),
-        "down_proj": (hidden, ffn), "w1": (ffn, hidden), "w3": (ffn, hidden), "w2": (hidden, ffn), "embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden),
+        "down_proj": (hidden, ffn), "embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden),
+        "w1": (ffn, hidden), "w3": (ffn, hidden), "w2": (hidden, ffn), "gate": (experts, hidden),
         "q_norm": (head_dim, None), "k_norm": (head_dim, None), "input_layernorm": (hidden, None),
         "post_attention_layernorm": (hidden, None), "norm": (hidden, None),
     }
