@@ -22,7 +22,7 @@ from tokenspeed.models.llama import MLP
 from tokenspeed.models.moe import SparseMoeBlock
 from tokenspeed.models.random import hf_state_dict, random_model
 
-from hf_models import checkpoint, copy_checkpoint, edit_config, new_tmpdir
+from hf_models import checkpoint, copy_checkpoint, edit_config, hf_model, new_tmpdir
 
 FEW = settings(max_examples=25, deadline=None, derandomize=True)
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": 32,
@@ -192,6 +192,17 @@ def test_mixtral_round_trips_through_hf_names():
     again = ts.models.loader.build(model.config)
     ts.models.loader.load_state_dict(again, state)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_transformers_own_state_dict_loads(variant):
+    """transformers 5 holds each layer's experts fused (``experts.gate_up_proj``, ``down_proj``)."""
+    hf = hf_model(variant)[0]
+    assert any(n.endswith("experts.gate_up_proj") for n in hf.state_dict())
+    ours = ts.models.loader.build(ts.models.load(checkpoint(variant)).config)
+    ts.models.loader.load_state_dict(ours, hf.state_dict())
+    stored = ts.models.load(checkpoint(variant))
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), stored.state_dict().values()))
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])

@@ -134,9 +134,10 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
         scales[entry] = float(tensor)
         set_kv_scales(model, scales)
         return
-    if our_name(name) in params:
-        _copy(params[our_name(name)], tensor, name, model.config)
-        loaded.add(our_name(name))
+    ours = our_name(name)
+    if ours in params:
+        _copy(params[ours], tensor, name, model.config)
+        loaded.update(expected_keys(ours, params[ours]) or [ours])
         return
     piece = expert_piece(name)
     if piece is not None and piece.param in params:

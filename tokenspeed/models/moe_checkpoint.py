@@ -39,8 +39,16 @@ class ExpertPiece:
         return stacked.chunk(STACKED_PARTS[self.param.rsplit(".", 1)[1]])[self.part]
 
 
+FUSED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
+
+
 def our_name(name: str) -> str:
-    return name.replace(".block_sparse_moe.", ".mlp.")
+    """Mixtral's ``block_sparse_moe`` as ``mlp``; the fused experts of transformers 5's own
+    modules (``experts.gate_up_proj [E, 2I, H]``, gate rows first, and ``experts.down_proj
+    [E, H, I]``, what its ``state_dict()`` holds) as the stacked tensors they equal."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    fused = next((f for f in FUSED if name.endswith(f)), None)
+    return name if fused is None else name.removesuffix(fused) + FUSED[fused]
 
 
 def stored_name(name: str, architecture: str) -> str:
