@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import moe_reference, triton_moe  # noqa: E402
+from tokenspeed.backends.kernels import moe_reference, triton_moe, triton_moe_align  # noqa: E402
 
 from test_moe import routed  # noqa: E402
 
@@ -37,19 +37,36 @@ def test_kernel_matches_the_reference(tokens, experts, k):
     torch.testing.assert_close(out, moe_reference.moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+def check_blocks(ids: torch.Tensor, experts: int, block_m: int) -> None:
+    """Each pair exactly once, in a block of its expert, in token order; the rest padding."""
+    grouped = triton_moe_align.expert_blocks(ids.to(DEVICE), experts, block_m)
+    slots, owners = grouped.slots.cpu().long(), grouped.experts.cpu().long().repeat_interleave(block_m)
+    pairs = ids.numel()
+    assert len(grouped.experts) == triton_moe_align.max_blocks(pairs, experts, block_m)
+    real = slots < pairs
+    assert sorted(slots[real].tolist()) == list(range(pairs))
+    assert torch.equal(owners[real], ids.reshape(-1)[slots[real]])
+    assert bool((slots[~real] == pairs).all())
+    for block in slots.view(-1, block_m):
+        kept = block[block < pairs]
+        assert torch.equal(kept, kept.sort().values)
+
+
 @FEW
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 3), st.sampled_from([4, 16]))
 def test_every_pair_sits_in_one_block_of_its_expert(tokens, experts, k, block_m):
     k = min(k, experts)
-    ids = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).topk(k).indices
-    grouped = triton_moe.expert_blocks(ids.to(DEVICE), experts, block_m)
-    slots, owners = grouped.slots.cpu(), grouped.experts.cpu().repeat_interleave(block_m)
-    pairs = tokens * k
-    assert len(grouped.experts) == triton_moe.max_blocks(pairs, experts, block_m)
-    real = slots < pairs
-    assert sorted(slots[real].tolist()) == list(range(pairs))          # each pair exactly once
-    assert torch.equal(owners[real], ids.reshape(-1)[slots[real]])      # in a block of its expert
-    assert bool((slots[~real] == pairs).all())
+    check_blocks(torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).topk(k).indices,
+                 experts, block_m)
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(50, 200, 4), (300, 128, 8)])
+def test_grouping_over_many_chunks(tokens, experts, k):
+    """More pairs and blocks than one chunk of the one-hot holds (200 and 128 experts)."""
+    gen = torch.Generator().manual_seed(experts)
+    check_blocks(torch.randn(tokens, experts, generator=gen).topk(k).indices, experts, 16)
+    skewed = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(tokens)])  # 8 busy experts
+    check_blocks(skewed, experts, 64)
 
 
 @pytest.mark.parametrize("padding", [1, 6])

@@ -2,16 +2,16 @@
 products over the token-expert pairs of a step, grouped by expert into blocks of
 ``BLOCK_M`` rows.
 
-The grouping is computed on the device with a fixed number of launches of fixed shapes
-(``expert_blocks``): no count of tokens per expert ever reaches the host, so eager steps
-and CUDA graphs run the same code, and a captured graph holds for any routing. Its size is
-an upper bound from T, k, E and BLOCK_M alone: a block past the last expert's rows has no
-expert and returns at once. The first product reads each block's token rows of x and
+The grouping is computed on the device in one launch of fixed shapes
+(``triton_moe_align``): no count of tokens per expert ever reaches the host, so eager
+steps and CUDA graphs run the same code, and a captured graph holds for any routing. Its
+size is an upper bound from T, k, E and BLOCK_M alone: a block past the last expert's rows
+has no expert and returns at once. The first product reads each block's token rows of x and
 its expert's gate and up rows and stores ``silu(gate) * up`` (one program per block and
 ``BLOCK_N`` intermediate columns); the second multiplies that by the expert's down
 projection and the pair's routing weight and stores the pair's row; a token's k rows are
 then summed in float32 in their routing order, so the combine is deterministic (the
-design of vLLM's and SGLang's fused MoE, whose block alignment is done here by torch ops).
+design of vLLM's and SGLang's fused MoE).
 """
 
 import attrs
@@ -19,50 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-
-@attrs.frozen
-class ExpertBlocks:
-    """Token-expert pairs (``slot = t * k + j``) grouped by expert: ``slots[b * BLOCK_M + m]``
-    is the pair in row m of block b (``T * k`` where the block's rows run out), and
-    ``experts[b]`` its expert (E for a block past the last expert's)."""
-    slots: torch.Tensor
-    experts: torch.Tensor
-    block_m: int
+from tokenspeed.backends.kernels.triton_moe_align import ExpertBlocks, expert_blocks
 
 
 def block_rows(pairs: int) -> int:
     """Rows a block: 16 for decode's few pairs, 64 once experts have many rows each."""
     return 16 if pairs <= 512 else 64
-
-
-def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
-    """Each expert with c pairs fills ceil(c / BLOCK_M) blocks, at most c / BLOCK_M + 1, and at
-    most min(E, pairs) experts have any: the bound the grid is launched with."""
-    return -(-pairs // block_m) + min(num_experts, pairs)
-
-
-def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """The pairs sorted by expert (stable, so a block's rows keep token order), each expert
-    starting a new block."""
-    ids = topk_ids.reshape(-1).long()
-    pairs, blocks = ids.numel(), max_blocks(ids.numel(), num_experts, block_m)
-    order, rows, padded_ends = _padded_rows(ids, num_experts, block_m)
-    slots = torch.full((blocks * block_m,), pairs, dtype=torch.long, device=ids.device).scatter_(0, rows, order)
-    starts = torch.arange(blocks, device=ids.device) * block_m
-    return ExpertBlocks(slots, torch.searchsorted(padded_ends, starts, right=True), block_m)
-
-
-def _padded_rows(ids: torch.Tensor, num_experts: int, block_m: int):
-    """(the pairs in expert order, the padded row of each, the end of each expert's padded
-    rows): a pair's row is its expert's first padded row plus its rank among the expert's
-    pairs."""
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = torch.cumsum(padded, 0)
-    order = torch.argsort(ids, stable=True)
-    expert = ids[order]
-    rank = torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    return order, (padded_ends - padded)[expert] + rank, padded_ends
 
 
 @triton.jit
