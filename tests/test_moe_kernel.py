@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import moe_reference, triton_moe, triton_moe_align  # noqa: E402
 
+from sm90 import assert_compiles  # noqa: E402
 from test_moe import routed  # noqa: E402
 
 FEW = settings(max_examples=15, deadline=None, derandomize=True)
@@ -97,3 +98,27 @@ def test_kernel_in_a_cuda_graph_follows_new_routing():
     ids.copy_(torch.flip(ids, dims=(0,)))
     graph.replay()
     torch.testing.assert_close(out, triton_moe.moe(x, w13, w2, weights, ids), rtol=0, atol=0)
+
+
+SM90 = """
+from test_kernel_compile import compile_sm90
+from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
+assert compile_sm90(a._align_kernel, dict(ids_ptr="*i32", slots_ptr="*i32", block_experts_ptr="*i32",
+                    pairs="i32", num_blocks="i32", num_experts="i32"), dict(BLOCK_M=16, CHUNK=64, E=128)).asm["ptx"]
+strides = dict(stride_we="i64", stride_wn="i32", stride_am="i32")
+for block_m in (16, 64):
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
+    gate_up = compile_sm90(m._gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", slots_ptr="*i32",
+                           experts_ptr="*i32", act_ptr="*bf16", pairs="i32", H="i32", I="i32", top_k="i32",
+                           num_experts="i32", stride_xt="i32", **strides), tiles)
+    down = compile_sm90(m._down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", slots_ptr="*i32",
+                        experts_ptr="*i32", weights_ptr="*fp32", out_ptr="*fp32", pairs="i32", H="i32", I="i32",
+                        num_experts="i32", stride_os="i32", **strides), tiles)
+    assert "wgmma" in gate_up.asm["ptx"] + down.asm["ptx"] or "mma" in gate_up.asm["ptx"]
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="GPU tests compile for real")
+def test_the_kernels_compile_for_sm90():
+    """As tests/test_kernel_compile.py does for the others: in a child, without the interpreter."""
+    assert_compiles(["-c", SM90])
