@@ -100,6 +100,33 @@ def test_kernel_in_a_cuda_graph_follows_new_routing():
     torch.testing.assert_close(out, triton_moe.moe(x, w13, w2, weights, ids), rtol=0, atol=0)
 
 
+@gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+def test_float32_mixtures_of_experts_match_hugging_face(arch, enforce_eager):
+    """Through the Triton kernels and captured graphs; prompts up to 137 tokens, 16 at once."""
+    import transformers
+    import tokenspeed as ts
+    from tokenspeed.models.config import ModelConfig
+    from tokenspeed.models.loader import build, load_state_dict
+    config_cls, model_cls = {"MixtralForCausalLM": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+                             "Qwen3MoeForCausalLM": (transformers.Qwen3MoeConfig,
+                                                     transformers.Qwen3MoeForCausalLM)}[arch]
+    config = config_cls(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=96,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    hf = model_cls(config).to("cuda").eval()
+    ours = build(ModelConfig.from_hf({**config.to_dict(), "architectures": [arch]}), torch.float32, "cuda")
+    load_state_dict(ours, hf.state_dict())
+    prompts = [[(3 + 11 * i + j) % 500 for j in range(2 + 9 * i)] for i in range(16)]
+    llm = ts.LLM(ours, device="cuda", page_size=16, max_num_seqs=10, max_num_batched_tokens=128,
+                 max_model_len=512, enforce_eager=enforce_eager)
+    for p, out in zip(prompts, llm.generate(prompts, ts.SamplingParams(temperature=0.0, max_tokens=40))):
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False)
+        assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
+
+
 SM90 = """
 from test_kernel_compile import compile_sm90
 from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
