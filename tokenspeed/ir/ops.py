@@ -171,6 +171,7 @@ DECODE_ATTENTION = OPS.decode_attention.default
 ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
 ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION)
 ROPE_WRITE_KV = OPS.rope_write_kv.default
+MOE = OPS.moe.default
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV)   # the ops that write the cache (and need every row)
 OP_NAMES = ("write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
             "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",

@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
+from tokenspeed.ir.ops import MOE
 from tokenspeed.ir.program import rename
 
 LEAF_ATTR = "ir_leaf"
@@ -67,7 +68,7 @@ def _name_moe_parts(graph: fx.Graph) -> None:
     """``moe(x, layer3_experts_w13, ...)`` reads as ``layer3_moe``, the routing it reads as
     ``layer3_topk_weights`` and ``layer3_topk_ids``."""
     for node in graph.nodes:
-        if node.target is torch.ops.tokenspeed.moe.default:
+        if node.target is MOE:
             _, w13, _, weights, ids = node.args
             layer = w13.name.removesuffix("experts_w13")
             for part, name in ((node, "moe"), (weights, "topk_weights"), (ids, "topk_ids")):
