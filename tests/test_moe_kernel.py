@@ -133,8 +133,8 @@ from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
 assert compile_sm90(a._align_kernel, dict(ids_ptr="*i32", slots_ptr="*i32", block_experts_ptr="*i32",
                     pairs="i32", num_blocks="i32", num_experts="i32"), dict(BLOCK_M=16, CHUNK=64, E=128)).asm["ptx"]
 strides = dict(stride_we="i64", stride_wn="i32", stride_am="i32")
-for block_m in (16, 64):
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, PRECISION="tf32")
+for tile in (m.tiles(1, 128), m.tiles(1024, 128)):   # decode's and prefill's
+    tiles = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION="tf32")
     gate_up = compile_sm90(m._gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", slots_ptr="*i32",
                            experts_ptr="*i32", act_ptr="*bf16", pairs="i32", H="i32", I="i32", top_k="i32",
                            num_experts="i32", stride_xt="i32", **strides), tiles)

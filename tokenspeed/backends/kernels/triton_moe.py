@@ -19,12 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_moe_align import ExpertBlocks, expert_blocks
 
 
-def block_rows(pairs: int) -> int:
-    """Rows a block: 16 for decode's few pairs, 64 once experts have many rows each."""
-    return 16 if pairs <= 512 else 64
+@attrs.frozen
+class Tiles:
+    """A program's tile: ``block_m`` pair rows (of one expert) by ``block_n`` output columns,
+    ``block_k`` columns of the reduction a step."""
+    block_m: int
+    block_n: int
+    block_k: int
+
+
+def tiles(tokens: int, num_experts: int) -> Tiles:
+    """Up to one token an expert (decode), experts hold a row or two each: short blocks, and
+    narrow columns so that more programs stream the experts' weights; with more tokens,
+    blocks of 64 rows reuse each weight tile (the split vLLM's default configs make)."""
+    return Tiles(16, 32, 64) if tokens <= num_experts else Tiles(64, 64, 64)
 
 
 @triton.jit
@@ -93,36 +105,37 @@ def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     """``tokenspeed::moe``: x ``[T, H]``, w13 ``[E, 2I, H]``, w2 ``[E, H, I]``, weights and
     ids ``[T, k]``; ``[T, H]`` in x's dtype."""
     tokens, top_k = topk_ids.shape
-    num_experts, hidden, inter = w2.shape
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    pairs = tokens * top_k
-    grouped = expert_blocks(topk_ids, num_experts, block_rows(pairs))
+    tile = tiles(tokens, w13.shape[0])
+    grouped = expert_blocks(topk_ids, w13.shape[0], tile.block_m)
+    act = _gate_up(x.contiguous(), w13.contiguous(), grouped, top_k, tile)
+    per_pair = _down(act, w2.contiguous(), grouped, topk_weights.reshape(-1).float().contiguous(), tile)
+    return per_pair.view(tokens, top_k, -1).sum(1).to(x.dtype)
+
+
+def _gate_up(x, w13, grouped: ExpertBlocks, top_k: int, tile: Tiles) -> torch.Tensor:
+    """``silu(gate) * up`` of every block row, ``[blocks * BLOCK_M, I]`` in x's dtype."""
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
     act = torch.empty((grouped.slots.numel(), inter), dtype=x.dtype, device=x.device)
-    per_pair = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    launch = _Launch(grouped, pairs, "ieee" if x.dtype == torch.float32 else "tf32")
-    _gate_up_kernel[launch.grid(inter)](
-        x, w13, grouped.slots, grouped.experts, act, pairs, hidden, inter, top_k, num_experts,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), **launch.constants(hidden))
-    weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[launch.grid(hidden)](
-        act, w2, grouped.slots, grouped.experts, weights, per_pair, pairs, hidden, inter, num_experts,
-        act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), **launch.constants(inter))
-    return per_pair.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    grid = (grouped.experts.numel(), triton.cdiv(inter, tile.block_n))
+    _gate_up_kernel[grid](x, w13, grouped.slots, grouped.experts, act, x.shape[0] * top_k, x.shape[1], inter,
+                          top_k, num_experts, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+                          **_constants(tile, x.shape[1], x.dtype))
+    return act
 
 
-@attrs.frozen
-class _Launch:
-    """The grid and tile sizes of both products: blocks by output column tiles."""
-    grouped: ExpertBlocks
-    pairs: int
-    precision: str
-    block_n: int = 64
-    block_k: int = 64
+def _down(act, w2, grouped: ExpertBlocks, weights, tile: Tiles) -> torch.Tensor:
+    """Each pair's weighted expert output, ``[T * k, H]`` in float32."""
+    num_experts, hidden, inter = w2.shape
+    per_pair = torch.empty((weights.numel(), hidden), dtype=torch.float32, device=act.device)
+    grid = (grouped.experts.numel(), triton.cdiv(hidden, tile.block_n))
+    _down_kernel[grid](act, w2, grouped.slots, grouped.experts, weights, per_pair, weights.numel(), hidden, inter,
+                       num_experts, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
+                       **_constants(tile, inter, act.dtype))
+    return per_pair
 
-    def grid(self, columns: int) -> tuple[int, int]:
-        return (self.grouped.experts.numel(), triton.cdiv(columns, self.block_n))
 
-    def constants(self, reduced: int) -> dict:
-        block_k = min(self.block_k, max(16, triton.next_power_of_2(reduced)))
-        return dict(BLOCK_M=self.grouped.block_m, BLOCK_N=self.block_n, BLOCK_K=block_k,
-                    PRECISION=self.precision)
+def _constants(tile: Tiles, reduced: int, dtype: torch.dtype) -> dict:
+    """The tile as the kernels' constants; a reduction narrower than ``block_k`` in one step."""
+    block_k = min(tile.block_k, max(16, next_power_of_2(reduced)))
+    return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32")
