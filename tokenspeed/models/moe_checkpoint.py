@@ -19,8 +19,9 @@ EXPERT = re.compile(r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<ex
 PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
          "w2": ("w2", 0), "down_proj": ("w2", 0)}
 STACKED_PARTS = {"w13": 2, "w2": 1}   # each expert's parts in a stacked tensor
-NAMES = {MIXTRAL: ("w1", "w3", "w2")}
-QWEN_NAMES = ("gate_proj", "up_proj", "down_proj")
+PART_NAMES = {MIXTRAL: ("w1", "w3", "w2")}   # gate, up, down as an architecture stores them
+DEFAULT_PART_NAMES = ("gate_proj", "up_proj", "down_proj")   # Qwen3-MoE's, and most others'
+FUSED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
 
 
 @attrs.frozen
@@ -37,9 +38,6 @@ class ExpertPiece:
     def target(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
         stacked = params[self.param][self.expert]
         return stacked.chunk(STACKED_PARTS[self.param.rsplit(".", 1)[1]])[self.part]
-
-
-FUSED = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
 
 
 def our_name(name: str) -> str:
@@ -79,7 +77,7 @@ def checkpoint_name(key: str, architecture: str) -> str:
     name, slot = key.split("#")
     expert, part = slot.split(".")
     prefix, kind = name.rsplit(".", 1)
-    gate, up, down = NAMES.get(architecture, QWEN_NAMES)
+    gate, up, down = PART_NAMES.get(architecture, DEFAULT_PART_NAMES)
     stored = {("w13", "0"): gate, ("w13", "1"): up, ("w2", "0"): down}[(kind, part)]
     return stored_name(f"{prefix}.{expert}.{stored}.weight", architecture)
 
