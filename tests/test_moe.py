@@ -22,7 +22,7 @@ from tokenspeed.models.llama import MLP
 from tokenspeed.models.moe import SparseMoeBlock
 from tokenspeed.models.random import hf_state_dict, random_model
 
-from hf_models import checkpoint, copy_checkpoint, edit_config, hf_model, new_tmpdir
+from hf_models import checkpoint, copy_checkpoint, edit_config, hf_model, make_prompts, new_tmpdir, reference
 
 FEW = settings(max_examples=25, deadline=None, derandomize=True)
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128, "hidden_size": 32,
@@ -82,6 +82,19 @@ def test_a_weight_of_zero_drops_the_expert():
     weights[:, 1] = 0
     alone = torch.ops.tokenspeed.moe(x, w13, w2, weights[:, :1], ids[:, :1])
     torch.testing.assert_close(torch.ops.tokenspeed.moe(x, w13, w2, weights, ids), alone, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_a_cached_prefix_gives_transformers_tokens(variant):
+    """The second request's shared 41 tokens come from the cache (over several pages and
+    chunks), and its experts run on the rest alone."""
+    system = make_prompts((41,), seed=5)[0]
+    prompts = [system + [11, 12, 13], system + [21, 22, 23, 24, 25]]
+    llm = ts.LLM(checkpoint(variant), page_size=4, max_num_batched_tokens=16)
+    params = ts.SamplingParams(temperature=0, max_tokens=8)
+    outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+    assert [o.token_ids for o in outs] == reference(variant, prompts, 8)
+    assert outs[1].metrics.num_cached_tokens >= 40
 
 
 # ---------------------------------------------------------------- config
