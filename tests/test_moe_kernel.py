@@ -127,6 +127,19 @@ def test_float32_mixtures_of_experts_match_hugging_face(arch, enforce_eager):
         assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the tiny run is the CPU's check")
+def test_the_benchmark_runs_tiny(tmp_path, monkeypatch):
+    import json
+    import sys
+    from benchmarks import moe_kernel
+    out = tmp_path / "moe.json"
+    monkeypatch.setattr(sys, "argv", ["moe_kernel", "--tiny", "--tokens", "1", "9", "--json", str(out)])
+    moe_kernel.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["tokens"]) for r in rows] == [(s, t) for s in moe_kernel.SHAPES for t in (1, 9)]
+    assert all(1 <= r["experts_touched"] <= 8 and r["us"] > 0 for r in rows)
+
+
 SM90 = """
 from test_kernel_compile import compile_sm90
 from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
