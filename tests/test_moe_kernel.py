@@ -61,9 +61,10 @@ def test_every_pair_sits_in_one_block_of_its_expert(tokens, experts, k, block_m)
                  experts, block_m)
 
 
-@pytest.mark.parametrize("tokens, experts, k", [(50, 200, 4), (300, 128, 8)])
+@pytest.mark.parametrize("tokens, experts, k", [(300, 200, 4), (300, 128, 8)])
 def test_grouping_over_many_chunks(tokens, experts, k):
-    """More pairs and blocks than one chunk of the one-hot holds (200 and 128 experts)."""
+    """More pairs than one chunk of the one-hot holds, and (200 experts) more chunks than one
+    tile of the plan."""
     gen = torch.Generator().manual_seed(experts)
     check_blocks(torch.randn(tokens, experts, generator=gen).topk(k).indices, experts, 16)
     skewed = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(tokens)])  # 8 busy experts
@@ -143,8 +144,13 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch):
 SM90 = """
 from test_kernel_compile import compile_sm90
 from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
-assert compile_sm90(a._align_kernel, dict(ids_ptr="*i32", slots_ptr="*i32", block_experts_ptr="*i32",
-                    pairs="i32", num_blocks="i32", num_experts="i32"), dict(BLOCK_M=16, CHUNK=64, E=128)).asm["ptx"]
+assert compile_sm90(a._count_kernel, dict(ids_ptr="*i32", counts_ptr="*i32", pairs="i32"),
+                    dict(CHUNK=64, E=128)).asm["ptx"]
+assert compile_sm90(a._plan_kernel, dict(counts_ptr="*i32", starts_ptr="*i32", slots_ptr="*i32",
+                    block_experts_ptr="*i32", pairs="i32", chunks="i32", num_blocks="i32", num_experts="i32"),
+                    dict(BLOCK_M=64, TILE=64, E=128, FILL=1024)).asm["ptx"]
+assert compile_sm90(a._place_kernel, dict(ids_ptr="*i32", counts_ptr="*i32", starts_ptr="*i32", slots_ptr="*i32",
+                    pairs="i32"), dict(CHUNK=64, E=128)).asm["ptx"]
 strides = dict(stride_we="i64", stride_wn="i32", stride_am="i32")
 for tile in (m.tiles(1, 128), m.tiles(1024, 128)):   # decode's and prefill's
     tiles = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION="tf32")
