@@ -56,11 +56,19 @@ VARIANTS = {
                      dict(head_dim=16, use_sliding_window=True, sliding_window=12,
                           layer_types=["sliding_attention", "full_attention"],
                           rope_parameters={"rope_type": "default", "rope_theta": 3000.0})),
+    # mixtures of experts: every layer sparse (Mixtral, windowed); a dense layer among sparse ones
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                       norm_topk_prob=True, mlp_only_layers=[1],
+                       rope_parameters={"rope_type": "default", "rope_theta": 3000.0})),
 }
 
 # weight seeds, chosen so every reference used by the tests has a clear top-1 token
 SEEDS = {"llama": 9, "llama3_rope": 9, "qwen2": 11, "qwen3": 9, "tied": 7, "head_dim": 9, "mistral": 9,
-         "qwen3_window": 9}
+         "qwen3_window": 9, "mixtral": 9, "qwen3_moe": 9}
 
 _DIRS: list[str] = []
 

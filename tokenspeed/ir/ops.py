@@ -152,6 +152,17 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, weight_format: str, featu
     return weight.new_empty(ids.shape[0], features, dtype=dtype)
 
 
+@_op("moe")
+def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor) -> torch.Tensor:
+    """A mixture of experts' routed MLPs: row t is the sum over j of ``topk_weights[t, j]``
+    times expert ``e = topk_ids[t, j]``'s ``w2[e] @ silu_and_mul(w13[e] @ x[t])``
+    (``w13``: ``[E, 2 * I, H]``, gate rows first; ``w2``: ``[E, H, I]``). Routing (softmax,
+    top-k, renormalising, grouped top-k) is the model's, in plain ops before this one, so
+    every model routes its own way through the same kernel."""
+    return torch.empty_like(x)
+
+
 OPS = torch.ops.tokenspeed
 WRITE_KV = OPS.write_kv.default
 ATTENTION = OPS.attention.default
@@ -160,7 +171,8 @@ DECODE_ATTENTION = OPS.decode_attention.default
 ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
 ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION)
 ROPE_WRITE_KV = OPS.rope_write_kv.default
+MOE = OPS.moe.default
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV)   # the ops that write the cache (and need every row)
 OP_NAMES = ("write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
             "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding")
+            "norm_linear", "embedding", "moe")

@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
+from tokenspeed.ir.ops import MOE
 from tokenspeed.ir.program import rename
 
 LEAF_ATTR = "ir_leaf"
@@ -36,6 +37,7 @@ def trace_graph(model: torch.nn.Module) -> fx.GraphModule:
     _flatten_signature(graph, names)
     _shorten_names(graph)
     _name_split_parts(graph)
+    _name_moe_parts(graph)
     return fx.GraphModule(model, graph, class_name="Traced")
 
 
@@ -60,6 +62,17 @@ def _name_split_parts(graph: fx.Graph) -> None:
         split = node.args[0] if node.target is operator.getitem else None
         if split is not None and split.target == "split" and split.args[0].name.endswith("_qkv_proj"):
             rename(node, split.args[0].name.removesuffix("qkv_proj") + "qkv"[node.args[1]])
+
+
+def _name_moe_parts(graph: fx.Graph) -> None:
+    """``moe(x, layer3_experts_w13, ...)`` reads as ``layer3_moe``, the routing it reads as
+    ``layer3_topk_weights`` and ``layer3_topk_ids``."""
+    for node in graph.nodes:
+        if node.target is MOE:
+            _, w13, _, weights, ids = node.args
+            layer = w13.name.removesuffix("experts_w13")
+            for part, name in ((node, "moe"), (weights, "topk_weights"), (ids, "topk_ids")):
+                rename(part, layer + name)
 
 
 def _flatten_signature(graph: fx.Graph, leaf_names) -> None:

@@ -10,12 +10,15 @@ import attrs
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
 from tokenspeed.models.config_values import check_values
 from tokenspeed.models.fp8_scheme import fp8_scheme
+from tokenspeed.models.moe_config import MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, MoeConfig, moe_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           MIXTRAL, QWEN3_MOE)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
 LAYER_TYPES = ("full_attention", "sliding_attention")
-QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3_MOE)
+QK_NORM = ("Qwen3ForCausalLM", QWEN3_MOE)
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers runs both as torch's SiLU
@@ -52,6 +55,7 @@ class ModelConfig:
     num_kv_shared_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     layer_windows: tuple[int, ...] = ()   # each layer's sliding window, 0 for none; () for none at all
+    moe: MoeConfig | None = None          # the experts of a mixture of experts' sparse layers
 
     def __attrs_post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -101,9 +105,9 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=_rope_scaling(hf),
+            qk_norm=arch in QK_NORM, rope_scaling=_rope_scaling(hf),
             num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf),
-            layer_windows=layer_windows(hf, arch))
+            layer_windows=layer_windows(hf, arch), moe=moe_config(hf, arch))
 
 
 def architecture(hf: dict) -> str:
@@ -160,15 +164,17 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
     says otherwise: transformers' ``AutoConfig`` reads such a config as Ministral, whose
     layers follow ``layer_types`` (as vLLM's Mistral does). () when none binds: a window
     that spans every position the model takes changes nothing. Llama has no sliding
-    window in transformers, so one there is refused rather than guessed."""
+    window in transformers, so one there is refused rather than guessed. Mixtral and
+    Qwen3-MoE window every layer by ``sliding_window`` alone (their attention reads no
+    ``layer_types`` nor ``max_window_layers``)."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
     if arch in QWEN and not hf.get("use_sliding_window"):
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise _unsupported("sliding_window", window, "a window is a number of positions >= 1")
-    types = hf.get("layer_types")
+    types = None if arch in MOE_ARCHITECTURES else hf.get("layer_types")
     if types is None:
-        first = (hf.get("max_window_layers") or 0) if arch in QWEN else 0
+        first = (hf.get("max_window_layers") or 0) if arch in QWEN and arch not in MOE_ARCHITECTURES else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise _unsupported("layer_types", types, f"expected {n} of {', '.join(LAYER_TYPES)}")
@@ -181,7 +187,11 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
 
 
 def _check_quantization(hf: dict) -> None:
-    """FP8 checkpoints load (``fp8_scheme``); any other quantization is refused."""
+    """FP8 checkpoints load (``fp8_scheme``), but for a mixture of experts, whose experts
+    have no FP8 kernel; any other quantization is refused."""
+    if hf.get("quantization_config") and architecture(hf) in MOE_ARCHITECTURES:
+        raise _unsupported("quantization_config", hf["quantization_config"],
+                           f"{architecture(hf)} loads unquantized weights only (no FP8 experts)")
     if hf.get("quantization_config"):
         fp8_scheme(hf["quantization_config"])
 

@@ -82,6 +82,9 @@ def quantized_to_fp8(model: nn.Module) -> nn.Module:
     if any(isinstance(m, BlockLinear) for m in model.modules()):
         raise ValueError("quantization='fp8' quantizes 16- or 32-bit weights; this model's weights "
                          "are GGUF blocks, already quantized")
+    if model.config.moe is not None:
+        raise ValueError(f"quantization='fp8' quantizes linear layers; {model.config.architecture}'s experts "
+                         "have no FP8 kernel, so its weights load unquantized only")
     dense = [name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head"]
     for name in dense:
         replace_layer(model, name, Fp8Linear.quantized)

@@ -192,7 +192,9 @@ def default_dtype(reader) -> torch.dtype:
 def architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        experts = " (GGUF mixtures of experts are not read: load the Hugging Face checkpoint)" \
+            if "moe" in str(arch) else ""
+        raise ValueError(f"unsupported GGUF architecture {arch!r}{experts}; supported: {', '.join(ARCHITECTURES)}")
     return arch
 
 
@@ -246,6 +248,10 @@ def _check_metadata(arch: str, meta, head_dim) -> None:
     neutral = {"expert_count": 0, "logit_scale": 1.0, "attention.clamp_kqv": None,
                "attn_logit_softcapping": None, "final_logit_softcapping": None,
                "attention.value_length": head_dim, "rope.dimension_count": head_dim}
+    if meta("expert_count"):
+        raise ValueError(f"unsupported GGUF metadata {arch}.expert_count={meta('expert_count')!r}: a "
+                         "mixture of experts (Mixtral, Qwen3-MoE) loads from its Hugging Face checkpoint, "
+                         "not from GGUF")
     for key, expected in neutral.items():
         value = meta(key)
         if value is not None and value != expected:

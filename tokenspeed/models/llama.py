@@ -16,6 +16,7 @@ from tokenspeed.ir.cache_groups import CacheGroup, cache_slot
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.kv_scales import layer_scales, unit_scales
 from tokenspeed.models.layers import RMSNorm, Rotary
+from tokenspeed.models.moe import SparseMoeBlock
 
 
 STACKED = {  # checkpoint name part -> (our name part, slice index among the stacked parts)
@@ -96,6 +97,13 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+def mlp(config: ModelConfig, layer: int) -> nn.Module:
+    """A mixture of experts' sparse layers route to experts; every other layer is dense."""
+    if config.moe is not None and layer in config.moe.sparse_layers:
+        return SparseMoeBlock(config.moe, config.hidden_size)
+    return MLP(config)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...],
                  kv_scales: torch.Tensor):
@@ -103,7 +111,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, groups, kv_scales)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp(config, layer)
 
     def forward(self, h, positions, kv_cache, meta):
         h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)

@@ -19,6 +19,7 @@ from tokenspeed.models.kv_scales import kv_scales, set_kv_scales
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
+from tokenspeed.models.moe_checkpoint import checkpoint_name, expected_keys, expert_piece, our_name, stored_name
 from tokenspeed.models.param_shapes import shape_origin
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -133,9 +134,15 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
         scales[entry] = float(tensor)
         set_kv_scales(model, scales)
         return
-    if name in params:
-        _copy(params[name], tensor, name, model.config)
-        loaded.add(name)
+    ours = our_name(name)
+    if ours in params:
+        _copy(params[ours], tensor, name, model.config)
+        loaded.update(expected_keys(ours, params[ours]) or [ours])
+        return
+    piece = expert_piece(name)
+    if piece is not None and piece.param in params:
+        _copy(piece.target(params), tensor, name, model.config)
+        loaded.add(piece.key)
         return
     for part, (stacked, index) in STACKED.items():
         target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
@@ -152,16 +159,24 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
 
 
 def _check_complete(model, loaded: set, unexpected: list) -> None:
-    expected = set()
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
-        parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
-        expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
-    missing = sorted(_checkpoint_name(n) for n in expected - loaded - _tied(model, loaded))
+    arch = model.config.architecture
+    missing = sorted(_checkpoint_name(n, arch) for n in _expected(model) - loaded - _tied(model, loaded))
     if missing or unexpected:
         raise CheckpointMismatchError(f"checkpoint does not match {model.config.architecture}: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+
+
+def _expected(model) -> set[str]:
+    """What a complete checkpoint fills: each parameter, each part of a stacked one, each
+    expert's matrices (``moe_checkpoint``)."""
+    expected = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        experts = expected_keys(name, param)
+        stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
+        parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
+        expected.update(experts or ([f"{name}#{i}" for i in range(parts)] if parts else [name]))
+    return expected
 
 
 def _tied(model, loaded: set) -> set[str]:
@@ -171,10 +186,12 @@ def _tied(model, loaded: set) -> set[str]:
     return pair if model.config.tie_word_embeddings and pair & loaded else set()
 
 
-def _checkpoint_name(expected: str) -> str:
+def _checkpoint_name(expected: str, architecture: str) -> str:
     """``...qkv_proj.weight#1`` -> ``...k_proj.weight``: name missing tensors as stored."""
+    if ".experts." in expected:
+        return checkpoint_name(expected, architecture)
     if "#" not in expected:
-        return expected
+        return stored_name(expected, architecture)
     name, index = expected.split("#")
     part = next(p for p, (s, i) in STACKED.items() if f".{s}." in name and i == int(index))
     stacked = STACKED[part][0]

@@ -5,6 +5,7 @@ import torch
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
 from tokenspeed.models.loader import build
+from tokenspeed.models.moe_checkpoint import expected_keys, expert_tensors
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -33,9 +34,12 @@ def random_model(hf_config: dict, dtype=torch.float32, device="cpu", seed: int =
 
 
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our state dict with stacked projections split back into Hugging Face names."""
+    """Our state dict with stacked projections (and experts) split back into Hugging Face names."""
     state = {}
     for name, tensor in model.state_dict().items():
+        if expected_keys(name, tensor) is not None:
+            state.update(expert_tensors(name, tensor, model.config.architecture))
+            continue
         stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
         if stacked is None:
             state[name] = tensor.contiguous()

@@ -168,3 +168,8 @@ def embedding(ids, weight, weight_format, features, dtype):
         return weight[ids].to(dtype)
     from tokenspeed.backends.kernels import triton_gguf_embedding
     return triton_gguf_embedding.embedding(ids, weight, block_format(weight_format), dtype)
+
+
+def moe(x, w13, w2, topk_weights, topk_ids):
+    from tokenspeed.backends.kernels import triton_moe
+    return triton_moe.moe(x, w13, w2, topk_weights, topk_ids)

@@ -14,6 +14,7 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 import torch
 
 from tokenspeed.backends.kernels import gguf_reference, kv_fp8
+from tokenspeed.backends.kernels.moe_reference import moe  # noqa: F401  (the op's CPU kernel)
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention

@@ -1,0 +1,170 @@
+"""The fused MoE Triton kernel (``triton_moe``) against the op's reference.
+
+On CPU under the Triton interpreter on small float32 shapes (odd widths, one to 17
+tokens); the ``gpu`` tests run bfloat16 at Qwen3-30B-A3B's expert shapes.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tokenspeed.backends.kernels import moe_reference, triton_moe, triton_moe_align  # noqa: E402
+
+from sm90 import assert_compiles  # noqa: E402
+from test_moe import routed  # noqa: E402
+
+FEW = settings(max_examples=15, deadline=None, derandomize=True)
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def on_device(*tensors, dtype=None):
+    return [t.to(DEVICE, dtype=dtype if t.is_floating_point() and dtype else t.dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("experts", [4, 8])
+@pytest.mark.parametrize("k", [1, 2])
+def test_kernel_matches_the_reference(tokens, experts, k):
+    x, w13, w2, weights, ids = on_device(*routed(tokens, experts, k, 48, 40, seed=tokens * experts + k))
+    out = triton_moe.moe(x, w13, w2, weights, ids.int())
+    torch.testing.assert_close(out, moe_reference.moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def check_blocks(ids: torch.Tensor, experts: int, block_m: int) -> None:
+    """Each pair exactly once, in a block of its expert, in token order; the rest padding."""
+    grouped = triton_moe_align.expert_blocks(ids.to(DEVICE), experts, block_m)
+    slots, owners = grouped.slots.cpu().long(), grouped.experts.cpu().long().repeat_interleave(block_m)
+    pairs = ids.numel()
+    assert len(grouped.experts) == triton_moe_align.max_blocks(pairs, experts, block_m)
+    real = slots < pairs
+    assert sorted(slots[real].tolist()) == list(range(pairs))
+    assert torch.equal(owners[real], ids.reshape(-1)[slots[real]])
+    assert bool((slots[~real] == pairs).all())
+    for block in slots.view(-1, block_m):
+        kept = block[block < pairs]
+        assert torch.equal(kept, kept.sort().values)
+
+
+@FEW
+@given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 3), st.sampled_from([4, 16]))
+def test_every_pair_sits_in_one_block_of_its_expert(tokens, experts, k, block_m):
+    k = min(k, experts)
+    check_blocks(torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).topk(k).indices,
+                 experts, block_m)
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(300, 200, 4), (300, 128, 8)])
+def test_grouping_over_many_chunks(tokens, experts, k):
+    """More pairs than one chunk of the one-hot holds, and (200 experts) more chunks than one
+    tile of the plan."""
+    gen = torch.Generator().manual_seed(experts)
+    check_blocks(torch.randn(tokens, experts, generator=gen).topk(k).indices, experts, 16)
+    skewed = torch.stack([torch.randperm(8, generator=gen)[:k] for _ in range(tokens)])  # 8 busy experts
+    check_blocks(skewed, experts, 64)
+
+
+@pytest.mark.parametrize("padding", [1, 6])
+def test_padding_rows_leave_real_rows_alone(padding):
+    x, w13, w2, weights, ids = on_device(*routed(5, 8, 2, 48, 40, seed=1))
+    pad = on_device(*routed(padding, 8, 2, 48, 40, seed=2))
+    out = triton_moe.moe(torch.cat([x, 1e3 * pad[0]]), w13, w2, torch.cat([weights, pad[3]]),
+                         torch.cat([ids, pad[4]]))
+    torch.testing.assert_close(out[:5], triton_moe.moe(x, w13, w2, weights, ids), rtol=1e-6, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+def test_kernel_at_qwen3_30b_shapes(tokens):
+    x, w13, w2, weights, ids = on_device(*routed(tokens, 128, 8, 2048, 768, seed=tokens), dtype=torch.bfloat16)
+    out = triton_moe.moe(x, w13, w2, weights.float(), ids)
+    want = moe_reference.moe(*on_device(x, w13, w2, weights, ids, dtype=torch.float32))
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+def test_kernel_in_a_cuda_graph_follows_new_routing():
+    x, w13, w2, weights, ids = on_device(*routed(8, 16, 2, 256, 128, seed=4), dtype=torch.bfloat16)
+    triton_moe.moe(x, w13, w2, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.moe(x, w13, w2, weights, ids)
+    ids.copy_(torch.flip(ids, dims=(0,)))
+    graph.replay()
+    torch.testing.assert_close(out, triton_moe.moe(x, w13, w2, weights, ids), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+def test_float32_mixtures_of_experts_match_hugging_face(arch, enforce_eager):
+    """Through the Triton kernels and captured graphs; prompts up to 137 tokens, 16 at once."""
+    import transformers
+    import tokenspeed as ts
+    from tokenspeed.models.config import ModelConfig
+    from tokenspeed.models.loader import build, load_state_dict
+    config_cls, model_cls = {"MixtralForCausalLM": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+                             "Qwen3MoeForCausalLM": (transformers.Qwen3MoeConfig,
+                                                     transformers.Qwen3MoeForCausalLM)}[arch]
+    config = config_cls(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=96,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    hf = model_cls(config).to("cuda").eval()
+    ours = build(ModelConfig.from_hf({**config.to_dict(), "architectures": [arch]}), torch.float32, "cuda")
+    load_state_dict(ours, hf.state_dict())
+    prompts = [[(3 + 11 * i + j) % 500 for j in range(2 + 9 * i)] for i in range(16)]
+    llm = ts.LLM(ours, device="cuda", page_size=16, max_num_seqs=10, max_num_batched_tokens=128,
+                 max_model_len=512, enforce_eager=enforce_eager)
+    for p, out in zip(prompts, llm.generate(prompts, ts.SamplingParams(temperature=0.0, max_tokens=40))):
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False)
+        assert list(out.token_ids) == ref[0, len(p):].tolist()[:len(out.token_ids)]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the tiny run is the CPU's check")
+def test_the_benchmark_runs_tiny(tmp_path, monkeypatch):
+    import json
+    import sys
+    from benchmarks import moe_kernel
+    out = tmp_path / "moe.json"
+    monkeypatch.setattr(sys, "argv", ["moe_kernel", "--tiny", "--tokens", "1", "9", "--json", str(out)])
+    moe_kernel.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["tokens"]) for r in rows] == [(s, t) for s in moe_kernel.SHAPES for t in (1, 9)]
+    assert all(1 <= r["experts_touched"] <= 8 and r["us"] > 0 for r in rows)
+
+
+SM90 = """
+from test_kernel_compile import compile_sm90
+from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
+assert compile_sm90(a._count_kernel, dict(ids_ptr="*i32", counts_ptr="*i32", pairs="i32"),
+                    dict(CHUNK=64, E=128)).asm["ptx"]
+assert compile_sm90(a._plan_kernel, dict(counts_ptr="*i32", starts_ptr="*i32", slots_ptr="*i32",
+                    block_experts_ptr="*i32", pairs="i32", chunks="i32", num_blocks="i32", num_experts="i32"),
+                    dict(BLOCK_M=64, TILE=64, E=128, FILL=1024)).asm["ptx"]
+assert compile_sm90(a._place_kernel, dict(ids_ptr="*i32", counts_ptr="*i32", starts_ptr="*i32", slots_ptr="*i32",
+                    pairs="i32"), dict(CHUNK=64, E=128)).asm["ptx"]
+strides = dict(stride_we="i64", stride_wn="i32", stride_am="i32")
+for tile in (m.tiles(1, 128), m.tiles(1024, 128)):   # decode's and prefill's
+    tiles = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION="tf32")
+    gate_up = compile_sm90(m._gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", slots_ptr="*i32",
+                           experts_ptr="*i32", act_ptr="*bf16", pairs="i32", H="i32", I="i32", top_k="i32",
+                           num_experts="i32", stride_xt="i32", **strides), tiles)
+    down = compile_sm90(m._down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", slots_ptr="*i32",
+                        experts_ptr="*i32", weights_ptr="*fp32", out_ptr="*fp32", pairs="i32", H="i32", I="i32",
+                        num_experts="i32", stride_os="i32", **strides), tiles)
+    assert "wgmma" in gate_up.asm["ptx"] + down.asm["ptx"] or "mma" in gate_up.asm["ptx"]
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="GPU tests compile for real")
+def test_the_kernels_compile_for_sm90():
+    """As tests/test_kernel_compile.py does for the others: in a child, without the interpreter."""
+    assert_compiles(["-c", SM90])

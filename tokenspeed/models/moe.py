@@ -1,0 +1,38 @@
+"""The sparse mixture-of-experts block of Mixtral and Qwen3-MoE: a router, then the
+experts through ``tokenspeed::moe``.
+
+The router is plain ops, as transformers routes: a linear layer's logits, their softmax in
+float32, the top k, renormalised over those k where the config says so. The experts are
+two stacked tensors, ``w13 [E, 2 * I, H]`` (each expert's gate rows, then its up rows) and
+``w2 [E, H, I]``, filled at load from the checkpoint's per-expert matrices
+(``moe_checkpoint``), so one kernel reads every expert.
+"""
+
+import torch
+from torch import nn
+
+from tokenspeed.ir import ops
+from tokenspeed.models.moe_config import MoeConfig
+
+
+class Experts(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden_size: int):
+        super().__init__()
+        e, i = moe.num_experts, moe.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden_size: int):
+        super().__init__()
+        self.top_k, self.normalize_top_k = moe.top_k, moe.normalize_top_k
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe, hidden_size)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ops.moe(x, self.experts.w13, self.experts.w2, weights, ids)
