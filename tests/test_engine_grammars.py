@@ -15,7 +15,7 @@ from text_models import smol_tokenizer
 @pytest.fixture(scope="module")
 def grammars():
     tokenizer = smol_tokenizer()
-    return Grammars(tokenizer, tokenizer.vocab_size + 64, lexers=1)
+    return Grammars(tokenizer, tokenizer.vocab_size + 64)
 
 
 def test_the_vocabulary_is_padded_to_the_model(grammars):
@@ -50,14 +50,3 @@ def test_a_schema_s_requests_copy_one_matcher_and_a_lexer_is_renewed(grammars, m
     assert first[0].lexer is first[1].lexer is second.lexer and third.lexer is not second.lexer
     assert [m.valid_prefix([grammars.tokenizer.encode("7", add_special_tokens=False)[0]] * 3)
             for m in (first[0], first[1], second, third)] == [1, 2, 2, 2]
-
-
-def test_a_schema_s_requests_are_dealt_round_its_lexers(grammars):
-    """With a lexer per mask thread, a batch's matchers spread over them (their masks fill in
-    parallel), each lexer made once and shared by the requests dealt to it."""
-    dealt = Grammars(grammars.tokenizer, grammars.vocab_size, lexers=3)
-    spec = StructuredOutputs(regex="[a-z]{3}")
-    matchers = dealt.matchers(spec, 5) + dealt.matchers(spec, 2)
-    lexers = [m.lexer for m in matchers]
-    assert len(set(map(id, lexers))) == 3
-    assert [lexers.index(lexer) for lexer in lexers] == [0, 1, 2, 0, 1, 2, 0]

@@ -6,20 +6,16 @@ every token: it is built at the first constrained request, so a model that never
 never pays for it. The model's vocabulary (its logits' width) may be wider than the
 tokenizer's: the ids past it are empty tokens, which no mask allows.
 
-A schema's requests get copies of kept matchers (``GrammarMatcher.copy``): no compile on
-the engine's thread, and lexers whose states every request of the schema reuses. One lexer
-computes one mask at a time, so a schema keeps one per mask thread (``lexers``) and deals
-its requests round them: a batch's rows fill in parallel across lexers, each lexer's
-states warm after its first requests. A lexer only grows, so after ``COPIES_PER_LEXER``
-copies the next ones start a fresh one.
+A schema's requests get copies of one kept matcher (``GrammarMatcher.copy``): no compile on
+the engine's thread, and one lexer whose states every request of the schema reuses. The
+lexer only grows, so after ``COPIES_PER_LEXER`` requests the next ones start a fresh one.
 """
 
 import threading
 
 import attrs
 
-from tokenspeed.structured import (Grammar, GrammarMatcher, StructuredOutputs, compile_grammar, default_threads,
-                                   guidance_tokenizer)
+from tokenspeed.structured import Grammar, GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer
 
 KEPT_GRAMMARS = 64
 COPIES_PER_LEXER = 256
@@ -27,39 +23,26 @@ COPIES_PER_LEXER = 256
 
 @attrs.define(eq=False)
 class KeptGrammar:
-    """A compiled grammar and, per lexer, the unused matcher its requests copy (each made
-    at its first request) and how many copies it has served."""
+    """A compiled grammar and the unused matcher its requests copy (made at the first)."""
     grammar: Grammar
-    lexers: int
-    origins: list[GrammarMatcher] = attrs.Factory(list)
-    copies: list[int] = attrs.Factory(list)
-    turn: int = 0
+    origin: GrammarMatcher | None = None
+    copies: int = 0
 
     def matchers(self, guide, n: int) -> list[GrammarMatcher]:
-        """``n`` copies, dealt round the lexers."""
-        return [self._copy(guide) for _ in range(n)]
-
-    def _copy(self, guide) -> GrammarMatcher:
-        """A copy of the next lexer's matcher, a fresh one (and lexer) made when it has
+        """``n`` copies of the kept matcher, a fresh one (and lexer) made when the last has
         served ``COPIES_PER_LEXER``: a lexer's states are never dropped, so one shared for
         the engine's life would grow towards llguidance's limit on them."""
-        lexer, self.turn = self.turn % self.lexers, self.turn + 1
-        if lexer == len(self.origins):
-            self.origins.append(GrammarMatcher(self.grammar, guide))
-            self.copies.append(0)
-        elif self.copies[lexer] >= COPIES_PER_LEXER:
-            self.origins[lexer], self.copies[lexer] = GrammarMatcher(self.grammar, guide), 0
-        self.copies[lexer] += 1
-        return self.origins[lexer].copy()
+        if self.origin is None or self.copies >= COPIES_PER_LEXER:
+            self.origin, self.copies = GrammarMatcher(self.grammar, guide), 0
+        self.copies += n
+        return [self.origin.copy() for _ in range(n)]
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int, lexers: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int):
         """``tokenizer``: the model's (``structured.vocabulary.Tokenizer``); ``vocab_size``:
-        the model's logits' width; ``lexers``: per schema, as many as the mask filler has
-        threads (``structured.default_threads``)."""
+        the model's logits' width."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.lexers = lexers or default_threads()
         self._guide = None
         self._lock = threading.Lock()   # callers check requests on their own threads
         self._kept: dict[StructuredOutputs, KeptGrammar] = {}   # in use order, the newest last
@@ -88,7 +71,7 @@ class Grammars:
         guide = self.guide
         with self._lock:
             kept = self._kept.pop(spec, None)
-        kept = kept or KeptGrammar(compile_grammar(spec, guide), self.lexers)
+        kept = kept or KeptGrammar(compile_grammar(spec, guide))
         with self._lock:
             self._kept[spec] = kept
             if len(self._kept) > KEPT_GRAMMARS:

@@ -10,7 +10,7 @@ engine or the face: they import this.
 
 from tokenspeed.structured.bitmask import apply_token_bitmask_, mask_words, new_bitmask
 from tokenspeed.structured.grammar import Grammar, compile_grammar
-from tokenspeed.structured.mask_filler import MaskFiller, MaskRow, default_threads
+from tokenspeed.structured.mask_filler import MaskFiller, MaskRow
 from tokenspeed.structured.matcher import GrammarMatcher
 from tokenspeed.structured.response_format import from_response_format
 from tokenspeed.structured.spec import StructuredOutputs
@@ -20,6 +20,6 @@ from tokenspeed.structured.vocabulary import guidance_tokenizer
 
 __all__ = [
     "Grammar", "GrammarMatcher", "MaskFiller", "MaskRow", "StructuredOutputs", "TokenBias",
-    "add_logit_bias_", "apply_token_bitmask_", "compile_grammar", "default_threads", "from_response_format",
+    "add_logit_bias_", "apply_token_bitmask_", "compile_grammar", "from_response_format",
     "guidance_tokenizer", "mask_words", "new_bitmask", "tool_choice_constraint",
 ]
