@@ -12,6 +12,8 @@ as the CUDA kernels of its parts.
 import torch
 
 from tokenspeed.backends.kernels.gguf_blocks import block_format
+from tokenspeed.backends.kernels.mla_reference import (  # noqa: F401  (MLA: no Triton kernel yet)
+    mla_attention, mla_decode_attention, write_latent)
 from tokenspeed.backends.kernels.reference import flat_slots
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 from tokenspeed.ir.weights import DENSE, FP8
