@@ -1,0 +1,95 @@
+"""DeepSeek-V2/V3 (latent attention) against transformers: greedy token identity under
+chunked prefill across chunk boundaries, graphs and eager, prefix caching, preemption;
+and the latent cache's bytes per token. The ``*_moe`` variants need ``tokenspeed::moe``."""
+
+import pytest
+
+import tokenspeed as ts
+from tokenspeed.ir import ops
+from tokenspeed.scheduling.prompt_limits import most_pages_held
+
+from deepseek_models import LAYERS, VARIANTS, checkpoint, hf_config, reference
+from hf_models import make_prompts
+
+MAX_TOKENS = 10
+LENGTHS = (1, 5, 40, 70, 32, 33)          # 70 > two chunks of 32; 32/33 at the edge
+PROMPTS = make_prompts(LENGTHS, seed=11)
+GREEDY = ts.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+DENSE = sorted(v for v in VARIANTS if v.endswith("_dense"))
+MOE = sorted(v for v in VARIANTS if v.endswith("_moe"))
+needs_moe = pytest.mark.skipif(not hasattr(ops, "moe"), reason="needs tokenspeed::moe (branch i34moe)")
+
+
+def tokens(outputs):
+    return [o.token_ids for o in outputs]
+
+
+def expected(variant, prompts=PROMPTS):
+    return [tuple(r) for r in reference(variant, prompts, MAX_TOKENS)]
+
+
+def chunked_engine(variant, **kw):
+    """Chunks of at most 32 tokens (the 70-token prompt spans three), three sequences at once."""
+    return ts.LLM(checkpoint(variant), **{"page_size": 4, "max_num_seqs": 3, "max_num_batched_tokens": 32, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("variant", DENSE)
+def test_chunked_prefill_matches_transformers(variant, enforce_eager):
+    llm = chunked_engine(variant, enforce_eager=enforce_eager)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(variant)
+
+
+@needs_moe
+@pytest.mark.parametrize("variant", MOE)
+def test_mixture_layers_match_transformers(variant):
+    llm = chunked_engine(variant)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(variant)
+
+
+@pytest.mark.parametrize("variant", ["v2_dense", "v3_dense"])
+def test_a_cached_prefix_changes_no_token(variant):
+    system = make_prompts((21,), seed=31)[0]            # five full pages of 4, and a bit
+    prompts = [system + tail for tail in make_prompts((3, 9, 1), seed=32)]
+    llm = ts.LLM(checkpoint(variant), page_size=4, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert tokens(first + rest) == expected(variant, prompts)
+    assert all(o.metrics.num_cached_tokens == 20 for o in rest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["v2_dense", "v3_dense"])
+def test_preempted_requests_recompute_their_latents(variant, monkeypatch):
+    longest = max(LENGTHS) + MAX_TOKENS
+    num_kv_pages = most_pages_held(longest, 4) + 1
+    llm = ts.LLM(checkpoint(variant), page_size=4, num_kv_pages=num_kv_pages, max_num_seqs=6,
+                 max_num_batched_tokens=64)
+    scheduler, preempted = llm.engine.scheduler, []
+    original = scheduler._preempt
+    monkeypatch.setattr(scheduler, "_preempt", lambda r: (preempted.append(len(r.output)), original(r))[1])
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(variant)
+    assert any(n > 0 for n in preempted), f"no request was preempted mid-generation: {preempted}"
+    assert scheduler.allocator.num_free == num_kv_pages - 1
+
+
+def test_the_cache_holds_a_latent_and_a_rope_key_per_token_and_layer():
+    """kv_lora_rank + qk_rope_head_dim values, no heads, for every layer: (32 + 16) * 3 * 4
+    bytes in float32, against 2 * heads * (nope + rope) per layer for multi-head keys and values."""
+    llm = ts.LLM(checkpoint("v3_dense"), page_size=4)
+    c = hf_config("v3_dense")
+    per_token = LAYERS * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert llm.compiled.pool.page_bytes == 4 * per_token == 4 * 576
+    assert tuple(llm.compiled.kv_cache.shape[-2:]) == (1, 48) and llm.compiled.kv_cache.shape[1] == 1
+    multi_head = LAYERS * 2 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * 4
+    assert multi_head == per_token * 16 // 3
+
+
+def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_them():
+    traced = ts.LLM(checkpoint("v2_dense"), page_size=4).traced
+    decode, prefill = traced.lower("decode").as_text(), traced.lower("prefill").as_text()
+    assert decode.count("tokenspeed.mla_decode_attention") == LAYERS
+    assert "tokenspeed.mla_attention." not in decode
+    assert prefill.count("tokenspeed.mla_attention") == LAYERS and "mla_decode_attention" not in prefill
+    assert decode.count("tokenspeed.write_latent") == prefill.count("tokenspeed.write_latent") == LAYERS
