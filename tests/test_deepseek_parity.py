@@ -3,12 +3,14 @@ chunked prefill across chunk boundaries, graphs and eager, prefix caching, preem
 and the latent cache's bytes per token. The ``*_moe`` variants need ``tokenspeed::moe``."""
 
 import pytest
+import torch
 
 import tokenspeed as ts
 from tokenspeed.ir import ops
+from tokenspeed.models.loader import load
 from tokenspeed.scheduling.prompt_limits import most_pages_held
 
-from deepseek_models import LAYERS, VARIANTS, checkpoint, hf_config, reference
+from deepseek_models import LAYERS, VARIANTS, checkpoint, hf_config, hf_model, reference
 from hf_models import make_prompts
 
 MAX_TOKENS = 10
@@ -93,3 +95,15 @@ def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_the
     assert "tokenspeed.mla_attention." not in decode
     assert prefill.count("tokenspeed.mla_attention") == LAYERS and "mla_decode_attention" not in prefill
     assert decode.count("tokenspeed.write_latent") == prefill.count("tokenspeed.write_latent") == LAYERS
+
+
+@pytest.mark.parametrize("variant", MOE)
+def test_experts_stored_one_by_one_load_into_the_stacked_weights(variant):
+    """transformers saves each routed expert's matrices apart; tokenspeed::moe reads them
+    stacked (as transformers 5 holds them in memory)."""
+    ours, theirs = load(checkpoint(variant)).model, hf_model(variant)[0].model
+    for layer in range(1, LAYERS):
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(ours.layers[layer].mlp.experts, name),
+                               getattr(theirs.layers[layer].mlp.experts, name)), (layer, name)
+        assert torch.equal(ours.layers[layer].mlp.gate.weight, theirs.layers[layer].mlp.gate.weight)
