@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tokenspeed as ts
+from tokenspeed.backends.mla import MlaAttentionBackend
 from tokenspeed.ir import ops
 from tokenspeed.models.loader import load
 from tokenspeed.scheduling.prompt_limits import most_pages_held
@@ -107,3 +108,17 @@ def test_experts_stored_one_by_one_load_into_the_stacked_weights(variant):
             assert torch.equal(getattr(ours.layers[layer].mlp.experts, name),
                                getattr(theirs.layers[layer].mlp.experts, name)), (layer, name)
         assert torch.equal(ours.layers[layer].mlp.gate.weight, theirs.layers[layer].mlp.gate.weight)
+
+
+def test_the_mla_leaf_serves_latent_caches_and_runs_prefill_attention_between_graphs():
+    compiled = ts.LLM(checkpoint("v2_dense"), page_size=4).compiled
+    assert isinstance(compiled.binding.backend, MlaAttentionBackend)
+    support = compiled.binding.backend.graph_support()
+    assert not support.prefill_attention and support.decode_graph
+    attention = [s for s in compiled.binding.lowered["prefill"].segments if s.name.endswith(".attention")]
+    assert len(attention) == LAYERS and all(s.kind == "break" for s in attention)
+
+
+def test_a_float8_latent_cache_is_refused_by_the_mla_leaf():
+    with pytest.raises(ValueError, match="an MLA cache cannot be float8"):
+        ts.LLM(checkpoint("v2_dense"), page_size=4, kv_cache_dtype="fp8")
