@@ -1,0 +1,29 @@
+"""The Triton absorbed MLA decode against the torch reference, under the interpreter on
+the CPU (TRITON_INTERPRET=1, set by tests/conftest.py)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tokenspeed.backends.kernels import mla_reference, triton_mla  # noqa: E402
+
+from test_mla_kernels import batch, queries  # noqa: E402
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), page_size=st.sampled_from([1, 4, 16]),
+       pad_rows=st.integers(0, 1), seed=st.integers(0, 2**16))
+def test_the_triton_decode_equals_the_reference(lengths, page_size, pad_rows, seed):
+    cache, tables, requests, positions, gen = batch(lengths, page_size, seed)
+    last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
+    requests = torch.cat([requests[last], torch.full((pad_rows,), len(lengths))])
+    positions = torch.cat([positions[last], torch.zeros(pad_rows, dtype=torch.long)])
+    q_nope, q_rope, w = queries(len(requests), gen)
+    args = (q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
+    torch.testing.assert_close(triton_mla.mla_decode_attention(*args), mla_reference.mla_decode_attention(*args),
+                               rtol=1e-4, atol=1e-5)

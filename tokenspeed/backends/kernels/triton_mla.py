@@ -1,0 +1,106 @@
+"""Triton latent-attention decode in the absorbed form: one query row per request, the
+key's up-projection already folded into the query (``q_latent = q_nope @ W_UK``, per
+head), attending the cached rows ``latent | rope key`` as one key head shared by every
+query head, the latents doubling as values. The value's up-projection is applied after
+(``mla_decode_attention``), so per key nothing is up-projected.
+
+One program takes one row and a block of its query heads, so each page is read once per
+block of heads (all of them, up to ``BLOCK_H``) and the heads fill the M side of
+``tl.dot``. The loop runs to the row's position, read on the device: nothing is read on
+the host, and the grid depends only on shapes, so the launch can be captured.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.mla_reference import UpProjection
+from tokenspeed.errors import InternalError
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 16
+
+
+@triton.jit
+def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, qk_scale,
+                            stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_or, stride_oh,
+                            stride_bt, stride_slot, HEADS, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r, p = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_P)
+    hmask, rmask, pmask = heads < HEADS, r < LATENT, p < ROPE
+    req = tl.load(req_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    q_lat = tl.load(ql_ptr + row * stride_qlr + heads[:, None] * stride_qlh + r[None, :],
+                    mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+    q_rope = tl.load(qr_ptr + row * stride_qrr + heads[:, None] * stride_qrh + p[None, :],
+                     mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start in range(0, pos + 1, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos <= pos
+        page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)
+        slot = (page * PAGE_SIZE + kpos % PAGE_SIZE) * stride_slot
+        lat = tl.load(cache_ptr + slot[:, None] + r[None, :], mask=kmask[:, None] & rmask[None, :],
+                      other=0.0).to(tl.float32)                                          # [N, R]
+        rope = tl.load(cache_ptr + slot[:, None] + LATENT + p[None, :], mask=kmask[:, None] & pmask[None, :],
+                       other=0.0).to(tl.float32)                                         # [N, P]
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+        s = (s + tl.dot(q_rope, tl.trans(rope), input_precision=PRECISION)) * qk_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        weights = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(weights, 1)
+        acc = acc * alpha[:, None] + tl.dot(weights, lat, input_precision=PRECISION)
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + r[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & rmask[None, :])
+
+
+def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
+                         kv_b_weight, scale):
+    """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``."""
+    up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
+    q_latent = torch.einsum("qhn,hnr->qhr", q_nope.float(), up.w_k)
+    attended = absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale)
+    return torch.einsum("qhr,hvr->qhv", attended, up.w_v).to(q_nope.dtype)
+
+
+def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale):
+    """``[rows, H, latent]`` float32: softmax(q_latent . latent + q_rope . rope key) over the
+    row's positions, times the latents."""
+    rows, heads, latent = q_latent.shape
+    _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions)
+    cache = kv_cache[layer, 0].flatten(0, 1)[:, 0]                          # [slots, latent + rope]
+    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    out = torch.empty_like(q_latent)
+    block_h = max(16, min(next_power_of_2(heads), 64))
+    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    if rows:
+        _absorbed_decode_kernel[(rows, triton.cdiv(heads, block_h))](
+            q_latent, q_rope, cache, block_tables, row_request, positions, out, scale * LOG2E,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), cache.stride(0), heads, LATENT=latent, ROPE=q_rope.shape[2],
+            PAGE_SIZE=kv_cache.shape[3], BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_R=max(16, next_power_of_2(latent)),
+            BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])), PRECISION=precision)
+    return out
+
+
+def _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions) -> None:
+    rows, heads, latent = q_latent.shape
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 1 or kv_cache.shape[4] != 1 or \
+            kv_cache.shape[5] != latent + q_rope.shape[2]:
+        raise InternalError(f"an MLA cache is [L, 1, pages, P, 1, {latent} + {q_rope.shape[2]}]; "
+                            f"got {tuple(kv_cache.shape)}")
+    if q_rope.shape[:2] != (rows, heads) or row_request.shape != (rows,) or positions.shape != (rows,):
+        raise InternalError(f"q_rope [{rows}, {heads}, rope], row_request and positions [{rows}]; got "
+                            f"{tuple(q_rope.shape)}, {tuple(row_request.shape)}, {tuple(positions.shape)}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise InternalError("block_tables must be a [R, M] table with contiguous rows")
