@@ -7,6 +7,7 @@ import torch
 
 import tokenspeed as ts
 from tokenspeed.backends.mla import MlaAttentionBackend
+from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.ir import ops
 from tokenspeed.models.loader import load
 from tokenspeed.scheduling.prompt_limits import most_pages_held
@@ -122,3 +123,34 @@ def test_the_mla_leaf_serves_latent_caches_and_runs_prefill_attention_between_gr
 def test_a_float8_latent_cache_is_refused_by_the_mla_leaf():
     with pytest.raises(ValueError, match="an MLA cache cannot be float8"):
         ts.LLM(checkpoint("v2_dense"), page_size=4, kv_cache_dtype="fp8")
+
+
+class TruthDrafts(PerRequestDrafts):
+    """Drafts of plain decoding's next three tokens, the last one wrong every other call:
+    windows kept whole and in part."""
+
+    def __init__(self, truth: list[list[int]]):
+        self.truth, self.calls = truth, 0
+
+    def propose(self, tokens, limit: int) -> tuple[int, ...]:
+        self.calls += 1
+        full = next(t for t in self.truth if t[:len(tokens)] == list(tokens))
+        drafts = list(full[len(tokens):len(tokens) + min(3, limit)])
+        if drafts and self.calls % 2:
+            drafts[-1] = 3 + (drafts[-1] + 1) % 300
+        return tuple(drafts)
+
+
+def test_speculative_windows_give_plain_decodings_tokens():
+    """Verify windows: several rows of one request attend the latents in the absorbed
+    form, each up to its own position, after all of them are written."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], make_prompts((23,), seed=5)[0]]
+    kw = dict(page_size=4, max_num_seqs=4)
+    plain = ts.LLM(checkpoint("v3_dense"), **kw)
+    speculative = ts.LLM(checkpoint("v3_dense"), speculative=ts.SpeculativeConfig(num_tokens=3, verify_cost=1.0), **kw)
+    params = ts.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = tokens(plain.generate(prompts, params, use_tqdm=False))
+    speculative.engine.drafter = TruthDrafts([p + list(w) for p, w in zip(prompts, want)])
+    got = speculative.generate(prompts, params, use_tqdm=False)
+    assert tokens(got) == want
+    assert all(o.metrics.mean_accept_length > 2 for o in got)

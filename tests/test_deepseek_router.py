@@ -81,3 +81,11 @@ def test_yarn_scales_the_softmax_by_mscale_all_dim_squared():
     assert config.mla.scale == pytest.approx((16 + 16) ** -0.5 * mscale ** 2)
     assert config.mla.yarn.attention_factor == pytest.approx(1.0)       # mscale == mscale_all_dim
     assert config.cache_row == (1, 1, 32 + 16)
+
+
+def test_the_gate_stays_float32_in_a_bfloat16_model():
+    from tokenspeed.models.loader import build
+    model = build(ModelConfig.from_hf(_config("v3_moe")), dtype=torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16

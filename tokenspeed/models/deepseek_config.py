@@ -87,7 +87,7 @@ def mla_config(hf: dict, arch: str, rope: dict) -> MlaConfig:
                      qk_nope_head_dim=nope, qk_rope_head_dim=rot, v_head_dim=_size(hf, "v_head_dim", 128),
                      attention_bias=bool(hf.get("attention_bias", False)),
                      rope_interleave=hf.get("rope_interleave", True) is not False,
-                     scale=(nope + rot) ** -0.5 * _mscale_all_dim(rope) ** 2, yarn=yarn)
+                     scale=(nope + rot) ** -0.5 * _mscale_all_dim(rope, yarn) ** 2, yarn=yarn)
 
 
 def _size(hf: dict, field: str, default: int) -> int:
@@ -130,11 +130,11 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _mscale_all_dim(rope: dict) -> float:
+def _mscale_all_dim(rope: dict, yarn: Yarn | None) -> float:
     """The softmax scale's YaRN factor (transformers' ``yarn_apply_mscale``)."""
-    if rope_type(rope) == "default" or not rope.get("mscale_all_dim"):
+    if yarn is None or not rope.get("mscale_all_dim"):
         return 1.0
-    return _mscale(rope["factor"], rope["mscale_all_dim"])
+    return _mscale(yarn.factor, rope["mscale_all_dim"])
 
 
 def moe_config(hf: dict, arch: str) -> DeepseekMoe:

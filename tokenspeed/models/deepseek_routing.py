@@ -24,6 +24,15 @@ class DeepseekRouter(nn.Module):
         if moe.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.n_routed_experts), requires_grad=False)
 
+    def _apply(self, fn, recurse=True):
+        """The gate and its bias stay float32 whatever the model is cast to, as transformers
+        keeps them (``_keep_in_fp32_modules_strict``): a bfloat16 gate routes some tokens
+        elsewhere. The checkpoint's values are copied in after the cast, at full precision."""
+        super()._apply(fn, recurse)
+        for param in self.parameters(recurse=False):
+            param.data = param.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(x.float(), self.weight.float())
         if self.moe.topk_method == "noaux_tc":
