@@ -2,6 +2,8 @@
 chunked prefill across chunk boundaries, graphs and eager, prefix caching, preemption;
 and the latent cache's bytes per token. The ``*_moe`` variants need ``tokenspeed::moe``."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -9,11 +11,12 @@ import tokenspeed as ts
 from tokenspeed.backends.mla import MlaAttentionBackend
 from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.ir import ops
+from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.loader import load
 from tokenspeed.scheduling.prompt_limits import most_pages_held
 
 from deepseek_models import LAYERS, VARIANTS, checkpoint, hf_config, hf_model, reference
-from hf_models import make_prompts
+from hf_models import edit_config, make_prompts, new_tmpdir
 
 MAX_TOKENS = 10
 LENGTHS = (1, 5, 40, 70, 32, 33)          # 70 > two chunks of 32; 32/33 at the edge
@@ -154,3 +157,13 @@ def test_speculative_windows_give_plain_decodings_tokens():
     got = speculative.generate(prompts, params, use_tqdm=False)
     assert tokens(got) == want
     assert all(o.metrics.mean_accept_length > 2 for o in got)
+
+
+def test_a_projection_of_another_shape_names_the_latent_fields_that_set_it():
+    """A kv_lora_rank edited by hand: the loader's error says which fields set kv_b_proj's columns."""
+    path = new_tmpdir("ts_ds_edited_")
+    shutil.copytree(checkpoint("v2_dense"), path, dirs_exist_ok=True)
+    edit_config(path, kv_lora_rank=40)
+    with pytest.raises(ModelFileError, match=r"kv_a_layernorm.weight: checkpoint shape \(32,\), model expects "
+                                             r"\(40,\) \(rows: kv_lora_rank=40\)"):
+        load(path)
