@@ -76,12 +76,12 @@ def test_no_row_reads_outside_its_requests_pages(lengths, page_size, pad_rows, s
         clean = kernel(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
         for r in range(len(lengths)):
             rows = (requests == r).nonzero().flatten()
-            poisoned = _poisoned(cache, tables, r, int(positions[rows].max()), page_size, gen)
+            poisoned = poisoned_cache(cache, tables, r, int(positions[rows].max()), page_size, gen)
             got = kernel(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3)
             assert torch.equal(got[rows], clean[rows]), (kernel.__name__, r)
 
 
-def _poisoned(cache, tables, request, last, page_size, gen):
+def poisoned_cache(cache, tables, request, last, page_size, gen):
     """``cache`` with every value request ``request``'s rows may not read changed."""
     poisoned = torch.full_like(cache, float("nan"))
     own = tables[request][tables[request] > 0].long()

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from tokenspeed.backends.kernels import mla_reference, triton_mla  # noqa: E402
 
-from test_mla_kernels import batch, queries  # noqa: E402
+from test_mla_kernels import poisoned_cache, batch, queries  # noqa: E402
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -27,3 +27,19 @@ def test_the_triton_decode_equals_the_reference(lengths, page_size, pad_rows, se
     args = (q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
     torch.testing.assert_close(triton_mla.mla_decode_attention(*args), mla_reference.mla_decode_attention(*args),
                                rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 30), min_size=2, max_size=3), page_size=st.sampled_from([1, 4]),
+       seed=st.integers(0, 2**16))
+def test_the_triton_decode_reads_only_its_requests_pages(lengths, page_size, seed):
+    """As the reference's property (test_mla_kernels): NaN everywhere a row may not read."""
+    cache, tables, requests, positions, gen = batch(lengths, page_size, seed)
+    last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
+    requests, positions = requests[last], positions[last]
+    q_nope, q_rope, w = queries(len(requests), gen)
+    clean = triton_mla.mla_decode_attention(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
+    for r in range(len(lengths)):
+        poisoned = poisoned_cache(cache, tables, r, int(positions[r]), page_size, gen)
+        got = triton_mla.mla_decode_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3)
+        assert torch.equal(got[r], clean[r]), r
