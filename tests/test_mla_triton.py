@@ -17,15 +17,16 @@ from test_mla_kernels import poisoned_cache, batch, queries  # noqa: E402
 
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), page_size=st.sampled_from([1, 4, 16]),
-       pad_rows=st.integers(0, 1), seed=st.integers(0, 2**16))
-def test_the_triton_decode_equals_the_reference(lengths, page_size, pad_rows, seed):
+       pad_rows=st.integers(0, 1), splits=st.sampled_from([None, 1, 3, 8]), seed=st.integers(0, 2**16))
+def test_the_triton_decode_equals_the_reference(lengths, page_size, pad_rows, splits, seed):
     cache, tables, requests, positions, gen = batch(lengths, page_size, seed)
     last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
     requests = torch.cat([requests[last], torch.full((pad_rows,), len(lengths))])
     positions = torch.cat([positions[last], torch.zeros(pad_rows, dtype=torch.long)])
     q_nope, q_rope, w = queries(len(requests), gen)
     args = (q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
-    torch.testing.assert_close(triton_mla.mla_decode_attention(*args), mla_reference.mla_decode_attention(*args),
+    torch.testing.assert_close(triton_mla.mla_decode_attention(*args, num_splits=splits),
+                               mla_reference.mla_decode_attention(*args),
                                rtol=1e-4, atol=1e-5)
 
 
@@ -38,8 +39,8 @@ def test_the_triton_decode_reads_only_its_requests_pages(lengths, page_size, see
     last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
     requests, positions = requests[last], positions[last]
     q_nope, q_rope, w = queries(len(requests), gen)
-    clean = triton_mla.mla_decode_attention(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
+    clean = triton_mla.mla_decode_attention(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3, 3)
     for r in range(len(lengths)):
         poisoned = poisoned_cache(cache, tables, r, int(positions[r]), page_size, gen)
-        got = triton_mla.mla_decode_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3)
+        got = triton_mla.mla_decode_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3, 3)
         assert torch.equal(got[r], clean[r]), r
