@@ -69,6 +69,8 @@ def _config(variant: str, **changes) -> dict:
     ("v3_moe", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "rope_type='llama3'"),
     ("v2_moe", dict(rope_interleave=False), "rope_interleave=False"),
     ("v3_moe", dict(kv_lora_rank="32"), "kv_lora_rank='32'"),
+    ("v3_moe", dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
+     "unsupported config quantization_config"),
 ])
 def test_a_field_that_would_change_the_result_is_refused_by_name(variant, changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):

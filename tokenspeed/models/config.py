@@ -125,6 +125,9 @@ class ModelConfig:
 def _deepseek(cls, hf: dict, arch: str) -> ModelConfig:
     """Latent attention: ``head_dim`` is the query/key head (nope + rope), as transformers'
     ``qk_head_dim``; the rotary's settings live in ``mla`` (YaRN among them)."""
+    if hf.get("quantization_config"):
+        raise _unsupported("quantization_config", hf["quantization_config"], "DeepSeek loads 16-bit and "
+                           "float32 weights only (the latent attention reads kv_b_proj's weight as stored)")
     mla = mla_config(hf, arch, _rope_parameters(hf))
     return cls(
         architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],

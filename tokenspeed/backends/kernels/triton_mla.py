@@ -131,7 +131,7 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
         cache.stride(0), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2], PAGE_SIZE=kv_cache.shape[3],
         NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_R=max(16, next_power_of_2(latent)),
         BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])), PRECISION=precision,
-        num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 64 KiB at 16 x 512
+        num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
     _combine_kernel[(rows, heads)](
         mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), HEADS=heads, LATENT=latent,
         NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits), BLOCK_R=max(16, next_power_of_2(latent)))
