@@ -44,3 +44,15 @@ def test_the_triton_decode_reads_only_its_requests_pages(lengths, page_size, see
         poisoned = poisoned_cache(cache, tables, r, int(positions[r]), page_size, gen)
         got = triton_mla.mla_decode_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3, 3)
         assert torch.equal(got[r], clean[r]), r
+
+
+def test_a_bfloat16_model_decodes_within_bfloat16_rounding():
+    """The queries up-projected in the weight's dtype (bfloat16), scores and softmax float32."""
+    cache, tables, requests, positions, gen = batch([37, 5], 4, seed=3)
+    last = torch.tensor([36, 41])
+    q_nope, q_rope, w = queries(2, gen)
+    args = (q_nope.bfloat16(), q_rope.bfloat16(), cache.bfloat16(), 1, tables, requests[last], positions[last],
+            w.bfloat16(), 0.3)
+    got = triton_mla.mla_decode_attention(*args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), mla_reference.mla_decode_attention(*args).float(), rtol=3e-2, atol=3e-2)

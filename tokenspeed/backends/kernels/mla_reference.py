@@ -60,15 +60,17 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
 
 class UpProjection:
     """``kv_b_weight [H * (nope + v), latent]`` as per-head key (``w_k [H, nope, latent]``)
-    and value (``w_v [H, v, latent]``) up-projections, float32."""
+    and value (``w_v [H, v, latent]``) up-projections, float32 (``as_stored``: views of
+    the weight in its own dtype, no copy)."""
 
     def __init__(self, w_k: torch.Tensor, w_v: torch.Tensor):
         self.w_k, self.w_v = w_k, w_v
         self.v_dim, self.latent = w_v.shape[1], w_v.shape[2]
 
     @classmethod
-    def of(cls, kv_b_weight: torch.Tensor, heads: int, nope: int) -> "UpProjection":
-        per_head = kv_b_weight.float().view(heads, -1, kv_b_weight.shape[1])
+    def of(cls, kv_b_weight: torch.Tensor, heads: int, nope: int, as_stored: bool = False) -> "UpProjection":
+        weight = kv_b_weight if as_stored else kv_b_weight.float()
+        per_head = weight.view(heads, -1, kv_b_weight.shape[1])
         return cls(per_head[:, :nope], per_head[:, nope:])
 
 

@@ -98,8 +98,9 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_
 def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
                          kv_b_weight, scale, num_splits: int | None = None):
     """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``."""
-    up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2])
-    q_latent = torch.einsum("qhn,hnr->qhr", q_nope.float(), up.w_k)
+    up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2], as_stored=True)
+    q_latent = torch.einsum("qhn,hnr->qhr", q_nope.to(up.w_k.dtype), up.w_k)   # in the weight's dtype, as
+    # transformers' kv_b_proj: a float32 copy of the weight would be read and written every step
     attended = absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
                                num_splits)
     return torch.einsum("qhr,hvr->qhv", attended, up.w_v).to(q_nope.dtype)
@@ -107,7 +108,7 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
 
 def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
                     num_splits: int | None = None):
-    """``[rows, H, latent]`` float32: softmax(q_latent . latent + q_rope . rope key) over the
+    """``[rows, H, latent]`` in ``q_latent``'s dtype: softmax(q_latent . latent + q_rope . rope key) over the
     row's positions, times the latents. ``num_splits``: the key splits per row (default:
     from the rows, rounded up to a power of two as a ladder's rungs are, and the longest
     context the table allows, as ``triton_decode`` chooses them)."""
