@@ -9,6 +9,8 @@ import torch
 
 import tokenspeed as ts
 from tokenspeed.backends.mla import MlaAttentionBackend
+from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.backends.pool_geometry import PoolGeometry
 from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.ir import ops
 from tokenspeed.models.errors import ModelFileError
@@ -167,3 +169,15 @@ def test_a_projection_of_another_shape_names_the_latent_fields_that_set_it():
     with pytest.raises(ModelFileError, match=r"kv_a_layernorm.weight: checkpoint shape \(32,\), model expects "
                                              r"\(40,\) \(rows: kv_lora_rank=40\)"):
         load(path)
+
+
+def test_a_pool_of_the_other_layout_is_refused_before_anything_is_built():
+    latent = PoolGeometry(3, 4, 1, 48, torch.float32, "cpu", parts=1)
+    MlaAttentionBackend().check_pool(latent, torch.zeros(latent.shape(5)))
+    with pytest.raises(ValueError, match=r"parts 2 \(expected 1\)"):
+        MlaAttentionBackend().check_pool(latent, torch.zeros(3, 2, 5, 4, 1, 48))
+    keys_values = PoolGeometry(3, 4, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="the MLA backend reads one latent row per token"):
+        MlaAttentionBackend().check_pool(keys_values, torch.zeros(keys_values.shape(5)))
+    with pytest.raises(ValueError, match=r"parts 1 \(expected 2\)"):
+        PagedAttentionBackend().check_pool(keys_values, torch.zeros(3, 1, 5, 4, 2, 16))
