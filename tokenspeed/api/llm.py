@@ -72,6 +72,8 @@ class LLM:
         tokenizer = model_source.resolved(tokenizer)
         self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading
         size_torch_threads()
+        # the workers start before the model (and so its leaf) is known: they compile the paged
+        # leaf's variants, a superset of what a latent-attention model captures
         wanted = config.graph_support((backend or PagedAttentionBackend()).graph_support())
         with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
             reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
