@@ -91,3 +91,13 @@ def test_the_gate_stays_float32_in_a_bfloat16_model():
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("variant", ["v2_moe", "v3_moe"])
+def test_absent_routing_fields_take_transformers_defaults(variant):
+    """A config.json without the routing fields reads as transformers' config class fills them."""
+    full = hf_config(variant).__class__(num_experts_per_tok=6).to_dict()
+    kept = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_experts_per_tok", "n_group", "topk_group")
+    sparse = {k: v for k, v in full.items() if k in kept and v is not None}
+    assert ModelConfig.from_hf(sparse).deepseek_moe == ModelConfig.from_hf(full).deepseek_moe

@@ -6,6 +6,7 @@ Where transformers' DeepSeek ignores a field that DeepSeek's own code reads (V2'
 the result under either reading is refused by name: the checkpoint is ambiguous.
 """
 
+import functools
 import math
 
 import attrs
@@ -14,6 +15,12 @@ DEEPSEEK_V2, DEEPSEEK_V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 TOPK_METHODS = {DEEPSEEK_V2: ("greedy", "group_limited_greedy"), DEEPSEEK_V3: ("noaux_tc",)}
 SCORING = {DEEPSEEK_V2: "softmax", DEEPSEEK_V3: "sigmoid"}
 ROPE_TYPES = ("default", "yarn")
+MOE_DEFAULTS = {   # transformers' DeepseekV2Config / DeepseekV3Config (None: no default, required)
+    DEEPSEEK_V2: dict(n_routed_experts=64, num_experts_per_tok=None, moe_intermediate_size=1407, n_shared_experts=2,
+                      first_k_dense_replace=0, routed_scaling_factor=1.0, n_group=None, topk_group=None),
+    DEEPSEEK_V3: dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                      first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=8, topk_group=4),
+}
 RMS_EPS = 1e-6   # transformers builds q_a_layernorm and kv_a_layernorm with the default eps
 
 
@@ -138,26 +145,39 @@ def _mscale_all_dim(rope: dict, yarn: Yarn | None) -> float:
 
 
 def moe_config(hf: dict, arch: str) -> DeepseekMoe:
-    n_experts = _size(hf, "n_routed_experts", 64 if arch == DEEPSEEK_V2 else 256)
+    """Absent fields take transformers' defaults for ``arch`` (``MOE_DEFAULTS``)."""
     method = _topk_method(hf, arch)
     _check_v2_routing(hf, arch)
-    freq = hf.get("moe_layer_freq", 1)
-    if freq != 1:
-        raise _unsupported("moe_layer_freq", freq, "transformers makes every layer from first_k_dense_replace "
-                                                   "on a mixture (1 only)")
-    grouped = method != "greedy"
-    n_group = _size(hf, "n_group", 8) if grouped else 1
-    topk_group = _size(hf, "topk_group", 4) if grouped else 1
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise _unsupported("moe_layer_freq", hf["moe_layer_freq"], "transformers makes every layer from "
+                                                                  "first_k_dense_replace on a mixture (1 only)")
+    field = functools.partial(_moe_field, hf, arch)
+    n_experts = _size(hf, "n_routed_experts", field("n_routed_experts"))
+    n_group, topk_group = _groups(hf, arch, method, n_experts)
+    return DeepseekMoe(n_routed_experts=n_experts, num_experts_per_tok=_size(hf, "num_experts_per_tok",
+                                                                             field("num_experts_per_tok")),
+                       moe_intermediate_size=_size(hf, "moe_intermediate_size", field("moe_intermediate_size")),
+                       n_shared_experts=field("n_shared_experts") or 0,
+                       first_k_dense_replace=field("first_k_dense_replace") or 0, topk_method=method,
+                       n_group=n_group, topk_group=topk_group,
+                       norm_topk_prob=arch == DEEPSEEK_V3 and bool(hf.get("norm_topk_prob", True)),
+                       routed_scaling_factor=float(field("routed_scaling_factor")))
+
+
+def _moe_field(hf: dict, arch: str, name: str):
+    return hf[name] if name in hf else MOE_DEFAULTS[arch][name]
+
+
+def _groups(hf: dict, arch: str, method: str, n_experts: int) -> tuple[int, int]:
+    """(n_group, topk_group): one group of every expert for plain top-k."""
+    if method == "greedy":
+        return 1, 1
+    n_group = _size(hf, "n_group", _moe_field(hf, arch, "n_group"))
+    topk_group = _size(hf, "topk_group", _moe_field(hf, arch, "topk_group"))
     if n_experts % n_group or topk_group > n_group:
         raise ValueError(f"config n_group={n_group}, topk_group={topk_group} do not fit n_routed_experts="
                          f"{n_experts}: expected a divisor of the experts and topk_group <= n_group")
-    return DeepseekMoe(n_routed_experts=n_experts, num_experts_per_tok=_size(hf, "num_experts_per_tok", 8),
-                       moe_intermediate_size=_size(hf, "moe_intermediate_size", 1407),
-                       n_shared_experts=hf.get("n_shared_experts") or 0,
-                       first_k_dense_replace=hf.get("first_k_dense_replace") or 0, topk_method=method,
-                       n_group=n_group, topk_group=topk_group,
-                       norm_topk_prob=arch == DEEPSEEK_V3 and bool(hf.get("norm_topk_prob", True)),
-                       routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+    return n_group, topk_group
 
 
 def _topk_method(hf: dict, arch: str) -> str:
