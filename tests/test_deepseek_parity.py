@@ -19,6 +19,7 @@ from tokenspeed.scheduling.prompt_limits import most_pages_held
 
 from deepseek_models import LAYERS, VARIANTS, checkpoint, hf_config, hf_model, reference
 from hf_models import edit_config, make_prompts, new_tmpdir
+from test_hf_parity import Recorder
 
 MAX_TOKENS = 10
 LENGTHS = (1, 5, 40, 70, 32, 33)          # 70 > two chunks of 32; 32/33 at the edge
@@ -47,7 +48,11 @@ def chunked_engine(variant, **kw):
 @pytest.mark.parametrize("variant", DENSE)
 def test_chunked_prefill_matches_transformers(variant, enforce_eager):
     llm = chunked_engine(variant, enforce_eager=enforce_eager)
+    recorder = Recorder(llm)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(variant)
+    assert any(start > 0 for batch in recorder.extend_batches for n, start, _ in batch if n > 1), \
+        "the 70-token prompt was never chunked"
+    assert all(sum(n for n, _, _ in batch) <= 32 for batch in recorder.extend_batches)
 
 
 @needs_moe
