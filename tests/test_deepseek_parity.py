@@ -44,10 +44,12 @@ def chunked_engine(variant, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-@pytest.mark.parametrize("variant", DENSE)
-def test_chunked_prefill_matches_transformers(variant, enforce_eager):
-    llm = chunked_engine(variant, enforce_eager=enforce_eager)
+@pytest.mark.parametrize("variant, graphs", [(v, False) for v in DENSE] + [("v2_dense", True), ("v3_dense", True)],
+                         ids=lambda x: {False: "eager", True: "graphs"}.get(x, x))
+def test_chunked_prefill_matches_transformers(variant, graphs):
+    """``graphs``: the CPU stand-in's captured segments (decode with the absorbed form inside)."""
+    llm = chunked_engine(variant, graphs=graphs)
+    assert bool(llm.compiled.decode.graphs) == graphs
     recorder = Recorder(llm)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(variant)
     assert any(start > 0 for batch in recorder.extend_batches for n, start, _ in batch if n > 1), \
