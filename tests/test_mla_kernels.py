@@ -52,7 +52,8 @@ def test_both_forms_equal_multi_head_attention_over_the_expanded_latents(lengths
     q_nope, q_rope, w = queries(len(requests), gen)
     got = mla_attention(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
     last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
-    decoded = mla_decode_attention(q_nope[last], q_rope[last], cache, 1, tables, requests[last], positions[last], w, 0.3)
+    decoded = mla_decode_attention(q_nope[last], q_rope[last], cache, 1, tables, requests[last], positions[last],
+                                   w, 0.3)
     for row in range(len(requests)):
         want = expanded_attention(q_nope[row], q_rope[row], cache, tables[requests[row]], int(positions[row]), w,
                                   page_size)
