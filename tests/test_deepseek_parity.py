@@ -22,7 +22,7 @@ from hf_models import edit_config, make_prompts, new_tmpdir
 from test_hf_parity import Recorder
 
 MAX_TOKENS = 10
-LENGTHS = (1, 5, 40, 70, 32, 33)          # 70 > two chunks of 32; 32/33 at the edge
+LENGTHS = (1, 5, 70, 33)          # 70 spans three chunks of 32, 33 ends one past a chunk
 PROMPTS = make_prompts(LENGTHS, seed=11)
 GREEDY = ts.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 DENSE = sorted(v for v in VARIANTS if v.endswith("_dense"))
@@ -78,14 +78,16 @@ def test_a_cached_prefix_changes_no_token(variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["v2_dense", "v3_dense"])
 def test_preempted_requests_recompute_their_latents(variant, monkeypatch):
-    longest = max(LENGTHS) + MAX_TOKENS
+    """More requests than the pool holds at full length: some are preempted mid-generation."""
+    prompts = make_prompts((1, 5, 40, 70, 32, 33), seed=11)
+    longest = 70 + MAX_TOKENS
     num_kv_pages = most_pages_held(longest, 4) + 1
     llm = ts.LLM(checkpoint(variant), page_size=4, num_kv_pages=num_kv_pages, max_num_seqs=6,
                  max_num_batched_tokens=64)
     scheduler, preempted = llm.engine.scheduler, []
     original = scheduler._preempt
     monkeypatch.setattr(scheduler, "_preempt", lambda r: (preempted.append(len(r.output)), original(r))[1])
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected(variant)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected(variant, prompts)
     assert any(n > 0 for n in preempted), f"no request was preempted mid-generation: {preempted}"
     assert scheduler.allocator.num_free == num_kv_pages - 1
 

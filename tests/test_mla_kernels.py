@@ -44,7 +44,7 @@ def expanded_attention(q_nope, q_rope, cache, table, position, w, page_size):
     return torch.einsum("hl,lhv->hv", scores.softmax(-1), kv[..., NOPE:])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4), page_size=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 2**16))
 def test_both_forms_equal_multi_head_attention_over_the_expanded_latents(lengths, page_size, seed):
@@ -61,7 +61,7 @@ def test_both_forms_equal_multi_head_attention_over_the_expanded_latents(lengths
     torch.testing.assert_close(decoded, got[last], rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4), page_size=st.sampled_from([1, 4, 16]),
        pad_rows=st.integers(0, 2), seed=st.integers(0, 2**16))
 def test_no_row_reads_outside_its_requests_pages(lengths, page_size, pad_rows, seed):
