@@ -119,8 +119,8 @@ def test_experts_stored_one_by_one_load_into_the_stacked_weights(variant):
     stacked (as transformers 5 holds them in memory)."""
     ours, theirs = load(checkpoint(variant)).model, hf_model(variant)[0].model
     for layer in range(1, LAYERS):
-        for name in ("gate_up_proj", "down_proj"):
-            assert torch.equal(getattr(ours.layers[layer].mlp.experts, name),
+        for ours_name, name in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            assert torch.equal(getattr(ours.layers[layer].mlp.experts, ours_name),
                                getattr(theirs.layers[layer].mlp.experts, name)), (layer, name)
         assert torch.equal(ours.layers[layer].mlp.gate.weight, theirs.layers[layer].mlp.gate.weight)
 

@@ -10,7 +10,7 @@ import attrs
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
 from tokenspeed.models.config_values import check_values
 from tokenspeed.models.deepseek_config import (DEEPSEEK_V2, DEEPSEEK_V3, DeepseekMoe, MlaConfig, mla_config,
-                                               moe_config)
+                                               deepseek_moe_config)
 from tokenspeed.models.fp8_scheme import fp8_scheme
 
 DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
@@ -136,7 +136,7 @@ def _deepseek(cls, hf: dict, arch: str) -> ModelConfig:
         head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(hf), max_position_embeddings=_max_positions(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(hf),
-        mla=mla, deepseek_moe=moe_config(hf, arch))
+        mla=mla, deepseek_moe=deepseek_moe_config(hf, arch))
 
 
 def architecture(hf: dict) -> str:

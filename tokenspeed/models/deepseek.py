@@ -64,14 +64,14 @@ class DeepseekMLP(nn.Module):
 
 
 class DeepseekExperts(nn.Module):
-    """Every routed expert's weights stacked as ``tokenspeed::moe`` reads them (and as
-    transformers 5 holds them): ``gate_up_proj [E, 2 * I, H]`` (gate rows first),
-    ``down_proj [E, H, I]``."""
+    """Every routed expert's weights stacked as ``tokenspeed::moe`` reads them (transformers
+    5's ``gate_up_proj`` and ``down_proj``): ``w13 [E, 2 * I, H]`` (gate rows first),
+    ``w2 [E, H, I]``."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
 class DeepseekMoeLayer(nn.Module):
@@ -88,7 +88,7 @@ class DeepseekMoeLayer(nn.Module):
 
     def forward(self, x):
         weights, ids = self.gate(x)
-        out = ops.moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = ops.moe(x, self.experts.w13, self.experts.w2, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

@@ -144,7 +144,7 @@ def _mscale_all_dim(rope: dict, yarn: Yarn | None) -> float:
     return _mscale(yarn.factor, rope["mscale_all_dim"])
 
 
-def moe_config(hf: dict, arch: str) -> DeepseekMoe:
+def deepseek_moe_config(hf: dict, arch: str) -> DeepseekMoe:
     """Absent fields take transformers' defaults for ``arch`` (``MOE_DEFAULTS``)."""
     method = _topk_method(hf, arch)
     _check_v2_routing(hf, arch)

@@ -1,10 +1,9 @@
 """Routed experts stored one by one (``...experts.{e}.gate_proj.weight``, as transformers
 saves DeepSeek checkpoints) loaded into the stacked weights ``tokenspeed::moe`` reads:
-``experts.gate_up_proj [E, 2 * I, H]`` (gate rows, then up) and ``experts.down_proj
-[E, H, I]``. A checkpoint that stores them stacked loads by name.
+``experts.w13 [E, 2 * I, H]`` (gate rows, then up) and ``experts.w2 [E, H, I]``.
 
 Each stored expert matrix is one part of a stacked parameter, named ``param#e.part``
-(``...experts.gate_up_proj#3.up_proj``), so the loader can tell which are missing.
+(``...experts.w13#3.up_proj``), so the loader can tell which are missing.
 """
 
 import re
@@ -12,8 +11,8 @@ import re
 import torch
 
 STORED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
-STACKED_BY_PART = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-PARTS_OF = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+STACKED_BY_PART = {"gate_proj": "w13", "up_proj": "w13", "down_proj": "w2"}
+PARTS_OF = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
 
 
 def expert_part(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
@@ -27,7 +26,7 @@ def expert_part(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.
         return None
     expert, part = int(found["expert"]), found["part"]
     rows = params[stacked][expert]
-    if part != "down_proj":
+    if stacked.endswith(".w13"):
         rows = rows.chunk(2, dim=0)[part == "up_proj"]
     return f"{stacked}#{expert}.{part}", rows
 
@@ -41,7 +40,7 @@ def part_keys(name: str, param: torch.Tensor) -> list[str]:
 
 
 def stored_name(key: str) -> str:
-    """``...experts.gate_up_proj#3.up_proj`` -> ``...experts.3.up_proj.weight``."""
+    """``...experts.w13#3.up_proj`` -> ``...experts.3.up_proj.weight``."""
     stacked, _, rest = key.partition("#")
     expert, _, part = rest.partition(".")
     return f"{stacked.rpartition('.')[0]}.{expert}.{part}.weight"
