@@ -90,7 +90,7 @@ def test_the_gate_stays_float32_in_a_bfloat16_model():
     model = build(ModelConfig.from_hf(_config("v3_moe")), dtype=torch.bfloat16)
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
-    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.experts.w13.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("variant", ["v2_moe", "v3_moe"])
