@@ -113,10 +113,12 @@ def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_the
     assert decode.count("tokenspeed.write_latent") == prefill.count("tokenspeed.write_latent") == LAYERS
 
 
+@needs_moe
 @pytest.mark.parametrize("variant", MOE)
 def test_experts_stored_one_by_one_load_into_the_stacked_weights(variant):
     """transformers saves each routed expert's matrices apart; tokenspeed::moe reads them
-    stacked (as transformers 5 holds them in memory)."""
+    stacked (as transformers 5 holds them in memory). The loading is the mixtures' own
+    (``models.moe_checkpoint``, with the op on branch i34moe)."""
     ours, theirs = load(checkpoint(variant)).model, hf_model(variant)[0].model
     for layer in range(1, LAYERS):
         for ours_name, name in (("w13", "gate_up_proj"), ("w2", "down_proj")):

@@ -15,7 +15,6 @@ from tokenspeed.models.config import DEEPSEEK, ModelConfig
 from tokenspeed.models.deepseek import DeepseekForCausalLM
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
 from tokenspeed.models.errors import ModelFileError
-from tokenspeed.models.expert_checkpoint import expert_part, part_keys, stored_name
 from tokenspeed.models.fp8_checkpoint import fitted_scale, fp8_layers, kv_scale_entry, part_rows, swap_fp8_layers
 from tokenspeed.models.kv_scales import kv_scales, set_kv_scales
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
@@ -150,21 +149,12 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
             _copy(params[own], tensor, name, model.config)
             loaded.add(own)
             return
-    expert = expert_part(params, name)
-    if expert is not None:   # one routed expert's matrix, into its slice of the stacked experts
-        _copy(expert[1], tensor, name, model.config)
-        loaded.add(expert[0])
-        return
     unexpected.append(name)
 
 
 def _check_complete(model, loaded: set, unexpected: list) -> None:
     expected = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        experts = part_keys(name, param)
-        if experts:
-            expected.update(experts if name not in loaded else [name])
-            continue
+    for name, _ in model.named_parameters(remove_duplicate=False):
         stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
         parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
         expected.update([f"{name}#{i}" for i in range(parts)] if parts else [name])
@@ -186,8 +176,6 @@ def _checkpoint_name(expected: str) -> str:
     """``...qkv_proj.weight#1`` -> ``...k_proj.weight``: name missing tensors as stored."""
     if "#" not in expected:
         return expected
-    if ".experts." in expected:
-        return stored_name(expected)
     name, index = expected.split("#")
     part = next(p for p, (s, i) in STACKED.items() if f".{s}." in name and i == int(index))
     stacked = STACKED[part][0]
