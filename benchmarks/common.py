@@ -31,6 +31,19 @@ SHAPES = {
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     },
+    "deepseek-v2-lite": {   # latent attention (512 + 64 cached per token and layer), 64 experts + 2 shared
+        "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "eos_token_id": 100001,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                            "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                            "original_max_position_embeddings": 4096},
+    },
 }
 
 
@@ -40,7 +53,8 @@ def hf_model(shape: str, dtype=torch.bfloat16, device="cuda"):
     cfg = dict(SHAPES[shape])
     arch = cfg.pop("architectures")[0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
-                  "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
+                  "Qwen2ForCausalLM": transformers.Qwen2Config,
+                  "DeepseekV2ForCausalLM": transformers.DeepseekV2Config}[arch]
     config = config_cls(**cfg)
     torch.manual_seed(0)
     with torch.device(device):
@@ -80,7 +94,10 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes(config, batch: int, context: int, element_size: int = 2) -> int:
-    return 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * element_size
+    """Cache bytes ``batch`` sequences of ``context`` tokens hold: keys and values per KV head,
+    or one latent row per token and layer (``ModelConfig.cache_row``)."""
+    parts, heads, values = config.cache_row
+    return parts * config.num_layers * batch * context * heads * values * element_size
 
 
 def gpu_time(fn, iters: int = 10, warmup: int = 2) -> float:

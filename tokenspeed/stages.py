@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from tokenspeed.backends.kernels.precompile import CompileWorkers
-from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.backends.mla import backend_for
 from tokenspeed.backends.pool_geometry import PoolGeometry
 from tokenspeed.backends.support import CudaGraphSupport, walk
 from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
@@ -131,14 +131,15 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     """Bind a KV pool, build both runners and capture every graph, once (twice when the pool
     is sized by ``gpu_memory_utilization``: a probe pool first, see ``runtime.kv_pool``).
 
-    ``backend``: the backend tree (default: paged attention); lower decode with its
-    ``graph_support().decode_graph``. ``workers``: kernel compile processes the caller
-    started early (``ts.LLM`` starts them before tracing, so their imports overlap it).
+    ``backend``: the backend tree (default: the leaf the model's caches need,
+    ``backends.mla.backend_for``); lower decode with its ``graph_support().decode_graph``.
+    ``workers``: kernel compile processes the caller started early (``ts.LLM`` starts them
+    before tracing, so their imports overlap it).
     ``verify``: speculative decoding's third runner over the same pool (:class:`Verification`).
     ``companion_page_bytes``: a page of another pool to be bound with as many pages as this
     one, whose consumer keeps every page of a request (a draft model's): the budget pays for
     both, and pools are sized for whole contexts."""
-    backend = backend or PagedAttentionBackend()
+    backend = backend or backend_for(decode.config)
     _check_prefill_attention(prefill, backend.graph_support())
     limits = config.resolve(decode.config)
     # the activations' dtype: a weight kept in GGUF blocks is uint8

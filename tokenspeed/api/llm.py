@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
+from tokenspeed.backends.mla import backend_for
 from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.api import model_source
 from tokenspeed.api.chat_messages import conversations, template_messages
@@ -71,13 +72,15 @@ class LLM:
         tokenizer = model_source.resolved(tokenizer)
         self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading
         size_torch_threads()
-        backend = backend or PagedAttentionBackend()
-        wanted = config.graph_support(backend.graph_support())
+        # the workers start before the model (and so its leaf) is known: they compile the paged
+        # leaf's variants, a superset of what a latent-attention model captures
+        wanted = config.graph_support((backend or PagedAttentionBackend()).graph_support())
         with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
             reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
             self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader,
                                                quantization)
             self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
+            backend = backend or backend_for(self.model.config)
             self.traced = stages.trace(self.model)
             draft = None
             if speculative is not None and speculative.method == "draft":

@@ -7,28 +7,31 @@ import torch
 
 @attrs.frozen
 class PoolGeometry:
-    """``kv_cache[layer, 0 | 1, page, offset, kv_head, head_dim]`` of ``dtype`` on ``device``."""
+    """``kv_cache[layer, part, page, offset, kv_head, head_dim]`` of ``dtype`` on ``device``:
+    ``parts`` 2 (keys, values) or 1 (a latent-attention row, one head of latent + rope)."""
     num_layers: int
     page_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device = attrs.field(converter=lambda d: _indexed(torch.device(d)))
+    parts: int = 2
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> "PoolGeometry":
-        if pool.dim() != 6 or pool.shape[1] != 2:
-            raise ValueError(f"a KV pool is [layers, 2, pages, page_size, kv_heads, head_dim]; got "
-                             f"shape {tuple(pool.shape)}")
-        layers, _, _, page_size, kv_heads, head_dim = pool.shape
-        return cls(layers, page_size, kv_heads, head_dim, pool.dtype, pool.device)
+        if pool.dim() != 6 or pool.shape[1] not in (1, 2):
+            raise ValueError(f"a KV pool is [layers, 2 (or 1: latents), pages, page_size, kv_heads, head_dim]; "
+                             f"got shape {tuple(pool.shape)}")
+        layers, parts, _, page_size, kv_heads, head_dim = pool.shape
+        return cls(layers, page_size, kv_heads, head_dim, pool.dtype, pool.device, parts)
 
     def shape(self, num_pages: int) -> torch.Size:
-        return torch.Size((self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim))
+        return torch.Size((self.num_layers, self.parts, num_pages, self.page_size, self.num_kv_heads,
+                           self.head_dim))
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across every layer, keys and values."""
+        """Bytes of one page across every layer, keys and values (or latents)."""
         return self.shape(1).numel() * torch.empty((), dtype=self.dtype).element_size()
 
     def differences(self, other: "PoolGeometry") -> list[str]:

@@ -24,8 +24,8 @@ GIB = 2**30
 
 
 def geometry_for(model_config, page_size: int, dtype, device) -> PoolGeometry:
-    return PoolGeometry(rows_per_page(model_config.cache_groups), page_size, model_config.num_kv_heads,
-                        model_config.head_dim, dtype, device)
+    parts, heads, values = model_config.cache_row
+    return PoolGeometry(rows_per_page(model_config.cache_groups), page_size, heads, values, dtype, device, parts)
 
 
 def allocate(geometry: PoolGeometry, num_pages: int) -> torch.Tensor:

@@ -14,6 +14,12 @@ take the layer's ``k_scale`` and ``v_scale``: a float8 cache stores ``k / k_scal
 reads back ``stored * k_scale`` (``backends.kernels.kv_fp8``); another dtype ignores
 them. Models pass them as keywords, so the IR names them. A ``cos_sin`` table is
 ``cat(cos, sin)`` of every position's rotary angles (``tokenspeed.ir.rope``).
+
+A latent-attention (MLA) model's cache has one part and one head,
+``kv_cache[layer, 0, page, offset, 0, :]`` = a token's latent then its rotated rope key:
+``write_latent`` stores it and ``mla_attention`` reads it (``mla_decode_attention``, its
+decode form), up-projecting through the layer's ``kv_b_weight`` ``[heads * (nope + v),
+latent]`` (per head: the key's nope rows, then the value's).
 """
 
 import torch
@@ -77,6 +83,34 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
                      window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """``attention`` restricted to one row per request: what decode lowering selects."""
     return torch.empty_like(q)
+
+
+@_op("write_latent", mutates_args=("kv_cache",))
+def write_latent(latent: torch.Tensor, k_rope: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                 slot_mapping: torch.Tensor) -> None:
+    """Store a layer's normed latents ``[rows, latent]`` and rotated rope keys ``[rows, rope]``."""
+    return None
+
+
+@_op("mla_attention")
+def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                  block_tables: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor,
+                  kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """Latent attention of rows ``q_nope [rows, H, nope]``, ``q_rope [rows, H, rope]`` (as
+    ``attention``: row r causally over request ``row_request[r]``'s positions up to
+    ``positions[r]``); ``[rows, H, v]``. Keys and values expanded from the latents."""
+    heads, v_dim = q_nope.shape[1], kv_b_weight.shape[0] // q_nope.shape[1] - q_nope.shape[2]
+    return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
+
+
+@_op("mla_decode_attention")
+def mla_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                         block_tables: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor,
+                         kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """``mla_attention`` of one row per request in the absorbed form: the key's
+    up-projection folded into the query, the value's applied after attending the latents."""
+    heads, v_dim = q_nope.shape[1], kv_b_weight.shape[0] // q_nope.shape[1] - q_nope.shape[2]
+    return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
 
 
 @_op("silu_and_mul")
@@ -169,10 +203,15 @@ ATTENTION = OPS.attention.default
 EXTEND_ATTENTION = OPS.extend_attention.default
 DECODE_ATTENTION = OPS.decode_attention.default
 ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
-ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION)
+MLA_ATTENTION = OPS.mla_attention.default
+MLA_DECODE_ATTENTION = OPS.mla_decode_attention.default
+ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION,
+                     OPS.mla_attention, MLA_ATTENTION, MLA_DECODE_ATTENTION)
 ROPE_WRITE_KV = OPS.rope_write_kv.default
 MOE = OPS.moe.default
-WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV)   # the ops that write the cache (and need every row)
+WRITE_LATENT = OPS.write_latent.default
+WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT)   # the ops that
+# write the cache (and need every row)
 OP_NAMES = ("write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
             "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "moe")
+            "norm_linear", "embedding", "moe", "write_latent", "mla_attention", "mla_decode_attention")

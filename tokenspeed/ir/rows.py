@@ -19,8 +19,8 @@ PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE, PROBE_TILES = 3, 
 def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Small inputs of the traced signature, with ``rows`` token rows."""
     g = len(config.cache_groups)
-    cache = (rows_per_page(config.cache_groups), 2, PROBE_PAGES, PROBE_PAGE_SIZE, config.num_kv_heads,
-             config.head_dim)
+    parts, heads, values = config.cache_row
+    cache = (rows_per_page(config.cache_groups), parts, PROBE_PAGES, PROBE_PAGE_SIZE, heads, values)
     long = dict(dtype=torch.int64, device=device)
     return {
         "kv_cache": torch.zeros(cache, dtype=dtype, device=device),

@@ -9,13 +9,17 @@ import attrs
 
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
 from tokenspeed.models.config_values import check_values
+from tokenspeed.models.deepseek_config import (DEEPSEEK_V2, DEEPSEEK_V3, DeepseekMoe, MlaConfig, mla_config,
+                                               deepseek_moe_config)
 from tokenspeed.models.fp8_scheme import fp8_scheme
 from tokenspeed.models.moe_config import MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, MoeConfig, moe_config
 
+DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           MIXTRAL, QWEN3_MOE)
+                           MIXTRAL, QWEN3_MOE, *DEEPSEEK)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
+               "qwen3": "Qwen3ForCausalLM", "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE,
+               "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3_MOE)
 QK_NORM = ("Qwen3ForCausalLM", QWEN3_MOE)
@@ -56,6 +60,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     layer_windows: tuple[int, ...] = ()   # each layer's sliding window, 0 for none; () for none at all
     moe: MoeConfig | None = None          # the experts of a mixture of experts' sparse layers
+    mla: MlaConfig | None = None          # DeepSeek's latent attention (None: keys and values per head)
+    deepseek_moe: DeepseekMoe | None = None
 
     def __attrs_post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -66,6 +72,14 @@ class ModelConfig:
                              f"[0, num_hidden_layers={self.num_layers})")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    @property
+    def cache_row(self) -> tuple[int, int, int]:
+        """One token's cache in one layer as (parts, heads, values per head): a key and a
+        value per KV head, or one latent row (latent + rotary key) with no heads."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_values
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def cache_groups(self) -> tuple[CacheGroup, ...]:
@@ -95,6 +109,8 @@ class ModelConfig:
         arch = architecture(hf)
         check_supported(hf)
         heads = hf["num_attention_heads"]
+        if arch in DEEPSEEK:
+            return _deepseek(cls, hf, arch)
         return cls(
             architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
@@ -108,6 +124,23 @@ class ModelConfig:
             qk_norm=arch in QK_NORM, rope_scaling=_rope_scaling(hf),
             num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf),
             layer_windows=layer_windows(hf, arch), moe=moe_config(hf, arch))
+
+
+def _deepseek(cls, hf: dict, arch: str) -> ModelConfig:
+    """Latent attention: ``head_dim`` is the query/key head (nope + rope), as transformers'
+    ``qk_head_dim``; the rotary's settings live in ``mla`` (YaRN among them)."""
+    if hf.get("quantization_config"):
+        raise _unsupported("quantization_config", hf["quantization_config"], "DeepSeek loads 16-bit and "
+                           "float32 weights only (the latent attention reads kv_b_proj's weight as stored)")
+    mla = mla_config(hf, arch, _rope_parameters(hf))
+    return cls(
+        architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_attention_heads"],
+        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(hf), max_position_embeddings=_max_positions(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos_ids(hf),
+        mla=mla, deepseek_moe=deepseek_moe_config(hf, arch))
 
 
 def architecture(hf: dict) -> str:
@@ -152,6 +185,8 @@ def _check_rope(hf: dict) -> None:
         if factor is not None and factor != 1:
             raise _unsupported("partial_rotary_factor", factor, "RoPE rotates the whole head (1.0 only)")
     kind = _rope_type(params)
+    if architecture(hf) in DEEPSEEK:
+        return   # DeepSeek's own rope types: deepseek_config.rope_type
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported config rope_type={kind!r} (rope_parameters or rope_scaling); "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

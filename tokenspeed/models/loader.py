@@ -11,7 +11,8 @@ from tqdm import tqdm
 from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models import gguf as gguf_file
 from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
-from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.config import DEEPSEEK, ModelConfig
+from tokenspeed.models.deepseek import DeepseekForCausalLM
 from tokenspeed.models.config_values import RUNNABLE_DTYPES
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.fp8_checkpoint import fitted_scale, fp8_layers, kv_scale_entry, part_rows, swap_fp8_layers
@@ -37,7 +38,7 @@ def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCau
 
 def _on_meta(config: ModelConfig) -> LlamaForCausalLM:
     with torch.device("meta"):
-        return LlamaForCausalLM(config)
+        return DeepseekForCausalLM(config) if config.architecture in DEEPSEEK else LlamaForCausalLM(config)
 
 
 def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:

@@ -19,6 +19,8 @@ def shape_origin(config: ModelConfig, name: str) -> str:
 
 def _dimensions(config: ModelConfig, expert: bool) -> dict[str, tuple[str, str | None]]:
     """``expert``: the dimensions of an expert's matrices (Qwen3-MoE's ``moe_intermediate_size``)."""
+    if config.mla is not None:
+        return _latent_dimensions(config)
     c = config
     hidden, ffn = f"hidden_size={c.hidden_size}", f"intermediate_size={c.intermediate_size}"
     if expert and c.moe is not None and c.moe.intermediate_size != c.intermediate_size:
@@ -33,5 +35,24 @@ def _dimensions(config: ModelConfig, expert: bool) -> dict[str, tuple[str, str |
         "down_proj": (hidden, ffn), "embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden),
         "w1": (ffn, hidden), "w3": (ffn, hidden), "w2": (hidden, ffn), "gate": (experts, hidden),
         "q_norm": (head_dim, None), "k_norm": (head_dim, None), "input_layernorm": (hidden, None),
+        "post_attention_layernorm": (hidden, None), "norm": (hidden, None),
+    }
+
+
+def _latent_dimensions(c: ModelConfig) -> dict[str, tuple[str, str | None]]:
+    """DeepSeek's: latent attention's projections, the embeddings and norms (an MLP's
+    width depends on whether it is a layer's, an expert's or the shared experts')."""
+    m, hidden, vocab = c.mla, f"hidden_size={c.hidden_size}", f"vocab_size={c.vocab_size}"
+    qk = f"num_attention_heads={c.num_heads} x (qk_nope_head_dim={m.qk_nope_head_dim} + " \
+         f"qk_rope_head_dim={m.qk_rope_head_dim})"
+    q_rank, kv_rank = f"q_lora_rank={m.q_lora_rank}", f"kv_lora_rank={m.kv_lora_rank}"
+    return {
+        "q_proj": (qk, hidden), "q_a_proj": (q_rank, hidden), "q_b_proj": (qk, q_rank), "q_a_layernorm": (q_rank, None),
+        "kv_a_proj_with_mqa": (f"{kv_rank} + qk_rope_head_dim={m.qk_rope_head_dim}", hidden),
+        "kv_a_layernorm": (kv_rank, None),
+        "kv_b_proj": (f"num_attention_heads={c.num_heads} x (qk_nope_head_dim={m.qk_nope_head_dim} + "
+                      f"v_head_dim={m.v_head_dim})", kv_rank),
+        "o_proj": (hidden, f"num_attention_heads={c.num_heads} x v_head_dim={m.v_head_dim}"),
+        "embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "input_layernorm": (hidden, None),
         "post_attention_layernorm": (hidden, None), "norm": (hidden, None),
     }

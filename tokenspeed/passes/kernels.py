@@ -1,23 +1,25 @@
 """Kernel selection. Decode attention has one query row per request, so decode lowering
-swaps the general ragged attention for the split-K decode kernel. Prefill attention reads
+swaps the general ragged attention for the split-K decode kernel, and latent attention for
+its absorbed form. Prefill attention reads
 the step's tile plan, built once with the rest of its metadata (``plan_extend``), where
 the general op would plan on the device in every layer; an attention the narrowing put
 in the decoder stage runs over the decoder view, and reads the view's plan."""
 
 from torch import fx
 
-from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION, EXTEND_ATTENTION
+from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION, EXTEND_ATTENTION, MLA_ATTENTION, MLA_DECODE_ATTENTION
 from tokenspeed.ir.program import STAGES, rename
 from tokenspeed.passes.manager import graph_pass
 
 _, _, DECODER, _ = STAGES
+DECODE_FORMS = {ATTENTION: DECODE_ATTENTION, MLA_ATTENTION: MLA_DECODE_ATTENTION}
 
 
 @graph_pass("decode_kernels")
 def decode_kernels(gm: fx.GraphModule, **_) -> None:
     for node in gm.graph.nodes:
-        if node.target == ATTENTION:
-            node.target = DECODE_ATTENTION
+        if node.target in DECODE_FORMS:
+            node.target = DECODE_FORMS[node.target]
             rename(node, node.name.replace("attention", "decode_attention"))
 
 

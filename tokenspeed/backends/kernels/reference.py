@@ -17,6 +17,8 @@ from tokenspeed.backends.kernels import gguf_reference, kv_fp8
 from tokenspeed.backends.kernels.moe_reference import moe  # noqa: F401  (the op's CPU kernel)
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
+from tokenspeed.backends.kernels.mla_reference import (  # noqa: F401  (MLA: the torch reference)
+    mla_attention, mla_decode_attention, write_latent)
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
 from tokenspeed.ir.weights import DENSE, FP8

@@ -1,0 +1,37 @@
+"""The Triton MLA decode compiles for an H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes
+(latent 512, rope key 64, 16 heads) on a machine without a GPU, as test_kernel_compile
+compiles the other kernels: in a child process, outside the interpreter."""
+
+import sys
+
+import pytest
+import torch
+
+from sm90 import assert_compiles
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
+
+
+def mla_decode_kernels():
+    from test_kernel_compile import compile_sm90
+    from tokenspeed.backends.kernels import triton_mla
+    names = triton_mla._absorbed_decode_kernel.arg_names
+    signature = dict(ql_ptr="*fp32", qr_ptr="*bf16", cache_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64", pos_ptr="*i64",
+                     mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32",
+                     **{n: "i32" for n in names if n.startswith("stride")})
+    for splits in (1, 8):
+        flags = dict(HEADS=16, LATENT=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_H=16,
+                     BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32")
+        assert compile_sm90(triton_mla._absorbed_decode_kernel, signature, flags, num_warps=8).asm["ptx"]
+    merge = compile_sm90(triton_mla._combine_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64",
+                                                          out_ptr="*fp32", stride_or="i32", stride_oh="i32"),
+                         dict(HEADS=16, LATENT=512, NUM_SPLITS=8, BLOCK_N=triton_mla.BLOCK_N, BLOCK_S=8, BLOCK_R=512))
+    assert merge.asm["ptx"]
+
+
+def test_the_mla_decode_compiles_for_sm90():
+    assert_compiles([__file__, "mla_decode_kernels"])
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

@@ -1,0 +1,58 @@
+"""The Triton absorbed MLA decode against the torch reference, under the interpreter on
+the CPU (TRITON_INTERPRET=1, set by tests/conftest.py)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tokenspeed.backends.kernels import mla_reference, triton_mla  # noqa: E402
+
+from test_mla_kernels import poisoned_cache, batch, queries  # noqa: E402
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), page_size=st.sampled_from([1, 4, 16]),
+       pad_rows=st.integers(0, 1), splits=st.sampled_from([None, 1, 3, 8]), seed=st.integers(0, 2**16))
+def test_the_triton_decode_equals_the_reference(lengths, page_size, pad_rows, splits, seed):
+    cache, tables, requests, positions, gen = batch(lengths, page_size, seed)
+    last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
+    requests = torch.cat([requests[last], torch.full((pad_rows,), len(lengths))])
+    positions = torch.cat([positions[last], torch.zeros(pad_rows, dtype=torch.long)])
+    q_nope, q_rope, w = queries(len(requests), gen)
+    args = (q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
+    torch.testing.assert_close(triton_mla.mla_decode_attention(*args, num_splits=splits),
+                               mla_reference.mla_decode_attention(*args),
+                               rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 30), min_size=2, max_size=3), page_size=st.sampled_from([1, 4]),
+       seed=st.integers(0, 2**16))
+def test_the_triton_decode_reads_only_its_requests_pages(lengths, page_size, seed):
+    """As the reference's property (test_mla_kernels): NaN everywhere a row may not read."""
+    cache, tables, requests, positions, gen = batch(lengths, page_size, seed)
+    last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
+    requests, positions = requests[last], positions[last]
+    q_nope, q_rope, w = queries(len(requests), gen)
+    clean = triton_mla.mla_decode_attention(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3, 3)
+    for r in range(len(lengths)):
+        poisoned = poisoned_cache(cache, tables, r, int(positions[r]), page_size, gen)
+        got = triton_mla.mla_decode_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3, 3)
+        assert torch.equal(got[r], clean[r]), r
+
+
+def test_a_bfloat16_model_decodes_within_bfloat16_rounding():
+    """The queries up-projected in the weight's dtype (bfloat16), scores and softmax float32."""
+    cache, tables, requests, positions, gen = batch([37, 5], 4, seed=3)
+    last = torch.tensor([36, 41])
+    q_nope, q_rope, w = queries(2, gen)
+    args = (q_nope.bfloat16(), q_rope.bfloat16(), cache.bfloat16(), 1, tables, requests[last], positions[last],
+            w.bfloat16(), 0.3)
+    got = triton_mla.mla_decode_attention(*args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), mla_reference.mla_decode_attention(*args).float(), rtol=3e-2, atol=3e-2)

@@ -1,0 +1,152 @@
+"""Triton latent-attention decode in the absorbed form: one query row per request, the
+key's up-projection already folded into the query (``q_latent = q_nope @ W_UK``, per
+head), attending the cached rows ``latent | rope key`` as one key head shared by every
+query head, the latents doubling as values. The value's up-projection is applied after
+(``mla_decode_attention``), so per key nothing is up-projected.
+
+One program takes one row, a block of its query heads and one split of its keys
+(flash-decoding, so that a few long rows still occupy every SM): each page is read once per
+block of heads (all of them, up to ``BLOCK_H``), and the heads fill the M side of
+``tl.dot``. A second kernel merges the splits by their log-sum-exp. The splits' bounds
+come from the row's position, read on the device: nothing is read on the host, and the
+grid depends only on shapes, so both launches can be captured.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.triton_attention import sm_count
+from tokenspeed.backends.kernels.triton_decode import _split_size, choose_num_splits
+from tokenspeed.backends.kernels.mla_reference import UpProjection
+from tokenspeed.errors import InternalError
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 16
+
+
+@triton.jit
+def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+                            stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_bt, stride_slot,
+                            HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                            NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+    """One split of one row's keys for a block of heads: its unnormalised output and
+    log-sum-exp (base 2), merged by ``_combine_kernel``. A split past the row's end writes
+    nothing and is not merged."""
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    r, p = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_P)
+    hmask, rmask, pmask = heads < HEADS, r < LATENT, p < ROPE
+    req = tl.load(req_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    size = _split_size(pos + 1, NUM_SPLITS, BLOCK_N)
+    lo, hi = split * size, tl.minimum((split + 1) * size, pos + 1)
+    if lo < hi:
+        q_lat = tl.load(ql_ptr + row * stride_qlr + heads[:, None] * stride_qlh + r[None, :],
+                        mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+        q_rope = tl.load(qr_ptr + row * stride_qrr + heads[:, None] * stride_qrh + p[None, :],
+                         mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            kmask = kpos < hi
+            page = tl.load(bt_ptr + req * stride_bt + kpos // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)
+            slot = (page * PAGE_SIZE + kpos % PAGE_SIZE) * stride_slot
+            lat = tl.load(cache_ptr + slot[:, None] + r[None, :], mask=kmask[:, None] & rmask[None, :],
+                          other=0.0).to(tl.float32)                                          # [N, R]
+            rope = tl.load(cache_ptr + slot[:, None] + LATENT + p[None, :], mask=kmask[:, None] & pmask[None, :],
+                           other=0.0).to(tl.float32)                                         # [N, P]
+            s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+            s = (s + tl.dot(q_rope, tl.trans(rope), input_precision=PRECISION)) * qk_scale
+            s = tl.where(kmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            weights = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(weights, 1)
+            acc = acc * alpha[:, None] + tl.dot(weights, lat, input_precision=PRECISION)
+            m = m_new
+        part = (row * HEADS + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + part[:, None] * LATENT + r[None, :], acc / l[:, None],
+                 mask=hmask[:, None] & rmask[None, :])
+        tl.store(mid_lse_ptr + part, m + tl.log2(l), mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_oh, HEADS: tl.constexpr,
+                    LATENT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    """Merges a row's splits that hold keys by their log-sum-exp."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    active = tl.cdiv(pos + 1, _split_size(pos + 1, NUM_SPLITS, BLOCK_N))
+    s, r = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_R)
+    part = (row * HEADS + head) * NUM_SPLITS + s
+    lse = tl.load(mid_lse_ptr + part, mask=s < active, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(mid_o_ptr + part[:, None] * LATENT + r[None, :], mask=(s[:, None] < active) & (r[None, :] < LATENT),
+                other=0.0)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + r, tl.sum(w[:, None] * o, 0) / tl.sum(w, 0),
+             mask=r < LATENT)
+
+
+def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
+                         kv_b_weight, scale, num_splits: int | None = None):
+    """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``."""
+    up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2], as_stored=True)
+    q_latent = torch.einsum("qhn,hnr->qhr", q_nope.to(up.w_k.dtype), up.w_k)   # in the weight's dtype, as
+    # transformers' kv_b_proj: a float32 copy of the weight would be read and written every step
+    attended = absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
+                               num_splits)
+    return torch.einsum("qhr,hvr->qhv", attended, up.w_v).to(q_nope.dtype)
+
+
+def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
+                    num_splits: int | None = None):
+    """``[rows, H, latent]`` in ``q_latent``'s dtype: softmax(q_latent . latent + q_rope . rope key) over the
+    row's positions, times the latents. ``num_splits``: the key splits per row (default:
+    from the rows, rounded up to a power of two as a ladder's rungs are, and the longest
+    context the table allows, as ``triton_decode`` chooses them)."""
+    rows, heads, latent = q_latent.shape
+    _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions)
+    cache = kv_cache[layer, 0].flatten(0, 1)[:, 0]                          # [slots, latent + rope]
+    q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    out = torch.empty_like(q_latent)
+    if rows == 0:
+        return out
+    block_h = max(16, min(next_power_of_2(heads), 64))
+    head_blocks = triton.cdiv(heads, block_h)
+    splits = num_splits or choose_num_splits(next_power_of_2(rows), head_blocks,
+                                             block_tables.shape[1] * kv_cache.shape[3], sm_count(q_latent.device))
+    mid_o = torch.empty((rows, heads, splits, latent), dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=q_latent.device)
+    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    _absorbed_decode_kernel[(rows, head_blocks, splits)](
+        q_latent, q_rope, cache, block_tables, row_request, positions, mid_o, mid_lse, scale * LOG2E,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
+        cache.stride(0), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2], PAGE_SIZE=kv_cache.shape[3],
+        NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_R=max(16, next_power_of_2(latent)),
+        BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])), PRECISION=precision,
+        num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
+    _combine_kernel[(rows, heads)](
+        mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), HEADS=heads, LATENT=latent,
+        NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits), BLOCK_R=max(16, next_power_of_2(latent)))
+    return out
+
+
+def _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions) -> None:
+    rows, heads, latent = q_latent.shape
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 1 or kv_cache.shape[4] != 1 or \
+            kv_cache.shape[5] != latent + q_rope.shape[2]:
+        raise InternalError(f"an MLA cache is [L, 1, pages, P, 1, {latent} + {q_rope.shape[2]}]; "
+                            f"got {tuple(kv_cache.shape)}")
+    if q_rope.shape[:2] != (rows, heads) or row_request.shape != (rows,) or positions.shape != (rows,):
+        raise InternalError(f"q_rope [{rows}, {heads}, rope], row_request and positions [{rows}]; got "
+                            f"{tuple(q_rope.shape)}, {tuple(row_request.shape)}, {tuple(positions.shape)}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise InternalError("block_tables must be a [R, M] table with contiguous rows")

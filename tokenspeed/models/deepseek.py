@@ -1,0 +1,138 @@
+"""DeepSeek-V2/V3 for tracing: multi-head latent attention (MLA) over a latent cache,
+dense MLP layers up to ``first_k_dense_replace``, mixtures of experts after.
+
+Parameter names follow Hugging Face. A layer caches, per token, its normed latent and its
+rotated rope key (``tokenspeed::write_latent``); ``tokenspeed::mla_attention`` reads them
+with the layer's ``kv_b_proj`` weight (expanded for prefill, absorbed for decode: see
+``backends.kernels.mla_reference``). Routing is model code (``deepseek_routing``); the
+routed experts are one ``tokenspeed::moe`` call over the stacked expert weights.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenspeed.ir import ops
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.deepseek_config import RMS_EPS
+from tokenspeed.models.deepseek_routing import DeepseekRouter
+from tokenspeed.models.layers import RMSNorm
+from tokenspeed.models.mla_rotary import MlaRotary
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        m, hidden = config.mla, config.hidden_size
+        self.layer, self.num_heads, self.m = layer, config.num_heads, m
+        q_out = config.num_heads * config.head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, m.q_lora_rank, bias=m.attention_bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, RMS_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, m.kv_lora_rank + m.qk_rope_head_dim, bias=m.attention_bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, RMS_EPS)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, config.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(config.num_heads * m.v_head_dim, hidden, bias=m.attention_bias)
+        self.rotary = MlaRotary(m, config.rope_theta)
+
+    def forward(self, h, positions, kv_cache, meta):
+        m = self.m
+        latent, k_rope = self.kv_a_proj_with_mqa(h).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        k_rope = self.rotary(k_rope.view(-1, 1, m.qk_rope_head_dim), positions)
+        ops.write_latent(self.kv_a_layernorm(latent), k_rope.view(-1, m.qk_rope_head_dim), kv_cache, self.layer,
+                         meta.slot_mapping)
+        q = self.q_proj(h) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q_nope, q_rope = q.view(-1, self.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim).split(
+            [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        o = ops.mla_attention(q_nope, self.rotary(q_rope, positions), kv_cache, self.layer, meta.block_tables,
+                              meta.row_request, positions, self.kv_b_proj.weight, m.scale)
+        return self.o_proj(o.reshape(-1, self.num_heads * m.v_head_dim))
+
+
+class DeepseekMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekExperts(nn.Module):
+    """Every routed expert's weights stacked as ``tokenspeed::moe`` reads them (transformers
+    5's ``gate_up_proj`` and ``down_proj``): ``w13 [E, 2 * I, H]`` (gate rows first),
+    ``w2 [E, H, I]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class DeepseekMoeLayer(nn.Module):
+    """Routed experts (``tokenspeed::moe``) plus the shared experts, one dense MLP of
+    ``n_shared_experts`` experts' width that every token passes."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.deepseek_moe
+        self.gate = DeepseekRouter(config.hidden_size, moe)
+        self.experts = DeepseekExperts(config.hidden_size, moe.moe_intermediate_size, moe.n_routed_experts)
+        shared = moe.moe_intermediate_size * moe.n_shared_experts
+        self.shared_experts = DeepseekMLP(config.hidden_size, shared) if shared else None
+
+    def forward(self, x):
+        weights, ids = self.gate(x)
+        out = ops.moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MlaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.deepseek_moe
+        self.mlp = DeepseekMoeLayer(config) if moe.is_moe_layer(layer) else \
+            DeepseekMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h, positions, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, kv_cache, meta):
+        h = self.embed_tokens(meta.input_ids)
+        for layer in self.layers:
+            h = layer(h, meta.positions, kv_cache, meta)
+        return self.norm(h)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the config says which): returns
+    the logits of the sampled rows (``meta.sample_rows``) only."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        h = self.model(kv_cache, meta)
+        return self.lm_head(h.index_select(0, meta.sample_rows))
