@@ -139,6 +139,22 @@ def test_the_precompile_marker_names_the_variant_set(tmp_path, monkeypatch):
     assert not compiled_before([gemv, norm])  # the marker lives in the cache it describes
 
 
+def test_the_dry_run_records_kernels_but_lets_the_gguf_ones_compile_in_process():
+    """A recorded kernel is skipped (the hook answers True); a GGUF block kernel is left to
+    Triton (None: compiled and launched here), and never sent to the workers."""
+    from types import SimpleNamespace
+    from triton import knobs
+    from tokenspeed.backends.kernels import precompile
+
+    def hook_for(module):
+        fn = SimpleNamespace(module=module, name="kernel", jit_function=SimpleNamespace(cache_key="src"))
+        return knobs.runtime.jit_cache_hook(fn=fn, compile={"specialization_data": "{}"})
+    with precompile.dry_run() as variants:
+        assert hook_for("tokenspeed.backends.kernels.triton_gemv") is True
+        assert hook_for("tokenspeed.backends.kernels.triton_gguf_gemv") is None
+    assert [v.module for v in variants] == ["tokenspeed.backends.kernels.triton_gemv"]
+
+
 MISSING = ("tokenspeed.backends.kernels.no_such_module", "kernel", "{}", "src")
 
 

@@ -32,6 +32,11 @@ from pathlib import Path
 import attrs
 
 log = logging.getLogger(__name__)
+# Kernels the dry run compiles and launches in the process, as outside it: the GGUF block
+# kernels gave wrong tokens on the H200 when compiled through the workers (each kernel
+# alone, eager runs, and graphs captured without workers gave the dequantized model's
+# tokens; tests/test_gguf_blocks.py's GPU test guards it). Cause not yet found.
+IN_PROCESS_MODULES = ("tokenspeed.backends.kernels.triton_gguf_",)
 WORKER_SECONDS = 600  # for all workers together; a compile takes well under a second
 WORKER = ("import json, sys; sys.path.insert(0, {root!r}); "
           "from tokenspeed.backends.kernels.precompile import compile_variants; "
@@ -51,16 +56,17 @@ class Variant:
 @contextlib.contextmanager
 def dry_run() -> Iterator[list[Variant]]:
     """Inside, a Triton kernel not yet compiled in this process is neither compiled nor
-    launched by this thread, only recorded (kernels compiled earlier launch as usual).
+    launched by this thread, only recorded (kernels compiled earlier, and those of
+    ``IN_PROCESS_MODULES``, compile and launch as usual).
     Other threads see the hook that was there before."""
     from triton import knobs
     variants: list[Variant] = []
     owner, previous = threading.get_ident(), knobs.runtime.jit_cache_hook
 
     def record(**hook):
-        if threading.get_ident() != owner:
-            return previous(**hook) if previous else None
         fn = hook["fn"]
+        if threading.get_ident() != owner or fn.module.startswith(IN_PROCESS_MODULES):
+            return previous(**hook) if previous else None
         variants.append(Variant(fn.module, fn.name, hook["compile"]["specialization_data"],
                                 fn.jit_function.cache_key))
         return True
