@@ -5,9 +5,10 @@ transformers on the same weights, a long prompt's prefill, and the cache a token
     python -m benchmarks.moe_decode [--shapes qwen3-30b-a3b deepseek-v2-lite] [--kv-memory-gib 100]
     python -m benchmarks.moe_decode --tiny        (CPU, tiny configs: runs in seconds, means nothing)
 
-On the H200 (bfloat16; each shape's two models take turns on the GPU):
+On the H200 (bfloat16), a shape a command (each stays within ten minutes):
 
-    python -m benchmarks.moe_decode --json results/moe_decode.json
+    python -m benchmarks.moe_decode --shapes qwen3-30b-a3b --json results/moe_decode_qwen3.json
+    python -m benchmarks.moe_decode --shapes deepseek-v2-lite --json results/moe_decode_deepseek.json
 
 Decode: ``decode_prompt``-token prompts, then the time per token of ``new_tokens`` more
 (greedy, to the length asked), at each batch. Floor (``moe_bytes.step_bytes``): the dense
@@ -134,6 +135,7 @@ def ours_rows(shape: str, config: dict, work: Workload, bandwidth: float | None)
     hf = common.hf_model_of(config, dtype, work.device)
     ours = common.our_model_of(config, hf, dtype, work.device)
     del hf
+    release_memory()
     llm = ts.LLM(ours, **work.engine_options())
     rows = []
     with torch.inference_mode():
@@ -148,11 +150,18 @@ def ours_rows(shape: str, config: dict, work: Workload, bandwidth: float | None)
 def decode_row(shape: str, llm, batch: int, work: Workload, bandwidth: float | None) -> dict:
     seconds = decode_seconds(llm, batch, work)
     routing = moe_bytes.routing_of(llm.model.config)
-    floor = moe_bytes.step_bytes(llm.model, batch, work.decode_prompt + work.new_tokens // 2) / bandwidth \
-        if bandwidth else None
+    floor = floor_seconds(llm.model, batch, work, bandwidth)
     return {"shape": shape, "batch": batch, "ours_ms": seconds * 1e3,
             "experts_touched": routing.experts * routing.touched_fraction(batch),
             "floor_ms": floor * 1e3 if floor else None, "x_floor": seconds / floor if floor else None}
+
+
+def floor_seconds(model, batch: int, work: Workload, bandwidth: float | None) -> float | None:
+    """The step's bytes (the cache halfway through the tokens timed) over the bandwidth;
+    ``None`` without one (the CPU)."""
+    if bandwidth is None:
+        return None
+    return moe_bytes.step_bytes(model, batch, work.decode_prompt + work.new_tokens // 2) / bandwidth
 
 
 def with_hf(rows: list[dict], config: dict, work: Workload) -> list[dict]:
