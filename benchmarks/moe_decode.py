@@ -3,6 +3,7 @@ DeepSeek-V2-Lite with random weights, decode time per output token beside the fl
 transformers on the same weights, a long prompt's prefill, and the cache a token holds.
 
     python -m benchmarks.moe_decode [--shapes qwen3-30b-a3b deepseek-v2-lite] [--kv-memory-gib 100]
+                                    [--batches 1 8 32 128] [--hf-batches 1 32]   (none after it: no peer)
     python -m benchmarks.moe_decode --tiny        (CPU, tiny configs: runs in seconds, means nothing)
 
 On the H200 (bfloat16), a shape a command (each stays within ten minutes):
@@ -65,6 +66,11 @@ class Workload:
     max_model_len: int
     num_kv_pages: int
     kv_tokens: int               # the sequence length of the "sequences that fit" figure
+
+    def __attrs_post_init__(self):
+        if not set(self.hf_batches) <= set(self.batches):
+            raise ValueError(f"transformers' batches {list(self.hf_batches)} must be among the batches "
+                             f"measured {list(self.batches)}")
 
     def engine_options(self) -> dict:
         return dict(device=self.device, max_num_seqs=max(self.batches), max_model_len=self.max_model_len,
@@ -166,6 +172,8 @@ def floor_seconds(model, batch: int, work: Workload, bandwidth: float | None) ->
 
 def with_hf(rows: list[dict], config: dict, work: Workload) -> list[dict]:
     """Each row at an ``hf_batches`` batch with transformers' time beside ours."""
+    if not work.hf_batches:
+        return rows
     hf = common.hf_model_of(config, getattr(torch, work.dtype), work.device)
     out = []
     for row in rows:
@@ -219,14 +227,23 @@ def title(header: dict, work: Workload) -> str:
             f"in {header['kv_memory_gib']} GiB of cache")
 
 
+def chosen_workload(args) -> Workload:
+    work = WORKLOADS["tiny" if args.tiny else "full"]
+    batches = tuple(args.batches) if args.batches else work.batches
+    hf_batches = work.hf_batches if args.hf_batches is None else tuple(args.hf_batches)
+    return attrs.evolve(work, batches=batches, hf_batches=hf_batches)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (checks that it runs)")
     parser.add_argument("--kv-memory-gib", type=float, default=100.0, help="cache memory of the seqs_fit figure")
+    parser.add_argument("--batches", nargs="+", type=int, help="instead of the workload's (full: 1 8 32 128)")
+    parser.add_argument("--hf-batches", nargs="*", type=int, help="transformers' (full: 1 32; none: no peer)")
     parser.add_argument("--json", default="results/moe_decode.json")
     args = parser.parse_args()
-    work = WORKLOADS["tiny" if args.tiny else "full"]
+    work = chosen_workload(args)
     bandwidth = common.copy_bandwidth() if work.device == "cuda" else None
     release_memory()
     header = {"commit": common.git_commit(), "device": common.device_name() if work.device == "cuda" else "cpu",

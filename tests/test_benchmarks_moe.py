@@ -83,6 +83,12 @@ def test_the_touched_share_is_uniform_routing_s_mean():
     assert sum(draws) / len(draws) == pytest.approx(16 * routing.touched_fraction(tokens), rel=0.02)
 
 
+def test_transformers_batches_must_be_among_ours():
+    expected = r"transformers' batches \[1, 32\] must be among the batches measured \[1, 8\]"
+    with pytest.raises(ValueError, match=expected):
+        attrs.evolve(moe_decode.WORKLOADS["full"], batches=(1, 8))
+
+
 @pytest.mark.slow
 def test_the_tiny_run_reports_every_field(tmp_path, monkeypatch, capsys):
     out = tmp_path / "moe_decode.json"
