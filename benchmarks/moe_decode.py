@@ -6,7 +6,8 @@ transformers on the same weights, a long prompt's prefill, and the cache a token
                                     [--batches 1 8 32 128] [--hf-batches 1 32]   (none after it: no peer)
     python -m benchmarks.moe_decode --tiny        (CPU, tiny configs: runs in seconds, means nothing)
 
-On the H200 (bfloat16), a shape a command (each stays within ten minutes):
+On the H200 (bfloat16), a shape a command (not yet timed there: where one outlasts a device
+command's limit, split its batches with ``--batches`` and ``--hf-batches``):
 
     python -m benchmarks.moe_decode --shapes qwen3-30b-a3b --json results/moe_decode_qwen3.json
     python -m benchmarks.moe_decode --shapes deepseek-v2-lite --json results/moe_decode_deepseek.json
@@ -19,8 +20,8 @@ cache read, over the measured device-to-device copy bandwidth. transformers runs
 ``hf_batches``: a greedy loop over a ``StaticCache`` with the one-token forward compiled
 (``reduce-overhead``, as ``benchmarks.decode``), or ``generate`` eager where that does not
 compile; ``hf_mode`` says which, and the JSON keeps the compile error. Ours runs first and
-is freed; transformers' model is then built again from the same seed (the same weights),
-as both at once would not fit beside the cache for the larger shape.
+is freed; transformers' model is then built again from the same seed (the same weights):
+two copies of Qwen3-30B-A3B (61 GB each) would leave little room for the cache and graphs.
 
 Per shape, on its first row: one ``prefill_tokens`` prompt to its first token; the cache
 bytes per token against the multi-head equivalent (heads x (qk_head_dim + v_head_dim) x
