@@ -31,6 +31,14 @@ SHAPES = {
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     },
+    "qwen3-30b-a3b": {   # 128 experts of width 768, 8 a token; every layer sparse; qk-norm
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "eos_token_id": 151645,
+    },
     "deepseek-v2-lite": {   # latent attention (512 + 64 cached per token and layer), 64 experts + 2 shared
         "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
         "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
@@ -49,11 +57,18 @@ SHAPES = {
 
 def hf_model(shape: str, dtype=torch.bfloat16, device="cuda"):
     """A random-weight Hugging Face model of ``shape`` (weights initialised on the GPU)."""
+    return hf_model_of(SHAPES[shape], dtype, device)
+
+
+def hf_model_of(hf_config: dict, dtype=torch.bfloat16, device="cuda"):
+    """A random-weight Hugging Face model of a config.json's fields (a shape of our own, or a
+    benchmark's tiny variant of one)."""
     import transformers
-    cfg = dict(SHAPES[shape])
+    cfg = dict(hf_config)
     arch = cfg.pop("architectures")[0]
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
                   "Qwen2ForCausalLM": transformers.Qwen2Config,
+                  "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
                   "DeepseekV2ForCausalLM": transformers.DeepseekV2Config}[arch]
     config = config_cls(**cfg)
     torch.manual_seed(0)
@@ -64,9 +79,14 @@ def hf_model(shape: str, dtype=torch.bfloat16, device="cuda"):
 
 def our_model(shape: str, hf, dtype=torch.bfloat16, device="cuda"):
     """Our model over the same weights as ``hf``."""
+    return our_model_of(SHAPES[shape], hf, dtype, device)
+
+
+def our_model_of(hf_config: dict, hf, dtype=torch.bfloat16, device="cuda"):
+    """Our model of a config.json's fields over the same weights as ``hf``."""
     from tokenspeed.models.config import ModelConfig
     from tokenspeed.models.loader import build, load_state_dict
-    model = build(ModelConfig.from_hf(SHAPES[shape]), dtype, device)
+    model = build(ModelConfig.from_hf(hf_config), dtype, device)
     load_state_dict(model, hf.state_dict())
     return model.eval()
 
