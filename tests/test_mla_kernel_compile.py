@@ -1,6 +1,7 @@
-"""The Triton MLA kernels (decode's, and prefill's of one split a row) compile for an H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes
-(latent 512, rope key 64, 16 heads) on a machine without a GPU, as test_kernel_compile
-compiles the other kernels: in a child process, outside the interpreter."""
+"""The Triton MLA kernels (decode's, and prefill's of one split a row) compile for an
+H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes (latent 512, rope key 64, 16 heads) on a
+machine without a GPU, as test_kernel_compile compiles the other kernels: in a child
+process, outside the interpreter."""
 
 import sys
 

@@ -1,16 +1,17 @@
 """Triton latent attention in the absorbed form, for decode's rows and prefill's (see
 ``mla_attention``): each query row on its own, the key's up-projection already folded into
-the query (``q_latent = q_nope @ W_UK``, per head), attending the cached rows ``latent | rope key`` as one key head shared by every
-query head, the latents doubling as values. The value's up-projection is applied after
-(``mla_decode_attention``), so per key nothing is up-projected.
+the query (``q_latent = q_nope @ W_UK``, per head), attending the cached rows
+``latent | rope key`` as one key head shared by every query head, the latents doubling as
+values. The value's up-projection is applied after (``mla_decode_attention``), so per key
+nothing is up-projected.
 
 One program takes one row, a block of its query heads and one split of its keys
 (flash-decoding, so that a few long rows still occupy every SM): each page is read once per
 block of heads (all of them, up to ``BLOCK_H``), and the heads fill the M side of
 ``tl.dot``. A second kernel merges the splits by their log-sum-exp (a row of one split
-needs no merge). The splits' bounds
-come from the row's position, read on the device: nothing is read on the host, and the
-grid depends only on shapes, so both launches can be captured.
+needs no merge). The splits' bounds come from the row's position, read on the device:
+nothing is read on the host, and the grid depends only on shapes, so both launches can be
+captured.
 """
 
 import torch
@@ -157,12 +158,13 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
     _absorbed_decode_kernel[(rows, head_blocks, splits)](
         q_latent, q_rope, cache, block_tables, row_request, positions, out, mid_o, mid_lse, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2], PAGE_SIZE=kv_cache.shape[3],
-        NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_R=max(16, next_power_of_2(latent)),
-        BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])), PRECISION=precision,
+        cache.stride(0), out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2],
+        PAGE_SIZE=kv_cache.shape[3], NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        BLOCK_R=max(16, next_power_of_2(latent)), BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])),
+        PRECISION=precision,
         num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
     if partials:
-            _combine_kernel[(rows, heads)](
+        _combine_kernel[(rows, heads)](
             mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, NUM_SPLITS=splits,
             BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits), BLOCK_R=max(16, next_power_of_2(latent)))
     return out
