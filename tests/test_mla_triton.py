@@ -101,3 +101,12 @@ def test_the_triton_extend_reads_only_its_requests_pages(extend, page_size, seed
         poisoned = poisoned_cache(cache, tables, r, lengths[r] - 1, page_size, gen)
         got = triton_mla.mla_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3)
         assert torch.equal(got[rows], clean[rows]), r
+
+
+def test_a_bfloat16_prompt_attends_within_bfloat16_rounding_of_the_expanded_reference():
+    cache, tables, requests, positions, gen = extend_rows([37, 21], [0, 9], 16, seed=4)
+    q_nope, q_rope, w = queries(len(requests), gen)
+    args = (q_nope.bfloat16(), q_rope.bfloat16(), cache.bfloat16(), 1, tables, requests, positions, w.bfloat16(), 0.3)
+    got = triton_mla.mla_attention(*args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), mla_reference.mla_attention(*args).float(), rtol=3e-2, atol=3e-2)
