@@ -1,6 +1,7 @@
-"""The Triton MLA decode compiles for an H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes
-(latent 512, rope key 64, 16 heads) on a machine without a GPU, as test_kernel_compile
-compiles the other kernels: in a child process, outside the interpreter."""
+"""The Triton MLA kernels (decode's, and prefill's of one split a row) compile for an
+H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes (latent 512, rope key 64, 16 heads) on a
+machine without a GPU, as test_kernel_compile compiles the other kernels: in a child
+process, outside the interpreter."""
 
 import sys
 
@@ -17,7 +18,7 @@ def mla_decode_kernels():
     from tokenspeed.backends.kernels import triton_mla
     names = triton_mla._absorbed_decode_kernel.arg_names
     signature = dict(ql_ptr="*fp32", qr_ptr="*bf16", cache_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64", pos_ptr="*i64",
-                     mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32",
+                     out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32",
                      **{n: "i32" for n in names if n.startswith("stride")})
     for splits in (1, 8):
         flags = dict(HEADS=16, LATENT=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_H=16,
@@ -29,7 +30,7 @@ def mla_decode_kernels():
     assert merge.asm["ptx"]
 
 
-def test_the_mla_decode_compiles_for_sm90():
+def test_the_mla_decode_and_prefill_compile_for_sm90():
     assert_compiles([__file__, "mla_decode_kernels"])
 
 

@@ -1,5 +1,6 @@
-"""The Triton absorbed MLA decode against the torch reference, under the interpreter on
-the CPU (TRITON_INTERPRET=1, set by tests/conftest.py)."""
+"""The Triton absorbed MLA kernels (decode's, and prefill's and extends' ``mla_attention``)
+against the torch reference, under the interpreter on the CPU (TRITON_INTERPRET=1, set by
+tests/conftest.py)."""
 
 import os
 
@@ -56,3 +57,56 @@ def test_a_bfloat16_model_decodes_within_bfloat16_rounding():
     got = triton_mla.mla_decode_attention(*args)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), mla_reference.mla_decode_attention(*args).float(), rtol=3e-2, atol=3e-2)
+
+
+def extend_rows(lengths, cached, page_size, seed, pad_rows=0):
+    """Every request's whole context cached, its rows from ``cached[r]`` on extending it
+    (a prefix hit or an earlier chunk before them), then ``pad_rows`` on the null page."""
+    cache, tables, requests, positions, gen = batch(lengths, page_size, seed)
+    fresh = positions >= torch.tensor(cached)[requests]
+    requests = torch.cat([requests[fresh], torch.full((pad_rows,), len(lengths))])
+    positions = torch.cat([positions[fresh], torch.zeros(pad_rows, dtype=torch.long)])
+    return cache, tables, requests, positions, gen
+
+
+@st.composite
+def extends(draw):
+    lengths = draw(st.lists(st.integers(1, 37), min_size=1, max_size=3))
+    return lengths, [draw(st.integers(0, n - 1)) for n in lengths]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(extend=extends(), page_size=st.sampled_from([4, 16]), pad_rows=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_the_triton_prefill_and_extend_equal_the_expanded_reference(extend, page_size, pad_rows, seed):
+    """Odd lengths, several requests, chunks after a cached prefix, padding rows: each row
+    as the reference's expanded runs (its absorbed lone rows) compute it."""
+    lengths, cached = extend
+    cache, tables, requests, positions, gen = extend_rows(lengths, cached, page_size, seed, pad_rows)
+    q_nope, q_rope, w = queries(len(requests), gen)
+    args = (q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
+    torch.testing.assert_close(triton_mla.mla_attention(*args), mla_reference.mla_attention(*args),
+                               rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True)
+@given(extend=extends(), page_size=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
+def test_the_triton_extend_reads_only_its_requests_pages(extend, page_size, seed):
+    """NaN everywhere a request's rows may not read (test_mla_kernels.poisoned_cache)."""
+    lengths, cached = extend
+    cache, tables, requests, positions, gen = extend_rows(lengths, cached, page_size, seed)
+    q_nope, q_rope, w = queries(len(requests), gen)
+    clean = triton_mla.mla_attention(q_nope, q_rope, cache, 1, tables, requests, positions, w, 0.3)
+    for r in range(len(lengths)):
+        rows = (requests == r).nonzero().flatten()
+        poisoned = poisoned_cache(cache, tables, r, lengths[r] - 1, page_size, gen)
+        got = triton_mla.mla_attention(q_nope, q_rope, poisoned, 1, tables, requests, positions, w, 0.3)
+        assert torch.equal(got[rows], clean[rows]), r
+
+
+def test_a_bfloat16_prompt_attends_within_bfloat16_rounding_of_the_expanded_reference():
+    cache, tables, requests, positions, gen = extend_rows([37, 21], [0, 9], 16, seed=4)
+    q_nope, q_rope, w = queries(len(requests), gen)
+    args = (q_nope.bfloat16(), q_rope.bfloat16(), cache.bfloat16(), 1, tables, requests, positions, w.bfloat16(), 0.3)
+    got = triton_mla.mla_attention(*args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), mla_reference.mla_attention(*args).float(), rtol=3e-2, atol=3e-2)

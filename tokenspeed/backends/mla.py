@@ -3,9 +3,9 @@ token and layer (``kv_cache[layer, 0, page, offset, 0, latent + rope]``, no head
 
 Its metadata is the paged leaf's (block tables, write locations, page 0 the null page):
 only the pool's geometry and the kernels differ, and the kernels come with the IR's MLA
-ops. Its prefill attention (``tokenspeed::mla_attention``) finds each request's rows on
-the host, so it runs eagerly between the prefill graphs; decode's absorbed form reads
-nothing on the host and is captured. A float8 pool is refused: the latent has no scales.
+ops. Prefill's and decode's attention are both captured: on CUDA each row attends in the
+absorbed form (``triton_mla``), reading nothing on the host and needing no tile plan. A
+float8 pool is refused: the latent has no scales.
 """
 
 import torch
@@ -19,7 +19,7 @@ LATENT_PARTS = 1
 
 
 class MlaAttentionBackend(PagedAttentionBackend):
-    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, prefill_attention=False)
+    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, prefill_attention=True)
 
     def check_pool(self, geometry: PoolGeometry, pool: torch.Tensor) -> None:
         if geometry.parts != LATENT_PARTS or geometry.num_kv_heads != 1:

@@ -12,8 +12,7 @@ as the CUDA kernels of its parts.
 import torch
 
 from tokenspeed.backends.kernels.gguf_blocks import block_format
-from tokenspeed.backends.kernels.mla_reference import (  # noqa: F401  (MLA prefill: no Triton kernel yet)
-    mla_attention, write_latent)
+from tokenspeed.backends.kernels.mla_reference import write_latent  # noqa: F401  (an index_copy_)
 from tokenspeed.backends.kernels.reference import flat_slots
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 from tokenspeed.ir.weights import DENSE, FP8
@@ -52,6 +51,12 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     return triton_decode.decode_attention(q, flat, layer, block_tables, row_request,
                                           positions, scale, page_size, window=window,
                                           k_scale=k_scale, v_scale=v_scale)
+
+
+def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight, scale):
+    from tokenspeed.backends.kernels import triton_mla
+    return triton_mla.mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
+                                    kv_b_weight, scale)
 
 
 def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight,

@@ -1,5 +1,5 @@
-"""Latent attention (MLA) in torch: what the CPU runs for the MLA ops, what CUDA runs until
-Triton kernels exist, and the reference any such kernel is tested against.
+"""Latent attention (MLA) in torch: what the CPU runs for the MLA ops, what CUDA runs for
+``write_latent``, and the reference the Triton kernels are tested against.
 
 The cache holds per token one row, ``latent | rope key``, with no heads
 (``kv_cache[layer, 0, page, offset, 0, :]``). Two forms compute the same attention:

@@ -1,15 +1,17 @@
-"""Triton latent-attention decode in the absorbed form: one query row per request, the
-key's up-projection already folded into the query (``q_latent = q_nope @ W_UK``, per
-head), attending the cached rows ``latent | rope key`` as one key head shared by every
-query head, the latents doubling as values. The value's up-projection is applied after
-(``mla_decode_attention``), so per key nothing is up-projected.
+"""Triton latent attention in the absorbed form, for decode's rows and prefill's (see
+``mla_attention``): each query row on its own, the key's up-projection already folded into
+the query (``q_latent = q_nope @ W_UK``, per head), attending the cached rows
+``latent | rope key`` as one key head shared by every query head, the latents doubling as
+values. The value's up-projection is applied after (``mla_decode_attention``), so per key
+nothing is up-projected.
 
 One program takes one row, a block of its query heads and one split of its keys
 (flash-decoding, so that a few long rows still occupy every SM): each page is read once per
 block of heads (all of them, up to ``BLOCK_H``), and the heads fill the M side of
-``tl.dot``. A second kernel merges the splits by their log-sum-exp. The splits' bounds
-come from the row's position, read on the device: nothing is read on the host, and the
-grid depends only on shapes, so both launches can be captured.
+``tl.dot``. A second kernel merges the splits by their log-sum-exp (a row of one split
+needs no merge). The splits' bounds come from the row's position, read on the device:
+nothing is read on the host, and the grid depends only on shapes, so both launches can be
+captured.
 """
 
 import torch
@@ -27,14 +29,16 @@ BLOCK_N = 16
 
 
 @triton.jit
-def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-                            stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_bt, stride_slot,
+def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+                            qk_scale, stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_bt, stride_slot,
+                            stride_or, stride_oh,
                             HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
     """One split of one row's keys for a block of heads: its unnormalised output and
     log-sum-exp (base 2), merged by ``_combine_kernel``. A split past the row's end writes
-    nothing and is not merged."""
+    nothing and is not merged. One split is the row's output, stored as it is: no float32
+    partials for a prefill's thousands of rows."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -70,10 +74,14 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
             l = l * alpha + tl.sum(weights, 1)
             acc = acc * alpha[:, None] + tl.dot(weights, lat, input_precision=PRECISION)
             m = m_new
-        part = (row * HEADS + heads) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + part[:, None] * LATENT + r[None, :], acc / l[:, None],
-                 mask=hmask[:, None] & rmask[None, :])
-        tl.store(mid_lse_ptr + part, m + tl.log2(l), mask=hmask)
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + r[None, :], acc / l[:, None],
+                     mask=hmask[:, None] & rmask[None, :])
+        else:
+            part = (row * HEADS + heads) * NUM_SPLITS + split
+            tl.store(mid_o_ptr + part[:, None] * LATENT + r[None, :], acc / l[:, None],
+                     mask=hmask[:, None] & rmask[None, :])
+            tl.store(mid_lse_ptr + part, m + tl.log2(l), mask=hmask)
 
 
 @triton.jit
@@ -93,6 +101,25 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_
                 other=0.0)
     tl.store(out_ptr + row * stride_or + head * stride_oh + r, tl.sum(w[:, None] * o, 0) / tl.sum(w, 0),
              mask=r < LATENT)
+
+
+def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight, scale):
+    """The op's CUDA kernel for prefill and extends, in the absorbed form as decode's: every
+    row on its own, so ragged runs, cached prefixes, the decoder's narrowed view and padding
+    rows need no plan, nothing is read on the host, and the step is captured.
+
+    The expanded form (the reference's for runs) was weighed twice. Up-projected into a
+    scratch buffer before a Triton attention, its keys have no static size: which positions
+    a step reads is known on the device only, and the tables' reach (rows x table width x
+    page size keys, of heads x (nope + v) values each) is gigabytes at long contexts.
+    Up-projected inside the attention, tile by tile, each key costs 2 x latent x (nope + v)
+    per head once per tile of rows (262k at DeepSeek's 512 and 128 + 128), against the
+    absorbed 2 x (2 x latent + rope) per row (2176): a tile would need over a hundred rows
+    of one head to win, more than its accumulators keep in registers. The absorbed form's
+    price is its scores over latent + rope (576) values per key, not nope + rope (192).
+    Equal to the reference within float32 rounding (tests/test_mla_triton.py)."""
+    return mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
+                                kv_b_weight, scale)
 
 
 def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
@@ -123,19 +150,23 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
     head_blocks = triton.cdiv(heads, block_h)
     splits = num_splits or choose_num_splits(next_power_of_2(rows), head_blocks,
                                              block_tables.shape[1] * kv_cache.shape[3], sm_count(q_latent.device))
-    mid_o = torch.empty((rows, heads, splits, latent), dtype=torch.float32, device=q_latent.device)
-    mid_lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=q_latent.device)
+    partials = splits > 1
+    shape = (rows, heads, splits) if partials else (0, 0, 0)
+    mid_o = torch.empty((*shape, latent), dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
     precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     _absorbed_decode_kernel[(rows, head_blocks, splits)](
-        q_latent, q_rope, cache, block_tables, row_request, positions, mid_o, mid_lse, scale * LOG2E,
+        q_latent, q_rope, cache, block_tables, row_request, positions, out, mid_o, mid_lse, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2], PAGE_SIZE=kv_cache.shape[3],
-        NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_R=max(16, next_power_of_2(latent)),
-        BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])), PRECISION=precision,
+        cache.stride(0), out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2],
+        PAGE_SIZE=kv_cache.shape[3], NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
+        BLOCK_R=max(16, next_power_of_2(latent)), BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])),
+        PRECISION=precision,
         num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
-    _combine_kernel[(rows, heads)](
-        mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), HEADS=heads, LATENT=latent,
-        NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits), BLOCK_R=max(16, next_power_of_2(latent)))
+    if partials:
+        _combine_kernel[(rows, heads)](
+            mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, NUM_SPLITS=splits,
+            BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits), BLOCK_R=max(16, next_power_of_2(latent)))
     return out
 
 
