@@ -53,6 +53,7 @@ SHAPES = {
                             "original_max_position_embeddings": 4096},
     },
 }
+DENSE_SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")   # the dense benchmarks' default shapes
 
 
 def hf_model(shape: str, dtype=torch.bfloat16, device="cuda"):

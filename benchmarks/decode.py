@@ -170,7 +170,7 @@ def speculative_rows(num_tokens: int, batches, new_tokens: int, model: str | Non
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(common.DENSE_SHAPES))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-peers", action="store_true")

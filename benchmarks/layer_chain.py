@@ -134,7 +134,7 @@ def sweep(shape: str, bandwidth: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(common.DENSE_SHAPES))
     parser.add_argument("--json", default="results/layer_chain.json")
     parser.add_argument("--top", type=int, default=8, help="variants printed per shape")
     args = parser.parse_args()

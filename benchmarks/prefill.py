@@ -50,7 +50,7 @@ def bench_shape(shape: str, lengths) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(common.DENSE_SHAPES))
     parser.add_argument("--lengths", nargs="+", type=int, default=[256, 512, 2048])
     parser.add_argument("--json", default="results/prefill.json")
     args = parser.parse_args()
