@@ -22,7 +22,7 @@ from test_moe import routed  # noqa: E402
 FEW = settings(max_examples=15, deadline=None, derandomize=True)
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+gpu = pytest.mark.gpu   # skipped without CUDA (conftest); selected by -m gpu
 
 
 def on_device(*tensors, dtype=None):
