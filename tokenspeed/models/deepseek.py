@@ -16,7 +16,7 @@ from tokenspeed.ir import ops
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.deepseek_config import RMS_EPS
 from tokenspeed.models.deepseek_routing import DeepseekRouter
-from tokenspeed.models.layers import RMSNorm
+from tokenspeed.models.layers import CausalLM, DecoderLayer, DecoderStack, RMSNorm
 from tokenspeed.models.mla_rotary import MlaRotary
 
 
@@ -92,47 +92,16 @@ class DeepseekMoeLayer(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MlaAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        moe = config.deepseek_moe
-        self.mlp = DeepseekMoeLayer(config) if moe.is_moe_layer(layer) else \
-            DeepseekMLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, h, positions, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def deepseek_layer(config: ModelConfig, layer: int) -> DecoderLayer:
+    """Latent attention, then a mixture of experts or (the first layers) a dense MLP."""
+    mlp = DeepseekMoeLayer(config) if config.deepseek_moe.is_moe_layer(layer) else \
+        DeepseekMLP(config.hidden_size, config.intermediate_size)
+    return DecoderLayer(config, MlaAttention(config, layer), mlp)
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, kv_cache, meta):
-        h = self.embed_tokens(meta.input_ids)
-        for layer in self.layers:
-            h = layer(h, meta.positions, kv_cache, meta)
-        return self.norm(h)
-
-
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (the config says which): returns
     the logits of the sampled rows (``meta.sample_rows``) only."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
-        h = self.model(kv_cache, meta)
-        return self.lm_head(h.index_select(0, meta.sample_rows))
+        super().__init__(config, DecoderStack(config, (deepseek_layer(config, i) for i in range(config.num_layers))))

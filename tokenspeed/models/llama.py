@@ -15,7 +15,7 @@ from tokenspeed.ir import ops
 from tokenspeed.ir.cache_groups import CacheGroup, cache_slot
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.kv_scales import layer_scales, unit_scales
-from tokenspeed.models.layers import RMSNorm, Rotary
+from tokenspeed.models.layers import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rotary
 from tokenspeed.models.moe import SparseMoeBlock
 
 
@@ -104,48 +104,16 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
     return MLP(config)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, groups: tuple[CacheGroup, ...],
-                 kv_scales: torch.Tensor):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, groups, kv_scales)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp(config, layer)
-
-    def forward(self, h, positions, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        groups = config.cache_groups
-        self.kv_scales = unit_scales(config.num_layers)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, groups, self.kv_scales)
-                                    for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, kv_cache, meta):
-        h = self.embed_tokens(meta.input_ids)
-        for layer in self.layers:
-            h = layer(h, meta.positions, kv_cache, meta)
-        return self.norm(h)
+        groups, kv_scales = config.cache_groups, unit_scales(config.num_layers)
+        super().__init__(config, (DecoderLayer(config, Attention(config, i, groups, kv_scales), mlp(config, i))
+                                  for i in range(config.num_layers)))
+        self.kv_scales = kv_scales
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Returns the logits of the sampled rows (``meta.sample_rows``) only."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
-        h = self.model(kv_cache, meta)
-        return self.lm_head(h.index_select(0, meta.sample_rows))
+        super().__init__(config, LlamaModel(config))

@@ -11,13 +11,13 @@ keys share that order, so their products, all attention reads, are unchanged.
 import math
 
 import torch
-from torch import nn
 
 from tokenspeed.ir.rope import apply_rotary, cos_sin_table
 from tokenspeed.models.deepseek_config import MlaConfig, Yarn
+from tokenspeed.models.layers import KeptFrequencies
 
 
-class MlaRotary(nn.Module):
+class MlaRotary(KeptFrequencies):
     """Rotates ``x[rows, heads, rope]`` at ``positions[rows]``; a tracer leaf, row-wise."""
     ir_leaf = "mla_rotary"
 
@@ -26,17 +26,10 @@ class MlaRotary(nn.Module):
         self.rope = (mla.qk_rope_head_dim, theta, mla.yarn)
         self.interleave = mla.rope_interleave
         self.attention_factor = mla.yarn.attention_factor if mla.yarn else 1.0
-        self.register_buffer("inv_freq", mla_inv_freq(*self.rope), persistent=False)
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
 
-    def _apply(self, fn, recurse=True):
-        """Frequencies stay float32 (as in HF); rebuilt where a move leaves them unset (from meta)."""
-        before = self.inv_freq
-        super()._apply(fn, recurse)
-        if self.inv_freq.device == before.device and before.dtype == torch.float32:
-            self.inv_freq = before
-        else:
-            self.inv_freq = mla_inv_freq(*self.rope).to(self.inv_freq.device)
-        return self
+    def frequencies(self) -> torch.Tensor:
+        return mla_inv_freq(*self.rope)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.interleave:
