@@ -163,6 +163,25 @@ def test_decode_graphs_show_one_linear_op_with_the_weights_format():
     assert "tokenspeed.embedding(%input_ids, %embed_tokens_weight, 'Q4_0', 64, torch.float32)" in text
 
 
+def test_an_eager_segment_zeroes_the_padding_of_its_rows_never_a_weight_it_passes_on():
+    """The prefill encoder passes block weights on to later segments; the head of a
+    32-token vocabulary has as many rows as the smallest token bucket. Zeroing padded
+    outputs by their shape emptied it in the startup's dry walk (a Q4_K model's graphs then
+    gave token 0 on the H200): only the outputs with a row per token row are zeroed."""
+    from tokenspeed.execution.prefill_runner import _scrub
+    model = ts.models.load(k_layout_file(Q.Q4_K)[0], quantized=True)
+    encoder = ts.trace(model).lower(mode="prefill").segments[0]
+    assert "lm_head_weight" in encoder.outputs and set(encoder.row_outputs) == {"embedding", "getitem"}
+    head = model.lm_head.weight
+    assert head.shape[0] == K_LAYOUT["vocab"] == 32
+    kept = head.clone()
+    env = {name: torch.ones(32, 4) for name in encoder.row_outputs} | {"lm_head_weight": head}
+    env |= {name: torch.ones(3) for name in encoder.outputs if name not in env}
+    _scrub(encoder, env, 32, 5)
+    assert torch.equal(head, kept)
+    assert all(env[n][5:].eq(0).all() and env[n][:5].eq(1).all() for n in encoder.row_outputs)
+
+
 # ---------------------------------------------------------------- tokens
 
 

@@ -178,10 +178,11 @@ class PrefillRunner:
 
 
 def _scrub(seg, env, size, live) -> None:
-    """Zero the padded rows of an eager segment's row-shaped outputs."""
+    """Zero the padded rows of an eager segment's row-shaped outputs (``row_outputs``: a
+    weight the segment passes on may have as many rows as the bucket; zeroing it by its
+    shape emptied a 32-token vocabulary's head in the precompile dry run)."""
     if size is None or live is None or live >= size:
         return
-    for name in seg.outputs:
-        value = env[name]
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == size:
-            value[live:] = 0
+    for name in seg.row_outputs:
+        if env[name].shape[0] == size:   # a token-row output of a view-row segment keeps its rows
+            env[name][live:] = 0

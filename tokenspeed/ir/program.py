@@ -23,6 +23,10 @@ class Segment:
     (run eagerly with live metadata). ``ladder`` names the ladder that pads its rows:
     ``"tokens"`` (prefill token buckets), ``"view"`` (decoder-view buckets), ``"sampled"``
     (the sampled rows: never padded) or ``"batch"`` (the decode batch ladder).
+    ``row_outputs`` (prefill, whose eager segments run on padded buckets): the outputs with
+    a row per token (or view) row, whose padded rows an eager run zeroes; the others
+    (weights passed on, values of the weights alone) are never touched, whatever their
+    leading dimension. A decode or verify segment is never zeroed and names none.
     """
     name: str
     kind: str
@@ -31,6 +35,7 @@ class Segment:
     graph_module: fx.GraphModule = attrs.field(repr=False, eq=False)
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    row_outputs: tuple[str, ...] = ()
 
     def __call__(self, env: dict) -> None:
         values = self.graph_module(*[env[name] for name in self.inputs])
