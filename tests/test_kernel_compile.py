@@ -139,20 +139,34 @@ def test_the_precompile_marker_names_the_variant_set(tmp_path, monkeypatch):
     assert not compiled_before([gemv, norm])  # the marker lives in the cache it describes
 
 
-def test_the_dry_run_records_kernels_but_lets_the_gguf_ones_compile_in_process():
-    """A recorded kernel is skipped (the hook answers True); a GGUF block kernel is left to
-    Triton (None: compiled and launched here), and never sent to the workers."""
-    from types import SimpleNamespace
+def test_the_dry_run_skips_every_launch_and_records_only_variants_not_compiled_here(monkeypatch):
+    """Inside the dry run every launch reaches the hook and is skipped (True), a variant
+    compiled earlier in this process too: it would read what a skipped kernel left
+    unwritten. Only the others are recorded for the workers; the compiled variants are
+    back after it."""
+    import types
     from triton import knobs
+    from triton.runtime.jit import JITFunction
     from tokenspeed.backends.kernels import precompile
 
-    def hook_for(module):
-        fn = SimpleNamespace(module=module, name="kernel", jit_function=SimpleNamespace(cache_key="src"))
-        return knobs.runtime.jit_cache_hook(fn=fn, compile={"specialization_data": "{}"})
+    def kernel(x):
+        pass
+    fn = JITFunction(kernel)
+    module = types.ModuleType("tokenspeed.backends.kernels.a_test_kernel")
+    module.kernel = fn
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    compiled = object()
+    fn.device_caches[0] = ({"compiled key": compiled}, {}, None, None, None)   # as a launch leaves it
+    info = types.SimpleNamespace(module=module.__name__, name="kernel", jit_function=fn)
+
+    def launch(key):
+        return knobs.runtime.jit_cache_hook(key=key, fn=info, compile={"specialization_data": key})
+    assert precompile.dry_run_possible()
     with precompile.dry_run() as variants:
-        assert hook_for("tokenspeed.backends.kernels.triton_gemv") is True
-        assert hook_for("tokenspeed.backends.kernels.triton_gguf_gemv") is None
-    assert [v.module for v in variants] == ["tokenspeed.backends.kernels.triton_gemv"]
+        assert not fn.device_caches   # set aside: a launch misses, so it reaches the hook
+        assert launch("compiled key") is True and launch("new key") is True
+    assert [v.specialization for v in variants] == ["new key"]
+    assert fn.device_caches[0][0] == {"compiled key": compiled}
 
 
 MISSING = ("tokenspeed.backends.kernels.no_such_module", "kernel", "{}", "src")

@@ -108,7 +108,12 @@ def _precompile(steps, prefill, walks: int, pool: precompile.CompileWorkers) -> 
     """Record the kernel variants the captures launch (``steps``: each decode-like runner
     with its ladder) and compile them in the ``pool``'s processes (see ``precompile``);
     returns how many they compiled (none when an earlier start on this machine compiled
-    the same set, or when a worker failed)."""
+    the same set, or when a worker failed, or when this Triton keeps its compiled kernels
+    where the dry run cannot set them aside)."""
+    if not precompile.dry_run_possible():
+        log.warning("this Triton keeps compiled kernels where the dry run cannot set them aside: "
+                    "kernels compile at their first launch")
+        return 0
     with torch.inference_mode(), precompile.dry_run() as variants:
         for runner, ladder in steps:
             for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)

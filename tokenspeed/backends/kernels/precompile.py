@@ -32,11 +32,6 @@ from pathlib import Path
 import attrs
 
 log = logging.getLogger(__name__)
-# Kernels the dry run compiles and launches in the process, as outside it: compiled through
-# the workers, the GGUF block kernels gave a Q8_0 model's graphs wrong tokens on the H200
-# (eager runs and graphs captured without workers gave the dequantized model's tokens, and
-# so do graphs with this; tests/test_gguf_blocks.py's GPU test guards it). Cause not yet found.
-IN_PROCESS_MODULES = ("tokenspeed.backends.kernels.triton_gguf_",)
 WORKER_SECONDS = 600  # for all workers together; a compile takes well under a second
 WORKER = ("import json, sys; sys.path.insert(0, {root!r}); "
           "from tokenspeed.backends.kernels.precompile import compile_variants; "
@@ -55,27 +50,62 @@ class Variant:
 
 @contextlib.contextmanager
 def dry_run() -> Iterator[list[Variant]]:
-    """Inside, a Triton kernel not yet compiled in this process is neither compiled nor
-    launched by this thread, only recorded (kernels compiled earlier, and those of
-    ``IN_PROCESS_MODULES``, compile and launch as usual).
-    Other threads see the hook that was there before."""
+    """Inside, no Triton kernel of this package is launched by this thread: each launch is
+    skipped, and recorded where its variant is not compiled in this process yet. Kernels
+    compiled earlier must not run either: they would read what a skipped kernel left
+    unwritten (a mixture-of-experts product ran on the block plan of a skipped grouping
+    kernel, at addresses no tensor holds). So their compiled variants are set aside for
+    the dry run (``_kernels_set_aside``): every launch misses and reaches the hook. Other
+    threads see the hook that was there before (what they compile meanwhile is dropped
+    with the stand-in caches)."""
     from triton import knobs
     variants: list[Variant] = []
     owner, previous = threading.get_ident(), knobs.runtime.jit_cache_hook
 
-    def record(**hook):
-        fn = hook["fn"]
-        if threading.get_ident() != owner or fn.module.startswith(IN_PROCESS_MODULES):
-            return previous(**hook) if previous else None
-        variants.append(Variant(fn.module, fn.name, hook["compile"]["specialization_data"],
-                                fn.jit_function.cache_key))
-        return True
+    with _kernels_set_aside() as compiled_before:
+        def record(**hook):
+            if threading.get_ident() != owner:
+                return previous(**hook) if previous else None
+            fn = hook["fn"]
+            if not compiled_before(fn.jit_function, hook["key"]):
+                variants.append(Variant(fn.module, fn.name, hook["compile"]["specialization_data"],
+                                        fn.jit_function.cache_key))
+            return True
 
-    knobs.runtime.jit_cache_hook = record
+        knobs.runtime.jit_cache_hook = record
+        try:
+            yield variants
+        finally:
+            knobs.runtime.jit_cache_hook = previous
+
+
+def dry_run_possible() -> bool:
+    """Whether this Triton keeps a kernel's compiled variants where the dry run can set
+    them aside (``JITFunction.device_caches``, Triton 3.2 to 3.9 at least)."""
+    return all(hasattr(fn, "device_caches") for fn in _package_kernels())
+
+
+@contextlib.contextmanager
+def _kernels_set_aside():
+    """Every loaded kernel of this package with empty stand-in caches while inside; yields
+    ``compiled_before(jit_function, key)``, asked of the caches set aside."""
+    from collections import defaultdict
+    kept = {fn: fn.device_caches for fn in _package_kernels()}
+    for fn in kept:
+        fn.device_caches = defaultdict(fn.create_binder)
     try:
-        yield variants
+        yield lambda fn, key: any(key in caches[0] for caches in kept.get(fn, {}).values())
     finally:
-        knobs.runtime.jit_cache_hook = previous
+        for fn, caches in kept.items():
+            fn.device_caches = caches
+
+
+def _package_kernels() -> list:
+    """The ``@triton.jit`` functions of this package's loaded modules."""
+    from triton.runtime.jit import JITFunction
+    package = __name__.split(".")[0] + "."
+    return [value for name, module in list(sys.modules.items()) if name.startswith(package) and module
+            for value in vars(module).values() if isinstance(value, JITFunction)]
 
 
 class CompileWorkers:
