@@ -651,3 +651,24 @@ def test_extend_tile_plan_stays_inside_its_buffer():
     """Rows of two requests interleaved (outside the contract): 80 runs, room for 2 + 2."""
     plan = triton_attention.extend_tile_plan(torch.tensor([0, 1] * 40, device=DEVICE), max_runs=2)
     assert plan.first.tolist() == [0, 1, 2, 3, 80]
+
+
+@settings(max_examples=25, deadline=None)
+@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=2), rows=st.integers(1, 40),
+       features=st.integers(1, 24), threads=st.sampled_from([1, 2, 3, 4]), with_bias=st.booleans())
+def test_the_cpu_linear_in_slabs_is_the_plain_product(lead, rows, features, threads, with_bias):
+    """The CPU's dense linear splits the weight's rows into a slab per torch thread (one
+    batched product) when they divide evenly: the same ``x @ w.T + b`` for any leading
+    shape, thread count and row count, slabs or not."""
+    g = torch.Generator().manual_seed(rows * 31 + features)
+    x = torch.randn(*lead, 3, features, generator=g)
+    w, b = torch.randn(rows, features, generator=g), torch.randn(rows, generator=g)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = reference.linear(x, w, b if with_bias else None)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.shape == (*lead, 3, rows)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b if with_bias else None),
+                               rtol=1e-5, atol=1e-5)
