@@ -97,9 +97,9 @@ def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
 
 def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size: int, window: int, kv_scales):
     """Each row over its own request's keys: ``[Q, Hkv, L, D]`` gathered, one per row, and
-    one ``scaled_dot_product_attention`` call with the rows as its batch (at batch 1 of the
-    default model, its fused kernel made a decode token 12 % faster than two products and
-    a softmax between them)."""
+    one ``scaled_dot_product_attention`` call with the rows as its batch: fewer ops than two
+    products and a softmax between them (8 rows over 600 keys of the default model's
+    heads: 1.17 ms a call against 1.43 on the 2-core machine; one row: the same)."""
     length = int(positions.max()) + 1
     slots = key_slots(block_tables, requests, length, page_size)                 # [Q, L]
     k, v = (kv_fp8.read(kv[i][slots], kv_scales[i]).transpose(1, 2) for i in (0, 1))   # [Q, Hkv, L, D]
