@@ -25,7 +25,7 @@ from tokenspeed.models import default_model_path
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes a second one core set reads (``torch.sum`` of a float32 tensor of ``nbytes``)."""
+    """Bytes a second torch's threads read (``torch.sum`` of a float32 tensor of ``nbytes``)."""
     data = torch.ones(nbytes // 4)
     float(data.sum())
     return nbytes / common.median_time(lambda: float(data.sum()), 5)
@@ -51,7 +51,8 @@ def theirs(model, prompts):
 
     def generate(n):
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
     return generate
 
 

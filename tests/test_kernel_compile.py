@@ -167,6 +167,12 @@ def test_the_dry_run_skips_every_launch_and_records_only_variants_not_compiled_h
         assert launch("compiled key") is True and launch("new key") is True
     assert [v.specialization for v in variants] == ["new key"]
     assert fn.device_caches[0][0] == {"compiled key": compiled}
+    hook = knobs.runtime.jit_cache_hook
+    with pytest.raises(RuntimeError, match="a failing dry step"):   # a step that raises restores both
+        with precompile.dry_run():
+            raise RuntimeError("a failing dry step")
+    assert knobs.runtime.jit_cache_hook is hook and fn.device_caches[0][0] == {"compiled key": compiled}
+    assert not precompile.ONE_DRY_RUN.locked()
 
 
 MISSING = ("tokenspeed.backends.kernels.no_such_module", "kernel", "{}", "src")

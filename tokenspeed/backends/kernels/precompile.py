@@ -16,6 +16,7 @@ time: the variants it did not compile compile at their first launch, as without 
 
 import contextlib
 import functools
+from collections import defaultdict
 import hashlib
 import importlib
 import json
@@ -32,6 +33,8 @@ from pathlib import Path
 import attrs
 
 log = logging.getLogger(__name__)
+# The jit hook and the kernels' caches are the process's: one dry run at a time.
+ONE_DRY_RUN = threading.Lock()
 WORKER_SECONDS = 600  # for all workers together; a compile takes well under a second
 WORKER = ("import json, sys; sys.path.insert(0, {root!r}); "
           "from tokenspeed.backends.kernels.precompile import compile_variants; "
@@ -56,13 +59,14 @@ def dry_run() -> Iterator[list[Variant]]:
     unwritten (a mixture-of-experts product ran on the block plan of a skipped grouping
     kernel, at addresses no tensor holds). So their compiled variants are set aside for
     the dry run (``_kernels_set_aside``): every launch misses and reaches the hook. Other
-    threads see the hook that was there before (what they compile meanwhile is dropped
-    with the stand-in caches)."""
+    threads see the hook that was there before, but miss the caches too: what they launch
+    meanwhile compiles again in the process (and is dropped with the stand-in caches).
+    A second dry run waits for the first (``ONE_DRY_RUN``)."""
     from triton import knobs
     variants: list[Variant] = []
-    owner, previous = threading.get_ident(), knobs.runtime.jit_cache_hook
+    with ONE_DRY_RUN, _kernels_set_aside() as compiled_before:
+        owner, previous = threading.get_ident(), knobs.runtime.jit_cache_hook
 
-    with _kernels_set_aside() as compiled_before:
         def record(**hook):
             if threading.get_ident() != owner:
                 return previous(**hook) if previous else None
@@ -81,19 +85,18 @@ def dry_run() -> Iterator[list[Variant]]:
 
 def dry_run_possible() -> bool:
     """Whether this Triton keeps a kernel's compiled variants where the dry run can set
-    them aside (``JITFunction.device_caches``, Triton 3.2 to 3.9 at least)."""
-    return all(hasattr(fn, "device_caches") for fn in _package_kernels())
+    them aside (``JITFunction.device_caches``, a ``defaultdict``: Triton 3.6 to 3.9 at least)."""
+    return all(isinstance(getattr(fn, "device_caches", None), defaultdict) for fn in _package_kernels())
 
 
 @contextlib.contextmanager
 def _kernels_set_aside():
     """Every loaded kernel of this package with empty stand-in caches while inside; yields
     ``compiled_before(jit_function, key)``, asked of the caches set aside."""
-    from collections import defaultdict
     kept = {fn: fn.device_caches for fn in _package_kernels()}
-    for fn in kept:
-        fn.device_caches = defaultdict(fn.create_binder)
     try:
+        for fn, caches in kept.items():
+            fn.device_caches = defaultdict(caches.default_factory)
         yield lambda fn, key: any(key in caches[0] for caches in kept.get(fn, {}).values())
     finally:
         for fn, caches in kept.items():

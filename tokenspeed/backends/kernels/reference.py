@@ -23,6 +23,8 @@ from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, pag
 from tokenspeed.ir.rope import apply_rotary
 from tokenspeed.ir.weights import DENSE, FP8
 
+SLAB_ROWS = 16   # activation rows up to which the CPU's dense linear reads its weight in slabs
+
 
 def flat_slots(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``[L, 2, pages, P, Hkv, D]`` -> (``[L, 2, pages * P, Hkv, D]`` view, P)."""
@@ -116,17 +118,18 @@ def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
 
 
 def _dense_linear(x, weight, bias):
-    """``x @ weight.T + bias`` with the weight's rows in one slab per torch thread, one
-    batched product: MKL runs a product of few rows on one core, and a decode step is a
-    chain of them over weights larger than the caches. On the 2-core machine, a row over
-    a 113 MB head read 26 GB/s this way against 15 in one product, 1.3-1.8x more for 1 to 4
-    rows of the default model's layers, and no less for 8 to 256 (docs/PERFORMANCE.md).
-    Each output is the same dot product, equal within float32 rounding (tests/test_kernels.py)."""
-    slabs = torch.get_num_threads()
+    """``x @ weight.T + bias``; for up to ``SLAB_ROWS`` rows of activations (decode), with
+    the weight's rows in one slab per torch thread, one batched product: MKL runs a product
+    of few rows on one core, and a decode step is a chain of them over weights larger than
+    the caches. On the 2-core machine, a row over a 113 MB head read 26 GB/s this way
+    against 15 in one product, and 1.3-1.8x more for 1 to 4 rows of the default model's
+    layers (docs/PERFORMANCE.md); more rows are left to MKL's own threads. Each output is
+    the same dot product, equal within float32 rounding (tests/test_kernels.py)."""
+    slabs, flat = torch.get_num_threads(), x.reshape(-1, x.shape[-1])
     rows, features = weight.shape
-    if x.device.type != "cpu" or slabs < 2 or rows % slabs or x.dim() < 2 or not weight.is_contiguous():
+    if x.device.type != "cpu" or slabs < 2 or rows % slabs or not 0 < flat.shape[0] <= SLAB_ROWS \
+            or x.dim() < 2 or not weight.is_contiguous():
         return torch.nn.functional.linear(x, weight, bias)
-    flat = x.reshape(-1, features)
     out = torch.bmm(flat.expand(slabs, *flat.shape), weight.view(slabs, rows // slabs, features).transpose(1, 2))
     out = out.transpose(0, 1).reshape(*x.shape[:-1], rows)
     return out if bias is None else out + bias
