@@ -169,9 +169,15 @@ def test_an_eager_segment_zeroes_the_padding_of_its_rows_never_a_weight_it_passe
     outputs by their shape emptied it in the startup's dry walk (a Q4_K model's graphs then
     gave token 0 on the H200): only the outputs with a row per token row are zeroed."""
     from tokenspeed.execution.prefill_runner import _scrub
+    from tokenspeed.ir.rows import rows_by_ladder
     model = ts.models.load(k_layout_file(Q.Q4_K)[0], quantized=True)
-    encoder = ts.trace(model).lower(mode="prefill").segments[0]
+    lowered = ts.trace(model).lower(mode="prefill")
+    encoder, narrowing = lowered.segments[:2]
     assert "lm_head_weight" in encoder.outputs and set(encoder.row_outputs) == {"embedding", "getitem"}
+    assert narrowing.ladder == "view" and "narrow_embedding" in narrowing.row_outputs   # view rows
+    follows = rows_by_ladder(lowered.program.graph_module, lowered.config)
+    assert "embedding" in follows["tokens"] - follows["view"]
+    assert "narrow_embedding" in follows["view"] - follows["tokens"]
     head = model.lm_head.weight
     assert head.shape[0] == K_LAYOUT["vocab"] == 32
     kept = head.clone()

@@ -184,5 +184,4 @@ def _scrub(seg, env, size, live) -> None:
     if size is None or live is None or live >= size:
         return
     for name in seg.row_outputs:
-        if env[name].shape[0] == size:   # a token-row output of a view-row segment keeps its rows
-            env[name][live:] = 0         # (while the buckets differ: row_shaped tells rows, not which)
+        env[name][live:] = 0

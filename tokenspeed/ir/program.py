@@ -24,9 +24,10 @@ class Segment:
     ``"tokens"`` (prefill token buckets), ``"view"`` (decoder-view buckets), ``"sampled"``
     (the sampled rows: never padded) or ``"batch"`` (the decode batch ladder).
     ``row_outputs`` (prefill, whose eager segments run on padded buckets): the outputs with
-    a row per token (or view) row, whose padded rows an eager run zeroes; the others
-    (weights passed on, values of the weights alone) are never touched, whatever their
-    leading dimension. A decode or verify segment is never zeroed and names none.
+    a row per row of the segment's ladder, whose padded rows an eager run zeroes; the
+    others (weights passed on, values of the weights alone, rows of the other ladder) are
+    never touched, whatever their leading dimension. A decode or verify segment is never
+    zeroed and names none.
     """
     name: str
     kind: str

@@ -13,11 +13,15 @@ from torch import fx
 from tokenspeed.ir.cache_groups import rows_per_page
 
 PROBE_ROWS = (5, 7)
+PROBE_HELD = 11   # the other ladder's rows while one is probed
 PROBE_TABLE_ROWS, PROBE_SAMPLED, PROBE_PAGES, PROBE_PAGE_SIZE, PROBE_TILES = 3, 2, 4, 4, 3
 
 
-def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Small inputs of the traced signature, with ``rows`` token rows."""
+def example_inputs(config, rows: int, device="meta", dtype=torch.float32,
+                   view_rows: int | None = None) -> dict[str, torch.Tensor]:
+    """Small inputs of the traced signature, with ``rows`` token rows (and as many decoder
+    view rows unless ``view_rows``)."""
+    views = rows if view_rows is None else view_rows
     g = len(config.cache_groups)
     parts, heads, values = config.cache_row
     cache = (rows_per_page(config.cache_groups), parts, PROBE_PAGES, PROBE_PAGE_SIZE, heads, values)
@@ -29,7 +33,7 @@ def example_inputs(config, rows: int, device="meta", dtype=torch.float32) -> dic
         "block_tables": torch.zeros((PROBE_TABLE_ROWS, g, 2) if g > 1 else (PROBE_TABLE_ROWS, 2),
                                     dtype=torch.int32, device=device),
         "row_request": torch.zeros(rows, **long), "sample_rows": torch.zeros(PROBE_SAMPLED, **long),
-        "view_rows": torch.zeros(rows, **long), "view_sample_rows": torch.zeros(PROBE_SAMPLED, **long),
+        "view_rows": torch.zeros(views, **long), "view_sample_rows": torch.zeros(PROBE_SAMPLED, **long),
         "attention_tiles": torch.zeros(PROBE_TILES, dtype=torch.int32, device=device),
         "view_attention_tiles": torch.zeros(PROBE_TILES, dtype=torch.int32, device=device),
     }
@@ -53,11 +57,12 @@ class _Recorder(fx.Interpreter):
         return value
 
 
-def fake_values(gm: fx.GraphModule, config, rows: int) -> dict[str, object]:
-    """Every node's value (meta tensors: shapes and dtypes only) on ``rows`` token rows."""
+def fake_values(gm: fx.GraphModule, config, rows: int, view_rows: int | None = None) -> dict[str, object]:
+    """Every node's value (meta tensors: shapes and dtypes only) on ``rows`` token rows
+    (and ``view_rows`` decoder view rows: as many by default)."""
     state = {n: torch.empty_like(t, device="meta")
              for n, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]}
-    inputs = example_inputs(config, rows)
+    inputs = example_inputs(config, rows, view_rows=view_rows)
     recorder = _Recorder(gm, state)
     recorder.run(*[inputs[n.name] for n in gm.graph.nodes if n.op == "placeholder"])
     return recorder.values
@@ -67,13 +72,27 @@ def _prefixed(state: dict, prefix: str) -> dict:
     return {n[len(prefix) + 1:]: t for n, t in state.items() if n.startswith(prefix + ".")}
 
 
-def leading_dims(gm: fx.GraphModule, config, rows: int) -> dict[str, int | None]:
-    return {name: _dim0(value) for name, value in fake_values(gm, config, rows).items()}
+def leading_dims(gm: fx.GraphModule, config, rows: int, view_rows: int | None = None) -> dict[str, int | None]:
+    return {name: _dim0(value) for name, value in fake_values(gm, config, rows, view_rows).items()}
 
 
 def row_shaped(gm: fx.GraphModule, config) -> set[str]:
+    """The values with a row per token row (or per view row: the two probes move together)."""
     first, second = (leading_dims(gm, config, r) for r in PROBE_ROWS)
     return {name for name, d in first.items() if d == PROBE_ROWS[0] and second[name] == PROBE_ROWS[1]}
+
+
+def rows_by_ladder(gm: fx.GraphModule, config) -> dict[str, set[str]]:
+    """``{"tokens": ..., "view": ...}``: the values whose leading dimension follows the token
+    rows, and those that follow the decoder view's rows (each probed with the other held
+    at ``PROBE_HELD``), for a program with both (a narrowed prefill)."""
+    follows = {}
+    for ladder in ("tokens", "view"):
+        probes = [leading_dims(gm, config, *((r, PROBE_HELD) if ladder == "tokens" else (PROBE_HELD, r)))
+                  for r in PROBE_ROWS]
+        follows[ladder] = {name for name, d in probes[0].items()
+                           if d == PROBE_ROWS[0] and probes[1][name] == PROBE_ROWS[1]}
+    return follows
 
 
 def _dim0(value) -> int | None:

@@ -7,7 +7,7 @@ from torch import fx
 
 from tokenspeed.ir.ops import ATTENTION_TARGETS
 from tokenspeed.ir.program import Program, Segment
-from tokenspeed.ir.rows import row_shaped
+from tokenspeed.ir.rows import rows_by_ladder
 from tokenspeed.passes.manager import program_pass
 
 EAGER_STAGES = ("narrowing", "finish")
@@ -21,19 +21,20 @@ def split_segments(program: Program, *, config, **_) -> Program:
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     groups = [list(g) for _, g in groupby(body, key=lambda n: n.meta["segment"])]
     output = next(n for n in graph.nodes if n.op == "output")
-    rows = row_shaped(program.graph_module, config) if program.mode == "prefill" else set()
+    rows = rows_by_ladder(program.graph_module, config) if program.mode == "prefill" else {}
     segments = tuple(_segment(program, i, nodes, rows) for i, nodes in enumerate(groups))
     return program.evolve(segments=segments, output=output.args[0].name)
 
 
-def _segment(program: Program, index: int, nodes: list[fx.Node], rows: set[str]) -> Segment:
+def _segment(program: Program, index: int, nodes: list[fx.Node], rows: dict[str, set[str]]) -> Segment:
     stage = nodes[0].meta.get("stage", "decode" if program.mode in ("decode", "verify") else "model")
     is_attention = any(n.target in ATTENTION_TARGETS for n in nodes) and len(nodes) == 1
     kind = "break" if is_attention or stage in EAGER_STAGES else "graph"
     gm, inputs, outputs = _extract(program.graph_module, nodes)
     return Segment(name=f"{index:02d}.{stage}.{'attention' if is_attention else kind}", kind=kind,
                    stage=stage, ladder=LADDER_OF_STAGE[stage], graph_module=gm,
-                   inputs=inputs, outputs=outputs, row_outputs=tuple(o for o in outputs if o in rows))
+                   inputs=inputs, outputs=outputs,
+                   row_outputs=tuple(o for o in outputs if o in rows.get(LADDER_OF_STAGE[stage], ())))
 
 
 def _input_view(node: fx.Node) -> bool:
