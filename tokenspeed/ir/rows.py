@@ -78,21 +78,22 @@ def leading_dims(gm: fx.GraphModule, config, rows: int, view_rows: int | None = 
 
 def row_shaped(gm: fx.GraphModule, config) -> set[str]:
     """The values with a row per token row (or per view row: the two probes move together)."""
-    first, second = (leading_dims(gm, config, r) for r in PROBE_ROWS)
-    return {name for name, d in first.items() if d == PROBE_ROWS[0] and second[name] == PROBE_ROWS[1]}
+    return _following(gm, config, lambda r: (r, None))
 
 
 def rows_by_ladder(gm: fx.GraphModule, config) -> dict[str, set[str]]:
     """``{"tokens": ..., "view": ...}``: the values whose leading dimension follows the token
     rows, and those that follow the decoder view's rows (each probed with the other held
     at ``PROBE_HELD``), for a program with both (a narrowed prefill)."""
-    follows = {}
-    for ladder in ("tokens", "view"):
-        probes = [leading_dims(gm, config, *((r, PROBE_HELD) if ladder == "tokens" else (PROBE_HELD, r)))
-                  for r in PROBE_ROWS]
-        follows[ladder] = {name for name, d in probes[0].items()
-                           if d == PROBE_ROWS[0] and probes[1][name] == PROBE_ROWS[1]}
-    return follows
+    return {"tokens": _following(gm, config, lambda r: (r, PROBE_HELD)),
+            "view": _following(gm, config, lambda r: (PROBE_HELD, r))}
+
+
+def _following(gm: fx.GraphModule, config, counts) -> set[str]:
+    """The values whose leading dimension is the probed count at both ``PROBE_ROWS``;
+    ``counts(r)``: the (token rows, view rows) of the probe at ``r``."""
+    first, second = (leading_dims(gm, config, *counts(r)) for r in PROBE_ROWS)
+    return {name for name, d in first.items() if d == PROBE_ROWS[0] and second[name] == PROBE_ROWS[1]}
 
 
 def _dim0(value) -> int | None:
