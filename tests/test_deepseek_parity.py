@@ -188,3 +188,19 @@ def test_a_pool_of_the_other_layout_is_refused_before_anything_is_built():
         MlaAttentionBackend().check_pool(keys_values, torch.zeros(keys_values.shape(5)))
     with pytest.raises(ValueError, match=r"parts 1 \(expected 2\)"):
         PagedAttentionBackend().check_pool(keys_values, torch.zeros(3, 1, 5, 4, 2, 16))
+
+
+def test_fp8_quantization_of_latent_attention_is_refused():
+    with pytest.raises(ValueError, match="quantization='fp8'.*latent attention"):
+        ts.LLM(checkpoint("v2_dense"), quantization="fp8")
+
+
+def test_a_cast_keeps_the_routers_float32_gate():
+    """``ts.LLM`` casts a loaded model to its dtype: the gate must keep its float32 values."""
+    model = load(checkpoint("v3_moe"), dtype=torch.float32)
+    gates = {n: p for n, p in model.named_parameters() if ".gate." in n or n.endswith("e_score_correction_bias")}
+    assert gates
+    kept = {n: p.detach().clone() for n, p in gates.items()}
+    model.to(dtype=torch.bfloat16)
+    after = dict(model.named_parameters())
+    assert all(after[n].dtype == torch.float32 and torch.equal(after[n], kept[n]) for n in kept)

@@ -73,10 +73,6 @@ class DeepseekMoe:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
-    @property
-    def scoring_func(self) -> str:
-        return "sigmoid" if self.topk_method == "noaux_tc" else "softmax"
-
 
 def _unsupported(field: str, value, why: str) -> ValueError:
     return ValueError(f"unsupported config {field}={value!r}: {why}")

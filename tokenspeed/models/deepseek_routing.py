@@ -27,10 +27,15 @@ class DeepseekRouter(nn.Module):
     def _apply(self, fn, recurse=True):
         """The gate and its bias stay float32 whatever the model is cast to, as transformers
         keeps them (``_keep_in_fp32_modules_strict``): a bfloat16 gate routes some tokens
-        elsewhere. The checkpoint's values are copied in after the cast, at full precision."""
+        elsewhere. The checkpoint's values are copied in after the cast, at full precision. A
+        cast that leaves them on their device keeps the very float32 tensors (as
+        ``layers.KeptFrequencies``): a cast of a loaded model must not round them."""
+        kept = {name: p.data for name, p in self.named_parameters(recurse=False)}
         super()._apply(fn, recurse)
-        for param in self.parameters(recurse=False):
-            param.data = param.data.float()
+        for name, param in self.named_parameters(recurse=False):
+            before = kept[name]
+            unmoved = param.device == before.device and before.dtype == torch.float32
+            param.data = before if unmoved else param.data.float()
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

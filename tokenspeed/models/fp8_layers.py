@@ -85,6 +85,10 @@ def quantized_to_fp8(model: nn.Module) -> nn.Module:
     if model.config.moe is not None:
         raise ValueError(f"quantization='fp8' quantizes linear layers; {model.config.architecture}'s experts "
                          "have no FP8 kernel, so its weights load unquantized only")
+    if model.config.mla is not None:   # the latent attention reads kv_b_proj's weight itself, unscaled
+        raise ValueError(f"quantization='fp8' quantizes linear layers; {model.config.architecture}'s latent "
+                         "attention reads its key and value projection's weight whole, so its weights load "
+                         "unquantized only")
     dense = [name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head"]
     for name in dense:
         replace_layer(model, name, Fp8Linear.quantized)
