@@ -73,8 +73,13 @@ def hf_model_of(hf_config: dict, dtype=torch.bfloat16, device="cuda"):
                   "DeepseekV2ForCausalLM": transformers.DeepseekV2Config}[arch]
     config = config_cls(**cfg)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # every tensor made in ``dtype``: a float32 first draft would not fit
+    try:
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        torch.set_default_dtype(default)
     return model.eval()
 
 

@@ -1,13 +1,13 @@
 """Mixtures of experts through ``ts.LLM`` (issue 34's speed figures): Qwen3-30B-A3B and
 DeepSeek-V2-Lite with random weights, decode time per output token beside the floor and
-transformers on the same weights, a long prompt's prefill, and the cache a token holds.
+transformers on random weights of the same law, a long prompt's prefill, and the cache a token holds.
 
     python -m benchmarks.moe_decode [--shapes qwen3-30b-a3b deepseek-v2-lite] [--kv-memory-gib 100]
                                     [--batches 1 8 32 128] [--hf-batches 1 32]   (none after it: no peer)
     python -m benchmarks.moe_decode --tiny        (CPU, tiny configs: runs in seconds, means nothing)
 
-On the H200 (bfloat16), a shape a command (not yet timed there: where one outlasts a device
-command's limit, split its batches with ``--batches`` and ``--hf-batches``):
+On the H200 (bfloat16), a shape a command (where one outlasts a device command's limit, split
+its batches with ``--batches`` and ``--hf-batches``):
 
     python -m benchmarks.moe_decode --shapes qwen3-30b-a3b --json results/moe_decode_qwen3.json
     python -m benchmarks.moe_decode --shapes deepseek-v2-lite --json results/moe_decode_deepseek.json
@@ -19,9 +19,10 @@ routing of a compiled run is not read back: the JSON's ``floor_routing`` says so
 cache read, over the measured device-to-device copy bandwidth. transformers runs at the
 ``hf_batches``: a greedy loop over a ``StaticCache`` with the one-token forward compiled
 (``reduce-overhead``, as ``benchmarks.decode``), or ``generate`` eager where that does not
-compile; ``hf_mode`` says which, and the JSON keeps the compile error. Ours runs first and
-is freed; transformers' model is then built again from the same seed (the same weights):
-two copies of Qwen3-30B-A3B (61 GB each) would leave little room for the cache and graphs.
+compile; ``hf_mode`` says which (``oom`` where its model does not fit), and the JSON keeps
+the error. Ours runs first, on its own random weights, and is freed before transformers'
+model is built: two copies of Qwen3-30B-A3B (57 GiB each) would leave little room for the
+cache and graphs.
 
 Per shape, on its first row: one ``prefill_tokens`` prompt to its first token; the cache
 bytes per token against the multi-head equivalent (heads x (qk_head_dim + v_head_dim) x
@@ -31,6 +32,7 @@ layers x dtype bytes); the ``kv_tokens``-token sequences whose cache fits in
 
 import argparse
 import gc
+import sys
 
 import attrs
 import torch
@@ -39,6 +41,7 @@ import tokenspeed as ts
 from benchmarks import common, moe_bytes
 from benchmarks.quantized import decode_seconds, prefill_seconds, prompts
 from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.random import random_model
 
 SHAPES = ("qwen3-30b-a3b", "deepseek-v2-lite")
 TINY_SIZES = {   # each shape's features at a size the CPU runs in seconds
@@ -137,13 +140,12 @@ def hf_compiled_tpot(model, ids: torch.Tensor, work: Workload) -> float:
 
 
 def ours_rows(shape: str, config: dict, work: Workload, bandwidth: float | None) -> tuple[list[dict], float]:
-    """Our decode rows and our prefill seconds; the models freed before returning."""
-    dtype = getattr(torch, work.dtype)
-    hf = common.hf_model_of(config, dtype, work.device)
-    ours = common.our_model_of(config, hf, dtype, work.device)
-    del hf
-    release_memory()
+    """Our decode rows and our prefill seconds; the models freed before returning. Our random
+    weights are drawn apart from transformers' (the same law): two copies of a 30B shape do not
+    fit on one GPU."""
+    ours = random_model(config, getattr(torch, work.dtype), work.device)
     llm = ts.LLM(ours, **work.engine_options())
+    print(f"{shape}: weights and cache hold {memory_gib():.1f} GiB", file=sys.stderr)
     rows = []
     with torch.inference_mode():
         prefill = prefill_seconds(llm, work)
@@ -175,7 +177,12 @@ def with_hf(rows: list[dict], config: dict, work: Workload) -> list[dict]:
     """Each row at an ``hf_batches`` batch with transformers' time beside ours."""
     if not work.hf_batches:
         return rows
-    hf = common.hf_model_of(config, getattr(torch, work.dtype), work.device)
+    try:
+        hf = common.hf_model_of(config, getattr(torch, work.dtype), work.device)
+    except torch.OutOfMemoryError as error:
+        release_memory()
+        return [{**row, "hf_mode": "oom", "hf_compile_error": str(error)[:500]} if row["batch"] in work.hf_batches
+                else row for row in rows]
     out = []
     for row in rows:
         if row["batch"] in work.hf_batches:
@@ -204,6 +211,10 @@ def bench_shape(shape: str, work: Workload, tiny: bool, bandwidth: float | None,
     rows = with_hf(rows, config, work)
     rows[0] = {**rows[0], "prefill_ms": prefill * 1e3, **cache_figures(config, work, memory_bytes)}
     return rows
+
+
+def memory_gib() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
 def release_memory() -> None:

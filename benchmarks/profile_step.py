@@ -13,6 +13,7 @@ from benchmarks.decode import PROMPT, our_tpot
 from tokenspeed.backends.metadata import DecodeRow
 from tokenspeed.execution.ladders import bucket_for
 from tokenspeed.execution.sampler import RowSampling
+from tokenspeed.models.random import random_model
 
 
 def top_kernels(fn, n: int = 12) -> str:
@@ -29,12 +30,10 @@ def decode_rows(llm, batch):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="llama-3.2-1b")
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=common.SHAPES)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     args = parser.parse_args()
-    hf = common.hf_model(args.shape)
-    ours = common.our_model(args.shape, hf)
-    del hf
+    ours = random_model(common.SHAPES[args.shape], torch.bfloat16, "cuda")
     llm = ts.LLM(ours, device="cuda", max_num_seqs=max(args.batches), max_model_len=4096,
                  enable_prefix_caching=False)
     greedy = ts.SamplingParams(temperature=0.0)
@@ -50,7 +49,9 @@ def main() -> None:
                   f"runner step {step * 1e3:.3f} ms, engine TPOT {tpot * 1e3:.3f} ms")
             view = llm.compiled.decode.slots.publish(llm.compiled.decode.refresh(decode_rows(llm, batch), batch))
             sampling = llm.compiled.decode.sampling.publish(llm.compiled.decode._padded([RowSampling(greedy, 0)] * batch, batch))
-            print(top_kernels(lambda: llm.compiled.decode.step(view, sampling, llm.compiled.decode.out[:batch])))
+            print("eager step:\n" + top_kernels(lambda: llm.compiled.decode.step(view, sampling,
+                                                                            llm.compiled.decode.out[:batch])))
+            print("graph replay:\n" + top_kernels(graph.replay))
         prompt = [[100 + j % 900 for j in range(512)]]
         params = ts.SamplingParams(temperature=0.0, max_tokens=1)
         llm.generate(prompt, params, use_tqdm=False)

@@ -132,6 +132,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return [torch.empty_like(x), torch.empty_like(x)]
 
 
+@_op("rope")
+def rope(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x[rows, heads, dim]`` rotated at ``positions[rows]`` by the table's rows (a new
+    tensor). ``interleaved``: adjacent elements pair up, and come out as halves (evens, then
+    odds), as DeepSeek's rotary gathers them (``models.mla_rotary``)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @_op("rope_write_kv", mutates_args=("kv_cache",))
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                   positions: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -208,10 +216,11 @@ MLA_DECODE_ATTENTION = OPS.mla_decode_attention.default
 ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION,
                      OPS.mla_attention, MLA_ATTENTION, MLA_DECODE_ATTENTION)
 ROPE_WRITE_KV = OPS.rope_write_kv.default
+ROPE = OPS.rope.default
 MOE = OPS.moe.default
 WRITE_LATENT = OPS.write_latent.default
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT)   # the ops that
 # write the cache (and need every row)
-OP_NAMES = ("write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
+OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
             "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
             "norm_linear", "embedding", "moe", "write_latent", "mla_attention", "mla_decode_attention")

@@ -1,15 +1,16 @@
 """DeepSeek-V2/V3 for tracing: multi-head latent attention (MLA) over a latent cache,
 dense MLP layers up to ``first_k_dense_replace``, mixtures of experts after.
 
-Parameter names follow Hugging Face. A layer caches, per token, its normed latent and its
-rotated rope key (``tokenspeed::write_latent``); ``tokenspeed::mla_attention`` reads them
-with the layer's ``kv_b_proj`` weight (expanded for prefill, absorbed for decode: see
-``backends.kernels.mla_reference``). Routing is model code (``deepseek_routing``); the
+Parameter names follow Hugging Face, except that the dense MLPs' gate and up projections
+are stacked (Llama's ``MLP``: one product, the activation fused into the down projection's
+GEMV). A layer caches, per token, its normed latent and its rotated rope key
+(``tokenspeed::write_latent``); ``tokenspeed::mla_attention`` reads them with the layer's
+``kv_b_proj`` weight (the CPU reference expands a prompt's runs and absorbs lone rows; the
+Triton kernels absorb every row: see ``backends.kernels.mla_reference`` and ``triton_mla``). Routing is model code (``deepseek_routing``); the
 routed experts are one ``tokenspeed::moe`` call over the stacked expert weights.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenspeed.ir import ops
@@ -17,6 +18,7 @@ from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.deepseek_config import RMS_EPS
 from tokenspeed.models.deepseek_routing import DeepseekRouter
 from tokenspeed.models.layers import CausalLM, DecoderLayer, DecoderStack, RMSNorm
+from tokenspeed.models.llama import MLP
 from tokenspeed.models.mla_rotary import MlaRotary
 
 
@@ -52,17 +54,6 @@ class MlaAttention(nn.Module):
         return self.o_proj(o.reshape(-1, self.num_heads * m.v_head_dim))
 
 
-class DeepseekMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DeepseekExperts(nn.Module):
     """Every routed expert's weights stacked as ``tokenspeed::moe`` reads them (transformers
     5's ``gate_up_proj`` and ``down_proj``): ``w13 [E, 2 * I, H]`` (gate rows first),
@@ -84,7 +75,7 @@ class DeepseekMoeLayer(nn.Module):
         self.gate = DeepseekRouter(config.hidden_size, moe)
         self.experts = DeepseekExperts(config.hidden_size, moe.moe_intermediate_size, moe.n_routed_experts)
         shared = moe.moe_intermediate_size * moe.n_shared_experts
-        self.shared_experts = DeepseekMLP(config.hidden_size, shared) if shared else None
+        self.shared_experts = MLP(config.hidden_size, shared) if shared else None
 
     def forward(self, x):
         weights, ids = self.gate(x)
@@ -95,7 +86,7 @@ class DeepseekMoeLayer(nn.Module):
 def deepseek_layer(config: ModelConfig, layer: int) -> DecoderLayer:
     """Latent attention, then a mixture of experts or (the first layers) a dense MLP."""
     mlp = DeepseekMoeLayer(config) if config.deepseek_moe.is_moe_layer(layer) else \
-        DeepseekMLP(config.hidden_size, config.intermediate_size)
+        MLP(config.hidden_size, config.intermediate_size)
     return DecoderLayer(config, MlaAttention(config, layer), mlp)
 
 

@@ -57,5 +57,5 @@ def part_sizes(model: nn.Module, layer: str) -> list[int]:
     """The rows of each checkpoint weight ``layer`` is filled from (one part unless stacked)."""
     stacked = layer.rpartition(".")[2]
     if stacked in STACKED_LAYERS:
-        return stacked_sizes(model.config, stacked)
+        return stacked_sizes(model.config, stacked, model.get_submodule(layer).weight.shape[0])
     return [model.get_submodule(layer).weight.shape[0]]

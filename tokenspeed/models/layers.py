@@ -57,6 +57,7 @@ class Rotary(KeptFrequencies):
     """Rotary position embedding of ``x[rows, heads, head_dim]`` at ``positions[rows]``
     (passes read ``inv_freq`` to build the fused ops' table)."""
     ir_leaf = "rotary"
+    interleaved = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -66,8 +67,12 @@ class Rotary(KeptFrequencies):
     def frequencies(self) -> torch.Tensor:
         return rope_inv_freq(*self.rope)
 
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of the ``cos_sin`` table (``ir.rope``) at ``positions``."""
+        return cos_sin_table(self.inv_freq, positions)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(x, cos_sin_table(self.inv_freq, positions))
+        return apply_rotary(x, self.cos_sin(positions))
 
 
 class DecoderLayer(nn.Module):

@@ -25,12 +25,13 @@ STACKED = {  # checkpoint name part -> (our name part, slice index among the sta
 }
 
 
-def stacked_sizes(config: ModelConfig, stacked: str) -> list[int]:
-    """Rows of each checkpoint part inside a stacked projection."""
+def stacked_sizes(config: ModelConfig, stacked: str, rows: int) -> list[int]:
+    """Rows of each checkpoint part inside a stacked projection of ``rows`` rows (a gate and
+    up projection's halves: DeepSeek's shared experts are narrower than its dense layers)."""
     c = config
     if stacked == "qkv_proj":
         return [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
-    return [c.intermediate_size] * 2
+    return [rows // 2] * 2
 
 
 class Attention(nn.Module):
@@ -88,10 +89,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -101,7 +102,7 @@ def mlp(config: ModelConfig, layer: int) -> nn.Module:
     """A mixture of experts' sparse layers route to experts; every other layer is dense."""
     if config.moe is not None and layer in config.moe.sparse_layers:
         return SparseMoeBlock(config.moe, config.hidden_size)
-    return MLP(config)
+    return MLP(config.hidden_size, config.intermediate_size)
 
 
 class LlamaModel(DecoderStack):

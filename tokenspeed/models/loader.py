@@ -148,7 +148,8 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
     for part, (stacked, index) in STACKED.items():
         target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
         if target != name and target in params:
-            parts = params[target].split(part_rows(params[target], stacked_sizes(model.config, stacked)))
+            sizes = stacked_sizes(model.config, stacked, params[target].shape[0])
+            parts = params[target].split(part_rows(params[target], sizes))
             _copy(parts[index], tensor, name, model.config)
             loaded.add(f"{target}#{index}")
             return
@@ -175,7 +176,7 @@ def _expected(model) -> set[str]:
     for name, param in model.named_parameters(remove_duplicate=False):
         experts = expected_keys(name, param)
         stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
-        parts = len(stacked_sizes(model.config, stacked)) if stacked else 0
+        parts = len(stacked_sizes(model.config, stacked, param.shape[0])) if stacked else 0
         expected.update(experts or ([f"{name}#{i}" for i in range(parts)] if parts else [name]))
     return expected
 

@@ -24,17 +24,21 @@ class MlaRotary(KeptFrequencies):
     def __init__(self, mla: MlaConfig, theta: float):
         super().__init__()
         self.rope = (mla.qk_rope_head_dim, theta, mla.yarn)
-        self.interleave = mla.rope_interleave
+        self.interleaved = mla.rope_interleave
         self.attention_factor = mla.yarn.attention_factor if mla.yarn else 1.0
         self.register_buffer("inv_freq", self.frequencies(), persistent=False)
 
     def frequencies(self) -> torch.Tensor:
         return mla_inv_freq(*self.rope)
 
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of the ``cos_sin`` table (``ir.rope``) at ``positions``, YaRN's factor in."""
+        return cos_sin_table(self.inv_freq, positions) * self.attention_factor
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.interleave:
+        if self.interleaved:
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        return apply_rotary(x, cos_sin_table(self.inv_freq, positions) * self.attention_factor)
+        return apply_rotary(x, self.cos_sin(positions))
 
 
 def mla_inv_freq(dim: int, theta: float, yarn: Yarn | None) -> torch.Tensor:

@@ -16,8 +16,9 @@ TINY_LLAMA = {
 
 
 def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
-    """Normal(0, std) matrices and unit norms, as transformers initialises Llama."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Normal(0, std) matrices and unit norms, as transformers initialises Llama. The numbers
+    are drawn on the model's device: a 30B-parameter shape would take minutes on the host."""
+    generators = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -25,7 +26,8 @@ def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> Ll
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                gen = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
     return model
 
 
@@ -45,6 +47,6 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             state[name] = tensor.contiguous()
             continue
         parts = [p for p, (s, _) in STACKED.items() if s == stacked]
-        for part, piece in zip(parts, tensor.split(stacked_sizes(model.config, stacked))):
+        for part, piece in zip(parts, tensor.split(stacked_sizes(model.config, stacked, tensor.shape[0]))):
             state[name.replace(f".{stacked}.", f".{part}.")] = piece.contiguous()
     return state

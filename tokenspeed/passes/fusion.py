@@ -8,6 +8,9 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
 - ``fuse_rope_decode_attention``: that op feeding the layer's decode attention joins it
   (``tokenspeed::rope_decode_attention``): the attention kernel rotates q and the row's
   own key and writes the cache itself.
+- ``rope_kernels``: a rotary leaf left standing (DeepSeek's, which rotates its query's and
+  key's rope parts apart from the cache write; a prefill layer the narrowing splits)
+  becomes ``tokenspeed::rope`` over the shared table: one launch instead of a dozen ops.
 - ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
   by row count (split-K GEMV for a few rows on CUDA).
 - ``fuse_gated_linear``: ``linear(silu_and_mul(gate_up))`` becomes
@@ -23,7 +26,6 @@ from torch import fx
 
 from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE_DECODE_ATTENTION, WRITE_KV
 from tokenspeed.ir.program import rename
-from tokenspeed.ir.rope import cos_sin_table
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.ir.trace import leaf_kind
 from tokenspeed.passes.manager import graph_pass
@@ -126,6 +128,17 @@ def fuse_rope_decode_attention(gm: fx.GraphModule, **_) -> None:
                                                      slots, block_tables, row_request, scale, window),
                     kwargs=node.kwargs)
         gm.graph.erase_node(rope)
+
+
+@graph_pass("rope_kernels")
+def rope_kernels(gm: fx.GraphModule, *, config, **_) -> None:
+    table = None
+    for node in list(gm.graph.nodes):
+        rotary = _leaf(gm, node, "rotary") or _leaf(gm, node, "mla_rotary")
+        if rotary is not None:
+            table = table or _rope_table(gm, rotary, config, node)
+            x, positions = node.args
+            _substitute(gm, node, ops.rope.default, (x, table, positions, rotary.interleaved))
 
 
 @graph_pass("select_linear")
@@ -231,7 +244,7 @@ def _rope_table(gm: fx.GraphModule, rotary: torch.nn.Module, config, first_reade
     of its first reader)."""
     if not hasattr(gm, ROPE_TABLE):
         positions = torch.arange(config.max_position_embeddings, device=rotary.inv_freq.device)
-        gm.register_buffer(ROPE_TABLE, cos_sin_table(rotary.inv_freq, positions))
+        gm.register_buffer(ROPE_TABLE, rotary.cos_sin(positions))
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last_input):
         table = gm.graph.get_attr(ROPE_TABLE)

@@ -91,6 +91,11 @@ def add_rms_norm(x, residual, weight, eps):
     return list(triton_fused.add_rms_norm(x, residual, weight, eps))
 
 
+def rope(x, cos_sin, positions, interleaved):
+    from tokenspeed.backends.kernels import triton_rope
+    return triton_rope.rope(x, cos_sin, positions, interleaved)
+
+
 def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):
     from tokenspeed.backends.kernels import triton_fused
     return triton_fused.rope_and_write_kv(q, k, v, cos_sin, positions, flat_slots(kv_cache)[0],

@@ -89,6 +89,12 @@ def add_rms_norm(x, residual, weight, eps):
     return [rms_norm(total, weight, eps), total]
 
 
+def rope(x, cos_sin, positions, interleaved):
+    if interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    return apply_rotary(x, cos_sin[positions]).contiguous()
+
+
 def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):
     """Queries and keys rotated together: one rotation's ops instead of two (a decode step
     on the CPU is bound by how many small ops it runs)."""
