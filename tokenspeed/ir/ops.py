@@ -194,6 +194,16 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, weight_format: str, featu
     return weight.new_empty(ids.shape[0], features, dtype=dtype)
 
 
+@_op("softmax_top_k")
+def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -> list[torch.Tensor]:
+    """A router's choice: ``[weights, ids]``, each ``[T, k]``, the k largest of each row's
+    float32 softmax (``weights`` float32, the largest first), renormalised to sum to one
+    where ``normalize``, times ``scale``. One op for what is otherwise four or five small
+    kernels a layer (softmax, top-k, sum, division, scaling)."""
+    rows = logits.shape[0]
+    return [logits.new_empty(rows, k, dtype=torch.float32), logits.new_empty(rows, k, dtype=torch.int64)]
+
+
 @_op("moe")
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor) -> torch.Tensor:
@@ -221,6 +231,7 @@ MOE = OPS.moe.default
 WRITE_LATENT = OPS.write_latent.default
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT)   # the ops that
 # write the cache (and need every row)
-OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul", "rms_norm",
-            "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "moe", "write_latent", "mla_attention", "mla_decode_attention")
+OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
+            "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
+            "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "mla_attention",
+            "mla_decode_attention")

@@ -6,8 +6,9 @@ are stacked (Llama's ``MLP``: one product, the activation fused into the down pr
 GEMV). A layer caches, per token, its normed latent and its rotated rope key
 (``tokenspeed::write_latent``); ``tokenspeed::mla_attention`` reads them with the layer's
 ``kv_b_proj`` weight (the CPU reference expands a prompt's runs and absorbs lone rows; the
-Triton kernels absorb every row: see ``backends.kernels.mla_reference`` and ``triton_mla``). Routing is model code (``deepseek_routing``); the
-routed experts are one ``tokenspeed::moe`` call over the stacked expert weights.
+Triton kernels absorb every row: see ``backends.kernels.mla_reference`` and
+``triton_mla``). Routing is model code (``deepseek_routing``); the routed experts are one
+``tokenspeed::moe`` call over the stacked expert weights.
 """
 
 import torch

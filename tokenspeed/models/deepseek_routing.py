@@ -5,11 +5,14 @@ top k (``greedy``), or the top k of the ``topk_group`` groups with the highest b
 (``group_limited_greedy``). V3 (``noaux_tc``) scores by sigmoid, chooses with the
 ``e_score_correction_bias`` added (groups ranked by the sum of their two best), weighs
 with the unbiased scores, normalised if ``norm_topk_prob``. Both scale the weights by
-``routed_scaling_factor``.
+``routed_scaling_factor``. The greedy choice is one op (``tokenspeed::softmax_top_k``); the
+grouped ones stay plain ops.
 """
 
 import torch
 from torch import nn
+
+from tokenspeed.ir import ops
 
 from tokenspeed.models.deepseek_config import DeepseekMoe
 
@@ -40,16 +43,19 @@ class DeepseekRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        scale = self.moe.routed_scaling_factor
+        if self.moe.topk_method == "greedy":   # one op: softmax, top k, scaling
+            weights, ids = ops.softmax_top_k(logits, self.moe.num_experts_per_tok, False, scale)
+            return weights, ids
         if self.moe.topk_method == "noaux_tc":
             weights, ids = self._noaux_tc(logits.sigmoid())
         else:
-            weights, ids = self._softmax_top_k(logits.softmax(dim=-1))
-        return weights * self.moe.routed_scaling_factor, ids
+            weights, ids = self._group_limited(logits.softmax(dim=-1))
+        return weights * scale, ids
 
-    def _softmax_top_k(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.moe.topk_method == "group_limited_greedy":
-            groups = scores.view(-1, self.moe.n_group, self.moe.n_routed_experts // self.moe.n_group).max(dim=-1).values
-            scores = scores.masked_fill(~self._kept_experts(groups), 0.0)
+    def _group_limited(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = scores.view(-1, self.moe.n_group, self.moe.n_routed_experts // self.moe.n_group).max(dim=-1).values
+        scores = scores.masked_fill(~self._kept_experts(groups), 0.0)
         return torch.topk(scores, k=self.moe.num_experts_per_tok, dim=-1, sorted=False)
 
     def _noaux_tc(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

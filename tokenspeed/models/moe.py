@@ -1,8 +1,9 @@
 """The sparse mixture-of-experts block of Mixtral and Qwen3-MoE: a router, then the
 experts through ``tokenspeed::moe``.
 
-The router is plain ops, as transformers routes: a linear layer's logits, their softmax in
-float32, the top k, renormalised over those k where the config says so. The experts are
+The router is a linear layer's logits, then ``tokenspeed::softmax_top_k``, as transformers
+routes: their softmax in float32, the top k, renormalised over those k where the config
+says so. The experts are
 two stacked tensors, ``w13 [E, 2 * I, H]`` (each expert's gate rows, then its up rows) and
 ``w2 [E, H, I]``, filled at load from the checkpoint's per-expert matrices
 (``moe_checkpoint``), so one kernel reads every expert.
@@ -31,8 +32,5 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(moe, hidden_size)
 
     def forward(self, x):
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize_top_k:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = ops.softmax_top_k(self.gate(x), self.top_k, self.normalize_top_k, 1.0)
         return ops.moe(x, self.experts.w13, self.experts.w2, weights, ids)

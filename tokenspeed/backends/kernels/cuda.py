@@ -189,6 +189,11 @@ def embedding(ids, weight, weight_format, features, dtype):
     return triton_gguf_embedding.embedding(ids, weight, block_format(weight_format), dtype)
 
 
+def softmax_top_k(logits, k, normalize, scale):
+    from tokenspeed.backends.kernels import triton_route
+    return triton_route.softmax_top_k(logits, k, normalize, scale)
+
+
 def moe(x, w13, w2, topk_weights, topk_ids):
     from tokenspeed.backends.kernels import triton_moe
     return triton_moe.moe(x, w13, w2, topk_weights, topk_ids)

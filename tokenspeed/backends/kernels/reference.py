@@ -89,6 +89,13 @@ def add_rms_norm(x, residual, weight, eps):
     return [rms_norm(total, weight, eps), total]
 
 
+def softmax_top_k(logits, k, normalize, scale):
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return [weights * scale, ids]
+
+
 def rope(x, cos_sin, positions, interleaved):
     if interleaved:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
