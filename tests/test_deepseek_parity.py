@@ -107,7 +107,8 @@ def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_the
     assert decode.count("tokenspeed.mla_decode_attention") == LAYERS
     assert "tokenspeed.mla_attention." not in decode
     assert prefill.count("tokenspeed.mla_attention") == LAYERS and "mla_decode_attention" not in prefill
-    assert decode.count("tokenspeed.write_latent") == prefill.count("tokenspeed.write_latent") == LAYERS
+    fused = "tokenspeed.norm_rope_write_latent"   # the latent's norm, the key's rotary and the write
+    assert decode.count(fused) == prefill.count(fused) == LAYERS
 
 
 @pytest.mark.parametrize("variant", MOE)

@@ -1,6 +1,6 @@
-"""``tokenspeed::rope``: the Triton kernel (under the interpreter on the CPU) against the
-reference, the reference against the models' rotary modules, and the pass that puts it
-in place of every rotary leaf the cache-write fusion leaves."""
+"""``tokenspeed::rope`` and ``norm_rope_write_latent``: the Triton kernels (under the
+interpreter on the CPU) against the references, the reference against the models' rotary
+modules, and the passes that put them in place of DeepSeek's rotaries and latent write."""
 
 import os
 
@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import tokenspeed as ts  # noqa: E402
-from tokenspeed.backends.kernels import reference, triton_rope  # noqa: E402
+from tokenspeed.backends.kernels import reference, triton_latent, triton_rope  # noqa: E402
 from tokenspeed.errors import InternalError  # noqa: E402
-from tokenspeed.ir.ops import ROPE  # noqa: E402
+from tokenspeed.ir.ops import NORM_ROPE_WRITE_LATENT, ROPE, WRITE_LATENT  # noqa: E402
 from tokenspeed.models.config import ModelConfig  # noqa: E402
 from tokenspeed.models.mla_rotary import MlaRotary  # noqa: E402
 from tokenspeed.models.random import random_model  # noqa: E402
@@ -77,11 +77,33 @@ def test_the_reference_over_the_shared_table_is_deepseeks_rotary(interleaved):
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_every_latent_attention_rotary_becomes_one_rope_op(mode):
+def test_a_latent_layer_rotates_its_query_in_one_op_and_writes_its_key_in_another(mode):
     model = random_model(TINY_DEEPSEEK)
     lowered = ts.trace(model).lower(mode)
     nodes = [n for seg in lowered.segments for n in seg.graph_module.graph.nodes]
     assert not [n for n in nodes if n.op == "call_module" and "rotary" in str(n.target)]
-    ropes = [n for n in nodes if n.target == ROPE]
-    assert len(ropes) == 2 * TINY_DEEPSEEK["num_hidden_layers"]   # the query's and the key's, a layer
-    assert "rope_kernels" in [entry.pass_name for entry in lowered.history]
+    layers = TINY_DEEPSEEK["num_hidden_layers"]
+    assert [len([n for n in nodes if n.target == t]) for t in (ROPE, NORM_ROPE_WRITE_LATENT, WRITE_LATENT)] == \
+        [layers, layers, 0]
+    assert {"rope_kernels", "fuse_latent_write"} <= {entry.pass_name for entry in lowered.history}
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(rows=st.integers(0, 4), interleaved=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 99))
+def test_the_latent_write_stores_the_references_rows(rows, interleaved, dtype, seed):
+    """Into the rows' own slots of one layer, nothing else (the cache starts as NaN)."""
+    gen, width, dim, page = torch.Generator().manual_seed(seed), 24, 8, 4
+    kv_a = torch.randn(rows, width + dim, generator=gen).to(DEVICE, dtype)        # latent | rope key, as split
+    latent, k_rope = kv_a[:, :width], kv_a[:, width:].view(-1, 1, dim)
+    weight = (torch.rand(width, generator=gen) + 0.5).to(DEVICE, dtype)
+    positions = torch.randint(0, 64, (rows,), generator=gen).to(DEVICE)
+    slots = (torch.randperm(12, generator=gen)[:rows] + page).to(DEVICE)          # never page 0
+    got, want = (torch.full((2, 1, 4, page, 1, width + dim), float("nan"), device=DEVICE, dtype=dtype)
+                 for _ in range(2))
+    triton_latent.norm_rope_write_latent(latent, weight, 1e-6, k_rope, table(dim), positions, interleaved, got, 1,
+                                         slots)
+    reference.norm_rope_write_latent(latent, weight, 1e-6, k_rope, table(dim), positions, interleaved, want, 1,
+                                     slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, equal_nan=True)

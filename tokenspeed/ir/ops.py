@@ -92,6 +92,14 @@ def write_latent(latent: torch.Tensor, k_rope: torch.Tensor, kv_cache: torch.Ten
     return None
 
 
+@_op("norm_rope_write_latent", mutates_args=("kv_cache",))
+def norm_rope_write_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, k_rope: torch.Tensor,
+                           cos_sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, kv_cache: torch.Tensor,
+                           layer: int, slot_mapping: torch.Tensor) -> None:
+    """``write_latent(rms_norm(latent), rope(k_rope [T, 1, D]))``: a latent layer's cache
+    write, its norm and its key's rotary in one kernel."""
+
+
 @_op("mla_attention")
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                   block_tables: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor,
@@ -229,9 +237,11 @@ ROPE_WRITE_KV = OPS.rope_write_kv.default
 ROPE = OPS.rope.default
 MOE = OPS.moe.default
 WRITE_LATENT = OPS.write_latent.default
-WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT)   # the ops that
-# write the cache (and need every row)
+NORM_ROPE_WRITE_LATENT = OPS.norm_rope_write_latent.default
+WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT,   # the ops that
+                    NORM_ROPE_WRITE_LATENT)                                               # write the cache
+# (and need every row)
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "mla_attention",
+            "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "norm_rope_write_latent", "mla_attention",
             "mla_decode_attention")

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from tokenspeed.ir import ops
-
 from tokenspeed.models.deepseek_config import DeepseekMoe
 
 

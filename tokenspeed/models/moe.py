@@ -3,10 +3,9 @@ experts through ``tokenspeed::moe``.
 
 The router is a linear layer's logits, then ``tokenspeed::softmax_top_k``, as transformers
 routes: their softmax in float32, the top k, renormalised over those k where the config
-says so. The experts are
-two stacked tensors, ``w13 [E, 2 * I, H]`` (each expert's gate rows, then its up rows) and
-``w2 [E, H, I]``, filled at load from the checkpoint's per-expert matrices
-(``moe_checkpoint``), so one kernel reads every expert.
+says so. The experts are two stacked tensors, ``w13 [E, 2 * I, H]`` (each expert's gate
+rows, then its up rows) and ``w2 [E, H, I]``, filled at load from the checkpoint's
+per-expert matrices (``moe_checkpoint``), so one kernel reads every expert.
 """
 
 import torch

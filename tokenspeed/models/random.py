@@ -26,7 +26,9 @@ def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> Ll
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                gen = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                if p.device not in generators:
+                    generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+                gen = generators[p.device]
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
     return model
 

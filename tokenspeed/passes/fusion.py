@@ -11,6 +11,8 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
 - ``rope_kernels``: a rotary leaf left standing (DeepSeek's, which rotates its query's and
   key's rope parts apart from the cache write; a prefill layer the narrowing splits)
   becomes ``tokenspeed::rope`` over the shared table: one launch instead of a dozen ops.
+- ``fuse_latent_write``: a latent layer's ``write_latent`` of a normed latent and a rotated
+  rope key, each read by the write alone, becomes ``tokenspeed::norm_rope_write_latent``.
 - ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
   by row count (split-K GEMV for a few rows on CUDA).
 - ``fuse_gated_linear``: ``linear(silu_and_mul(gate_up))`` becomes
@@ -24,7 +26,7 @@ import operator
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE_DECODE_ATTENTION, WRITE_KV
+from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE, ROPE_DECODE_ATTENTION, WRITE_KV, WRITE_LATENT
 from tokenspeed.ir.program import rename
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.ir.trace import leaf_kind
@@ -139,6 +141,26 @@ def rope_kernels(gm: fx.GraphModule, *, config, **_) -> None:
             table = table or _rope_table(gm, rotary, config, node)
             x, positions = node.args
             _substitute(gm, node, ops.rope.default, (x, table, positions, rotary.interleaved))
+
+
+@graph_pass("fuse_latent_write")
+def fuse_latent_write(gm: fx.GraphModule, **_) -> None:
+    for write in [n for n in gm.graph.nodes if n.target == WRITE_LATENT]:
+        latent, key, cache, layer, slots = write.args
+        rotated = key.args[0] if key.op == "call_method" and key.target == "view" else None
+        parts = (latent, key, rotated)
+        if not (latent.target == ops.rms_norm.default and getattr(rotated, "target", None) == ROPE
+                and all(len(p.users) == 1 for p in parts)
+                and len({p.meta.get("stage") for p in (*parts, write)}) == 1):
+            continue
+        x, weight, eps = latent.args
+        k_rope, table, positions, interleaved = rotated.args
+        with gm.graph.inserting_before(write):
+            fused = gm.graph.call_function(ops.norm_rope_write_latent.default, (
+                x, weight, eps, k_rope, table, positions, interleaved, cache, layer, slots))
+        _same_stage(write, fused)
+        for dead in (write, key, rotated, latent):
+            gm.graph.erase_node(dead)
 
 
 @graph_pass("select_linear")

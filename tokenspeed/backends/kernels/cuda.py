@@ -53,6 +53,13 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
                                           k_scale=k_scale, v_scale=v_scale)
 
 
+def norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions, interleaved, kv_cache, layer,
+                           slot_mapping) -> None:
+    from tokenspeed.backends.kernels import triton_latent
+    triton_latent.norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions, interleaved, kv_cache,
+                                         layer, slot_mapping)
+
+
 def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight, scale):
     from tokenspeed.backends.kernels import triton_mla
     return triton_mla.mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,

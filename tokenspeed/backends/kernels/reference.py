@@ -102,6 +102,13 @@ def rope(x, cos_sin, positions, interleaved):
     return apply_rotary(x, cos_sin[positions]).contiguous()
 
 
+def norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions, interleaved, kv_cache, layer,
+                           slot_mapping) -> None:
+    rotated = rope(k_rope, cos_sin, positions, interleaved)
+    write_latent(rms_norm(latent, norm_weight, eps), rotated.view(-1, rotated.shape[-1]), kv_cache, layer,
+                 slot_mapping)
+
+
 def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):
     """Queries and keys rotated together: one rotation's ops instead of two (a decode step
     on the CPU is bound by how many small ops it runs)."""
