@@ -26,6 +26,10 @@ class Routing:
         return 1.0 - (1.0 - self.top_k / self.experts) ** tokens
 
 
+def is_mixture(config) -> bool:
+    return config.moe is not None or config.deepseek_moe is not None
+
+
 def routing_of(config) -> Routing:
     """The routing of a Mixtral / Qwen3-MoE (``moe``) or DeepSeek (``deepseek_moe``) config."""
     if config.moe is not None:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.throughput [--shapes llama-3.2-1b qwen2.5-0.5b] [--workloads ...]
                                     [--max-num-seqs 128] [--peers] [--shape tiny (CPU trial)]
+    python -m benchmarks.throughput --shapes qwen3-30b-a3b deepseek-v2-lite --workloads mixed
 
 Per workload: requests/s, input and output tokens/s, the prefix-cache hit rate, and the
 floor: prefill FLOPs at the measured matmul peak, plus decode steps that each read the
@@ -24,7 +25,7 @@ import attrs
 import torch
 
 import tokenspeed as ts
-from benchmarks import common
+from benchmarks import common, moe_bytes
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 
@@ -71,11 +72,16 @@ def work_floor(model, requests, max_num_seqs: int, peaks: Peaks, shared_prefix: 
     FLOPs at the matmul peak (a prefix all prompts share computed once), plus decode steps
     that each read the weights (or compute at the peak) and every output token's KV at the
     copy bandwidth. Decode rows that ride in prompt steps share those steps' weight reads,
-    so an engine could in principle go a little under it."""
+    so an engine could in principle go a little under it. A mixture of experts computes a
+    token through its k experts only, and a step reads the experts its rows are expected to
+    touch (``moe_bytes``: uniform routing)."""
     cfg = model.config
     head = cfg.vocab_size * cfg.hidden_size
     body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     body -= 0 if cfg.tie_word_embeddings else head
+    routed = moe_bytes.routed_bytes(model) if moe_bytes.is_mixture(cfg) else 0
+    routing = moe_bytes.routing_of(cfg) if routed else moe_bytes.Routing(1, 1)
+    body -= routed // next(model.parameters()).element_size() * (1 - routing.top_k / routing.experts)
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim      # FLOPs per (query, key)
 
     def prompt_flops(length: int, cached: int) -> float:
@@ -86,8 +92,8 @@ def work_floor(model, requests, max_num_seqs: int, peaks: Peaks, shared_prefix: 
     steps = max(-(-rows // max_num_seqs), max(n for _, n in requests) - 1)
     per_row = common.kv_bytes(cfg, 1, 1)
     kv = sum(per_row * (len(p) + t) for p, n in requests for t in range(1, n))
-    step = max(common.weight_bytes(model) / peaks.copy_bytes,
-               2 * (body + head) * rows / steps / peaks.matmul_flops)
+    weights = common.weight_bytes(model) - routed + routed * routing.touched_fraction(max(1, rows // steps))
+    step = max(weights / peaks.copy_bytes, 2 * (body + head) * rows / steps / peaks.matmul_flops)
     return prefill / peaks.matmul_flops + steps * step + kv / peaks.copy_bytes
 
 

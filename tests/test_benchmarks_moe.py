@@ -110,3 +110,18 @@ def test_the_tiny_run_reports_every_field(tmp_path, monkeypatch, capsys):
     assert (firsts["deepseek-v2-lite"]["kv_bytes_per_token"], firsts["deepseek-v2-lite"]["seqs_fit"]) == (
         (32 + 16) * 2 * 4, 100 * 2**30 // (48 * 2 * 4 * 32768))
     assert "# MoE decode, float32, cpu" in capsys.readouterr().out
+
+
+def test_a_mixtures_throughput_floor_counts_the_experts_a_token_takes(monkeypatch):
+    """With every expert taken by every token the mixture's floor is the dense one; with
+    two of eight it is lower (fewer FLOPs a prompt token, fewer experts read a step)."""
+    from benchmarks import throughput
+    from tokenspeed.models.random import random_model
+    config = moe_decode.shape_config("qwen3-30b-a3b", tiny=True)
+    requests, peaks = [([1] * 16, 4)] * 3, throughput.Peaks(1e12, 1e11)
+    sparse = throughput.work_floor(random_model(config), requests, 4, peaks)
+    every = random_model({**config, "num_experts_per_tok": config["num_experts"]})
+    dense = throughput.work_floor(every, requests, 4, peaks)
+    monkeypatch.setattr(moe_bytes, "is_mixture", lambda _: False)
+    assert throughput.work_floor(every, requests, 4, peaks) == pytest.approx(dense)
+    assert sparse < 0.9 * dense

@@ -111,6 +111,16 @@ def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_the
     assert decode.count(fused) == prefill.count(fused) == LAYERS
 
 
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_each_mixture_layer_adds_its_shared_experts_inside_the_moe_op(mode):
+    """``routed + shared_experts(x)`` is one op (``fuse_moe_add``); the dense first layer has no mixture."""
+    lowered = ts.LLM(checkpoint("v2_moe"), page_size=4).traced.lower(mode)
+    nodes = [n for seg in lowered.segments for n in seg.graph_module.graph.nodes]
+    mixtures = [n for n in nodes if n.op == "call_function" and "tokenspeed.moe" in str(n.target)]
+    assert len(mixtures) == LAYERS - 1 and all(len(n.args) == 6 for n in mixtures)
+    assert not [u for n in mixtures for u in n.users if "add" in str(u.target) and "rms_norm" not in str(u.target)]
+
+
 @pytest.mark.parametrize("variant", MOE)
 def test_experts_stored_one_by_one_load_into_the_stacked_weights(variant):
     """transformers saves each routed expert's matrices apart; tokenspeed::moe reads them

@@ -115,15 +115,15 @@ def test_history_names_every_pass(model):
     traced = ts.trace(model)
     assert [h.pass_name for h in traced.lower("prefill").history] == \
         ["trace", "narrow_rows", "extend_kernels", "fuse_norms", "fuse_rope_write_kv", "rope_kernels",
-         "fuse_latent_write", "stage_breaks", "split_segments"]
-    assert traced.lower("prefill", attention_breaks=True).history[7].pass_name == "attention_breaks"
+         "fuse_latent_write", "fuse_moe_add", "stage_breaks", "split_segments"]
+    assert traced.lower("prefill", attention_breaks=True).history[8].pass_name == "attention_breaks"
     assert [name for name, _ in traced.lower("decode").history] == [
         "trace", "decode_kernels", "fuse_norms", "fuse_rope_write_kv",
-        "fuse_rope_decode_attention", "rope_kernels", "fuse_latent_write", "select_linear",
-        "fuse_gated_linear", "fuse_norm_linear", "whole_graph", "split_segments"]
+        "fuse_rope_decode_attention", "rope_kernels", "fuse_latent_write", "fuse_moe_add",
+        "select_linear", "fuse_gated_linear", "fuse_norm_linear", "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]
     assert "stage=encoder" in texts[1] and "extend_attention" in texts[2] and "rope_write_kv" in texts[4] \
-        and "segment=" in texts[7] and "segment 00." in texts[8]
+        and "segment=" in texts[8] and "segment 00." in texts[9]
 
 
 def test_networkx_export_matches_segments(model):

@@ -38,6 +38,20 @@ def test_kernel_matches_the_reference(tokens, experts, k):
     torch.testing.assert_close(out, moe_reference.moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+def test_the_shared_experts_output_is_added_in_the_activations_dtype(dtype):
+    """``moe(..., shared)``: the combined rows rounded to x's dtype, then that dtype's sum
+    with ``shared`` (DeepSeek's ``routed + shared_experts(x)``), to the bit. (bfloat16 on the
+    GPU only: the interpreter's bfloat16 products are not the oracle's.)"""
+    x, w13, w2, weights, ids = on_device(*routed(5, 8, 2, 48, 40, seed=3), dtype=dtype)
+    shared = torch.randn(5, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    alone = triton_moe.moe(x, w13, w2, weights, ids)
+    assert torch.equal(triton_moe.moe(x, w13, w2, weights, ids, shared), alone + shared)
+    want = moe_reference.moe(x, w13, w2, weights, ids, shared)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(triton_moe.moe(x, w13, w2, weights, ids, shared), want, rtol=tol, atol=tol)
+
+
 def check_blocks(ids: torch.Tensor, experts: int, block_m: int) -> None:
     """Each pair exactly once, in a block of its expert, in token order; the rest padding."""
     grouped = triton_moe_align.expert_blocks(ids.to(DEVICE), experts, block_m)

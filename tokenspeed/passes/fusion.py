@@ -13,6 +13,8 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
   becomes ``tokenspeed::rope`` over the shared table: one launch instead of a dozen ops.
 - ``fuse_latent_write``: a latent layer's ``write_latent`` of a normed latent and a rotated
   rope key, each read by the write alone, becomes ``tokenspeed::norm_rope_write_latent``.
+- ``fuse_moe_add``: a mixture's output added to its shared experts' (DeepSeek's layers)
+  becomes one ``tokenspeed::moe`` that adds them as it combines the experts' rows.
 - ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
   by row count (split-K GEMV for a few rows on CUDA).
 - ``fuse_gated_linear``: ``linear(silu_and_mul(gate_up))`` becomes
@@ -26,7 +28,8 @@ import operator
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE, ROPE_DECODE_ATTENTION, WRITE_KV, WRITE_LATENT
+from tokenspeed.ir.ops import (DECODE_ATTENTION, MOE, OPS as ops, ROPE, ROPE_DECODE_ATTENTION, WRITE_KV,
+                               WRITE_LATENT)
 from tokenspeed.ir.program import rename
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.ir.trace import leaf_kind
@@ -161,6 +164,18 @@ def fuse_latent_write(gm: fx.GraphModule, **_) -> None:
         _same_stage(write, fused)
         for dead in (write, key, rotated, latent):
             gm.graph.erase_node(dead)
+
+
+@graph_pass("fuse_moe_add")
+def fuse_moe_add(gm: fx.GraphModule, *, config, **_) -> None:
+    values = fake_values(gm, config, PROBE_ROWS[0])
+    for add in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is operator.add]:
+        moe = next((a for a in add.args if isinstance(a, fx.Node) and a.target == MOE and len(a.users) == 1
+                    and len(a.args) == 5 and not a.kwargs), None)
+        if moe is not None and _same_tensor_type(values, add.args) and moe.meta.get("stage") == add.meta.get("stage"):
+            shared = next(a for a in add.args if a is not moe)
+            _substitute(gm, add, MOE, (*moe.args, shared))
+            gm.graph.erase_node(moe)
 
 
 @graph_pass("select_linear")

@@ -201,6 +201,6 @@ def softmax_top_k(logits, k, normalize, scale):
     return triton_route.softmax_top_k(logits, k, normalize, scale)
 
 
-def moe(x, w13, w2, topk_weights, topk_ids):
+def moe(x, w13, w2, topk_weights, topk_ids, shared=None):
     from tokenspeed.backends.kernels import triton_moe
-    return triton_moe.moe(x, w13, w2, topk_weights, topk_ids)
+    return triton_moe.moe(x, w13, w2, topk_weights, topk_ids, shared)

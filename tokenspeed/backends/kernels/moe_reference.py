@@ -10,13 +10,13 @@ row are summed at full precision whatever the activations' dtype.
 import torch
 
 
-def moe(x, w13, w2, topk_weights, topk_ids):
+def moe(x, w13, w2, topk_weights, topk_ids, shared=None):
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         rows, choice = (topk_ids == expert).nonzero(as_tuple=True)
         routed = expert_mlp(x[rows], w13[expert], w2[expert])
         out.index_add_(0, rows, routed.float() * topk_weights[rows, choice, None].float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if shared is None else out.to(x.dtype) + shared
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ its expert's gate and up rows and stores ``silu(gate) * up`` (one program per bl
 ``BLOCK_N`` intermediate columns); the second multiplies that by the expert's down
 projection and the pair's routing weight and stores the pair's row; a token's k rows are
 then summed in float32 in their routing order, so the combine is deterministic (the
-design of vLLM's and SGLang's fused MoE).
+design of vLLM's and SGLang's fused MoE), rounded to x's dtype and added to the shared
+experts' output where the op has one, in one launch.
 """
 
 import attrs
@@ -101,15 +102,15 @@ def _down_kernel(act_ptr, w2_ptr, slots_ptr, experts_ptr, weights_ptr, out_ptr, 
 
 
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor) -> torch.Tensor:
+        topk_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
     """``tokenspeed::moe``: x ``[T, H]``, w13 ``[E, 2I, H]``, w2 ``[E, H, I]``, weights and
-    ids ``[T, k]``; ``[T, H]`` in x's dtype."""
+    ids ``[T, k]``, ``shared`` ``[T, H]`` or None; ``[T, H]`` in x's dtype."""
     tokens, top_k = topk_ids.shape
     tile = tiles(tokens, w13.shape[0])
     grouped = expert_blocks(topk_ids, w13.shape[0], tile.block_m)
     act = _gate_up(x.contiguous(), w13.contiguous(), grouped, top_k, tile)
     per_pair = _down(act, w2.contiguous(), grouped, topk_weights.reshape(-1).float().contiguous(), tile)
-    return per_pair.view(tokens, top_k, -1).sum(1).to(x.dtype)
+    return _combine(per_pair, tokens, top_k, x.dtype, shared)
 
 
 def _gate_up(x, w13, grouped: ExpertBlocks, top_k: int, tile: Tiles) -> torch.Tensor:
@@ -132,6 +133,33 @@ def _down(act, w2, grouped: ExpertBlocks, weights, tile: Tiles) -> torch.Tensor:
                        num_experts, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
                        **_constants(tile, inter, act.dtype))
     return per_pair
+
+
+@triton.jit
+def _combine_kernel(pairs_ptr, shared_ptr, out_ptr, hidden, stride_s, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    t, n = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        total += tl.load(pairs_ptr + (t * K + j) * hidden + n, mask=n < hidden, other=0.0)
+    out = total.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED:   # the sum of two values in x's dtype, rounded once: that dtype's addition
+        shared = tl.load(shared_ptr + t * stride_s + n, mask=n < hidden, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + shared).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * hidden + n, out, mask=n < hidden)
+
+
+def _combine(per_pair, tokens: int, top_k: int, dtype: torch.dtype, shared) -> torch.Tensor:
+    """Each token's k pair rows summed in routing order, in ``dtype``, plus ``shared``."""
+    hidden = per_pair.shape[1]
+    out = torch.empty((tokens, hidden), dtype=dtype, device=per_pair.device)
+    if tokens:
+        shared = shared if shared is None or shared.stride(-1) == 1 else shared.contiguous()
+        block = min(1024, next_power_of_2(hidden))
+        _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+            per_pair, out if shared is None else shared, out, hidden, 0 if shared is None else shared.stride(0),
+            K=top_k, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4)
+    return out
 
 
 def _constants(tile: Tiles, reduced: int, dtype: torch.dtype) -> dict:
