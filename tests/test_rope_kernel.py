@@ -92,13 +92,15 @@ def test_a_latent_layer_rotates_its_query_in_one_op_and_writes_its_key_in_anothe
 @given(rows=st.integers(0, 4), interleaved=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 99))
 def test_the_latent_write_stores_the_references_rows(rows, interleaved, dtype, seed):
-    """Into the rows' own slots of one layer, nothing else (the cache starts as NaN)."""
+    """Into the rows' own slots of one layer, nothing else (the cache starts as NaN); the slots
+    a strided column, as a model of several cache groups passes them."""
     gen, width, dim, page = torch.Generator().manual_seed(seed), 24, 8, 4
     kv_a = torch.randn(rows, width + dim, generator=gen).to(DEVICE, dtype)        # latent | rope key, as split
     latent, k_rope = kv_a[:, :width], kv_a[:, width:].view(-1, 1, dim)
     weight = (torch.rand(width, generator=gen) + 0.5).to(DEVICE, dtype)
     positions = torch.randint(0, 64, (rows,), generator=gen).to(DEVICE)
     slots = (torch.randperm(12, generator=gen)[:rows] + page).to(DEVICE)          # never page 0
+    slots = torch.stack((slots, torch.zeros_like(slots)), dim=1)[:, 0]
     got, want = (torch.full((2, 1, 4, page, 1, width + dim), float("nan"), device=DEVICE, dtype=dtype)
                  for _ in range(2))
     triton_latent.norm_rope_write_latent(latent, weight, 1e-6, k_rope, table(dim), positions, interleaved, got, 1,

@@ -17,7 +17,8 @@ TINY_LLAMA = {
 
 def init_random(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
     """Normal(0, std) matrices and unit norms, as transformers initialises Llama. The numbers
-    are drawn on the model's device: a 30B-parameter shape would take minutes on the host."""
+    are drawn on the model's device (a 30B-parameter shape would take minutes on the host),
+    so one seed gives a model built on the GPU other weights than one built on the CPU."""
     generators = {}
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -19,13 +19,14 @@ from tokenspeed.errors import InternalError
 
 @triton.jit
 def _latent_write_kernel(latent_ptr, w_ptr, rope_ptr, table_ptr, pos_ptr, slot_ptr, cache_ptr, eps,
-                         stride_l, stride_r, stride_table, stride_slot, LATENT: tl.constexpr, HALF: tl.constexpr,
+                         stride_l, stride_r, stride_table, stride_pos, stride_sm, stride_slot,
+                         LATENT: tl.constexpr, HALF: tl.constexpr,
                          INTERLEAVED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    row = cache_ptr + tl.load(slot_ptr + t).to(tl.int64) * stride_slot
+    row = cache_ptr + tl.load(slot_ptr + t * stride_sm).to(tl.int64) * stride_slot   # a strided column of slots
     c = tl.arange(0, BLOCK_L)
     x = tl.load(latent_ptr + t * stride_l + c, mask=c < LATENT, other=0.0).to(tl.float32)
     normed = (x / tl.sqrt(tl.sum(x * x, 0) / LATENT + eps)).to(latent_ptr.dtype.element_ty).to(tl.float32)
@@ -33,7 +34,7 @@ def _latent_write_kernel(latent_ptr, w_ptr, rope_ptr, table_ptr, pos_ptr, slot_p
     out = (w * normed).to(latent_ptr.dtype.element_ty)
     tl.store(row + c, out.to(cache_ptr.dtype.element_ty), mask=c < LATENT)
     j = tl.arange(0, BLOCK_HALF)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
     cos = tl.load(table_ptr + pos * stride_table + j, mask=j < HALF, other=0.0).to(tl.float32)
     sin = tl.load(table_ptr + pos * stride_table + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)
     if INTERLEAVED:
@@ -63,6 +64,7 @@ def norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions,
     k_rope = k_rope if k_rope.stride(-1) == 1 else k_rope.contiguous()
     _latent_write_kernel[(rows,)](
         latent, norm_weight, k_rope, cos_sin, positions, slot_mapping, cache, float(eps), latent.stride(0),
-        k_rope.stride(0), cos_sin.stride(0), cache.stride(0), LATENT=width, HALF=dim // 2, INTERLEAVED=interleaved,
+        k_rope.stride(0), cos_sin.stride(0), positions.stride(0), slot_mapping.stride(0), cache.stride(0),
+        LATENT=width, HALF=dim // 2, INTERLEAVED=interleaved,
         BLOCK_L=next_power_of_2(width), BLOCK_HALF=next_power_of_2(dim // 2), num_warps=4,
         **pdl.launch_options(latent.device))
