@@ -8,6 +8,9 @@ into each chunk's first row of each expert, pads each expert's rows to whole blo
 each block its expert and marks every row empty (``_plan_kernel``); one program a chunk
 then writes each pair at its expert's first row plus its rank among the expert's pairs
 before it (``_place_kernel``). Pairs keep their order, so a block's rows keep token order.
+Where the pairs are one chunk (every decode step of the usual shapes), one program does all
+three in one launch (``_group_kernel``), reading the routing's int64 ids as they are: a
+decode step's grouping was four launches, the ids' cast among them.
 
 Nothing reaches the host and the shapes are fixed by T, k, E and BLOCK_M alone
 (``max_blocks``): a step captured in a CUDA graph groups any routing. A chunk is a
@@ -70,9 +73,29 @@ def _plan_kernel(counts_ptr, starts_ptr, slots_ptr, block_experts_ptr, pairs, ch
         tile = tl.load(at, mask=c[:, None] < chunks, other=0)
         tl.store(at, tl.cumsum(tile, axis=0) - tile + total[None, :], mask=c[:, None] < chunks)
         total += tl.sum(tile, axis=0)
+    starts = _blocks_of(total, slots_ptr, block_experts_ptr, pairs, num_blocks, num_experts, BLOCK_M, TILE, FILL)
+    tl.store(starts_ptr + experts, starts)
+
+
+@triton.jit
+def _group_kernel(ids_ptr, slots_ptr, block_experts_ptr, pairs, num_blocks, num_experts, CHUNK: tl.constexpr,
+                  E: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, FILL: tl.constexpr):
+    """Count, plan and place for pairs that make one chunk, in one program."""
+    p, one_hot = _one_hot(ids_ptr, pairs, CHUNK, E)
+    starts = _blocks_of(tl.sum(one_hot, axis=0), slots_ptr, block_experts_ptr, pairs, num_blocks, num_experts,
+                        BLOCK_M, TILE, FILL)
+    tl.debug_barrier()   # every row marked empty before the pairs are placed over some of them
+    row = tl.sum(one_hot * (tl.cumsum(one_hot, axis=0) - one_hot + starts[None, :]), axis=1)
+    tl.store(slots_ptr + row, p, mask=p < pairs)
+
+
+@triton.jit
+def _blocks_of(total, slots_ptr, block_experts_ptr, pairs, num_blocks, num_experts, BLOCK_M: tl.constexpr,
+               TILE: tl.constexpr, FILL: tl.constexpr):
+    """From each expert's pair count: every row marked empty, each block's expert; returns
+    each expert's first row."""
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    tl.store(starts_ptr + experts, ends - padded)
     for first in range(0, num_blocks * BLOCK_M, FILL):
         rows = first + tl.arange(0, FILL)
         tl.store(slots_ptr + rows, pairs, mask=rows < num_blocks * BLOCK_M)
@@ -80,6 +103,7 @@ def _plan_kernel(counts_ptr, starts_ptr, slots_ptr, block_experts_ptr, pairs, ch
         block = first + tl.arange(0, TILE)
         owner = tl.sum((ends[None, :] <= block[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(block_experts_ptr + block, tl.minimum(owner, num_experts), mask=block < num_blocks)
+    return ends - padded
 
 
 @triton.jit
@@ -92,16 +116,22 @@ def _place_kernel(ids_ptr, counts_ptr, starts_ptr, slots_ptr, pairs, CHUNK: tl.c
 
 
 def expert_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    ids = topk_ids.reshape(-1).to(torch.int32)
+    ids = topk_ids.reshape(-1)
     pairs, width = ids.numel(), max(16, next_power_of_2(num_experts))
     blocks, chunk = max_blocks(pairs, num_experts, block_m), max(16, ONE_HOT_ELEMENTS // width)
     chunks = triton.cdiv(pairs, chunk)
-    counts = torch.empty((chunks, width), dtype=torch.int32, device=ids.device)
-    starts = torch.empty(width, dtype=torch.int32, device=ids.device)
     slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    tile = max(1, ONE_HOT_ELEMENTS // width)
+    if chunks <= 1:
+        _group_kernel[(1,)](ids, slots, block_experts, pairs, blocks, num_experts, CHUNK=max(16, next_power_of_2(
+            pairs)), E=width, BLOCK_M=block_m, TILE=tile, FILL=FILL_ROWS)
+        return ExpertBlocks(slots, block_experts, block_m)
+    ids = ids.to(torch.int32)
+    counts = torch.empty((chunks, width), dtype=torch.int32, device=ids.device)
+    starts = torch.empty(width, dtype=torch.int32, device=ids.device)
     _count_kernel[(chunks,)](ids, counts, pairs, CHUNK=chunk, E=width)
     _plan_kernel[(1,)](counts, starts, slots, block_experts, pairs, chunks, blocks, num_experts, BLOCK_M=block_m,
-                       TILE=max(1, ONE_HOT_ELEMENTS // width), E=width, FILL=FILL_ROWS)
+                       TILE=tile, E=width, FILL=FILL_ROWS)
     _place_kernel[(chunks,)](ids, counts, starts, slots, pairs, CHUNK=chunk, E=width)
     return ExpertBlocks(slots, block_experts, block_m)
