@@ -157,10 +157,12 @@ def ours_rows(shape: str, config: dict, work: Workload, bandwidth: float | None)
 
 
 def decode_row(shape: str, llm, batch: int, work: Workload, bandwidth: float | None) -> dict:
+    """``kernels``: the CUDA kernels a decode step of this batch launches (None on the CPU)."""
     seconds = decode_seconds(llm, batch, work)
     routing = moe_bytes.routing_of(llm.model.config)
     floor = floor_seconds(llm.model, batch, work, bandwidth)
-    return {"shape": shape, "batch": batch, "ours_ms": seconds * 1e3,
+    kernels = llm.compiled.kernels_per_step(batch) if work.device == "cuda" else None
+    return {"shape": shape, "batch": batch, "ours_ms": seconds * 1e3, "kernels": kernels,
             "experts_touched": routing.experts * routing.touched_fraction(batch),
             "floor_ms": floor * 1e3 if floor else None, "x_floor": seconds / floor if floor else None}
 
@@ -226,7 +228,7 @@ def release_memory() -> None:
 # ---------------------------------------------------------------- the driver
 
 
-COLUMNS = ["shape", "batch", "ours_ms", "experts_touched", "floor_ms", "x_floor", "hf_ms", "hf_mode", "x_vs_hf",
+COLUMNS = ["shape", "batch", "ours_ms", "kernels", "experts_touched", "floor_ms", "x_floor", "hf_ms", "hf_mode", "x_vs_hf",
            "prefill_ms", "kv_bytes_per_token", "mha_kv_bytes_per_token", "kv_x_smaller", "seqs_fit", "mha_seqs_fit"]
 
 
