@@ -3,7 +3,7 @@ products over the token-expert pairs of a step, grouped by expert into blocks of
 ``BLOCK_M`` rows.
 
 The grouping is computed on the device in launches of fixed shapes (``triton_moe_align``;
-one for a decode step): no count of tokens per expert ever reaches the host, so eager
+one for a decode step of a few rows): no count of tokens per expert ever reaches the host, so eager
 steps and CUDA graphs run the same code, and a captured graph holds for any routing. Its
 size is an upper bound from T, k, E and BLOCK_M alone: a block past the last expert's rows
 has no expert and returns at once. The first product reads each block's token rows of x and
