@@ -228,8 +228,9 @@ def release_memory() -> None:
 # ---------------------------------------------------------------- the driver
 
 
-COLUMNS = ["shape", "batch", "ours_ms", "kernels", "experts_touched", "floor_ms", "x_floor", "hf_ms", "hf_mode", "x_vs_hf",
-           "prefill_ms", "kv_bytes_per_token", "mha_kv_bytes_per_token", "kv_x_smaller", "seqs_fit", "mha_seqs_fit"]
+COLUMNS = ["shape", "batch", "ours_ms", "kernels", "experts_touched", "floor_ms", "x_floor", "hf_ms", "hf_mode",
+           "x_vs_hf", "prefill_ms", "kv_bytes_per_token", "mha_kv_bytes_per_token", "kv_x_smaller", "seqs_fit",
+           "mha_seqs_fit"]
 
 
 def title(header: dict, work: Workload) -> str:

@@ -239,10 +239,9 @@ ROPE = OPS.rope.default
 MOE = OPS.moe.default
 WRITE_LATENT = OPS.write_latent.default
 NORM_ROPE_WRITE_LATENT = OPS.norm_rope_write_latent.default
-WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT,   # the ops that
-                    NORM_ROPE_WRITE_LATENT)                                               # write the cache
-# (and need every row)
+# the ops that write the cache (and need every row)
+WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT, NORM_ROPE_WRITE_LATENT)
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "norm_rope_write_latent", "mla_attention",
-            "mla_decode_attention")
+            "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "norm_rope_write_latent",
+            "mla_attention", "mla_decode_attention")
