@@ -97,6 +97,28 @@ def our_model_of(hf_config: dict, hf, dtype=torch.bfloat16, device="cuda"):
     return model.eval()
 
 
+def hf_static_loop_tpot(model, ids: torch.Tensor, new_tokens: int, repeats: int = 3) -> float:
+    """transformers' best decode, as its best user would time it: a greedy loop over a
+    ``StaticCache``, the prompt ``ids`` eager, each one-token step a compiled (CUDA-graph)
+    call; none of ``generate``'s per-step bookkeeping. Seconds per token."""
+    from transformers import StaticCache
+    prompt = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens + 1)
+    forward = torch.compile(lambda token, position: model(
+        token, cache_position=position, past_key_values=cache, use_cache=True).logits,
+        mode="reduce-overhead", fullgraph=True)
+
+    def run(steps: int) -> None:
+        cache.reset()
+        logits = model(ids, cache_position=torch.arange(prompt, device=ids.device), past_key_values=cache,
+                       use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+        for step in range(steps):
+            token = forward(token, torch.tensor([prompt + step], device=ids.device))[:, -1:].argmax(-1).clone()
+    run(new_tokens)  # warm-up: compiles and records the graphs
+    return (median_time(lambda: run(new_tokens + 1), repeats) - median_time(lambda: run(1), repeats)) / new_tokens
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")

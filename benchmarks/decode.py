@@ -38,24 +38,7 @@ def hf_tpot(model, batch: int, new_tokens: int, static: bool) -> float:
 
 
 def hf_loop_tpot(model, batch: int, new_tokens: int) -> float:
-    """A greedy loop over a ``StaticCache``: the prompt eager, each one-token step a compiled
-    (CUDA-graph) call; none of ``generate``'s per-step bookkeeping."""
-    from transformers import StaticCache
-    ids = torch.randint(100, 1000, (batch, PROMPT), device="cuda")
-    cache = StaticCache(config=model.config, max_cache_len=PROMPT + new_tokens + 1)
-    forward = torch.compile(lambda token, position: model(
-        token, cache_position=position, past_key_values=cache, use_cache=True).logits,
-        mode="reduce-overhead", fullgraph=True)
-
-    def run(steps: int) -> None:
-        cache.reset()
-        logits = model(ids, cache_position=torch.arange(PROMPT, device="cuda"),
-                       past_key_values=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        for step in range(steps):
-            token = forward(token, torch.tensor([PROMPT + step], device="cuda"))[:, -1:].argmax(-1).clone()
-    run(new_tokens)  # warm-up: compiles and records the graphs
-    return (common.median_time(lambda: run(new_tokens + 1), 3) - common.median_time(lambda: run(1), 3)) / new_tokens
+    return common.hf_static_loop_tpot(model, torch.randint(100, 1000, (batch, PROMPT), device="cuda"), new_tokens)
 
 
 def our_tpot(llm, batch: int, new_tokens: int) -> float:

@@ -115,25 +115,7 @@ def hf_eager_tpot(model, ids: torch.Tensor, work: Workload) -> float:
 
 
 def hf_compiled_tpot(model, ids: torch.Tensor, work: Workload) -> float:
-    """A greedy loop over a ``StaticCache``: the prompt eager, each one-token step a compiled
-    (CUDA-graph) call, as ``benchmarks.decode.hf_loop_tpot``."""
-    from transformers import StaticCache
-    prompt = ids.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=prompt + work.new_tokens + 1)
-    forward = torch.compile(lambda token, position: model(
-        token, cache_position=position, past_key_values=cache, use_cache=True).logits,
-        mode="reduce-overhead", fullgraph=True)
-
-    def run(steps: int) -> None:
-        cache.reset()
-        logits = model(ids, cache_position=torch.arange(prompt, device=ids.device), past_key_values=cache,
-                       use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        for step in range(steps):
-            token = forward(token, torch.tensor([prompt + step], device=ids.device))[:, -1:].argmax(-1).clone()
-    run(work.new_tokens)
-    return (common.median_time(lambda: run(work.new_tokens + 1), work.repeats) -
-            common.median_time(lambda: run(1), work.repeats)) / work.new_tokens
+    return common.hf_static_loop_tpot(model, ids, work.new_tokens, work.repeats)
 
 
 # ---------------------------------------------------------------- one shape

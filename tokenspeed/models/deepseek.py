@@ -11,7 +11,6 @@ Triton kernels absorb every row: see ``backends.kernels.mla_reference`` and
 ``tokenspeed::moe`` call over the stacked expert weights.
 """
 
-import torch
 from torch import nn
 
 from tokenspeed.ir import ops
@@ -21,6 +20,7 @@ from tokenspeed.models.deepseek_routing import DeepseekRouter
 from tokenspeed.models.layers import CausalLM, DecoderLayer, DecoderStack, RMSNorm
 from tokenspeed.models.llama import MLP
 from tokenspeed.models.mla_rotary import MlaRotary
+from tokenspeed.models.moe import Experts
 
 
 class MlaAttention(nn.Module):
@@ -55,17 +55,6 @@ class MlaAttention(nn.Module):
         return self.o_proj(o.reshape(-1, self.num_heads * m.v_head_dim))
 
 
-class DeepseekExperts(nn.Module):
-    """Every routed expert's weights stacked as ``tokenspeed::moe`` reads them (transformers
-    5's ``gate_up_proj`` and ``down_proj``): ``w13 [E, 2 * I, H]`` (gate rows first),
-    ``w2 [E, H, I]``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
-        super().__init__()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-
 class DeepseekMoeLayer(nn.Module):
     """Routed experts (``tokenspeed::moe``) plus the shared experts, one dense MLP of
     ``n_shared_experts`` experts' width that every token passes."""
@@ -74,7 +63,7 @@ class DeepseekMoeLayer(nn.Module):
         super().__init__()
         moe = config.deepseek_moe
         self.gate = DeepseekRouter(config.hidden_size, moe)
-        self.experts = DeepseekExperts(config.hidden_size, moe.moe_intermediate_size, moe.n_routed_experts)
+        self.experts = Experts(moe.n_routed_experts, moe.moe_intermediate_size, config.hidden_size)
         shared = moe.moe_intermediate_size * moe.n_shared_experts
         self.shared_experts = MLP(config.hidden_size, shared) if shared else None
 

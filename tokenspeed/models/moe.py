@@ -16,11 +16,13 @@ from tokenspeed.models.moe_config import MoeConfig
 
 
 class Experts(nn.Module):
-    def __init__(self, moe: MoeConfig, hidden_size: int):
+    """Every routed expert's weights stacked as ``tokenspeed::moe`` reads them (transformers
+    5's ``gate_up_proj`` and ``down_proj``): ``w13 [E, 2 * I, H]``, ``w2 [E, H, I]``."""
+
+    def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int):
         super().__init__()
-        e, i = moe.num_experts, moe.intermediate_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
 class SparseMoeBlock(nn.Module):
@@ -28,7 +30,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.normalize_top_k = moe.top_k, moe.normalize_top_k
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe, hidden_size)
+        self.experts = Experts(moe.num_experts, moe.intermediate_size, hidden_size)
 
     def forward(self, x):
         weights, ids = ops.softmax_top_k(self.gate(x), self.top_k, self.normalize_top_k, 1.0)
