@@ -25,7 +25,14 @@ import attrs  # noqa: E402
 from benchmarks import common  # noqa: E402
 from tokenspeed.backends.kernels import triton_moe  # noqa: E402
 
-SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}  # E, k, H, I
+def expert_shape(name: str) -> tuple[int, int, int, int]:
+    """(experts, k, hidden, expert width) of one of ``common.SHAPES``' mixtures."""
+    c = common.SHAPES[name]
+    return c.get("num_experts") or c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"], \
+        c["moe_intermediate_size"]
+
+
+SHAPES = {name: expert_shape(name) for name in ("qwen3-30b-a3b", "deepseek-v2-lite")}  # E, k, H, I
 TINY = 32  # --tiny divides the widths by this and keeps 8 experts
 
 
