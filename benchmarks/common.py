@@ -1,5 +1,6 @@
 """Shared benchmark pieces: model shapes, peers, the memory floor, timing, output."""
 
+import gc
 import json
 import os
 import statistics
@@ -197,6 +198,14 @@ def median_time(fn, repeats: int = 5) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def release_memory() -> None:
+    """Collect dropped engines (their graphs form reference cycles) and return the allocator's
+    free blocks, so the next model is built, and its pool sized, on what is really free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def git_commit() -> str:

@@ -12,7 +12,6 @@ decoding); ``ours_sync_ms`` reads every step's tokens before preparing the next.
 """
 
 import argparse
-import gc
 import statistics
 import time
 
@@ -83,8 +82,7 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
                                       "bandwidth": bandwidth, "rows": done})
         print(common.table([row], list(row)), flush=True)
     del llm, synchronous, hf, ours
-    gc.collect()  # engines hold reference cycles: freed later, they skew the next shape's graph memory
-    torch.cuda.empty_cache()
+    common.release_memory()
     return rows
 
 

@@ -31,7 +31,6 @@ layers x dtype bytes); the ``kv_tokens``-token sequences whose cache fits in
 """
 
 import argparse
-import gc
 import sys
 
 import attrs
@@ -134,7 +133,7 @@ def ours_rows(shape: str, config: dict, work: Workload, bandwidth: float | None)
         for batch in work.batches:
             rows.append(decode_row(shape, llm, batch, work, bandwidth))
     del llm, ours
-    release_memory()
+    common.release_memory()
     return rows, prefill
 
 
@@ -164,7 +163,7 @@ def with_hf(rows: list[dict], config: dict, work: Workload) -> list[dict]:
     try:
         hf = common.hf_model_of(config, getattr(torch, work.dtype), work.device)
     except torch.OutOfMemoryError as error:
-        release_memory()
+        common.release_memory()
         return [{**row, "hf_mode": "oom", "hf_compile_error": str(error)[:500]} if row["batch"] in work.hf_batches
                 else row for row in rows]
     out = []
@@ -176,7 +175,7 @@ def with_hf(rows: list[dict], config: dict, work: Workload) -> list[dict]:
                    "x_vs_hf": seconds * 1e3 / row["ours_ms"]}
         out.append(row)
     del hf
-    release_memory()
+    common.release_memory()
     return out
 
 
@@ -200,11 +199,6 @@ def bench_shape(shape: str, work: Workload, tiny: bool, bandwidth: float | None,
 def memory_gib() -> float:
     return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
-
-def release_memory() -> None:
-    gc.collect()  # engines hold reference cycles
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- the driver
@@ -242,7 +236,7 @@ def main() -> None:
     args = parser.parse_args()
     work = chosen_workload(args)
     bandwidth = common.copy_bandwidth() if work.device == "cuda" else None
-    release_memory()
+    common.release_memory()
     header = {"commit": common.git_commit(), "device": common.device_name() if work.device == "cuda" else "cpu",
               "bandwidth": bandwidth, "floor_routing": moe_bytes.ROUTING, "kv_memory_gib": args.kv_memory_gib,
               "workload": attrs.asdict(work)}

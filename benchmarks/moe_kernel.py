@@ -2,14 +2,17 @@
 8 a token, hidden 2048, expert width 768) and DeepSeek-V2-Lite (64 experts, 6 a token,
 width 1408), over 1 to 2048 tokens, against the floor of the bytes it must read.
 
-    python -m benchmarks.moe_kernel [--tokens 1 8 32 128 2048] [--json results/moe_kernel.json]
+    python -m benchmarks.moe_kernel [--tokens 1 8 32 128 2048] [--kernel auto|grouped|by_pairs]
+                                    [--json results/moe_kernel.json]
     python -m benchmarks.moe_kernel --tiny        (CPU: the Triton interpreter, small shapes)
 
 Each timing replays a CUDA graph of the op over distinct copies of the layer's experts (more
 bytes than L2 holds), as a decode step streams its layers; the routing is a softmax top-k
 of random logits, drawn once. The floor is the bytes of the experts that routing touches
 (each once) over the measured device-to-device copy bandwidth; ``tflops`` counts the
-products of the pairs alone. ``--tiny`` only checks that the benchmark runs.
+products of the pairs alone. ``--kernel`` times one path at every size (``auto``: the op's
+choice, by pair up to ``triton_moe_pairs.MAX_TOKENS`` tokens). ``--tiny`` only checks that
+the benchmark runs.
 """
 
 import argparse
@@ -23,7 +26,7 @@ if not torch.cuda.is_available():
 import attrs  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from tokenspeed.backends.kernels import triton_moe  # noqa: E402
+from tokenspeed.backends.kernels import triton_moe, triton_moe_pairs  # noqa: E402
 
 def expert_shape(name: str) -> tuple[int, int, int, int]:
     """(experts, k, hidden, expert width) of one of ``common.SHAPES``' mixtures."""
@@ -34,6 +37,7 @@ def expert_shape(name: str) -> tuple[int, int, int, int]:
 
 SHAPES = {name: expert_shape(name) for name in ("qwen3-30b-a3b", "deepseek-v2-lite")}  # E, k, H, I
 TINY = 32  # --tiny divides the widths by this and keeps 8 experts
+KERNELS = {"auto": triton_moe.moe, "grouped": triton_moe.moe_grouped, "by_pairs": triton_moe_pairs.moe_by_pairs}
 
 
 @attrs.frozen
@@ -41,6 +45,7 @@ class Case:
     shape: str
     tokens: int
     tiny: bool
+    kernel: str = "auto"
 
     @property
     def dims(self) -> tuple[int, int, int, int]:
@@ -75,10 +80,11 @@ def measure(case: Case, bandwidth: float | None) -> dict:
     x, weights, ids = routing(case)
     per_expert = 3 * inter * hidden * torch.finfo(case.dtype).bits // 8
     copies = common.weight_copies(lambda: experts(case), e * per_expert, case.tiny)
-    seconds = common.time_chain(copies, lambda w: triton_moe.moe(x, w[0], w[1], weights, ids), case.tiny)
+    op = KERNELS[case.kernel]
+    seconds = common.time_chain(copies, lambda w: op(x, w[0], w[1], weights, ids), case.tiny)
     touched = ids.unique().numel() * per_expert
     floor = touched / bandwidth * 1e6 if bandwidth else None
-    return {"shape": case.shape, "tokens": case.tokens, "experts_touched": ids.unique().numel(),
+    return {"shape": case.shape, "kernel": case.kernel, "tokens": case.tokens, "experts_touched": ids.unique().numel(),
             "mb": touched / 1e6, "us": seconds * 1e6, "floor_us": floor,
             "of_floor": floor / (seconds * 1e6) if floor else None,
             "tflops": 2 * 3 * case.tokens * k * hidden * inter / seconds / 1e12}
@@ -89,11 +95,13 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 2048])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU: interpreter)")
+    parser.add_argument("--kernel", default="auto", choices=list(KERNELS))
     parser.add_argument("--json", default="results/moe_kernel.json")
     args = parser.parse_args()
     bandwidth = None if args.tiny else common.copy_bandwidth()
-    rows = [measure(Case(shape, tokens, args.tiny), bandwidth) for shape in args.shapes for tokens in args.tokens]
-    print(common.table(rows, ["shape", "tokens", "experts_touched", "mb", "us", "floor_us", "of_floor",
+    rows = [measure(Case(shape, tokens, args.tiny, args.kernel), bandwidth)
+            for shape in args.shapes for tokens in args.tokens]
+    print(common.table(rows, ["shape", "kernel", "tokens", "experts_touched", "mb", "us", "floor_us", "of_floor",
                               "tflops"]))
     common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
                                   "bandwidth_gbps": bandwidth / 1e9 if bandwidth else None, "rows": rows})

@@ -24,7 +24,6 @@ row's time over the dense row's.
 """
 
 import argparse
-import gc
 import itertools
 import json
 import os
@@ -184,7 +183,7 @@ def written_sources(formats, work: Workload, tmp: Path) -> dict[str, str]:
     for name in (f for f in formats if f in GGUF_FORMATS):
         sources[name] = write_llama(tmp / f"{name}.gguf", config, hf.state_dict(), name)
     del hf
-    release_memory()
+    common.release_memory()
     return sources
 
 
@@ -198,11 +197,6 @@ def random_hf_model(work: Workload):
             transformers.LlamaConfig(**config), dtype=getattr(torch, work.dtype))
     return model.eval()
 
-
-def release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def planned_rows(formats, default_model: bool, sources: dict[str, str]) -> list[Row]:
@@ -248,7 +242,7 @@ def main() -> None:
     name = "tiny" if args.tiny else "full"
     work = WORKLOADS[name]
     bandwidth = common.copy_bandwidth() if work.device == "cuda" else None
-    release_memory()
+    common.release_memory()
     header = {"commit": common.git_commit(), "device": common.device_name() if work.device == "cuda" else "cpu",
               "bandwidth": bandwidth, "workload": attrs.asdict(work)}
     rows = []

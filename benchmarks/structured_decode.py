@@ -17,7 +17,6 @@ they, with the plain step's host work, pass the forward. Writes one table and a 
 """
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -109,9 +108,7 @@ def bench_shape(shape: str, batches, new_tokens: int, device: str, tokenizer, do
         done.append(row)
         print(common.table([row], list(row)), flush=True)
     del llm, model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    common.release_memory()
 
 
 def main() -> None:

@@ -236,6 +236,8 @@ def bench_shape(shape: str, names, args, peaks: Peaks) -> list[dict]:
     if args.multi_turn and shape != "tiny":
         print(common.table([multi_turn_ttft(llm, llm.config.vocab_size)], ["cached", "new", "follow_up_ttft_ms",
                                                                           "fresh_ttft_ms", "ratio"]))
+    del llm, model
+    common.release_memory()
     return rows
 
 

@@ -18,7 +18,6 @@ tiny`` runs on the CPU as a trial.
 """
 
 import argparse
-import gc
 import time
 
 import torch
@@ -78,9 +77,7 @@ def bench(args, name: str, window: int | None, bandwidth: float | None, mixed: b
         print(common.table([row], list(row)), flush=True)
     print(llm.compiled.pool.as_text(), flush=True)
     del llm, model           # the next engine's pool is sized by what is left
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    common.release_memory()
     return rows
 
 

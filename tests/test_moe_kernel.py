@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import moe_reference, triton_moe, triton_moe_align  # noqa: E402
+from tokenspeed.backends.kernels import moe_reference, triton_moe, triton_moe_align, triton_moe_pairs  # noqa: E402
 
 from sm90 import assert_compiles  # noqa: E402
 from test_moe import routed  # noqa: E402
@@ -25,31 +25,49 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu   # skipped without CUDA (conftest); selected by -m gpu
 
 
+KERNELS = {"grouped": triton_moe.moe_grouped, "by_pairs": triton_moe_pairs.moe_by_pairs}
+both_kernels = pytest.mark.parametrize("kernel", list(KERNELS.values()), ids=list(KERNELS))
+
+
 def on_device(*tensors, dtype=None):
     return [t.to(DEVICE, dtype=dtype if t.is_floating_point() and dtype else t.dtype) for t in tensors]
 
 
+@both_kernels
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @pytest.mark.parametrize("experts", [4, 8])
 @pytest.mark.parametrize("k", [1, 2])
-def test_kernel_matches_the_reference(tokens, experts, k):
+def test_kernel_matches_the_reference(kernel, tokens, experts, k):
+    """Widths 48 and 40: neither is a multiple of a tile, and the pair path's 40-column
+    reduction is one masked tile."""
     x, w13, w2, weights, ids = on_device(*routed(tokens, experts, k, 48, 40, seed=tokens * experts + k))
-    out = triton_moe.moe(x, w13, w2, weights, ids.int())
+    out = kernel(x, w13, w2, weights, ids.int())
     torch.testing.assert_close(out, moe_reference.moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_a_few_tokens_go_by_pair_and_more_by_expert_blocks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_moe_pairs, "moe_by_pairs", lambda *a: calls.append("pairs"))
+    monkeypatch.setattr(triton_moe, "moe_grouped", lambda *a: calls.append("grouped"))
+    for tokens in (1, triton_moe_pairs.MAX_TOKENS, triton_moe_pairs.MAX_TOKENS + 1):
+        x, w13, w2, weights, ids = routed(tokens, 8, 2, 48, 40, seed=tokens)
+        triton_moe.moe(x, w13, w2, weights, ids)
+    assert calls == ["pairs", "pairs", "grouped"]
+
+
+@both_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
-def test_the_shared_experts_output_is_added_in_the_activations_dtype(dtype):
+def test_the_shared_experts_output_is_added_in_the_activations_dtype(kernel, dtype):
     """``moe(..., shared)``: the combined rows rounded to x's dtype, then that dtype's sum
     with ``shared`` (DeepSeek's ``routed + shared_experts(x)``), to the bit. (bfloat16 on the
     GPU only: the interpreter's bfloat16 products are not the oracle's.)"""
-    x, w13, w2, weights, ids = on_device(*routed(5, 8, 2, 48, 40, seed=3), dtype=dtype)
-    shared = torch.randn(5, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
-    alone = triton_moe.moe(x, w13, w2, weights, ids)
-    assert torch.equal(triton_moe.moe(x, w13, w2, weights, ids, shared), alone + shared)
+    x, w13, w2, weights, ids = on_device(*routed(3, 8, 2, 48, 40, seed=3), dtype=dtype)
+    shared = torch.randn(3, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    alone = kernel(x, w13, w2, weights, ids)
+    assert torch.equal(kernel(x, w13, w2, weights, ids, shared), alone + shared)
     want = moe_reference.moe(x, w13, w2, weights, ids, shared)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(triton_moe.moe(x, w13, w2, weights, ids, shared), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(kernel(x, w13, w2, weights, ids, shared), want, rtol=tol, atol=tol)
 
 
 def check_blocks(ids: torch.Tensor, experts: int, block_m: int) -> None:
@@ -85,17 +103,17 @@ def test_grouping_over_many_chunks(tokens, experts, k):
     check_blocks(skewed, experts, 64)
 
 
+@both_kernels
 @pytest.mark.parametrize("padding", [1, 6])
-def test_padding_rows_leave_real_rows_alone(padding):
-    x, w13, w2, weights, ids = on_device(*routed(5, 8, 2, 48, 40, seed=1))
+def test_padding_rows_leave_real_rows_alone(kernel, padding):
+    x, w13, w2, weights, ids = on_device(*routed(2, 8, 2, 48, 40, seed=1))
     pad = on_device(*routed(padding, 8, 2, 48, 40, seed=2))
-    out = triton_moe.moe(torch.cat([x, 1e3 * pad[0]]), w13, w2, torch.cat([weights, pad[3]]),
-                         torch.cat([ids, pad[4]]))
-    torch.testing.assert_close(out[:5], triton_moe.moe(x, w13, w2, weights, ids), rtol=1e-6, atol=1e-6)
+    out = kernel(torch.cat([x, 1e3 * pad[0]]), w13, w2, torch.cat([weights, pad[3]]), torch.cat([ids, pad[4]]))
+    torch.testing.assert_close(out[:2], kernel(x, w13, w2, weights, ids), rtol=1e-6, atol=1e-6)
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 32, 300])
+@pytest.mark.parametrize("tokens", [1, 3, 32, 300])
 def test_kernel_at_qwen3_30b_shapes(tokens):
     x, w13, w2, weights, ids = on_device(*routed(tokens, 128, 8, 2048, 768, seed=tokens), dtype=torch.bfloat16)
     out = triton_moe.moe(x, w13, w2, weights.float(), ids)
@@ -104,8 +122,9 @@ def test_kernel_at_qwen3_30b_shapes(tokens):
 
 
 @gpu
-def test_kernel_in_a_cuda_graph_follows_new_routing():
-    x, w13, w2, weights, ids = on_device(*routed(8, 16, 2, 256, 128, seed=4), dtype=torch.bfloat16)
+@pytest.mark.parametrize("tokens", [2, 8])
+def test_kernel_in_a_cuda_graph_follows_new_routing(tokens):
+    x, w13, w2, weights, ids = on_device(*routed(tokens, 16, 2, 256, 128, seed=4), dtype=torch.bfloat16)
     triton_moe.moe(x, w13, w2, weights, ids)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -175,6 +194,15 @@ for tile in (m.tiles(1, 128), m.tiles(1024, 128)):   # decode's and prefill's
                         experts_ptr="*i32", weights_ptr="*fp32", out_ptr="*fp32", pairs="i32", H="i32", I="i32",
                         num_experts="i32", stride_os="i32", **strides), tiles)
     assert "wgmma" in gate_up.asm["ptx"] + down.asm["ptx"] or "mma" in gate_up.asm["ptx"]
+from tokenspeed.backends.kernels import triton_moe_pairs as p
+tiles = p.PairTiles()
+pdl = dict(USE_PDL=True)
+assert compile_sm90(p._pair_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", act_ptr="*bf16",
+                    H="i32", I="i32", top_k="i32", stride_xt="i32", stride_we="i64", stride_wn="i32"),
+                    dict(BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
+assert compile_sm90(p._pair_down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32",
+                    shared_ptr="*bf16", out_ptr="*bf16", H="i32", I="i32", stride_we="i64", stride_wn="i32",
+                    stride_s="i32"), dict(K=6, HAS_SHARED=True, BLOCK_N=tiles.down_n, BLOCK_K=1024, **pdl)).asm["ptx"]
 """
 
 

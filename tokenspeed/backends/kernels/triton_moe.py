@@ -1,6 +1,6 @@
 """The fused mixture-of-experts kernel (``tokenspeed::moe`` on CUDA): two grouped matrix
 products over the token-expert pairs of a step, grouped by expert into blocks of
-``BLOCK_M`` rows.
+``BLOCK_M`` rows. (A step of up to ``triton_moe_pairs.MAX_TOKENS`` tokens goes by pair.)
 
 The grouping is computed on the device in launches of fixed shapes (``triton_moe_align``;
 one for a decode step of a few rows): no count of tokens per expert ever reaches the host, so eager
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed.backends.kernels import triton_moe_pairs
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_moe_align import ExpertBlocks, expert_blocks
 
@@ -104,7 +105,16 @@ def _down_kernel(act_ptr, w2_ptr, slots_ptr, experts_ptr, weights_ptr, out_ptr, 
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
     """``tokenspeed::moe``: x ``[T, H]``, w13 ``[E, 2I, H]``, w2 ``[E, H, I]``, weights and
-    ids ``[T, k]``, ``shared`` ``[T, H]`` or None; ``[T, H]`` in x's dtype."""
+    ids ``[T, k]``, ``shared`` ``[T, H]`` or None; ``[T, H]`` in x's dtype. A step of a
+    few tokens goes by pair (``triton_moe_pairs``), more by expert blocks."""
+    if topk_ids.shape[0] <= triton_moe_pairs.MAX_TOKENS:
+        return triton_moe_pairs.moe_by_pairs(x, w13, w2, topk_weights, topk_ids, shared)
+    return moe_grouped(x, w13, w2, topk_weights, topk_ids, shared)
+
+
+def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """``tokenspeed::moe`` by expert blocks, for any number of tokens."""
     tokens, top_k = topk_ids.shape
     tile = tiles(tokens, w13.shape[0])
     grouped = expert_blocks(topk_ids, w13.shape[0], tile.block_m)
