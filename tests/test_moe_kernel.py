@@ -202,7 +202,8 @@ assert compile_sm90(p._pair_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16",
                     dict(BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
 assert compile_sm90(p._pair_down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32",
                     shared_ptr="*bf16", out_ptr="*bf16", H="i32", I="i32", stride_we="i64", stride_wn="i32",
-                    stride_s="i32"), dict(K=6, HAS_SHARED=True, BLOCK_N=tiles.down_n, BLOCK_K=1024, **pdl)).asm["ptx"]
+                    stride_s="i32"),
+                    dict(K=6, HAS_SHARED=True, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
 """
 
 

@@ -21,16 +21,18 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 
-MAX_TOKENS = 4  # a step of more rows shares experts between them: the grouped path reads each once
+MAX_TOKENS = 2  # H200, both shapes: faster than the grouped path at 1 and 2 tokens, slower at 4
 
 
 @attrs.frozen
 class PairTiles:
-    """Output columns a program and reduction columns a step, for each of the two kernels."""
-    gate_up_n: int = 2
-    down_n: int = 4
-    block_k: int = 1024
-    num_warps: int = 4
+    """Output columns a program and reduction columns a step, for each of the two kernels;
+    the defaults were the fastest of 14 on the H200 at Qwen3-30B-A3B's and DeepSeek-V2-Lite's
+    expert shapes (``docs/PERFORMANCE.md``): thin, long rows."""
+    gate_up_n: int = 1
+    down_n: int = 2
+    block_k: int = 2048
+    num_warps: int = 2
 
 
 @triton.jit
