@@ -8,7 +8,7 @@ the dense GEMV does (``triton_gemv``): the first kernel stores each pair's
 ``silu(gate) * up`` row; the second gives each token's output columns: its k experts' down
 products, scaled by their routing weights and summed in float32 in routing order (the
 order the grouped path's combine sums in), rounded to x's dtype, plus the shared experts'
-output. Two launches a layer where the grouped path takes three to six. Both run under
+output. Two launches a layer where the grouped path takes four to seven. Both run under
 programmatic dependent launch: the expert ids come from the router, so each program waits
 before it reads anything.
 """
