@@ -224,6 +224,35 @@ def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     return torch.empty_like(x)
 
 
+# A recurrent (linear-attention) layer keeps a state per request in a slot of the model's
+# state pools, ``[layer, slot, ...]``, as attention keeps pages: ``state_slots[table row]``
+# is a request's slot, found through ``row_request`` as its pages are, and slot 0 is the null
+# slot that padding rows read as zeros and write. A request's rows are consecutive and in
+# position order; a run of them that starts at position 0 starts from a zero state, any
+# other run continues its slot's state, and every run leaves its last state in its slot.
+
+
+@_op("causal_conv_silu", mutates_args=("conv_states",))
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, layer: int,
+                     state_slots: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``silu`` of a depthwise causal convolution over each request's rows: x ``[rows, D]``,
+    weight ``[D, W]``; ``conv_states [layers, slots, D, W]`` hold each request's last ``W``
+    inputs (the oldest is not read again: fla's and transformers' layout)."""
+    return torch.empty_like(x)
+
+
+@_op("gated_delta_rule", mutates_args=("states",))
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     states: torch.Tensor, layer: int, state_slots: torch.Tensor, row_request: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's recurrence over each request's rows: q, k ``[rows, H, K]``, v ``[rows,
+    HV, V]`` (value head j reads key head ``j // (HV // H)``), the log decay ``g`` and ``beta``
+    ``[rows, HV]``; per row, q and k L2-normalised, q scaled by ``K ** -0.5``, then
+    ``S = exp(g) * S``, ``S += k (beta * (v - S^T k))^T``, out ``S^T q``. ``states [layers,
+    slots, HV, K, V]`` float32. ``[rows, HV, V]`` in v's dtype."""
+    return torch.empty_like(v)
+
+
 OPS = torch.ops.tokenspeed
 WRITE_KV = OPS.write_kv.default
 ATTENTION = OPS.attention.default
@@ -244,4 +273,4 @@ WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRI
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
             "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "norm_rope_write_latent",
-            "mla_attention", "mla_decode_attention")
+            "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule")

@@ -11,6 +11,7 @@ as the CUDA kernels of its parts.
 
 import torch
 
+from tokenspeed.backends.kernels.fla_state import causal_conv_silu, gated_delta_rule  # noqa: F401  (fla's)
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import write_latent  # noqa: F401  (an index_copy_)
 from tokenspeed.backends.kernels.reference import flat_slots

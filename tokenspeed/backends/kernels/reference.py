@@ -19,6 +19,8 @@ from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import (  # noqa: F401  (MLA: the torch reference)
     mla_attention, mla_decode_attention, write_latent)
+from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurrent layers' references)
+    causal_conv_silu, gated_delta_rule)
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
 from tokenspeed.ir.weights import DENSE, FP8

@@ -1,0 +1,56 @@
+"""The recurrent layers' ops on CUDA through ``flash-linear-attention`` (``fla-core``):
+its chunked gated delta rule and its causal convolution, written and tuned by the people
+who made these layers; none is written here.
+
+fla takes a batch as sequences laid end to end (``cu_seqlens``) with one initial state per
+sequence, and returns their final states. Each call gathers the step's runs' states from
+their slots (zeros for a run that starts fresh) and scatters the final states back. The
+runs are read on the host (``state_reference.runs``), so these kernels run eagerly, in the
+prefill's breaks; a decode step, whose runs are its rows, needs no such read.
+"""
+
+import torch
+
+from tokenspeed.backends.kernels.state_reference import runs
+
+
+def _layout(state_slots, row_request, positions):
+    """(cu_seqlens, slots, keep) of the step's runs on the device: ``keep`` is 0 where a run
+    starts from zeros."""
+    cut = runs(state_slots, row_request, positions)
+    device = row_request.device
+    cu = torch.tensor([0] + [r.end for r in cut], dtype=torch.int64, device=device)
+    slots = torch.tensor([r.slot for r in cut], dtype=torch.int64, device=device)
+    keep = torch.tensor([not r.fresh for r in cut], dtype=torch.float32, device=device)
+    return cu, slots, keep
+
+
+def _initial(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    initial = pool.index_select(0, slots)
+    return initial * keep.view(-1, *[1] * (initial.dim() - 1)).to(initial.dtype)
+
+
+def causal_conv_silu(x, weight, conv_states, layer, state_slots, row_request, positions):
+    from fla.modules.causal_conv1d import causal_conv1d
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    cu, slots, keep = _layout(state_slots, row_request, positions)
+    pool = conv_states[layer]
+    y, final = causal_conv1d(x[None], weight, initial_state=_initial(pool, slots, keep), output_final_state=True,
+                             activation="silu", cu_seqlens=cu)
+    pool.index_copy_(0, slots, final.to(pool.dtype))
+    return y[0]
+
+
+def gated_delta_rule(q, k, v, g, beta, states, layer, state_slots, row_request, positions):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    if q.shape[0] == 0:
+        return torch.empty_like(v)
+    cu, slots, keep = _layout(state_slots, row_request, positions)
+    pool = states[layer]
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None],
+                                      scale=q.shape[-1] ** -0.5, initial_state=_initial(pool, slots, keep),
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    pool.index_copy_(0, slots, final.float())
+    return o[0]
+
