@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-NULL_SLOT = 0
+from tokenspeed.backends.metadata import NULL_SLOT
 
 
 class Run(NamedTuple):
