@@ -28,6 +28,13 @@ def mla_decode_kernels():
                                                           out_ptr="*fp32", stride_or="i32", stride_oh="i32"),
                          dict(HEADS=16, LATENT=512, NUM_SPLITS=8, BLOCK_N=triton_mla.BLOCK_N, BLOCK_S=8, BLOCK_R=512))
     assert merge.asm["ptx"]
+    up = compile_sm90(triton_mla._combine_up_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64",
+                                                          wv_ptr="*bf16", out_ptr="*bf16", V_DIM="i32",
+                                                          stride_wh="i32", stride_wv="i32", stride_or="i32",
+                                                          stride_oh="i32"),
+                      dict(HEADS=16, LATENT=512, NUM_SPLITS=64, BLOCK_N=triton_mla.BLOCK_N, BLOCK_S=64, BLOCK_R=512,
+                           BLOCK_V=16), num_warps=8)
+    assert up.asm["ptx"]
 
 
 def test_the_mla_decode_and_prefill_compile_for_sm90():

@@ -85,12 +85,9 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
 
 
 @triton.jit
-def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_oh, HEADS: tl.constexpr,
-                    LATENT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_R: tl.constexpr):
-    """Merges a row's splits that hold keys by their log-sum-exp."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+def _merged(mid_o_ptr, mid_lse_ptr, pos_ptr, row, head, HEADS: tl.constexpr, LATENT: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A row's splits that hold keys, for one head, merged by their log-sum-exp: ``[BLOCK_R]``."""
     pos = tl.load(pos_ptr + row).to(tl.int32)
     active = tl.cdiv(pos + 1, _split_size(pos + 1, NUM_SPLITS, BLOCK_N))
     s, r = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_R)
@@ -99,8 +96,36 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_
     w = tl.exp2(lse - tl.max(lse, 0))
     o = tl.load(mid_o_ptr + part[:, None] * LATENT + r[None, :], mask=(s[:, None] < active) & (r[None, :] < LATENT),
                 other=0.0)
-    tl.store(out_ptr + row * stride_or + head * stride_oh + r, tl.sum(w[:, None] * o, 0) / tl.sum(w, 0),
-             mask=r < LATENT)
+    return tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+
+
+@triton.jit
+def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_oh, HEADS: tl.constexpr,
+                    LATENT: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    """Merges a row's splits for one head."""
+    row, head, r = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.arange(0, BLOCK_R)
+    merged = _merged(mid_o_ptr, mid_lse_ptr, pos_ptr, row, head, HEADS, LATENT, NUM_SPLITS, BLOCK_N, BLOCK_S,
+                     BLOCK_R)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + r, merged, mask=r < LATENT)
+
+
+@triton.jit
+def _combine_up_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, wv_ptr, out_ptr, V_DIM, stride_wh, stride_wv, stride_or,
+                       stride_oh, HEADS: tl.constexpr, LATENT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Merges a row's splits for one head, rounds the latent output to the weight's dtype (as
+    ``_combine_kernel`` stores it), and multiplies it by ``BLOCK_V`` of the head's value
+    up-projection rows: the merged latents never reach memory, and the output is the
+    ``[rows, heads, v]`` the output projection reads, with no product or copy after."""
+    row, head, r = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.arange(0, BLOCK_R)
+    merged = _merged(mid_o_ptr, mid_lse_ptr, pos_ptr, row, head, HEADS, LATENT, NUM_SPLITS, BLOCK_N, BLOCK_S,
+                     BLOCK_R)
+    merged = merged.to(wv_ptr.dtype.element_ty).to(tl.float32)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    w = tl.load(wv_ptr + head * stride_wh + v[:, None] * stride_wv + r[None, :],
+                mask=(v[:, None] < V_DIM) & (r[None, :] < LATENT), other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_or + head * stride_oh + v, tl.sum(w * merged[None, :], 1), mask=v < V_DIM)
 
 
 def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight, scale):
@@ -128,29 +153,30 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
     up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2], as_stored=True)
     q_latent = torch.einsum("qhn,hnr->qhr", q_nope.to(up.w_k.dtype), up.w_k)   # in the weight's dtype, as
     # transformers' kv_b_proj: a float32 copy of the weight would be read and written every step
-    attended = absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
-                               num_splits)
-    return torch.einsum("qhr,hvr->qhv", attended, up.w_v).to(q_nope.dtype)
+    return absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
+                           num_splits, w_v=up.w_v).to(q_nope.dtype)
 
 
 def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
-                    num_splits: int | None = None):
+                    num_splits: int | None = None, w_v: torch.Tensor | None = None):
     """``[rows, H, latent]`` in ``q_latent``'s dtype: softmax(q_latent . latent + q_rope . rope key) over the
-    row's positions, times the latents. ``num_splits``: the key splits per row (default:
-    from the rows, rounded up to a power of two as a ladder's rungs are, and the longest
-    context the table allows, as ``triton_decode`` chooses them)."""
+    row's positions, times the latents; with ``w_v`` (``[H, v, latent]``), that up-projected
+    per head, ``[rows, H, v]`` (by the launch that merges the splits, where keys are split).
+    ``num_splits``: the key splits per row (default: from the rows, rounded up to a power of
+    two as a ladder's rungs are, and the longest context the table allows, as
+    ``triton_decode`` chooses them)."""
     rows, heads, latent = q_latent.shape
     _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions)
     cache = kv_cache[layer, 0].flatten(0, 1)[:, 0]                          # [slots, latent + rope]
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
-    out = torch.empty_like(q_latent)
     if rows == 0:
-        return out
+        return q_latent.new_empty(rows, heads, latent if w_v is None else w_v.shape[1])
     block_h = max(16, min(next_power_of_2(heads), 64))
     head_blocks = triton.cdiv(heads, block_h)
     splits = num_splits or choose_num_splits(next_power_of_2(rows), head_blocks,
                                              block_tables.shape[1] * kv_cache.shape[3], sm_count(q_latent.device))
     partials = splits > 1
+    out = q_latent.new_empty((0, 0, 0) if partials and w_v is not None else q_latent.shape)
     shape = (rows, heads, splits) if partials else (0, 0, 0)
     mid_o = torch.empty((*shape, latent), dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
@@ -163,10 +189,25 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
         BLOCK_R=max(16, next_power_of_2(latent)), BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])),
         PRECISION=precision,
         num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
+    merge = dict(HEADS=heads, LATENT=latent, NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits),
+                 BLOCK_R=max(16, next_power_of_2(latent)))
+    if partials and w_v is not None:
+        return _combine_up(mid_o, mid_lse, positions, w_v, merge)
     if partials:
-        _combine_kernel[(rows, heads)](
-            mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, NUM_SPLITS=splits,
-            BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits), BLOCK_R=max(16, next_power_of_2(latent)))
+        _combine_kernel[(rows, heads)](mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), **merge)
+    return out if w_v is None else torch.einsum("qhr,hvr->qhv", out, w_v)
+
+
+def _combine_up(mid_o, mid_lse, positions, w_v, merge: dict) -> torch.Tensor:
+    """``[rows, H, v]``: the splits merged and up-projected in one launch (``_combine_up_kernel``)."""
+    rows, heads, v_dim = mid_o.shape[0], mid_o.shape[1], w_v.shape[1]
+    if w_v.stride(-1) != 1:
+        w_v = w_v.contiguous()
+    out = torch.empty((rows, heads, v_dim), dtype=w_v.dtype, device=mid_o.device)
+    block_v = min(16, next_power_of_2(v_dim))   # 128 programs a row at DeepSeek's 16 heads of 128 values
+    _combine_up_kernel[(rows, heads, triton.cdiv(v_dim, block_v))](
+        mid_o, mid_lse, positions, w_v, out, v_dim, w_v.stride(0), w_v.stride(1), out.stride(0), out.stride(1),
+        BLOCK_V=block_v, **merge, num_warps=8)   # splits x latent float32 partials and v x latent weights
     return out
 
 
