@@ -27,6 +27,8 @@ V3 = (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
 VARIANTS = {
     "v2_dense": (*V2, dict(q_lora_rank=None, first_k_dense_replace=LAYERS,
                            rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
+    "v2_biased_dense": (*V2, dict(q_lora_rank=None, first_k_dense_replace=LAYERS, attention_bias=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0})),
     "v3_dense": (*V3, dict(q_lora_rank=24, first_k_dense_replace=LAYERS, rope_parameters=dict(YARN))),
     "v3_halves_dense": (*V3, dict(q_lora_rank=24, first_k_dense_replace=LAYERS, rope_interleave=False,
                                   attention_bias=True,

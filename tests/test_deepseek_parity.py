@@ -109,6 +109,8 @@ def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_the
     assert prefill.count("tokenspeed.mla_attention") == LAYERS and "mla_decode_attention" not in prefill
     fused = "tokenspeed.norm_rope_write_latent"   # the latent's norm, the key's rotary and the write
     assert decode.count(fused) == prefill.count(fused) == LAYERS
+    # the query's and the latent's projections stacked: one product, the input norm folded in
+    assert decode.count("q_kv_a_proj_normed = tokenspeed.norm_linear") == LAYERS
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

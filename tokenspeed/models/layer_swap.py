@@ -10,10 +10,9 @@ import collections
 
 from torch import nn
 
-from tokenspeed.models.llama import STACKED, stacked_sizes
+from tokenspeed.models.stacking import STACKED_LAYERS, stacked_parts, stacked_sizes
 
 EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
-STACKED_LAYERS = frozenset(stacked for stacked, _ in STACKED.values())
 
 
 def layer_of(model: nn.Module, name: str) -> tuple[str, int]:
@@ -22,9 +21,10 @@ def layer_of(model: nn.Module, name: str) -> tuple[str, int]:
     with its index there."""
     module = name.removesuffix(".weight")
     base, _, part = module.rpartition(".")
-    if layer_module(model, module) is not None or part not in STACKED:
+    table = stacked_parts(model.config)
+    if layer_module(model, module) is not None or part not in table:
         return module, 0
-    stacked, index = STACKED[part]
+    stacked, index = table[part]
     return f"{base}.{stacked}", index
 
 

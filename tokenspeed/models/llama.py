@@ -2,7 +2,7 @@
 
 Parameter names follow Hugging Face, except that projections reading the same input are
 stacked (``qkv_proj``, ``gate_up_proj``): one matrix product instead of three or two. The
-loader maps checkpoint tensors into their slices (``STACKED``).
+loader maps checkpoint tensors into their slices (``models.stacking``).
 Every per-step tensor comes in through ``meta`` (a descriptor); attention and cache
 writes are the ``tokenspeed::`` custom ops, so the traced graph names what it reads. The
 scales of an FP8 cache (``kv_scales``) enter the graph as the ops' constants when traced.
@@ -17,21 +17,6 @@ from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.kv_scales import layer_scales, unit_scales
 from tokenspeed.models.layers import CausalLM, DecoderLayer, DecoderStack, RMSNorm, Rotary
 from tokenspeed.models.moe import SparseMoeBlock
-
-
-STACKED = {  # checkpoint name part -> (our name part, slice index among the stacked parts)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
-
-def stacked_sizes(config: ModelConfig, stacked: str, rows: int) -> list[int]:
-    """Rows of each checkpoint part inside a stacked projection of ``rows`` rows (a gate and
-    up projection's halves: DeepSeek's shared experts are narrower than its dense layers)."""
-    c = config
-    if stacked == "qkv_proj":
-        return [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
-    return [rows // 2] * 2
 
 
 class Attention(nn.Module):

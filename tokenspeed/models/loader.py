@@ -19,7 +19,8 @@ from tokenspeed.models.fp8_checkpoint import fitted_scale, fp8_layers, kv_scale_
 from tokenspeed.models.kv_scales import kv_scales, set_kv_scales
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
 from tokenspeed.models.hub import resolve_model
-from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
+from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.stacking import STACKED_LAYERS, part_names, stacked_parts, stacked_sizes
 from tokenspeed.models.moe_checkpoint import checkpoint_name, expected_keys, expert_piece, our_name, stored_name
 from tokenspeed.models.param_shapes import shape_origin
 
@@ -145,7 +146,7 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
         _copy(piece.target(params), tensor, name, model.config)
         loaded.add(piece.key)
         return
-    for part, (stacked, index) in STACKED.items():
+    for part, (stacked, index) in stacked_parts(model.config).items():
         target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
         if target != name and target in params:
             sizes = stacked_sizes(model.config, stacked, params[target].shape[0])
@@ -161,8 +162,7 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
 
 
 def _check_complete(model, loaded: set, unexpected: list) -> None:
-    arch = model.config.architecture
-    missing = sorted(_checkpoint_name(n, arch) for n in _expected(model) - loaded - _tied(model, loaded))
+    missing = sorted(_checkpoint_name(n, model.config) for n in _expected(model) - loaded - _tied(model, loaded))
     if missing or unexpected:
         raise CheckpointMismatchError(f"checkpoint does not match {model.config.architecture}: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
@@ -175,7 +175,7 @@ def _expected(model) -> set[str]:
     expected = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         experts = expected_keys(name, param)
-        stacked = next((s for s, _ in STACKED.values() if name.split(".")[-2] == s), None)
+        stacked = name.split(".")[-2] if name.split(".")[-2] in STACKED_LAYERS else None
         parts = len(stacked_sizes(model.config, stacked, param.shape[0])) if stacked else 0
         expected.update(experts or ([f"{name}#{i}" for i in range(parts)] if parts else [name]))
     return expected
@@ -188,16 +188,15 @@ def _tied(model, loaded: set) -> set[str]:
     return pair if model.config.tie_word_embeddings and pair & loaded else set()
 
 
-def _checkpoint_name(expected: str, architecture: str) -> str:
+def _checkpoint_name(expected: str, config: ModelConfig) -> str:
     """``...qkv_proj.weight#1`` -> ``...k_proj.weight``: name missing tensors as stored."""
     if ".experts." in expected:
-        return checkpoint_name(expected, architecture)
+        return checkpoint_name(expected, config.architecture)
     if "#" not in expected:
-        return stored_name(expected, architecture)
+        return stored_name(expected, config.architecture)
     name, index = expected.split("#")
-    part = next(p for p, (s, i) in STACKED.items() if f".{s}." in name and i == int(index))
-    stacked = STACKED[part][0]
-    return name.replace(f".{stacked}.", f".{part}.")
+    stacked = name.split(".")[-2]
+    return name.replace(f".{stacked}.", f".{part_names(config, stacked, int(index) + 1)[int(index)]}.")
 
 
 def _copy(param: torch.Tensor, value, name: str, config: ModelConfig) -> None:

@@ -3,7 +3,8 @@
 import torch
 
 from tokenspeed.models.config import ModelConfig
-from tokenspeed.models.llama import STACKED, LlamaForCausalLM, stacked_sizes
+from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.stacking import STACKED_LAYERS, part_names, stacked_sizes
 from tokenspeed.models.loader import build
 from tokenspeed.models.moe_checkpoint import expected_keys, expert_tensors
 
@@ -45,11 +46,11 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         if expected_keys(name, tensor) is not None:
             state.update(expert_tensors(name, tensor, model.config.architecture))
             continue
-        stacked = next((s for s, _ in STACKED.values() if f".{s}." in name), None)
+        stacked = next((s for s in STACKED_LAYERS if f".{s}." in name), None)
         if stacked is None:
             state[name] = tensor.contiguous()
             continue
-        parts = [p for p, (s, _) in STACKED.items() if s == stacked]
-        for part, piece in zip(parts, tensor.split(stacked_sizes(model.config, stacked, tensor.shape[0]))):
+        sizes = stacked_sizes(model.config, stacked, tensor.shape[0])
+        for part, piece in zip(part_names(model.config, stacked, len(sizes)), tensor.split(sizes)):
             state[name.replace(f".{stacked}.", f".{part}.")] = piece.contiguous()
     return state

@@ -1,0 +1,47 @@
+"""Projections that read the same input, stacked into one matrix: one product instead of
+two or three (``qkv_proj``, ``gate_up_proj``; a latent-attention layer's ``q_kv_a_proj``,
+its query projection (or the query's low-rank down-projection) with the latent's). The
+loader fills a stacked matrix's rows from its checkpoint parts, in index order.
+"""
+
+from tokenspeed.models.config import ModelConfig
+
+STACKED = {  # checkpoint name part -> (our name part, slice index among the stacked parts)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+LATENT_STACKED = {  # DeepSeek's: ``q_proj`` (V2-Lite) or ``q_a_proj`` (V2, V3), then the latent's
+    "q_proj": ("q_kv_a_proj", 0), "q_a_proj": ("q_kv_a_proj", 0), "kv_a_proj_with_mqa": ("q_kv_a_proj", 1),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+STACKED_LAYERS = frozenset(stacked for table in (STACKED, LATENT_STACKED) for stacked, _ in table.values())
+
+
+def stacked_parts(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """The model's table: a checkpoint part -> (our stacked layer, its index there)."""
+    return LATENT_STACKED if config.mla is not None else STACKED
+
+
+def part_names(config: ModelConfig, stacked: str, count: int) -> list[str]:
+    """The checkpoint parts of a stacked layer of ``count`` parts, in order (of a latent
+    layer's two candidates for index 0, the one its config has)."""
+    names = {}
+    for part, (layer, index) in stacked_parts(config).items():
+        if layer == stacked and index not in names:
+            names[index] = part
+    if config.mla is not None and config.mla.q_lora_rank is not None and stacked == "q_kv_a_proj":
+        names[0] = "q_a_proj"
+    return [names[i] for i in range(count)]
+
+
+def stacked_sizes(config: ModelConfig, stacked: str, rows: int) -> list[int]:
+    """Rows of each checkpoint part inside a stacked projection of ``rows`` rows (a gate and
+    up projection's halves: DeepSeek's shared experts are narrower than its dense layers)."""
+    c = config
+    if stacked == "qkv_proj":
+        return [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+    if stacked == "q_kv_a_proj":
+        m = c.mla
+        query = c.num_heads * c.head_dim if m.q_lora_rank is None else m.q_lora_rank
+        return [query, m.kv_lora_rank + m.qk_rope_head_dim]
+    return [rows // 2] * 2
