@@ -52,7 +52,7 @@ def step(pieces: list[tuple[dict, int, int]], conv_pool, pool, weight, ops=OPS):
     device = cat["x"].device
     row_request = torch.cat([torch.full((len(r["x"]),), i) for i, r in enumerate(rows)]).to(device)
     positions = torch.cat([torch.arange(len(r["x"])) + p[2] for r, p in zip(rows, pieces)]).to(device)
-    slots = torch.tensor([p[1] for p in pieces], device=device)
+    slots = torch.cat([torch.full((len(r["x"]),), p[1]) for r, p in zip(rows, pieces)]).to(device)
     conv = ops.causal_conv_silu(cat["x"], weight, conv_pool, LAYER, slots, row_request, positions)
     out = ops.gated_delta_rule(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], pool, LAYER, slots,
                                row_request, positions)

@@ -225,11 +225,12 @@ def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torc
 
 
 # A recurrent (linear-attention) layer keeps a state per request in a slot of the model's
-# state pools, ``[layer, slot, ...]``, as attention keeps pages: ``state_slots[table row]``
-# is a request's slot, found through ``row_request`` as its pages are, and slot 0 is the null
-# slot that padding rows read as zeros and write. A request's rows are consecutive and in
-# position order; a run of them that starts at position 0 starts from a zero state, any
-# other run continues its slot's state, and every run leaves its last state in its slot.
+# state pools, ``[layer, slot, ...]``, as attention keeps pages: ``state_slots[row]`` is the
+# slot of the row's request (as ``slot_mapping[row]`` is its cache slot), and slot 0 is the
+# null slot that padding rows read as zeros and write. A request's rows are consecutive and
+# in position order (``row_request`` tells them apart); a run of them that starts at
+# position 0 starts from a zero state, any other run continues its slot's state, and every
+# run leaves its last state in its slot.
 
 
 @_op("causal_conv_silu", mutates_args=("conv_states",))

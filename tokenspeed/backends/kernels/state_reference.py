@@ -27,10 +27,10 @@ class Run(NamedTuple):
 def runs(state_slots: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor) -> list[Run]:
     """The step's runs (a host read of the metadata: the references' and eager kernels'
     way). A run at position 0, or on the null slot, starts from zeros."""
-    requests, counts = torch.unique_consecutive(row_request, return_counts=True)
+    _, counts = torch.unique_consecutive(row_request, return_counts=True)
     ends = torch.cumsum(counts, 0).tolist()
     starts = [0] + ends[:-1]
-    slots = state_slots[requests].tolist()
+    slots = state_slots[starts].tolist() if starts else []
     first = positions[starts].tolist() if starts else []
     return [Run(s, e, slot, p == 0 or slot == NULL_SLOT) for s, e, slot, p in zip(starts, ends, slots, first)]
 
