@@ -17,7 +17,7 @@ from tokenspeed.errors import InternalError
 from tokenspeed.ir.descriptors import DecodeMetadata, ExtendMetadata
 
 NULL_PAGE = 0
-NULL_SLOT = 0   # of the recurrent state pools (``ir.ops``): what padding rows read as zeros and write
+NULL_SLOT = 0   # of the recurrent state pools (``ir.ops``), the null seat's: what padding rows read as zeros and write
 EXTEND_TILE_ROWS = 64   # rows per tile of the extend attention kernel (its BLOCK_M)
 FED_INPUT = 0   # a fed row's input id in host metadata: the device's copy replaces it before any kernel reads it
 
