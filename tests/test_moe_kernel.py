@@ -33,8 +33,9 @@ def on_device(*tensors, dtype=None):
     return [t.to(DEVICE, dtype=dtype if t.is_floating_point() and dtype else t.dtype) for t in tensors]
 
 
-@both_kernels
-@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("kernel, tokens", [(KERNELS["grouped"], t) for t in (1, 3, 17)] +
+                         [(KERNELS["by_pairs"], t) for t in (1, 3)], ids=["grouped-1", "grouped-3", "grouped-17",
+                                                                          "by_pairs-1", "by_pairs-3"])
 @pytest.mark.parametrize("experts", [4, 8])
 @pytest.mark.parametrize("k", [1, 2])
 def test_kernel_matches_the_reference(kernel, tokens, experts, k):
@@ -103,8 +104,8 @@ def test_grouping_over_many_chunks(tokens, experts, k):
     check_blocks(skewed, experts, 64)
 
 
-@both_kernels
-@pytest.mark.parametrize("padding", [1, 6])
+@pytest.mark.parametrize("kernel, padding", [(KERNELS["grouped"], 1), (KERNELS["grouped"], 6), (KERNELS["by_pairs"], 1)],
+                         ids=["grouped-1", "grouped-6", "by_pairs-1"])
 def test_padding_rows_leave_real_rows_alone(kernel, padding):
     x, w13, w2, weights, ids = on_device(*routed(2, 8, 2, 48, 40, seed=1))
     pad = on_device(*routed(padding, 8, 2, 48, 40, seed=2))
