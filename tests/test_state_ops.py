@@ -161,3 +161,15 @@ def test_fla_kernels_match_the_references(dtype):
         torch.testing.assert_close(out.float(), want_out.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(results[0][1][LAYER, 1:], results[1][1][LAYER, 1:])
     torch.testing.assert_close(results[0][2][LAYER, 1:], results[1][2][LAYER, 1:], rtol=tol, atol=tol)
+
+
+def test_the_gpu_path_starts_fresh_runs_from_zeros_whatever_the_slot_holds():
+    """fla's states are gathered by slot; a run at position 0 or on the null slot gets
+    zeros even from a slot of NaN (never written), and the runs end where requests change."""
+    from tokenspeed.backends.kernels import fla_state
+    pool = torch.full((4, 2, 3), float("nan"))
+    cu, slots, keep = fla_state._layout(torch.tensor([1, 1, 2, 0]), torch.tensor([0, 0, 1, 2]),
+                                        torch.tensor([0, 1, 5, 3]))
+    assert cu.tolist() == [0, 2, 3, 4] and slots.tolist() == [1, 2, 0] and keep.tolist() == [False, True, False]
+    initial = fla_state._initial(pool, slots, keep)
+    assert (initial[0] == 0).all() and (initial[2] == 0).all() and initial[1].isnan().all()

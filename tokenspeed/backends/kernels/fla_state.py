@@ -21,13 +21,15 @@ def _layout(state_slots, row_request, positions):
     device = row_request.device
     cu = torch.tensor([0] + [r.end for r in cut], dtype=torch.int64, device=device)
     slots = torch.tensor([r.slot for r in cut], dtype=torch.int64, device=device)
-    keep = torch.tensor([not r.fresh for r in cut], dtype=torch.float32, device=device)
+    keep = torch.tensor([not r.fresh for r in cut], dtype=torch.bool, device=device)
     return cu, slots, keep
 
 
 def _initial(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The runs' states, zeros where a run starts fresh (selected, not multiplied: a slot
+    never written may hold any bits, NaN among them)."""
     initial = pool.index_select(0, slots)
-    return initial * keep.view(-1, *[1] * (initial.dim() - 1)).to(initial.dtype)
+    return torch.where(keep.view(-1, *[1] * (initial.dim() - 1)), initial, torch.zeros_like(initial))
 
 
 def causal_conv_silu(x, weight, conv_states, layer, state_slots, row_request, positions):
