@@ -52,13 +52,13 @@ def decode_kernels():
     names = triton_decode._decode_kernel.arg_names
     pointers = dict(q_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64",
                     pos_ptr="*i64", out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32",
-                    kn_ptr="*bf16", vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64")
+                    kn_ptr="*bf16", vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64", qn_ptr="*bf16", kw_ptr="*bf16")
     signature = {**pointers, "qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32", "window": "i32",
-                 **{n: "i32" for n in names if n.startswith("stride")}}
+                 "norm_eps": "fp32", **{n: "i32" for n in names if n.startswith("stride")}}
     for rope, splits, cache in [(r, s, c) for r in (False, True) for s in (1, 8) for c in CACHES]:
         flags = dict(NUM_HEADS=32, GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, NUM_SPLITS=splits,
                      BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, PRECISION="tf32", ROPE=rope,
-                     USE_PDL=True)
+                     Q_NORM=rope, K_NORM=rope, USE_PDL=True)   # with the rotary, Qwen3's head norms too
         ptx = compile_sm90(triton_decode._decode_kernel, {**signature, "k_ptr": cache, "v_ptr": cache},
                            flags).asm["ptx"]
         assert "griddepcontrol.wait" in ptx

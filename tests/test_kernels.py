@@ -152,18 +152,22 @@ def rope_decode_case(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dt
 
 
 def check_rope_decode(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype, tol,
-                      group_column=False, **kwargs):
+                      group_column=False, head_norms=False, **kwargs):
     """Fused = rotate and write, then attend; live rows only (padding rows share a slot).
-    ``group_column``: the kernel takes its slots as one column of two groups' stacked slots."""
+    ``group_column``: the kernel takes its slots as one column of two groups' stacked slots.
+    ``head_norms``: q and k RMS-normalised per head first (Qwen3's ``q_norm``, ``k_norm``)."""
     kv, table, row_request, positions, slots, (q, k, v), cos_sin = rope_decode_case(
         lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype)
     kernel_slots = torch.stack([torch.zeros_like(slots), slots], 1)[:, 1] if group_column else slots
+    norms = triton_decode.HeadNorms(*(1 + torch.rand(head_dim, generator=torch.Generator().manual_seed(s)).to(
+        DEVICE, dtype) for s in (1, 2)), 1e-6) if head_norms else triton_decode.HeadNorms()
     want_kv = kv.clone()
     scale = head_dim ** -0.5
     want = reference.rope_decode_attention(q, k, v, cos_sin, positions, as_pages(want_kv, page_size),
-                                           1, slots, table, row_request, scale, kwargs.get("window", 0))
+                                           1, slots, table, row_request, scale, kwargs.get("window", 0),
+                                           q_norm=norms.q, k_norm=norms.k, norm_eps=norms.eps)
     got = triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, kv, 1, kernel_slots,
-                                              table, row_request, scale, page_size, **kwargs)
+                                              table, row_request, scale, page_size, head_norms=norms, **kwargs)
     live = len(lengths)
     torch.testing.assert_close(got[:live].float(), want[:live].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(kv[:, :, slots[:live]].float(), want_kv[:, :, slots[:live]].float(),
@@ -180,6 +184,16 @@ def test_rope_decode_attention_is_rope_write_then_attention(lengths, page_size, 
                                                             head_dim, splits, pad_rows):
     check_rope_decode(lengths, pad_rows, page_size, heads[0], heads[1], head_dim,
                       torch.float32, 1e-4, num_splits=splits, max_context=max(lengths))
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), heads=heads_st,
+       head_dim=st.sampled_from([16, 24]), splits=st.sampled_from([1, 3]), pad_rows=st.integers(0, 1))
+def test_rope_decode_attention_normalises_each_head_first(lengths, heads, head_dim, splits, pad_rows):
+    """``q_norm`` and ``k_norm`` inside the kernel = ``rms_norm`` of q and k, then the rest
+    (head sizes 16 and 24: a head narrower than its tile is normalised over its own values)."""
+    check_rope_decode(lengths, pad_rows, 4, heads[0], heads[1], head_dim, torch.float32, 1e-4, head_norms=True,
+                      num_splits=splits, max_context=max(lengths))
 
 
 def test_rope_decode_attention_rejects_mismatched_keys():
@@ -537,9 +551,10 @@ def test_gpu_decode_attention(heads):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", REAL_HEADS)
-def test_gpu_rope_decode_attention(heads):
+@pytest.mark.parametrize("head_norms", [False, True], ids=["plain", "head_norms"])
+def test_gpu_rope_decode_attention(heads, head_norms):
     check_rope_decode([1, 17, 300, 1000, 4096, 2049], 1, 16, heads[0], heads[1], 64,
-                      torch.bfloat16, 2e-2, max_context=4096)
+                      torch.bfloat16, 2e-2, head_norms=head_norms, max_context=4096)
 
 
 @gpu

@@ -161,9 +161,11 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                           row_request: torch.Tensor, scale: float, window: int, k_scale: float = 1.0,
-                          v_scale: float = 1.0) -> torch.Tensor:
+                          v_scale: float = 1.0, q_norm: torch.Tensor | None = None,
+                          k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
-    value and attends, using that key from registers."""
+    value and attends, using that key from registers. ``q_norm``, ``k_norm``: weights of a
+    per-head RMSNorm (Qwen3's) of q and k before the rotation, ``rms_norm``'s (eps ``norm_eps``)."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

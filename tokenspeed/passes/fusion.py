@@ -8,6 +8,9 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
 - ``fuse_rope_decode_attention``: that op feeding the layer's decode attention joins it
   (``tokenspeed::rope_decode_attention``): the attention kernel rotates q and the row's
   own key and writes the cache itself.
+- ``fuse_head_norms``: per-head RMSNorms of q and k (Qwen3's ``q_norm``, ``k_norm``) read
+  by that op alone join it: the kernel normalises each head as it loads it, two launches
+  a layer fewer.
 - ``rope_kernels``: a rotary leaf left standing (DeepSeek's, which rotates its query's and
   key's rope parts apart from the cache write; a prefill layer the narrowing splits)
   becomes ``tokenspeed::rope`` over the shared table: one launch instead of a dozen ops.
@@ -133,6 +136,28 @@ def fuse_rope_decode_attention(gm: fx.GraphModule, **_) -> None:
                                                      slots, block_tables, row_request, scale, window),
                     kwargs=node.kwargs)
         gm.graph.erase_node(rope)
+
+
+@graph_pass("fuse_head_norms")
+def fuse_head_norms(gm: fx.GraphModule, **_) -> None:
+    for node in [n for n in gm.graph.nodes if n.target == ROPE_DECODE_ATTENTION]:
+        q_norm, k_norm = (_lone_norm(arg) for arg in node.args[:2])
+        if q_norm is not None and k_norm is not None and q_norm.args[2] != k_norm.args[2]:
+            k_norm = None   # the kernel takes one eps
+        fused = {name: norm for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)) if norm is not None}
+        if not fused:
+            continue
+        args = tuple(arg if norm is None else norm.args[0] for norm, arg in zip((q_norm, k_norm), node.args))
+        kwargs = {**node.kwargs, **{name: norm.args[1] for name, norm in fused.items()},
+                  "norm_eps": next(iter(fused.values())).args[2]}
+        _substitute(gm, node, ROPE_DECODE_ATTENTION, args + node.args[2:], kwargs=kwargs)
+        for norm in fused.values():
+            gm.graph.erase_node(norm)
+
+
+def _lone_norm(arg) -> fx.Node | None:
+    """``arg`` if it is an ``rms_norm`` that only the attention reads."""
+    return arg if isinstance(arg, fx.Node) and arg.target == ops.rms_norm.default and len(arg.users) == 1 else None
 
 
 @graph_pass("rope_kernels")

@@ -75,13 +75,15 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
-                          block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0):
+                          block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0, q_norm=None,
+                          k_norm=None, norm_eps=0.0):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, flat, layer,
                                                slot_mapping, block_tables, row_request,
                                                scale, page_size, window=window,
-                                               k_scale=k_scale, v_scale=v_scale)
+                                               k_scale=k_scale, v_scale=v_scale,
+                                               head_norms=triton_decode.HeadNorms(q_norm, k_norm, norm_eps))
 
 
 def silu_and_mul(gate_up):

@@ -121,7 +121,10 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
-                          block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0):
+                          block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0, q_norm=None,
+                          k_norm=None, norm_eps=0.0):
+    q = q if q_norm is None else rms_norm(q, q_norm, norm_eps)
+    k = k if k_norm is None else rms_norm(k, k_norm, norm_eps)
     q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale, v_scale)
     return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window,
                             k_scale, v_scale)

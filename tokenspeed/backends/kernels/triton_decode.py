@@ -42,15 +42,37 @@ class NewKey(NamedTuple):
     slot_mapping: torch.Tensor
 
 
+class HeadNorms(NamedTuple):
+    """The per-head RMSNorm weights of q and k (Qwen3's ``q_norm``, ``k_norm``; None: no
+    norm), applied before the rotation as ``tokenspeed::rms_norm`` computes them."""
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    eps: float = 0.0
+
+
 @triton.jit
-def _rotated(row_ptr, d, mask, cos_sin_row, HALF: tl.constexpr):
+def _head_normed(x, nw_ptr, idx, inv, ty, HEAD_DIM: tl.constexpr):
+    """``rms_norm``'s rounding: ``(x * inv)`` in the row's dtype ``ty``, times the weight at
+    ``idx``, in ``ty`` again (fp32 values out)."""
+    w = tl.load(nw_ptr + idx, mask=idx < HEAD_DIM, other=0.0).to(tl.float32)
+    return (w * (x * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+
+
+@triton.jit
+def _rotated(row_ptr, d, mask, cos_sin_row, nw_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr,
+             AXIS: tl.constexpr):
     """Rotate-half rotary of the rows at ``row_ptr`` (one per head), fp32, as
-    ``triton_fused._rotate`` computes it: x1 cos - x2 sin, x2 cos + x1 sin."""
+    ``triton_fused._rotate`` computes it: x1 cos - x2 sin, x2 cos + x1 sin. NORM: each head
+    first RMS-normalised over its ``2 * HALF`` values (along ``AXIS``) with weight ``nw_ptr``."""
     first = d < HALF
     j = tl.where(first, d, d - HALF)
+    other = tl.where(first, d + HALF, d - HALF)
     x = tl.load(row_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(row_ptr + tl.where(first, d + HALF, d - HALF), mask=mask,
-                      other=0.0).to(tl.float32)
+    partner = tl.load(row_ptr + other, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / (2 * HALF) + eps)
+        x = _head_normed(x, nw_ptr, d, inv, row_ptr.dtype.element_ty, 2 * HALF)
+        partner = _head_normed(partner, nw_ptr, other, inv, row_ptr.dtype.element_ty, 2 * HALF)
     cos = tl.load(cos_sin_row + j, mask=d < 2 * HALF, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_row + HALF + j, mask=d < 2 * HALF, other=0.0).to(tl.float32)
     return tl.where(first, x * cos - partner * sin, x * cos + partner * sin)
@@ -86,14 +108,16 @@ def _first_key(pos, window):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, stride_sm, qk_scale, k_scale, v_scale, window,
+                   mid_lse_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, qn_ptr, kw_ptr, norm_eps, stride_sm, qk_scale,
+                   k_scale, v_scale, window,
                    stride_qr, stride_qh, stride_or, stride_oh, stride_bt, stride_slot, stride_kvh,
                    stride_knr, stride_knh, stride_vnr, stride_vnh, stride_cs,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   ROPE: tl.constexpr, USE_PDL: tl.constexpr):
+                   ROPE: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """ROPE: q, k_new, v_new are unrotated; the cache does not hold the row's key yet.
+    Q_NORM, K_NORM (with ROPE): each head of q, of the new key, RMS-normalised first.
 
     Before waiting on the previous kernel (PDL) a program reads what no kernel of this step
     writes: the step's metadata (copied in before its first kernel) and, with ROPE, its
@@ -131,7 +155,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
         q_rows = q_ptr + row * stride_qr + heads[:, None] * stride_qh
         cs_row = cs_ptr + pos.to(tl.int64) * stride_cs
         if ROPE:
-            q = _rotated(q_rows, d[None, :], hmask, cs_row, HEAD_DIM // 2)
+            q = _rotated(q_rows, d[None, :], hmask, cs_row, qn_ptr, norm_eps, HEAD_DIM // 2, Q_NORM, 1)
             q = q.to(q_ptr.dtype.element_ty)
         else:
             q = tl.load(q_rows + d[None, :], mask=hmask, other=0.0)
@@ -152,8 +176,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
         if ROPE:
             if (lo <= pos) & (pos < hi):  # this split holds the row's own key
                 dmask = d < HEAD_DIM
-                k = _rotated(kn_ptr + row * stride_knr + kv_head * stride_knh, d, dmask, cs_row,
-                             HEAD_DIM // 2).to(kn_ptr.dtype.element_ty)
+                k = _rotated(kn_ptr + row * stride_knr + kv_head * stride_knh, d, dmask, cs_row, kw_ptr,
+                             norm_eps, HEAD_DIM // 2, K_NORM, 0).to(kn_ptr.dtype.element_ty)
                 k = to_cache(k, k_scale, k_ptr.dtype.element_ty)
                 v = tl.load(vn_ptr + row * stride_vnr + kv_head * stride_vnh + d, mask=dmask, other=0.0)
                 v = to_cache(v, v_scale, v_ptr.dtype.element_ty)
@@ -227,9 +251,14 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, page_size, num_splits=None,
-                          max_context=None, window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0):
+                          max_context=None, window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+                          head_norms: HeadNorms = HeadNorms()):
     """``rope_and_write_kv`` then ``decode_attention`` in one kernel: q [R, H, D], k and v
-    [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache."""
+    [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache.
+    ``head_norms``: q's and k's per-head RMSNorms, applied first (``[D]`` weights)."""
+    for name, weight in (("q", head_norms.q), ("k", head_norms.k)):
+        if weight is not None and weight.shape != (q.shape[2],):
+            raise InternalError(f"the {name} norm's weight must be [{q.shape[2]}]; got {tuple(weight.shape)}")
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     if k.shape != v.shape or k.shape != (q.shape[0], *kv_cache.shape[3:]):
         raise InternalError(f"k and v must be [{q.shape[0]}, {kv_cache.shape[3]}, "
@@ -242,13 +271,14 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
                  slot_mapping)   # may be a cache group's column of several groups' slots
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, window, (k_scale, v_scale), new=new)
+                   num_splits, max_context, window, (k_scale, v_scale), new=new, head_norms=head_norms)
 
 
 def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-            num_splits, max_context, window, kv_scales, *, new: NewKey | None = None):
-    """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``);
-    ``kv_scales``: (key, value) scales of a float8 cache."""
+            num_splits, max_context, window, kv_scales, *, new: NewKey | None = None,
+            head_norms: HeadNorms = HeadNorms()):
+    """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``), with
+    ``head_norms`` to apply first; ``kv_scales``: (key, value) scales of a float8 cache."""
     rows, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -271,14 +301,16 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
     k_scale, v_scale = kv_fp8.applied(kv_cache.dtype, *kv_scales)
     _decode_kernel[(rows, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, row_request, positions, out, mid_o, mid_lse,
-        kn, vn, cos_sin, slots, slots.stride(0), scale * LOG2E * k_scale, k_scale, v_scale, window,
+        kn, vn, cos_sin, slots, *(q if w is None else w for w in head_norms[:2]), head_norms.eps, slots.stride(0),
+        scale * LOG2E * k_scale, k_scale, v_scale, window,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cos_sin.stride(0),
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_G=max(16, next_power_of_2(heads // kv_heads)),
         BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-        ROPE=new is not None, num_warps=4, num_stages=2, **launch)
+        ROPE=new is not None, Q_NORM=head_norms.q is not None, K_NORM=head_norms.k is not None, num_warps=4,
+        num_stages=2, **launch)
     if num_splits > 1:
         _combine_kernel[(rows, heads)](
             mid_o, mid_lse, positions, out, window, out.stride(0), out.stride(1),
