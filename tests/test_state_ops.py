@@ -19,10 +19,12 @@ SLOTS, LAYER = 6, 1
 
 
 def transformers_functions():
-    """transformers' torch forms (``__wrapped__``: with fla installed it would call fla's)."""
+    """transformers' torch forms. Its kernel wrappers hide them: up to 5.24 a wrapper calls
+    fla wherever fla is installed (its torch function is the wrapper's ``__wrapped__``); from
+    5.25 the wrapper is a module that takes the torch path for CPU tensors."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m
-    return (m.causal_conv1d_fn.__wrapped__, m.torch_chunk_gated_delta_rule.__wrapped__,
-            m.torch_recurrent_gated_delta_rule.__wrapped__)
+    return tuple(getattr(f, "__wrapped__", f) for f in (m.causal_conv1d_fn, m.torch_chunk_gated_delta_rule,
+                                                          m.torch_recurrent_gated_delta_rule))
 
 
 def sequence(length: int, seed: int, device="cpu", dtype=torch.float32) -> dict:
