@@ -38,8 +38,8 @@ def causal_conv_silu(x, weight, conv_states, layer, state_slots, row_request, po
         return torch.empty_like(x)
     cu, slots, keep = _layout(state_slots, row_request, positions)
     pool = conv_states[layer]
-    y, final = causal_conv1d(x[None], weight, initial_state=_initial(pool, slots, keep), output_final_state=True,
-                             activation="silu", cu_seqlens=cu)
+    y, final = causal_conv1d(x.contiguous()[None], weight.contiguous(), initial_state=_initial(pool, slots, keep),
+                             output_final_state=True, activation="silu", cu_seqlens=cu)
     pool.index_copy_(0, slots, final.to(pool.dtype))
     return y[0]
 
@@ -50,8 +50,9 @@ def gated_delta_rule(q, k, v, g, beta, states, layer, state_slots, row_request, 
         return torch.empty_like(v)
     cu, slots, keep = _layout(state_slots, row_request, positions)
     pool = states[layer]
-    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None],
-                                      scale=q.shape[-1] ** -0.5, initial_state=_initial(pool, slots, keep),
+    q, k, v, g, beta = (t.contiguous()[None] for t in (q, k, v, g.float(), beta))   # fla's layout: [1, T, ...]
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta,
+                                      scale=k.shape[-1] ** -0.5, initial_state=_initial(pool, slots, keep),
                                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     pool.index_copy_(0, slots, final.float())
     return o[0]
