@@ -253,35 +253,38 @@ def compile_sm90(kernel, signature, constexprs, num_warps=4):
                        constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-fmt = block_format(sys.argv[1])
-common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
-for gated, norm in ((False, False), (False, True)):  # gated differs only in triton_gemv's input code
-    gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
-                        w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
-                        stride_wn="i32", stride_os="i32", eps="fp32"),
-                        dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=4,
-                             GROUPS=512 // fmt.group_size, **common))
-    assert "griddepcontrol.wait" in gemv.asm["ptx"]
-    if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
-        assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
-for rows in (16, 128, 2048):  # the tiles of a decode batch, a small batch, a prefill
-    c = m.choose_config(rows, 2048, 8192, fmt, 132)
-    mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
-                      M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
-                      stride_os="i32", stride_om="i32"),
-                      dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
-                           PRECISION="tf32", **common), c.num_warps)
-    assert "mma" in mm.asm["ptx"], "tensor cores"
-emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
-                   stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **common))
-assert "griddepcontrol.wait" in emb.asm["ptx"]
+def check(fmt):
+    common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
+    for gated, norm in ((False, False), (False, True)):  # gated differs only in triton_gemv's input code
+        gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
+                            w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
+                            stride_wn="i32", stride_os="i32", eps="fp32"),
+                            dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=4,
+                                 GROUPS=512 // fmt.group_size, **common))
+        assert "griddepcontrol.wait" in gemv.asm["ptx"]
+        if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
+            assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
+    for rows in (16, 128, 2048):  # the tiles of a decode batch, a small batch, a prefill
+        c = m.choose_config(rows, 2048, 8192, fmt, 132)
+        mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
+                          M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
+                          stride_os="i32", stride_om="i32"),
+                          dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
+                               PRECISION="tf32", **common), c.num_warps)
+        assert "mma" in mm.asm["ptx"], "tensor cores"
+    emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
+                       stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **common))
+    assert "griddepcontrol.wait" in emb.asm["ptx"]
+
+for name in sys.argv[1:]:   # every format in one child: one start of torch and Triton
+    check(block_format(name))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
-@pytest.mark.parametrize("name", FORMATS)
-def test_the_kernels_compile_for_sm90(name):
+def test_the_kernels_compile_for_sm90():
     """As tests/test_kernel_compile.py does for the others: in a child, without the
-    interpreter (here with the alignment a launch specializes, which decides the loads)."""
-    assert_compiles(["-c", SM90, name])
+    interpreter (here with the alignment a launch specializes, which decides the loads);
+    a failure's traceback names the format."""
+    assert_compiles(["-c", SM90, *FORMATS])

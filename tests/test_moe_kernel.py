@@ -104,8 +104,8 @@ def test_grouping_over_many_chunks(tokens, experts, k):
     check_blocks(skewed, experts, 64)
 
 
-@pytest.mark.parametrize("kernel, padding", [(KERNELS["grouped"], 1), (KERNELS["grouped"], 6), (KERNELS["by_pairs"], 1)],
-                         ids=["grouped-1", "grouped-6", "by_pairs-1"])
+@pytest.mark.parametrize("kernel, padding", [(KERNELS["grouped"], 1), (KERNELS["grouped"], 6),
+                                             (KERNELS["by_pairs"], 1)], ids=["grouped-1", "grouped-6", "by_pairs-1"])
 def test_padding_rows_leave_real_rows_alone(kernel, padding):
     x, w13, w2, weights, ids = on_device(*routed(2, 8, 2, 48, 40, seed=1))
     pad = on_device(*routed(padding, 8, 2, 48, 40, seed=2))
