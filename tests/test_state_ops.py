@@ -131,6 +131,16 @@ def test_any_cut_into_chunks_equals_one_run(length, cuts, slot):
     torch.testing.assert_close(conv_pool[LAYER, slot], whole_conv[LAYER, slot])
 
 
+def test_a_step_of_no_rows_computes_nothing():
+    weight, (conv_pool, pool) = weights(), pools()
+    empty = sequence(0, seed=5)
+    nothing = torch.zeros(0, dtype=torch.long)
+    assert OPS.causal_conv_silu(empty["x"], weight, conv_pool, LAYER, nothing, nothing, nothing).shape == (0, D)
+    out = OPS.gated_delta_rule(empty["q"], empty["k"], empty["v"], empty["g"], empty["beta"], pool, LAYER, nothing,
+                               nothing, nothing)
+    assert out.shape == (0, HV, V) and (pool == 9.0).all() and (conv_pool == 9.0).all()
+
+
 def test_a_padding_row_on_the_null_slot_reads_zeros_and_leaves_live_slots_alone():
     weight, (conv_pool, pool) = weights(), pools()
     live, pad = sequence(5, seed=1), sequence(1, seed=2)
@@ -149,13 +159,15 @@ def test_fla_kernels_match_the_references(dtype):
     over the chunked three-request steps of the CPU test."""
     from tokenspeed.backends.kernels import fla_state
     weight = weights("cuda", dtype)
-    seqs = [sequence(n, seed, "cuda", dtype) for seed, n in enumerate((11, 3, 70))]
+    seqs = [sequence(n, seed, "cuda", dtype) for seed, n in enumerate((13, 3, 70))]
     results = []
     for ops in (fla_state, state_reference):
         conv_pool, pool = pools("cuda", dtype)
         outs = step([(rows(seqs[0], 0, 4), 2, 0), (seqs[1], 5, 0), (rows(seqs[2], 0, 33), 1, 0)], conv_pool, pool,
                     weight, ops)
         outs += step([(rows(seqs[0], 4, 11), 2, 4), (rows(seqs[2], 33, 70), 1, 33)], conv_pool, pool, weight, ops)
+        for i in (11, 12):   # decode-like steps: one row, shorter than the convolution
+            outs += step([(rows(seqs[0], i, i + 1), 2, i)], conv_pool, pool, weight, ops)
         results.append((outs, conv_pool, pool))
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     for (conv, out), (want_conv, want_out) in zip(results[0][0], results[1][0]):

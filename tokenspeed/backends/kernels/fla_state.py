@@ -55,5 +55,5 @@ def gated_delta_rule(q, k, v, g, beta, states, layer, state_slots, row_request, 
                                       scale=k.shape[-1] ** -0.5, initial_state=_initial(pool, slots, keep),
                                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     pool.index_copy_(0, slots, final.float())
-    return o[0]
+    return o[0].to(v.dtype)   # fla's output is in q's dtype; the op's, v's
 

@@ -27,6 +27,8 @@ class Run(NamedTuple):
 def runs(state_slots: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor) -> list[Run]:
     """The step's runs (a host read of the metadata: the references' and eager kernels'
     way). A run at position 0, or on the null slot, starts from zeros."""
+    if row_request.numel() == 0:
+        return []
     _, counts = torch.unique_consecutive(row_request, return_counts=True)
     ends = torch.cumsum(counts, 0).tolist()
     starts = [0] + ends[:-1]
