@@ -196,7 +196,7 @@ def _checkpoint_name(expected: str, config: ModelConfig) -> str:
         return stored_name(expected, config.architecture)
     name, index = expected.split("#")
     stacked = name.split(".")[-2]
-    return name.replace(f".{stacked}.", f".{part_names(config, stacked, int(index) + 1)[int(index)]}.")
+    return name.replace(f".{stacked}.", f".{part_names(config, stacked)[int(index)]}.")
 
 
 def _copy(param: torch.Tensor, value, name: str, config: ModelConfig) -> None:

@@ -51,6 +51,6 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             state[name] = tensor.contiguous()
             continue
         sizes = stacked_sizes(model.config, stacked, tensor.shape[0])
-        for part, piece in zip(part_names(model.config, stacked, len(sizes)), tensor.split(sizes)):
+        for part, piece in zip(part_names(model.config, stacked), tensor.split(sizes), strict=True):
             state[name.replace(f".{stacked}.", f".{part}.")] = piece.contiguous()
     return state

@@ -22,16 +22,11 @@ def stacked_parts(config: ModelConfig) -> dict[str, tuple[str, int]]:
     return LATENT_STACKED if config.mla is not None else STACKED
 
 
-def part_names(config: ModelConfig, stacked: str, count: int) -> list[str]:
-    """The checkpoint parts of a stacked layer of ``count`` parts, in order (of a latent
-    layer's two candidates for index 0, the one its config has)."""
-    names = {}
-    for part, (layer, index) in stacked_parts(config).items():
-        if layer == stacked and index not in names:
-            names[index] = part
-    if config.mla is not None and config.mla.q_lora_rank is not None and stacked == "q_kv_a_proj":
-        names[0] = "q_a_proj"
-    return [names[i] for i in range(count)]
+def part_names(config: ModelConfig, stacked: str) -> list[str]:
+    """The checkpoint parts of a stacked layer, in order."""
+    if stacked == "q_kv_a_proj":
+        return ["q_proj" if config.mla.q_lora_rank is None else "q_a_proj", "kv_a_proj_with_mqa"]
+    return [part for part, (layer, _) in STACKED.items() if layer == stacked]
 
 
 def stacked_sizes(config: ModelConfig, stacked: str, rows: int) -> list[int]:
