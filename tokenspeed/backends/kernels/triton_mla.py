@@ -26,6 +26,9 @@ from tokenspeed.errors import InternalError
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 16
+COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-projection: at 32 rows of
+# DeepSeek-V2-Lite's 16 heads the merged launch took 90 us a layer on the H200, the merge and a
+# batched product about 10; at one row it saves the product's and the reshape's launches
 
 
 @triton.jit
@@ -161,7 +164,8 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
                     num_splits: int | None = None, w_v: torch.Tensor | None = None):
     """``[rows, H, latent]`` in ``q_latent``'s dtype: softmax(q_latent . latent + q_rope . rope key) over the
     row's positions, times the latents; with ``w_v`` (``[H, v, latent]``), that up-projected
-    per head, ``[rows, H, v]`` (by the launch that merges the splits, where keys are split).
+    per head, ``[rows, H, v]`` (by the launch that merges the splits, where keys are split and
+    the rows are at most ``COMBINE_UP_MAX_ROWS``).
     ``num_splits``: the key splits per row (default: from the rows, rounded up to a power of
     two as a ladder's rungs are, and the longest context the table allows, as
     ``triton_decode`` chooses them)."""
@@ -176,7 +180,8 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
     splits = num_splits or choose_num_splits(next_power_of_2(rows), head_blocks,
                                              block_tables.shape[1] * kv_cache.shape[3], sm_count(q_latent.device))
     partials = splits > 1
-    out = q_latent.new_empty((0, 0, 0) if partials and w_v is not None else q_latent.shape)
+    fused_up = partials and w_v is not None and rows <= COMBINE_UP_MAX_ROWS
+    out = q_latent.new_empty((0, 0, 0) if fused_up else q_latent.shape)
     shape = (rows, heads, splits) if partials else (0, 0, 0)
     mid_o = torch.empty((*shape, latent), dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(shape, dtype=torch.float32, device=q_latent.device)
@@ -191,7 +196,7 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
         num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
     merge = dict(HEADS=heads, LATENT=latent, NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits),
                  BLOCK_R=max(16, next_power_of_2(latent)))
-    if partials and w_v is not None:
+    if fused_up:
         return _combine_up(mid_o, mid_lse, positions, w_v, merge)
     if partials:
         _combine_kernel[(rows, heads)](mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), **merge)
