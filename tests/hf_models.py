@@ -64,11 +64,21 @@ VARIANTS = {
                   dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
                        norm_topk_prob=True, mlp_only_layers=[1],
                        rope_parameters={"rope_type": "default", "rope_theta": 3000.0})),
+    # hybrid: gated-DeltaNet layers beside a gated attention layer; experts with a shared one,
+    # a dense layer among them; partial rotary
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                   dict(num_hidden_layers=3, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=40, mlp_only_layers=[2],
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                        rope_parameters={"rope_type": "default", "rope_theta": 3000.0,
+                                         "partial_rotary_factor": 0.5})),
 }
 
 # weight seeds, chosen so every reference used by the tests has a clear top-1 token
 SEEDS = {"llama": 9, "llama3_rope": 9, "qwen2": 11, "qwen3": 9, "tied": 7, "head_dim": 9, "mistral": 9,
-         "qwen3_window": 9, "mixtral": 9, "qwen3_moe": 9}
+         "qwen3_window": 9, "mixtral": 9, "qwen3_moe": 9, "qwen3_next": 3}
 
 _DIRS: list[str] = []
 
@@ -120,6 +130,8 @@ def hf_model(variant: str):
         assert all(model.model.layers[0].self_attn.q_proj.bias != 0)
     if variant == "qwen3":
         assert not torch.all(model.model.layers[0].self_attn.q_norm.weight == 1)
+    if variant == "qwen3_next":   # zero-centred: 1 + N(0, 0.2^2) here is a scale of 2 + N(0, 0.2^2)
+        assert model.model.layers[0].linear_attn.conv1d.weight.shape[1] == 1
     if variant == "tied":
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     path = new_tmpdir(f"ts_hf_{variant}_")

@@ -118,7 +118,7 @@ def test_history_names_every_pass(model):
          "fuse_latent_write", "fuse_moe_add", "stage_breaks", "split_segments"]
     assert traced.lower("prefill", attention_breaks=True).history[8].pass_name == "attention_breaks"
     assert [name for name, _ in traced.lower("decode").history] == [
-        "trace", "decode_kernels", "fuse_norms", "fuse_rope_write_kv",
+        "trace", "decode_kernels", "recurrent_steps", "fuse_norms", "fuse_rope_write_kv",
         "fuse_rope_decode_attention", "fuse_head_norms", "rope_kernels", "fuse_latent_write", "fuse_moe_add",
         "select_linear", "fuse_gated_linear", "fuse_norm_linear", "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]

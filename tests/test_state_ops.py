@@ -187,3 +187,39 @@ def test_the_gpu_path_starts_fresh_runs_from_zeros_whatever_the_slot_holds():
     assert cu.tolist() == [0, 2, 3, 4] and slots.tolist() == [1, 2, 0] and keep.tolist() == [False, True, False]
     initial = fla_state._initial(pool, slots, keep)
     assert (initial[0] == 0).all() and (initial[2] == 0).all() and initial[1].isnan().all()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(requests=st.lists(st.tuples(st.integers(0, SLOTS - 1), st.integers(0, 3)), min_size=1, max_size=SLOTS,
+                         unique_by=lambda r: r[0] or object()),
+       seed=st.integers(0, 2 ** 16))
+def test_the_decode_forms_equal_the_run_forms_at_one_row_a_request(requests, seed):
+    """A decode step (``*_step``: no host reads) against the references' runs: every slot
+    continued or started as the runs would, the null slot (padding rows, any number of
+    them) started from zeros, outputs and live slots equal."""
+    t = sequence(len(requests), seed)
+    slots = torch.tensor([s for s, _ in requests])
+    positions = torch.tensor([p for _, p in requests])
+    weight = weights()
+    results = []
+    for decode_form in (True, False):
+        conv_pool, pool = pools()
+        conv_pool.normal_(generator=torch.Generator().manual_seed(seed))
+        pool.normal_(generator=torch.Generator().manual_seed(seed + 1))
+        if decode_form:
+            conv = OPS.causal_conv_silu_step(t["x"], weight, conv_pool, LAYER, slots, positions)
+            out = OPS.gated_delta_rule_step(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, LAYER, slots, positions)
+        else:
+            row_request = torch.arange(len(requests))
+            conv = OPS.causal_conv_silu(t["x"], weight, conv_pool, LAYER, slots, row_request, positions)
+            out = OPS.gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, LAYER, slots, row_request,
+                                       positions)
+        results.append((conv, out, conv_pool, pool))
+    (conv, out, conv_pool, pool), (conv_ref, out_ref, conv_pool_ref, pool_ref) = results
+    torch.testing.assert_close(conv, conv_ref)
+    torch.testing.assert_close(out, out_ref)
+    live = slots[slots != 0].unique()
+    torch.testing.assert_close(conv_pool[:, live], conv_pool_ref[:, live])
+    torch.testing.assert_close(pool[:, live], pool_ref[:, live])
+    untouched = [s for s in range(1, SLOTS) if s not in live.tolist()]
+    assert torch.equal(pool[:, untouched], pool_ref[:, untouched])

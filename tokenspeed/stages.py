@@ -23,11 +23,11 @@ from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.mla import backend_for
 from tokenspeed.backends.pool_geometry import PoolGeometry
 from tokenspeed.backends.support import CudaGraphSupport, walk
-from tokenspeed.ir.descriptors import ForwardMetadata, tensor_fields
+from tokenspeed.ir.descriptors import ForwardMetadata
 from tokenspeed.ir.ops import ATTENTION_TARGETS
 from tokenspeed.ir.printing import graph_text
 from tokenspeed.ir.program import STAGES, Program, Segment
-from tokenspeed.ir.trace import trace_graph
+from tokenspeed.ir.trace import input_names, trace_graph
 from tokenspeed.passes.manager import HistoryEntry
 from tokenspeed.passes.pipeline import run_pipeline
 from tokenspeed.execution.compile_config import CompileConfig, EngineLimits
@@ -57,7 +57,7 @@ class Traced:
 
     def __call__(self, kv_cache: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """Run the traced graph on the fields every descriptor has (no decoder view)."""
-        return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in tensor_fields(ForwardMetadata)})
+        return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in input_names(self.graph_module)})
 
     def lower(self, mode: str = "decode", *, narrow: bool = True,
               decode_graph: bool = True, attention_breaks: bool | None = None) -> "Lowered":

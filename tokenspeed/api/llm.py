@@ -37,6 +37,8 @@ from tokenspeed.scheduling.scheduler import Scheduler
 from tokenspeed.engine.speculative import SpeculativeConfig
 from tokenspeed.tokenizer import Tokenizer
 
+from tokenspeed.api.hybrid_setup import checked_speculative, prefix_caching_for, prepare_states
+
 __all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
 
 
@@ -81,13 +83,16 @@ class LLM:
                                                quantization)
             self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
             backend = backend or backend_for(self.model.config)
+            checked_speculative(self.model.config, speculative)
+            prepare_states(self.model, config.max_num_seqs)
             self.traced = stages.trace(self.model)
             draft = None
             if speculative is not None and speculative.method == "draft":
                 draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
             self.compiled = self._compile(config, backend, workers, speculative, draft)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
-        self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter)
+        self.engine = self._engine(config, overlap, prefix_caching_for(self.config, enable_prefix_caching),
+                                   speculative, drafter)
         self.client = OfflineClient(self.engine, self.tokenizer)
 
     @property

@@ -27,11 +27,13 @@ class DecodeRow:
     """``token``: the row's input, None when it is fed on the device (an unread token:
     ``execution/token_column.py``); ``pages``: the request's pages of cache group 0;
     ``group_pages``: those of groups 1.. (as many entries each: a windowed group's dropped
-    ones are the null page)."""
+    ones are the null page); ``seat``: its request's seat, the slot of its recurrent state
+    (``NULL_SLOT`` where no request's)."""
     token: int | None
     position: int
     pages: tuple[int, ...]
     group_pages: tuple[tuple[int, ...], ...] = ()
+    seat: int = NULL_SLOT
 
 
 @attrs.frozen
@@ -45,6 +47,7 @@ class ExtendChunk:
     completes: bool
     group_pages: tuple[tuple[int, ...], ...] = ()
     fed: bool = False
+    seat: int = NULL_SLOT
 
     @property
     def num_rows(self) -> int:
@@ -154,10 +157,12 @@ class DecodeColumns:
     from step to step (``engine/decode_chain.py``), moving each row on a position rather
     than rebuilding every row's table from its page lists. ``tokens``: None when every
     row's input is fed on the device; ``block_tables``: ``max_pages`` page ids per row, per
-    cache group on dim 1 when there are several (``group_tables``)."""
+    cache group on dim 1 when there are several (``group_tables``); ``seats``: each row's
+    request's seat (``DecodeRow.seat``)."""
     tokens: np.ndarray | None  # int64
     positions: np.ndarray     # int64
     block_tables: np.ndarray  # int32
+    seats: np.ndarray         # int64
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -171,7 +176,7 @@ def decode_columns(rows: Sequence[DecodeRow], max_pages: int, num_groups: int = 
         raise InternalError(f"{fed} of {n} decode rows fed on the device: a step is fed whole or not at all")
     return DecodeColumns(np.fromiter((r.token for r in rows), np.int64, n) if not fed else None,
                          np.fromiter((r.position for r in rows), np.int64, n),
-                         item_tables(rows, num_groups, n, max_pages))
+                         item_tables(rows, num_groups, n, max_pages), np.fromiter((r.seat for r in rows), np.int64, n))
 
 
 def refresh_decode(rows: Sequence[DecodeRow] | DecodeColumns, num_rows: int, max_pages: int, page_size: int,
@@ -192,7 +197,8 @@ def refresh_decode(rows: Sequence[DecodeRow] | DecodeColumns, num_rows: int, max
         device, input_ids=_padded(columns.tokens, count, num_rows) if columns.tokens is not None else
         np.full(num_rows, FED_INPUT, np.int64), positions=positions,
         slot_mapping=table_slots(tables, every_row, positions, page_size), block_tables=tables,
-        row_request=every_row, sample_rows=every_row.copy()))
+        row_request=every_row, state_slots=_padded(columns.seats, count, num_rows, NULL_SLOT),
+        sample_rows=every_row.copy()))
 
 
 def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: int,
@@ -231,7 +237,10 @@ def plan_extend(chunks: Sequence[ExtendChunk], num_rows: int, num_table_rows: in
     return ExtendMetadata(num_live_rows=rows, num_live_view_rows=len(view), **_on(
         device, input_ids=_padded(chain.from_iterable(c.input_ids for c in chunks), rows, num_rows),
         positions=positions, slot_mapping=slots,
-        block_tables=tables, row_request=row_request, sample_rows=ends[completes] - 1,
+        block_tables=tables, row_request=row_request,
+        state_slots=_padded(np.repeat(np.fromiter((c.seat for c in chunks), np.int64, len(chunks)), lengths),
+                            rows, num_rows, NULL_SLOT),
+        sample_rows=ends[completes] - 1,
         view_rows=_padded(view, len(view), num_view_rows, num_rows - 1),
         view_sample_rows=view_samples,
         attention_tiles=attention_tiles(lengths if chunks else np.array([num_rows]), tile_rows,

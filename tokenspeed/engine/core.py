@@ -231,7 +231,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             end = start + n
             pages, group_pages = request.row_pages()
             chunks.append(ExtendChunk(request.tokens_between(start, min(end, known)), start, pages,
-                                      end == request.num_tokens, group_pages, fed=end > known))
+                                      end == request.num_tokens, group_pages, fed=end > known, seat=request.seat))
             row += n
             if end > known:
                 rows.append(row - 1)
@@ -272,4 +272,4 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
 
 def _decode_rows(requests) -> list[DecodeRow]:
     """Each request's next decode row: its last token at the position after its cache."""
-    return [DecodeRow(r.last_token, r.num_tokens - 1, *r.row_pages()) for r in requests]
+    return [DecodeRow(r.last_token, r.num_tokens - 1, *r.row_pages(), seat=r.seat) for r in requests]

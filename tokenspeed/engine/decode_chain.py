@@ -25,7 +25,7 @@ def next_columns(columns: DecodeColumns, kept: list[int] | None, requests, sched
         if not scheduler.grow(request, int(positions[row]) + 1):
             return None
         write_table_row(tables[row], request.page_lists())
-    return DecodeColumns(None, positions, tables)
+    return DecodeColumns(None, positions, tables, columns.seats if kept is None else columns.seats[kept])
 
 
 def write_table_row(row: np.ndarray, page_lists: list[list[int]]) -> None:

@@ -59,7 +59,7 @@ class ChainedSteps:
         for request in live:
             if not self.scheduler.grow(request, request.num_tokens):
                 return None
-            rows.append(DecodeRow(None, request.num_tokens - 1, *request.row_pages()))
+            rows.append(DecodeRow(None, request.num_tokens - 1, *request.row_pages(), seat=request.seat))
         return self.decode.columns(rows)
 
     def _admits_now(self) -> bool:

@@ -23,6 +23,7 @@ class ForwardMetadata:
     slot_mapping: torch.Tensor    # [rows] int64, write slot of each row's K/V
     block_tables: torch.Tensor    # [table rows, max_pages] int32, padding rows all page 0
     row_request: torch.Tensor     # [rows] int64, the table row each row reads through
+    state_slots: torch.Tensor     # [rows] int64, the recurrent state slot of each row's request (its seat)
     sample_rows: torch.Tensor     # [sampled] int64, rows whose logits are returned
     num_live_rows: int = static()
 

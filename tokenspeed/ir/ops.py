@@ -256,6 +256,23 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.empty_like(v)
 
 
+@_op("causal_conv_silu_step", mutates_args=("conv_states",))
+def causal_conv_silu_step(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, layer: int,
+                          state_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``causal_conv_silu`` where every row is its own request's (decode): each continues its
+    slot (from zeros at position 0 or on the null slot), with no read of the rows on the
+    host, so a decode graph captures it. Padding rows all write the null slot."""
+    return torch.empty_like(x)
+
+
+@_op("gated_delta_rule_step", mutates_args=("states",))
+def gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          states: torch.Tensor, layer: int, state_slots: torch.Tensor,
+                          positions: torch.Tensor) -> torch.Tensor:
+    """``gated_delta_rule`` where every row is its own request's, as ``causal_conv_silu_step``."""
+    return torch.empty_like(v)
+
+
 OPS = torch.ops.tokenspeed
 WRITE_KV = OPS.write_kv.default
 ATTENTION = OPS.attention.default
@@ -271,9 +288,14 @@ ROPE = OPS.rope.default
 MOE = OPS.moe.default
 WRITE_LATENT = OPS.write_latent.default
 NORM_ROPE_WRITE_LATENT = OPS.norm_rope_write_latent.default
+CAUSAL_CONV_SILU, GATED_DELTA_RULE = OPS.causal_conv_silu.default, OPS.gated_delta_rule.default
+# the recurrent ops over a step's runs: they read the runs on the host (eager, in breaks), and
+# every row of a run reads the rows before it (the narrowing keeps them on every row)
+RECURRENT_TARGETS = (OPS.causal_conv_silu, CAUSAL_CONV_SILU, OPS.gated_delta_rule, GATED_DELTA_RULE)
 # the ops that write the cache (and need every row)
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT, NORM_ROPE_WRITE_LATENT)
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
             "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "norm_rope_write_latent",
-            "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule")
+            "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule",
+            "causal_conv_silu_step", "gated_delta_rule_step")

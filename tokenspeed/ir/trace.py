@@ -16,6 +16,7 @@ from tokenspeed.ir.ops import MOE
 from tokenspeed.ir.program import rename
 
 LEAF_ATTR = "ir_leaf"
+OPTIONAL_FIELDS = ("state_slots",)   # metadata only some models read: no input where unread
 
 
 def leaf_kind(module: torch.nn.Module) -> str | None:
@@ -35,13 +36,14 @@ def trace_graph(model: torch.nn.Module) -> fx.GraphModule:
     meta = ForwardMetadata(**{n: fx.PH for n in names}, num_live_rows=0)
     graph = TokenspeedTracer().trace(model, concrete_args={"meta": meta})
     _flatten_signature(graph, names)
+    _drop_unread(graph, OPTIONAL_FIELDS)
     _shorten_names(graph)
     _name_split_parts(graph)
     _name_moe_parts(graph)
     return fx.GraphModule(model, graph, class_name="Traced")
 
 
-SHORTER = (("model_layers_", "layer"), ("_self_attn_", "_"), ("_mlp_", "_"), ("model_", ""),
+SHORTER = (("model_layers_", "layer"), ("_self_attn_", "_"), ("_linear_attn_", "_"), ("_mlp_", "_"), ("model_", ""),
            ("_default", ""))
 
 
@@ -73,6 +75,17 @@ def _name_moe_parts(graph: fx.Graph) -> None:
             layer = w13.name.removesuffix("experts_w13")
             for part, name in ((node, "moe"), (weights, "topk_weights"), (ids, "topk_ids")):
                 rename(part, layer + name)
+
+
+def _drop_unread(graph: fx.Graph, fields) -> None:
+    """A model without recurrent layers reads no ``state_slots``: its IR names no such input."""
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.name in fields and not n.users]:
+        graph.erase_node(node)
+
+
+def input_names(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The metadata fields a traced graph reads (its placeholders after the cache)."""
+    return tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")[1:]
 
 
 def _flatten_signature(graph: fx.Graph, leaf_names) -> None:

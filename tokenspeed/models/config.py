@@ -12,17 +12,18 @@ from tokenspeed.models.config_values import check_values
 from tokenspeed.models.deepseek_config import (DEEPSEEK_V2, DEEPSEEK_V3, DeepseekMoe, MlaConfig, mla_config,
                                                deepseek_moe_config)
 from tokenspeed.models.fp8_scheme import fp8_scheme
+from tokenspeed.models.hybrid_config import HYBRID_ARCHITECTURES, QWEN3_NEXT, HybridConfig, hybrid_config
 from tokenspeed.models.moe_config import MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, MoeConfig, moe_config
 
 DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           MIXTRAL, QWEN3_MOE, *DEEPSEEK)
+                           MIXTRAL, QWEN3_MOE, *DEEPSEEK, QWEN3_NEXT)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE,
-               "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3}
+               "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "qwen3_next": QWEN3_NEXT}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3_MOE)
-QK_NORM = ("Qwen3ForCausalLM", QWEN3_MOE)
+QK_NORM = ("Qwen3ForCausalLM", QWEN3_MOE, QWEN3_NEXT)
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers runs both as torch's SiLU
@@ -62,6 +63,7 @@ class ModelConfig:
     moe: MoeConfig | None = None          # the experts of a mixture of experts' sparse layers
     mla: MlaConfig | None = None          # DeepSeek's latent attention (None: keys and values per head)
     deepseek_moe: DeepseekMoe | None = None
+    hybrid: HybridConfig | None = None    # gated-DeltaNet layers beside gated attention (Qwen3-Next)
 
     def __attrs_post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -84,8 +86,16 @@ class ModelConfig:
     @property
     def cache_groups(self) -> tuple[CacheGroup, ...]:
         """The layers whose caches keep the same positions, grouped (``cache_groups``)."""
+        if self.hybrid is not None:   # the attention layers' caches only, in one group (no windows)
+            return (CacheGroup(0, self.attention_layers),)
         owners = {layer for layer in range(self.num_layers) if self.kv_source_layer(layer) == layer}
         return cache_groups({layer: self.retention_of(layer) for layer in owners}, self.num_layers)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over a cache (a hybrid model's others are recurrent)."""
+        linear = self.hybrid.linear.layers if self.hybrid is not None else ()
+        return tuple(layer for layer in range(self.num_layers) if layer not in linear)
 
     def retention_of(self, layer: int) -> int:
         """Positions behind a row that some reader of ``layer``'s cache reads (0: all): a
@@ -111,11 +121,12 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         if arch in DEEPSEEK:
             return _deepseek(cls, hf, arch)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return cls(
             architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
             num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(hf),
             max_position_embeddings=_max_positions(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -123,7 +134,8 @@ class ModelConfig:
             o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
             qk_norm=arch in QK_NORM, rope_scaling=_rope_scaling(hf),
             num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf),
-            layer_windows=layer_windows(hf, arch), moe=moe_config(hf, arch))
+            layer_windows=layer_windows(hf, arch), moe=moe_config(hf, arch),
+            hybrid=hybrid_config(hf, head_dim, _rope_parameters(hf)) if arch in HYBRID_ARCHITECTURES else None)
 
 
 def _deepseek(cls, hf: dict, arch: str) -> ModelConfig:
@@ -182,7 +194,7 @@ def _check_biases(hf: dict) -> None:
 def _check_rope(hf: dict) -> None:
     params = _rope_parameters(hf)
     for factor in (hf.get("partial_rotary_factor"), params.get("partial_rotary_factor")):
-        if factor is not None and factor != 1:
+        if factor is not None and factor != 1 and architecture(hf) not in HYBRID_ARCHITECTURES:
             raise _unsupported("partial_rotary_factor", factor, "RoPE rotates the whole head (1.0 only)")
     kind = _rope_type(params)
     if architecture(hf) in DEEPSEEK:
@@ -203,6 +215,10 @@ def layer_windows(hf: dict, arch: str) -> tuple[int, ...]:
     Qwen3-MoE window every layer by ``sliding_window`` alone (their attention reads no
     ``layer_types`` nor ``max_window_layers``)."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if arch in HYBRID_ARCHITECTURES:   # layer_types names linear and full layers (hybrid_config)
+        if window is not None or hf.get("use_sliding_window"):
+            raise _unsupported("sliding_window", window, f"{arch}'s attention has no sliding window")
+        return ()
     if arch in QWEN and not hf.get("use_sliding_window"):
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):

@@ -20,6 +20,7 @@ from tokenspeed.models.kv_scales import kv_scales, set_kv_scales
 from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, open_dir
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import LlamaForCausalLM
+from tokenspeed.models.qwen3_next import Qwen3NextForCausalLM
 from tokenspeed.models.stacking import STACKED_LAYERS, part_names, stacked_parts, stacked_sizes
 from tokenspeed.models.moe_checkpoint import checkpoint_name, expected_keys, expert_piece, our_name, stored_name
 from tokenspeed.models.param_shapes import shape_origin
@@ -37,9 +38,16 @@ def build(config: ModelConfig, dtype=torch.float32, device="cpu") -> LlamaForCau
     return _allocated(_on_meta(config), dtype, device)
 
 
+def model_class(config: ModelConfig) -> type:
+    """The definition that traces ``config``'s architecture."""
+    if config.architecture in DEEPSEEK:
+        return DeepseekForCausalLM
+    return Qwen3NextForCausalLM if config.hybrid is not None else LlamaForCausalLM
+
+
 def _on_meta(config: ModelConfig) -> LlamaForCausalLM:
     with torch.device("meta"):
-        return DeepseekForCausalLM(config) if config.architecture in DEEPSEEK else LlamaForCausalLM(config)
+        return model_class(config)(config)
 
 
 def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
@@ -136,6 +144,7 @@ def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> Non
         scales[entry] = float(tensor)
         set_kv_scales(model, scales)
         return
+    tensor = model.loaded(name, tensor) if hasattr(model, "loaded") else tensor
     ours = our_name(name)
     if ours in params:
         _copy(params[ours], tensor, name, model.config)

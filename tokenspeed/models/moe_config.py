@@ -2,7 +2,8 @@
 ``config.py`` checks the rest: each field that changes the computation is read, or the
 config is refused naming it.
 
-Which layers are sparse follows transformers: Mixtral's every layer; Qwen3-MoE's layer i
+Which layers are sparse follows transformers: Mixtral's every layer; Qwen3-MoE's (and
+Qwen3-Next's) layer i
 unless it is in ``mlp_only_layers``, when ``num_experts > 0`` and ``(i + 1) %
 decoder_sparse_step == 0``. The dense layers keep the plain MLP of ``intermediate_size``.
 """
@@ -10,9 +11,11 @@ decoder_sparse_step == 0``. The dense layers keep the plain MLP of ``intermediat
 import attrs
 
 from tokenspeed.models.config_values import Accepted, invalid
+from tokenspeed.models.hybrid_config import QWEN3_NEXT
 
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
-MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE)
+MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE, QWEN3_NEXT)
+NORMALIZED_BY_DEFAULT = (MIXTRAL, QWEN3_NEXT)   # transformers' norm_topk_prob where a config has none
 FIELDS = {"num_local_experts": Accepted(int, 0), "num_experts": Accepted(int, 0),
           "num_experts_per_tok": Accepted(int, 1), "moe_intermediate_size": Accepted(int, 1),
           "decoder_sparse_step": Accepted(int, 1), "norm_topk_prob": Accepted(bool)}
@@ -46,7 +49,7 @@ def moe_config(hf: dict, arch: str) -> MoeConfig | None:
         return None
     width = hf["intermediate_size"] if arch == MIXTRAL else _required(hf, "moe_intermediate_size")
     return MoeConfig(num_experts=experts, top_k=_required(hf, "num_experts_per_tok"), intermediate_size=width,
-                     normalize_top_k=arch == MIXTRAL or bool(hf.get("norm_topk_prob", False)),
+                     normalize_top_k=arch == MIXTRAL or bool(hf.get("norm_topk_prob", arch in NORMALIZED_BY_DEFAULT)),
                      sparse_layers=layers)
 
 

@@ -33,8 +33,9 @@ def stacked_sizes(config: ModelConfig, stacked: str, rows: int) -> list[int]:
     """Rows of each checkpoint part inside a stacked projection of ``rows`` rows (a gate and
     up projection's halves: DeepSeek's shared experts are narrower than its dense layers)."""
     c = config
-    if stacked == "qkv_proj":
-        return [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+    if stacked == "qkv_proj":   # a gated attention's query rows hold each head's query, then its gate
+        gated = 2 if c.hybrid is not None else 1
+        return [gated * c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
     if stacked == "q_kv_a_proj":
         m = c.mla
         query = c.num_heads * c.head_dim if m.q_lora_rank is None else m.q_lora_rank

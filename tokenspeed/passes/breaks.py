@@ -8,7 +8,7 @@ of fixed rows) is captured with it: then only the stages cut the program.
 
 from torch import fx
 
-from tokenspeed.ir.ops import ATTENTION_TARGETS
+from tokenspeed.ir.ops import ATTENTION_TARGETS, RECURRENT_TARGETS
 from tokenspeed.passes.manager import graph_pass
 
 
@@ -19,8 +19,9 @@ def attention_breaks(gm: fx.GraphModule, **_) -> None:
 
 @graph_pass("stage_breaks")
 def stage_breaks(gm: fx.GraphModule, **_) -> None:
-    """One segment per stage: attention runs inside the captured graphs of its stage."""
-    _number(gm, _stage_changes)
+    """One segment per stage: attention runs inside the captured graphs of its stage; a
+    recurrent op, which reads its runs on the host, in a break of its own."""
+    _number(gm, _stage_or_recurrent)
 
 
 def _number(gm: fx.GraphModule, boundary) -> None:
@@ -36,7 +37,12 @@ def _number(gm: fx.GraphModule, boundary) -> None:
 
 def _boundary(previous, node) -> bool:
     attention = previous.target in ATTENTION_TARGETS or node.target in ATTENTION_TARGETS
-    return attention or _stage_changes(previous, node)
+    return attention or _stage_or_recurrent(previous, node)
+
+
+def _stage_or_recurrent(previous, node) -> bool:
+    return previous.target in RECURRENT_TARGETS or node.target in RECURRENT_TARGETS or \
+        _stage_changes(previous, node)
 
 
 def _stage_changes(previous, node) -> bool:

@@ -7,7 +7,8 @@ in the decoder stage runs over the decoder view, and reads the view's plan."""
 
 from torch import fx
 
-from tokenspeed.ir.ops import ATTENTION, DECODE_ATTENTION, EXTEND_ATTENTION, MLA_ATTENTION, MLA_DECODE_ATTENTION
+from tokenspeed.ir.ops import (ATTENTION, CAUSAL_CONV_SILU, DECODE_ATTENTION, EXTEND_ATTENTION, GATED_DELTA_RULE,
+                               MLA_ATTENTION, MLA_DECODE_ATTENTION, OPS)
 from tokenspeed.ir.program import STAGES, rename
 from tokenspeed.passes.manager import graph_pass
 
@@ -21,6 +22,20 @@ def decode_kernels(gm: fx.GraphModule, **_) -> None:
         if node.target in DECODE_FORMS:
             node.target = DECODE_FORMS[node.target]
             rename(node, node.name.replace("attention", "decode_attention"))
+
+
+@graph_pass("recurrent_steps")
+def recurrent_steps(gm: fx.GraphModule, **_) -> None:
+    """Decode's recurrent ops in their one-row-a-request forms (``causal_conv_silu_step``,
+    ``gated_delta_rule_step``): each row continues its own slot, and nothing is read on the
+    host, so the step is captured. (A verify window holds several rows of a request: its
+    ops keep the run forms.)"""
+    steps = {CAUSAL_CONV_SILU: OPS.causal_conv_silu_step.default, GATED_DELTA_RULE: OPS.gated_delta_rule_step.default}
+    for node in gm.graph.nodes:
+        if node.target in steps:
+            *inputs, state_slots, _row_request, positions = node.args
+            node.target, node.args = steps[node.target], (*inputs, state_slots, positions)
+            rename(node, f"{node.name}_step")
 
 
 @graph_pass("extend_kernels")

@@ -1,7 +1,8 @@
 """Row narrowing: derive encoder / narrowing / decoder / finish stages from the graph.
 
 A row-liveness analysis runs from the outputs back. The sampled-row gather needs only
-the decoder view's rows; a cache write needs every row; a row-wise op needs what its
+the decoder view's rows; a cache write needs every row, as does a recurrent op (each
+row reads the rows before it, and the op leaves the last row's state); a row-wise op needs what its
 users need; a row-shaped op reading a row-dependent value that is not row-shaped (a
 tuple from a split, a reshape that folds rows into another dimension) needs every row,
 since such a value cannot be gathered. Values needed by every row form the encoder (run
@@ -14,7 +15,7 @@ import enum
 
 from torch import fx
 
-from tokenspeed.ir.ops import WRITE_KV_TARGETS
+from tokenspeed.ir.ops import RECURRENT_TARGETS, WRITE_KV_TARGETS
 from tokenspeed.ir.program import STAGES, rename
 from tokenspeed.ir.rows import row_shaped
 from tokenspeed.passes.manager import graph_pass
@@ -36,7 +37,8 @@ def narrow_rows(gm: fx.GraphModule, *, config, **_) -> None:
     graph = gm.graph
     row_values = row_shaped(gm, config)
     gather = sample_gather(graph)
-    need = row_needs(graph, row_values, gather, _ungatherable_readers(graph, row_values))
+    recurrent = {n for n in graph.nodes if n.target in RECURRENT_TARGETS}
+    need = row_needs(graph, row_values, gather, _ungatherable_readers(graph, row_values) | recurrent)
     stages = assign_stages(graph, row_values, need, gather)
     view_rows, view_samples = _add_view_inputs(graph)
     _insert_narrowing(graph, row_values, stages, view_rows)
@@ -77,7 +79,7 @@ def _ungatherable_readers(graph: fx.Graph, row_values: set[str]) -> set[fx.Node]
 
 
 def _need_from(user: fx.Node, need, row_values, gather) -> int:
-    if user.target in WRITE_KV_TARGETS:
+    if user.target in WRITE_KV_TARGETS or user.target in RECURRENT_TARGETS:
         return ALL
     if user is gather:
         return VIEW

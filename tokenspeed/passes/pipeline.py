@@ -8,7 +8,7 @@ from tokenspeed.passes.breaks import attention_breaks, stage_breaks, whole_graph
 from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_head_norms, fuse_norm_linear, fuse_norms,
                                       fuse_latent_write, fuse_moe_add, fuse_rope_decode_attention,
                                       fuse_rope_write_kv, rope_kernels, select_linear)
-from tokenspeed.passes.kernels import decode_kernels, extend_kernels
+from tokenspeed.passes.kernels import decode_kernels, extend_kernels, recurrent_steps
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
 from tokenspeed.passes.split import split_segments
@@ -25,8 +25,8 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
         return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, fuse_rope_write_kv,
                                                      rope_kernels, fuse_latent_write, fuse_moe_add, breaks,
                                                      split_segments]
-    fused = [fuse_rope_decode_attention, fuse_head_norms] if mode == "decode" else []
-    return [decode_kernels, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels,
+    steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
+    return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels,
             fuse_latent_write, fuse_moe_add, select_linear, fuse_gated_linear, fuse_norm_linear,
             whole_graph if decode_graph else attention_breaks, split_segments]
 

@@ -5,7 +5,7 @@ from itertools import groupby
 
 from torch import fx
 
-from tokenspeed.ir.ops import ATTENTION_TARGETS
+from tokenspeed.ir.ops import ATTENTION_TARGETS, RECURRENT_TARGETS
 from tokenspeed.ir.program import Program, Segment
 from tokenspeed.ir.rows import rows_by_ladder
 from tokenspeed.passes.manager import program_pass
@@ -29,9 +29,11 @@ def split_segments(program: Program, *, config, **_) -> Program:
 def _segment(program: Program, index: int, nodes: list[fx.Node], rows: dict[str, set[str]]) -> Segment:
     stage = nodes[0].meta.get("stage", "decode" if program.mode in ("decode", "verify") else "model")
     is_attention = any(n.target in ATTENTION_TARGETS for n in nodes) and len(nodes) == 1
-    kind = "break" if is_attention or stage in EAGER_STAGES else "graph"
+    is_recurrent = any(n.target in RECURRENT_TARGETS for n in nodes) and len(nodes) == 1
+    kind = "break" if is_attention or is_recurrent or stage in EAGER_STAGES else "graph"
     gm, inputs, outputs = _extract(program.graph_module, nodes)
-    return Segment(name=f"{index:02d}.{stage}.{'attention' if is_attention else kind}", kind=kind,
+    label = "attention" if is_attention else "recurrent" if is_recurrent else kind
+    return Segment(name=f"{index:02d}.{stage}.{label}", kind=kind,
                    stage=stage, ladder=LADDER_OF_STAGE[stage], graph_module=gm,
                    inputs=inputs, outputs=outputs,
                    row_outputs=tuple(o for o in outputs if o in rows.get(LADDER_OF_STAGE[stage], ())))

@@ -20,7 +20,7 @@ from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import (  # noqa: F401  (MLA: the torch reference)
     mla_attention, mla_decode_attention, write_latent)
 from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurrent layers' references)
-    causal_conv_silu, gated_delta_rule)
+    causal_conv_silu, causal_conv_silu_step, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
 from tokenspeed.ir.weights import DENSE, FP8

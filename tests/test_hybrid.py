@@ -1,0 +1,145 @@
+"""Hybrid models (Qwen3-Next: gated-DeltaNet layers beside gated attention): the config's
+fields and refusals, the state pools, the lowered IR (decode's one-row forms, prefill's
+recurrent breaks on every row), the rows' state slots, and what ts.LLM refuses or turns off.
+
+Greedy token identity with transformers (default settings, chunked prefill, oversubscribed
+and preempted pools, graphs on the CPU stand-in) runs in tests/test_hf_parity.py, the
+``qwen3_next`` variant; the ops against transformers in tests/test_state_ops.py.
+"""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.backends.metadata import NULL_SLOT, DecodeRow, ExtendChunk, plan_extend, refresh_decode
+from tokenspeed.ir.ops import CAUSAL_CONV_SILU, GATED_DELTA_RULE
+from tokenspeed.models.config import ModelConfig
+from tokenspeed.models.loader import load
+
+from hf_models import checkpoint, hf_config, make_prompts, reference
+
+VARIANT = "qwen3_next"
+HAS_CUDA = torch.cuda.is_available()
+
+
+def config_dict(**changes) -> dict:
+    hf = hf_config(VARIANT).to_dict()
+    hf["architectures"] = ["Qwen3NextForCausalLM"]
+    hf.update(changes)
+    return {k: v for k, v in hf.items() if v is not None}
+
+
+def test_the_config_names_linear_layers_heads_and_the_partial_rotary():
+    config = ModelConfig.from_hf(config_dict())
+    linear = config.hybrid.linear
+    assert linear.layers == (0, 2) and config.attention_layers == (1,)
+    assert (linear.num_key_heads, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim) == (2, 4, 16, 16)
+    assert config.hybrid.rotary_dim == 8 and config.hybrid.shared_expert_size == 40
+    assert config.moe.sparse_layers == (0, 1) and config.moe.normalize_top_k
+    assert [g.layers for g in config.cache_groups] == [(1,)]   # pages only for the attention layer
+
+
+def test_without_layer_types_every_fourth_layer_attends_as_in_transformers():
+    config = ModelConfig.from_hf(config_dict(layer_types=None, num_hidden_layers=8, mlp_only_layers=[]))
+    assert config.attention_layers == (3, 7)
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(layer_types=["linear_attention"] * 3), "layer_types"),
+    (dict(layer_types=["linear_attention", "sliding_attention", "full_attention"]), "layer_types"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+    (dict(linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 1.5}),
+     "partial_rotary_factor"),
+    (dict(sliding_window=8, use_sliding_window=True), "sliding_window"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_fields_that_cannot_be_honoured_are_refused_by_name(changes, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(config_dict(**changes))
+
+
+def test_the_state_pools_get_a_slot_per_sequence_and_keep_the_recurrence_float32():
+    llm = ts.LLM(checkpoint(VARIANT), dtype=torch.bfloat16, max_num_seqs=5, enforce_eager=True)
+    pools = llm.model.model.state_pools
+    assert pools.conv.shape == (2, 6, 2 * 32 + 64, 4) and pools.conv.dtype == torch.bfloat16
+    assert pools.recurrent.shape == (2, 6, 4, 16, 16) and pools.recurrent.dtype == torch.float32
+
+
+def test_decode_reads_one_row_a_request_and_prefill_runs_the_recurrence_on_every_row():
+    traced = ts.trace(load(checkpoint(VARIANT)))
+    decode = traced.lower("decode").program
+    steps = [n.target.name() for n in decode.graph_module.graph.nodes if n.op == "call_function" and
+             "tokenspeed" in str(n.target)]
+    assert steps.count("tokenspeed::causal_conv_silu_step") == 2
+    assert steps.count("tokenspeed::gated_delta_rule_step") == 2
+    assert "tokenspeed::gated_delta_rule" not in steps
+    prefill = traced.lower("prefill").program
+    recurrent = [n for n in prefill.graph_module.graph.nodes if n.target in (CAUSAL_CONV_SILU, GATED_DELTA_RULE)]
+    assert len(recurrent) == 4 and all(n.meta["stage"] == "encoder" for n in recurrent)
+    breaks = [s for s in prefill.segments if s.name.endswith(".recurrent")]
+    assert len(breaks) == 4 and all(s.kind == "break" for s in breaks)
+    assert "state_slots" in traced.as_text()
+
+
+def test_a_model_without_recurrent_layers_reads_no_state_slots():
+    assert "state_slots" not in ts.trace(load(checkpoint("qwen3"))).as_text()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seats=st.lists(st.integers(1, 64), min_size=1, max_size=6, unique=True),
+       lengths=st.lists(st.integers(1, 9), min_size=6, max_size=6), padding=st.integers(0, 5))
+def test_every_row_reads_its_requests_seat_and_padding_the_null_slot(seats, lengths, padding):
+    lengths = lengths[:len(seats)]
+    chunks = [ExtendChunk(tuple(range(n)), 0, (1 + i,) * 3, True, seat=s)
+              for i, (n, s) in enumerate(zip(lengths, seats))]
+    rows = sum(lengths)
+    extend = plan_extend(chunks, rows + padding, len(chunks) + 1, 3, 4)
+    expected = [s for n, s in zip(lengths, seats) for _ in range(n)] + [NULL_SLOT] * padding
+    assert extend.state_slots.tolist() == expected
+    decode = refresh_decode([DecodeRow(1, n, (1 + i,), seat=s) for i, (n, s) in enumerate(zip(lengths, seats))],
+                            len(seats) + padding, 4, 4)
+    assert decode.state_slots.tolist() == seats + [NULL_SLOT] * padding
+
+
+def test_speculative_decoding_is_refused_by_name():
+    with pytest.raises(ValueError, match="speculative"):
+        ts.LLM(checkpoint(VARIANT), speculative=ts.SpeculativeConfig(num_tokens=2))
+
+
+def test_prefix_caching_is_turned_off_with_a_log_line(caplog):
+    with caplog.at_level(logging.WARNING):
+        llm = ts.LLM(checkpoint(VARIANT), enforce_eager=True)
+    assert not llm.engine.scheduler.prefix_caching
+    assert any("prefix caching is off" in r.message for r in caplog.records)
+
+
+def test_a_follow_up_turn_recomputes_the_conversation_and_matches_transformers():
+    """Without state checkpoints a second turn recomputes its whole prompt: tokens as a
+    fresh request's."""
+    first = make_prompts([23], seed=5)[0]
+    llm = ts.LLM(checkpoint(VARIANT), page_size=4, max_num_batched_tokens=16)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    answer = list(llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids)
+    follow_up = first + answer + make_prompts([9], seed=6)[0]
+    got = llm.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert answer == list(reference(VARIANT, [first], 6, eos=None)[0])
+    assert list(got) == list(reference(VARIANT, [follow_up], 6, eos=None)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+def test_cuda_graphs_and_fla_give_transformers_tokens():
+    """float32 on the GPU: prefill through fla's kernels in breaks, decode's one-row forms
+    captured in the graphs; the references' margins are checked (hf_models.MIN_GAP)."""
+    prompts = make_prompts([5, 40, 17], seed=1)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    refs = reference(VARIANT, prompts, 8, eos=None)
+    for eager in (True, False):
+        llm = ts.LLM(checkpoint(VARIANT), device="cuda", dtype=torch.float32, page_size=4,
+                     max_num_batched_tokens=32, enforce_eager=eager)
+        got = [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == refs, f"enforce_eager={eager}"
