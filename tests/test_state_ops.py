@@ -223,3 +223,23 @@ def test_the_decode_forms_equal_the_run_forms_at_one_row_a_request(requests, see
     torch.testing.assert_close(pool[:, live], pool_ref[:, live])
     untouched = [s for s in range(1, SLOTS) if s not in live.tolist()]
     assert torch.equal(pool[:, untouched], pool_ref[:, untouched])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flas_decode_step_matches_the_reference_step(dtype):
+    """fla's fused recurrent kernel (decode's CUDA form) against the torch step: live rows
+    continuing their slots, one at position 0, two padding rows on the null slot."""
+    from tokenspeed.backends.kernels import fla_state
+    slots = torch.tensor([3, 1, 5, 0, 0], device="cuda")
+    positions = torch.tensor([7, 0, 2, 0, 0], device="cuda")
+    t = sequence(len(slots), 11, "cuda", dtype)
+    results = []
+    for ops in (fla_state, state_reference):
+        _, pool = pools("cuda", dtype)
+        pool.normal_(generator=torch.Generator("cuda").manual_seed(3))
+        out = ops.gated_delta_rule_step(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, LAYER, slots, positions)
+        results.append((out, pool))
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(results[0][0][:3].float(), results[1][0][:3].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(results[0][1][:, 1:], results[1][1][:, 1:], rtol=tol, atol=tol)

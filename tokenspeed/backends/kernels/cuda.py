@@ -11,10 +11,10 @@ as the CUDA kernels of its parts.
 
 import torch
 
-from tokenspeed.backends.kernels.fla_state import causal_conv_silu, gated_delta_rule  # noqa: F401  (fla's)
+from tokenspeed.backends.kernels.fla_state import (  # noqa: F401  (fla's)
+    causal_conv_silu, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.gguf_blocks import block_format
-from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (one row a request: torch, captured)
-    causal_conv_silu_step, gated_delta_rule_step)
+from tokenspeed.backends.kernels.state_reference import causal_conv_silu_step  # noqa: F401  (torch, captured)
 from tokenspeed.backends.kernels.mla_reference import write_latent  # noqa: F401  (an index_copy_)
 from tokenspeed.backends.kernels.reference import flat_slots
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS

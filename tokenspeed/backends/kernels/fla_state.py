@@ -11,7 +11,7 @@ prefill's breaks; a decode step, whose runs are its rows, needs no such read.
 
 import torch
 
-from tokenspeed.backends.kernels.state_reference import runs
+from tokenspeed.backends.kernels.state_reference import continued, runs
 
 
 def _layout(state_slots, row_request, positions):
@@ -57,3 +57,21 @@ def gated_delta_rule(q, k, v, g, beta, states, layer, state_slots, row_request, 
     pool.index_copy_(0, slots, final.float())
     return o[0].to(v.dtype)   # fla's output is in q's dtype; the op's, v's
 
+
+
+def gated_delta_rule_step(q, k, v, g, beta, states, layer, state_slots, positions):
+    """One row a request (decode): the rows' states gathered from their slots (zeros where a
+    row starts fresh), one step of fla's fused recurrent kernel over them as a batch of
+    one-token sequences, the final states scattered back. Nothing is read on the host: the
+    step is captured."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    if q.shape[0] == 0:
+        return torch.empty_like(v)
+    pool = states[layer]
+    initial = continued(states, layer, state_slots, positions)
+    q, k, v, g, beta = (t.contiguous()[:, None] for t in (q, k, v, g.float(), beta))   # [rows, 1, ...]
+    o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, scale=k.shape[-1] ** -0.5,
+                                                initial_state=initial, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    pool.index_copy_(0, state_slots, final.float())
+    return o[:, 0].to(v.dtype)

@@ -33,6 +33,7 @@ from pathlib import Path
 import attrs
 
 log = logging.getLogger(__name__)
+PACKAGE = __name__.split(".")[0] + "."   # tokenspeed's kernels: the ones the workers compile
 # The jit hook and the kernels' caches are the process's: one dry run at a time.
 ONE_DRY_RUN = threading.Lock()
 WORKER_SECONDS = 600  # for all workers together; a compile takes well under a second
@@ -70,8 +71,8 @@ def dry_run() -> Iterator[list[Variant]]:
         def record(**hook):
             if threading.get_ident() != owner:
                 return previous(**hook) if previous else None
-            fn = hook["fn"]
-            if not compiled_before(fn.jit_function, hook["key"]):
+            fn = hook["fn"]   # another package's kernel (fla's) is skipped too, and compiles at its first launch
+            if fn.module.startswith(PACKAGE) and not compiled_before(fn.jit_function, hook["key"]):
                 variants.append(Variant(fn.module, fn.name, hook["compile"]["specialization_data"],
                                         fn.jit_function.cache_key))
             return True
@@ -106,8 +107,7 @@ def _kernels_set_aside():
 def _package_kernels() -> list:
     """The ``@triton.jit`` functions of this package's loaded modules."""
     from triton.runtime.jit import JITFunction
-    package = __name__.split(".")[0] + "."
-    return [value for name, module in list(sys.modules.items()) if name.startswith(package) and module
+    return [value for name, module in list(sys.modules.items()) if name.startswith(PACKAGE) and module
             for value in vars(module).values() if isinstance(value, JITFunction)]
 
 

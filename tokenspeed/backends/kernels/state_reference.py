@@ -72,7 +72,7 @@ def gated_delta_rule(q, k, v, g, beta, states, layer, state_slots, row_request, 
     return out
 
 
-def _continued(pool: torch.Tensor, layer: int, state_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def continued(pool: torch.Tensor, layer: int, state_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Each row's state from its slot, float32; zeros for a row at position 0 or on the
     null slot (selected, not multiplied: a slot never written may hold NaN)."""
     fresh = ((positions == 0) | (state_slots == NULL_SLOT)).view(-1, *([1] * (pool.dim() - 2)))
@@ -82,7 +82,7 @@ def _continued(pool: torch.Tensor, layer: int, state_slots: torch.Tensor, positi
 
 def causal_conv_silu_step(x, weight, conv_states, layer, state_slots, positions):
     """One row per request: its window is its slot's last ``W - 1`` inputs and its own."""
-    before = _continued(conv_states, layer, state_slots, positions)                   # [rows, D, W]
+    before = continued(conv_states, layer, state_slots, positions)                   # [rows, D, W]
     window = torch.cat([before[:, :, 1:], x.float()[:, :, None]], dim=2)
     out = F.silu((window * weight.float()[None]).sum(-1))
     conv_states[layer].index_copy_(0, state_slots, window.to(conv_states.dtype))
@@ -94,7 +94,7 @@ def gated_delta_rule_step(q, k, v, g, beta, states, layer, state_slots, position
     groups = v.shape[1] // q.shape[1]
     q = l2_normalized(q.float().repeat_interleave(groups, 1)) * q.shape[-1] ** -0.5
     k = l2_normalized(k.float().repeat_interleave(groups, 1))
-    state = _continued(states, layer, state_slots, positions) * g.float().exp()[..., None, None]
+    state = continued(states, layer, state_slots, positions) * g.float().exp()[..., None, None]
     remembered = (state * k[..., None]).sum(-2)                                           # [rows, HV, V]
     delta = (v.float() - remembered) * beta.float()[..., None]
     state = state + k[..., None] * delta[:, :, None, :]
