@@ -75,10 +75,18 @@ VARIANTS = {
                         rope_parameters={"rope_type": "default", "rope_theta": 3000.0,
                                          "partial_rotary_factor": 0.5})),
 }
+if hasattr(transformers, "Qwen3_5ForCausalLM"):   # transformers >= 5.2: dense MLPs, separate linear projections
+    VARIANTS["qwen3_5"] = (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+                           dict(num_hidden_layers=3, head_dim=16,
+                                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                rope_parameters={"rope_type": "default", "rope_theta": 3000.0,
+                                                 "partial_rotary_factor": 0.5}))
 
 # weight seeds, chosen so every reference used by the tests has a clear top-1 token
 SEEDS = {"llama": 9, "llama3_rope": 9, "qwen2": 11, "qwen3": 9, "tied": 7, "head_dim": 9, "mistral": 9,
-         "qwen3_window": 9, "mixtral": 9, "qwen3_moe": 9, "qwen3_next": 3}
+         "qwen3_window": 9, "mixtral": 9, "qwen3_moe": 9, "qwen3_next": 3, "qwen3_5": 9}
 
 _DIRS: list[str] = []
 

@@ -113,7 +113,7 @@ def test_wider_prefill_view_matches_hf(view_width):
 
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("variant", ["llama", "qwen3", "head_dim", "qwen3_window", "mixtral", "qwen3_moe",
-                                     "qwen3_next"])
+                                     "qwen3_next", *(["qwen3_5"] if "qwen3_5" in VARIANTS else [])])
 def test_preemption_under_tiny_kv_pool_matches_hf(variant, page_size, monkeypatch):
     longest = max(LENGTHS) + MAX_TOKENS
     groups = ModelConfig.from_hf(json.loads((Path(checkpoint(variant)) / "config.json").read_text())).cache_groups

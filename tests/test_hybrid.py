@@ -1,10 +1,10 @@
-"""Hybrid models (Qwen3-Next: gated-DeltaNet layers beside gated attention): the config's
+"""Hybrid models (Qwen3-Next, Qwen3.5: gated-DeltaNet layers beside gated attention): the config's
 fields and refusals, the state pools, the lowered IR (decode's one-row forms, prefill's
 recurrent breaks on every row), the rows' state slots, and what ts.LLM refuses or turns off.
 
 Greedy token identity with transformers (default settings, chunked prefill, oversubscribed
 and preempted pools, graphs on the CPU stand-in) runs in tests/test_hf_parity.py, the
-``qwen3_next`` variant; the ops against transformers in tests/test_state_ops.py.
+``qwen3_next`` and ``qwen3_5`` variants; the ops against transformers in tests/test_state_ops.py.
 """
 
 import logging
@@ -19,7 +19,7 @@ from tokenspeed.ir.ops import CAUSAL_CONV_SILU, GATED_DELTA_RULE
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.loader import load
 
-from hf_models import checkpoint, hf_config, make_prompts, reference
+from hf_models import VARIANTS, checkpoint, hf_config, make_prompts, reference
 from margins import assert_decisive, greedy_margins
 
 VARIANT = "qwen3_next"
@@ -41,6 +41,15 @@ def test_the_config_names_linear_layers_heads_and_the_partial_rotary():
     assert config.hybrid.rotary_dim == 8 and config.hybrid.shared_expert_size == 40
     assert config.moe.sparse_layers == (0, 1) and config.moe.normalize_top_k
     assert [g.layers for g in config.cache_groups] == [(1,)]   # pages only for the attention layer
+
+
+@pytest.mark.skipif("qwen3_5" not in VARIANTS, reason="transformers without Qwen3.5")
+def test_qwen3_5_has_dense_mlps_and_its_linear_projections_laid_out_whole():
+    config = ModelConfig.from_hf({**hf_config("qwen3_5").to_dict(), "architectures": ["Qwen3_5ForCausalLM"]})
+    assert config.moe is None and not config.hybrid.linear.by_key_head and config.hybrid.linear.layers == (0, 2)
+    params = dict(load(checkpoint("qwen3_5")).named_parameters())
+    assert params["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (2 * 32 + 64 + 64, 64)
+    assert params["model.layers.0.linear_attn.in_proj_ba.weight"].shape == (8, 64)
 
 
 def test_without_layer_types_every_fourth_layer_attends_as_in_transformers():

@@ -12,18 +12,19 @@ from tokenspeed.models.config_values import check_values
 from tokenspeed.models.deepseek_config import (DEEPSEEK_V2, DEEPSEEK_V3, DeepseekMoe, MlaConfig, mla_config,
                                                deepseek_moe_config)
 from tokenspeed.models.fp8_scheme import fp8_scheme
-from tokenspeed.models.hybrid_config import HYBRID_ARCHITECTURES, QWEN3_NEXT, HybridConfig, hybrid_config
+from tokenspeed.models.hybrid_config import HYBRID_ARCHITECTURES, QWEN3_5, QWEN3_NEXT, HybridConfig, hybrid_config
 from tokenspeed.models.moe_config import MIXTRAL, MOE_ARCHITECTURES, QWEN3_MOE, MoeConfig, moe_config
 
 DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           MIXTRAL, QWEN3_MOE, *DEEPSEEK, QWEN3_NEXT)
+                           MIXTRAL, QWEN3_MOE, *DEEPSEEK, QWEN3_NEXT, QWEN3_5)
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE,
-               "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "qwen3_next": QWEN3_NEXT}
+               "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "qwen3_next": QWEN3_NEXT,
+               "qwen3_5_text": QWEN3_5}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", QWEN3_MOE)
-QK_NORM = ("Qwen3ForCausalLM", QWEN3_MOE, QWEN3_NEXT)
+QK_NORM = ("Qwen3ForCausalLM", QWEN3_MOE, *HYBRID_ARCHITECTURES)
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers runs both as torch's SiLU
@@ -135,7 +136,7 @@ class ModelConfig:
             qk_norm=arch in QK_NORM, rope_scaling=_rope_scaling(hf),
             num_kv_shared_layers=hf.get("num_kv_shared_layers", 0), eos_token_ids=eos_ids(hf),
             layer_windows=layer_windows(hf, arch), moe=moe_config(hf, arch),
-            hybrid=hybrid_config(hf, head_dim, _rope_parameters(hf)) if arch in HYBRID_ARCHITECTURES else None)
+            hybrid=hybrid_config(hf, arch, head_dim, _rope_parameters(hf)) if arch in HYBRID_ARCHITECTURES else None)
 
 
 def _deepseek(cls, hf: dict, arch: str) -> ModelConfig:

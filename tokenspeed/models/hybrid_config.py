@@ -1,4 +1,4 @@
-"""The settings of a hybrid model (Qwen3-Next): gated-DeltaNet layers beside gated
+"""The settings of a hybrid model (Qwen3-Next, Qwen3.5): gated-DeltaNet layers beside gated
 full-attention layers, read from a config.json as ``config.py`` reads the rest: each field
 that changes the computation is read, or the config is refused naming it.
 
@@ -12,8 +12,8 @@ import attrs
 
 from tokenspeed.models.config_values import Accepted, invalid
 
-QWEN3_NEXT = "Qwen3NextForCausalLM"
-HYBRID_ARCHITECTURES = (QWEN3_NEXT,)
+QWEN3_NEXT, QWEN3_5 = "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM"
+HYBRID_ARCHITECTURES = (QWEN3_NEXT, QWEN3_5)
 LINEAR, FULL = "linear_attention", "full_attention"
 LINEAR_FIELDS = {"linear_num_key_heads": "num_key_heads", "linear_num_value_heads": "num_value_heads",
                  "linear_key_head_dim": "key_head_dim", "linear_value_head_dim": "value_head_dim",
@@ -25,13 +25,17 @@ POSITIVE = Accepted(int, 1)
 class GatedDeltaNetConfig:
     """The linear layers: ``num_value_heads`` heads of recurrent state, each reading key
     head ``j // (num_value_heads // num_key_heads)``; a depthwise convolution of
-    ``conv_kernel`` taps over the concatenated q, k and v."""
+    ``conv_kernel`` taps over the concatenated q, k and v. ``by_key_head``: the input
+    projection's rows grouped by key head (Qwen3-Next's ``in_proj_qkvz``: each key head's q,
+    k, then its value heads' v and z), else q, k, v, then z (Qwen3.5's ``in_proj_qkv`` and
+    ``in_proj_z``, stacked)."""
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
     layers: tuple[int, ...]
+    by_key_head: bool = True
 
     def __attrs_post_init__(self):
         if self.num_value_heads % self.num_key_heads:
@@ -80,14 +84,15 @@ def layer_types(hf: dict) -> tuple[str, ...]:
     return tuple(types)
 
 
-def hybrid_config(hf: dict, head_dim: int, rope_parameters: dict) -> HybridConfig:
+def hybrid_config(hf: dict, arch: str, head_dim: int, rope_parameters: dict) -> HybridConfig:
     types = layer_types(hf)
     values = {}
     for field, ours in LINEAR_FIELDS.items():
         if not POSITIVE.admits(hf.get(field)):
             raise invalid(field, hf.get(field), POSITIVE.describe())
         values[ours] = hf[field]
-    linear = GatedDeltaNetConfig(**values, layers=tuple(i for i, t in enumerate(types) if t == LINEAR))
+    linear = GatedDeltaNetConfig(**values, layers=tuple(i for i, t in enumerate(types) if t == LINEAR),
+                                 by_key_head=arch == QWEN3_NEXT)
     factor = rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     rotary_dim = int(head_dim * factor) if isinstance(factor, int | float) else 0
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:

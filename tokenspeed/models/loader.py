@@ -21,7 +21,7 @@ from tokenspeed.models.hf_checkpoint import EMBEDDING, LM_HEAD, TENSOR_DTYPES, o
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.llama import LlamaForCausalLM
 from tokenspeed.models.qwen3_next import Qwen3NextForCausalLM
-from tokenspeed.models.stacking import STACKED_LAYERS, part_names, stacked_parts, stacked_sizes
+from tokenspeed.models.stacking import part_names, stacked_layers, stacked_parts, stacked_sizes
 from tokenspeed.models.moe_checkpoint import checkpoint_name, expected_keys, expert_piece, our_name, stored_name
 from tokenspeed.models.param_shapes import shape_origin
 
@@ -184,7 +184,7 @@ def _expected(model) -> set[str]:
     expected = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         experts = expected_keys(name, param)
-        stacked = name.split(".")[-2] if name.split(".")[-2] in STACKED_LAYERS else None
+        stacked = name.split(".")[-2] if name.split(".")[-2] in stacked_layers(model.config) else None
         parts = len(stacked_sizes(model.config, stacked, param.shape[0])) if stacked else 0
         expected.update(experts or ([f"{name}#{i}" for i in range(parts)] if parts else [name]))
     return expected

@@ -1,6 +1,8 @@
-"""Qwen3-Next for tracing: gated-DeltaNet layers (a short causal convolution, then the gated
+"""Qwen3-Next and Qwen3.5 (text) for tracing: gated-DeltaNet layers (a short causal convolution, then the gated
 delta rule over a recurrent state per request) beside gated full-attention layers, each
-followed by a mixture of experts with a sigmoid-gated shared expert (or a dense MLP).
+followed by a mixture of experts with a sigmoid-gated shared expert (or a dense MLP: every
+layer of Qwen3.5). Qwen3.5's separate input projections (``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``) are stacked as Qwen3-Next stores its own, in their order.
 
 Parameter names follow Hugging Face, with the stacking of ``models.stacking`` (the
 attention's q, k and v; gate and up projections). The checkpoint's zero-centred RMSNorm
@@ -75,9 +77,8 @@ class ConvWeight(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """transformers' ``Qwen3NextGatedDeltaNet`` over the engine's rows: the projections
-    (``in_proj_qkvz`` grouped by key head: each key head's q, k, then its value heads' v
-    and z), ``tokenspeed::causal_conv_silu`` over q, k, v, ``tokenspeed::gated_delta_rule``,
+    """transformers' ``Qwen3NextGatedDeltaNet`` (and ``Qwen3_5GatedDeltaNet``) over the
+    engine's rows: the projections (``GatedDeltaNetConfig.by_key_head`` says their layout), ``tokenspeed::causal_conv_silu`` over q, k, v, ``tokenspeed::gated_delta_rule``,
     the output normed per value head and gated by ``silu(z)``, then ``out_proj``."""
 
     def __init__(self, config: ModelConfig, layer: int, pools: StatePools):
@@ -98,11 +99,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, h, positions, kv_cache, meta):
         lin = self.lin
-        q, k, v, z = self.in_proj_qkvz(h).view(-1, lin.num_key_heads, sum(self.qkvz_split)).split(
-            self.qkvz_split, dim=-1)
-        b, a = self.in_proj_ba(h).view(-1, lin.num_key_heads, 2 * lin.num_value_heads // lin.num_key_heads).chunk(
-            2, dim=-1)
-        mixed = torch.cat([q.reshape(-1, lin.key_dim), k.reshape(-1, lin.key_dim), v.reshape(-1, lin.value_dim)], -1)
+        mixed, z, b, a = self._projected(h)
         mixed = ops.causal_conv_silu(mixed, self.conv1d.weight[:, 0], self.pools.conv, self.state_layer,
                                      meta.state_slots, meta.row_request, positions)
         q, k, v = mixed.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
@@ -115,6 +112,21 @@ class GatedDeltaNet(nn.Module):
                                  positions)
         gated = self.norm(o).float() * F.silu(z.reshape(-1, lin.num_value_heads, lin.value_head_dim).float())
         return self.out_proj(gated.type_as(h).reshape(-1, lin.value_dim))
+
+    def _projected(self, h):
+        """(q, k, v concatenated for the convolution, z, b, a) from the stacked projections,
+        grouped by key head (Qwen3-Next) or laid out whole (Qwen3.5)."""
+        lin = self.lin
+        if not lin.by_key_head:
+            qkv, z = self.in_proj_qkvz(h).split([2 * lin.key_dim + lin.value_dim, lin.value_dim], dim=-1)
+            b, a = self.in_proj_ba(h).chunk(2, dim=-1)
+            return qkv, z, b, a
+        q, k, v, z = self.in_proj_qkvz(h).view(-1, lin.num_key_heads, sum(self.qkvz_split)).split(
+            self.qkvz_split, dim=-1)
+        b, a = self.in_proj_ba(h).view(-1, lin.num_key_heads, 2 * lin.num_value_heads // lin.num_key_heads).chunk(
+            2, dim=-1)
+        return torch.cat([q.reshape(-1, lin.key_dim), k.reshape(-1, lin.key_dim), v.reshape(-1, lin.value_dim)],
+                         -1), z, b, a
 
 
 class SharedExpertMoe(SparseMoeBlock):
