@@ -14,6 +14,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed import stages
+from tokenspeed.execution.compile_config import CompileConfig
 from tokenspeed.backends.metadata import NULL_SLOT, DecodeRow, ExtendChunk, plan_extend, refresh_decode
 from tokenspeed.ir.ops import CAUSAL_CONV_SILU, GATED_DELTA_RULE
 from tokenspeed.models.config import ModelConfig
@@ -93,6 +95,12 @@ def test_decode_reads_one_row_a_request_and_prefill_runs_the_recurrence_on_every
     breaks = [s for s in prefill.segments if s.name.endswith(".recurrent")]
     assert len(breaks) == 4 and all(s.kind == "break" for s in breaks)
     assert "state_slots" in traced.as_text()
+
+
+def test_pools_too_small_for_max_num_seqs_are_refused_before_anything_is_bound():
+    traced = ts.trace(load(checkpoint(VARIANT)))   # traced by hand: the pools hold the null slot only
+    with pytest.raises(ValueError, match=r"max_num_seqs=4.*allocate\(5\)"):
+        stages.compile(traced.lower("prefill"), traced.lower("decode"), CompileConfig(max_num_seqs=4))
 
 
 def test_a_model_without_recurrent_layers_reads_no_state_slots():

@@ -141,6 +141,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     both, and pools are sized for whole contexts."""
     backend = backend or backend_for(decode.config)
     _check_prefill_attention(prefill, backend.graph_support())
+    _check_state_slots(decode, config)
     limits = config.resolve(decode.config)
     # the activations' dtype: a weight kept in GGUF blocks is uint8
     weights = next(p for p in decode.program.graph_module.parameters() if p.is_floating_point())
@@ -170,6 +171,20 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         compiled, pool=attrs.evolve(compiled.pool, rebind_seconds=time.perf_counter() - start),
         startup=attrs.evolve(compiled.startup, kernel_variants_precompiled=probed.kernel_variants_precompiled,
                              precompile_seconds=probed.precompile_seconds))
+
+
+def _check_state_slots(decode: Lowered, config: CompileConfig) -> None:
+    """A request's recurrent state lives at its seat (1..``max_num_seqs``): the model's state
+    pools, which the traced graphs read by address, need that many slots and the null one."""
+    gm = decode.program.graph_module
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target.endswith("state_pools.conv"):
+            slots = gm.get_buffer(node.target).shape[1]
+            if slots < config.max_num_seqs + 1:
+                raise ValueError(f"max_num_seqs={config.max_num_seqs}: the model's state pools hold {slots} slots "
+                                 f"(the null slot and {slots - 1} sequences); size them before tracing with "
+                                 f"model.model.state_pools.allocate({config.max_num_seqs + 1}), as ts.LLM does")
+            return
 
 
 def _check_prefill_attention(prefill: Lowered, support: CudaGraphSupport) -> None:
