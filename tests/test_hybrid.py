@@ -7,6 +7,7 @@ and preempted pools, graphs on the CPU stand-in) runs in tests/test_hf_parity.py
 ``qwen3_next`` and ``qwen3_5`` variants; the ops against transformers in tests/test_state_ops.py.
 """
 
+import functools
 import logging
 
 import pytest
@@ -167,3 +168,40 @@ def test_cuda_graphs_and_fla_give_the_cpu_engines_tokens(monkeypatch):
         llm = ts.LLM(checkpoint(VARIANT), device="cuda", enforce_eager=eager, **kw)
         got = [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == refs, f"enforce_eager={eager}"
+
+
+@functools.lru_cache(maxsize=None)
+def _small_pool_engine() -> ts.LLM:
+    """Three sequences at most over a pool of 14 pages of 4: long prompts preempt."""
+    return ts.LLM(checkpoint(VARIANT), page_size=4, max_num_seqs=3, num_kv_pages=14, max_num_batched_tokens=16,
+                  enforce_eager=True)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=5), new=st.integers(1, 6))
+def test_live_rows_hold_their_own_slots_and_every_slot_returns(lengths, new):
+    """Over chunked prefills, decode steps and preemptions: a live row never reads the null
+    slot, two requests never share a slot within a step, and every seat is free at the end."""
+    llm = _small_pool_engine()
+    steps = []
+    backend = type(llm.compiled.decode.backend)
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("refresh_decode", "plan_extend"):
+            patch.setattr(backend, name, staticmethod(_recording(getattr(backend, name), steps)))
+        llm.generate(make_prompts(lengths, seed=sum(lengths)),
+                     ts.SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+    assert steps
+    for slots, requests in steps:
+        assert NULL_SLOT not in slots
+        assert len(set(zip(requests, slots))) == len(set(requests)) == len(set(slots))
+    seats = llm.engine.scheduler.seats
+    assert sorted(seats._free) == list(range(1, seats.capacity + 1))
+
+
+def _recording(build, steps: list):
+    def recorded(*args, **kwargs):
+        meta = build(*args, **kwargs)
+        live = meta.num_live_rows
+        steps.append((meta.state_slots[:live].tolist(), meta.row_request[:live].tolist()))
+        return meta
+    return recorded
