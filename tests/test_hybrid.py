@@ -1,6 +1,8 @@
 """Hybrid models (Qwen3-Next, Qwen3.5: gated-DeltaNet layers beside gated attention): the config's
 fields and refusals, the state pools, the lowered IR (decode's one-row forms, prefill's
-recurrent breaks on every row), the rows' state slots, and what ts.LLM refuses or turns off.
+recurrent breaks on every row), the rows' state slots, what ts.LLM refuses, and prefix
+caching through state checkpoints (their bookkeeping over the engine loop:
+tests/test_state_checkpoints.py).
 
 Greedy token identity with transformers (default settings, chunked prefill, oversubscribed
 and preempted pools, graphs on the CPU stand-in) runs in tests/test_hf_parity.py, the
@@ -8,7 +10,6 @@ and preempted pools, graphs on the CPU stand-in) runs in tests/test_hf_parity.py
 """
 
 import functools
-import logging
 
 import pytest
 import torch
@@ -75,11 +76,16 @@ def test_fields_that_cannot_be_honoured_are_refused_by_name(changes, named):
         ModelConfig.from_hf(config_dict(**changes))
 
 
-def test_the_state_pools_get_a_slot_per_sequence_and_keep_the_recurrence_float32():
-    llm = ts.LLM(checkpoint(VARIANT), dtype=torch.bfloat16, max_num_seqs=5, enforce_eager=True)
+@pytest.mark.parametrize("prefix_caching, slots", [(False, 6), (True, 11)])
+def test_the_state_pools_get_a_slot_per_sequence_and_keep_the_recurrence_float32(prefix_caching, slots):
+    """The null slot and 5 seats; with prefix caching 5 checkpoint slots after them."""
+    llm = ts.LLM(checkpoint(VARIANT), dtype=torch.bfloat16, max_num_seqs=5, enforce_eager=True,
+                 enable_prefix_caching=prefix_caching)
     pools = llm.model.model.state_pools
-    assert pools.conv.shape == (2, 6, 2 * 32 + 64, 4) and pools.conv.dtype == torch.bfloat16
-    assert pools.recurrent.shape == (2, 6, 4, 16, 16) and pools.recurrent.dtype == torch.float32
+    assert pools.conv.shape == (2, slots, 2 * 32 + 64, 4) and pools.conv.dtype == torch.bfloat16
+    assert pools.recurrent.shape == (2, slots, 4, 16, 16) and pools.recurrent.dtype == torch.float32
+    checkpoints = llm.engine.scheduler.checkpoints
+    assert (checkpoints.first_slot, checkpoints.count) == (6, 5) if prefix_caching else checkpoints is None
 
 
 def test_decode_reads_one_row_a_request_and_prefill_runs_the_recurrence_on_every_row():
@@ -129,24 +135,74 @@ def test_speculative_decoding_is_refused_by_name():
         ts.LLM(checkpoint(VARIANT), speculative=ts.SpeculativeConfig(num_tokens=2))
 
 
-def test_prefix_caching_is_turned_off_with_a_log_line(caplog):
-    with caplog.at_level(logging.WARNING):
-        llm = ts.LLM(checkpoint(VARIANT), enforce_eager=True)
-    assert not llm.engine.scheduler.prefix_caching
-    assert any("prefix caching is off" in r.message for r in caplog.records)
-
-
-def test_a_follow_up_turn_recomputes_the_conversation_and_matches_transformers():
-    """Without state checkpoints a second turn recomputes its whole prompt: tokens as a
-    fresh request's."""
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_a_follow_up_turn_resumes_from_the_kept_state_and_matches_transformers(enforce_eager):
+    """The first turn computes 28 tokens (23 + 6 - 1) over pages of 4: its state after 28
+    is kept; the follow-up copies it and computes only its new tokens."""
     first = make_prompts([23], seed=5)[0]
-    llm = ts.LLM(checkpoint(VARIANT), page_size=4, max_num_batched_tokens=16)
+    llm = ts.LLM(checkpoint(VARIANT), page_size=4, max_num_batched_tokens=16, enforce_eager=enforce_eager)
     params = ts.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     answer = list(llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids)
     follow_up = first + answer + make_prompts([9], seed=6)[0]
-    got = llm.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate([follow_up], params, use_tqdm=False)[0]
+    assert got.metrics.num_cached_tokens == 28
     assert answer == list(reference(VARIANT, [first], 6, eos=None)[0])
-    assert list(got) == list(reference(VARIANT, [follow_up], 6, eos=None)[0])
+    assert list(got.outputs[0].token_ids) == list(reference(VARIANT, [follow_up], 6, eos=None)[0])
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_samples_of_one_prompt_each_compute_its_state(prefix_caching):
+    """The pages of a prompt shared by its samples would skip the recurrent layers: each
+    sample computes the prompt (greedy: every sample is transformers' answer)."""
+    prompt = make_prompts([23], seed=5)[0]
+    llm = ts.LLM(checkpoint(VARIANT), page_size=4, max_num_batched_tokens=16, enforce_eager=True,
+                 enable_prefix_caching=prefix_caching)
+    out = llm.generate([prompt], ts.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=3),
+                       use_tqdm=False)[0]
+    expected = list(reference(VARIANT, [prompt], 6, eos=None)[0])
+    assert [list(c.token_ids) for c in out.outputs] == [expected] * 3
+
+
+@functools.lru_cache(maxsize=None)
+def _kept_and_whole() -> tuple[ts.LLM, ts.LLM]:
+    kw = dict(page_size=4, max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True)
+    return ts.LLM(checkpoint(VARIANT), **kw), ts.LLM(checkpoint(VARIANT), enable_prefix_caching=False, **kw)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(first=st.integers(4, 30), answer=st.integers(1, 8), new=st.integers(1, 6))
+def test_a_state_resumed_from_the_prefix_cache_equals_the_recomputed_one(first, answer, new):
+    """The states a follow-up's seat takes from the kept checkpoint (every linear layer's
+    convolution and recurrence) equal those of an engine that computes the same tokens whole."""
+    kept, whole = _kept_and_whole()
+    prompt = make_prompts([first], seed=first * 37 + answer)[0]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
+    tokens = prompt + list(kept.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    pools, restored = kept.model.model.state_pools, []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pools, "copy_slots", _recording_restores(pools, kept.engine.scheduler.max_num_seqs, restored))
+        follow_up = kept.generate([tokens + make_prompts([new], seed=first)[0]], params, use_tqdm=False)[0]
+    resumed = follow_up.metrics.num_cached_tokens
+    assert resumed == (len(tokens) - 1) // 4 * 4
+    if not resumed:
+        assert not restored
+        return
+    whole.generate([tokens[:resumed]], ts.SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    recomputed = whole.model.model.state_pools   # seat 1 holds the state after those tokens
+    (conv, recurrent), = restored
+    torch.testing.assert_close(conv, recomputed.conv[:, 1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(recurrent, recomputed.recurrent[:, 1], rtol=1e-4, atol=1e-5)
+
+
+def _recording_restores(pools, max_num_seqs: int, restored: list):
+    """``pools.copy_slots`` that first records the states copied into a seat."""
+    copy_slots = pools.copy_slots
+
+    def recorded(copies):
+        restored.extend((pools.conv[:, source].clone(), pools.recurrent[:, source].clone())
+                        for source, destination in copies if destination <= max_num_seqs)
+        copy_slots(copies)
+    return recorded
 
 
 @pytest.mark.gpu

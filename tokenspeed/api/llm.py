@@ -37,7 +37,7 @@ from tokenspeed.scheduling.scheduler import Scheduler
 from tokenspeed.engine.speculative import SpeculativeConfig
 from tokenspeed.tokenizer import Tokenizer
 
-from tokenspeed.api.hybrid_setup import checked_speculative, prefix_caching_for, prepare_states
+from tokenspeed.api.hybrid_setup import checked_speculative, prepare_states, state_checkpoints
 
 __all__ = ["LLM", "checked_device", "checked_dtype", "tokenizer_path"]
 
@@ -84,15 +84,15 @@ class LLM:
             self.tokenizer = model_source.tokenizer_of(tokenizer, model, reader)
             backend = backend or backend_for(self.model.config)
             checked_speculative(self.model.config, speculative)
-            prepare_states(self.model, config.max_num_seqs)
+            checkpoints = state_checkpoints(self.model.config, config.max_num_seqs, enable_prefix_caching)
+            prepare_states(self.model, config.max_num_seqs, checkpoints)
             self.traced = stages.trace(self.model)
             draft = None
             if speculative is not None and speculative.method == "draft":
                 draft = self._draft_model(speculative, config, device, dtype, enforce_eager, compile_options)
             self.compiled = self._compile(config, backend, workers, speculative, draft)
         drafter = speculative if draft is None else self._drafter(draft, speculative.num_tokens)
-        self.engine = self._engine(config, overlap, prefix_caching_for(self.config, enable_prefix_caching),
-                                   speculative, drafter)
+        self.engine = self._engine(config, overlap, enable_prefix_caching, speculative, drafter, checkpoints)
         self.client = OfflineClient(self.engine, self.tokenizer)
 
     @property
@@ -112,22 +112,23 @@ class LLM:
                               companion_page_bytes=draft.compiled.binding.geometry.page_bytes if draft else 0)
 
     def _engine(self, config: CompileConfig, overlap: bool, enable_prefix_caching: bool,
-                speculative: SpeculativeConfig | None, drafter) -> Engine:
-        """The engine over the compiled runners, its scheduler sized by ``config`` and the pool;
-        grammars compile against the tokenizer's vocabulary (llguidance's view of it is built
-        at the first constrained request)."""
+                speculative: SpeculativeConfig | None, drafter, checkpoints) -> Engine:
+        """The engine over the compiled runners, its scheduler sized by ``config`` and the pool
+        (and a recurrent model's ``checkpoints``); grammars compile against the tokenizer's
+        vocabulary (llguidance's view of it is built at the first constrained request)."""
         scheduler = Scheduler(BlockAllocator(self.compiled.num_pages), page_size=config.page_size,
                               max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens,
                               prefix_caching=enable_prefix_caching,
                               retentions=tuple(g.retention for g in self.model.config.cache_groups),
-                              max_chunk_tokens=config.chunk_tokens())
+                              max_chunk_tokens=config.chunk_tokens(),
+                              recurrent=self.config.hybrid is not None, checkpoints=checkpoints)
         grammars = Grammars(self.tokenizer, self.model.config.vocab_size) if self.tokenizer is not None else None
         return Engine(scheduler, prefill=self.compiled.prefill, decode=self.compiled.decode,
                       model_config=self.model.config, max_model_len=self.compiled.limits.max_model_len,
                       overlap=overlap, seed=config.seed, verify=self.compiled.verify,
                       drafter=drafter, verify_cost=speculative.verify_cost if speculative else 1.0,
-                      grammars=grammars)
+                      grammars=grammars, states=self.model.model.state_pools if checkpoints else None)
 
     def _draft_model(self, speculative: SpeculativeConfig, config: CompileConfig, device, dtype,
                      enforce_eager: bool, compile_options: dict) -> "LLM":

@@ -57,7 +57,8 @@ ADMIT_EVERY_STEPS = 4
 class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
     def __init__(self, scheduler: Scheduler, *, prefill, decode, model_config, max_model_len: int,
                  overlap: bool = True, seed: int = 0, verify=None, drafter=None,
-                 verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS, grammars=None):
+                 verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS, grammars=None,
+                 states=None):
         """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
         future``, or in two stages: ``forward``, then ``draw(forward, masks)``);
         ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``); ``seed``
@@ -67,11 +68,15 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         in chained plain steps (``_verify_pays``);
         ``admit_every``: while a decode chain runs, requests wait up to this many steps to
         join (``_admits_now``); ``grammars``: compiles ``structured_outputs`` against the
-        model's vocabulary (``engine.grammars.Grammars``; None: no tokenizer, refused)."""
+        model's vocabulary (``engine.grammars.Grammars``; None: no tokenizer, refused);
+        ``states``: a recurrent model's state pools (``StatePools``), where the scheduler's
+        state checkpoints are copied to and from."""
         if (verify is None) != (drafter is None):
             raise InternalError("speculative decoding needs both a verify runner and its drafter, "
                                 f"got verify={verify!r}, drafter={drafter!r}")
-        self.scheduler, self.prefill, self.decode = scheduler, prefill, decode
+        if scheduler.checkpoints is not None and states is None:
+            raise InternalError("the scheduler keeps state checkpoints, and the engine has no state pools")
+        self.scheduler, self.prefill, self.decode, self.states = scheduler, prefill, decode, states
         self.verify, self.drafter, self.verify_cost = verify, drafter, verify_cost
         self.backoff = DraftBackoff()
         self.eos_token_ids = tuple(model_config.eos_token_ids)
@@ -192,6 +197,8 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             return self._launch_decode(batch, last)
         sampled = tuple(r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens)
         chunks, fed = self._chunks(batch)
+        if self.scheduler.checkpoints is not None:   # resumed states reach the seats first
+            self.states.copy_slots(self.scheduler.checkpoints.restores(batch.requests))
         sampling = [r.sampling for r in sampled]
         future = AwaitingMasks(self.prefill.forward(chunks, sampling, fed)) if self._constrained(sampled) \
             else self.prefill.launch(chunks, sampling, fed)
@@ -200,6 +207,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             self.scheduler.remember_full_pages(request)
         for request in sampled:
             request.num_unread += 1
+        self._keep_marks(batch.requests)
         return InFlight(batch, sampled, future)
 
     def _launch_decode(self, batch: ScheduledBatch, last: InFlight | None) -> InFlight:
@@ -220,7 +228,14 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             request.num_unread += 1
             if remember is not None:
                 remember(request)
+        self._keep_marks(requests)
         return InFlight(batch, requests, future, fed)
+
+    def _keep_marks(self, requests) -> None:
+        """After a launch: the states of rows that reached a page boundary, copied to their
+        requests' marks (``state_checkpoints``) before the next launch can move them on."""
+        if self.scheduler.checkpoints is not None:
+            self.states.copy_slots(self.scheduler.checkpoints.marks(requests, self.scheduler.page_size))
 
     def _chunks(self, batch: ScheduledBatch) -> tuple[list[ExtendChunk], FedRows | None]:
         """The batch's chunks; a chunk reaching a token the host has not read ends in a fed

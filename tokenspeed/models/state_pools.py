@@ -39,6 +39,13 @@ class StatePools(nn.Module):
         self.recurrent = torch.zeros(self._recurrent_shape(num_slots), dtype=torch.float32,
                                      device=self.recurrent.device)
 
+    def copy_slots(self, copies) -> None:
+        """Copy each (source slot, destination slot) pair's states, every linear layer's, in
+        order on the device's stream (state checkpoints: ``scheduling/state_checkpoints.py``)."""
+        for source, destination in copies:
+            self.conv[:, destination].copy_(self.conv[:, source])
+            self.recurrent[:, destination].copy_(self.recurrent[:, source])
+
     def _conv_shape(self, num_slots: int) -> tuple[int, ...]:
         return len(self.linear.layers), num_slots, self.linear.conv_dim, self.linear.conv_kernel
 

@@ -17,6 +17,12 @@ prefix (``page_digests``) and computes only the rest, and every page a request f
 remembered for the next one. Without it, the samples of one prompt still share its pages.
 Either way a later sample waits until the first has computed the prompt, and the last
 prompt token is always computed anew (its logits give the request's first token).
+
+A model with recurrent layers (``recurrent``) resumes a prefix only where its state at the
+prefix's end was kept (``state_checkpoints``): with prefix caching a cached prefix is cut
+back to the last page with a kept state (none: the prompt is computed whole), and prompt
+chunks end at page boundaries so that each request's state passes them between steps; its
+samples share no pages (their first sample's state is its own).
 """
 
 from collections import deque
@@ -27,6 +33,7 @@ from tokenspeed.backends.metadata import NULL_PAGE
 from tokenspeed.scheduling.block_allocator import BlockAllocator, OutOfPages
 from tokenspeed.scheduling.page_digests import PageDigests
 from tokenspeed.scheduling.request import Request, RequestStatus
+from tokenspeed.scheduling.state_checkpoints import StateCheckpoints
 from tokenspeed.scheduling.step_records import ScheduledBatch
 from tokenspeed.execution.token_column import NULL_SEAT, Seats
 
@@ -34,10 +41,16 @@ from tokenspeed.execution.token_column import NULL_SEAT, Seats
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, prefix_caching: bool = False,
-                 retentions: tuple[int, ...] = (0,), max_chunk_tokens: int | None = None):
+                 retentions: tuple[int, ...] = (0,), max_chunk_tokens: int | None = None,
+                 recurrent: bool = False, checkpoints: StateCheckpoints | None = None):
         """``retentions``: each cache group's (``ModelConfig.cache_groups``): positions
         behind a row that its layers read, 0 for all of them. ``max_chunk_tokens``: the
-        most new tokens a step takes of one request (default: the step's budget)."""
+        most new tokens a step takes of one request (default: the step's budget).
+        ``recurrent``: the model has recurrent layers; with prefix caching it needs
+        ``checkpoints`` to keep their states in."""
+        if recurrent and prefix_caching and checkpoints is None:
+            raise ValueError("prefix caching for a model with recurrent layers needs state checkpoints")
+        self.recurrent, self.checkpoints = recurrent, checkpoints if prefix_caching else None
         self.allocator, self.page_size, self.retentions = allocator, page_size, tuple(retentions)
         self.prefix_caching, self.digests = prefix_caching, PageDigests(page_size)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -124,12 +137,14 @@ class Scheduler:
     def _start_running(self, request: Request) -> None:
         self.running.append(request)
         request.take_seat(self.seats.take())
+        if self.checkpoints is not None:
+            self.checkpoints.take_mark(request)
         request.start_running()
 
     def _awaits_shared_pages(self, request: Request) -> bool:
         """Whether the sample ``request`` shares pages with is still computing them."""
         source = request.share_from
-        if source is None or request.pages:
+        if source is None or request.pages or self.recurrent:
             return False
         return source.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.PREFILLING)
 
@@ -146,7 +161,7 @@ class Scheduler:
                 cap = min(map(len, found), default=usable)
                 names = digests[:cap] if g == 0 else [_in_group(d, g) for d in digests[:cap]]
                 found.append(self.allocator.cached_pages(names) if retention else self.allocator.cached_prefix(names))
-        elif request.share_from is not None and not request.share_from.finished:
+        elif request.share_from is not None and not request.share_from.finished and not self.recurrent:
             source = request.share_from   # only the prompt's pages: past it, their tokens differ
             shared = min(usable, len(request.prompt) // self.page_size, source.num_cached // self.page_size)
             lists = source.page_lists()
@@ -154,6 +169,8 @@ class Scheduler:
         else:
             return
         k = self._usable_prefix(found)
+        if k and self.checkpoints is not None:
+            k = self.checkpoints.resumable(request, digests, k)
         if not k:
             return
         lists = request.page_lists()
@@ -203,6 +220,9 @@ class Scheduler:
     def _take(self, request: Request, budget: int, picked: list) -> int:
         """Add up to ``budget`` of ``request``'s uncached tokens if pages allow; new budget."""
         chunk = min(request.num_uncached, budget, self.max_chunk_tokens)
+        if self.checkpoints is not None:   # a chunk past a page boundary ends at the last it passes
+            boundary = (request.num_cached + chunk) // self.page_size * self.page_size
+            chunk = boundary - request.num_cached if boundary > request.num_cached else chunk
         if chunk <= 0 or not self.grow(request, request.num_cached + chunk):
             return budget
         picked.append((request, chunk))
@@ -271,7 +291,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        """Return its pages and its seat (a waiting request holds neither)."""
+        """Return its pages and its seat (a waiting request holds neither); its mark is
+        kept where the host knows the tokens its state covers."""
+        if self.checkpoints is not None:
+            marked = self.checkpoints.marked(request)
+            known = marked and marked <= request.num_known_tokens
+            self.checkpoints.release(request, self.digests(request, marked // self.page_size)[-1] if known else None)
         for pages in request.page_lists():
             self.allocator.free([p for p in pages if p != NULL_PAGE])
         request.clear_pages(self.num_groups)
