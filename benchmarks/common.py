@@ -71,7 +71,8 @@ def hf_model_of(hf_config: dict, dtype=torch.bfloat16, device="cuda"):
     config_cls = {"LlamaForCausalLM": transformers.LlamaConfig,
                   "Qwen2ForCausalLM": transformers.Qwen2Config,
                   "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-                  "DeepseekV2ForCausalLM": transformers.DeepseekV2Config}[arch]
+                  "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+                  "Qwen3NextForCausalLM": transformers.Qwen3NextConfig}[arch]
     config = config_cls(**cfg)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -143,10 +144,11 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes(config, batch: int, context: int, element_size: int = 2) -> int:
-    """Cache bytes ``batch`` sequences of ``context`` tokens hold: keys and values per KV head,
-    or one latent row per token and layer (``ModelConfig.cache_row``)."""
+    """Cache bytes ``batch`` sequences of ``context`` tokens hold in the layers that attend (a
+    hybrid model's recurrent layers hold none): keys and values per KV head, or one latent
+    row per token and layer (``ModelConfig.cache_row``)."""
     parts, heads, values = config.cache_row
-    return parts * config.num_layers * batch * context * heads * values * element_size
+    return parts * len(config.attention_layers) * batch * context * heads * values * element_size
 
 
 def gpu_time(fn, iters: int = 10, warmup: int = 2) -> float:

@@ -209,7 +209,7 @@ def _recording_restores(pools, max_num_seqs: int, restored: list):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
 def test_cuda_graphs_and_fla_give_the_cpu_engines_tokens(monkeypatch):
     """float32 on the GPU: prefill through fla's kernels in breaks, decode's one-row forms
-    captured in the graphs. The reference is the CPU engine's, whose tokens equal
+    captured in the graphs, a follow-up turn resumed from a kept state. The reference is the CPU engine's, whose tokens equal
     transformers' (tests/test_hf_parity.py; transformers itself cannot serve here: where
     fla is installed its wrappers send CPU tensors to fla's GPU kernels), margins checked."""
     prompts = make_prompts([5, 40, 17], seed=1)
@@ -218,12 +218,16 @@ def test_cuda_graphs_and_fla_give_the_cpu_engines_tokens(monkeypatch):
     margins = greedy_margins(monkeypatch)
     cpu = ts.LLM(checkpoint(VARIANT), enforce_eager=True, **kw)
     refs = [tuple(o.outputs[0].token_ids) for o in cpu.generate(prompts, params, use_tqdm=False)]
+    follow_up = prompts[1] + list(refs[1]) + make_prompts([6], seed=2)[0]   # resumes a kept state
+    refs.append(tuple(cpu.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids))
     assert_decisive(margins)
     monkeypatch.undo()   # the recorder reads logits on the host: no capture could hold it
     for eager in (True, False):
         llm = ts.LLM(checkpoint(VARIANT), device="cuda", enforce_eager=eager, **kw)
         got = [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == refs, f"enforce_eager={eager}"
+        second = llm.generate([follow_up], params, use_tqdm=False)[0]
+        assert second.metrics.num_cached_tokens == (40 + 8 - 1) // 4 * 4
+        assert got + [tuple(second.outputs[0].token_ids)] == refs, f"enforce_eager={eager}"
 
 
 @functools.lru_cache(maxsize=None)
