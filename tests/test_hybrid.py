@@ -226,7 +226,9 @@ def test_cuda_graphs_and_fla_give_the_cpu_engines_tokens(monkeypatch):
         llm = ts.LLM(checkpoint(VARIANT), device="cuda", enforce_eager=eager, **kw)
         got = [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         second = llm.generate([follow_up], params, use_tqdm=False)[0]
-        assert second.metrics.num_cached_tokens == (40 + 8 - 1) // 4 * 4
+        # the first turn's 47 computed tokens fill 11 pages of 4; the overlapped loop may also
+        # have run its finished row once more (its eighth token fed), filling the twelfth
+        assert second.metrics.num_cached_tokens in (44, 48)
         assert got + [tuple(second.outputs[0].token_ids)] == refs, f"enforce_eager={eager}"
 
 

@@ -225,19 +225,23 @@ def test_the_decode_forms_equal_the_run_forms_at_one_row_a_request(requests, see
     assert torch.equal(pool[:, untouched], pool_ref[:, untouched])
 
 
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flas_decode_step_matches_the_reference_step(dtype):
-    """fla's fused recurrent kernel (decode's CUDA form) against the torch step: live rows
-    continuing their slots, one at position 0, two padding rows on the null slot."""
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.float32, marks=gpu),
+                                           pytest.param("cuda", torch.bfloat16, marks=gpu)])
+def test_flas_decode_step_matches_the_reference_step(device, dtype):
+    """fla's recurrent kernel for serving (decode's CUDA form, in place by slot; on the CPU
+    under the Triton interpreter) against the torch step: live rows continuing their slots,
+    one at position 0 over a slot of garbage, two padding rows on the null slot."""
     from tokenspeed.backends.kernels import fla_state
-    slots = torch.tensor([3, 1, 5, 0, 0], device="cuda")
-    positions = torch.tensor([7, 0, 2, 0, 0], device="cuda")
-    t = sequence(len(slots), 11, "cuda", dtype)
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a GPU")
+    slots = torch.tensor([3, 1, 5, 0, 0], device=device)
+    positions = torch.tensor([7, 0, 2, 0, 0], device=device)
+    t = sequence(len(slots), 11, device, dtype)
     results = []
     for ops in (fla_state, state_reference):
-        _, pool = pools("cuda", dtype)
-        pool.normal_(generator=torch.Generator("cuda").manual_seed(3))
+        _, pool = pools(device, dtype)
+        pool.normal_(generator=torch.Generator(device).manual_seed(3))
         out = ops.gated_delta_rule_step(t["q"], t["k"], t["v"], t["g"], t["beta"], pool, LAYER, slots, positions)
         results.append((out, pool))
     tol = 1e-3 if dtype == torch.float32 else 3e-2

@@ -2,16 +2,18 @@
 its chunked gated delta rule and its causal convolution, written and tuned by the people
 who made these layers; none is written here.
 
-fla takes a batch as sequences laid end to end (``cu_seqlens``) with one initial state per
-sequence, and returns their final states. Each call gathers the step's runs' states from
-their slots (zeros for a run that starts fresh) and scatters the final states back. The
-runs are read on the host (``state_reference.runs``), so these kernels run eagerly, in the
-prefill's breaks; a decode step, whose runs are its rows, needs no such read.
+fla's chunked kernels take a batch as sequences laid end to end (``cu_seqlens``) with one
+initial state per sequence, and return their final states: each prefill call gathers its
+runs' states from their slots (zeros for a run that starts fresh) and scatters the final
+states back. The runs are read on the host (``state_reference.runs``), so these kernels run
+eagerly, in the prefill's breaks. A decode step, whose runs are its rows, needs no such
+read, and its recurrence updates the pool in place by slot.
 """
 
 import torch
 
-from tokenspeed.backends.kernels.state_reference import continued, runs
+from tokenspeed.backends.kernels.state_reference import runs
+from tokenspeed.backends.metadata import NULL_SLOT
 
 
 def _layout(state_slots, row_request, positions):
@@ -60,18 +62,20 @@ def gated_delta_rule(q, k, v, g, beta, states, layer, state_slots, row_request, 
 
 
 def gated_delta_rule_step(q, k, v, g, beta, states, layer, state_slots, positions):
-    """One row a request (decode): the rows' states gathered from their slots (zeros where a
-    row starts fresh), one step of fla's fused recurrent kernel over them as a batch of
-    one-token sequences, the final states scattered back. Nothing is read on the host: the
-    step is captured."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    """One row a request (decode), through fla's serving form of the recurrence (Kimi delta
+    attention's, whose decay per key channel is Gated DeltaNet's per head repeated over the
+    channels): each row reads and writes its state in the pool by slot, one pass over it,
+    with nothing gathered or scattered and nothing read on the host (the step is captured).
+    A fresh row (position 0, or the null slot) decays by exp(-inf) = 0 before its first
+    write: the pools start zeroed and every state written is finite, so that is zeros."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     if q.shape[0] == 0:
         return torch.empty_like(v)
-    pool = states[layer]
-    initial = continued(states, layer, state_slots, positions)
-    q, k, v, g, beta = (t.contiguous()[:, None] for t in (q, k, v, g.float(), beta))   # [rows, 1, ...]
-    o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, scale=k.shape[-1] ** -0.5,
-                                                initial_state=initial, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
-    pool.index_copy_(0, state_slots, final.float())
-    return o[:, 0].to(v.dtype)
+    fresh = (positions == 0) | (state_slots == NULL_SLOT)
+    decay = torch.where(fresh[:, None], float("-inf"), g.float())
+    decay = decay[:, None, :, None].expand(-1, 1, -1, q.shape[-1]).contiguous()     # [rows, 1, HV, K]
+    q, k, v, beta = (t.contiguous()[:, None] for t in (q, k, v, beta))               # [rows, 1, ...]
+    o, _ = fused_recurrent_kda_fwd(q, k, v, decay, beta, scale=k.shape[-1] ** -0.5, initial_state=states[layer],
+                                   inplace_final_state=True, ssm_state_indices=state_slots,
+                                   use_qk_l2norm_in_kernel=True)
+    return o[:, 0]
