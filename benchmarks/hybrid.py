@@ -6,8 +6,9 @@ dense Qwen3 of the same size, both with random weights.
                                 [--prefill 8192 32768] [--hf-batches 1] [--json results/hybrid.json]
     python -m benchmarks.hybrid --tiny      (CPU, tiny shapes: runs in seconds, means nothing)
 
-Decode: ``decode_prompt``-token prompts, then the time per token of ``new_tokens`` more
-(``quantized.decode_seconds``). Floor: the weights, the attention layers' cache halfway
+Decode: ``decode_prompt``-token prompts, then the time per token of ``new_tokens`` more,
+from each request's first token to its last (vLLM's TPOT: the prefill's breaks, which
+read the host, vary by more than the decode steps take, so runs are not subtracted). Floor: the weights, the attention layers' cache halfway
 through the tokens timed, and each sequence's recurrent states read and written once a
 step, over the measured device-to-device copy bandwidth. Prefill: one prompt of each
 ``--prefill`` length to its first token (prefix caching off: each timing computes it).
@@ -18,6 +19,7 @@ on CUDA its Qwen3-Next layers call fla's kernels too) runs the hybrid shape at
 """
 
 import argparse
+import statistics
 import sys
 
 import attrs
@@ -25,7 +27,7 @@ import torch
 
 import tokenspeed as ts
 from benchmarks import common
-from benchmarks.quantized import decode_seconds, prompts
+from benchmarks.quantized import prompts
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.random import random_model
 
@@ -64,7 +66,7 @@ class Workload:
                     max_num_batched_tokens=min(8192, longest), enable_prefix_caching=False)
 
 
-WORKLOADS = {"full": Workload("cuda", "bfloat16", (1, 32), (1,), (8192, 32768), 512, 32, 3, 32768),
+WORKLOADS = {"full": Workload("cuda", "bfloat16", (1, 32), (1,), (8192, 32768), 512, 64, 3, 32768),
              "tiny": Workload("cpu", "float32", (1, 2), (1,), (64,), 16, 2, 1, 32768)}
 
 
@@ -83,6 +85,18 @@ def floor_seconds(model, batch: int, work: Workload, bandwidth: float | None) ->
     element = next(model.parameters()).element_size()
     cache = common.kv_bytes(model.config, batch, work.decode_prompt + work.new_tokens // 2, element)
     return (common.weight_bytes(model) + cache + 2 * batch * state_bytes(model)) / bandwidth
+
+
+def decode_seconds(llm, batch: int, work: Workload) -> float:
+    """The median over repeats of the requests' median time per output token after the first."""
+    batch_prompts = prompts(batch, work.decode_prompt, llm.model.config.vocab_size)
+    params = ts.SamplingParams(temperature=0.0, max_tokens=work.new_tokens, ignore_eos=True)
+    llm.generate(batch_prompts, params, use_tqdm=False)
+    per_run = []
+    for _ in range(work.repeats):
+        m = [o.metrics for o in llm.generate(batch_prompts, params, use_tqdm=False)]
+        per_run.append(statistics.median((r.finish_time - r.first_token_time) / (r.num_output_tokens - 1) for r in m))
+    return statistics.median(per_run)
 
 
 def prefill_ms(llm, tokens: int, work: Workload) -> float:
