@@ -7,8 +7,8 @@ dense Qwen3 of the same size, both with random weights.
     python -m benchmarks.hybrid --tiny      (CPU, tiny shapes: runs in seconds, means nothing)
 
 Decode: ``decode_prompt``-token prompts, then the time per token of ``new_tokens`` more,
-from each request's first token to its last (vLLM's TPOT: the prefill's breaks, which
-read the host, vary by more than the decode steps take, so runs are not subtracted). Floor: the weights, the attention layers' cache halfway
+from the batch's last first token to its last token (the prefill's breaks, which read the
+host, vary by more than the decode steps take, so runs are not subtracted). Floor: the weights, the attention layers' cache halfway
 through the tokens timed, and each sequence's recurrent states read and written once a
 step, over the measured device-to-device copy bandwidth. Prefill: one prompt of each
 ``--prefill`` length to its first token (prefix caching off: each timing computes it).
@@ -88,14 +88,15 @@ def floor_seconds(model, batch: int, work: Workload, bandwidth: float | None) ->
 
 
 def decode_seconds(llm, batch: int, work: Workload) -> float:
-    """The median over repeats of the requests' median time per output token after the first."""
+    """The median over repeats of the time per step once every request has its first token
+    (the last first token to the last finish: the batch decodes together in between)."""
     batch_prompts = prompts(batch, work.decode_prompt, llm.model.config.vocab_size)
     params = ts.SamplingParams(temperature=0.0, max_tokens=work.new_tokens, ignore_eos=True)
     llm.generate(batch_prompts, params, use_tqdm=False)
     per_run = []
     for _ in range(work.repeats):
         m = [o.metrics for o in llm.generate(batch_prompts, params, use_tqdm=False)]
-        per_run.append(statistics.median((r.finish_time - r.first_token_time) / (r.num_output_tokens - 1) for r in m))
+        per_run.append((max(r.finish_time for r in m) - max(r.first_token_time for r in m)) / (work.new_tokens - 1))
     return statistics.median(per_run)
 
 
