@@ -4,7 +4,8 @@ Every file is read with an error that names it (``ModelFileError``): a config.js
 not a JSON object, a field of the wrong type, a truncated or foreign safetensors file, an
 index naming a shard that is not there. Tied embeddings follow transformers: a
 checkpoint that holds an ``lm_head.weight`` distinct from the embedding keeps both,
-whatever ``tie_word_embeddings`` says.
+whatever ``tie_word_embeddings`` says. A multimodal checkpoint is read as its language
+model (``text_part``).
 """
 
 import contextlib
@@ -20,6 +21,7 @@ from tokenspeed.models.config_values import RUNNABLE_DTYPES, check_dtype
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.fp8_checkpoint import stored_tensors
 from tokenspeed.models.fp8_scheme import Fp8Scheme, fp8_scheme
+from tokenspeed.models.text_part import TextPart, loaded_name, text_part
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 TENSOR_DTYPES = tuple(getattr(torch, name) for name in RUNNABLE_DTYPES)
@@ -29,15 +31,18 @@ TENSOR_DTYPES = tuple(getattr(torch, name) for name in RUNNABLE_DTYPES)
 class HFCheckpoint:
     """An opened directory: the config it describes (tying as transformers resolves it),
     the dtype ``dtype=None`` loads it in, its safetensors files and, for an FP8
-    checkpoint, how its FP8 matrices are scaled."""
+    checkpoint, how its FP8 matrices are scaled; ``text``: where a multimodal checkpoint
+    holds its language model."""
     config: ModelConfig
     dtype: torch.dtype
     files: tuple[Path, ...]
     fp8: Fp8Scheme | None = None
+    text: TextPart | None = None
 
     def tensors(self):
-        """(name, tensor) pairs, file after file (FP8 scales as our layers hold them)."""
-        pairs = (pair for file in self.files for pair in read_tensors(file, self.fp8 is not None))
+        """(name, tensor) pairs of what the model reads, file after file, named as it names
+        them (FP8 scales as our layers hold them)."""
+        pairs = (pair for file in self.files for pair in read_tensors(file, self.fp8 is not None, self.loaded_name))
         return stored_tensors(pairs) if self.fp8 else pairs
 
     def fp8_weights(self) -> list[str]:
@@ -45,8 +50,12 @@ class HFCheckpoint:
         names = []
         for file in self.files:
             with opened(file) as f:
-                names += [n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"]
+                names += [self.loaded_name(n) for n in f.keys()
+                          if self.loaded_name(n) is not None and f.get_slice(n).get_dtype() == "F8_E4M3"]
         return names
+
+    def loaded_name(self, name: str) -> str | None:
+        return loaded_name(name, self.text, self.config.hybrid is not None)
 
 
 def open_dir(path) -> HFCheckpoint:
@@ -54,11 +63,20 @@ def open_dir(path) -> HFCheckpoint:
     the tensors are read by ``tensors()``."""
     path = Path(path)
     hf = read_hf_config(path)
+    text = text_part(hf)
+    hf = _text_config(path, hf, text) if text is not None else hf
     config, files = read_config(path, hf), safetensors_files(path)
-    if config.tie_word_embeddings and _distinct_lm_head(files):
+    if config.tie_word_embeddings and _distinct_lm_head(files, text):
         config = attrs.evolve(config, tie_word_embeddings=False)
     fp8 = fp8_scheme(hf["quantization_config"]) if hf.get("quantization_config") else None
-    return HFCheckpoint(config, getattr(torch, check_dtype(hf) or "float32"), tuple(files), fp8)
+    return HFCheckpoint(config, getattr(torch, check_dtype(hf) or "float32"), tuple(files), fp8, text)
+
+
+def _text_config(path: Path, hf: dict, text: TextPart) -> dict:
+    try:
+        return text.config(hf)
+    except ValueError as exc:
+        raise ModelFileError(path / "config.json", str(exc)) from exc
 
 
 def read_json(file: Path) -> dict:
@@ -134,12 +152,15 @@ def opened(file: Path):
         raise ModelFileError(file, f"not a readable safetensors file (truncated or corrupt: {exc})") from exc
 
 
-def read_tensors(file: Path, fp8: bool = False):
+def read_tensors(file: Path, fp8: bool = False, read=None):
     """(name, tensor) pairs of one safetensors file, each of a dtype the engine runs (and
-    FP8, where the config declares an FP8 scheme)."""
+    FP8, where the config declares an FP8 scheme); ``read``: a name's name as loaded, None
+    for a tensor left unread (default: every tensor, as stored)."""
     with opened(file) as f:
         for name in f.keys():
-            yield name, _runnable(f.get_tensor(name), name, file, fp8)
+            ours = name if read is None else read(name)
+            if ours is not None:
+                yield ours, _runnable(f.get_tensor(name), name, file, fp8)
 
 
 def _runnable(tensor: torch.Tensor, name: str, file: Path, fp8: bool) -> torch.Tensor:
@@ -151,11 +172,12 @@ def _runnable(tensor: torch.Tensor, name: str, file: Path, fp8: bool) -> torch.T
     return tensor
 
 
-def _distinct_lm_head(files: list[Path]) -> bool:
+def _distinct_lm_head(files: list[Path], text: TextPart | None) -> bool:
     """Whether the checkpoint holds both the embedding and an ``lm_head.weight`` that is
     not equal to it: transformers then leaves the two untied (``tie_weights``)."""
+    embedding = EMBEDDING if text is None else text.prefix + EMBEDDING.removeprefix("model.")
     found = {}
     for file in files:
         with opened(file) as f:
-            found.update({n: f.get_tensor(n) for n in (EMBEDDING, LM_HEAD) if n in f.keys()})
-    return len(found) == 2 and not torch.equal(found[EMBEDDING], found[LM_HEAD])
+            found.update({n: f.get_tensor(n) for n in (embedding, LM_HEAD) if n in f.keys()})
+    return len(found) == 2 and not torch.equal(found[embedding], found[LM_HEAD])
