@@ -135,19 +135,21 @@ def test_speculative_decoding_is_refused_by_name():
         ts.LLM(checkpoint(VARIANT), speculative=ts.SpeculativeConfig(num_tokens=2))
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_a_follow_up_turn_resumes_from_the_kept_state_and_matches_transformers(enforce_eager):
+@pytest.mark.parametrize("variant, enforce_eager", [(VARIANT, True), (VARIANT, False),
+                                                    pytest.param("qwen3_5", False, marks=pytest.mark.skipif(
+                                                        "qwen3_5" not in VARIANTS, reason="no Qwen3.5"))])
+def test_a_follow_up_turn_resumes_from_the_kept_state_and_matches_transformers(variant, enforce_eager):
     """The first turn computes 28 tokens (23 + 6 - 1) over pages of 4: its state after 28
     is kept; the follow-up copies it and computes only its new tokens."""
     first = make_prompts([23], seed=5)[0]
-    llm = ts.LLM(checkpoint(VARIANT), page_size=4, max_num_batched_tokens=16, enforce_eager=enforce_eager)
+    llm = ts.LLM(checkpoint(variant), page_size=4, max_num_batched_tokens=16, enforce_eager=enforce_eager)
     params = ts.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     answer = list(llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids)
     follow_up = first + answer + make_prompts([9], seed=6)[0]
     got = llm.generate([follow_up], params, use_tqdm=False)[0]
     assert got.metrics.num_cached_tokens == 28
-    assert answer == list(reference(VARIANT, [first], 6, eos=None)[0])
-    assert list(got.outputs[0].token_ids) == list(reference(VARIANT, [follow_up], 6, eos=None)[0])
+    assert answer == list(reference(variant, [first], 6, eos=None)[0])
+    assert list(got.outputs[0].token_ids) == list(reference(variant, [follow_up], 6, eos=None)[0])
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
