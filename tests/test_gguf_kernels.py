@@ -255,12 +255,13 @@ def compile_sm90(kernel, signature, constexprs, num_warps=4):
 
 def check(fmt):
     common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
+    one_row = v.choose_config(2048, 8192, fmt, 132)
     for gated, norm in ((False, False), (False, True)):  # gated differs only in triton_gemv's input code
         gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
                             w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
                             stride_wn="i32", stride_os="i32", eps="fp32"),
-                            dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=4,
-                                 GROUPS=512 // fmt.group_size, **common))
+                            dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=one_row.block_n,
+                                 GROUPS=one_row.groups, **common), one_row.num_warps)
         assert "griddepcontrol.wait" in gemv.asm["ptx"]
         if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
             assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])

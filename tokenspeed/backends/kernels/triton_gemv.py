@@ -89,17 +89,30 @@ def _input(x_ptr, res_ptr, nw_ptr, offs, k, mask, K, inv, GATED: tl.constexpr,
     rows' ``inv`` rms. Each is rounded as the unfused kernel rounds it."""
     ty = x_ptr.dtype.element_ty
     if GATED:  # one return per function: Triton compiles what follows a return too
-        gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
-        x = (act * up).to(ty)
+        x = silu_mul(tl.load(x_ptr + offs, mask=mask, other=0.0), tl.load(x_ptr + offs + K, mask=mask, other=0.0),
+                     ty)
     elif NORM:
-        h = _hidden(x_ptr, res_ptr, offs, mask, HAS_RES)
-        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        x = (nw[None, :] * (h * inv[:, None]).to(ty).to(tl.float32)).to(ty)
+        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)
+        x = normed(_hidden(x_ptr, res_ptr, offs, mask, HAS_RES), nw[None, :], inv[:, None], ty)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     return x
+
+
+@triton.jit
+def silu_mul(gate, up, ty):
+    """silu(gate) * up in ``ty``, the activation rounded to ``ty`` first (as the unfused
+    ``silu_and_mul`` rounds it); elementwise, any shape."""
+    gate = gate.to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32)
+    return (act * up.to(tl.float32)).to(ty)
+
+
+@triton.jit
+def normed(h, nw, inv, ty):
+    """rms_norm's output in ``ty`` from the fp32 hidden values, the norm weight and 1/rms
+    (broadcast to h's shape), rounded as ``rms_norm`` rounds it."""
+    return (nw.to(tl.float32) * (h * inv).to(ty).to(tl.float32)).to(ty)
 
 
 @triton.jit

@@ -118,15 +118,21 @@ def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.con
 
 
 @triton.jit
-def weight_tile(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
-                TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                GROUP: tl.constexpr):
-    """fp32 ``[BLOCK_N, GROUPS * GROUP]``: rows ``n`` (``[BLOCK_N]``), groups ``g0`` to
+def weight_groups(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
+                  TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 ``[BLOCK_N, GROUPS, GROUP]``: rows ``n`` (``[BLOCK_N]``), groups ``g0`` to
     ``g0 + GROUPS`` of each (``groups``: how many a row has; past them, and past
     ``nmask``, zeros)."""
     g = g0 + tl.arange(0, GROUPS)[None, :, None]
     j = tl.arange(0, GROUP)[None, None, :]
     row = n.to(tl.int64)[:, None, None] * stride_wn
-    mask = nmask[:, None, None] & (g < groups)
-    values = group_values(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    return group_values(w_ptr, row, g, j, nmask[:, None, None] & (g < groups), FORMAT, TYPE_SIZE)
+
+
+@triton.jit
+def weight_tile(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
+                TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                GROUP: tl.constexpr):
+    """``weight_groups`` as ``[BLOCK_N, GROUPS * GROUP]`` (the tensor-core tile)."""
+    values = weight_groups(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT, TYPE_SIZE, GROUPS, GROUP)
     return tl.reshape(values, [BLOCK_N, GROUPS * GROUP])

@@ -3,8 +3,8 @@ of one row, W read as its blocks (``gguf_blocks.py``) and decoded in registers.
 
 One row only streams the weight, so speed is the bytes read: a quantized weight is 2-4x
 fewer than bf16. Each program owns ``BLOCK_N`` output rows and walks K in tiles of
-``GROUPS`` scale groups, accumulating products elementwise in fp32 (no tensor-core
-padding for one row) and summing once at the end; K is split over programs (their
+``GROUPS`` scale groups, summing each group's products in fp32 (no tensor-core padding
+for one row) and the groups once at the end; K is split over programs (their
 partial sums added by a second kernel) where the column blocks alone leave SMs idle.
 Under PDL the first weight tile is
 decoded before the program waits for the kernel that writes x. As ``triton_gemv`` does
@@ -22,7 +22,7 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear, check_weight
 from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
+from tokenspeed.backends.kernels.triton_gguf_dequant import weight_groups
 
 
 @attrs.frozen
@@ -36,14 +36,20 @@ class GemvConfig:
 
 
 @triton.jit
-def _row_tile(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
-              NORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """fp32 ``[1, BLOCK_K]`` of the input row (zeros from ``k_hi``), computed as the bf16
-    GEMV computes it."""
-    row = tl.arange(0, 1)
-    mask = (row < 1)[:, None] & (k < k_hi)[None, :]
-    x = triton_gemv._input(x_ptr, res_ptr, nw_ptr, row[:, None] * 0 + k[None, :], k, mask, K,
-                           inv, GATED, NORM, HAS_RES)
+def _row_groups(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
+                NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """fp32 input values at ``k`` (``[1, GROUPS, GROUP]``, the weight tile's groups; zeros
+    from ``k_hi``), computed and rounded as the bf16 GEMV computes them."""
+    mask = k < k_hi
+    ty = x_ptr.dtype.element_ty
+    if GATED:
+        x = triton_gemv.silu_mul(tl.load(x_ptr + k, mask=mask, other=0.0),
+                                 tl.load(x_ptr + k + K, mask=mask, other=0.0), ty)
+    elif NORM:
+        h = triton_gemv._hidden(x_ptr, res_ptr, k, mask, HAS_RES)
+        x = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=k < K, other=0.0), inv[:, None, None], ty)
+    else:
+        x = tl.load(x_ptr + k, mask=mask, other=0.0)
     return x.to(tl.float32)
 
 
@@ -54,16 +60,19 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
                  GROUPS: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
     """GATED: x is (gate, up), the input silu(gate) * up; NORM: rms_norm(x + residual) *
-    norm weight, its statistics read first, the sum written by the first program."""
+    norm weight, its statistics read first, the sum written by the first program. Tiles
+    stay ``[rows, groups, group]`` and each group's products are summed as they come: a
+    reshape to 2-D cost a layout change a tile and a whole-tile accumulator its registers
+    (2.0-3.2x slower on the H200)."""
     pdl.start(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask, split = n < N, tl.program_id(1)
     BLOCK_K: tl.constexpr = GROUPS * GROUP
-    kk = tl.arange(0, BLOCK_K)
+    k_in_tile = tl.arange(0, GROUPS)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    w = weight_tile(w_ptr, n, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                    TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
+    w = weight_groups(w_ptr, n, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT, TYPE_SIZE, GROUPS,
+                      GROUP)
     pdl.wait(USE_PDL)
     inv = tl.zeros([1], tl.float32)
     if NORM:
@@ -71,12 +80,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
         write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
         inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, row, row < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
-    acc = w * _row_tile(x_ptr, res_ptr, nw_ptr, k_lo + kk, k_hi, K, inv, GATED, NORM, HAS_RES)
+    acc = tl.sum(w * _row_groups(x_ptr, res_ptr, nw_ptr, k_lo + k_in_tile, k_hi, K, inv, GATED, NORM, HAS_RES), 2)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile came before the wait
-        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
-        acc += w * _row_tile(x_ptr, res_ptr, nw_ptr, k0 + kk, k_hi, K, inv, GATED, NORM,
-                             HAS_RES)
+        w = weight_groups(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT, TYPE_SIZE, GROUPS,
+                          GROUP)
+        acc += tl.sum(w * _row_groups(x_ptr, res_ptr, nw_ptr, k0 + k_in_tile, k_hi, K, inv, GATED, NORM,
+                                      HAS_RES), 2)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
@@ -85,13 +94,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
-    """Thin column blocks (the 1B model's smallest projection, 2048 rows, gives 512
-    programs) with K tiles of 512 elements (a Q4_K tile is 288 bytes a row); K split
-    where the column blocks leave SMs idle (a program has only a few KB in flight, so
-    more programs an SM hide more latency). Not yet swept on a GPU
-    (``benchmarks/gguf_gemv.py --sweep`` times the alternatives)."""
-    block_n = 4 if n >= 1024 else 2
-    tile = min(512, max(fmt.group_size, next_power_of_2(k)))
+    """One output row a program, K tiles of 2048 elements, 4 warps: the best of a sweep on
+    the H200 for every format at N 2048 x K 8192 (block rows 1-32, tiles 512-4096, 2-8
+    warps; PERFORMANCE.md, 2026-12-04); K split where the rows alone leave SMs idle."""
+    block_n = 1
+    tile = min(2048, max(fmt.group_size, next_power_of_2(k)))
     blocks = triton.cdiv(n, block_n)
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
                                                    max(1, k // 1024))
