@@ -88,8 +88,9 @@ def floor_seconds(model, batch: int, work: Workload, bandwidth: float | None) ->
 
 
 def decode_seconds(llm, batch: int, work: Workload) -> float:
-    """The median over repeats of the time per step once every request has its first token
-    (the last first token to the last finish: the batch decodes together in between)."""
+    """The median over repeats of the time per step once every request has its first token:
+    the last first token to the last finish (the requests of an earlier prefill chunk
+    finish a step or two before it, so the last steps may run fewer rows)."""
     batch_prompts = prompts(batch, work.decode_prompt, llm.model.config.vocab_size)
     params = ts.SamplingParams(temperature=0.0, max_tokens=work.new_tokens, ignore_eos=True)
     llm.generate(batch_prompts, params, use_tqdm=False)

@@ -256,7 +256,7 @@ def compile_sm90(kernel, signature, constexprs, num_warps=4):
 def check(fmt):
     common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
     one_row = v.choose_config(2048, 8192, fmt, 132)
-    for gated, norm in ((False, False), (False, True)):  # gated differs only in triton_gemv's input code
+    for gated, norm in ((False, False), (True, False), (False, True)):
         gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
                             w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
                             stride_wn="i32", stride_os="i32", eps="fp32"),

@@ -31,11 +31,14 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hi
 
 
 @functools.lru_cache(maxsize=None)
-def published():
+def published(tied: bool = False):
     """(transformers' model, its directory as published: with an ``mtp.*`` head beside)."""
-    config = transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False)
+    config = transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = randomize(transformers.Qwen3_5ForConditionalGeneration(config).float().eval(), seed=9)
+    if tied:
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     path = new_tmpdir("ts_qwen3_5_published_")
     model.save_pretrained(path)
     (file,) = path.glob("*.safetensors")
@@ -45,8 +48,8 @@ def published():
     return model, path
 
 
-def reference(prompt: list[int], new: int) -> tuple[int, ...]:
-    model, _ = published()
+def reference(prompt: list[int], new: int, tied: bool = False) -> tuple[int, ...]:
+    model, _ = published(tied)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
@@ -68,6 +71,19 @@ def test_qwen3_5_as_published_generates_transformers_tokens(caplog):
         got = [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want, f"enforce_eager={eager}"
     assert "the vision tower is not read" in caplog.text
+
+
+def test_tied_embeddings_follow_the_outer_config_as_transformers_ties_them():
+    """transformers ties a multimodal model's head by the outer ``tie_word_embeddings`` and
+    writes text_config's default (False) beside it: the file holds no ``lm_head``."""
+    _, path = published(tied=True)
+    assert json.loads((path / "config.json").read_text())["text_config"]["tie_word_embeddings"] is False
+    prompts = make_prompts([7, 19], seed=8)
+    llm = ts.LLM(str(path), page_size=4, enforce_eager=True)
+    assert llm.model.config.tie_word_embeddings
+    params = ts.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [tuple(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [reference(p, 6, tied=True) for p in prompts]
 
 
 def test_a_multimodal_config_without_its_text_config_is_refused_by_name():

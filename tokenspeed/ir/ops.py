@@ -269,7 +269,11 @@ def causal_conv_silu_step(x: torch.Tensor, weight: torch.Tensor, conv_states: to
 def gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           states: torch.Tensor, layer: int, state_slots: torch.Tensor,
                           positions: torch.Tensor) -> torch.Tensor:
-    """``gated_delta_rule`` where every row is its own request's, as ``causal_conv_silu_step``."""
+    """``gated_delta_rule`` where every row is its own request's, as ``causal_conv_silu_step``.
+    CUDA's form updates the pool in place and starts a fresh row by decaying its slot to
+    zero, so a fresh row's slot must hold finite values: the pools start zeroed and hold
+    only states computed from them (in the engine, a decode step's fresh rows are its
+    padding rows, on the null slot)."""
     return torch.empty_like(v)
 
 

@@ -16,7 +16,9 @@ import attrs
 
 logger = logging.getLogger(__name__)
 NEVER_LOADED = ("mtp.",)   # a hybrid model's, as transformers' ``_keys_to_ignore_on_load_unexpected``
-# fields of the outer config that hold for the language model where its text_config omits them
+# fields of the whole checkpoint that hold for its language model, over what text_config says
+# (transformers ties a multimodal model's embeddings by the outer tie_word_embeddings and
+# writes the text_config's default beside it)
 OUTER_FIELDS = ("tie_word_embeddings", "quantization_config", "dtype", "torch_dtype")
 
 
@@ -29,12 +31,12 @@ class TextPart:
     skipped: tuple[str, ...]
 
     def config(self, hf: dict) -> dict:
-        """The language model's config.json fields (the outer ones it inherits included)."""
+        """The language model's config.json fields (``OUTER_FIELDS`` from the outer config)."""
         text = hf.get("text_config")
         if not isinstance(text, dict):
             raise ValueError(f"{hf['architectures'][0]} config has no text_config object "
                              f"(text_config={text!r}): the language model's fields are not there")
-        inherited = {k: hf[k] for k in OUTER_FIELDS if k in hf and k not in text}
+        inherited = {k: hf[k] for k in OUTER_FIELDS if k in hf}
         return {**text, **inherited, "architectures": [self.text_architecture]}
 
     def text_name(self, name: str) -> str | None:

@@ -67,7 +67,7 @@ def gated_delta_rule_step(q, k, v, g, beta, states, layer, state_slots, position
     channels): each row reads and writes its state in the pool by slot, one pass over it,
     with nothing gathered or scattered and nothing read on the host (the step is captured).
     A fresh row (position 0, or the null slot) decays by exp(-inf) = 0 before its first
-    write: the pools start zeroed and every state written is finite, so that is zeros."""
+    write: zeros from any finite slot (``ops.gated_delta_rule_step`` says why every slot is)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     if q.shape[0] == 0:
         return torch.empty_like(v)
