@@ -154,8 +154,8 @@ def opened(file: Path):
 
 def read_tensors(file: Path, fp8: bool = False, read=None):
     """(name, tensor) pairs of one safetensors file, each of a dtype the engine runs (and
-    FP8, where the config declares an FP8 scheme); ``read``: a name's name as loaded, None
-    for a tensor left unread (default: every tensor, as stored)."""
+    FP8, where the config declares an FP8 scheme); ``read`` maps a stored name to the name
+    the model loads it by, or to None for a tensor left unread (default: all, as stored)."""
     with opened(file) as f:
         for name in f.keys():
             ours = name if read is None else read(name)

@@ -3,8 +3,9 @@
 Qwen3.5 is published as ``Qwen3_5ForConditionalGeneration``: its config.json nests the
 language model's fields under ``text_config``, and its tensors are named
 ``model.language_model.*`` beside a vision tower (``model.visual.*``). tokenspeed serves
-text, so it reads the language model as transformers' ``Qwen3_5ForCausalLM`` would and
-leaves the vision tower unread, saying so in one log line. A text prompt's three M-RoPE
+text, so it reads the language model as transformers' multimodal class does (its
+embeddings tied by the outer config) and leaves the vision tower unread, saying so in one
+log line. A text prompt's three M-RoPE
 axes hold the same positions, so ``mrope_section`` changes nothing and the rotary is the
 plain one. The multi-token-prediction head that Qwen3-Next and Qwen3.5 checkpoints carry
 (``mtp.*``) is not read either, as transformers does not read it.
