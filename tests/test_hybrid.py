@@ -88,6 +88,21 @@ def test_the_state_pools_get_a_slot_per_sequence_and_keep_the_recurrence_float32
     assert (checkpoints.first_slot, checkpoints.count) == (6, 5) if prefix_caching else checkpoints is None
 
 
+def test_state_pools_beyond_the_gpus_share_are_refused_naming_max_num_seqs(monkeypatch):
+    """Checked before they are allocated: 40 MiB a sequence on a device of 80 GiB that holds
+    20 (weights) leaves 52 GiB at gpu_memory_utilization=0.9."""
+    from tokenspeed.api.hybrid_setup import check_states_fit
+    gib, cuda = 2 ** 30, torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    check_states_fit(cuda, 129, 40 * 2 ** 20, 64, 0.9, True)                        # 5 GiB: fits
+    check_states_fit(torch.device("cpu"), 10 ** 6, 40 * 2 ** 20, 10 ** 6, 0.9, True)  # not a GPU: no share
+    with pytest.raises(ValueError, match=r"max_num_seqs=1024: .* 2049 slots .*gpu_memory_utilization=0.9 .*"
+                                         r"prefix caching off"):
+        check_states_fit(cuda, 2049, 40 * 2 ** 20, 1024, 0.9, True)
+    with pytest.raises(ValueError, match=r"lower max_num_seqs$"):
+        check_states_fit(cuda, 1400, 40 * 2 ** 20, 1399, 0.9, False)
+
+
 def test_decode_reads_one_row_a_request_and_prefill_runs_the_recurrence_on_every_row():
     traced = ts.trace(load(checkpoint(VARIANT)))
     decode = traced.lower("decode").program

@@ -85,7 +85,7 @@ class LLM:
             backend = backend or backend_for(self.model.config)
             checked_speculative(self.model.config, speculative)
             checkpoints = state_checkpoints(self.model.config, config.max_num_seqs, enable_prefix_caching)
-            prepare_states(self.model, config.max_num_seqs, checkpoints)
+            prepare_states(self.model, config.max_num_seqs, checkpoints, config.gpu_memory_utilization)
             self.traced = stages.trace(self.model)
             draft = None
             if speculative is not None and speculative.method == "draft":
