@@ -8,9 +8,10 @@ dense Qwen3 of the same size, both with random weights.
 
 Decode: ``decode_prompt``-token prompts, then the time per token of ``new_tokens`` more,
 from the batch's last first token to its last token (the prefill's breaks, which read the
-host, vary by more than the decode steps take, so runs are not subtracted). Floor: the weights, the attention layers' cache halfway
-through the tokens timed, and each sequence's recurrent states read and written once a
-step, over the measured device-to-device copy bandwidth. Prefill: one prompt of each
+host, vary by more than the decode steps take, so runs are not subtracted). Floor: the
+weights, the attention layers' cache halfway through the tokens timed, and each
+sequence's recurrent states read and written once a step, over the measured
+device-to-device copy bandwidth. Prefill: one prompt of each
 ``--prefill`` length to its first token (prefix caching off: each timing computes it).
 Memory: the states a sequence holds, the cache bytes a token holds, one ``kv_tokens``-token
 sequence, and how many of those fit in ``--memory-gib``. transformers (eager ``generate``;

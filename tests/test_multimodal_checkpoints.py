@@ -21,8 +21,8 @@ from hf_models import MAX_POS, MIN_GAP, VARIANTS, VOCAB, checkpoint, make_prompt
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5ForConditionalGeneration"),
                                 reason="transformers without Qwen3.5")
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=MAX_POS, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=MAX_POS,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
             linear_conv_kernel_dim=4, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 0.5,
@@ -78,6 +78,7 @@ def test_tied_embeddings_follow_the_outer_config_as_transformers_ties_them():
     writes text_config's default (False) beside it: the file holds no ``lm_head``."""
     _, path = published(tied=True)
     assert json.loads((path / "config.json").read_text())["text_config"]["tie_word_embeddings"] is False
+    assert "lm_head.weight" not in load_file(next(path.glob("*.safetensors")))
     prompts = make_prompts([7, 19], seed=8)
     llm = ts.LLM(str(path), page_size=4, enforce_eager=True)
     assert llm.model.config.tie_word_embeddings

@@ -50,8 +50,8 @@ class HFCheckpoint:
         names = []
         for file in self.files:
             with opened(file) as f:
-                names += [self.loaded_name(n) for n in f.keys()
-                          if self.loaded_name(n) is not None and f.get_slice(n).get_dtype() == "F8_E4M3"]
+                names += [ours for n in f.keys()
+                          if (ours := self.loaded_name(n)) is not None and f.get_slice(n).get_dtype() == "F8_E4M3"]
         return names
 
     def loaded_name(self, name: str) -> str | None:
@@ -175,7 +175,7 @@ def _runnable(tensor: torch.Tensor, name: str, file: Path, fp8: bool) -> torch.T
 def _distinct_lm_head(files: list[Path], text: TextPart | None) -> bool:
     """Whether the checkpoint holds both the embedding and an ``lm_head.weight`` that is
     not equal to it: transformers then leaves the two untied (``tie_weights``)."""
-    embedding = EMBEDDING if text is None else text.prefix + EMBEDDING.removeprefix("model.")
+    embedding = EMBEDDING if text is None else text.stored_name(EMBEDDING)
     found = {}
     for file in files:
         with opened(file) as f:

@@ -5,9 +5,8 @@ language model's fields under ``text_config``, and its tensors are named
 ``model.language_model.*`` beside a vision tower (``model.visual.*``). tokenspeed serves
 text, so it reads the language model as transformers' multimodal class does (its
 embeddings tied by the outer config) and leaves the vision tower unread, saying so in one
-log line. A text prompt's three M-RoPE
-axes hold the same positions, so ``mrope_section`` changes nothing and the rotary is the
-plain one. The multi-token-prediction head that Qwen3-Next and Qwen3.5 checkpoints carry
+log line. A text prompt's three M-RoPE axes hold the same positions, so ``mrope_section``
+changes nothing and the rotary is the plain one. The multi-token-prediction head that Qwen3-Next and Qwen3.5 checkpoints carry
 (``mtp.*``) is not read either, as transformers does not read it.
 """
 
@@ -45,6 +44,10 @@ class TextPart:
         if name.startswith(self.prefix):
             return "model." + name.removeprefix(self.prefix)
         return None if name.startswith(self.skipped) else name
+
+    def stored_name(self, name: str) -> str:
+        """A text architecture's ``model.*`` tensor name as this checkpoint stores it."""
+        return self.prefix + name.removeprefix("model.")
 
 
 TEXT_PARTS = {"Qwen3_5ForConditionalGeneration": TextPart("Qwen3_5ForCausalLM", "model.language_model.",
