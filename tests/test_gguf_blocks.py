@@ -219,10 +219,12 @@ def blocks(qtype, rows: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.quantize(w, qtype)).to(DEVICE)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_cuda_ops_read_the_blocks_as_the_reference_does(rows):
+@pytest.mark.parametrize("rows, norm_gemv_max_n", [(1, 4096), (1, 0), (3, 4096)])
+def test_cuda_ops_read_the_blocks_as_the_reference_does(rows, norm_gemv_max_n, monkeypatch):
     """Each op's CUDA kernel (under the Triton interpreter on a CPU) with a block weight: the GEMV
-    forms for one row, the matmul for more; fp32 sums in another order than the reference."""
+    forms for one row (the norm fused into the GEMV, or for wide weights run before it), the
+    matmul for more; fp32 sums in another order than the reference."""
+    monkeypatch.setattr(cuda, "GGUF_NORM_GEMV_MAX_N", norm_gemv_max_n)
     torch.manual_seed(0)
     k, n = 64, 40
     weight, x = blocks(Q.Q4_1, n, k), torch.randn(rows, k, device=DEVICE)

@@ -50,23 +50,20 @@ def _half(ptr, mask):
 def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
     """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: a block is one group; fp16 d (and min m for *_1),
     then (5-bit formats) 32 high bits, then the quants."""
-    base = w_ptr + row + g.to(tl.int64) * TYPE_SIZE
+    base = w_ptr + row + g * TYPE_SIZE
     d = _half(base, mask)
     if FORMAT == Q8_0:
         q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-        values = d * q.to(tl.float32)
-    else:
-        header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
-        five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
-        quants: tl.constexpr = header + 4 if five else header
-        q = (_byte(base + quants + j % 16, mask) >> (4 * (j // 16))) & 15
-        if five:
-            q = q | (((_byte(base + header + j // 8, mask) >> (j % 8)) & 1) << 4)
-        if header == 4:
-            values = d * q.to(tl.float32) + _half(base + 2, mask)
-        else:
-            values = d * (q - (16 if five else 8)).to(tl.float32)
-    return values
+        return q.to(tl.float32), d, tl.zeros_like(d)
+    header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
+    five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
+    quants: tl.constexpr = header + 4 if five else header
+    q = (_byte(base + quants + j % 16, mask) >> (4 * (j // 16))) & 15
+    if five:
+        q = q | (((_byte(base + header + j // 8, mask) >> (j % 8)) & 1) << 4)
+    if header == 4:
+        return q.to(tl.float32), d, _half(base + 2, mask)
+    return (q - (16 if five else 8)).to(tl.float32), d, tl.zeros_like(d)
 
 
 @triton.jit
@@ -74,7 +71,7 @@ def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constex
     """Q4_K, Q5_K: fp16 d and dmin, 8 pairs of 6-bit (scale, min) packed in 12 bytes, then
     (Q5_K) 32 bytes of high bits, then nibbles: byte b of each 32 holds sub-blocks 2c and
     2c + 1 (low, high nibble)."""
-    base = w_ptr + row + (g // K_SUB_BLOCKS).to(tl.int64) * TYPE_SIZE
+    base = w_ptr + row + (g // K_SUB_BLOCKS) * TYPE_SIZE
     s = g % K_SUB_BLOCKS
     low = base + K_SCALES + s % 4
     a, b, c = _byte(low, mask), _byte(low + 4, mask), _byte(low + 8, mask)
@@ -85,7 +82,7 @@ def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constex
     q = (_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
     if FORMAT == Q5_K:
         q = q | (((_byte(base + K_QH + j, mask) >> s) & 1) << 4)
-    return _half(base, mask) * scale * q.to(tl.float32) - _half(base + 2, mask) * least
+    return q.to(tl.float32), _half(base, mask) * scale, -(_half(base + 2, mask) * least)
 
 
 @triton.jit
@@ -93,7 +90,7 @@ def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
     """Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d. Element
     e of a half h = e // 128 takes nibble (r // 64) of byte r % 64 and bit pair r // 32 of
     byte r % 32, r = e % 128; the value is d * scale * (q - 32)."""
-    base = w_ptr + row + (g // Q6_K_GROUPS).to(tl.int64) * TYPE_SIZE
+    base = w_ptr + row + (g // Q6_K_GROUPS) * TYPE_SIZE
     s = g % Q6_K_GROUPS
     e = s * 16 + j
     h, r = e // 128, e % 128
@@ -101,20 +98,49 @@ def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
     high = (_byte(base + Q6_K_QH + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
     scale = tl.load(base + Q6_K_SCALES + s, mask=mask, other=0).to(tl.int8, bitcast=True)
     d = _half(base + Q6_K_D, mask) * scale.to(tl.float32)
-    return d * ((low | (high << 4)) - 32).to(tl.float32)
+    return ((low | (high << 4)) - 32).to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    """The groups ``g`` of rows at byte offsets ``row`` as ``(q, scale, offset)``: fp32
+    quants ``[R, G, GROUP]`` (integers, a format's fixed bias subtracted) and per group
+    ``[R, G, 1]`` the scale and offset (0 where the format has none), the value being
+    ``scale * q + offset``. A matrix-vector product sums ``q * x`` over a group before it
+    scales: two operations an element fewer than decoding each value first. ``mask``:
+    ``[R, G, 1]``, the groups that exist; others read as 0."""
+    if FORMAT == Q6_K:
+        parts = _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE)
+    elif FORMAT == Q4_K or FORMAT == Q5_K:
+        parts = _q4_q5_k(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    else:
+        parts = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    return parts
 
 
 @triton.jit
 def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
     """fp32 ``[R, G, GROUP]``: the values of groups ``g`` of rows at byte offsets ``row``
     (``mask``: ``[R, G, 1]``, the groups that exist; others read as 0)."""
-    if FORMAT == Q6_K:
-        values = _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE)
-    elif FORMAT == Q4_K or FORMAT == Q5_K:
-        values = _q4_q5_k(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    q, scale, offset = group_parts(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    if FORMAT == Q4_1 or FORMAT == Q5_1 or FORMAT == Q4_K or FORMAT == Q5_K:
+        values = scale * q + offset
     else:
-        values = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+        values = scale * q
     return values
+
+
+@triton.jit
+def weight_parts(rows_ptr, local, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
+                 TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """``group_parts`` of groups ``g0`` to ``g0 + GROUPS`` of rows ``local`` (``[BLOCK_N]``)
+    counted from the program's first row at ``rows_ptr``: the offsets within a program
+    stay 32-bit, one 64-bit pointer a program (``groups``, ``nmask``: as
+    ``weight_groups``)."""
+    g = g0 + tl.arange(0, GROUPS)[None, :, None]
+    j = tl.arange(0, GROUP)[None, None, :]
+    row = local[:, None, None] * stride_wn
+    return group_parts(rows_ptr, row, g, j, nmask[:, None, None] & (g < groups), FORMAT, TYPE_SIZE)
 
 
 @triton.jit

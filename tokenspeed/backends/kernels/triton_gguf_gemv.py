@@ -22,7 +22,7 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear, check_weight
 from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import weight_groups
+from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_1, Q4_K, Q5_1, Q5_K, weight_parts
 
 
 @attrs.frozen
@@ -54,6 +54,16 @@ def _row_groups(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
 
 
 @triton.jit
+def _group_dots(parts, x, FORMAT: tl.constexpr):
+    """``[R, G, 1]``: each group's products summed, then scaled (``group_parts``)."""
+    q, scale, offset = parts
+    dots = tl.sum(q * x, 2, keep_dims=True) * scale
+    if FORMAT == Q4_1 or FORMAT == Q5_1 or FORMAT == Q4_K or FORMAT == Q5_K:
+        dots += tl.sum(x, 2, keep_dims=True) * offset
+    return dots
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K,
                  k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
                  TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
@@ -65,14 +75,17 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
     reshape to 2-D cost a layout change a tile and a whole-tile accumulator its registers
     (2.0-3.2x slower on the H200)."""
     pdl.start(USE_PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(0) * BLOCK_N
+    rows_ptr = w_ptr + first.to(tl.int64) * stride_wn
+    local = tl.arange(0, BLOCK_N)
+    n = first + local
     nmask, split = n < N, tl.program_id(1)
     BLOCK_K: tl.constexpr = GROUPS * GROUP
     k_in_tile = tl.arange(0, GROUPS)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    w = weight_groups(w_ptr, n, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT, TYPE_SIZE, GROUPS,
-                      GROUP)
+    w = weight_parts(rows_ptr, local, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                     TYPE_SIZE, GROUPS, GROUP)
     pdl.wait(USE_PDL)
     inv = tl.zeros([1], tl.float32)
     if NORM:
@@ -80,13 +93,14 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
         write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
         inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, row, row < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
-    acc = tl.sum(w * _row_groups(x_ptr, res_ptr, nw_ptr, k_lo + k_in_tile, k_hi, K, inv, GATED, NORM, HAS_RES), 2)
+    acc = _group_dots(w, _row_groups(x_ptr, res_ptr, nw_ptr, k_lo + k_in_tile, k_hi, K, inv, GATED,
+                                     NORM, HAS_RES), FORMAT)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile came before the wait
-        w = weight_groups(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT, TYPE_SIZE, GROUPS,
-                          GROUP)
-        acc += tl.sum(w * _row_groups(x_ptr, res_ptr, nw_ptr, k0 + k_in_tile, k_hi, K, inv, GATED, NORM,
-                                      HAS_RES), 2)
-    y = tl.sum(acc, 1)
+        w = weight_parts(rows_ptr, local, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                         TYPE_SIZE, GROUPS, GROUP)
+        acc += _group_dots(w, _row_groups(x_ptr, res_ptr, nw_ptr, k0 + k_in_tile, k_hi, K, inv,
+                                          GATED, NORM, HAS_RES), FORMAT)
+    y = tl.sum(tl.sum(acc, 2), 1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + split.to(tl.int64) * stride_os + n, y.to(out_ptr.dtype.element_ty),
@@ -94,15 +108,16 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
-    """One output row a program, K tiles of 2048 elements, 4 warps: the best of a sweep on
-    the H200 for every format at N 2048 x K 8192 (block rows 1-32, tiles 512-4096, 2-8
-    warps; PERFORMANCE.md, 2026-12-04); K split where the rows alone leave SMs idle."""
-    block_n = 1
+    """Two output rows a program, K tiles of 2048 elements, one warp: near the best of a
+    sweep on the H200 at each of the 1B shape's projections (N 2048 to 128256), Q4_K and
+    Q8_0 (block rows 1-8, tiles 512-2048, 1-4 warps; PERFORMANCE.md, 2026-12-04); K split
+    where the rows alone leave SMs idle."""
+    block_n = 2
     tile = min(2048, max(fmt.group_size, next_power_of_2(k)))
     blocks = triton.cdiv(n, block_n)
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
                                                    max(1, k // 1024))
-    return GemvConfig(block_n, tile // fmt.group_size, splits, 4)
+    return GemvConfig(block_n, tile // fmt.group_size, splits, 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,

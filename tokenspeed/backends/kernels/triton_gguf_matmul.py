@@ -83,35 +83,37 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
 
 
 def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
-    """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): thin
-    column blocks, K split towards two programs an SM, since a program has only a few KB
-    in flight. More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be) where the
-    large ones would leave SMs idle. K tiles are the longest that compile without spilling
-    registers for every format (ptxas, sm_90a): 128 up to 32 rows, else 64. Not yet swept
-    on a GPU (``benchmarks/gguf_gemv.py`` times it)."""
+    """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): 64
+    columns a program, K split towards four programs an SM (each split at least 256 long),
+    since a program has only a few KB in flight. More rows: 128 x 128 tiles, or 64 x 64
+    ones (K split if need be) where the large ones would leave SMs idle. K tiles are the
+    longest that compile without spilling registers for every format (ptxas, sm_90a): 128
+    up to 32 rows, else 64. The skinny rule is the best of a sweep at 32 rows over the 1B
+    shape's five projections, Q4_K and Q8_0 (PERFORMANCE.md, 2026-12-04)."""
     k_tile = 64
     if m <= SKINNY_M:
         block_m = max(16, next_power_of_2(m))
         k_tile = 128 if block_m <= 32 else 64
-        return _filled(MatmulConfig(block_m, 32, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
-                       sm_count, max_splits=8)
+        return _filled(MatmulConfig(block_m, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
+                       4 * sm_count, max_splits=8, min_split=256)
     large = MatmulConfig(128, 128, k_tile // fmt.group_size, 1, 8, 3)
     if _tiles(large, m, n) >= sm_count:
         return large
-    return _filled(MatmulConfig(64, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k, sm_count,
-                   max_splits=4)
+    return _filled(MatmulConfig(64, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
+                   2 * sm_count, max_splits=4, min_split=1024)
 
 
 def _tiles(config: MatmulConfig, m: int, n: int) -> int:
     return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
 
 
-def _filled(config: MatmulConfig, m, n, k, sm_count, max_splits) -> MatmulConfig:
-    """``config`` with K split towards two programs an SM, each split at least 1024 long."""
+def _filled(config: MatmulConfig, m, n, k, programs, max_splits, min_split) -> MatmulConfig:
+    """``config`` with K split towards ``programs`` programs, each split at least
+    ``min_split`` long."""
     tiles = _tiles(config, m, n)
-    if tiles >= sm_count:
+    if tiles >= programs:
         return config
-    splits = min(max_splits, triton.cdiv(2 * sm_count, tiles), max(1, k // 1024))
+    splits = min(max_splits, triton.cdiv(programs, tiles), max(1, k // min_split))
     return attrs.evolve(config, splits=splits)
 
 
