@@ -261,7 +261,7 @@ def check(fmt):
                             w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
                             stride_wn="i32", stride_os="i32", eps="fp32"),
                             dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=one_row.block_n,
-                                 GROUPS=one_row.groups, WHOLE=True, **common), one_row.num_warps)
+                                 GROUPS=one_row.groups, **common), one_row.num_warps)
         assert "griddepcontrol.wait" in gemv.asm["ptx"]
         if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
             assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])

@@ -34,18 +34,8 @@ Q6_K_D = tl.constexpr(QK_K // 2 + QK_K // 4 + QK_K // 16)
 
 
 @triton.jit
-def _load(ptr, mask):
-    """``ptr``'s values, 0 outside ``mask``; ``mask`` None: every one exists, no predicate."""
-    if mask is None:
-        values = tl.load(ptr)
-    else:
-        values = tl.load(ptr, mask=mask, other=0)
-    return values
-
-
-@triton.jit
 def _byte(ptr, mask):
-    return _load(ptr, mask).to(tl.int32)
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -53,7 +43,7 @@ def _half(ptr, mask):
     """The fp16 at byte ``ptr``, as fp32. Every fp16 of a block sits at an even offset and
     every type size is even, so rows starting at even addresses keep them 2-byte aligned
     (``gguf_blocks.check_weight``)."""
-    return _load(ptr.to(tl.pointer_type(tl.float16)), mask).to(tl.float32)
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -63,7 +53,7 @@ def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexp
     base = w_ptr + row + g * TYPE_SIZE
     d = _half(base, mask)
     if FORMAT == Q8_0:
-        q = _load(base + 2 + j, mask).to(tl.int8, bitcast=True)
+        q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
         return q.to(tl.float32), d, tl.zeros_like(d)
     header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
     five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
@@ -106,7 +96,7 @@ def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
     h, r = e // 128, e % 128
     low = (_byte(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 15
     high = (_byte(base + Q6_K_QH + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
-    scale = _load(base + Q6_K_SCALES + s, mask).to(tl.int8, bitcast=True)
+    scale = tl.load(base + Q6_K_SCALES + s, mask=mask, other=0).to(tl.int8, bitcast=True)
     d = _half(base + Q6_K_D, mask) * scale.to(tl.float32)
     return ((low | (high << 4)) - 32).to(tl.float32), d, tl.zeros_like(d)
 
@@ -141,21 +131,16 @@ def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.con
 
 
 @triton.jit
-def weight_parts(rows_ptr, local, g0, groups, stride_wn, FORMAT: tl.constexpr,
-                 TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                 WHOLE: tl.constexpr):
-    """``group_parts`` of groups ``g0`` to ``g0 + GROUPS`` of rows ``local`` (``[BLOCK_N]``,
-    each one that exists) counted from the program's first row at ``rows_ptr``: the offsets
-    within a program stay 32-bit, one 64-bit pointer a program. ``WHOLE``: the tile's
-    groups all exist, and no load is predicated; else those from ``groups`` read as 0."""
+def weight_parts(rows_ptr, local, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
+                 TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """``group_parts`` of groups ``g0`` to ``g0 + GROUPS`` of rows ``local`` (``[BLOCK_N]``)
+    counted from the program's first row at ``rows_ptr``: the offsets within a program
+    stay 32-bit, one 64-bit pointer a program (``groups``, ``nmask``: as
+    ``weight_groups``)."""
     g = g0 + tl.arange(0, GROUPS)[None, :, None]
     j = tl.arange(0, GROUP)[None, None, :]
     row = local[:, None, None] * stride_wn
-    if WHOLE:
-        parts = group_parts(rows_ptr, row, g, j, None, FORMAT, TYPE_SIZE)
-    else:
-        parts = group_parts(rows_ptr, row, g, j, g < groups, FORMAT, TYPE_SIZE)
-    return parts
+    return group_parts(rows_ptr, row, g, j, nmask[:, None, None] & (g < groups), FORMAT, TYPE_SIZE)
 
 
 @triton.jit

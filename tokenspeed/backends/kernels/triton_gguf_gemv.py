@@ -37,10 +37,9 @@ class GemvConfig:
 
 @triton.jit
 def _row_groups(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
-                NORM: tl.constexpr, HAS_RES: tl.constexpr, WHOLE: tl.constexpr):
+                NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """fp32 input values at ``k`` (``[1, GROUPS, GROUP]``, the weight tile's groups; zeros
-    from ``k_hi``, unless ``WHOLE``: a plain input's tile is all below it), computed and
-    rounded as the bf16 GEMV computes them."""
+    from ``k_hi``), computed and rounded as the bf16 GEMV computes them."""
     mask = k < k_hi
     ty = x_ptr.dtype.element_ty
     if GATED:
@@ -49,8 +48,6 @@ def _row_groups(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
     elif NORM:
         h = triton_gemv._hidden(x_ptr, res_ptr, k, mask, HAS_RES)
         x = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=k < K, other=0.0), inv[:, None, None], ty)
-    elif WHOLE:
-        x = tl.load(x_ptr + k)
     else:
         x = tl.load(x_ptr + k, mask=mask, other=0.0)
     return x.to(tl.float32)
@@ -71,26 +68,24 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
                  k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
                  TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 GROUPS: tl.constexpr, GROUP: tl.constexpr, WHOLE: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 GROUPS: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
     """GATED: x is (gate, up), the input silu(gate) * up; NORM: rms_norm(x + residual) *
     norm weight, its statistics read first, the sum written by the first program. Tiles
     stay ``[rows, groups, group]`` and each group's products are summed as they come: a
     reshape to 2-D cost a layout change a tile and a whole-tile accumulator its registers
-    (2.0-3.2x slower on the H200). A program's rows past N read row N - 1 again (stored
-    nowhere), so only a K tile past the end needs a predicate (``WHOLE``: none does)."""
+    (2.0-3.2x slower on the H200)."""
     pdl.start(USE_PDL)
     first = tl.program_id(0) * BLOCK_N
     rows_ptr = w_ptr + first.to(tl.int64) * stride_wn
-    local = tl.minimum(tl.arange(0, BLOCK_N), N - 1 - first)
-    n = first + tl.arange(0, BLOCK_N)
+    local = tl.arange(0, BLOCK_N)
+    n = first + local
     nmask, split = n < N, tl.program_id(1)
     BLOCK_K: tl.constexpr = GROUPS * GROUP
     k_in_tile = tl.arange(0, GROUPS)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    w = weight_parts(rows_ptr, local, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                     TYPE_SIZE, GROUPS, GROUP, WHOLE)
+    w = weight_parts(rows_ptr, local, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                     TYPE_SIZE, GROUPS, GROUP)
     pdl.wait(USE_PDL)
     inv = tl.zeros([1], tl.float32)
     if NORM:
@@ -99,12 +94,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
         inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, row, row < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
     acc = _group_dots(w, _row_groups(x_ptr, res_ptr, nw_ptr, k_lo + k_in_tile, k_hi, K, inv, GATED,
-                                     NORM, HAS_RES, WHOLE), FORMAT)
+                                     NORM, HAS_RES), FORMAT)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile came before the wait
-        w = weight_parts(rows_ptr, local, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                         TYPE_SIZE, GROUPS, GROUP, WHOLE)
+        w = weight_parts(rows_ptr, local, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                         TYPE_SIZE, GROUPS, GROUP)
         acc += _group_dots(w, _row_groups(x_ptr, res_ptr, nw_ptr, k0 + k_in_tile, k_hi, K, inv,
-                                          GATED, NORM, HAS_RES, WHOLE), FORMAT)
+                                          GATED, NORM, HAS_RES), FORMAT)
     y = tl.sum(tl.sum(acc, 2), 1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
@@ -113,16 +108,16 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
-    """Two output rows a program, K tiles of 1024 elements, two warps: near the best of a
+    """Two output rows a program, K tiles of 2048 elements, one warp: near the best of a
     sweep on the H200 at each of the 1B shape's projections (N 2048 to 128256), Q4_K and
     Q8_0 (block rows 1-8, tiles 512-2048, 1-4 warps; PERFORMANCE.md, 2026-12-04); K split
     where the rows alone leave SMs idle."""
     block_n = 2
-    tile = min(1024, max(fmt.group_size, next_power_of_2(k)))
+    tile = min(2048, max(fmt.group_size, next_power_of_2(k)))
     blocks = triton.cdiv(n, block_n)
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
                                                    max(1, k // 1024))
-    return GemvConfig(block_n, tile // fmt.group_size, splits, 2)
+    return GemvConfig(block_n, tile // fmt.group_size, splits, 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
@@ -169,8 +164,7 @@ def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=F
         part.stride(0) if splits > 1 else 0, norm.eps, FORMAT=fmt.code,
         TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1, GATED=gated,
         NORM=normed, HAS_RES=norm.residual is not None, BLOCK_N=c.block_n, GROUPS=c.groups,
-        GROUP=fmt.group_size, WHOLE=k % (c.groups * fmt.group_size) == 0,
-        num_warps=c.num_warps, **launch)
+        GROUP=fmt.group_size, num_warps=c.num_warps, **launch)
     if splits > 1:
         sum_splits(part, bias, out, launch)
     return out
