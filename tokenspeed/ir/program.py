@@ -7,6 +7,7 @@ entry of a lowering's history stays valid and printable.
 import attrs
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.ir.printing import graph_text
@@ -72,12 +73,15 @@ class Program:
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over the same weights with a copied graph (node meta included)."""
+    """A new GraphModule over the same weights with a copied graph (node meta included).
+    Its Python code is generated when it is first called, not now: most of a lowering's
+    programs are only read and printed, and the code generation took a third of a lowering."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     graph._codegen = gm.graph._codegen
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(gm, graph, class_name=type(gm).__name__)
 
 
 def rename(node: fx.Node, name: str) -> None:

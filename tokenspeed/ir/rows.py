@@ -41,17 +41,9 @@ def example_inputs(config, rows: int, device="meta", dtype=torch.float32,
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, state: dict[str, torch.Tensor]):
+    def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
-        self.state, self.values = state, {}
-
-    def fetch_attr(self, target: str):
-        return self.state[target] if target in self.state else super().fetch_attr(target)
-
-    def call_module(self, target, args, kwargs):
-        with torch.nn.utils.stateless._reparametrize_module(
-                self.module.get_submodule(target), _prefixed(self.state, target)):
-            return super().call_module(target, args, kwargs)
+        self.values = {}
 
     def run_node(self, node):
         self.values[node.name] = value = super().run_node(node)
@@ -60,17 +52,16 @@ class _Recorder(fx.Interpreter):
 
 def fake_values(gm: fx.GraphModule, config, rows: int, view_rows: int | None = None) -> dict[str, object]:
     """Every node's value (meta tensors: shapes and dtypes only) on ``rows`` token rows
-    (and ``view_rows`` decoder view rows: as many by default)."""
+    (and ``view_rows`` decoder view rows: as many by default). The weights are swapped
+    for meta copies once for the whole run (per module call, the swaps took most of a
+    lowering's time)."""
     state = {n: torch.empty_like(t, device="meta")
              for n, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]}
     inputs = example_inputs(config, rows, view_rows=view_rows)
-    recorder = _Recorder(gm, state)
-    recorder.run(*[inputs[n.name] for n in gm.graph.nodes if n.op == "placeholder"])
+    recorder = _Recorder(gm)
+    with torch.nn.utils.stateless._reparametrize_module(gm, state):
+        recorder.run(*[inputs[n.name] for n in gm.graph.nodes if n.op == "placeholder"])
     return recorder.values
-
-
-def _prefixed(state: dict, prefix: str) -> dict:
-    return {n[len(prefix) + 1:]: t for n, t in state.items() if n.startswith(prefix + ".")}
 
 
 def leading_dims(gm: fx.GraphModule, config, rows: int, view_rows: int | None = None) -> dict[str, int | None]:
