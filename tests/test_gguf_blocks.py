@@ -224,7 +224,10 @@ def test_cuda_ops_read_the_blocks_as_the_reference_does(rows, norm_gemv_max_n, m
     """Each op's CUDA kernel (under the Triton interpreter on a CPU) with a block weight: the GEMV
     forms for one row (the norm fused into the GEMV, or for wide weights run before it), the
     matmul for more; fp32 sums in another order than the reference."""
+    from tokenspeed.backends.kernels import triton_gguf_gemv
+    fused, norm_gemv = [], triton_gguf_gemv.norm_gemv
     monkeypatch.setattr(cuda, "GGUF_NORM_GEMV_MAX_N", norm_gemv_max_n)
+    monkeypatch.setattr(triton_gguf_gemv, "norm_gemv", lambda *a, **k: fused.append(1) or norm_gemv(*a, **k))
     torch.manual_seed(0)
     k, n = 64, 40
     weight, x = blocks(Q.Q4_1, n, k), torch.randn(rows, k, device=DEVICE)
@@ -238,6 +241,7 @@ def test_cuda_ops_read_the_blocks_as_the_reference_does(rows, norm_gemv_max_n, m
         assert len(got) == len(expected)
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-4, msg=name)
+    assert len(fused) == (2 if rows == 1 and n <= norm_gemv_max_n else 0)  # both norm_linear calls
 
 
 def as_list(out) -> list:

@@ -228,3 +228,23 @@ def test_a_broadcast_add_is_not_fused_into_the_norm(monkeypatch):
     graph = ts.trace(random_model(TINY_LLAMA)).lower("decode").segments[0].graph_module.graph
     last_norm = [n for n in graph.nodes if "rms_norm" in str(n.target)][-1]
     assert "add_rms_norm" not in str(last_norm.target)
+
+
+def test_shape_propagation_leaves_every_weight_where_it_was():
+    """``fake_values`` swaps the weights for meta copies and puts them back, also when one
+    module is reachable by two names (restored in the wrong order, it kept a meta copy)."""
+    from torch import fx
+    from tokenspeed.ir.rows import fake_values
+
+    graph = fx.Graph()
+    x = graph.call_method("expand", (graph.call_function(torch.unsqueeze, (
+        graph.call_method("float", (graph.placeholder("input_ids"),)), 1)), -1, 2))
+    graph.output(graph.call_function(torch.add, (graph.call_module("a", (x,)), graph.call_module("b", (x,)))))
+    shared = torch.nn.Linear(2, 2)
+    gm = fx.GraphModule({"a": shared, "b": shared}, graph)
+    assert gm.a is gm.b
+    before = dict(gm.named_parameters(remove_duplicate=False))
+    values = fake_values(gm, random_model(TINY_LLAMA).config, 5)
+    assert values["add"].shape == (5, 2) and values["add"].device.type == "meta"
+    after = dict(gm.named_parameters(remove_duplicate=False))
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)

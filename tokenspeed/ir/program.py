@@ -72,15 +72,18 @@ class Program:
         return env[self.output]
 
 
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_graph(gm: fx.GraphModule, lazy: bool = True) -> fx.GraphModule:
     """A new GraphModule over the same weights with a copied graph (node meta included).
-    Its Python code is generated when it is first called, not now: most of a lowering's
-    programs are only read and printed, and the code generation took a third of a lowering."""
+    ``lazy``: its Python code is generated when it is first called, not now: most of a
+    lowering's programs are only read and printed, and the code generation took a third of
+    a lowering. A module whose ``forward`` is kept and called directly is made eager (a
+    lazy one's ``forward`` stays a wrapper that recompiles on the first call, then calls
+    the module: twice the host time a call)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     graph._codegen = gm.graph._codegen
-    with _use_lazy_graph_module(True):
+    with _use_lazy_graph_module(lazy):
         return _make_graph_module(gm, graph, class_name=type(gm).__name__)
 
 

@@ -54,12 +54,13 @@ def fake_values(gm: fx.GraphModule, config, rows: int, view_rows: int | None = N
     """Every node's value (meta tensors: shapes and dtypes only) on ``rows`` token rows
     (and ``view_rows`` decoder view rows: as many by default). The weights are swapped
     for meta copies once for the whole run (per module call, the swaps took most of a
-    lowering's time)."""
+    lowering's time), and put back in the reverse order: a module reachable by two names
+    would otherwise keep a meta copy."""
     state = {n: torch.empty_like(t, device="meta")
              for n, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers()]}
     inputs = example_inputs(config, rows, view_rows=view_rows)
     recorder = _Recorder(gm)
-    with torch.nn.utils.stateless._reparametrize_module(gm, state):
+    with torch.nn.utils.stateless._reparametrize_module(gm, state, stack_weights=True):
         recorder.run(*[inputs[n.name] for n in gm.graph.nodes if n.op == "placeholder"])
     return recorder.values
 

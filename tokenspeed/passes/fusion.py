@@ -21,9 +21,11 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
 - ``select_linear``: linear modules become ``tokenspeed::linear``, which picks the kernel
   by row count (split-K GEMV for a few rows on CUDA).
 - ``fuse_gated_linear``: ``linear(silu_and_mul(gate_up))`` becomes
-  ``tokenspeed::gated_linear``, whose GEMV computes the activation as it reads its input.
+  ``tokenspeed::gated_linear``, whose GEMV computes the activation as it reads its input
+  (a 16-bit or FP8 weight's; a GGUF weight's kernel runs the activation first).
 - ``fuse_norm_linear``: a norm (with its residual add) whose only reader is a linear
-  becomes ``tokenspeed::norm_linear``, whose GEMV normalises its input as it reads it.
+  becomes ``tokenspeed::norm_linear``, whose GEMV normalises its input as it reads it
+  (a GGUF weight's up to ``cuda.GGUF_NORM_GEMV_MAX_N`` outputs; an FP8 weight's never).
 """
 
 import operator

@@ -23,8 +23,8 @@ def program_pass(name: str):
 
 def graph_pass(name: str):
     """A named pass from ``fn(gm, **options)``, which edits ``gm`` in place: ``gm`` is a
-    copy, so the input program (kept in the history) stays valid, and the copy is
-    recompiled into the returned program."""
+    copy, so the input program (kept in the history) stays valid, and the copy, its code
+    generated when it is first called (``copy_graph``), is the returned program's."""
     def wrap(fn):
         @program_pass(name)
         @functools.wraps(fn)

@@ -22,7 +22,7 @@ from tokenspeed.ir.weights import DENSE, FP8
 
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 GGUF_DEQUANTIZED_ROWS = 128  # from here a GGUF weight is decoded whole for cuBLAS (prefill)
-GGUF_NORM_GEMV_MAX_N = 4096  # past this many outputs a GGUF GEMV reads a normed input, not norms it
+GGUF_NORM_GEMV_MAX_N = 4096  # past this many outputs (1B: gate_up, head) a GGUF GEMV reads a normed input
 
 
 def write_kv(k, v, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:

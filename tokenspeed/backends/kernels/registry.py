@@ -24,7 +24,7 @@ def direct_calls(gm: fx.GraphModule, device_type: str) -> fx.GraphModule:
     ``torch.library`` (dynamo guard, aliasing check) before its kernel: ~30 us a call
     (CPU), for each attention of every prefill step. Captured graphs hold only kernels,
     so only eager runs pay it. The kernels are the ones the dispatcher would pick."""
-    kernels, direct = KERNELS_BY_DEVICE[device_type], copy_graph(gm)
+    kernels, direct = KERNELS_BY_DEVICE[device_type], copy_graph(gm, lazy=False)
     for node in direct.graph.nodes:
         name = _op_name(node)
         if name is not None:

@@ -3,14 +3,16 @@ of one row, W read as its blocks (``gguf_blocks.py``) and decoded in registers.
 
 One row only streams the weight, so speed is the bytes read: a quantized weight is 2-4x
 fewer than bf16. Each program owns ``BLOCK_N`` output rows and walks K in tiles of
-``GROUPS`` scale groups, summing each group's products in fp32 (no tensor-core padding
-for one row) and the groups once at the end; K is split over programs (their
-partial sums added by a second kernel) where the column blocks alone leave SMs idle.
-Under PDL the first weight tile is
+``GROUPS`` scale groups, summing each group's quants times the input in fp32 (no
+tensor-core padding for one row) before it applies the group's scale and offset, and the
+groups once at the end; K is split over programs (their partial sums added by a second
+kernel) where the column blocks alone leave SMs idle. Under PDL the first weight tile is
 decoded before the program waits for the kernel that writes x. As ``triton_gemv`` does
 for bf16 weights (and with its input code), the input may be computed as it is read:
-silu(gate) * up, or rms_norm(x + residual) * weight. Several rows go to
-``triton_gguf_matmul`` (tensor cores, the weight still read once for up to 64 rows).
+silu(gate) * up, or rms_norm(x + residual) * weight; every program computes the whole
+input, so the engine fuses only the norm, and only for weights of few rows
+(``cuda.norm_linear``). Several rows go to ``triton_gguf_matmul`` (tensor cores, the
+weight still read once for up to 64 rows).
 """
 
 import attrs
@@ -108,12 +110,13 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
-    """Two output rows a program, K tiles of 2048 elements, one warp: near the best of a
-    sweep on the H200 at each of the 1B shape's projections (N 2048 to 128256), Q4_K and
-    Q8_0 (block rows 1-8, tiles 512-2048, 1-4 warps; PERFORMANCE.md, 2026-12-04); K split
-    where the rows alone leave SMs idle."""
+    """Two output rows a program, K tiles of 1024 elements, one warp: at or near the best
+    of a sweep on the H200 at each of the 1B shape's projections (N 2048 to 128256), Q4_K
+    and Q8_0 (block rows 1-8, tiles 512-2048, 1-4 warps; PERFORMANCE.md, 2026-12-04).
+    Tiles of 2048 did as well there but made Q6_K spill registers at one warp (ptxas,
+    sm_90a); K split where the rows alone leave SMs idle."""
     block_n = 2
-    tile = min(2048, max(fmt.group_size, next_power_of_2(k)))
+    tile = min(1024, max(fmt.group_size, next_power_of_2(k)))
     blocks = triton.cdiv(n, block_n)
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
                                                    max(1, k // 1024))

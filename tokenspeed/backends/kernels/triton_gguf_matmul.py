@@ -87,8 +87,8 @@ def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> Ma
     columns a program, K split towards four programs an SM (each split at least 256 long),
     since a program has only a few KB in flight. More rows: 128 x 128 tiles, or 64 x 64
     ones (K split if need be) where the large ones would leave SMs idle. K tiles are the
-    longest that compile without spilling registers for every format (ptxas, sm_90a): 128
-    up to 32 rows, else 64. The skinny rule is the best of a sweep at 32 rows over the 1B
+    longest that compile without spilling registers for every format (ptxas, sm_90a; at
+    64 columns too): 128 up to 32 rows, else 64. The skinny rule is the best of a sweep at 32 rows over the 1B
     shape's five projections, Q4_K and Q8_0 (PERFORMANCE.md, 2026-12-04)."""
     k_tile = 64
     if m <= SKINNY_M:
