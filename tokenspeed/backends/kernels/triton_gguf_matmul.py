@@ -85,11 +85,13 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
 def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
     """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): 64
     columns a program, K split towards four programs an SM (each split at least 256 long),
-    since a program has only a few KB in flight. More rows: 128 x 128 tiles, or 64 x 64
-    ones (K split if need be) where the large ones would leave SMs idle. K tiles are the
-    longest that compile without spilling registers for every format (ptxas, sm_90a; at
-    64 columns too): 128 up to 32 rows, else 64. The skinny rule is the best of a sweep at 32 rows over the 1B
-    shape's five projections, Q4_K and Q8_0 (PERFORMANCE.md, 2026-12-04)."""
+    since a program has only a few KB in flight: at 32 rows over the 1B shape's five
+    projections, 1.06x (Q4_K) and 1.34x (Q8_0) faster than 32 columns and two programs an
+    SM, still 1.46x and 1.14x slower than each shape's best config (PERFORMANCE.md,
+    2026-12-04). More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be) where
+    the large ones would leave SMs idle. K tiles are the longest that compile without
+    spilling registers for every format (ptxas, sm_90a, at 64 columns too): 128 up to 32
+    rows, else 64."""
     k_tile = 64
     if m <= SKINNY_M:
         block_m = max(16, next_power_of_2(m))
@@ -100,18 +102,19 @@ def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> Ma
     if _tiles(large, m, n) >= sm_count:
         return large
     return _filled(MatmulConfig(64, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
-                   2 * sm_count, max_splits=4, min_split=1024)
+                   2 * sm_count, max_splits=4, min_split=1024, idle_below=sm_count)
 
 
 def _tiles(config: MatmulConfig, m: int, n: int) -> int:
     return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
 
 
-def _filled(config: MatmulConfig, m, n, k, programs, max_splits, min_split) -> MatmulConfig:
+def _filled(config: MatmulConfig, m, n, k, programs, max_splits, min_split,
+            idle_below=None) -> MatmulConfig:
     """``config`` with K split towards ``programs`` programs, each split at least
-    ``min_split`` long."""
+    ``min_split`` long, when its tiles are fewer than ``idle_below`` (``programs``)."""
     tiles = _tiles(config, m, n)
-    if tiles >= programs:
+    if tiles >= (idle_below or programs):
         return config
     splits = min(max_splits, triton.cdiv(programs, tiles), max(1, k // min_split))
     return attrs.evolve(config, splits=splits)
