@@ -77,7 +77,7 @@ def candidates(fmt: BlockFormat, m: int) -> list:
     """The configs ``--sweep`` times: split counts are not compiled in, so they are cheap."""
     if m == 1:
         tiles = itertools.product([1, 2, 4, 8], [512, 1024, 2048], [1, 2, 4], [1, 2, 4])
-        return [triton_gguf_gemv.GemvConfig(bn, tile // fmt.group_size, splits, warps)
+        return [triton_gguf_gemv.GemvConfig(bn, tile, splits, warps)
                 for bn, tile, splits, warps in tiles]
     block_m = max(16, triton.next_power_of_2(m)) if m <= triton_gguf_matmul.SKINNY_M else 128
     if m <= triton_gguf_matmul.SKINNY_M:

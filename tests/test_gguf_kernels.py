@@ -70,8 +70,8 @@ def test_gemv_equals_the_dequantized_product(name):
     k = 2 * fmt.block_size if fmt.block_size == 256 else 8 * fmt.block_size
     weight = quantized(name, 37, k)  # 37 rows: not a multiple of any row block
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, groups=2, splits=1, num_warps=4)
-    split = triton_gguf_gemv.GemvConfig(block_n=8, groups=1, splits=3, num_warps=4)
+    several_tiles = triton_gguf_gemv.GemvConfig(block_n=4, block_k=64, splits=1, num_warps=4)
+    split = triton_gguf_gemv.GemvConfig(block_n=8, block_k=64, splits=3, num_warps=4)
     for config in (None, several_tiles, split):
         got = triton_gguf_gemv.gemv(x, weight, fmt, config=config)
         assert got.shape == (1, 37) and got.dtype == torch.float32
@@ -131,8 +131,8 @@ def test_gemv_computes_its_gated_or_normed_input(name):
     weight, gen = quantized(name, 37, k, seed=5), torch.Generator().manual_seed(5)
     gate_up, x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
                                                for shape in ((1, 2 * k), (1, k), (1, k), (k,), (37,)))
-    several_tiles = triton_gguf_gemv.GemvConfig(4, 128 // fmt.group_size, 1, 4)
-    split = triton_gguf_gemv.GemvConfig(4, 128 // fmt.group_size, 3, 4)
+    several_tiles = triton_gguf_gemv.GemvConfig(4, 128, 1, 4)
+    split = triton_gguf_gemv.GemvConfig(4, 64, 3, 4)
     for config in (None, several_tiles, split):
         got = triton_gguf_gemv.gemv(gate_up, weight, fmt, bias, config=config, gated=True)
         assert_within(got, reference.silu_and_mul(gate_up), weight, fmt, bias)
@@ -243,6 +243,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenspeed.backends.kernels import triton_gguf_embedding as e, triton_gguf_gemv as v, triton_gguf_matmul as m
+from tokenspeed.backends.kernels import triton_gguf_dequant as d
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 
 def compile_sm90(kernel, signature, constexprs, num_warps=4):
@@ -254,14 +255,16 @@ def compile_sm90(kernel, signature, constexprs, num_warps=4):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 def check(fmt):
-    common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUP=fmt.group_size, USE_PDL=True)
+    common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, USE_PDL=True)
+    group = dict(GROUP=fmt.group_size, **common)
     one_row = v.choose_config(2048, 8192, fmt, 132)
     for gated, norm in ((False, False), (True, False), (False, True)):
         gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
                             w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
                             stride_wn="i32", stride_os="i32", eps="fp32"),
                             dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=one_row.block_n,
-                                 GROUPS=one_row.groups, **common), one_row.num_warps)
+                                 BLOCK_K=one_row.block_k, WIDTH=d.unit_width(fmt), GAP=d.unit_gap(fmt),
+                                 **common), one_row.num_warps)
         assert "griddepcontrol.wait" in gemv.asm["ptx"]
         if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
             assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
@@ -271,10 +274,10 @@ def check(fmt):
                           M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
                           stride_os="i32", stride_om="i32"),
                           dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
-                               PRECISION="tf32", **common), c.num_warps)
+                               PRECISION="tf32", **group), c.num_warps)
         assert "mma" in mm.asm["ptx"], "tensor cores"
     emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
-                       stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **common))
+                       stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **group))
     assert "griddepcontrol.wait" in emb.asm["ptx"]
 
 for name in sys.argv[1:]:   # every format in one child: one start of torch and Triton

@@ -39,6 +39,12 @@ def _byte(ptr, mask):
 
 
 @triton.jit
+def _short(ptr, mask):
+    """The unsigned 16 bits at byte ``ptr`` (2-byte aligned, as ``_half``), as int32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
 def _half(ptr, mask):
     """The fp16 at byte ``ptr``, as fp32. Every fp16 of a block sits at an even offset and
     every type size is even, so rows starting at even addresses keep them 2-byte aligned
@@ -73,11 +79,7 @@ def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constex
     2c + 1 (low, high nibble)."""
     base = w_ptr + row + (g // K_SUB_BLOCKS) * TYPE_SIZE
     s = g % K_SUB_BLOCKS
-    low = base + K_SCALES + s % 4
-    a, b, c = _byte(low, mask), _byte(low + 4, mask), _byte(low + 8, mask)
-    upper = s >= 4
-    scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
-    least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
+    scale, least = _k_scale_min(base, s, mask)
     quants: tl.constexpr = Q5_K_QS if FORMAT == Q5_K else Q4_K_QS
     q = (_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
     if FORMAT == Q5_K:
@@ -116,6 +118,121 @@ def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.cons
     else:
         parts = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
     return parts
+
+
+@triton.jit
+def _k_scale_min(base, s, mask):
+    """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min, unpacked from the 12 bytes."""
+    low = base + K_SCALES + s % 4
+    a, b, c = _byte(low, mask), _byte(low + 4, mask), _byte(low + 8, mask)
+    upper = s >= 4
+    scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
+    least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
+    return scale, least
+
+
+@triton.jit
+def _simple_halves(base, t, mask, FORMAT: tl.constexpr):
+    """A simple format's block as two halves of 16: elements ``t`` and ``16 + t`` share
+    byte ``t``'s nibbles (Q8_0: bytes ``t`` and ``16 + t``) and, for the 5-bit formats,
+    bits ``t`` and ``16 + t`` of the high word, read as two 16-bit halves."""
+    d = _half(base, mask)
+    zero = tl.zeros_like(d)
+    if FORMAT == Q8_0:
+        lo = tl.load(base + 2 + t, mask=mask, other=0).to(tl.int8, bitcast=True)
+        hi = tl.load(base + 18 + t, mask=mask, other=0).to(tl.int8, bitcast=True)
+        return (lo.to(tl.float32), d, zero), (hi.to(tl.float32), d, zero)
+    header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
+    five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
+    quants: tl.constexpr = header + 4 if five else header
+    b = _byte(base + quants + t, mask)
+    lo, hi = b & 15, b >> 4
+    if five:
+        lo |= ((_short(base + header, mask) >> t) & 1) << 4
+        hi |= ((_short(base + header + 2, mask) >> t) & 1) << 4
+    if header == 4:
+        m = _half(base + 2, mask)
+        return (lo.to(tl.float32), d, m), (hi.to(tl.float32), d, m)
+    bias: tl.constexpr = 16 if five else 8
+    return ((lo - bias).to(tl.float32), d, zero), ((hi - bias).to(tl.float32), d, zero)
+
+
+@triton.jit
+def _k_halves(base, c, t, mask, FORMAT: tl.constexpr):
+    """Q4_K / Q5_K: the 32 bytes of nibbles ``c`` (of 4) of a block hold sub-blocks
+    ``2c`` (low nibbles) and ``2c + 1`` (high); Q5_K's high bits are bits ``2c`` and
+    ``2c + 1`` of the 32 bytes before them."""
+    quants: tl.constexpr = Q5_K_QS if FORMAT == Q5_K else Q4_K_QS
+    b = _byte(base + quants + c * 32 + t, mask)
+    lo, hi = b & 15, b >> 4
+    if FORMAT == Q5_K:
+        high = _byte(base + K_QH + t, mask)
+        lo |= ((high >> (2 * c)) & 1) << 4
+        hi |= ((high >> (2 * c + 1)) & 1) << 4
+    d, dmin = _half(base, mask), _half(base + 2, mask)
+    scale_lo, least_lo = _k_scale_min(base, 2 * c, mask)
+    scale_hi, least_hi = _k_scale_min(base, 2 * c + 1, mask)
+    return ((lo.to(tl.float32), d * scale_lo, -(dmin * least_lo)),
+            (hi.to(tl.float32), d * scale_hi, -(dmin * least_hi)))
+
+
+@triton.jit
+def _q6_k_halves(base, h, a, t, mask):
+    """Q6_K: byte ``16a + t`` of half ``h``'s 64 bytes of nibbles holds elements
+    ``16a + t`` (low) and ``64 + 16a + t`` (high) of the half; both take their top bits
+    from byte ``16 (a % 2) + t`` of its 32 bytes of bit pairs (pairs ``a // 2`` and
+    ``2 + a // 2``); their scales are the block's ``8h + a`` and ``8h + 4 + a``."""
+    b = _byte(base + h * 64 + a * 16 + t, mask)
+    high = _byte(base + Q6_K_QH + h * 32 + (a % 2) * 16 + t, mask)
+    shift = 2 * (a // 2)
+    lo = (b & 15) | (((high >> shift) & 3) << 4)
+    hi = (b >> 4) | (((high >> (shift + 4)) & 3) << 4)
+    d = _half(base + Q6_K_D, mask)
+    scales = base + Q6_K_SCALES + h * 8 + a
+    scale_lo = tl.load(scales, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    scale_hi = tl.load(scales + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    zero = tl.zeros_like(d)
+    return ((lo - 32).to(tl.float32), d * scale_lo, zero), ((hi - 32).to(tl.float32), d * scale_hi, zero)
+
+
+@triton.jit
+def unit_halves(w_ptr, row, u, t, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+    """Units ``u`` of rows at byte offsets ``row``, each read once as the two halves its
+    bytes hold (``unit_width``): per half ``(q, scale, offset)`` as ``group_parts``
+    gives them, ``q`` ``[R, U, WIDTH]`` over lanes ``t`` and the scale and offset
+    ``[R, U, 1]``. A byte of nibbles is read once for both of its elements; the first
+    half's elements are ``unit_elements``, the second's that plus ``unit_gap``.
+    ``mask``: ``[R, U, 1]``, the units that exist."""
+    if FORMAT == Q6_K:
+        halves = _q6_k_halves(w_ptr + row + (u // 8) * TYPE_SIZE, (u // 4) % 2, u % 4, t, mask)
+    elif FORMAT == Q4_K or FORMAT == Q5_K:
+        halves = _k_halves(w_ptr + row + (u // 4) * TYPE_SIZE, u % 4, t, mask, FORMAT)
+    else:
+        halves = _simple_halves(w_ptr + row + u * TYPE_SIZE, t, mask, FORMAT)
+    return halves
+
+
+@triton.jit
+def unit_elements(u, t, FORMAT: tl.constexpr):
+    """The row elements of units ``u``'s first halves at lanes ``t``."""
+    if FORMAT == Q6_K:
+        first = (u // 4) * 128 + (u % 4) * 16 + t
+    elif FORMAT == Q4_K or FORMAT == Q5_K:
+        first = u * 64 + t
+    else:
+        first = u * 32 + t
+    return first
+
+
+def unit_width(fmt) -> int:
+    """Lanes of a unit (``unit_halves``): a K-quant's 32 bytes of nibbles for Q4_K and
+    Q5_K, 16 elsewhere; a unit is two halves of that many elements."""
+    return 32 if fmt.qtype in (Q.Q4_K, Q.Q5_K) else 16
+
+
+def unit_gap(fmt) -> int:
+    """How far a unit's second half's elements lie past its first's."""
+    return 64 if fmt.qtype == Q.Q6_K else unit_width(fmt)
 
 
 @triton.jit

@@ -22,43 +22,44 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear, check_weight
+from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear, check_weight
 from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_1, Q4_K, Q5_1, Q5_K, weight_parts
+from tokenspeed.backends.kernels.triton_gguf_dequant import (Q4_1, Q4_K, Q5_1, Q5_K, unit_elements,
+                                                             unit_gap, unit_halves, unit_width)
 
 
 @attrs.frozen
 class GemvConfig:
-    """Output rows per program, scale groups per K tile, K splits (each a program, summed
-    by a second kernel), and the launch's warps."""
+    """Output rows per program, K elements per tile (a power of two, at least 64: whole
+    units of every format), K splits (each a program, summed by a second kernel), and the
+    launch's warps."""
     block_n: int
-    groups: int
+    block_k: int
     splits: int
     num_warps: int
 
 
 @triton.jit
-def _row_groups(x_ptr, res_ptr, nw_ptr, k, k_hi, K, inv, GATED: tl.constexpr,
-                NORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """fp32 input values at ``k`` (``[1, GROUPS, GROUP]``, the weight tile's groups; zeros
-    from ``k_hi``), computed and rounded as the bf16 GEMV computes them."""
-    mask = k < k_hi
+def _inputs(x_ptr, res_ptr, nw_ptr, k, mask, K, inv, GATED: tl.constexpr, NORM: tl.constexpr,
+            HAS_RES: tl.constexpr):
+    """fp32 input values at ``k`` (zeros off ``mask``), computed and rounded as the bf16
+    GEMV computes them."""
     ty = x_ptr.dtype.element_ty
     if GATED:
         x = triton_gemv.silu_mul(tl.load(x_ptr + k, mask=mask, other=0.0),
                                  tl.load(x_ptr + k + K, mask=mask, other=0.0), ty)
     elif NORM:
         h = triton_gemv._hidden(x_ptr, res_ptr, k, mask, HAS_RES)
-        x = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=k < K, other=0.0), inv[:, None, None], ty)
+        x = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=mask, other=0.0), inv[:, None, None], ty)
     else:
         x = tl.load(x_ptr + k, mask=mask, other=0.0)
     return x.to(tl.float32)
 
 
 @triton.jit
-def _group_dots(parts, x, FORMAT: tl.constexpr):
-    """``[R, G, 1]``: each group's products summed, then scaled (``group_parts``)."""
-    q, scale, offset = parts
+def _half_dots(half, x, FORMAT: tl.constexpr):
+    """``[R, U, 1]``: each half's products summed, then scaled (``unit_halves``)."""
+    q, scale, offset = half
     dots = tl.sum(q * x, 2, keep_dims=True) * scale
     if FORMAT == Q4_1 or FORMAT == Q5_1 or FORMAT == Q4_K or FORMAT == Q5_K:
         dots += tl.sum(x, 2, keep_dims=True) * offset
@@ -66,43 +67,58 @@ def _group_dots(parts, x, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, K, inv, FORMAT: tl.constexpr,
+               GAP: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+               HAS_RES: tl.constexpr):
+    """A tile's units, both halves, against their inputs."""
+    k = unit_elements(u, lanes, FORMAT)
+    lo, hi = halves
+    x_lo = _inputs(x_ptr, res_ptr, nw_ptr, k, umask, K, inv, GATED, NORM, HAS_RES)
+    x_hi = _inputs(x_ptr, res_ptr, nw_ptr, k + GAP, umask, K, inv, GATED, NORM, HAS_RES)
+    return _half_dots(lo, x_lo, FORMAT) + _half_dots(hi, x_hi, FORMAT)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K,
                  k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
                  TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 GROUPS: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, WIDTH: tl.constexpr, GAP: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """GATED: x is (gate, up), the input silu(gate) * up; NORM: rms_norm(x + residual) *
     norm weight, its statistics read first, the sum written by the first program. Tiles
-    stay ``[rows, groups, group]`` and each group's products are summed as they come: a
+    stay ``[rows, units, lanes]`` and each half's products are summed as they come: a
     reshape to 2-D cost a layout change a tile and a whole-tile accumulator its registers
     (2.0-3.2x slower on the H200)."""
     pdl.start(USE_PDL)
     first = tl.program_id(0) * BLOCK_N
     rows_ptr = w_ptr + first.to(tl.int64) * stride_wn
     local = tl.arange(0, BLOCK_N)
-    n = first + local
-    nmask, split = n < N, tl.program_id(1)
-    BLOCK_K: tl.constexpr = GROUPS * GROUP
-    k_in_tile = tl.arange(0, GROUPS)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w = weight_parts(rows_ptr, local, nmask, k_lo // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                     TYPE_SIZE, GROUPS, GROUP)
+    nmask, split = (first + local) < N, tl.program_id(1)
+    row = local[:, None, None] * stride_wn
+    UNITS: tl.constexpr = BLOCK_K // (2 * WIDTH)
+    units, lanes = tl.arange(0, UNITS)[None, :, None], tl.arange(0, WIDTH)[None, None, :]
+    u_lo = split * (k_per_split // (2 * WIDTH))
+    u_hi = tl.minimum(u_lo + k_per_split // (2 * WIDTH), K // (2 * WIDTH))
+    halves = unit_halves(rows_ptr, row, u_lo + units, lanes, nmask[:, None, None] & (u_lo + units < u_hi),
+                         FORMAT, TYPE_SIZE)
     pdl.wait(USE_PDL)
     inv = tl.zeros([1], tl.float32)
     if NORM:
-        row = tl.arange(0, 1)
+        one = tl.arange(0, 1)
         write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
-        inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, row, row < 1, K, 0, eps,
+        inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, one, one < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
-    acc = _group_dots(w, _row_groups(x_ptr, res_ptr, nw_ptr, k_lo + k_in_tile, k_hi, K, inv, GATED,
-                                     NORM, HAS_RES), FORMAT)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile came before the wait
-        w = weight_parts(rows_ptr, local, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                         TYPE_SIZE, GROUPS, GROUP)
-        acc += _group_dots(w, _row_groups(x_ptr, res_ptr, nw_ptr, k0 + k_in_tile, k_hi, K, inv,
-                                          GATED, NORM, HAS_RES), FORMAT)
+    acc = _tile_dots(halves, u_lo + units, lanes, u_lo + units < u_hi, x_ptr, res_ptr, nw_ptr, K,
+                     inv, FORMAT, GAP, GATED, NORM, HAS_RES)
+    for u0 in range(u_lo + UNITS, u_hi, UNITS):  # the first tile came before the wait
+        u = u0 + units
+        umask = u < u_hi
+        halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & umask, FORMAT, TYPE_SIZE)
+        acc += _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, K, inv, FORMAT, GAP,
+                          GATED, NORM, HAS_RES)
     y = tl.sum(tl.sum(acc, 2), 1)
+    n = first + local
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + split.to(tl.int64) * stride_os + n, y.to(out_ptr.dtype.element_ty),
@@ -110,17 +126,20 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
-    """Two output rows a program, K tiles of 1024 elements, one warp: at or near the best
-    of a sweep on the H200 at each of the 1B shape's projections (N 2048 to 128256), Q4_K
-    and Q8_0 (block rows 1-8, tiles 512-2048, 1-4 warps; PERFORMANCE.md, 2026-12-04).
-    Tiles of 2048 did as well there but made Q6_K spill registers at one warp (ptxas,
-    sm_90a); K split where the rows alone leave SMs idle."""
-    block_n = 2
-    tile = min(1024, max(fmt.group_size, next_power_of_2(k)))
+    """Four output rows a program where a format's quants are 16-byte aligned (Q4_K, Q5_K:
+    read 16 bytes a load), one elsewhere (2-byte aligned blocks); K tiles of 1024 elements
+    at one warp, or, where the programs are fewer than an SM holds (32 each), tiles of
+    2048 at two warps, each program keeping more bytes in flight. This is the best of a
+    sweep on the H200 at every projection of the 1B shape for Q6_K, and within 3 % of it
+    summed over a token for Q4_K (block rows 1-4, tiles 1024-2048, 1-2 warps;
+    PERFORMANCE.md, 2026-12-04). K is split where the rows alone leave SMs idle."""
+    block_n = 4 if fmt.qtype in (Q.Q4_K, Q.Q5_K) else 1
     blocks = triton.cdiv(n, block_n)
+    few = blocks < 32 * sm_count
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
                                                    max(1, k // 1024))
-    return GemvConfig(block_n, tile // fmt.group_size, splits, 1)
+    tile = min(2048 if few else 1024, max(64, next_power_of_2(triton.cdiv(k, splits))))
+    return GemvConfig(block_n, tile, splits, 2 if few else 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
@@ -157,7 +176,9 @@ def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=F
             norm.total.copy_(x + norm.residual)
         return out
     c = config or choose_config(n, k, fmt, triton_attention.sm_count(x.device))
-    k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
+    if c.block_k < 64 or c.block_k & (c.block_k - 1):
+        raise ValueError(f"block_k must be a power of two of at least 64; got {c.block_k}")
+    k_per_split, splits = split_k(k, c.block_k, c.splits)
     part = out if splits == 1 else torch.empty((splits, 1, n), dtype=torch.float32,
                                                device=x.device)
     launch = pdl.launch_options(x.device)
@@ -166,8 +187,8 @@ def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=F
         _or(bias, x), part, n, k, k_per_split, weight.stride(0),
         part.stride(0) if splits > 1 else 0, norm.eps, FORMAT=fmt.code,
         TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1, GATED=gated,
-        NORM=normed, HAS_RES=norm.residual is not None, BLOCK_N=c.block_n, GROUPS=c.groups,
-        GROUP=fmt.group_size, num_warps=c.num_warps, **launch)
+        NORM=normed, HAS_RES=norm.residual is not None, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        WIDTH=unit_width(fmt), GAP=unit_gap(fmt), num_warps=c.num_warps, **launch)
     if splits > 1:
         sum_splits(part, bias, out, launch)
     return out
