@@ -220,6 +220,9 @@ def test_bad_calls_are_named():
         triton_gguf_gemv.gemv(torch.zeros(2, 256), weight, q4k)
     with pytest.raises(ValueError, match=r"x must be one row \[1, 256\]; got \(2, 256\)"):
         triton_gguf_gemv.norm_gemv(torch.zeros(2, 256), None, torch.zeros(256), 1e-5, weight, q4k)
+    with pytest.raises(ValueError, match="block_k must be a power of two of at least 64; got 96"):
+        triton_gguf_gemv.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k,
+                              config=triton_gguf_gemv.GemvConfig(1, 96, 1, 1))
     with pytest.raises(ValueError, match=r"ids must be int32 or int64 \[T\]; got torch.float32"):
         triton_gguf_embedding.embedding(torch.zeros(3), weight, q4k, torch.float32)
 
@@ -243,7 +246,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenspeed.backends.kernels import triton_gguf_embedding as e, triton_gguf_gemv as v, triton_gguf_matmul as m
-from tokenspeed.backends.kernels import triton_gguf_dequant as d
+from tokenspeed.backends.kernels import triton_gguf_units as d
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 
 def compile_sm90(kernel, signature, constexprs, num_warps=4):

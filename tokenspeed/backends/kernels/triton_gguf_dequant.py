@@ -1,5 +1,6 @@
-"""Decoding GGUF blocks inside a Triton program, shared by the GGUF matmul, matrix-vector
-and embedding kernels (layouts: ``gguf_blocks.py``).
+"""Decoding GGUF blocks inside a Triton program, shared by the GGUF matmul and embedding
+kernels (layouts: ``gguf_blocks.py``; the matrix-vector product reads them in units,
+``triton_gguf_units.py``, with the readers and constants here).
 
 A tile is ``[rows, groups, group_size]``: ``row`` is each row's byte offset
 (``[R, 1, 1]``), ``g`` the groups' index within the row (``[1, G, 1]``), ``j`` the
@@ -34,18 +35,25 @@ Q6_K_D = tl.constexpr(QK_K // 2 + QK_K // 4 + QK_K // 16)
 
 
 @triton.jit
-def _byte(ptr, mask):
+def read_byte(ptr, mask):
+    """The unsigned byte at ``ptr``, as int32."""
     return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def _short(ptr, mask):
+def read_int8(ptr, mask):
+    """The signed byte at ``ptr``, as fp32."""
+    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def read_short(ptr, mask):
     """The unsigned 16 bits at byte ``ptr`` (2-byte aligned, as ``_half``), as int32."""
     return tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def _half(ptr, mask):
+def read_half(ptr, mask):
     """The fp16 at byte ``ptr``, as fp32. Every fp16 of a block sits at an even offset and
     every type size is even, so rows starting at even addresses keep them 2-byte aligned
     (``gguf_blocks.check_weight``)."""
@@ -57,19 +65,29 @@ def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexp
     """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: a block is one group; fp16 d (and min m for *_1),
     then (5-bit formats) 32 high bits, then the quants."""
     base = w_ptr + row + g * TYPE_SIZE
-    d = _half(base, mask)
+    d = read_half(base, mask)
     if FORMAT == Q8_0:
-        q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-        return q.to(tl.float32), d, tl.zeros_like(d)
+        return read_int8(base + 2 + j, mask), d, tl.zeros_like(d)
     header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
     five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
     quants: tl.constexpr = header + 4 if five else header
-    q = (_byte(base + quants + j % 16, mask) >> (4 * (j // 16))) & 15
+    q = (read_byte(base + quants + j % 16, mask) >> (4 * (j // 16))) & 15
     if five:
-        q = q | (((_byte(base + header + j // 8, mask) >> (j % 8)) & 1) << 4)
+        q = q | (((read_byte(base + header + j // 8, mask) >> (j % 8)) & 1) << 4)
     if header == 4:
-        return q.to(tl.float32), d, _half(base + 2, mask)
+        return q.to(tl.float32), d, read_half(base + 2, mask)
     return (q - (16 if five else 8)).to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def k_scale_min(base, s, mask):
+    """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min, unpacked from the 12 bytes."""
+    low = base + K_SCALES + s % 4
+    a, b, c = read_byte(low, mask), read_byte(low + 4, mask), read_byte(low + 8, mask)
+    upper = s >= 4
+    scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
+    least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
+    return scale, least
 
 
 @triton.jit
@@ -79,12 +97,12 @@ def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constex
     2c + 1 (low, high nibble)."""
     base = w_ptr + row + (g // K_SUB_BLOCKS) * TYPE_SIZE
     s = g % K_SUB_BLOCKS
-    scale, least = _k_scale_min(base, s, mask)
+    scale, least = k_scale_min(base, s, mask)
     quants: tl.constexpr = Q5_K_QS if FORMAT == Q5_K else Q4_K_QS
-    q = (_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
+    q = (read_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
     if FORMAT == Q5_K:
-        q = q | (((_byte(base + K_QH + j, mask) >> s) & 1) << 4)
-    return q.to(tl.float32), _half(base, mask) * scale, -(_half(base + 2, mask) * least)
+        q = q | (((read_byte(base + K_QH + j, mask) >> s) & 1) << 4)
+    return q.to(tl.float32), read_half(base, mask) * scale, -(read_half(base + 2, mask) * least)
 
 
 @triton.jit
@@ -96,10 +114,9 @@ def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
     s = g % Q6_K_GROUPS
     e = s * 16 + j
     h, r = e // 128, e % 128
-    low = (_byte(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 15
-    high = (_byte(base + Q6_K_QH + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
-    scale = tl.load(base + Q6_K_SCALES + s, mask=mask, other=0).to(tl.int8, bitcast=True)
-    d = _half(base + Q6_K_D, mask) * scale.to(tl.float32)
+    low = (read_byte(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 15
+    high = (read_byte(base + Q6_K_QH + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
+    d = read_half(base + Q6_K_D, mask) * read_int8(base + Q6_K_SCALES + s, mask)
     return ((low | (high << 4)) - 32).to(tl.float32), d, tl.zeros_like(d)
 
 
@@ -108,9 +125,8 @@ def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.cons
     """The groups ``g`` of rows at byte offsets ``row`` as ``(q, scale, offset)``: fp32
     quants ``[R, G, GROUP]`` (integers, a format's fixed bias subtracted) and per group
     ``[R, G, 1]`` the scale and offset (0 where the format has none), the value being
-    ``scale * q + offset``. A matrix-vector product sums ``q * x`` over a group before it
-    scales: two operations an element fewer than decoding each value first. ``mask``:
-    ``[R, G, 1]``, the groups that exist; others read as 0."""
+    ``scale * q + offset`` (``group_values``). ``mask``: ``[R, G, 1]``, the groups that
+    exist; others read as 0."""
     if FORMAT == Q6_K:
         parts = _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE)
     elif FORMAT == Q4_K or FORMAT == Q5_K:
@@ -118,121 +134,6 @@ def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.cons
     else:
         parts = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
     return parts
-
-
-@triton.jit
-def _k_scale_min(base, s, mask):
-    """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min, unpacked from the 12 bytes."""
-    low = base + K_SCALES + s % 4
-    a, b, c = _byte(low, mask), _byte(low + 4, mask), _byte(low + 8, mask)
-    upper = s >= 4
-    scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
-    least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
-    return scale, least
-
-
-@triton.jit
-def _simple_halves(base, t, mask, FORMAT: tl.constexpr):
-    """A simple format's block as two halves of 16: elements ``t`` and ``16 + t`` share
-    byte ``t``'s nibbles (Q8_0: bytes ``t`` and ``16 + t``) and, for the 5-bit formats,
-    bits ``t`` and ``16 + t`` of the high word, read as two 16-bit halves."""
-    d = _half(base, mask)
-    zero = tl.zeros_like(d)
-    if FORMAT == Q8_0:
-        lo = tl.load(base + 2 + t, mask=mask, other=0).to(tl.int8, bitcast=True)
-        hi = tl.load(base + 18 + t, mask=mask, other=0).to(tl.int8, bitcast=True)
-        return (lo.to(tl.float32), d, zero), (hi.to(tl.float32), d, zero)
-    header: tl.constexpr = 4 if (FORMAT == Q4_1 or FORMAT == Q5_1) else 2
-    five: tl.constexpr = FORMAT == Q5_0 or FORMAT == Q5_1
-    quants: tl.constexpr = header + 4 if five else header
-    b = _byte(base + quants + t, mask)
-    lo, hi = b & 15, b >> 4
-    if five:
-        lo |= ((_short(base + header, mask) >> t) & 1) << 4
-        hi |= ((_short(base + header + 2, mask) >> t) & 1) << 4
-    if header == 4:
-        m = _half(base + 2, mask)
-        return (lo.to(tl.float32), d, m), (hi.to(tl.float32), d, m)
-    bias: tl.constexpr = 16 if five else 8
-    return ((lo - bias).to(tl.float32), d, zero), ((hi - bias).to(tl.float32), d, zero)
-
-
-@triton.jit
-def _k_halves(base, c, t, mask, FORMAT: tl.constexpr):
-    """Q4_K / Q5_K: the 32 bytes of nibbles ``c`` (of 4) of a block hold sub-blocks
-    ``2c`` (low nibbles) and ``2c + 1`` (high); Q5_K's high bits are bits ``2c`` and
-    ``2c + 1`` of the 32 bytes before them."""
-    quants: tl.constexpr = Q5_K_QS if FORMAT == Q5_K else Q4_K_QS
-    b = _byte(base + quants + c * 32 + t, mask)
-    lo, hi = b & 15, b >> 4
-    if FORMAT == Q5_K:
-        high = _byte(base + K_QH + t, mask)
-        lo |= ((high >> (2 * c)) & 1) << 4
-        hi |= ((high >> (2 * c + 1)) & 1) << 4
-    d, dmin = _half(base, mask), _half(base + 2, mask)
-    scale_lo, least_lo = _k_scale_min(base, 2 * c, mask)
-    scale_hi, least_hi = _k_scale_min(base, 2 * c + 1, mask)
-    return ((lo.to(tl.float32), d * scale_lo, -(dmin * least_lo)),
-            (hi.to(tl.float32), d * scale_hi, -(dmin * least_hi)))
-
-
-@triton.jit
-def _q6_k_halves(base, h, a, t, mask):
-    """Q6_K: byte ``16a + t`` of half ``h``'s 64 bytes of nibbles holds elements
-    ``16a + t`` (low) and ``64 + 16a + t`` (high) of the half; both take their top bits
-    from byte ``16 (a % 2) + t`` of its 32 bytes of bit pairs (pairs ``a // 2`` and
-    ``2 + a // 2``); their scales are the block's ``8h + a`` and ``8h + 4 + a``."""
-    b = _byte(base + h * 64 + a * 16 + t, mask)
-    high = _byte(base + Q6_K_QH + h * 32 + (a % 2) * 16 + t, mask)
-    shift = 2 * (a // 2)
-    lo = (b & 15) | (((high >> shift) & 3) << 4)
-    hi = (b >> 4) | (((high >> (shift + 4)) & 3) << 4)
-    d = _half(base + Q6_K_D, mask)
-    scales = base + Q6_K_SCALES + h * 8 + a
-    scale_lo = tl.load(scales, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    scale_hi = tl.load(scales + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    zero = tl.zeros_like(d)
-    return ((lo - 32).to(tl.float32), d * scale_lo, zero), ((hi - 32).to(tl.float32), d * scale_hi, zero)
-
-
-@triton.jit
-def unit_halves(w_ptr, row, u, t, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
-    """Units ``u`` of rows at byte offsets ``row``, each read once as the two halves its
-    bytes hold (``unit_width``): per half ``(q, scale, offset)`` as ``group_parts``
-    gives them, ``q`` ``[R, U, WIDTH]`` over lanes ``t`` and the scale and offset
-    ``[R, U, 1]``. A byte of nibbles is read once for both of its elements; the first
-    half's elements are ``unit_elements``, the second's that plus ``unit_gap``.
-    ``mask``: ``[R, U, 1]``, the units that exist."""
-    if FORMAT == Q6_K:
-        halves = _q6_k_halves(w_ptr + row + (u // 8) * TYPE_SIZE, (u // 4) % 2, u % 4, t, mask)
-    elif FORMAT == Q4_K or FORMAT == Q5_K:
-        halves = _k_halves(w_ptr + row + (u // 4) * TYPE_SIZE, u % 4, t, mask, FORMAT)
-    else:
-        halves = _simple_halves(w_ptr + row + u * TYPE_SIZE, t, mask, FORMAT)
-    return halves
-
-
-@triton.jit
-def unit_elements(u, t, FORMAT: tl.constexpr):
-    """The row elements of units ``u``'s first halves at lanes ``t``."""
-    if FORMAT == Q6_K:
-        first = (u // 4) * 128 + (u % 4) * 16 + t
-    elif FORMAT == Q4_K or FORMAT == Q5_K:
-        first = u * 64 + t
-    else:
-        first = u * 32 + t
-    return first
-
-
-def unit_width(fmt) -> int:
-    """Lanes of a unit (``unit_halves``): a K-quant's 32 bytes of nibbles for Q4_K and
-    Q5_K, 16 elsewhere; a unit is two halves of that many elements."""
-    return 32 if fmt.qtype in (Q.Q4_K, Q.Q5_K) else 16
-
-
-def unit_gap(fmt) -> int:
-    """How far a unit's second half's elements lie past its first's."""
-    return 64 if fmt.qtype == Q.Q6_K else unit_width(fmt)
 
 
 @triton.jit
@@ -245,19 +146,6 @@ def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.con
     else:
         values = scale * q
     return values
-
-
-@triton.jit
-def weight_parts(rows_ptr, local, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
-                 TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
-    """``group_parts`` of groups ``g0`` to ``g0 + GROUPS`` of rows ``local`` (``[BLOCK_N]``)
-    counted from the program's first row at ``rows_ptr``: the offsets within a program
-    stay 32-bit, one 64-bit pointer a program (``groups``, ``nmask``: as
-    ``weight_groups``)."""
-    g = g0 + tl.arange(0, GROUPS)[None, :, None]
-    j = tl.arange(0, GROUP)[None, None, :]
-    row = local[:, None, None] * stride_wn
-    return group_parts(rows_ptr, row, g, j, nmask[:, None, None] & (g < groups), FORMAT, TYPE_SIZE)
 
 
 @triton.jit

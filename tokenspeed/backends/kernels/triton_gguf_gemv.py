@@ -3,10 +3,11 @@ of one row, W read as its blocks (``gguf_blocks.py``) and decoded in registers.
 
 One row only streams the weight, so speed is the bytes read: a quantized weight is 2-4x
 fewer than bf16. Each program owns ``BLOCK_N`` output rows and walks K in tiles of
-``GROUPS`` scale groups, summing each group's quants times the input in fp32 (no
-tensor-core padding for one row) before it applies the group's scale and offset, and the
-groups once at the end; K is split over programs (their partial sums added by a second
-kernel) where the column blocks alone leave SMs idle. Under PDL the first weight tile is
+``BLOCK_K`` elements, read in units (``triton_gguf_units.py``: each byte read once, for
+both of its nibbles), summing each half-unit's quants times the input in fp32 (no
+tensor-core padding for one row) before it applies the half's scale and offset, and the
+halves once at the end; K is split over programs (their partial sums added by a second
+kernel) where the row blocks alone leave SMs idle. Under PDL the first weight tile is
 decoded before the program waits for the kernel that writes x. As ``triton_gemv`` does
 for bf16 weights (and with its input code), the input may be computed as it is read:
 silu(gate) * up, or rms_norm(x + residual) * weight; every program computes the whole
@@ -24,8 +25,9 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear, check_weight
 from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import (Q4_1, Q4_K, Q5_1, Q5_K, unit_elements,
-                                                             unit_gap, unit_halves, unit_width)
+from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_1, Q4_K, Q5_1, Q5_K
+from tokenspeed.backends.kernels.triton_gguf_units import (unit_elements, unit_gap, unit_halves,
+                                                           unit_width)
 
 
 @attrs.frozen
