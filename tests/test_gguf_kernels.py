@@ -127,12 +127,12 @@ def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
 def test_gemv_computes_its_gated_or_normed_input(name):
     """As ``triton_gemv`` does for bf16 weights: silu(gate) * up, or rms_norm(x + residual)
     * norm weight (its sum written once), each as the unfused ops compute it."""
-    fmt, k = block_format(name), 512
-    weight, gen = quantized(name, 37, k, seed=5), torch.Generator().manual_seed(5)
+    fmt, k, rows = block_format(name), 512, 13  # 13: not a multiple of any row block
+    weight, gen = quantized(name, rows, k, seed=5), torch.Generator().manual_seed(5)
     gate_up, x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
-                                               for shape in ((1, 2 * k), (1, k), (1, k), (k,), (37,)))
+                                               for shape in ((1, 2 * k), (1, k), (1, k), (k,), (rows,)))
     several_tiles = triton_gguf_gemv.GemvConfig(4, 128, 1, 4)
-    split = triton_gguf_gemv.GemvConfig(4, 64, 3, 4)
+    split = triton_gguf_gemv.GemvConfig(4, 128, 3, 4)
     for config in (None, several_tiles, split):
         got = triton_gguf_gemv.gemv(gate_up, weight, fmt, bias, config=config, gated=True)
         assert_within(got, reference.silu_and_mul(gate_up), weight, fmt, bias)

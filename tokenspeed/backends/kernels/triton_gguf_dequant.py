@@ -48,7 +48,7 @@ def read_int8(ptr, mask):
 
 @triton.jit
 def read_short(ptr, mask):
-    """The unsigned 16 bits at byte ``ptr`` (2-byte aligned, as ``_half``), as int32."""
+    """The unsigned 16 bits at byte ``ptr`` (2-byte aligned, as ``read_half``), as int32."""
     return tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.int32)
 
 

@@ -102,8 +102,9 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
     units, lanes = tl.arange(0, UNITS)[None, :, None], tl.arange(0, WIDTH)[None, None, :]
     u_lo = split * (k_per_split // (2 * WIDTH))
     u_hi = tl.minimum(u_lo + k_per_split // (2 * WIDTH), K // (2 * WIDTH))
-    halves = unit_halves(rows_ptr, row, u_lo + units, lanes, nmask[:, None, None] & (u_lo + units < u_hi),
-                         FORMAT, TYPE_SIZE)
+    u = u_lo + units
+    halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & (u < u_hi), FORMAT,
+                         TYPE_SIZE)
     pdl.wait(USE_PDL)
     inv = tl.zeros([1], tl.float32)
     if NORM:
@@ -111,8 +112,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
         write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
         inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, one, one < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
-    acc = _tile_dots(halves, u_lo + units, lanes, u_lo + units < u_hi, x_ptr, res_ptr, nw_ptr, K,
-                     inv, FORMAT, GAP, GATED, NORM, HAS_RES)
+    acc = _tile_dots(halves, u, lanes, u < u_hi, x_ptr, res_ptr, nw_ptr, K, inv, FORMAT, GAP,
+                     GATED, NORM, HAS_RES)
     for u0 in range(u_lo + UNITS, u_hi, UNITS):  # the first tile came before the wait
         u = u0 + units
         umask = u < u_hi
