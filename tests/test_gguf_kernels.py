@@ -124,20 +124,16 @@ def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])
-def test_gemv_computes_its_gated_or_normed_input(name):
-    """As ``triton_gemv`` does for bf16 weights: silu(gate) * up, or rms_norm(x + residual)
-    * norm weight (its sum written once), each as the unfused ops compute it."""
+def test_gemv_computes_its_normed_input(name):
+    """As ``triton_gemv`` does for bf16 weights: rms_norm(x + residual) * norm weight (its
+    sum written once), as the unfused ops compute it."""
     fmt, k, rows = block_format(name), 512, 13  # 13: not a multiple of any row block
     weight, gen = quantized(name, rows, k, seed=5), torch.Generator().manual_seed(5)
-    gate_up, x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
-                                               for shape in ((1, 2 * k), (1, k), (1, k), (k,), (rows,)))
+    x, residual, norm_weight, bias = (torch.randn(shape, generator=gen).to(DEVICE)
+                                      for shape in ((1, k), (1, k), (k,), (rows,)))
     several_tiles = triton_gguf_gemv.GemvConfig(4, 128, 1, 4)
     split = triton_gguf_gemv.GemvConfig(4, 128, 3, 4)
     for config in (None, several_tiles, split):
-        got = triton_gguf_gemv.gemv(gate_up, weight, fmt, bias, config=config, gated=True)
-        assert_within(got, reference.silu_and_mul(gate_up), weight, fmt, bias)
-        torch.testing.assert_close(got, gguf_reference.gated_linear(gate_up, weight, fmt, bias),
-                                   rtol=1e-4, atol=1e-4)
         for res in (None, residual):
             out, total = triton_gguf_gemv.norm_gemv(x, res, norm_weight, 1e-5, weight, fmt, config=config)
             normed = reference.rms_norm(x if res is None else x + res, norm_weight, 1e-5)
@@ -212,8 +208,6 @@ def test_bad_calls_are_named():
         triton_gguf_matmul.matmul(torch.zeros(2, 256), weight.float(), q4k)
     with pytest.raises(ValueError, match=r"bias must be \[4\]; got \(5,\)"):
         triton_gguf_matmul.linear(torch.zeros(1, 256), weight, q4k, torch.zeros(5))
-    with pytest.raises(ValueError, match=r"x must be \[1, 512\] \(gate, up\) for a Q4_K weight of 256 columns; got \(1, 256\)"):
-        triton_gguf_gemv.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k, gated=True)
     with pytest.raises(ValueError, match=r"norm weight must be \[256\]; got \(255,\)"):
         triton_gguf_gemv.norm_gemv(torch.zeros(1, 256), None, torch.zeros(255), 1e-5, weight, q4k)
     with pytest.raises(ValueError, match=r"x must be \[1, 256\] for a Q4_K weight of 256 columns; got \(2, 256\)"):
@@ -261,11 +255,11 @@ def check(fmt):
     common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, USE_PDL=True)
     group = dict(GROUP=fmt.group_size, **common)
     one_row = v.choose_config(2048, 8192, fmt, 132)
-    for gated, norm in ((False, False), (True, False), (False, True)):
+    for norm in (False, True):
         gemv = compile_sm90(v._gemv_kernel, dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16",
                             w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32", k_per_split="i32",
                             stride_wn="i32", stride_os="i32", eps="fp32"),
-                            dict(HAS_BIAS=True, GATED=gated, NORM=norm, HAS_RES=norm, BLOCK_N=one_row.block_n,
+                            dict(HAS_BIAS=True, NORM=norm, HAS_RES=norm, BLOCK_N=one_row.block_n,
                                  BLOCK_K=one_row.block_k, WIDTH=d.unit_width(fmt), GAP=d.unit_gap(fmt),
                                  **common), one_row.num_warps)
         assert "griddepcontrol.wait" in gemv.asm["ptx"]

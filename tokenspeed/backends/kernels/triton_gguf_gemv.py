@@ -9,11 +9,12 @@ tensor-core padding for one row) before it applies the half's scale and offset, 
 halves once at the end; K is split over programs (their partial sums added by a second
 kernel) where the row blocks alone leave SMs idle. Under PDL the first weight tile is
 decoded before the program waits for the kernel that writes x. As ``triton_gemv`` does
-for bf16 weights (and with its input code), the input may be computed as it is read:
-silu(gate) * up, or rms_norm(x + residual) * weight; every program computes the whole
-input, so the engine fuses only the norm, and only for weights of few rows
-(``cuda.norm_linear``). Several rows go to ``triton_gguf_matmul`` (tensor cores, the
-weight still read once for up to 64 rows).
+for bf16 weights (and with its input code), the input may be rms_norm(x + residual) *
+weight, computed as it is read; every program computes the whole input, so the engine
+fuses it only for weights of few rows (``cuda.norm_linear``), and runs silu(gate) * up
+as its own kernel (a fused activation cost more than it saved: ``cuda.gated_linear``).
+Several rows go to ``triton_gguf_matmul`` (tensor cores, the weight still read once for
+up to 64 rows).
 """
 
 import attrs
@@ -42,17 +43,13 @@ class GemvConfig:
 
 
 @triton.jit
-def _inputs(x_ptr, res_ptr, nw_ptr, k, mask, K, inv, GATED: tl.constexpr, NORM: tl.constexpr,
-            HAS_RES: tl.constexpr):
+def _inputs(x_ptr, res_ptr, nw_ptr, k, mask, inv, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """fp32 input values at ``k`` (zeros off ``mask``), computed and rounded as the bf16
     GEMV computes them."""
-    ty = x_ptr.dtype.element_ty
-    if GATED:
-        x = triton_gemv.silu_mul(tl.load(x_ptr + k, mask=mask, other=0.0),
-                                 tl.load(x_ptr + k + K, mask=mask, other=0.0), ty)
-    elif NORM:
+    if NORM:
         h = triton_gemv._hidden(x_ptr, res_ptr, k, mask, HAS_RES)
-        x = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=mask, other=0.0), inv[:, None, None], ty)
+        x = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=mask, other=0.0), inv[:, None, None],
+                               x_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + k, mask=mask, other=0.0)
     return x.to(tl.float32)
@@ -69,26 +66,23 @@ def _half_dots(half, x, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, K, inv, FORMAT: tl.constexpr,
-               GAP: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-               HAS_RES: tl.constexpr):
+def _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT: tl.constexpr,
+               GAP: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """A tile's units, both halves, against their inputs."""
     k = unit_elements(u, lanes, FORMAT)
     lo, hi = halves
-    x_lo = _inputs(x_ptr, res_ptr, nw_ptr, k, umask, K, inv, GATED, NORM, HAS_RES)
-    x_hi = _inputs(x_ptr, res_ptr, nw_ptr, k + GAP, umask, K, inv, GATED, NORM, HAS_RES)
+    x_lo = _inputs(x_ptr, res_ptr, nw_ptr, k, umask, inv, NORM, HAS_RES)
+    x_hi = _inputs(x_ptr, res_ptr, nw_ptr, k + GAP, umask, inv, NORM, HAS_RES)
     return _half_dots(lo, x_lo, FORMAT) + _half_dots(hi, x_hi, FORMAT)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K,
                  k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
-                 TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, WIDTH: tl.constexpr, GAP: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    """GATED: x is (gate, up), the input silu(gate) * up; NORM: rms_norm(x + residual) *
-    norm weight, its statistics read first, the sum written by the first program. Tiles
+    """NORM: the input is rms_norm(x + residual) * norm weight, its statistics read first, the sum written by the first program. Tiles
     stay ``[rows, units, lanes]`` and each half's products are summed as they come: a
     reshape to 2-D cost a layout change a tile and a whole-tile accumulator its registers
     (2.0-3.2x slower on the H200)."""
@@ -112,14 +106,14 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
         write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
         inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, one, one < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
-    acc = _tile_dots(halves, u, lanes, u < u_hi, x_ptr, res_ptr, nw_ptr, K, inv, FORMAT, GAP,
-                     GATED, NORM, HAS_RES)
+    acc = _tile_dots(halves, u, lanes, u < u_hi, x_ptr, res_ptr, nw_ptr, inv, FORMAT, GAP, NORM,
+                     HAS_RES)
     for u0 in range(u_lo + UNITS, u_hi, UNITS):  # the first tile came before the wait
         u = u0 + units
         umask = u < u_hi
         halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & umask, FORMAT, TYPE_SIZE)
-        acc += _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, K, inv, FORMAT, GAP,
-                          GATED, NORM, HAS_RES)
+        acc += _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT, GAP, NORM,
+                          HAS_RES)
     y = tl.sum(tl.sum(acc, 2), 1)
     n = first + local
     if HAS_BIAS:
@@ -146,17 +140,15 @@ def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
-         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None) -> torch.Tensor:
     """``x [1, K] @ dequantize(weight).T (+ bias)`` as ``[1, N]`` in x's dtype, fp32
-    accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``. ``gated``: x is
-    ``[1, 2K]`` (gate, up) and the input silu(gate) * up, saving the activation's kernel."""
+    accumulation; ``weight`` is ``uint8 [N, row_bytes]`` in ``fmt``."""
     k = check_weight(weight, fmt)
-    need = [1, 2 * k] if gated else [1, k]
-    if list(x.shape) != need:
-        raise ValueError(f"x must be {need}{' (gate, up)' if gated else ''} for a {fmt.name} "
-                         f"weight of {k} columns; got {tuple(x.shape)}")
-    check_linear(x[:, :k], weight, fmt, bias)  # its dtype and the bias
-    return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0), gated)
+    if list(x.shape) != [1, k]:
+        raise ValueError(f"x must be [1, {k}] for a {fmt.name} weight of {k} columns; got "
+                         f"{tuple(x.shape)}")
+    check_linear(x, weight, fmt, bias)  # its dtype and the bias
+    return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0))
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -168,10 +160,10 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     if x.shape[0] != 1:
         raise ValueError(f"x must be one row [1, {k}]; got {tuple(x.shape)}")
     x, norm = triton_gemv.input_norm(x, residual, norm_weight, eps, ValueError)
-    return _launch(x, weight, fmt, bias, config, norm, False, normed=True), norm.total
+    return _launch(x, weight, fmt, bias, config, norm, normed=True), norm.total
 
 
-def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=False):
+def _launch(x, weight, fmt, bias, config, norm: InputNorm, normed=False):
     x, n, k = x.contiguous(), weight.shape[0], fmt.features(weight.shape[1])
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
@@ -189,7 +181,7 @@ def _launch(x, weight, fmt, bias, config, norm: InputNorm, gated: bool, normed=F
         x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
         _or(bias, x), part, n, k, k_per_split, weight.stride(0),
         part.stride(0) if splits > 1 else 0, norm.eps, FORMAT=fmt.code,
-        TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1, GATED=gated,
+        TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
         NORM=normed, HAS_RES=norm.residual is not None, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         WIDTH=unit_width(fmt), GAP=unit_gap(fmt), num_warps=c.num_warps, **launch)
     if splits > 1:
