@@ -79,13 +79,13 @@ def _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT: tl.
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K,
                  k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
-                 TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WIDTH: tl.constexpr, GAP: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    """NORM: the input is rms_norm(x + residual) * norm weight, its statistics read first, the sum written by the first program. Tiles
-    stay ``[rows, units, lanes]`` and each half's products are summed as they come: a
-    reshape to 2-D cost a layout change a tile and a whole-tile accumulator its registers
-    (2.0-3.2x slower on the H200)."""
+                 TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                 HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WIDTH: tl.constexpr, GAP: tl.constexpr, USE_PDL: tl.constexpr):
+    """NORM: the input is rms_norm(x + residual) * norm weight, its statistics read first,
+    the sum written by the first program. Tiles stay ``[rows, units, lanes]`` and each
+    half's products are summed as they come: a reshape to 2-D cost a layout change a tile
+    and a whole-tile accumulator its registers (2.0-3.2x slower on the H200)."""
     pdl.start(USE_PDL)
     first = tl.program_id(0) * BLOCK_N
     rows_ptr = w_ptr + first.to(tl.int64) * stride_wn
@@ -111,7 +111,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
     for u0 in range(u_lo + UNITS, u_hi, UNITS):  # the first tile came before the wait
         u = u0 + units
         umask = u < u_hi
-        halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & umask, FORMAT, TYPE_SIZE)
+        halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & umask, FORMAT,
+                             TYPE_SIZE)
         acc += _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT, GAP, NORM,
                           HAS_RES)
     y = tl.sum(tl.sum(acc, 2), 1)
@@ -124,7 +125,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
     """Four output rows a program where a format's quants are 16-byte aligned (Q4_K, Q5_K:
-    read 16 bytes a load), one elsewhere (2-byte aligned blocks); K tiles of 1024 elements
+    read 16 bytes a load), one elsewhere (narrower loads: Q8_0's and Q6_K's blocks are
+    2-byte aligned); K tiles of 1024 elements
     at one warp, or, where the programs are fewer than an SM holds (32 each), tiles of
     2048 at two warps, each program keeping more bytes in flight. This is the best of a
     sweep on the H200 at every projection of the 1B shape for Q6_K, and within 3 % of it
