@@ -4,8 +4,9 @@ once (``triton_gguf_gemv.py``; readers and layouts: ``triton_gguf_dequant.py``).
 Reading a tile as scale groups (``group_parts``) reads a byte of two nibbles twice, once
 for each group it serves, and Q6_K's bytes two and four times through computed offsets.
 A unit is instead a run of ``unit_width`` bytes read once, decoded into two *halves*,
-the elements of its bytes' low and high parts: a simple block's 16 bytes, 32 bytes of a
-Q4_K / Q5_K block's nibbles (two sub-blocks), 16 of Q6_K's (elements 64 apart). Each
+the elements of its bytes' low and high parts: a simple block's 16 bytes of nibbles (Q8_0:
+its 32 quants as two runs of 16), 32 bytes of a Q4_K / Q5_K block's nibbles (two
+sub-blocks), 16 of Q6_K's (elements 64 apart). Each
 half shares one scale, so a matrix-vector product sums a half's products before it
 scales them. On the H200 this alone took decoding the 1B shape from 4.07 to 2.12 ms a
 token in Q6_K and from 1.10 to 0.92 in Q4_K (PERFORMANCE.md, 2026-12-04).
