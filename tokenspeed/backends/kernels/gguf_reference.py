@@ -30,11 +30,6 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
     return dequantize(weight, fmt)[ids].to(dtype)
 
 
-def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
-                 bias: torch.Tensor = None) -> torch.Tensor:
-    return linear(reference.silu_and_mul(gate_up), weight, fmt, bias)
-
-
 def norm_linear(x, residual, norm_weight, eps, weight, fmt: BlockFormat, bias=None) -> list:
     """[out] without a residual, [out, x + residual] with one: ``reference.norm_linear``'s."""
     if residual is None:

@@ -125,12 +125,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
     """Four output rows a program where a format's quants are 16-byte aligned (Q4_K, Q5_K:
-    read 16 bytes a load), one elsewhere (narrower loads: Q8_0's and Q6_K's blocks are
-    2-byte aligned); K tiles of 1024 elements
-    at one warp, or, where the programs are fewer than an SM holds (32 each), tiles of
-    2048 at two warps, each program keeping more bytes in flight. This is the best of a
-    sweep on the H200 at every projection of the 1B shape for Q6_K, and within 3 % of it
-    summed over a token for Q4_K (block rows 1-4, tiles 1024-2048, 1-2 warps;
+    read 16 bytes a load), one elsewhere (narrower loads: the other formats' blocks are 2,
+    4 or 8-byte aligned); K tiles of 1024 elements at one warp, or, where the programs
+    are fewer than 32 an SM (the most an SM holds), tiles of 2048 at two warps, each
+    program keeping more bytes in flight; no tile longer than a split's K. This is the
+    best of a sweep on the H200 at every projection of the 1B shape for Q6_K, and within
+    3 % of it summed over a token for Q4_K (block rows 1-4, tiles 1024-2048, 1-2 warps;
     PERFORMANCE.md, 2026-12-04). K is split where the rows alone leave SMs idle."""
     block_n = 4 if fmt.qtype in (Q.Q4_K, Q.Q5_K) else 1
     blocks = triton.cdiv(n, block_n)

@@ -1,5 +1,6 @@
-"""GGUF blocks read for a matrix-vector product: in *units*, each of whose bytes is read
-once (``triton_gguf_gemv.py``; readers and layouts: ``triton_gguf_dequant.py``).
+"""GGUF blocks read for a matrix-vector product: in *units*, each of whose quant bytes is
+read once (``triton_gguf_gemv.py``; readers and layouts: ``triton_gguf_dequant.py``). A
+block's scales, and Q5_K's and Q6_K's high bits, are read by each unit that uses them.
 
 Reading a tile as scale groups (``group_parts``) reads a byte of two nibbles twice, once
 for each group it serves, and Q6_K's bytes two and four times through computed offsets.
