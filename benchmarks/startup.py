@@ -65,7 +65,8 @@ def main() -> None:
     if not args.shapes and not args.models:
         parser.error("nothing to start: name --shapes or --models")
     rows = []
-    for kind, name in [("shape", s) for s in args.shapes] + [("model", m) for m in args.models]:
+    models = [m if m == "default" else os.path.abspath(m) for m in args.models]   # the child runs in the root
+    for kind, name in [("shape", s) for s in args.shapes] + [("model", m) for m in models]:
         for label, workers in (("serial", 0), ("parallel", -1)):
             with tempfile.TemporaryDirectory() as cache:
                 for state in ("cold", "warm"):
