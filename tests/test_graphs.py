@@ -326,3 +326,29 @@ def test_the_dry_run_walks_until_two_quiet_walks_then_the_largest():
     walked.clear()
     _walk_until_quiet(walk, [16, 32], variants)
     assert walked == [16, 32]
+
+
+def test_the_collector_is_paused_while_an_engine_starts_and_restored_after(model, monkeypatch):
+    """``collector_paused``: no cyclic collection walks the startup's objects, and the
+    collector's state is put back after a start and after a failed one (it stays off for a
+    caller who had turned it off)."""
+    import gc
+    from tokenspeed import stages
+    seen, trace = [], stages.trace
+    monkeypatch.setattr(stages, "trace", lambda m: seen.append(gc.isenabled()) or trace(m))
+    make_llm(model)
+    assert seen == [False] and gc.isenabled()
+
+    def fails(m):
+        raise RuntimeError("tracing failed")
+    monkeypatch.setattr(stages, "trace", fails)
+    with pytest.raises(RuntimeError, match="tracing failed"):
+        make_llm(model)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="tracing failed"):
+            make_llm(model)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -26,6 +26,7 @@ from tokenspeed.models.gguf import default_model_path
 from tokenspeed.execution import kv_pool
 from tokenspeed.scheduling.block_allocator import BlockAllocator
 from tokenspeed.execution.compile_config import CompileConfig
+from tokenspeed.execution.startup import collector_paused
 from tokenspeed.engine.draft_model import DraftModelDrafter
 from tokenspeed.engine.core import Engine
 from tokenspeed.engine.grammars import Grammars
@@ -77,7 +78,7 @@ class LLM:
         # the workers start before the model (and so its leaf) is known: they compile the paged
         # leaf's variants, a superset of what a latent-attention model captures
         wanted = config.graph_support((backend or PagedAttentionBackend()).graph_support())
-        with CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
+        with collector_paused(), CompileWorkers(config.workers_for(wanted)) as workers:  # imports overlap loading
             reader = model_source.gguf_reader(model)  # model and tokenizer read one parse of the file
             self.model = model_source.as_model(model, checked_dtype(dtype), config.device, reader,
                                                quantization)

@@ -1,8 +1,10 @@
 """Startup: build the runners and capture every graph, once, with a progress bar."""
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 
 import attrs
 import torch
@@ -159,3 +161,20 @@ def _reserved(device) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while an engine starts. Loading, tracing, lowering
+    and capturing allocate hundreds of thousands of objects (a GGUF vocabulary's fields,
+    graph nodes, kernel launches), and every full collection walks all that the process
+    holds: 1.2-1.3 s of the default model's start on the CPU machine went to collections
+    (docs/PERFORMANCE.md). Explicit collections (before device memory is measured) still
+    run, and the collector's state is put back whatever happens."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
