@@ -46,7 +46,9 @@ print(json.dumps({"startup_s": seconds, "precompile_s": s.precompile_seconds,
 
 
 def run(kind: str, name: str, workers: int, cache: str) -> dict:
-    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    """One start in a child. Its Python writes bytecode as a user's does (a machine set not to,
+    as the H200's is, would compile every module of torch in every start: seconds)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"TRITON_CACHE_DIR": cache}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", CHILD, kind, name, str(workers)], env=env, cwd=root,

@@ -352,3 +352,30 @@ def test_the_collector_is_paused_while_an_engine_starts_and_restored_after(model
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_start_described_alike_skips_the_kernel_dry_run(model, tmp_path, monkeypatch):
+    """A start records its kernel variants in a dry run, then marks its description (the
+    programs, shapes and ladders) in Triton's cache; a later start described alike finds
+    the mark and skips the dry run. Another ladder or another cache is another start."""
+    from tokenspeed.backends.kernels import precompile
+    from tokenspeed.execution import startup
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    dry_runs, dry_run = [], precompile.dry_run
+    monkeypatch.setattr(precompile, "dry_run", lambda: dry_runs.append(1) or dry_run())
+
+    def precompiled(llm) -> int:
+        compiled = llm.compiled
+        steps = [(compiled.decode, compiled.startup.decode_ladder)]
+        return startup._precompile(steps, compiled.prefill, 1, precompile.CompileWorkers(0))
+
+    llm = make_llm(model)
+    assert precompiled(llm) == 0 and dry_runs == [1]    # the CPU records no Triton variant
+    assert precompiled(make_llm(model)) == 0 and dry_runs == [1]
+    described = startup.start_description([(llm.compiled.decode, llm.compiled.startup.decode_ladder)],
+                                          llm.compiled.prefill)
+    assert precompile.start_marker(described).exists()
+    other = make_llm(model, max_num_seqs=3)
+    assert precompiled(other) == 0 and dry_runs == [1, 1]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert not precompile.start_marker(described).exists()

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed import stages
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.execution import kv_pool
 from tokenspeed.execution.compile_config import CompileConfig
@@ -141,8 +142,11 @@ class FakeDevice:
     """The GPU's memory as ``mem_get_info`` reports it, on the CPU: ``total`` bytes, of which
     ``base`` are held (weights, graphs) plus every KV pool still alive."""
 
-    def __init__(self, monkeypatch, total: int, base: int):
+    def __init__(self, monkeypatch, total: int, base: int, captured: int = 0):
+        """``captured``: bytes the device holds besides ``base`` after the first question
+        (what the graphs take, unknown before they are captured)."""
         self.total, self.base, self.pools, self.asked = total, base, weakref.WeakSet(), 0
+        self.captured = captured
         allocate = kv_pool.allocate
         monkeypatch.setattr(kv_pool, "allocate", lambda *a: self._keep(allocate(*a)))
         monkeypatch.setattr(kv_pool, "sized_by_bytes", lambda config, *a, **kw: None if config.num_kv_pages is None
@@ -154,8 +158,9 @@ class FakeDevice:
         return pool
 
     def mem_get_info(self, device):
+        held = self.base + (self.captured if self.asked else 0)
         self.asked += 1
-        return self.total - self.base - sum(p.numel() * p.element_size() for p in self.pools), self.total
+        return self.total - held - sum(p.numel() * p.element_size() for p in self.pools), self.total
 
 
 OPTIONS = dict(max_num_seqs=200, max_num_batched_tokens=64, page_size=PAGE, max_model_len=64, graphs=True)
@@ -169,13 +174,56 @@ def test_a_pool_sized_by_utilization_is_rebound_after_a_probe(model, monkeypatch
     device = FakeDevice(monkeypatch, total=1 << 30, base=610 << 20)   # 0.6 leaves ~4.4 MiB
     llm = ts.LLM(model, gpu_memory_utilization=0.6, **OPTIONS)
     pool = llm.compiled.pool
-    assert device.asked == 1 and pool.probe_pages == 64 // PAGE + 1
+    assert device.asked == 2 and pool.probe_pages == 64 // PAGE + 1
     assert pool.non_kv_bytes == device.base and list(device.pools) == [llm.compiled.kv_cache]
     assert pool.num_pages == int(device.total * 0.6 - device.base) // pool.page_bytes < 200 * 16 + 1
     assert "sized after a probe pool of 17 pages" in llm.compiled.as_text()
     monkeypatch.undo()
     fresh = ts.LLM(model, num_kv_pages=pool.num_pages, **OPTIONS).compiled
     assert decode_tokens(llm.compiled, 3) == decode_tokens(fresh, 3)
+
+
+SMALL = dict(OPTIONS, max_num_seqs=4)
+
+
+def test_a_first_pool_of_every_sequence_that_the_measurement_keeps_is_bound_once(model, monkeypatch):
+    """Where every sequence at full length takes at most half of the free share, that pool
+    is bound first; measured after the captures it is what the share allows, so it is kept:
+    no second binding, and it generates as a fresh engine of that many pages."""
+    device = FakeDevice(monkeypatch, total=1 << 30, base=100 << 20)
+    binds = count_binds(monkeypatch)
+    llm = ts.LLM(model, gpu_memory_utilization=0.6, **SMALL)
+    pool, wanted = llm.compiled.pool, 4 * (64 // PAGE) + 1
+    assert len(binds) == 1 and device.asked == 2
+    assert pool.num_pages == pool.probe_pages == wanted and pool.rebind_seconds == 0
+    assert pool.non_kv_bytes == device.base and "kept after its graphs were captured" in llm.compiled.as_text()
+    monkeypatch.undo()
+    fresh = ts.LLM(model, num_kv_pages=wanted, **SMALL).compiled
+    assert decode_tokens(llm.compiled, 3) == decode_tokens(fresh, 3)
+
+
+def test_a_first_pool_the_measurement_does_not_keep_is_rebound_to_the_share(model, monkeypatch):
+    """The captures took more than the first pool left room for: the pool is rebound to what
+    the share allows beside them, as after a probe."""
+    geometry = kv_pool.geometry_for(model.config, PAGE, torch.float32, "cpu")
+    wanted = 4 * (64 // PAGE) + 1
+    share = int((1 << 30) * 0.6)
+    base = share - 3 * wanted * geometry.page_bytes      # the first pool is every sequence ...
+    captured = 3 * wanted * geometry.page_bytes - 10 * geometry.page_bytes   # ... then 10 pages fit
+    device = FakeDevice(monkeypatch, total=1 << 30, base=base, captured=captured)
+    binds = count_binds(monkeypatch)
+    llm = ts.LLM(model, gpu_memory_utilization=0.6, **SMALL)
+    pool = llm.compiled.pool
+    assert binds == [wanted, 10] and pool.probe_pages == wanted and pool.num_pages == 10
+    assert pool.non_kv_bytes == base + captured
+    assert f"sized after a probe pool of {wanted} pages" in llm.compiled.as_text()
+
+
+def count_binds(monkeypatch) -> list[int]:
+    """The pages of every pool bound, in order."""
+    pages, bind = [], stages.Binding.bind
+    monkeypatch.setattr(stages.Binding, "bind", lambda self, pool, *a: pages.append(pool.shape[2]) or bind(self, pool, *a))
+    return pages
 
 
 def test_a_draft_model_s_pool_holds_as_many_pages_as_the_target_s_from_one_budget(model, monkeypatch):

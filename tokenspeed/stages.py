@@ -129,7 +129,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
             backend=None, workers: CompileWorkers | None = None,
             verify: "Verification | None" = None, companion_page_bytes: int = 0) -> "Compiled":
     """Bind a KV pool, build both runners and capture every graph, once (twice when the pool
-    is sized by ``gpu_memory_utilization``: a probe pool first, see ``runtime.kv_pool``).
+    is sized by ``gpu_memory_utilization`` and the first pool bound is not the one the
+    measurement after its captures chooses, see ``execution.kv_pool``).
 
     ``backend``: the backend tree (default: the leaf the model's caches need,
     ``backends.mla.backend_for``); lower decode with its ``graph_support().decode_graph``.
@@ -149,7 +150,9 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     per_sequence = pages_per_sequence(decode.config.cache_groups, limits.max_model_len, config,
                                       whole_contexts=bool(companion_page_bytes))
     sizing = kv_pool.sized_by_bytes(config, geometry, per_sequence, companion_page_bytes=companion_page_bytes)
-    pages = sizing.num_pages if sizing else kv_pool.probe_pages(per_sequence)
+    pages = sizing.num_pages if sizing else kv_pool.first_pages(
+        config.gpu_memory_utilization, geometry, max_num_seqs=config.max_num_seqs, pages_per_sequence=per_sequence,
+        companion_page_bytes=companion_page_bytes)
     lowered = {"prefill": prefill, "decode": decode, **({"verify": verify.lowered} if verify else {})}
     binding = Binding(lowered=lowered, backend=backend, support=config.graph_support(backend.graph_support()),
                       config=config, limits=limits, geometry=geometry, pages_per_sequence=per_sequence,
@@ -164,6 +167,8 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     sizing = kv_pool.sized_after_probe(config.gpu_memory_utilization, compiled.kv_cache, geometry,
                                        max_num_seqs=config.max_num_seqs, pages_per_sequence=per_sequence,
                                        companion_page_bytes=companion_page_bytes)
+    if sizing.num_pages == pages:   # the first pool is the one the measurement chose
+        return attrs.evolve(compiled, pool=sizing)
     del compiled       # the probe's pool and graphs go before the real pool is allocated
     _release_device_memory()
     compiled = binding.bind(kv_pool.allocate(geometry, sizing.num_pages), CompileWorkers(0), sizing)

@@ -5,9 +5,11 @@ and table tail.
 Sizing, by the first that is given: ``num_kv_pages``; ``kv_cache_memory_bytes`` for the
 pool; on a GPU, ``gpu_memory_utilization``, the share of the device's memory the engine may
 fill, weights, graphs and workspaces included. What those take is known only once the
-graphs are captured, so the engine first binds a probe pool (one full-length request),
-captures, measures, and then rebinds a pool that fills the rest of the share
-(``stages.compile``). On the CPU the byte budget defaults to 512 MiB. No pool is larger
+graphs are captured, so the engine binds a first pool, captures, measures, and rebinds a
+pool that fills the rest of the share (``stages.compile``). The first pool is every
+sequence at full length where that takes at most half of what the share leaves free
+before the captures (``first_pages``): the measurement then almost always keeps it, and
+the graphs are captured once; else it is a probe (one full-length request). On the CPU the byte budget defaults to 512 MiB. No pool is larger
 than every sequence at full length needs (``max_num_seqs`` of them, and the null page;
 with a window on every layer, a sequence needs only its window's pages), so several
 engines can share a device.
@@ -53,7 +55,10 @@ class PoolSizing:
         sequences = self.max_full_length_sequences
         text = (f"KV pool: {self.num_pages} pages ({_size(self.num_pages * self.page_bytes)}, "
                 f"by {self.rule}), {sequences} sequence{'s' if sequences != 1 else ''} at full length")
-        if self.probe_pages:
+        if self.probe_pages == self.num_pages:
+            text += (f"; kept after its graphs were captured, when the device held {_size(self.non_kv_bytes)} "
+                     f"besides it (weights, graphs, workspaces, other engines)")
+        elif self.probe_pages:
             text += (f"; sized after a probe pool of {self.probe_pages} pages, when the device held "
                      f"{_size(self.non_kv_bytes)} besides it (weights, graphs, workspaces, other "
                      f"engines); rebound in {self.rebind_seconds:.1f} s")
@@ -68,6 +73,21 @@ def wanted_pages(max_num_seqs: int, pages_per_sequence: int) -> int:
 def probe_pages(pages_per_sequence: int) -> int:
     """The probe pool: one request at full length (its graphs do not depend on the pool)."""
     return pages_per_sequence + 1
+
+
+def first_pages(utilization: float, geometry: PoolGeometry, *, max_num_seqs: int, pages_per_sequence: int,
+                companion_page_bytes: int = 0) -> int:
+    """The pool bound before the device is measured: the most any budget is given
+    (``wanted_pages``) when it takes at most half of what ``utilization`` leaves free now,
+    so that the graphs and workspaces fit beside it; else the probe. Either way the
+    measurement after the captures decides (``sized_after_probe``); a first pool it keeps
+    saves capturing every graph twice (about 5 s of the default model's start on an H200)."""
+    free, total = torch.cuda.mem_get_info(geometry.device)
+    left = int(total * utilization) - (total - free)
+    wanted = wanted_pages(max_num_seqs, pages_per_sequence)
+    if wanted * (geometry.page_bytes + companion_page_bytes) <= left // 2:
+        return wanted
+    return probe_pages(pages_per_sequence)
 
 
 def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int, *,

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from tokenspeed.backends.kernels import precompile
-from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.backends.support import CudaGraphSupport, walk
 from tokenspeed.execution.compile_config import CompileConfig, EngineLimits
 from tokenspeed.execution.decode_runner import DecodeRunner
 from tokenspeed.execution.graphs import GraphCapturer
@@ -116,6 +116,9 @@ def _precompile(steps, prefill, walks: int, pool: precompile.CompileWorkers) -> 
         log.warning("this Triton keeps compiled kernels where the dry run cannot set them aside: "
                     "kernels compile at their first launch")
         return 0
+    started_alike = precompile.start_marker(start_description(steps, prefill))
+    if started_alike.exists():
+        return 0
     with torch.inference_mode(), precompile.dry_run() as variants:
         for runner, ladder in steps:
             for bs in ladder:  # every rung: few, and 16 (Triton specializes multiples of 16)
@@ -126,14 +129,31 @@ def _precompile(steps, prefill, walks: int, pool: precompile.CompileWorkers) -> 
             _walk_until_quiet(lambda v: prefill.dry_walk(tokens, v), prefill.view_ladder, variants)
     unique = sorted(set(variants))
     if not unique or precompile.compiled_before(unique):
+        precompile.touch(started_alike)
         return 0  # the caller stops the workers
     workers = len(pool.running)
     with tqdm(total=1, desc=f"compiling {len(unique)} kernels", disable=None, leave=False):
         if not pool.compile(unique):
             return 0  # what the workers missed compiles at its first launch (logged)
     precompile.mark_compiled(unique)
+    precompile.touch(started_alike)
     log.info("compiled %d Triton kernel variants in %d processes", len(unique), workers)
     return len(unique)
+
+
+def start_description(steps, prefill) -> list[str]:
+    """What decides the kernel variants a start's captures launch, as text: each runner's
+    program (its segments' code), the shapes and dtypes of the weights and the pool, the
+    backend's nodes and the ladders. Kernel sources and the GPU are added by the marker."""
+    runners = [runner for runner, _ in steps] + [prefill]
+    described = [repr([type(node).__qualname__ for node in walk(prefill.backend)]),
+                 repr((tuple(prefill.kv_cache.shape), prefill.kv_cache.dtype, prefill.max_pages)),
+                 repr([ladder for _, ladder in steps]), repr((prefill.token_ladder, prefill.view_ladder))]
+    for runner in runners:
+        gm = runner.program.graph_module
+        described += [seg.graph_module.code for seg in runner.program.segments] or [gm.code]
+        described.append(repr([(name, tuple(t.shape), t.dtype) for name, t in gm.state_dict(keep_vars=True).items()]))
+    return described
 
 
 def _walk_until_quiet(walk, sizes, variants: list, quiet_walks: int = 2) -> None:

@@ -7,7 +7,9 @@ its ``jit_cache_hook`` returns True), worker processes compile the variants (and
 Triton builds one, their launchers) into Triton's on-disk cache, and the captures then
 load them from there. A marker in that cache names the set compiled; a later start that
 records the same set stops its workers (started before the dry run, so that their
-imports overlap it) without giving them work.
+imports overlap it) without giving them work. A second marker names the start (its
+programs, weights' shapes and ladders): a later start described alike skips the dry run
+too.
 
 Workers are plain ``python -c`` subprocesses rather than multiprocessing children, so
 the user's main module is never re-imported. A worker that fails or hangs costs only
@@ -190,25 +192,38 @@ def _finished(process: subprocess.Popen, errors, deadline: float) -> bool:
 
 def compiled_before(variants: Sequence[Variant]) -> bool:
     """Whether workers compiled exactly these variants into this Triton cache before."""
-    return _marker(variants).exists()
+    return _marker(*(attrs.astuple(v) for v in sorted(set(variants)))).exists()
 
 
 def mark_compiled(variants: Sequence[Variant]) -> None:
-    marker = _marker(variants)
+    touch(_marker(*(attrs.astuple(v) for v in sorted(set(variants)))))
+
+
+def start_marker(start: Sequence[str]) -> Path:
+    """The marker of a start described by ``start`` (what decides the variants its captures
+    launch: programs, weights' shapes, ladders; ``startup.start_description``), made once
+    such a start found every variant in this Triton cache: a later one described alike need
+    not record them (the dry run costs about what the captures' warm-ups do). The loaded
+    kernels' sources are part of it, so it is named before the dry run, whose launches
+    import more kernel modules."""
+    return _marker("start", *sorted(fn.cache_key for fn in _package_kernels()), *start)
+
+
+def touch(marker: Path) -> None:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
 
 
-def _marker(variants: Sequence[Variant]) -> Path:
+def _marker(*listed) -> Path:
     """A file in Triton's cache named by the Triton version, the GPU, Triton's settings
-    and the variants (sources included): it goes when the cache goes. A stale one costs
-    only time: a variant missing from the cache compiles at its first launch."""
+    and what is ``listed`` (variants or a start, the kernels' sources included): it goes
+    when the cache goes. A stale one costs only time: a variant missing from the cache
+    compiles at its first launch."""
     import triton
     from triton import knobs
     settings = sorted((k, v) for k, v in os.environ.items()
                       if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR")
-    listing = json.dumps([triton.__version__, repr(_target()), settings,
-                          *(attrs.astuple(v) for v in sorted(set(variants)))])
+    listing = json.dumps([triton.__version__, repr(_target()), settings, *listed])
     digest = hashlib.sha256(listing.encode()).hexdigest()[:32]
     return Path(knobs.cache.dir) / f"tokenspeed-precompiled-{digest}"
 
