@@ -9,10 +9,10 @@ graphs are captured, so the engine binds a first pool, captures, measures, and r
 pool that fills the rest of the share (``stages.compile``). The first pool is every
 sequence at full length where that takes at most half of what the share leaves free
 before the captures (``first_pages``): the measurement then almost always keeps it, and
-the graphs are captured once; else it is a probe (one full-length request). On the CPU the byte budget defaults to 512 MiB. No pool is larger
-than every sequence at full length needs (``max_num_seqs`` of them, and the null page;
-with a window on every layer, a sequence needs only its window's pages), so several
-engines can share a device.
+the graphs are captured once; else it is a probe (one full-length request). On the CPU
+the byte budget defaults to 512 MiB. No pool is larger than every sequence at full length
+needs (``max_num_seqs`` of them, and the null page; with a window on every layer, a
+sequence needs only its window's pages), so several engines can share a device.
 """
 
 import attrs
