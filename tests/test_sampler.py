@@ -225,6 +225,26 @@ def test_noise_is_keyed_by_seed_and_position():
     assert not torch.equal(a, moved) and not torch.equal(a, reseeded)
 
 
+def test_a_sampled_row_draws_alike_beside_greedy_rows_and_greedy_rows_draw_no_noise(monkeypatch):
+    """The reference draws noise only for the rows that sample (a greedy row's is unused): a
+    sampled row's token is the one it draws alone, and a batch of greedy rows draws none."""
+    from tokenspeed.execution import sampler
+    torch.manual_seed(2)
+    logits, positions = torch.randn(6, 40), torch.arange(6) * 3
+    rows = [RowSampling(ts.SamplingParams(temperature=0 if i % 3 else 1.3), 50 + i) for i in range(6)]
+    draws = []
+    uniform = sampler._uniform
+    monkeypatch.setattr(sampler, "_uniform", lambda key, size: draws.append(key) or uniform(key, size))
+    tokens = sample(logits, rows, positions).tokens
+    assert len(draws) == 2
+    alone = [int(sample(logits[i:i + 1], rows[i:i + 1], positions[i:i + 1]).tokens) for i in (0, 3)]
+    assert tokens[[0, 3]].tolist() == alone
+    assert torch.equal(tokens[[1, 2, 4, 5]], logits[[1, 2, 4, 5]].argmax(-1))
+    draws.clear()
+    greedy = [RowSampling(ts.SamplingParams(temperature=0), i) for i in range(6)]
+    assert torch.equal(sample(logits, greedy, positions).tokens, logits.argmax(-1)) and draws == []
+
+
 def test_sample_returns_one_index_per_row_in_range():
     torch.manual_seed(1)
     logits = torch.randn(5, 33)

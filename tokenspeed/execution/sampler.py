@@ -154,13 +154,17 @@ def gumbel_argmax(logits: torch.Tensor, s: SamplingTensors, positions: torch.Ten
 
 def gumbel_argmax_reference(logits: torch.Tensor, s: SamplingTensors,
                             positions: torch.Tensor) -> torch.Tensor:
+    """Noise is drawn for the sampled rows only: a greedy row's would be unused, and a row's
+    draw (a generator seeded per row) was most of a masked step on the CPU."""
     scores = logits.float()
-    greedy = (s.top_k == 1)[:, None]
-    tempered = scores / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None]
-    noise = torch.stack([_uniform(int(k), scores.shape[1]) for k in noise_keys(s.seed, positions)]) \
-        if scores.shape[0] else scores
+    sampled = (s.top_k != 1).nonzero().flatten()
+    if not len(sampled):
+        return torch.argmax(scores, dim=-1)
+    keys = noise_keys(s.seed, positions)[sampled].tolist()
+    noise = torch.stack([_uniform(k, scores.shape[1]) for k in keys])
     gumbel = -torch.log(-torch.log(noise.clamp_(1e-10, 1.0 - 1e-7)))
-    return torch.argmax(torch.where(greedy, scores, tempered + gumbel), dim=-1)
+    tempered = scores[sampled] / s.temperature[sampled].clamp_min(MIN_TEMPERATURE)[:, None] + gumbel
+    return torch.argmax(scores.index_copy(0, sampled, tempered), dim=-1)
 
 
 def _uniform(key: int, size: int) -> torch.Tensor:
