@@ -379,3 +379,31 @@ def test_a_start_described_alike_skips_the_kernel_dry_run(model, tmp_path, monke
     assert precompiled(other) == 0 and dry_runs == [1, 1]
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert not precompile.start_marker(described).exists()
+
+
+def test_eager_steps_call_the_kernels_without_the_dispatcher(model):
+    """An eager decode step (as a prefill's eager segments) calls its IR ops' kernels
+    directly: no ``tokenspeed::`` op passes the dispatcher, whose wrappers cost more than
+    many of the CPU's kernels, and the tokens are the dispatched program's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    llm = make_llm(model, enforce_eager=True)
+    prompts = [[5, 9, 11, 3], [7, 2, 8]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with Dispatched() as seen:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert tokens == expected and any(op.startswith("aten.") for op in seen.ops)
+    assert not [op for op in seen.ops if op.startswith("tokenspeed.")]
+    runner = llm.compiled.decode
+    view, sampling, out = runner.idle_inputs(2)
+    with torch.inference_mode():
+        assert torch.equal(runner._model(view), runner.program(runner.kv_cache, view))

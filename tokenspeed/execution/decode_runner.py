@@ -17,9 +17,11 @@ computes the masks while the device runs the model.
 import attrs
 import torch
 
+from tokenspeed.backends.kernels.registry import direct_calls
 from tokenspeed.backends.metadata import DecodeColumns, DecodeRow, decode_columns
 from tokenspeed.errors import InternalError
 from tokenspeed.execution.graphs import state_tensors
+from tokenspeed.ir.descriptors import leaves
 from tokenspeed.execution.ladders import bucket_for
 from tokenspeed.execution.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
 from tokenspeed.execution.sampling_params import SamplingParams
@@ -57,6 +59,7 @@ class DecodeRunner:
         self.max_pages, self.page_size = max_pages, page_size
         self.num_groups = num_groups
         device = kv_cache.device
+        self._segments = [(seg, direct_calls(seg.graph_module, device.type).forward) for seg in program.segments]
         self.slots = MetadataSlots(self.refresh((), max_decode_bs), max_decode_bs, device)
         self.sampling = MetadataSlots(self._padded([], max_decode_bs), max_decode_bs, device)
         self.out = torch.zeros(max_decode_bs, dtype=torch.int64, device=device)  # tokens
@@ -178,10 +181,21 @@ class DecodeRunner:
 
     def step(self, view, sampling: SamplingTensors, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
-        logits = self.program(self.kv_cache, view)
+        logits = self._model(view)
         gumbel_argmax(logits, sampling, view.positions, out)
         self._write_column(sampling.seat, out)
         return logits
+
+    @torch.no_grad()   # kernels called directly run under autograd, which the dispatcher skipped
+    def _model(self, view) -> torch.Tensor:
+        """The program's segments, their IR ops calling the device's kernels directly
+        (``direct_calls``): the dispatcher's wrappers cost more than many of a decode step's
+        kernels on the CPU (a cache write's version bump alone, for the kernel's 17
+        arguments, about 100 us a layer), and a capture records only the kernels."""
+        env = {"kv_cache": self.kv_cache, **leaves(view)}
+        for seg, forward in self._segments:
+            env.update(zip(seg.outputs, forward(*[env[name] for name in seg.inputs])))
+        return env[self.program.output]
 
     def _padded(self, sampling: list[RowSampling], size: int) -> SamplingTensors:
         return SamplingTensors.build(list(sampling) + [PAD_ROW] * (size - len(sampling)), "cpu")
