@@ -253,3 +253,18 @@ def test_json_whitespace_runs_are_bounded(vocab, spec):
     text = tokenizer.encode("{", add_special_tokens=False) + tokenizer.encode(" ", add_special_tokens=False) * 20
     bound = 16 if spec.json_object else 0
     assert GrammarMatcher(compile_grammar(spec, guide), guide).valid_prefix(text) == 1 + bound
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), words=st.integers(1, 5), cut=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_unpacked_bits_are_each_word_s_bits_in_token_order(rows, words, cut, seed):
+    """Token t is bit ``t % 32`` of word ``t // 32`` (llguidance's layout), whatever the word's
+    sign; tokens past the last word are refused and a shorter vocabulary cuts the row."""
+    from tokenspeed.structured.bitmask import pack_bits
+    generator = torch.Generator().manual_seed(seed)
+    bitmask = torch.randint(-2**31, 2**31, (rows, words), dtype=torch.int32, generator=generator)
+    vocab = words * 32 - 20 + cut
+    expected = [[bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1) if t < words * 32 else False
+                 for t in range(vocab)] for r in range(rows)]
+    assert unpack_bits(bitmask, vocab).tolist() == expected
+    assert torch.equal(pack_bits(unpack_bits(bitmask, words * 32)), bitmask)
