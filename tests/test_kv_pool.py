@@ -222,7 +222,8 @@ def test_a_first_pool_the_measurement_does_not_keep_is_rebound_to_the_share(mode
 def count_binds(monkeypatch) -> list[int]:
     """The pages of every pool bound, in order."""
     pages, bind = [], stages.Binding.bind
-    monkeypatch.setattr(stages.Binding, "bind", lambda self, pool, *a: pages.append(pool.shape[2]) or bind(self, pool, *a))
+    monkeypatch.setattr(stages.Binding, "bind",
+                        lambda self, pool, *a: pages.append(pool.shape[2]) or bind(self, pool, *a))
     return pages
 
 
