@@ -98,7 +98,7 @@ def test_bfloat16_rows_are_attended_in_float32():
 def test_a_request_s_rows_make_one_sdpa_call(monkeypatch):
     """Two chunks and two decode rows: the chunks' rows are attended in one call each
     (their keys gathered once, ``[heads, rows, D]``), the decode rows together in one more
-    (``[rows, heads, 1, D]``: one query each)."""
+    (``[rows, KV heads, group, D]``: each KV head's query heads as its query rows)."""
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -106,8 +106,8 @@ def test_a_request_s_rows_make_one_sdpa_call(monkeypatch):
     q, kv_cache, tables, row_request, positions, _, live = build(4, 2, 3, [(300, 200), (9, 1), (70, 70), (5, 1)],
                                                                  0, 3)
     reference.attention(q, kv_cache, LAYER, tables, row_request, positions, SCALE, 0)
-    heads = q.shape[1]
-    assert calls == [(heads, 200), (heads, 70), (2, heads, 1)]
+    heads, kv_heads = q.shape[1], kv_cache.shape[4]
+    assert calls == [(heads, 200), (heads, 70), (2, kv_heads, heads // kv_heads)]
 
 
 def test_the_cpu_chunks_prompts_by_default_and_cuda_keeps_its_budget():

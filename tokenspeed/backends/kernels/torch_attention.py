@@ -91,25 +91,21 @@ def _visible(keys: torch.Tensor, positions: torch.Tensor, window: int) -> torch.
     return visible
 
 
-def key_slots(block_tables, rows, length: int, page_size: int) -> torch.Tensor:
-    """Slots of positions 0..length-1 for each request in ``rows``: [len(rows), length]."""
-    pos = torch.arange(length, device=block_tables.device)
-    pages = block_tables[rows][:, pos // page_size].long()
-    return pages * page_size + pos % page_size
-
-
 def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size: int, window: int, kv_scales):
-    """Each row over its own request's keys: ``[Q, Hkv, L, D]`` gathered, one per row, and
-    one ``scaled_dot_product_attention`` call with the rows as its batch, and no mask for a
-    lone row without a window (it sees every key gathered): fewer ops than two products
-    and a softmax between them. With the default model's heads on the 2-core machine (best
-    of 30, one process): 1 row over 150 keys 72 us a call against 139, 4 over 300 230
-    against 361, 8 over 600 805 against 1,159."""
-    length = int(positions.max()) + 1
-    slots = key_slots(block_tables, requests, length, page_size)                 # [Q, L]
-    k, v = (kv_fp8.read(kv[i][slots], kv_scales[i]).transpose(1, 2) for i in (0, 1))   # [Q, Hkv, L, D]
-    lone = q.shape[0] == 1 and not window   # it sees every key gathered: no mask
+    """Each row over its own request's keys: one ``scaled_dot_product_attention`` call with
+    the rows as its batch, each KV head's query heads as that head's query rows (``[Q,
+    Hkv, group, D]``: half the time of SDPA's ``enable_gqa``, which repeats the keys), and
+    no mask for a lone row without a window (it sees every key gathered). Keys and values
+    are gathered by whole pages, an ``index_select`` each (a slot index per key cost eight
+    more ops a layer; the advanced index, three times as long). A decode step on the CPU is
+    bound by how many small ops it runs and how long they take (docs/PERFORMANCE.md)."""
+    rows, heads, dim = q.shape
+    length, kv_heads = int(positions.max()) + 1, kv.shape[2]
+    pages = block_tables[requests, :-(-length // page_size)].flatten().long()     # [Q x pages]
+    k, v = (kv_fp8.read(torch.index_select(kv[i].view(-1, page_size * kv_heads * dim), 0, pages), kv_scales[i])
+            .view(rows, -1, kv_heads, dim)[:, :length].transpose(1, 2) for i in (0, 1))   # [Q, Hkv, L, D]
+    lone = rows == 1 and not window   # it sees every key gathered: no mask
     visible = None if lone else _visible(torch.arange(length, device=q.device), positions, window)[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=visible, scale=scale,
-                                         enable_gqa=True)                        # [Q, H, 1, D]
-    return out[:, :, 0, :].to(q.dtype)
+    out = F.scaled_dot_product_attention(q.float().reshape(rows, kv_heads, heads // kv_heads, dim), k, v,
+                                         attn_mask=visible, scale=scale)   # [Q, Hkv, group, D]
+    return out.reshape(rows, heads, dim).to(q.dtype)
