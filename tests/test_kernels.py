@@ -23,7 +23,7 @@ from tokenspeed.backends.metadata import ExtendChunk, attention_tiles, plan_exte
 from tokenspeed.execution.slots import to_device  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_cache, triton_decode  # noqa: E402
 from tokenspeed.backends.kernels import triton_fused, triton_gemv, triton_sampling  # noqa: E402
-from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
+from tokenspeed.ir.rope import apply_rotary, cos_sin_table  # noqa: E402
 from tokenspeed.errors import InternalError  # noqa: E402
 from tokenspeed.execution.sampler import POSITION_KEY, RowSampling, sample  # noqa: E402
 import tokenspeed as ts  # noqa: E402
@@ -419,6 +419,36 @@ def test_rope_matches_hf_rotate_half():
     got = triton_fused.rope_and_write_kv(x, x, x, cache, pos, kv, 0,
                                          torch.tensor([1, 2], device=DEVICE))
     torch.testing.assert_close(got, hf, atol=1e-5, rtol=1e-5)
+
+
+@FEW
+@given(rows=st.integers(1, 5), heads=st.integers(1, 4), half=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_apply_rotary_is_hf_rotate_half_bit_for_bit(rows, heads, half, dtype):
+    """The reference's rotation by halves gives Hugging Face's ``x * cos + rotate_half(x) *
+    sin`` exactly, in float32 and in bfloat16 (each op rounded alike)."""
+    x = torch.randn(rows, heads, 2 * half).to(dtype)
+    cos_sin = cos_sin_table(torch.rand(half), torch.arange(rows) * 7)
+    cos, sin = (torch.cat((c, c), dim=-1).to(dtype)[:, None, :] for c in cos_sin.chunk(2, dim=-1))
+    hf = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    assert torch.equal(apply_rotary(x, cos_sin), hf)
+
+
+@FEW
+@given(shape=st.sampled_from([(1, 8), (3, 64), (2, 3, 16), (5, 576)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rms_norm_is_hf_rms_norm(shape, dtype):
+    """Hugging Face's RMSNorm: float32 rows through torch's kernel (equal within rounding of
+    the mean), 16-bit rows rounded before the weight as Hugging Face rounds them (equal)."""
+    x, weight = torch.randn(shape).to(dtype) * 3, torch.randn(shape[-1]).to(dtype)
+    h = x.float()
+    hf = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = reference.rms_norm(x, weight, 1e-6)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, hf, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(got, hf)
 
 
 @FEW

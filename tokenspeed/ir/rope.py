@@ -15,9 +15,11 @@ def cos_sin_table(inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tens
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x[rows, heads, head_dim]`` by its rows' ``cos_sin`` (rotate-half convention)."""
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)[:, None, :]
+    """Rotate ``x[rows, heads, head_dim]`` by its rows' ``cos_sin`` (rotate-half convention):
+    Hugging Face's ``x * cos + rotate_half(x) * sin`` by halves, the same products and sums
+    (a negated product is exact) in fewer, smaller ops."""
+    cos_sin = cos_sin.to(x.dtype)[:, None, :]
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -81,6 +81,11 @@ def silu_and_mul(gate_up):
 
 
 def rms_norm(x, weight, eps):
+    """Hugging Face's: in float32, the normed row rounded to x's dtype before the weight.
+    Float32 rows and weight, where that rounding is none, take torch's own kernel: the same
+    products, one op for six (a decode step on the CPU is bound by its small ops)."""
+    if x.dtype == weight.dtype == torch.float32:
+        return torch.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -150,13 +155,14 @@ def _dense_linear(x, weight, bias):
     against 15 in one product, and 1.3-1.8x more for 1 to 4 rows of the default model's
     layers (docs/PERFORMANCE.md); more rows are left to MKL's own threads. Each output is
     the same dot product, equal within float32 rounding (tests/test_kernels.py)."""
-    slabs, flat = torch.get_num_threads(), x.reshape(-1, x.shape[-1])
-    rows, features = weight.shape
-    if x.device.type != "cpu" or slabs < 2 or rows % slabs or not 0 < flat.shape[0] <= SLAB_ROWS \
-            or x.dim() < 2 or not weight.is_contiguous():
+    slabs, (rows, features) = torch.get_num_threads(), weight.shape
+    flat = x if x.dim() == 2 else x.reshape(-1, features)
+    if slabs < 2 or rows % slabs or not 0 < flat.shape[0] <= SLAB_ROWS or x.dim() < 2 \
+            or x.device.type != "cpu" or not weight.is_contiguous():
         return torch.nn.functional.linear(x, weight, bias)
-    out = torch.bmm(flat.expand(slabs, *flat.shape), weight.view(slabs, rows // slabs, features).transpose(1, 2))
-    out = out.transpose(0, 1).reshape(*x.shape[:-1], rows)
+    out = torch.bmm(flat.expand(slabs, -1, -1), weight.view(slabs, -1, features).transpose(1, 2))
+    out = out.transpose(0, 1).reshape(flat.shape[0], rows)
+    out = out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
     return out if bias is None else out + bias
 
 
