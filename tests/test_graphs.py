@@ -407,3 +407,41 @@ def test_eager_steps_call_the_kernels_without_the_dispatcher(model):
     view = runner.idle_inputs(2)[0]
     with torch.inference_mode():
         assert torch.equal(runner._model(view), runner.program(runner.kv_cache, view))
+
+
+def test_direct_calls_read_each_weight_with_one_lookup():
+    """The eager copy of a segment holds each weight it reads as an attribute of its own
+    (the same tensor, not a copy), not behind a path of modules, and computes the same."""
+    from torch import fx
+    from tokenspeed.backends.kernels.registry import direct_calls
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4))
+            self.register_buffer("scale", torch.tensor(2.0))
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return x * self.inner.weight + self.inner.scale * self.inner.weight
+
+    gm = fx.symbolic_trace(Outer())
+    direct = direct_calls(gm, "cpu")
+    x = torch.randn(3, 4)
+    assert "self.inner" not in direct.code and torch.equal(direct(x), gm(x))
+    assert direct.direct_inner_weight is gm.inner.weight and direct.direct_inner_scale is gm.inner.scale
+
+    class Clash(Outer):   # already holds the name the copy would give inner.weight
+        def __init__(self):
+            super().__init__()
+            self.direct_inner_weight = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return super().forward(x) + self.direct_inner_weight
+
+    with pytest.raises(InternalError, match="direct_inner_weight"):
+        direct_calls(fx.symbolic_trace(Clash()), "cpu")
