@@ -1,6 +1,9 @@
 """Where a decode step and a prefill go: graph replay time, host time, top kernels.
 
-    python -m benchmarks.profile_step [--shape llama-3.2-1b] [--batches 1 32]
+    python -m benchmarks.profile_step [--shape llama-3.2-1b] [--batches 1 32] [--top 12]
+
+``--top``: the kernels listed per profile, by total device time (each table ends with the
+count of every kernel launched, so a replay's line says how many kernels a step runs).
 """
 
 import argparse
@@ -20,7 +23,9 @@ def top_kernels(fn, n: int = 12) -> str:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60)
+    launched = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60) +
+            f"\n{launched} kernels launched (as Compiled.kernels_per_step counts them)")
 
 
 def decode_rows(llm, batch):
@@ -32,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama-3.2-1b", choices=common.SHAPES)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--top", type=int, default=12, help="kernels listed per profile")
     args = parser.parse_args()
     ours = random_model(common.SHAPES[args.shape], torch.bfloat16, "cuda")
     llm = ts.LLM(ours, device="cuda", max_num_seqs=max(args.batches), max_model_len=4096,
@@ -50,14 +56,14 @@ def main() -> None:
             view = llm.compiled.decode.slots.publish(llm.compiled.decode.refresh(decode_rows(llm, batch), batch))
             sampling = llm.compiled.decode.sampling.publish(llm.compiled.decode._padded([RowSampling(greedy, 0)] * batch, batch))
             print("eager step:\n" + top_kernels(lambda: llm.compiled.decode.step(view, sampling,
-                                                                            llm.compiled.decode.out[:batch])))
-            print("graph replay:\n" + top_kernels(graph.replay))
+                                                                            llm.compiled.decode.out[:batch]), args.top))
+            print("graph replay:\n" + top_kernels(graph.replay, args.top))
         prompt = [[100 + j % 900 for j in range(512)]]
         params = ts.SamplingParams(temperature=0.0, max_tokens=1)
         llm.generate(prompt, params, use_tqdm=False)
         print("\n## prefill 512 tokens, graphs:",
               f"{common.median_time(lambda: llm.generate(prompt, params, use_tqdm=False), 5) * 1e3:.3f} ms")
-        print(top_kernels(lambda: llm.generate(prompt, params, use_tqdm=False)))
+        print(top_kernels(lambda: llm.generate(prompt, params, use_tqdm=False), args.top))
 
 
 if __name__ == "__main__":
