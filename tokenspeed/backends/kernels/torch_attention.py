@@ -97,8 +97,9 @@ def _attend_rows(q, kv, block_tables, requests, positions, scale, page_size: int
     Hkv, group, D]``: half the time of SDPA's ``enable_gqa``, which repeats the keys), and
     no mask for a lone row without a window (it sees every key gathered). Keys and values
     are gathered by whole pages, an ``index_select`` each (a slot index per key cost eight
-    more ops a layer; the advanced index, three times as long). A decode step on the CPU is
-    bound by how many small ops it runs and how long they take (docs/PERFORMANCE.md)."""
+    more ops a layer; the advanced index, two and a half times as long). A decode step on
+    the CPU is bound by how many small ops it runs and how long they take
+    (docs/PERFORMANCE.md)."""
     rows, heads, dim = q.shape
     length, kv_heads = int(positions.max()) + 1, kv.shape[2]
     pages = block_tables[requests, :-(-length // page_size)].flatten().long()     # [Q x pages]
