@@ -1,6 +1,8 @@
 """Shared benchmark pieces: model shapes, peers, the memory floor, timing, output."""
 
+import contextlib
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -241,3 +243,35 @@ def _fmt(v) -> str:
     if v is None:
         return "-"
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+class _NoLaunch:
+    """A Triton kernel that launches nothing, whatever its grid and arguments."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def kernels_skipped(names):
+    """The package's Triton kernels named ``module.kernel`` (under
+    ``tokenspeed.backends.kernels``, e.g. ``triton_decode._combine_kernel``) launch nothing
+    meanwhile: steps captured then run without them, their readers reading whatever their
+    outputs held. The tokens are wrong; the time bounds what fusing those kernels away
+    could gain, measured before anyone writes the fusion. Skip only kernels whose outputs
+    are values: a reader that takes garbage for indices (expert ids, slots) can fault."""
+    kept = []
+    try:
+        for name in names:
+            module_name, _, kernel = name.rpartition(".")
+            try:
+                module = importlib.import_module(f"tokenspeed.backends.kernels.{module_name}")
+                kept.append((module, kernel, getattr(module, kernel)))
+            except (ImportError, AttributeError, ValueError) as exc:
+                raise ValueError(f"--skip-kernels {name}: no such kernel under tokenspeed.backends.kernels "
+                                 f"({type(exc).__name__}: {exc})") from None
+            setattr(module, kernel, _NoLaunch())
+        yield
+    finally:
+        for module, kernel, original in reversed(kept):
+            setattr(module, kernel, original)

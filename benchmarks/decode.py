@@ -2,6 +2,10 @@
 
     python -m benchmarks.decode [--shapes qwen2.5-0.5b llama-3.2-1b] [--batches 1 8 32]
     python -m benchmarks.decode --speculative 4 --batches 1 16      (speculative decoding rows)
+    python -m benchmarks.decode --no-peers --skip-kernels triton_decode._combine_kernel
+
+``--skip-kernels``: the named Triton kernels launch nothing (``common.kernels_skipped``): the
+tokens are wrong, and the time bounds what fusing those kernels away could gain.
 
 Peers measured in the same run: Hugging Face eager ``generate``; ``generate`` with a static
 cache and torch.compile(mode="reduce-overhead") (``hf_generate_compile_ms``); and, as its best
@@ -50,7 +54,7 @@ def our_tpot(llm, batch: int, new_tokens: int) -> float:
 
 
 def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: bool, done: list,
-                json_path: str) -> list[dict]:
+                json_path: str, skipped: tuple = ()) -> list[dict]:
     hf = common.hf_model(shape)
     ours = common.our_model(shape, hf)
     start = time.perf_counter()
@@ -70,6 +74,8 @@ def bench_shape(shape: str, batches, new_tokens: int, bandwidth: float, peers: b
                "ours_sync_ms": tpot_sync * 1e3, "floor_ms": floor * 1e3,
                "x_floor": tpot / floor, "kernels_per_step": kernels,
                "startup_s": startup, "graph_mem_mb": llm.compiled.startup.graph_memory_bytes / 2**20}
+        if skipped:
+            row["skipped_kernels"] = " ".join(skipped)
         if peers:
             with torch.inference_mode():
                 row["hf_eager_ms"] = hf_tpot(hf, batch, new_tokens, static=False) * 1e3
@@ -159,6 +165,8 @@ def main() -> None:
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="instead: the default model with K n-gram drafts per step against none")
     parser.add_argument("--model", default=None, help="with --speculative: a model other than the default")
+    parser.add_argument("--skip-kernels", nargs="+", default=[], metavar="MODULE.KERNEL",
+                        help="Triton kernels that launch nothing: a bound on fusing them away (tokens wrong)")
     args = parser.parse_args()
     if args.speculative:
         rows = speculative_rows(args.speculative, args.batches, args.new_tokens, args.model)
@@ -170,12 +178,15 @@ def main() -> None:
         return
     bandwidth = common.copy_bandwidth()
     rows = []
-    for shape in args.shapes:
-        bench_shape(shape, args.batches, args.new_tokens, bandwidth, not args.no_peers, rows, args.json)
+    with common.kernels_skipped(args.skip_kernels):
+        for shape in args.shapes:
+            bench_shape(shape, args.batches, args.new_tokens, bandwidth, not args.no_peers, rows, args.json,
+                        tuple(args.skip_kernels))
     columns = ["shape", "batch", "ours_ms", "ours_sync_ms", "floor_ms", "x_floor", "hf_eager_ms",
                "hf_generate_compile_ms", "hf_compile_ms", "x_vs_compile", "kernels_per_step", "startup_s", "graph_mem_mb"]
+    skipped = f", kernels skipped (tokens wrong): {' '.join(args.skip_kernels)}" if args.skip_kernels else ""
     print(f"\n# decode, bf16, prompt {PROMPT}, {common.device_name()}, commit {common.git_commit()}, "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s{skipped}")
     print(common.table(rows, columns))
 
 

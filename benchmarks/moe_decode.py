@@ -5,6 +5,8 @@ transformers on random weights of the same law, a long prompt's prefill, and the
     python -m benchmarks.moe_decode [--shapes qwen3-30b-a3b deepseek-v2-lite] [--kv-memory-gib 100]
                                     [--batches 1 8 32 128] [--hf-batches 1 32]   (none after it: no peer)
     python -m benchmarks.moe_decode --tiny        (CPU, tiny configs: runs in seconds, means nothing)
+    python -m benchmarks.moe_decode --shapes deepseek-v2-lite --batches 1 --hf-batches \
+        --skip-kernels triton_rope._rope_kernel     (a bound: see ``common.kernels_skipped``)
 
 On the H200 (bfloat16), a shape a command (where one outlasts a device command's limit, split
 its batches with ``--batches`` and ``--hf-batches``):
@@ -212,7 +214,9 @@ COLUMNS = ["shape", "batch", "ours_ms", "kernels", "experts_touched", "floor_ms"
 def title(header: dict, work: Workload) -> str:
     bandwidth = header["bandwidth"]
     band = f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else "no floor on the CPU"
-    return (f"\n# MoE decode, {work.dtype}, {header['device']}, commit {header['commit']}, {band}; decode: ms "
+    skipped = f"; kernels skipped (tokens wrong): {' '.join(header['skipped_kernels'])}" \
+        if header["skipped_kernels"] else ""
+    return (f"\n# MoE decode, {work.dtype}, {header['device']}, commit {header['commit']}, {band}{skipped}; decode: ms "
             f"per token after {work.decode_prompt}-token prompts, floor's experts: {header['floor_routing']}; "
             f"prefill: one {work.prefill_tokens}-token prompt; seqs_fit: {work.kv_tokens}-token sequences "
             f"in {header['kv_memory_gib']} GiB of cache")
@@ -233,18 +237,21 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, help="instead of the workload's (full: 1 8 32 128)")
     parser.add_argument("--hf-batches", nargs="*", type=int, help="transformers' (full: 1 32; none: no peer)")
     parser.add_argument("--json", default="results/moe_decode.json")
+    parser.add_argument("--skip-kernels", nargs="+", default=[], metavar="MODULE.KERNEL",
+                        help="Triton kernels that launch nothing: a bound on fusing them away (tokens wrong)")
     args = parser.parse_args()
     work = chosen_workload(args)
     bandwidth = common.copy_bandwidth() if work.device == "cuda" else None
     common.release_memory()
     header = {"commit": common.git_commit(), "device": common.device_name() if work.device == "cuda" else "cpu",
               "bandwidth": bandwidth, "floor_routing": moe_bytes.ROUTING, "kv_memory_gib": args.kv_memory_gib,
-              "workload": attrs.asdict(work)}
+              "workload": attrs.asdict(work), "skipped_kernels": args.skip_kernels}
     rows = []
-    for shape in args.shapes:
-        rows += bench_shape(shape, work, args.tiny, bandwidth, int(args.kv_memory_gib * 2**30))
-        print(common.table(rows, COLUMNS), flush=True)
-        common.write_json(args.json, {**header, "rows": rows})
+    with common.kernels_skipped(args.skip_kernels):
+        for shape in args.shapes:
+            rows += bench_shape(shape, work, args.tiny, bandwidth, int(args.kv_memory_gib * 2**30))
+            print(common.table(rows, COLUMNS), flush=True)
+            common.write_json(args.json, {**header, "rows": rows})
     print(title(header, work))
     print(common.table(rows, COLUMNS))
 
