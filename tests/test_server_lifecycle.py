@@ -216,9 +216,11 @@ def serve_command(path: str, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def served(command: list[str], url: str):
-    """``command`` (a server) running until ``url``'s health check answers 200."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def served(command: list[str], url: str, own_group: bool = False):
+    """``command`` (a server) running until ``url``'s health check answers 200 (``own_group``:
+    as the leader of a process group of its own)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=own_group)
     try:
         while reachable_health(url) != 200:
             assert process.poll() is None, f"the server exited: {process.stdout.read()}"
@@ -302,20 +304,26 @@ def test_an_engine_killed_under_load_ends_every_request_and_the_server_exits_non
 
 
 @pytest.mark.slow
-def test_sigterm_drains_for_the_grace_period_then_ends_what_is_left_and_exits():
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the server", "to its process group"])
+def test_sigterm_drains_for_the_grace_period_then_ends_what_is_left_and_exits(to_group):
     """A stream longer than the grace period and 16 short requests in flight at SIGTERM:
     the short ones finish, the stream ends with an error event and ``[DONE]`` once the
-    grace period has passed, and the process exits a few seconds after it."""
+    grace period has passed, and the process exits a few seconds after it. So too when
+    every process of the server's group gets the signal (systemd's default kill mode,
+    ``timeout``): the engine leaves its ending to the server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launch = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_server_lifecycle as t; "
               f"t.serve_slowly({str(text_model_dir())!r}, {port})")
-    with served([sys.executable, "-c", launch], url) as server:
+    with served([sys.executable, "-c", launch], url, own_group=to_group) as server:
         long_stream, short = [], []
         threads = [in_flight(url, {**LONG, "stream": True}, long_stream)]
         threads += [in_flight(url, {"prompt": f"q {i}", "max_tokens": 4}, short) for i in range(16)]
         wait_for(lambda: requests_seen(url) == 17, 30)
-        server.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(server.pid, signal.SIGTERM)
+        else:
+            server.send_signal(signal.SIGTERM)
         asked = time.monotonic()
         server.wait(timeout=GRACE_S + 15)
         exited = time.monotonic() - asked

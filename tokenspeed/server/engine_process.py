@@ -109,15 +109,12 @@ class EngineProcess:
 
     def stop(self) -> None:
         """Close every client's end still here (the engine stops once all are closed), then
-        wait; an engine that has not stopped within ``STOP_TIMEOUT_S`` is terminated, and
-        killed if that is not enough (a stopped process holds SIGTERM until continued)."""
+        wait; an engine that has not stopped within ``STOP_TIMEOUT_S`` is killed (it ignores
+        SIGTERM: ``engine_main``)."""
         for channel in self.channels:
             channel.close()
         if self.process.is_alive():
             self.process.join(STOP_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(EXIT_WAIT_S)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
@@ -141,7 +138,11 @@ def _first_message(channel: FrameSocket, process: EngineProcess) -> EngineInfo:
 def engine_main(spec: EngineSpec, ends: list) -> None:
     """The child: build the engine, report ready to every client, relay their records to
     its loop until all have closed their ends (or the parent has gone away)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    for signum in (signal.SIGINT, signal.SIGTERM):   # the parent's to handle: Ctrl-C reaches the whole
+        signal.signal(signum, signal.SIG_IGN)        # process group, and so does the SIGTERM of systemd's
+    # default kill mode or of `timeout`; the parent drains its requests, then stops the engine by closing
+    # its channels (``EngineProcess.stop``, which kills it if it must). Ended by SIGTERM, the engine
+    # dropped every request in flight, the drain's included.
     channels = [FrameSocket(end, to_engine_decoder()) for end in ends]
     try:
         llm = spec.build()
