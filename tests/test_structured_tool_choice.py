@@ -59,6 +59,24 @@ def test_the_calls_always_validate(vocab, parser, choice, data):
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_a_required_call_without_parallel_calls_is_one_call(vocab, parser):
+    """``parallel_tool_calls: false``: a required reply is one call; after it, the grammar
+    takes nothing but the end, where with parallel calls it takes a second call."""
+    tokenizer, guide = vocab
+    reply = {"hermes": '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>',
+             "llama3_json": '{"name": "ping", "parameters": {}}',
+             "mistral": '[TOOL_CALLS][{"name": "ping", "arguments": {}}'}[parser]
+    second = {"hermes": "\n<tool_call>", "llama3_json": "; {", "mistral": ", {"}[parser]
+    for parallel in (True, False):
+        matcher = GrammarMatcher(compile_grammar(tool_choice_constraint(TOOLS, "required", parser,
+                                                                        parallel=parallel), guide), guide)
+        for token in tokenizer.encode(reply, add_special_tokens=False):
+            matcher.accept(token)
+        takes_more = matcher.matcher.validate_tokens(tokenizer.encode(second, add_special_tokens=False)) > 0
+        assert takes_more == parallel and matcher.can_stop == (parser != "mistral")
+
+
 def test_mistrals_marker_is_its_token(vocab):
     tokenizer, guide = vocab
     marker = tokenizer.eos_token_ids[0]     # any id stands in for [TOOL_CALLS]'s

@@ -26,16 +26,16 @@ def hermes_reply(thought: str | None, content: str, calls) -> str:
                                      for n, a in calls)
 
 
-def chat_format(reasoning="qwen3", tools="hermes") -> ChatFormat:
-    return ChatFormat("m", None, 1, parsing=ReplyParsing.of(reasoning, tools))
+def chat_format(reasoning="qwen3", tools="hermes", single_call: bool = False) -> ChatFormat:
+    return ChatFormat("m", None, 1, parsing=ReplyParsing.of(reasoning, tools, single_call))
 
 
-def whole(text: str, finish: str = "stop") -> dict:
-    return chat_format().choice(CompletionDelta(0, text, (), (), finish, None))
+def whole(text: str, finish: str = "stop", single_call: bool = False) -> dict:
+    return chat_format(single_call=single_call).choice(CompletionDelta(0, text, (), (), finish, None))
 
 
-def streamed_chunks(text: str, cuts, finish: str = "stop") -> list[dict]:
-    fmt, prefix = chat_format(), ""
+def streamed_chunks(text: str, cuts, finish: str = "stop", single_call: bool = False) -> list[dict]:
+    fmt, prefix = chat_format(single_call=single_call), ""
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
     events = "".join(fmt.events(prefix, 0, types.SimpleNamespace(deltas=(CompletionDelta(
@@ -99,6 +99,18 @@ def test_a_streamed_reply_joins_to_the_whole_message(thought, content, calls, cu
     assert [c["function"]["name"] for c in choice["message"].get("tool_calls", [])] == [n for n, _ in calls]
     assert all(json.loads(c["function"]["arguments"]) == a
                for c, (_, a) in zip(choice["message"].get("tool_calls", []), calls))
+
+
+@PROPERTY
+@given(thought=st.none() | TEXT, content=TEXT, calls=CALLS, cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_without_parallel_calls_a_reply_keeps_its_first_call_whole_or_streamed(thought, content, calls, cuts):
+    """``parallel_tool_calls: false``: the message holds the first call the model made (as
+    vLLM keeps it), and the stream's chunks join to that message."""
+    text = hermes_reply(thought, content, calls)
+    choice, rebuilt = whole(text, single_call=True), joined(streamed_chunks(text, cuts, single_call=True))
+    assert without_ids(rebuilt) == without_ids(choice["message"])
+    assert [c["function"]["name"] for c in choice["message"].get("tool_calls", [])] == [n for n, _ in calls[:1]]
+    assert rebuilt["finish_reason"] == choice["finish_reason"] == ("tool_calls" if calls else "stop")
 
 
 @PROPERTY

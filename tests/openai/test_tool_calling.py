@@ -137,6 +137,33 @@ def test_a_required_or_named_tool_choice_always_yields_valid_arguments(client, c
             jsonschema.validate(arguments, SCHEMAS[name])
 
 
+def test_without_parallel_calls_a_required_choice_makes_one_call(client):
+    """``parallel_tool_calls=False``: one call, ended as the grammar ends it."""
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=4,
+                                            max_tokens=200, temperature=1.0, seed=3, parallel_tool_calls=False)
+    for c in answer.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+        [(name, arguments)] = called(c.message)
+        jsonschema.validate(arguments, SCHEMAS[name])
+
+
+def test_without_parallel_calls_auto_keeps_the_first_call(client):
+    """The model writes two calls (a regex makes it); ``parallel_tool_calls=False`` keeps the
+    first, whole and streamed."""
+    regex = (r'<tool_call>\n\{"name": "count", "arguments": \{"n": 1\}\}\n</tool_call>\n'
+             r'<tool_call>\n\{"name": "count", "arguments": \{"n": 2\}\}\n</tool_call>')
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    assert len(client.chat.completions.create(**kw).choices[0].message.tool_calls) == 2
+    choice = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert choice.finish_reason == "tool_calls" and called(choice.message) == [("count", {"n": 1})]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, parallel_tool_calls=False, stream=True)
+              if c.choices]
+    calls = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert {t.index for t in calls} == {0} and chunks[-1].finish_reason == "tool_calls"
+    assert "".join(t.function.arguments or "" for t in calls) == choice.message.tool_calls[0].function.arguments
+
+
 def test_auto_reads_a_call_and_its_stream_joins_to_it(client):
     """A regex makes the model write a call whatever its weights; a constrained reply is
     not split for reasoning (its grammar holds from its first token)."""

@@ -62,10 +62,12 @@ def _lark(parser: str, call: str, many: bool, marker_id: int | None) -> str:
 
 
 def tool_choice_constraint(tools: Sequence[Mapping], tool_choice: str | Mapping, parser: str,
-                           marker_id: int | None = None) -> StructuredOutputs:
+                           marker_id: int | None = None, parallel: bool = True) -> StructuredOutputs:
     """The constraint of ``tool_choice`` (``"required"``, or OpenAI's ``{"type": "function",
     "function": {"name": ...}}``) over ``tools`` (OpenAI's list) in ``parser``'s format;
-    ``marker_id``: the id of Mistral's ``[TOOL_CALLS]`` token."""
+    ``marker_id``: the id of Mistral's ``[TOOL_CALLS]`` token. ``"required"`` allows one
+    call or more, one alone where not ``parallel`` (OpenAI's ``parallel_tool_calls``); a
+    named function, one call."""
     if parser not in ARGUMENT_KEY:
         raise ValueError(f"parser={parser!r}: no tool-call grammar; choose one of {', '.join(ARGUMENT_KEY)}")
     functions = _functions(tools)
@@ -77,4 +79,4 @@ def tool_choice_constraint(tools: Sequence[Mapping], tool_choice: str | Mapping,
             raise _refuse("tool_choice", tool_choice, f"names no tool of {sorted(functions)}")
         functions = {name: functions[name]}
     schema = _call_schema(functions, ARGUMENT_KEY[parser])
-    return StructuredOutputs(grammar=_lark(parser, schema, tool_choice == "required", marker_id))
+    return StructuredOutputs(grammar=_lark(parser, schema, tool_choice == "required" and parallel, marker_id))

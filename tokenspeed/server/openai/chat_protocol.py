@@ -104,7 +104,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     metadata: dict[str, str] | None = None          # accepted and ignored (see ``protocol``'s note)
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None         # false: one tool call at most (``tool_use``)
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 

@@ -19,14 +19,16 @@ class ReplyParsing:
 
     reasoning: ThinkParser | None = None
     tools: ToolParser | None = None
+    single_call: bool = False   # the first call only (``parallel_tool_calls: false``)
 
     @classmethod
-    def of(cls, reasoning_name: str | None, tools_name: str | None) -> "ReplyParsing | None":
+    def of(cls, reasoning_name: str | None, tools_name: str | None,
+           single_call: bool = False) -> "ReplyParsing | None":
         """The parsing by the parsers' names; None when neither is named (the reply is plain text)."""
         if reasoning_name is None and tools_name is None:
             return None
         return cls(reasoning_parser(reasoning_name) if reasoning_name else None,
-                   tool_parser(tools_name) if tools_name else None)
+                   tool_parser(tools_name) if tools_name else None, single_call)
 
     def message(self, text: str) -> dict:
         """A whole reply's message fields: ``content``, and ``reasoning_content`` and
@@ -39,8 +41,9 @@ class ReplyParsing:
         if self.tools is not None and content is not None:
             parsed = self.tools.parse(content)
             fields["content"] = parsed.content
-            if parsed.tool_calls:
-                fields[TOOL_CALLS] = [call.as_openai() for call in parsed.tool_calls]
+            calls = parsed.tool_calls[:1] if self.single_call else parsed.tool_calls
+            if calls:
+                fields[TOOL_CALLS] = [call.as_openai() for call in calls]
         return fields
 
     def stream(self) -> "ReplyStream":
@@ -59,6 +62,7 @@ class ReplyStream:
     def __init__(self, parsing: ReplyParsing):
         self._reasoning = parsing.reasoning.stream() if parsing.reasoning is not None else None
         self._tools = parsing.tools.stream() if parsing.tools is not None else None
+        self._single_call = parsing.single_call
         self.called = False
 
     def feed(self, piece: str) -> list[DeltaMessage]:
@@ -81,5 +85,17 @@ class ReplyStream:
                 out += self._tools.feed(message.content)
         if final:
             out += self._tools.finish()
+        if self._single_call:
+            out = [m for m in map(_first_call_only, out) if m is not None]
         self.called = self.called or any(m.tool_calls for m in out)
         return out
+
+
+def _first_call_only(message: DeltaMessage) -> DeltaMessage | None:
+    """``message`` without the deltas of calls after the first (None if nothing is left)."""
+    if not message.tool_calls or all(call.index == 0 for call in message.tool_calls):
+        return message
+    calls = [call for call in message.tool_calls if call.index == 0]
+    if not calls and not message.content and not message.reasoning_content:
+        return None
+    return attrs.evolve(message, tool_calls=tuple(calls))

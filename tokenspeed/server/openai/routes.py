@@ -60,7 +60,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         tools, constraint = await _chat_constraint(server, body)
         prompts = [await _chat_prompt(server, body)]
         params = _chat_params(server, body, prompts, tools, constraint)
-        parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser)
+        parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 

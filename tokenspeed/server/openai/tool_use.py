@@ -3,8 +3,10 @@
 default), ``"auto"`` (the default with tools) parses the calls the model writes, and
 ``"required"`` or a named function also holds the reply to calls of those tools, with
 arguments valid for their schemas, by a grammar in the parser's format
-(``tool_choice_constraint``). Parsing needs a tool-call parser (``ChatParsers``): a
-request that wants calls parsed on a server with none is refused."""
+(``tool_choice_constraint``). ``parallel_tool_calls: false`` allows one call: the grammar
+of a required call takes one, and a reply parsed for calls keeps its first (as vLLM keeps
+it). Parsing needs a tool-call parser (``ChatParsers``): a request that wants calls parsed
+on a server with none is refused."""
 
 import attrs
 
@@ -20,10 +22,12 @@ MISTRAL_MARKER = "[TOOL_CALLS]"
 @attrs.frozen
 class ToolUse:
     """``parser``: the format the reply's calls are read in (None: the reply is text);
-    ``constraint``: the grammar of a required or named call."""
+    ``constraint``: the grammar of a required or named call; ``single``: one call at most
+    (``parallel_tool_calls: false``)."""
 
     parser: str | None = None
     constraint: Constraint | None = None
+    single: bool = False
 
 
 def tool_use(request, parsers: ChatParsers, tokenizer) -> ToolUse:
@@ -38,16 +42,18 @@ def tool_use(request, parsers: ChatParsers, tokenizer) -> ToolUse:
     if parser is None:
         raise APIError(400, "tools: this server has no tool-call parser (its chat template shows no tool-call "
                        "format): start it with --tool-call-parser, or send tool_choice='none'", "tools")
+    single = request.parallel_tool_calls is False
     if choice in (None, "auto"):
-        return ToolUse(parser)
-    return ToolUse(parser, Constraint(_constraint(request, parser, tokenizer), "tool_choice"))
+        return ToolUse(parser, single=single)
+    return ToolUse(parser, Constraint(_constraint(request, parser, tokenizer, not single), "tool_choice"), single)
 
 
-def _constraint(request, parser: str, tokenizer):
+def _constraint(request, parser: str, tokenizer, parallel: bool):
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     choice = request.tool_choice if isinstance(request.tool_choice, str) else request.tool_choice.model_dump()
     try:
-        return tool_choice_constraint(tools, choice, parser, _marker_id(tokenizer) if parser == "mistral" else None)
+        return tool_choice_constraint(tools, choice, parser, _marker_id(tokenizer) if parser == "mistral" else None,
+                                      parallel)
     except RefusedRequest as exc:
         raise APIError(400, str(exc), exc.field) from exc
 
