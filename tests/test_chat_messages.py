@@ -32,6 +32,8 @@ def test_every_accepted_message_reaches_the_template_as_text(conversation):
     ([[{"role": "user"}], []], r"messages\[1\] must be a non-empty list of message dicts, got list \[\]"),
     ([{"content": "a"}], r"messages\[0\].role=None: must be one of system, user"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+     r"messages\[0\].content\[0\] is an 'image_url' part: the models served here read text alone"),
+    ([{"role": "user", "content": [{"type": "txt", "text": "x"}]}],
      r"messages\[0\].content\[0\] must be \{'type': 'text', 'text': str\}"),
     ([{"role": "user", "content": "a", "name": 3}], r"messages\[0\].name=3: must be a string"),
 ])

@@ -97,6 +97,24 @@ def test_fields_that_would_change_the_answer_are_refused(api, field, value):
     assert_error(api.post(PATH, {"messages": HELLO, field: value}), 400, "BadRequestError", field)
 
 
+@pytest.mark.parametrize("part, says", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+     "messages[0].content[1] is an 'image_url' part: the models served here read text alone"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "is an 'input_audio' part"),
+    ({"type": "txt", "text": "hi"}, "does not match any of the expected tags: 'text', 'image_url'"),
+])
+def test_a_part_the_model_cannot_read_is_refused_by_its_kind(api, part, says):
+    """Not as a body whose content should have been a string."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], "max_tokens": 2}
+    assert_error(api.post(PATH, body), 400, "BadRequestError", "messages", says)
+
+
+def test_top_logprobs_past_its_bound_is_refused_by_its_own_name(api):
+    body = {"messages": HELLO, "max_tokens": 2, "logprobs": True, "top_logprobs": 21}
+    assert_error(api.post(PATH, body), 400, "BadRequestError", "top_logprobs",
+                 "top_logprobs=21: must be an integer in [0, 20]")
+
+
 def test_stream_options_need_a_stream(api):
     response = api.post(PATH, {"messages": HELLO, "stream_options": {"include_usage": False}})
     assert_error(response, 400, "BadRequestError", "stream_options", "stream=true")

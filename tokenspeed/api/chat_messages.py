@@ -16,6 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+MEDIA_PARTS = ("image_url", "input_audio", "video_url", "audio_url", "file")   # OpenAI's and vLLM's
 FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 ROLE_OF_FIELD = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
 CALL_FIELDS = ("id", "type", "function")
@@ -116,7 +117,10 @@ def _content(content, where: str) -> str:
 
 
 def _text_part(part, where: str) -> str:
-    if not isinstance(part, Mapping) or part.get("type") != "text" or set(part) != {"type", "text"} \
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind in MEDIA_PARTS:
+        raise ValueError(f"{where} is an {kind!r} part: the models served here read text alone")
+    if not isinstance(part, Mapping) or kind != "text" or set(part) != {"type", "text"} \
             or not isinstance(part["text"], str):
         raise ValueError(f"{where} must be {{'type': 'text', 'text': str}}, got {_shown(part)}")
     return part["text"]

@@ -6,11 +6,12 @@ passes them. The template's own variables (``messages``, ``tools``,
 ``add_generation_prompt``) are set by their fields, not through ``chat_template_kwargs``.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from tokenspeed.api.chat_messages import ROLES, template_messages
+from tokenspeed.api.chat_messages import MEDIA_PARTS, ROLES, template_messages
+from tokenspeed.execution.sampling_params import MAX_LOGPROBS
 from tokenspeed.server.openai.api_error import APIError
 from tokenspeed.server.openai.protocol import SamplingFields, Strict
 
@@ -20,6 +21,13 @@ OWN_VARIABLES = ("messages", "tools", "add_generation_prompt")
 class TextPart(Strict):
     type: Literal["text"]
     text: str
+
+
+class MediaPart(BaseModel):
+    """An image, audio or file part: read only to be refused by its kind (``chat_messages``),
+    not as a body that fails to parse."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal[MEDIA_PARTS]
 
 
 class FunctionCall(Strict):
@@ -35,7 +43,7 @@ class ToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal[ROLES]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | MediaPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -111,6 +119,9 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs={self.top_logprobs}: must be an integer in [0, {MAX_LOGPROBS}]",
+                           "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

@@ -261,10 +261,14 @@ def _check_json(content_type: str | None) -> None:
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    error = exc.errors()[0]
+    """The deepest error: of a union's branches (a message's content, a string or a list
+    of parts), the one that got furthest into the value says what is wrong with it. The
+    branches' labels (``list[...]``) are left out of the field's path."""
+    error = max(exc.errors(), key=lambda e: len(e["loc"]))
     if error["type"] == "json_invalid":
         return f"invalid JSON: {error['msg']}", None
-    location = [str(part) for part in error["loc"] if not isinstance(part, int) or error["loc"][0] != part]
+    location = [str(part) for part in error["loc"] if (not isinstance(part, int) or error["loc"][0] != part)
+                and "[" not in str(part)]
     param = ".".join(str(p) for p in error["loc"][:1]) if error["loc"] else None
     return f"{'.'.join(location) or 'body'}: {error['msg']}", param
 
