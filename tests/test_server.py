@@ -5,6 +5,7 @@ is a 400 naming the field (and the server serves on), auth, size limits, interna
 
 import functools
 import gc
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -213,6 +214,11 @@ def test_an_api_key_is_required_on_v1(base_url):
     wrong = post(base_url, "/v1/completions", {"prompt": "x"}, key="nope")
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
     assert httpx.get(f"{base_url}/health").status_code == 200           # outside /v1
+
+
+def test_the_version_is_served_as_vllm_serves_it(base_url):
+    response = httpx.get(f"{base_url}/version", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.json() == {"version": importlib.metadata.version("tokenspeed")}
 
 
 def test_a_body_over_the_limit_is_413(base_url):

@@ -5,6 +5,7 @@ tool call) is compiled before it is queued, off the event loop (``Server.check_c
 a request without one makes no trip to a worker thread for it."""
 
 import asyncio
+import importlib.metadata
 import json
 import time
 import uuid
@@ -31,6 +32,10 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     @app.get("/health")
     async def health():
         return Response(status_code=200 if server.engine.responsive() else 503)
+
+    @app.get("/version")
+    async def version():   # vLLM's route; behind the key, as every route but /health is here
+        return {"version": importlib.metadata.version("tokenspeed")}
 
     @app.get("/metrics")
     async def metrics():
