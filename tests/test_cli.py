@@ -38,6 +38,13 @@ def test_chat_keeps_the_history(capsys, monkeypatch):
     assert out.out.count("> ") == 3 and len([r for r in replies if r.strip("> ")]) >= 2
 
 
+@pytest.mark.parametrize("end", ["/exit", "/quit"])
+def test_chat_ends_at_exit_or_quit(capsys, monkeypatch, end):
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Hi\n{end}\nnever sent\n"))
+    out = run(capsys, "chat", "--model", str(text_model_dir()), "--max-tokens", "5")
+    assert out.out.count("> ") == 2 and end in out.err   # the reply to "Hi", then the prompt it ended
+
+
 def test_inspect_prints_stages_and_writes_dot(capsys, tmp_path):
     dot = tmp_path / "segments.dot"
     out = run(capsys, "inspect", "--model", str(text_model_dir()), "--dot", str(dot))

@@ -150,13 +150,16 @@ def cmd_generate(args) -> None:
     print()
 
 
+CHAT_ENDS = ("/exit", "/quit")   # typed to leave a chat, as other chat prompts take them
+
+
 def cmd_chat(args) -> None:
     sampling(args)
     llm = load_llm(args, max_num_seqs=1)
     params = sampling(args, llm.sampling_defaults)
     history = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
-    while (line := _read_line()):
+    print(f"chat with the model; an empty line, {' or '.join(CHAT_ENDS)} or Ctrl-D ends", file=sys.stderr)
+    while (line := _read_line()) and line not in CHAT_ENDS:
         history.append({"role": "user", "content": line})
         reply = []
         for piece in llm.stream(llm.chat_prompt(history), params):
