@@ -12,6 +12,7 @@ it).
 
 import math
 import numbers
+from collections.abc import Iterable
 
 import attrs
 
@@ -71,17 +72,26 @@ def _positive_float32(instance, attribute, value):
               f"[{_shown(FLOAT32_TINY)}, {_shown(FLOAT32_MAX)}]")
 
 
+STOP_LIMIT = "a non-empty string or a list of non-empty strings"
+
+
 def _strings(value) -> tuple[str, ...]:
-    return (value,) if isinstance(value, str) else tuple(value) if value is not None else ()
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Iterable):
+        _fail("stop", value, STOP_LIMIT)
+    return tuple(value)
 
 
 def _check_stop(instance, attribute, value):
     if not all(isinstance(s, str) and s for s in value):
-        _fail("stop", value, "a non-empty string or a list of non-empty strings")
+        _fail("stop", value, STOP_LIMIT)
 
 
 def _token_ids(value) -> tuple:
-    if isinstance(value, (str, bytes)):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         _fail("stop_token_ids", value, "a list of token ids")
     return tuple(value)
 

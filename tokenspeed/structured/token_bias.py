@@ -53,7 +53,7 @@ def _bias(field: str, key: object, value: object) -> float:
 def allowed_ids(value: Sequence | None) -> tuple[int, ...] | None:
     if value is None:
         return None
-    if isinstance(value, (str, bytes, Mapping)) or not len(value):
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not len(value):
         raise RefusedRequest(f"allowed_token_ids={value!r}: must be a non-empty list of token ids",
                              field="allowed_token_ids", value=value, limit=None)
     return tuple(_token_id("allowed_token_ids", t) for t in value)
