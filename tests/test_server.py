@@ -582,6 +582,24 @@ def test_api_servers_refuse_a_bad_count_and_a_port_in_use():
             cli.main(["serve", "--api-servers", "2", "--port", str(port), "--device", "cpu"])
 
 
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_a_port_in_use_out_of_range_or_an_unknown_host_is_refused_before_the_engine_starts(api_servers):
+    """Refused at once, naming the address: the engine (here a model that does not exist,
+    which would fail its start otherwise) is never started."""
+    from tokenspeed.cli import main as cli
+    command = ["serve", "/no/such/model", "--api-servers", api_servers, "--device", "cpu"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            cli.main([*command, "--port", str(port)])
+    with pytest.raises(SystemExit, match=r"port=70000: must be in \[0, 65535\]"):
+        cli.main([*command, "--port", "70000"])
+    with pytest.raises(SystemExit, match="cannot listen on no-such-host.invalid:8000"):
+        cli.main([*command, "--host", "no-such-host.invalid"])
+
+
 def test_an_api_server_that_dies_stops_the_server_and_says_so():
     server = api_servers(str(text_model_dir()), free_port())
     try:

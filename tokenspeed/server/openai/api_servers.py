@@ -16,7 +16,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from tokenspeed.server.engine_process import EngineInfo, EngineProcess, EngineSp
 from tokenspeed.server.openai.access import Access
 from tokenspeed.server.openai.chat_parsers import ParserFlags
 from tokenspeed.server.openai.lifecycle import FINAL_WRITE_S, SHUTDOWN_TIMEOUT_S, ServerExited, check_timeout
+from tokenspeed.server.openai.listening import listening
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"   # read when a process imports prometheus_client
 KILL_MARGIN_S = 5.0     # past an API server's own limit for its shutdown, before it is killed
@@ -54,7 +54,7 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
     servers on ``host:port``; return once Ctrl-C or SIGTERM has stopped them, or raise
     ``ServerExited`` once one has exited unasked and the others are stopped."""
     timeouts = Timeouts(shutdown_timeout, request_timeout)
-    with _listening(host, port) as sock:   # a port in use is refused before the engine starts
+    with listening(host, port) as sock:   # a port in use is refused before the engine starts
         engine = EngineProcess(spec, num_clients=count)
         try:
             info = engine.start()
@@ -148,23 +148,6 @@ def _stop_on(signum: int):
         yield
     finally:
         signal.signal(signum, previous)
-
-
-@contextlib.contextmanager
-def _listening(host: str, port: int):
-    """A socket bound and listening on ``host:port`` (uvicorn's own choices of options)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-        sock.listen(2048)
-        yield sock
-    finally:
-        sock.close()
 
 
 @contextlib.contextmanager

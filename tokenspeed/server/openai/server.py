@@ -27,6 +27,7 @@ from tokenspeed.server.openai.access import Access, error_bodies, guard
 from tokenspeed.server.openai.chat_parsers import ParserFlags
 from tokenspeed.server.openai.grammar_check import Constraint, GrammarCheck
 from tokenspeed.server.openai.lifecycle import SHUTDOWN_TIMEOUT_S, check_timeout, run, uvicorn_config
+from tokenspeed.server.openai.listening import listening
 from tokenspeed.server.openai.mailbox import Mailbox
 from tokenspeed.server.openai.metrics import ServerMetrics
 from tokenspeed.server.openai.api_error import APIError
@@ -280,8 +281,11 @@ def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int 
     """Start the engine (an ``EngineStartError`` says why it could not), then serve until
     SIGINT or SIGTERM (drained for ``shutdown_timeout`` seconds: ``lifecycle``); raise
     ``ServerExited`` if the engine process exits unasked."""
-    app = create_app(spec, model_name, api_key, access=access, request_timeout=request_timeout,
-                     parser_flags=parser_flags)
-    config = uvicorn_config(app, host, port, "info", shutdown_timeout)   # bad options refused first
-    app.state.server.connect()   # starts the engine process here, before the port is bound
-    run(app, config)
+    check_timeout("shutdown_timeout", shutdown_timeout)
+    with listening(host, port) as sock:   # a port in use is refused before the model is read
+        app = create_app(spec, model_name, api_key, access=access, request_timeout=request_timeout,
+                         parser_flags=parser_flags)
+        config = uvicorn_config(app, host, port, "info", shutdown_timeout)
+        app.state.server.connect()       # starts the engine process here, before the port is served
+        print(f"tokenspeed: serving on http://{host}:{sock.getsockname()[1]}", flush=True)
+        run(app, config, sockets=[sock])
