@@ -73,7 +73,7 @@ def test_a_required_call_without_parallel_calls_is_one_call(vocab, parser):
                                                                         parallel=parallel), guide), guide)
         for token in tokenizer.encode(reply, add_special_tokens=False):
             matcher.accept(token)
-        takes_more = matcher.matcher.validate_tokens(tokenizer.encode(second, add_special_tokens=False)) > 0
+        takes_more = matcher.valid_prefix(tokenizer.encode(second, add_special_tokens=False)) > 0
         assert takes_more == parallel and matcher.can_stop == (parser != "mistral")
 
 
