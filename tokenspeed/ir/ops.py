@@ -77,11 +77,14 @@ def extend_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
     return torch.empty_like(q)
 
 
-@_op("decode_attention")
+@_op("decode_attention", mutates_args=("split_counters",))
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, scale: float,
-                     window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """``attention`` restricted to one row per request: what decode lowering selects."""
+                     window: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                     split_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """``attention`` restricted to one row per request: what decode lowering selects.
+    ``split_counters``: a zeroed int32 workspace kept between steps, with which a kernel
+    that splits the keys merges the splits in the same launch (it leaves them zeroed)."""
     return torch.empty_like(q)
 
 
@@ -156,16 +159,18 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: to
     return torch.empty_like(q)
 
 
-@_op("rope_decode_attention", mutates_args=("kv_cache",))
+@_op("rope_decode_attention", mutates_args=("kv_cache", "split_counters"))
 def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                           row_request: torch.Tensor, scale: float, window: int, k_scale: float = 1.0,
                           v_scale: float = 1.0, q_norm: torch.Tensor | None = None,
-                          k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
+                          k_norm: torch.Tensor | None = None, norm_eps: float = 0.0,
+                          split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
     value and attends, using that key from registers. ``q_norm``, ``k_norm``: weights of a
-    per-head RMSNorm (Qwen3's) of q and k before the rotation, ``rms_norm``'s (eps ``norm_eps``)."""
+    per-head RMSNorm (Qwen3's) of q and k before the rotation, ``rms_norm``'s (eps ``norm_eps``);
+    ``split_counters``: as ``decode_attention``'s."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

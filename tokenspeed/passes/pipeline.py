@@ -11,6 +11,7 @@ from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_head_norms, fuse_n
 from tokenspeed.passes.kernels import decode_kernels, extend_kernels, recurrent_steps
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
+from tokenspeed.passes.split_merge import merge_splits_in_launch
 from tokenspeed.passes.split import split_segments
 
 MODES = ("prefill", "decode", "verify")
@@ -26,7 +27,7 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
                                                      rope_kernels, fuse_latent_write, fuse_moe_add, breaks,
                                                      split_segments]
     steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
-    return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels,
+    return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, merge_splits_in_launch, rope_kernels,
             fuse_latent_write, fuse_moe_add, select_linear, fuse_gated_linear, fuse_norm_linear,
             whole_graph if decode_graph else attention_breaks, split_segments]
 
