@@ -87,8 +87,13 @@ def test_openais_fields_that_mean_nothing_here_are_accepted_and_ignored(client):
     plain = client.chat.completions.create(**kw).choices[0].message.content
     ignored = client.chat.completions.create(**kw, user="u-1", metadata={"team": "a"}, store=False,
                                              service_tier="auto", parallel_tool_calls=False,
-                                             prompt_cache_key="k", safety_identifier="s")
+                                             prompt_cache_key="k", safety_identifier="s", modalities=["text"])
     assert ignored.choices[0].message.content == plain
+
+
+def test_an_answer_in_audio_is_refused(api):
+    assert_error(api.post(PATH, {"messages": HELLO, "modalities": ["text", "audio"]}), 400, "BadRequestError",
+                 "modalities", "'text'")
 
 
 @pytest.mark.parametrize("field, value", [("prediction", {"type": "content", "content": "x"}),

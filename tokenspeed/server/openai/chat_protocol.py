@@ -115,6 +115,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     parallel_tool_calls: bool | None = None         # false: one tool call at most (``tool_use``)
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    modalities: list[Literal["text"]] | None = None   # text is what comes back; "audio" is refused
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
