@@ -93,7 +93,7 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
 
 def _counters_for(split_counters, q, kv_cache):
     """The counters, where there is one for each of the step's rows and KV heads (the
-    workspace's size, ``fusion.SPLIT_COUNTERS``, covers 8,192 rows of 8 KV heads); past
+    buffer's ``split_merge.SPLIT_COUNTER_SLOTS`` cover 8,192 rows of 8 KV heads); past
     that the splits merge in a second launch."""
     needed = q.shape[0] * kv_cache.shape[-2]
     return split_counters if split_counters is not None and split_counters.numel() >= needed else None

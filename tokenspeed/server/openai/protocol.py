@@ -4,7 +4,8 @@ fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_e
 ``stop_token_ids``, ``skip_special_tokens``) are accepted too, and so are the documented
 OpenAI fields that mean nothing to a local server (``user``; for chat also ``metadata``,
 ``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, and
-``modalities: ["text"]``): read, checked for type, and ignored. (``parallel_tool_calls: false`` allows one tool call: ``tool_use``.)
+``modalities: ["text"]``): read, checked for type, and ignored. (``parallel_tool_calls:
+false`` allows one tool call: ``tool_use``.)
 
 Constraints on the output (``response_format``, vLLM's ``structured_outputs``) become a
 ``Constraint`` here; the handler compiles it at the door (``grammar_check``).
