@@ -111,6 +111,9 @@ def test_decode_attends_the_latents_in_the_absorbed_form_and_prefill_expands_the
     assert decode.count(fused) == prefill.count(fused) == LAYERS
     # the query's and the latent's projections stacked: one product, the input norm folded in
     assert decode.count("q_kv_a_proj_normed = tokenspeed.norm_linear") == LAYERS
+    # decode's attention rotates its query's rope part itself; prefill keeps the rope op
+    assert decode.count("rope_interleaved=True)") == LAYERS and "tokenspeed.rope(" not in decode
+    assert prefill.count("tokenspeed.rope(") == LAYERS
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

@@ -18,11 +18,12 @@ def mla_decode_kernels():
     from tokenspeed.backends.kernels import triton_mla
     names = triton_mla._absorbed_decode_kernel.arg_names
     signature = dict(ql_ptr="*fp32", qr_ptr="*bf16", cache_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64", pos_ptr="*i64",
-                     out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32",
+                     out_ptr="*bf16", mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32", cs_ptr="*fp32",
                      **{n: "i32" for n in names if n.startswith("stride")})
-    for splits in (1, 8):
+    for splits, rotate in [(1, False), (8, False), (8, True)]:   # rotated: q_rope as the projection left it
         flags = dict(HEADS=16, LATENT=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_H=16,
-                     BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32")
+                     BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32", ROTATE=rotate,
+                     INTERLEAVED=rotate)
         assert compile_sm90(triton_mla._absorbed_decode_kernel, signature, flags, num_warps=8).asm["ptx"]
     merge = compile_sm90(triton_mla._combine_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64",
                                                           out_ptr="*fp32", stride_or="i32", stride_oh="i32"),

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import mla_reference, triton_mla  # noqa: E402
+from tokenspeed.backends.kernels import mla_reference, reference, triton_mla  # noqa: E402
+from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
 
 from test_mla_kernels import poisoned_cache, batch, queries  # noqa: E402
 
@@ -29,6 +30,28 @@ def test_the_triton_decode_equals_the_reference(lengths, page_size, pad_rows, sp
     torch.testing.assert_close(triton_mla.mla_decode_attention(*args, num_splits=splits),
                                mla_reference.mla_decode_attention(*args),
                                rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3), pad_rows=st.integers(0, 1),
+       splits=st.sampled_from([1, 3]), interleaved=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_triton_decode_rotates_its_query_as_the_rope_op(lengths, pad_rows, splits, interleaved, seed):
+    """An unrotated q_rope and the table: the kernel's rotation is ``rope``'s, then the same attention."""
+    cache, tables, requests, positions, gen = batch(lengths, 4, seed)
+    last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
+    requests = torch.cat([requests[last], torch.full((pad_rows,), len(lengths))])
+    positions = torch.cat([positions[last], torch.zeros(pad_rows, dtype=torch.long)])
+    q_nope, q_rope, w = queries(len(requests), gen)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, q_rope.shape[2], 2, dtype=torch.float32) / q_rope.shape[2])
+    table = cos_sin_table(inv_freq, torch.arange(64))
+    args = (cache, 1, tables, requests, positions, w, 0.3)
+    rotated = reference.rope(q_rope, table, positions, interleaved)
+    want = mla_reference.mla_decode_attention(q_nope, rotated, *args)
+    got = triton_mla.mla_decode_attention(q_nope, q_rope, *args, num_splits=splits,
+                                          rope=triton_mla.QueryRope(table, interleaved))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(reference.mla_decode_attention(q_nope, q_rope, *args, cos_sin=table,
+                                                              rope_interleaved=interleaved), want, rtol=0, atol=0)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)

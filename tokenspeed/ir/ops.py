@@ -117,9 +117,12 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
 @_op("mla_decode_attention")
 def mla_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                          block_tables: torch.Tensor, row_request: torch.Tensor, positions: torch.Tensor,
-                         kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+                         kv_b_weight: torch.Tensor, scale: float, cos_sin: torch.Tensor | None = None,
+                         rope_interleaved: bool = False) -> torch.Tensor:
     """``mla_attention`` of one row per request in the absorbed form: the key's
-    up-projection folded into the query, the value's applied after attending the latents."""
+    up-projection folded into the query, the value's applied after attending the latents.
+    With ``cos_sin``, ``q_rope`` comes unrotated: ``rope(q_rope, cos_sin, positions,
+    rope_interleaved)`` is what it attends with."""
     heads, v_dim = q_nope.shape[1], kv_b_weight.shape[0] // q_nope.shape[1] - q_nope.shape[2]
     return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
 

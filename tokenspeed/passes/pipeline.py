@@ -9,6 +9,7 @@ from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_head_norms, fuse_n
                                       fuse_latent_write, fuse_moe_add, fuse_rope_decode_attention,
                                       fuse_rope_write_kv, rope_kernels, select_linear)
 from tokenspeed.passes.kernels import decode_kernels, extend_kernels, recurrent_steps
+from tokenspeed.passes.latent_rope import fuse_latent_query_rope
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
 from tokenspeed.passes.split_merge import merge_splits_in_launch
@@ -28,8 +29,8 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
                                                      split_segments]
     steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
     return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, merge_splits_in_launch, rope_kernels,
-            fuse_latent_write, fuse_moe_add, select_linear, fuse_gated_linear, fuse_norm_linear,
-            whole_graph if decode_graph else attention_breaks, split_segments]
+            fuse_latent_write, fuse_latent_query_rope, fuse_moe_add, select_linear, fuse_gated_linear,
+            fuse_norm_linear, whole_graph if decode_graph else attention_breaks, split_segments]
 
 
 def run_pipeline(graph_module: fx.GraphModule, config, mode: str, *, narrow: bool = True,

@@ -72,10 +72,11 @@ def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, po
 
 
 def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight,
-                         scale):
+                         scale, cos_sin=None, rope_interleaved=False):
     from tokenspeed.backends.kernels import triton_mla
+    rope = None if cos_sin is None else triton_mla.QueryRope(cos_sin, rope_interleaved)
     return triton_mla.mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
-                                           kv_b_weight, scale)
+                                           kv_b_weight, scale, rope=rope)
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,

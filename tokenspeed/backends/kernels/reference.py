@@ -17,8 +17,8 @@ from tokenspeed.backends.kernels import gguf_reference, kv_fp8
 from tokenspeed.backends.kernels.moe_reference import moe  # noqa: F401  (the op's CPU kernel)
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
-from tokenspeed.backends.kernels.mla_reference import (  # noqa: F401  (MLA: the torch reference)
-    mla_attention, mla_decode_attention, write_latent)
+from tokenspeed.backends.kernels import mla_reference
+from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
 from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurrent layers' references)
     causal_conv_silu, causal_conv_silu_step, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
@@ -114,6 +114,14 @@ def norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions,
     rotated = rope(k_rope, cos_sin, positions, interleaved)
     write_latent(rms_norm(latent, norm_weight, eps), rotated.view(-1, rotated.shape[-1]), kv_cache, layer,
                  slot_mapping)
+
+
+def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight,
+                         scale, cos_sin=None, rope_interleaved=False):
+    """With ``cos_sin``, q_rope is rotated first (``rope``)."""
+    q_rope = q_rope if cos_sin is None else rope(q_rope, cos_sin, positions, rope_interleaved)
+    return mla_reference.mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request,
+                                              positions, kv_b_weight, scale)
 
 
 def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):

@@ -14,6 +14,8 @@ nothing is read on the host, and the grid depends only on shapes, so both launch
 captured.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,14 @@ from tokenspeed.backends.kernels.mla_reference import UpProjection
 from tokenspeed.errors import InternalError
 
 LOG2E = 1.4426950408889634
+
+
+class QueryRope(NamedTuple):
+    """A decode row's query rope parts come unrotated: the kernel rotates them by
+    ``cos_sin`` (``[positions, rope]``, cos then sin) at the row's position, as
+    ``tokenspeed::rope`` would (``interleaved``: DeepSeek's pairing)."""
+    cos_sin: torch.Tensor
+    interleaved: bool
 BLOCK_N = 16
 COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-projection: at 32 rows of
 # DeepSeek-V2-Lite's 16 heads the merged launch took 90 us a layer on the H200, the merge and a
@@ -34,14 +44,16 @@ COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-p
 @triton.jit
 def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                             qk_scale, stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_bt, stride_slot,
-                            stride_or, stride_oh,
+                            stride_or, stride_oh, cs_ptr, stride_cs,
                             HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+                            ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr):
     """One split of one row's keys for a block of heads: its unnormalised output and
     log-sum-exp (base 2), merged by ``_combine_kernel``. A split past the row's end writes
     nothing and is not merged. One split is the row's output, stored as it is: no float32
-    partials for a prefill's thousands of rows."""
+    partials for a prefill's thousands of rows. ROTATE: q_rope is unrotated, and each
+    program rotates its heads' as it loads them (``_query_rope``)."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -54,8 +66,9 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
     if lo < hi:
         q_lat = tl.load(ql_ptr + row * stride_qlr + heads[:, None] * stride_qlh + r[None, :],
                         mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-        q_rope = tl.load(qr_ptr + row * stride_qrr + heads[:, None] * stride_qrh + p[None, :],
-                         mask=hmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+        q_rope = _query_rope(qr_ptr + row * stride_qrr + heads[:, None] * stride_qrh, p,
+                             hmask[:, None] & pmask[None, :], cs_ptr + pos.to(tl.int64) * stride_cs, ROPE,
+                             ROTATE, INTERLEAVED)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -85,6 +98,28 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
             tl.store(mid_o_ptr + part[:, None] * LATENT + r[None, :], acc / l[:, None],
                      mask=hmask[:, None] & rmask[None, :])
             tl.store(mid_lse_ptr + part, m + tl.log2(l), mask=hmask)
+
+
+@triton.jit
+def _query_rope(rows, p, mask, cs_row, ROPE: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The heads' rope parts ``[BLOCK_H, BLOCK_P]`` as ``tokenspeed::rope`` leaves them
+    (``triton_rope``'s arithmetic, rounded to q's dtype): the pairs (adjacent elements if
+    INTERLEAVED, else the halves) rotated by the row's ``cos | sin`` table entry, out as
+    halves. Without ROTATE, as stored."""
+    if ROTATE:
+        upper = p >= ROPE // 2
+        j = tl.where(upper, p - ROPE // 2, p)
+        if INTERLEAVED:
+            first, second = 2 * j, 2 * j + 1
+        else:
+            first, second = j, j + ROPE // 2
+        x1 = tl.load(rows + first[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(rows + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        cos = tl.load(cs_row + j, mask=p < ROPE, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(cs_row + ROPE // 2 + j, mask=p < ROPE, other=0.0).to(tl.float32)[None, :]
+        rotated = tl.where(upper[None, :], x2 * cos + x1 * sin, x1 * cos - x2 * sin)
+        return rotated.to(rows.dtype.element_ty).to(tl.float32)
+    return tl.load(rows + p[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -151,26 +186,30 @@ def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, po
 
 
 def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
-                         kv_b_weight, scale, num_splits: int | None = None):
-    """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``."""
+                         kv_b_weight, scale, num_splits: int | None = None, rope: QueryRope | None = None):
+    """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``;
+    ``rope``: q_rope is unrotated, the kernel rotates it."""
     up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2], as_stored=True)
     q_latent = torch.einsum("qhn,hnr->qhr", q_nope.to(up.w_k.dtype), up.w_k)   # in the weight's dtype, as
     # transformers' kv_b_proj: a float32 copy of the weight would be read and written every step
     return absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
-                           num_splits, w_v=up.w_v).to(q_nope.dtype)
+                           num_splits, w_v=up.w_v, rope=rope).to(q_nope.dtype)
 
 
 def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
-                    num_splits: int | None = None, w_v: torch.Tensor | None = None):
+                    num_splits: int | None = None, w_v: torch.Tensor | None = None, rope: QueryRope | None = None):
     """``[rows, H, latent]`` in ``q_latent``'s dtype: softmax(q_latent . latent + q_rope . rope key) over the
     row's positions, times the latents; with ``w_v`` (``[H, v, latent]``), that up-projected
     per head, ``[rows, H, v]`` (by the launch that merges the splits, where keys are split and
     the rows are at most ``COMBINE_UP_MAX_ROWS``).
     ``num_splits``: the key splits per row (default: from the rows, rounded up to a power of
     two as a ladder's rungs are, and the longest context the table allows, as
-    ``triton_decode`` chooses them)."""
+    ``triton_decode`` chooses them). ``rope``: q_rope unrotated, rotated by the kernel."""
     rows, heads, latent = q_latent.shape
-    _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions)
+    _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions, rope)
+    cos_sin = q_rope   # unread without a rotation
+    if rope is not None:
+        cos_sin = rope.cos_sin if rope.cos_sin.stride(-1) == 1 else rope.cos_sin.contiguous()
     cache = kv_cache[layer, 0].flatten(0, 1)[:, 0]                          # [slots, latent + rope]
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     if rows == 0:
@@ -189,10 +228,11 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
     _absorbed_decode_kernel[(rows, head_blocks, splits)](
         q_latent, q_rope, cache, block_tables, row_request, positions, out, mid_o, mid_lse, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), out.stride(0), out.stride(1), HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2],
+        cache.stride(0), out.stride(0), out.stride(1), cos_sin, cos_sin.stride(0),
+        HEADS=heads, LATENT=latent, ROPE=q_rope.shape[2],
         PAGE_SIZE=kv_cache.shape[3], NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
         BLOCK_R=max(16, next_power_of_2(latent)), BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])),
-        PRECISION=precision,
+        PRECISION=precision, ROTATE=rope is not None, INTERLEAVED=rope is not None and rope.interleaved,
         num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
     merge = dict(HEADS=heads, LATENT=latent, NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits),
                  BLOCK_R=max(16, next_power_of_2(latent)))
@@ -216,8 +256,12 @@ def _combine_up(mid_o, mid_lse, positions, w_v, merge: dict) -> torch.Tensor:
     return out
 
 
-def _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions) -> None:
+def _check(q_latent, q_rope, kv_cache, block_tables, row_request, positions, rope=None) -> None:
     rows, heads, latent = q_latent.shape
+    if rope is not None and (q_rope.shape[2] % 2 or rope.cos_sin.dim() != 2
+                             or rope.cos_sin.shape[1] != q_rope.shape[2]):
+        raise InternalError(f"a rotated q_rope's width must be even and its table [positions, "
+                            f"{q_rope.shape[2]}]; got {tuple(rope.cos_sin.shape)}")
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 1 or kv_cache.shape[4] != 1 or \
             kv_cache.shape[5] != latent + q_rope.shape[2]:
         raise InternalError(f"an MLA cache is [L, 1, pages, P, 1, {latent} + {q_rope.shape[2]}]; "
