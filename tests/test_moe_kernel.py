@@ -14,7 +14,9 @@ if not torch.cuda.is_available():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import moe_reference, triton_moe, triton_moe_align, triton_moe_pairs  # noqa: E402
+from tokenspeed.backends.kernels import (cuda, moe_reference, reference, triton_moe, triton_moe_align,  # noqa: E402
+                                         triton_moe_pairs)
+from tokenspeed.errors import InternalError  # noqa: E402
 
 from sm90 import assert_compiles  # noqa: E402
 from test_moe import routed  # noqa: E402
@@ -48,7 +50,7 @@ def test_kernel_matches_the_reference(kernel, tokens, experts, k):
 
 def test_a_few_tokens_go_by_pair_and_more_by_expert_blocks(monkeypatch):
     calls = []
-    monkeypatch.setattr(triton_moe_pairs, "moe_by_pairs", lambda *a: calls.append("pairs"))
+    monkeypatch.setattr(triton_moe_pairs, "moe_by_pairs", lambda *a, **k: calls.append("pairs"))
     monkeypatch.setattr(triton_moe, "moe_grouped", lambda *a: calls.append("grouped"))
     for tokens in (1, triton_moe_pairs.MAX_TOKENS, triton_moe_pairs.MAX_TOKENS + 1):
         x, w13, w2, weights, ids = routed(tokens, 8, 2, 48, 40, seed=tokens)
@@ -69,6 +71,46 @@ def test_the_shared_experts_output_is_added_in_the_activations_dtype(kernel, dty
     want = moe_reference.moe(x, w13, w2, weights, ids, shared)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel(x, w13, w2, weights, ids, shared), want, rtol=tol, atol=tol)
+
+
+def shared_mlp(hidden: int, inter: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return triton_moe_pairs.SharedExperts(torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5,
+                                          torch.randn(hidden, inter, generator=gen) / inter ** 0.5)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("shared_inter", [80, 40, 27, 61], ids=["two_chunks", "one_chunk", "narrower", "ragged"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_pair_launches_run_the_shared_experts_mlp(tokens, shared_inter, k):
+    """DeepSeek's shared experts (widths 2 x, 1 x and not a multiple of the routed experts'
+    40): their MLP of x, added as their own projections' output is (``reference.moe``)."""
+    x, w13, w2, weights, ids = on_device(*routed(tokens, 8, k, 48, 40, seed=tokens + k))
+    experts = triton_moe_pairs.SharedExperts(*on_device(*shared_mlp(48, shared_inter, seed=shared_inter)))
+    got = triton_moe_pairs.moe_by_pairs(x, w13, w2, weights, ids.int(), shared_experts=experts)
+    want = reference.moe(x, w13, w2, weights, ids, shared_w13=experts.w13, shared_w2=experts.w2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_cuda_op_runs_the_shared_experts_where_the_step_goes(tokens):
+    """By pair they run inside the launches; by expert blocks their projections run first."""
+    x, w13, w2, weights, ids = on_device(*routed(tokens, 8, 2, 48, 40, seed=tokens))
+    experts = on_device(*shared_mlp(48, 80, seed=5))
+    got = cuda.moe(x, w13, w2, weights, ids, shared_w13=experts[0], shared_w2=experts[1])
+    want = reference.moe(x, w13, w2, weights, ids, shared_w13=experts[0], shared_w2=experts[1])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_experts_come_as_weights_or_as_an_output_not_both():
+    x, w13, w2, weights, ids = routed(1, 8, 2, 48, 40, seed=1)
+    experts = shared_mlp(48, 80, seed=5)
+    with pytest.raises(InternalError, match="output or their weights, not both"):
+        triton_moe_pairs.moe_by_pairs(x, w13, w2, weights, ids, torch.zeros(1, 48), shared_experts=experts)
+    with pytest.raises(InternalError, match=r"w13 must be \[2 \* I_s, 48\]"):
+        triton_moe_pairs.moe_by_pairs(x, w13, w2, weights, ids, shared_experts=(experts.w13[:-1], experts.w2))
+    with pytest.raises(InternalError, match="this step has 3"):
+        triton_moe.moe(*routed(3, 8, 2, 48, 40, seed=1), shared_experts=experts)
 
 
 def check_blocks(ids: torch.Tensor, experts: int, block_m: int) -> None:
@@ -198,13 +240,18 @@ for tile in (m.tiles(1, 128), m.tiles(1024, 128)):   # decode's and prefill's
 from tokenspeed.backends.kernels import triton_moe_pairs as p
 tiles = p.PairTiles()
 pdl = dict(USE_PDL=True)
-assert compile_sm90(p._pair_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", act_ptr="*bf16",
-                    H="i32", I="i32", top_k="i32", stride_xt="i32", stride_we="i64", stride_wn="i32"),
-                    dict(BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
-assert compile_sm90(p._pair_down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32",
-                    shared_ptr="*bf16", out_ptr="*bf16", H="i32", I="i32", stride_we="i64", stride_wn="i32",
-                    stride_s="i32"),
-                    dict(K=6, HAS_SHARED=True, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
+for chunks in (1, 2):   # with the shared experts' MLP as two pairs a token (DeepSeek-V2-Lite's)
+    assert compile_sm90(p._pair_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64",
+                        act_ptr="*bf16", ws13_ptr="*bf16", H="i32", I="i32", I_S="i32", top_k="i32",
+                        routed_pairs="i32", stride_xt="i32", stride_we="i64", stride_wn="i32", stride_wsn="i32"),
+                        dict(CHUNKS=chunks, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
+for shared, chunks in ((True, 0), (False, 2)):
+    assert compile_sm90(p._pair_down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64",
+                        weights_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16", ws2_ptr="*bf16", H="i32", I="i32",
+                        I_S="i32", routed_pairs="i32", stride_we="i64", stride_wn="i32", stride_s="i32",
+                        stride_wsn="i32"),
+                        dict(K=6, HAS_SHARED=shared, CHUNKS=chunks, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k,
+                             **pdl)).asm["ptx"]
 """
 
 

@@ -224,13 +224,16 @@ def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -
 
 @_op("moe")
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        topk_ids: torch.Tensor, shared: torch.Tensor | None = None, shared_w13: torch.Tensor | None = None,
+        shared_w2: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture of experts' routed MLPs: row t is the sum over j of ``topk_weights[t, j]``
     times expert ``e = topk_ids[t, j]``'s ``w2[e] @ silu_and_mul(w13[e] @ x[t])``
     (``w13``: ``[E, 2 * I, H]``, gate rows first; ``w2``: ``[E, H, I]``). Routing (softmax,
     top-k, renormalising, grouped top-k) is the model's, in plain ops before this one, so
     every model routes its own way through the same kernel. ``shared`` (a fusion pass's: the
-    shared experts' output) is added to the result in x's dtype."""
+    shared experts' output) is added to the result in x's dtype; or, given the shared
+    experts' weights instead (``shared_w13 [2 * I_s, H]``, ``shared_w2 [H, I_s]``),
+    ``gated_linear(linear(x, shared_w13), shared_w2)`` is."""
     return torch.empty_like(x)
 
 

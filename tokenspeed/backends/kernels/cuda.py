@@ -224,6 +224,11 @@ def softmax_top_k(logits, k, normalize, scale):
     return triton_route.softmax_top_k(logits, k, normalize, scale)
 
 
-def moe(x, w13, w2, topk_weights, topk_ids, shared=None):
-    from tokenspeed.backends.kernels import triton_moe
-    return triton_moe.moe(x, w13, w2, topk_weights, topk_ids, shared)
+def moe(x, w13, w2, topk_weights, topk_ids, shared=None, shared_w13=None, shared_w2=None):
+    """The shared experts' weights: their MLP inside the pair launches for a step of a few
+    tokens; past that, their projections run first, as their own ops would."""
+    from tokenspeed.backends.kernels import triton_moe, triton_moe_pairs
+    experts = None if shared_w13 is None else triton_moe_pairs.SharedExperts(shared_w13, shared_w2)
+    if experts is not None and topk_ids.shape[0] > triton_moe_pairs.MAX_TOKENS:
+        shared, experts = gated_linear(linear(x, shared_w13, None), shared_w2, None), None
+    return triton_moe.moe(x, w13, w2, topk_weights, topk_ids, shared, experts)

@@ -13,11 +13,9 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 
 import torch
 
-from tokenspeed.backends.kernels import gguf_reference, kv_fp8
-from tokenspeed.backends.kernels.moe_reference import moe  # noqa: F401  (the op's CPU kernel)
+from tokenspeed.backends.kernels import gguf_reference, kv_fp8, mla_reference, moe_reference
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
-from tokenspeed.backends.kernels import mla_reference
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
 from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurrent layers' references)
     causal_conv_silu, causal_conv_silu_step, gated_delta_rule, gated_delta_rule_step)
@@ -94,6 +92,13 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     total = x + residual
     return [rms_norm(total, weight, eps), total]
+
+
+def moe(x, w13, w2, topk_weights, topk_ids, shared=None, shared_w13=None, shared_w2=None):
+    """The shared experts' weights: their MLP by this module's projections, as their own ops."""
+    if shared_w13 is not None:
+        shared = gated_linear(linear(x, shared_w13, None), shared_w2, None)
+    return moe_reference.moe(x, w13, w2, topk_weights, topk_ids, shared)
 
 
 def softmax_top_k(logits, k, normalize, scale):

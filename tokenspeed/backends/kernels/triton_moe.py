@@ -23,6 +23,7 @@ import triton.language as tl
 from tokenspeed.backends.kernels import triton_moe_pairs
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_moe_align import ExpertBlocks, expert_blocks
+from tokenspeed.errors import InternalError
 
 
 @attrs.frozen
@@ -103,12 +104,18 @@ def _down_kernel(act_ptr, w2_ptr, slots_ptr, experts_ptr, weights_ptr, out_ptr, 
 
 
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        topk_ids: torch.Tensor, shared: torch.Tensor | None = None,
+        shared_experts: triton_moe_pairs.SharedExperts | None = None) -> torch.Tensor:
     """``tokenspeed::moe``: x ``[T, H]``, w13 ``[E, 2I, H]``, w2 ``[E, H, I]``, weights and
     ids ``[T, k]``, ``shared`` ``[T, H]`` or None; ``[T, H]`` in x's dtype. A step of a
-    few tokens goes by pair (``triton_moe_pairs``), more by expert blocks."""
+    few tokens goes by pair (``triton_moe_pairs``), more by expert blocks.
+    ``shared_experts``: their MLP in the pair launches (a step of a few tokens only)."""
     if topk_ids.shape[0] <= triton_moe_pairs.MAX_TOKENS:
-        return triton_moe_pairs.moe_by_pairs(x, w13, w2, topk_weights, topk_ids, shared)
+        return triton_moe_pairs.moe_by_pairs(x, w13, w2, topk_weights, topk_ids, shared,
+                                             shared_experts=shared_experts)
+    if shared_experts is not None:
+        raise InternalError(f"the shared experts run in the pair launches, of at most {triton_moe_pairs.MAX_TOKENS} "
+                            f"tokens; this step has {topk_ids.shape[0]}: give their output as shared")
     return moe_grouped(x, w13, w2, topk_weights, topk_ids, shared)
 
 

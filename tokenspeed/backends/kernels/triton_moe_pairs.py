@@ -11,7 +11,15 @@ order the grouped path's combine sums in), rounded to x's dtype, plus the shared
 output. Two launches a layer where the grouped path takes four to seven. Both run under
 programmatic dependent launch: the expert ids come from the router, so each program waits
 before it reads anything.
+
+Given the shared experts' weights (``SharedExperts``: DeepSeek's, which every token passes),
+their MLP runs in the same two launches, as more pairs: each token's shared intermediate
+columns in chunks of the routed experts' width, after the routed pairs; the down kernel sums
+a token's chunks in float32, rounds that to x's dtype and adds it as it adds ``shared``.
+Two launches a layer fewer than the shared experts' own projections.
 """
+
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -20,8 +28,19 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.errors import InternalError
 
 MAX_TOKENS = 2  # H200, both shapes: faster than the grouped path at 1 and 2 tokens, slower at 4
+
+
+class SharedExperts(NamedTuple):
+    """The shared experts' MLP: ``w13 [2 * I_s, H]`` (gate rows, then up), ``w2 [H, I_s]``."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    def chunks(self, inter: int) -> int:
+        """Pairs a token's shared MLP makes, in columns of the routed experts' width ``inter``."""
+        return triton.cdiv(self.w2.shape[1], inter)
 
 
 @attrs.frozen
@@ -36,34 +55,45 @@ class PairTiles:
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, H, I, top_k, stride_xt, stride_we, stride_wn,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """``act[pair, n] = silu(x[t] @ gate[n]) * (x[t] @ up[n])`` for the block's columns."""
+def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, ws13_ptr, H, I, I_S, top_k, routed_pairs, stride_xt,
+                         stride_we, stride_wn, stride_wsn, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """``act[pair, n] = silu(x[t] @ gate[n]) * (x[t] @ up[n])`` for the block's columns. A
+    pair past ``routed_pairs`` is chunk c of a token's shared MLP (CHUNKS a token): its
+    columns are the shared ones from ``c * I``."""
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     pair, n = tl.program_id(0), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
-    w = w13_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
+    shared = pair >= routed_pairs
+    expert = tl.load(ids_ptr + pair, mask=pair < routed_pairs, other=0).to(tl.int64)
+    chunk = tl.maximum(pair - routed_pairs, 0)
+    x_row = x_ptr + tl.where(shared, chunk // CHUNKS, pair // top_k).to(tl.int64) * stride_xt
+    col = tl.where(shared, (chunk % CHUNKS) * I, 0) + n      # the shared MLP's columns for a shared pair
+    w = tl.where(shared, ws13_ptr + col[:, None].to(tl.int64) * stride_wsn,
+                 w13_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn)
+    up_rows = tl.where(shared, I_S * stride_wsn, I * stride_wn)
+    nmask = (n < I) & (col < tl.where(shared, I_S, I))
     kk = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + kk
-        mask = (n[:, None] < I) & (k[None, :] < H)
+        mask = nmask[:, None] & (k[None, :] < H)
         x = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
         gate += tl.load(w + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        up += tl.load(w + I * stride_wn + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        up += tl.load(w + up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x
     g, u = tl.sum(gate, 1), tl.sum(up, 1)
     act = g * tl.sigmoid(g) * u
-    tl.store(act_ptr + pair.to(tl.int64) * I + n, act.to(act_ptr.dtype.element_ty), mask=n < I)
+    tl.store(act_ptr + pair.to(tl.int64) * I + n, act.to(act_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
-def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr, H, I, stride_we, stride_wn,
-                      stride_s, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """``out[t, n] = sum_j weight[t, j] * (act[t, j] @ down_j[n])`` (+ shared[t, n])."""
+def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr, ws2_ptr, H, I, I_S, routed_pairs,
+                      stride_we, stride_wn, stride_s, stride_wsn, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                      CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """``out[t, n] = sum_j weight[t, j] * (act[t, j] @ down_j[n])`` (+ shared[t, n]); CHUNKS
+    (the shared MLP's pairs a token, 0: none) add the shared MLP's output, its chunks' down
+    products summed in float32 and rounded to x's dtype as its own projection would round."""
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     t, n = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,6 +110,17 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr
                 * a[None, :]
         total += tl.sum(acc, 1) * tl.load(weights_ptr + t * K + j)
     out = total.to(out_ptr.dtype.element_ty)
+    if CHUNKS > 0:
+        mlp = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for c in tl.static_range(CHUNKS):
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + kk
+                kmask = (k < I) & (c * I + k < I_S)
+                a = tl.load(act_ptr + (routed_pairs + t * CHUNKS + c) * I + k, mask=kmask, other=0.0).to(tl.float32)
+                mlp += tl.load(ws2_ptr + n[:, None].to(tl.int64) * stride_wsn + c * I + k[None, :],
+                               mask=(n[:, None] < H) & kmask[None, :], other=0.0).to(tl.float32) * a[None, :]
+        mlp = tl.sum(mlp, 1).to(out_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) + mlp.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if HAS_SHARED:   # the sum of two values in x's dtype, rounded once: that dtype's addition
         shared = tl.load(shared_ptr + t * stride_s + n, mask=n < H, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) + shared).to(out_ptr.dtype.element_ty)
@@ -88,8 +129,9 @@ def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr
 
 def moe_by_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, shared: torch.Tensor | None = None,
-                 tiles: PairTiles = PairTiles()) -> torch.Tensor:
-    """``tokenspeed::moe`` (shapes as ``triton_moe.moe``) by pair: for up to a few tokens."""
+                 tiles: PairTiles = PairTiles(), shared_experts: SharedExperts | None = None) -> torch.Tensor:
+    """``tokenspeed::moe`` (shapes as ``triton_moe.moe``) by pair: for up to a few tokens.
+    ``shared_experts``: their MLP of x added too (not with ``shared``)."""
     tokens, top_k = topk_ids.shape
     hidden, inter = x.shape[1], w2.shape[2]
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
@@ -97,14 +139,31 @@ def moe_by_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    act = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    mlp, chunks = _shared_mlp(shared_experts, shared, x, inter)
+    act = torch.empty((tokens * (top_k + chunks), inter), dtype=x.dtype, device=x.device)
     launch = dict(num_warps=tiles.num_warps, **pdl.launch_options(x.device))
-    _pair_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, tiles.gate_up_n))](
-        x, w13, ids, act, hidden, inter, top_k, x.stride(0), w13.stride(0), w13.stride(1),
+    _pair_gate_up_kernel[(tokens * (top_k + chunks), triton.cdiv(inter, tiles.gate_up_n))](
+        x, w13, ids, act, mlp.w13, hidden, inter, mlp.w2.shape[1], top_k, tokens * top_k, x.stride(0),
+        w13.stride(0), w13.stride(1), mlp.w13.stride(0), CHUNKS=max(chunks, 1),
         BLOCK_N=tiles.gate_up_n, BLOCK_K=min(tiles.block_k, next_power_of_2(hidden)), **launch)
     shared = shared if shared is None or shared.stride(-1) == 1 else shared.contiguous()
     _pair_down_kernel[(tokens, triton.cdiv(hidden, tiles.down_n))](
-        act, w2, ids, weights, out if shared is None else shared, out, hidden, inter, w2.stride(0), w2.stride(1),
-        0 if shared is None else shared.stride(0), K=top_k, HAS_SHARED=shared is not None,
+        act, w2, ids, weights, out if shared is None else shared, out, mlp.w2, hidden, inter, mlp.w2.shape[1],
+        tokens * top_k, w2.stride(0), w2.stride(1), 0 if shared is None else shared.stride(0), mlp.w2.stride(0),
+        K=top_k, HAS_SHARED=shared is not None, CHUNKS=chunks,
         BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, next_power_of_2(inter)), **launch)
     return out
+
+
+def _shared_mlp(shared_experts: SharedExperts | None, shared, x, inter: int) -> tuple[SharedExperts, int]:
+    """The shared experts' weights, contiguous, and their pairs a token (none: x in their
+    place, unread, and no pairs)."""
+    if shared_experts is None:
+        return SharedExperts(x, x), 0
+    if shared is not None:
+        raise InternalError("moe takes the shared experts' output or their weights, not both")
+    w13, w2 = (w.contiguous() for w in shared_experts)
+    if w13.shape != (2 * w2.shape[1], x.shape[1]) or w2.shape[0] != x.shape[1] or w13.dtype != x.dtype:
+        raise InternalError(f"shared experts' w13 must be [2 * I_s, {x.shape[1]}] and w2 [{x.shape[1]}, I_s] in "
+                            f"{x.dtype}; got {tuple(w13.shape)} {w13.dtype} and {tuple(w2.shape)}")
+    return SharedExperts(w13, w2), SharedExperts(w13, w2).chunks(inter)
