@@ -32,15 +32,17 @@ def gemv_variants():
     from tokenspeed.backends.kernels import triton_gemv
     names = triton_gemv._gemv_kernel.arg_names
     signature = {**{n: "*bf16" for n in names[:6]}, "out_ptr": "*fp32",
-                 **{n: "i32" for n in names[7:15]}, "eps": "fp32"}
+                 **{n: "i32" for n in names[7:15]}, "eps": "fp32", "fin_ptr": "*bf16", "cnt_ptr": "*i32",
+                 "stride_fm": "i32"}
     for rows in (1, 16):
-        for fused in ("plain", "gated", "norm", "norm+residual", "norm+residual one tile"):
+        for fused in ("plain", "gated", "norm", "norm+residual", "norm+residual one tile", "merged"):
             flags = dict(HAS_BIAS=False, GATED=fused == "gated", NORM=fused.startswith("norm"),
                          HAS_RES="residual" in fused, ONE_TILE=fused.endswith("one tile"),
                          BLOCK_M=rows, BLOCK_N=4 if rows == 1 else 64,
                          BLOCK_K=1024 if rows == 1 else 128,
-                         PRECISION="tf32", USE_PDL=True)
-            assert compile_sm90(triton_gemv._gemv_kernel, signature, flags).asm["ptx"]
+                         PRECISION="tf32", USE_PDL=True, MERGE=fused == "merged", MERGE_BIAS=fused == "merged")
+            ptx = compile_sm90(triton_gemv._gemv_kernel, signature, flags).asm["ptx"]
+            assert ("atom.global.gpu.acq_rel.add" in ptx) == (fused == "merged")
 
 
 CACHES = ("*bf16", "*fp8e4nv")   # a 16-bit KV pool and an FP8 one

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -550,6 +551,29 @@ def test_norm_gemv_is_norm_then_gemv(m, n, k, residual, splits):
         assert torch.equal(total, want_total)
 
 
+@FEW
+@given(m=st.sampled_from([1, 3, 16]), n=st.integers(1, 80), k=st.integers(65, 300), bias=st.booleans(),
+       splits=st.sampled_from([2, 3, 4]), fused=st.sampled_from(["plain", "gated", "norm", "norm+residual"]))
+def test_a_split_k_reduced_in_its_own_launch_is_the_reduction_kernels_to_the_bit(m, n, k, bias, splits, fused):
+    """The last split of each column block sums the partials in split order, as
+    ``_reduce_kernel`` does, then adds the bias: the same bits; the counters zeroed after."""
+    x, res = torch.randn(2, m, 2 * k if fused == "gated" else k, device=DEVICE)
+    w, norm_w = torch.randn(n, k, device=DEVICE), torch.randn(k, device=DEVICE)
+    b = torch.randn(n, device=DEVICE) if bias else None
+    counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    config = (16, 64, splits, 4, 2)
+
+    def run(split_counters):
+        if fused.startswith("norm"):
+            residual = res if fused == "norm+residual" else None
+            return triton_gemv.norm_linear(x, residual, norm_w, 1e-6, w, b, config, split_counters)[0]
+        return triton_gemv.linear(x, w, b, config, fused == "gated", split_counters)
+    assert torch.equal(run(counters), run(None))
+    assert not counters.any()
+    with pytest.raises(InternalError, match="one per column block"):
+        run(counters[:triton.cdiv(n, 16) - 1] if n > 16 else counters.to(torch.int64))
+
+
 def test_norm_gemv_rejects_a_wrong_norm_weight():
     with pytest.raises(InternalError, match=r"norm weight must be \[4\]"):
         triton_gemv.norm_linear(torch.zeros(1, 4), None, torch.zeros(3), 1e-6, torch.zeros(2, 4))
@@ -706,17 +730,26 @@ def test_gpu_gemv(m, k, n):
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_gemv_cuda_graph():
-    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_gemv_cuda_graph(m):
+    """Split K, reduced by a second launch or by the last split in its own: the same bits,
+    replay after replay, and the counters zeroed."""
+    x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 90
-    assert triton_gemv.choose_config(1, 256, 8192, 132)[2] > 1            # split-K path
+    assert triton_gemv.choose_config(m, 256, 8192, 132)[2] > 1            # split-K path
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
     triton_gemv.linear(x, w)
+    triton_gemv.linear(x, w, split_counters=counters)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = triton_gemv.linear(x, w)
+        merged = triton_gemv.linear(x, w, split_counters=counters)
     x.copy_(torch.randn_like(x))
-    graph.replay()
+    for _ in range(10):
+        graph.replay()
+        assert torch.equal(merged, out)
     torch.testing.assert_close(out.float(), x.float() @ w.float().T, atol=3e-2, rtol=2e-2)
+    assert not counters.any()
 
 
 @gpu

@@ -10,7 +10,7 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.ir.ops import ATTENTION_TARGETS, ROPE_WRITE_KV, WRITE_KV_TARGETS
 from tokenspeed.models.random import TINY_LLAMA, random_model
-from tokenspeed.passes.split_merge import SPLIT_COUNTER_SLOTS, SPLIT_COUNTERS
+from tokenspeed.passes.split_merge import SPLIT_COUNTER_SLOTS, SPLIT_COUNTERS, SPLITTING
 from tokenspeed.execution import kv_pool
 
 PAGE = 4
@@ -113,12 +113,13 @@ def test_decode_is_one_graph_segment(model):
 
 
 def test_decode_attentions_share_the_split_counters(model):
-    """Every decode attention is handed the one zeroed counter buffer (merged splits); no
-    prefill op is."""
+    """Every decode attention and projection is handed the one zeroed counter buffer (merged
+    splits); no prefill op is."""
     decode = ts.trace(model).lower("decode").segments[0].graph_module
     attentions = [n for n in decode.graph.nodes if n.target in ATTENTION_TARGETS]
-    assert len(attentions) == model.config.num_layers
-    assert {n.kwargs["split_counters"].target for n in attentions} == {SPLIT_COUNTERS}
+    projections = [n for n in decode.graph.nodes if n.target in SPLITTING and n not in attentions]
+    assert len(attentions) == model.config.num_layers and len(projections) == 4 * model.config.num_layers + 1
+    assert {n.kwargs["split_counters"].target for n in attentions + projections} == {SPLIT_COUNTERS}
     counters = getattr(decode, SPLIT_COUNTERS)
     assert counters.dtype == torch.int32 and counters.shape == (SPLIT_COUNTER_SLOTS,) and not counters.any()
     prefill = ts.trace(model).lower("prefill")
@@ -133,10 +134,9 @@ def test_history_names_every_pass(model):
     assert traced.lower("prefill", attention_breaks=True).history[8].pass_name == "attention_breaks"
     assert [name for name, _ in traced.lower("decode").history] == [
         "trace", "decode_kernels", "recurrent_steps", "fuse_norms", "fuse_rope_write_kv",
-        "fuse_rope_decode_attention", "fuse_head_norms", "merge_splits_in_launch", "rope_kernels",
-        "fuse_latent_write", "fuse_latent_query_rope", "fuse_moe_add",
-        "select_linear", "fuse_gated_linear", "fuse_shared_experts", "fuse_norm_linear", "whole_graph",
-        "split_segments"]
+        "fuse_rope_decode_attention", "fuse_head_norms", "rope_kernels", "fuse_latent_write",
+        "fuse_latent_query_rope", "fuse_moe_add", "select_linear", "fuse_gated_linear", "fuse_shared_experts",
+        "fuse_norm_linear", "merge_splits_in_launch", "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]
     assert "stage=encoder" in texts[1] and "extend_attention" in texts[2] and "rope_write_kv" in texts[4] \
         and "segment=" in texts[8] and "segment 00." in texts[9]

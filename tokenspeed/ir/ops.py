@@ -177,27 +177,31 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@_op("linear")
+@_op("linear", mutates_args=("split_counters",))
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           weight_format: str = DENSE, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_format: str = DENSE, weight_scale: torch.Tensor | None = None,
+           split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer whose kernel the backend chooses by shape (a GEMV for few rows) and by
     ``weight_format`` (``tokenspeed.ir.weights``): a block format's weight is its
     ``uint8 [N, row_bytes]`` blocks, so N is ``weight.shape[0]`` either way; an FP8
-    weight comes with its ``weight_scale``."""
+    weight comes with its ``weight_scale``. ``split_counters``: as ``decode_attention``'s,
+    for a kernel that splits K (the GEMV)."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@_op("gated_linear")
+@_op("gated_linear", mutates_args=("split_counters",))
 def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 weight_format: str = DENSE, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 weight_format: str = DENSE, weight_scale: torch.Tensor | None = None,
+                 split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(silu_and_mul(gate_up))``: the MLP activation read inside the down projection."""
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
-@_op("norm_linear")
+@_op("norm_linear", mutates_args=("split_counters",))
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                weight_format: str = DENSE, weight_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
+                weight_format: str = DENSE, weight_scale: torch.Tensor | None = None,
+                split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``[linear(rms_norm(x + residual)), x + residual]`` (``[linear(rms_norm(x))]`` without
     a residual): a norm read inside the projection it feeds."""
     out = x.new_empty(*x.shape[:-1], weight.shape[0])

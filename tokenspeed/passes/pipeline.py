@@ -29,9 +29,10 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
                                                      rope_kernels, fuse_latent_write, fuse_moe_add, breaks,
                                                      split_segments]
     steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
-    return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, merge_splits_in_launch, rope_kernels,
-            fuse_latent_write, fuse_latent_query_rope, fuse_moe_add, select_linear, fuse_gated_linear,
-            fuse_shared_experts, fuse_norm_linear, whole_graph if decode_graph else attention_breaks, split_segments]
+    return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels, fuse_latent_write,
+            fuse_latent_query_rope, fuse_moe_add, select_linear, fuse_gated_linear, fuse_shared_experts,
+            fuse_norm_linear, merge_splits_in_launch, whole_graph if decode_graph else attention_breaks,
+            split_segments]
 
 
 def run_pipeline(graph_module: fx.GraphModule, config, mode: str, *, narrow: bool = True,

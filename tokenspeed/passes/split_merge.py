@@ -1,35 +1,39 @@
-"""``merge_splits_in_launch``: a decode attention that splits each row's keys across
-programs merges the splits in the launch that computes them, not in a second kernel (one
-launch a layer fewer, issue 35's attention-with-its-combine fusion).
+"""``merge_splits_in_launch``: a decode kernel that splits its reduction across programs
+(the attention's keys, a GEMV's K) merges the splits in the launch that computes them, not
+in a second kernel: one launch fewer for each (issue 35's attention-with-its-combine
+fusion; a split GEMV's reduction, for a few rows of a narrow projection).
 
-The last split of a row to finish does the merge, so the kernel needs a counter per row
-and KV head that outlives the launch: ``attention_split_counters``, a zeroed int32 buffer
-of the graph module shared by every layer (their launches run one after another, and each
+The last split to finish does the merge, so the kernels need counters that outlive the
+launch: ``attention_split_counters``, a zeroed int32 buffer of the graph module handed to
+every decode attention and projection (their launches run one after another, and each
 leaves the counters zeroed). A CUDA graph replays with the same buffer. Kernels that do
-not split (the CPU's reference) never read it.
+not split (the CPU's references) never read it. It runs after the fusions, on the ops
+they leave.
 """
 
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import DECODE_ATTENTION, ROPE_DECODE_ATTENTION
+from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE_DECODE_ATTENTION
 from tokenspeed.passes.manager import graph_pass
 
 SPLIT_COUNTERS = "attention_split_counters"
 SPLIT_COUNTER_SLOTS = 1 << 16   # rows x KV heads of the largest step that merges in one launch
+SPLITTING = (DECODE_ATTENTION, ROPE_DECODE_ATTENTION, ops.linear.default, ops.gated_linear.default,
+             ops.norm_linear.default)
 
 
 @graph_pass("merge_splits_in_launch")
 def merge_splits_in_launch(gm: fx.GraphModule, **_) -> None:
-    attentions = [n for n in gm.graph.nodes if n.target in (DECODE_ATTENTION, ROPE_DECODE_ATTENTION)]
-    if not attentions:
+    splitting = [n for n in gm.graph.nodes if n.target in SPLITTING]
+    if not splitting:
         return
     if not hasattr(gm, SPLIT_COUNTERS):
         gm.register_buffer(SPLIT_COUNTERS, torch.zeros(SPLIT_COUNTER_SLOTS, dtype=torch.int32,
                                                        device=_device(gm)))
-    with gm.graph.inserting_before(attentions[0]):
+    with gm.graph.inserting_before(splitting[0]):
         counters = gm.graph.get_attr(SPLIT_COUNTERS)
-    for node in attentions:
+    for node in splitting:
         node.kwargs = {**node.kwargs, "split_counters": counters}
 
 

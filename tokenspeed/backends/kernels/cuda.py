@@ -126,14 +126,15 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_
                                           layer, slot_mapping, k_scale, v_scale)
 
 
-def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
+def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
+    """``split_counters``: the dense GEMV reduces a split K in its own launch."""
     if weight_format == FP8:
         return _fp8_linear(x, weight, bias, weight_scale)
     if weight_format != DENSE:
         return _block_linear(x, weight, bias, weight_format)
     if x.shape[0] <= GEMV_MAX_ROWS:
         from tokenspeed.backends.kernels import triton_gemv
-        return triton_gemv.linear(x, weight, bias)
+        return triton_gemv.linear(x, weight, bias, split_counters=split_counters)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -166,46 +167,47 @@ def _fp8_linear(x, weight, bias, scale, gated=False):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None):
+def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
     """Fused for one row of a 16-bit or FP8 weight only: with more rows, the activation
     between the loads and ``tl.dot`` stalls the GEMV's pipeline; a GGUF GEMV program spends
     more on the activation of its whole input than on its rows' blocks (Q4_K, 1B shape's
     down projection on the H200: 17 us fused, 12 us with ``silu_and_mul`` before it)."""
     if gate_up.shape[0] == 1 and weight_format in (DENSE, FP8):
-        return _gated_gemv(gate_up, weight, bias, weight_format, weight_scale)
-    return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale)
+        return _gated_gemv(gate_up, weight, bias, weight_format, weight_scale, split_counters)
+    return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale, split_counters)
 
 
-def _gated_gemv(gate_up, weight, bias, weight_format, weight_scale):
+def _gated_gemv(gate_up, weight, bias, weight_format, weight_scale, split_counters):
     if weight_format == FP8:
         return _fp8_linear(gate_up, weight, bias, weight_scale, gated=True)
     from tokenspeed.backends.kernels import triton_gemv
-    return triton_gemv.linear(gate_up, weight, bias, gated=True)
+    return triton_gemv.linear(gate_up, weight, bias, gated=True, split_counters=split_counters)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None,
+                split_counters=None):
     """Fused for one row only: with more, every GEMV program re-reads all rows for the
     statistics in a loop that is not pipelined. An FP8 weight's norm runs before its GEMV,
     and so does a GGUF weight's past ``GGUF_NORM_GEMV_MAX_N`` outputs: each GEMV program
     norms the whole input, which costs more than the saved kernel once programs are many
     (1B shape on the H200, Q4_K: the head 172 us fused, about 90 apart)."""
     if x.dim() == 2 and x.shape[0] == 1 and _fuses_norm(weight, weight_format):
-        out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format)
+        out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, split_counters)
         return [out] if total is None else [out, total]
     if residual is None:
-        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale)]
+        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale, split_counters)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return [linear(normed, weight, bias, weight_format, weight_scale), total]
+    return [linear(normed, weight, bias, weight_format, weight_scale, split_counters), total]
 
 
 def _fuses_norm(weight, weight_format) -> bool:
     return weight_format == DENSE or (weight_format != FP8 and weight.shape[0] <= GGUF_NORM_GEMV_MAX_N)
 
 
-def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format):
+def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, split_counters):
     if weight_format == DENSE:
         from tokenspeed.backends.kernels import triton_gemv
-        return triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        return triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias, split_counters=split_counters)
     from tokenspeed.backends.kernels import triton_gguf_gemv
     return triton_gguf_gemv.norm_gemv(x, residual, norm_weight, eps, weight,
                                       block_format(weight_format), bias)

@@ -148,9 +148,10 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
                             k_scale, v_scale)
 
 
-def linear(x, weight, bias, weight_format=DENSE, weight_scale=None):
+def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
     """A block format's weight through ``gguf``'s dequantization (``gguf_reference``), an
-    FP8 weight times its scales (``fp8_weights.dequantize``)."""
+    FP8 weight times its scales (``fp8_weights.dequantize``). No split K: ``split_counters``
+    unread."""
     if weight_format == DENSE:
         return _dense_linear(x, weight, bias)
     if weight_format == FP8:
@@ -179,11 +180,12 @@ def _dense_linear(x, weight, bias):
     return out if bias is None else out + bias
 
 
-def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None):
+def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
     return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale)
 
 
-def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None):
+def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None,
+                split_counters=None):
     if residual is None:
         return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)

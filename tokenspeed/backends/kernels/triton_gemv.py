@@ -3,7 +3,9 @@
 At batch 1..16 a linear layer only streams its weight, so speed is bandwidth: this kernel
 keeps every SM busy by splitting K when N alone gives too few column blocks, accumulates in
 fp32, and reduces the split partials in a fixed order in a second pass (deterministic, no
-atomics). For M == 1 it accumulates products elementwise (no tensor-core padding); for
+atomics on the values). Given ``split_counters`` (zeroed int32, kept between launches), the
+last split of each column block to finish does that reduction in the same launch, in the
+same order, so the output is the same to the bit and the second launch is gone. For M == 1 it accumulates products elementwise (no tensor-core padding); for
 M > 1 it pads M to 16 and uses ``tl.dot``. Nothing is read on the host and buffers are
 allocated per call, so it can be captured in a CUDA graph.
 
@@ -142,9 +144,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, M,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
                  HAS_RES: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, fin_ptr, cnt_ptr, stride_fm, MERGE: tl.constexpr,
+                 MERGE_BIAS: tl.constexpr):
     """The first weight tile is requested before waiting on the previous kernel (PDL).
-    ONE_TILE: a normed input whose whole row is that tile."""
+    ONE_TILE: a normed input whose whole row is that tile. MERGE: ``out_ptr`` holds the
+    splits' partials, and the last split of the column block reduces them into ``fin_ptr``
+    (``_reduce_last``), adding the bias if MERGE_BIAS."""
     pdl.start(USE_PDL)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,6 +192,26 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, M,
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + split.to(tl.int64) * stride_os + m[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    if MERGE:
+        _reduce_last(out_ptr + m[:, None] * stride_om + n[None, :], stride_os, fin_ptr + m[:, None] * stride_fm
+                     + n[None, :], bias_ptr + n, mmask[:, None] & nmask[None, :], nmask,
+                     cnt_ptr + tl.program_id(0), MERGE_BIAS)
+
+
+@triton.jit
+def _reduce_last(parts, stride_os, final, bias, mask, nmask, counter, HAS_BIAS: tl.constexpr):
+    """``_reduce_kernel``'s sum for this column block, by the split that counts itself in
+    last (a barrier, then an acquire-release add: it sees every split's partial, read
+    through L2), which then zeroes the counter for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        acc = tl.zeros(mask.shape, tl.float32)
+        for s in range(0, tl.num_programs(1)):
+            acc += tl.load(parts + s * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(bias, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(final, acc.to(final.dtype.element_ty), mask=mask)
+        tl.store(counter, 0)
 
 
 @triton.jit
@@ -235,22 +260,24 @@ def choose_config(m: int, n: int, k: int, sm_count: int, normed: bool = False):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor = None,
-           config=None, gated: bool = False) -> torch.Tensor:
+           config=None, gated: bool = False, split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) for M <= 16, fp32 accumulation, output x.dtype.
 
     ``gated``: x is ``[M, 2K]`` (gate, up) and the input is silu(gate) * up, which saves
     the MLP's activation kernel. ``config`` overrides ``choose_config`` (for tuning).
+    ``split_counters``: a split K reduced in the same launch (one counter a column block).
     """
     k = weight.shape[1] if weight.dim() == 2 else -1
     if x.dim() != 2 or k < 0 or x.shape[1] != (2 * k if gated else k):
         need = "[M, 2K] (gate, up)" if gated else "[M, K]"
         raise InternalError(f"x must be {need} and weight [N, K]; got {tuple(x.shape)} and "
                             f"{tuple(weight.shape)}")
-    return _launch(x, weight, bias, config, gated=gated)
+    return _launch(x, weight, bias, config, gated=gated, split_counters=split_counters)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor, bias: torch.Tensor = None, config=None):
+                eps: float, weight: torch.Tensor, bias: torch.Tensor = None, config=None,
+                split_counters: torch.Tensor | None = None):
     """``linear(rms_norm(x + residual) * norm_weight)`` and ``x + residual``: the norm that
     feeds a projection computed as its GEMV reads the input, saving the norm's kernel.
     Returns (out, sum); the sum is None without a residual."""
@@ -258,7 +285,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         raise InternalError(f"x must be [M, K] and weight [N, K]; got {tuple(x.shape)} and "
                             f"{tuple(weight.shape)}")
     x, norm = input_norm(x, residual, norm_weight, eps, InternalError)
-    return _launch(x, weight, bias, config, norm=norm), norm.total
+    return _launch(x, weight, bias, config, norm=norm, split_counters=split_counters), norm.total
 
 
 def input_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -276,7 +303,8 @@ def input_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
                         norm_weight.contiguous(), total, eps)
 
 
-def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None = None):
+def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None = None,
+            split_counters: torch.Tensor | None = None):
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     if m > MAX_M:
         raise InternalError(f"M {m} must be <= {MAX_M}; use torch.nn.functional.linear")
@@ -292,6 +320,10 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
     block_n, block_k, splits, warps, stages = config or choose_config(
         m, n, k, triton_attention.sm_count(x.device), normed=norm is not None)
     k_per_split, splits = split_k(k, block_k, splits)
+    merge = split_counters is not None and splits > 1
+    if merge and (split_counters.dtype != torch.int32 or split_counters.numel() < triton.cdiv(n, block_n)):
+        raise InternalError(f"split_counters must be int32, one per column block ({triton.cdiv(n, block_n)}); "
+                            f"got {split_counters.dtype} [{split_counters.numel()}]")
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
     has_bias = bias is not None and splits == 1
@@ -299,13 +331,14 @@ def _launch(x, weight, bias, config, gated: bool = False, norm: InputNorm | None
     launch = pdl.launch_options(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n), splits)](
         x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
-        bias if has_bias else x, part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        _or(bias, x), part, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         part.stride(0) if splits > 1 else 0, part.stride(-2), norm.eps, HAS_BIAS=has_bias,
         GATED=gated, NORM=has_norm, HAS_RES=norm.residual is not None,
         ONE_TILE=has_norm and splits == 1 and k <= block_k, BLOCK_M=1 if m == 1 else MAX_M,
         BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages, **launch)
-    if splits > 1:
+        fin_ptr=out, cnt_ptr=split_counters if merge else x, stride_fm=out.stride(0), MERGE=merge,
+        MERGE_BIAS=merge and bias is not None, num_warps=warps, num_stages=stages, **launch)
+    if splits > 1 and not merge:
         block = min(1024, next_power_of_2(n))
         _reduce_kernel[(m, triton.cdiv(n, block))](
             part, bias if bias is not None else x, out, n, splits, part.stride(0),
