@@ -27,6 +27,10 @@ from tokenspeed.backends.kernels.mla_reference import UpProjection
 from tokenspeed.errors import InternalError
 
 LOG2E = 1.4426950408889634
+BLOCK_N = 16
+COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-projection: at 32 rows of
+# DeepSeek-V2-Lite's 16 heads the merged launch took 90 us a layer on the H200, the merge and a
+# batched product about 10; at one row it saves the product's and the reshape's launches
 
 
 class QueryRope(NamedTuple):
@@ -35,10 +39,6 @@ class QueryRope(NamedTuple):
     ``tokenspeed::rope`` would (``interleaved``: DeepSeek's pairing)."""
     cos_sin: torch.Tensor
     interleaved: bool
-BLOCK_N = 16
-COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-projection: at 32 rows of
-# DeepSeek-V2-Lite's 16 heads the merged launch took 90 us a layer on the H200, the merge and a
-# batched product about 10; at one row it saves the product's and the reshape's launches
 
 
 @triton.jit

@@ -162,8 +162,9 @@ def _shared_mlp(shared_experts: SharedExperts | None, shared, x, inter: int) -> 
         return SharedExperts(x, x), 0
     if shared is not None:
         raise InternalError("moe takes the shared experts' output or their weights, not both")
-    w13, w2 = (w.contiguous() for w in shared_experts)
-    if w13.shape != (2 * w2.shape[1], x.shape[1]) or w2.shape[0] != x.shape[1] or w13.dtype != x.dtype:
+    mlp = SharedExperts(*(w.contiguous() for w in shared_experts))
+    if mlp.w13.shape != (2 * mlp.w2.shape[1], x.shape[1]) or mlp.w2.shape[0] != x.shape[1] or \
+            mlp.w13.dtype != x.dtype:
         raise InternalError(f"shared experts' w13 must be [2 * I_s, {x.shape[1]}] and w2 [{x.shape[1]}, I_s] in "
-                            f"{x.dtype}; got {tuple(w13.shape)} {w13.dtype} and {tuple(w2.shape)}")
-    return SharedExperts(w13, w2), SharedExperts(w13, w2).chunks(inter)
+                            f"{x.dtype}; got {tuple(mlp.w13.shape)} {mlp.w13.dtype} and {tuple(mlp.w2.shape)}")
+    return mlp, mlp.chunks(inter)
