@@ -79,9 +79,8 @@ def shared_mlp(hidden: int, inter: int, seed: int):
                                           torch.randn(hidden, inter, generator=gen) / inter ** 0.5)
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("shared_inter", [80, 40, 27, 61], ids=["two_chunks", "one_chunk", "narrower", "ragged"])
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("tokens, shared_inter, k", [(1, 80, 2), (2, 80, 1), (2, 40, 2), (1, 27, 2), (2, 61, 2)],
+                         ids=["two_chunks", "two_chunks_two_tokens", "one_chunk", "narrower", "ragged"])
 def test_the_pair_launches_run_the_shared_experts_mlp(tokens, shared_inter, k):
     """DeepSeek's shared experts (widths 2 x, 1 x and not a multiple of the routed experts'
     40): their MLP of x, added as their own projections' output is (``reference.moe``)."""
