@@ -82,10 +82,11 @@ def sampling_kernels():
         pos_ptr="*i64", best_val_ptr="*fp32", best_idx_ptr="*i32", vocab="i32",
         stride_row="i32", num_blocks="i32"),
         dict(MIN_T=1e-5, KEY=s.POSITION_KEY, BLOCK=4096, USE_PDL=True), 8)
-    row = compile_sm90(s._row_best_kernel, dict(
-        best_val_ptr="*fp32", best_idx_ptr="*i32", out_ptr="*i64",
-        num_blocks="i32", stride_out="i32"), dict(BLOCKS=64, USE_PDL=True), 1)
-    assert "griddepcontrol.wait" in best.asm["ptx"] and row.asm["ptx"]
+    for column in (False, True):   # the tokens into the token column's seats too
+        row = compile_sm90(s._row_best_kernel, dict(
+            best_val_ptr="*fp32", best_idx_ptr="*i32", out_ptr="*i64", num_blocks="i32", stride_out="i32",
+            col_ptr="*i64", seat_ptr="*i64"), dict(BLOCKS=64, USE_PDL=True, COLUMN=column), 1)
+        assert "griddepcontrol.wait" in best.asm["ptx"] and row.asm["ptx"]
 
 
 def extend_kernels():

@@ -8,6 +8,7 @@ Tests marked ``gpu`` run bf16 at real shapes and are skipped without CUDA.
 
 import os
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -589,6 +590,28 @@ def gumbel(logits, temperature, top_k, seeds, block=16, positions=None):
     return triton_sampling.gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE),
                                          top_k.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE),
                                          block=block)
+
+
+@pytest.mark.parametrize("on", ["triton", "sampler"])
+def test_the_draw_writes_each_rows_token_into_its_seat_of_the_column(on):
+    """Into ``column[seat]`` as the column's own ``index_copy_`` did; other seats untouched."""
+    from tokenspeed.execution.sampler import SamplingTensors, gumbel_argmax
+    rows, vocab = 3, 50
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    s = SamplingTensors(torch.ones(rows, device=DEVICE), torch.tensor([1, 0, 1], device=DEVICE),
+                        torch.arange(rows, device=DEVICE), torch.tensor([4, 0, 2], device=DEVICE))
+    positions, out = torch.zeros(rows, dtype=torch.int64, device=DEVICE), torch.empty(rows, dtype=torch.int64,
+                                                                                      device=DEVICE)
+    column = torch.full((6,), -1, dtype=torch.int64, device=DEVICE)
+    if on == "triton":
+        triton_sampling.gumbel_argmax(logits, s.temperature, s.top_k, s.seed, positions, out=out, block=16,
+                                      column=triton_sampling.ColumnWrite(column, s.seat))
+    else:   # the CPU's reference and the column's index_copy_
+        out, column = out.cpu(), column.cpu()
+        cpu_settings = SamplingTensors(*(t.cpu() for t in attrs.astuple(s, recurse=False)))
+        gumbel_argmax(logits.cpu(), cpu_settings, positions.cpu(), out, column)
+    assert out[0] == logits[0].argmax().item() and out[2] == logits[2].argmax().item()
+    assert column.tolist() == [out[1].item(), -1, out[2].item(), -1, out[0].item(), -1]
 
 
 @FEW

@@ -182,8 +182,7 @@ class DecodeRunner:
     def step(self, view, sampling: SamplingTensors, out):
         """The whole step; returns the logits (a graph's static output when captured)."""
         logits = self._model(view)
-        gumbel_argmax(logits, sampling, view.positions, out)
-        self._write_column(sampling.seat, out)
+        gumbel_argmax(logits, sampling, view.positions, out, self.column)
         return logits
 
     @torch.no_grad()   # kernels called directly run under autograd, which the dispatcher skipped

@@ -142,14 +142,20 @@ def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_argmax(logits: torch.Tensor, s: SamplingTensors, positions: torch.Tensor,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
     """``argmax(logits / temperature + Gumbel noise)`` per row (plain argmax for greedy
-    rows) into ``out``: the Triton kernels on CUDA, the torch reference elsewhere."""
+    rows) into ``out``, and into each row's seat (``s.seat``) of the token ``column`` if
+    given: the Triton kernels on CUDA (the column written by the launch that picks the
+    tokens), the torch reference elsewhere."""
     if logits.is_cuda:
         from tokenspeed.backends.kernels import triton_sampling
+        written = None if column is None else triton_sampling.ColumnWrite(column, s.seat)
         return triton_sampling.gumbel_argmax(logits, s.temperature, s.top_k, s.seed, positions,
-                                             out=out)
-    return out.copy_(gumbel_argmax_reference(logits, s, positions))
+                                             out=out, column=written)
+    out.copy_(gumbel_argmax_reference(logits, s, positions))
+    if column is not None:
+        column.index_copy_(0, s.seat, out)
+    return out
 
 
 def gumbel_argmax_reference(logits: torch.Tensor, s: SamplingTensors,

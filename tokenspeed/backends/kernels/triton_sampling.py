@@ -12,6 +12,8 @@ draws fresh noise at every step with unchanged settings, and a request samples t
 tokens whatever else is in its batch.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,13 @@ from tokenspeed.errors import InternalError
 MIN_TEMPERATURE = 1e-5
 POSITION_KEY = 2654435761  # as tokenspeed.execution.sampler.POSITION_KEY
 BLOCK = 4096
+
+
+class ColumnWrite(NamedTuple):
+    """Where sampled tokens go besides ``out``: ``column[seats[row]]`` (the token column,
+    ``execution.token_column``; contiguous)."""
+    column: torch.Tensor
+    seats: torch.Tensor
 
 
 @triton.jit
@@ -61,8 +70,9 @@ def store_block_best(x, in_vocab, cols, row, block, temp_ptr, top_k_ptr, seed_pt
 
 
 @triton.jit
-def _row_best_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_blocks, stride_out,
-                     BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+def _row_best_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_blocks, stride_out, col_ptr, seat_ptr,
+                     BLOCKS: tl.constexpr, USE_PDL: tl.constexpr, COLUMN: tl.constexpr):
+    """The row's token into ``out``; COLUMN: into its seat of the token column too."""
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -72,21 +82,26 @@ def _row_best_kernel(best_val_ptr, best_idx_ptr, out_ptr, num_blocks, stride_out
     winner = tl.argmax(val, 0, tie_break_left=True)
     token = tl.load(best_idx_ptr + row * num_blocks + winner)
     tl.store(out_ptr + row * stride_out, token.to(tl.int64))
+    if COLUMN:
+        tl.store(col_ptr + tl.load(seat_ptr + row), token.to(col_ptr.dtype.element_ty))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   seeds: torch.Tensor, positions: torch.Tensor, out: torch.Tensor = None,
-                  block: int = BLOCK) -> torch.Tensor:
+                  block: int = BLOCK, column: "ColumnWrite | None" = None) -> torch.Tensor:
     """One token per row of ``logits [rows, vocab]``; per-row ``temperature``, ``top_k``
     (1 means greedy; other values are not applied here), ``seeds`` (int64) and
     ``positions`` (which key the noise with the seeds). Writes the tokens into ``out``
     ([rows] int64, may be strided) when given; ``block`` (a power of two) is the
-    vocabulary slice of one program."""
+    vocabulary slice of one program. ``column``: each row's token goes to its seat of the
+    token column as well, by the launch that picks it (the column's own write was a launch
+    of its own)."""
     if logits.dim() != 2:
         raise InternalError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
+    seats = {} if column is None else {"seats": column.seats}
     for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds),
-                    ("positions", positions)):
+                    ("positions", positions), *seats.items()):
         if t.shape != (rows,):
             raise InternalError(f"{name} must be [{rows}]; got {tuple(t.shape)}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
@@ -100,6 +115,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     _block_best_kernel[(rows, num_blocks)](
         logits, temperature, top_k, seeds, positions, best_val, best_idx, vocab, logits.stride(0),
         num_blocks, MIN_T=MIN_TEMPERATURE, KEY=POSITION_KEY, BLOCK=block, num_warps=8, **launch)
-    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0),
-                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, **launch)
+    col, seats = column if column is not None else (out, positions)   # unread without a column
+    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0), col, seats,
+                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, COLUMN=column is not None, **launch)
     return out
