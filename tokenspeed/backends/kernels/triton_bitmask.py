@@ -98,6 +98,6 @@ def masked_gumbel_argmax(logits: torch.Tensor, bitmask: torch.Tensor, temperatur
         logits, bitmask, temperature, top_k, seeds, positions, best_val, best_idx, vocab, bitmask.shape[1],
         logits.stride(0), bitmask.stride(0), num_blocks, MIN_T=MIN_TEMPERATURE, KEY=POSITION_KEY, BLOCK=block,
         num_warps=8, **launch)
-    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0),
-                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, **launch)
+    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0), out, positions,  # no column
+                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, COLUMN=False, **launch)
     return out
