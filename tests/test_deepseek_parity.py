@@ -225,3 +225,28 @@ def test_a_cast_keeps_the_routers_float32_gate():
     model.to(dtype=torch.bfloat16)
     after = dict(model.named_parameters())
     assert all(after[n].dtype == torch.float32 and torch.equal(after[n], kept[n]) for n in kept)
+
+
+@pytest.mark.parametrize("weight_format", [None, "Q8_0"], ids=["dense", "block"])
+def test_only_dense_shared_experts_join_the_mixture(weight_format):
+    """A projection naming its weight's format (GGUF blocks, FP8) stays its own op: the
+    mixture's pair kernels read 16-bit weights."""
+    from torch import fx
+    from tokenspeed.ir.ops import MOE, OPS
+    from tokenspeed.ir.program import Program
+    from tokenspeed.passes.shared_experts import fuse_shared_experts
+    graph = fx.Graph()
+    x, w13, w2, weights, ids, s13, s2 = (graph.placeholder(n) for n in ("x", "w13", "w2", "wt", "ids", "s13", "s2"))
+    fmt = () if weight_format is None else (weight_format,)
+    gate_up = graph.call_function(OPS.linear.default, (x, s13, None, *fmt))
+    down = graph.call_function(OPS.gated_linear.default, (gate_up, s2, None, *fmt))
+    graph.output(graph.call_function(MOE, (x, w13, w2, weights, ids, down)))
+    lowered = fuse_shared_experts(Program(mode="decode", graph_module=fx.GraphModule(torch.nn.Module(), graph)))
+    nodes = list(lowered.graph_module.graph.nodes)
+    moe = next(n for n in nodes if n.target == MOE)
+    linears = [n.name for n in nodes if n.target in (OPS.linear.default, OPS.gated_linear.default)]
+    if weight_format is None:
+        assert {k: v.name for k, v in moe.kwargs.items()} == {"shared_w13": "s13", "shared_w2": "s2"}
+        assert len(moe.args) == 5 and not linears
+    else:
+        assert moe.args[5].name == down.name and not moe.kwargs and linears == [gate_up.name, down.name]

@@ -14,9 +14,8 @@ from tokenspeed.passes.manager import graph_pass
 @graph_pass("fuse_shared_experts")
 def fuse_shared_experts(gm: fx.GraphModule, **_) -> None:
     for moe in [n for n in gm.graph.nodes if n.target == MOE and len(n.args) == 6 and not n.kwargs]:
-        down = moe.args[5]
-        gate_up = _plain(down, ops.gated_linear.default)
-        gate_up = gate_up and _plain(gate_up.args[0], ops.linear.default)
+        down = _plain(moe.args[5], ops.gated_linear.default)
+        gate_up = down and _plain(down.args[0], ops.linear.default)
         if gate_up is None or gate_up.args[0] is not moe.args[0]:
             continue
         moe.args = moe.args[:5]
@@ -26,7 +25,8 @@ def fuse_shared_experts(gm: fx.GraphModule, **_) -> None:
 
 
 def _plain(node, target) -> fx.Node | None:
-    """``node`` if it calls ``target`` on a dense weight without a bias, read once."""
+    """``node`` if it calls ``target`` on a dense weight without a bias, read once (a block
+    or FP8 weight names its format in a fourth argument)."""
     fits = isinstance(node, fx.Node) and node.target == target and not node.kwargs and \
-        node.args[2] is None and len(node.users) == 1
+        len(node.args) == 3 and node.args[2] is None and len(node.users) == 1
     return node if fits else None

@@ -99,9 +99,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     if logits.dim() != 2:
         raise InternalError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
     rows, vocab = logits.shape
-    seats = {} if column is None else {"seats": column.seats}
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds),
-                    ("positions", positions), *seats.items()):
+    per_row = [("temperature", temperature), ("top_k", top_k), ("seeds", seeds), ("positions", positions)]
+    for name, t in per_row + ([] if column is None else [("seats", column.seats)]):
         if t.shape != (rows,):
             raise InternalError(f"{name} must be [{rows}]; got {tuple(t.shape)}")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device) if out is None else out
