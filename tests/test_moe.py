@@ -224,3 +224,41 @@ def test_the_ir_shows_the_moe_op(mode):
     assert text.count("tokenspeed.moe(") == 1      # layer 0 sparse, layer 1 dense (mlp_only_layers)
     assert "%layer0_moe = tokenspeed.moe(%layer0_post_attention_layernorm, %layer0_experts_w13, " \
            "%layer0_experts_w2, %layer0_topk_weights, %layer0_topk_ids)" in text
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_decode_routes_with_one_op_and_prefill_with_the_gate_and_the_choice(mode):
+    """``fuse_router`` (decode and verify): the gate's product and ``softmax_top_k`` become
+    one ``route`` op; prefill keeps them."""
+    text = stages.trace(ts.models.load(checkpoint("qwen3_moe"))).lower(mode).as_text()
+    fused = ("%model_layers_0_mlp_gate_route = tokenspeed.route(%layer0_post_attention_layernorm, "
+             "%model_layers_0_mlp_gate_weight, 2, True, 1.0, split_counters=%attention_split_counters)")
+    assert (fused in text, "softmax_top_k(" in text) == ((True, False) if mode == "decode" else (False, True))
+
+
+def test_the_router_pass_takes_the_gates_it_can_and_leaves_the_rest():
+    """A 16-bit gate (``linear``), DeepSeek's float32 gate (a cast input and weight); not a
+    gate with a bias, nor logits read by anything else."""
+    from torch import fx
+    from tokenspeed.ir.ops import OPS, ROUTE, SOFTMAX_TOP_K
+    from tokenspeed.ir.program import Program
+    from tokenspeed.passes.router import fuse_router
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.register_parameter("gate", torch.nn.Parameter(torch.zeros(4, 8)))
+    graph = gm.graph
+    x, w, b = (graph.placeholder(n) for n in ("x", "w", "b"))
+    gate = graph.get_attr("gate")
+    logits = [graph.call_function(OPS.linear.default, (x, w, None)),
+              graph.call_function(torch.nn.functional.linear, (graph.call_method("float", (x,)),
+                                                               graph.call_method("float", (gate,)))),
+              graph.call_function(OPS.linear.default, (x, w, b)),
+              graph.call_function(OPS.linear.default, (x, w, None))]
+    choices = [graph.call_function(SOFTMAX_TOP_K, (lg, 2, True, 1.0)) for lg in logits]
+    graph.output([*choices, logits[3]])
+    gm.recompile()
+    nodes = list(fuse_router(Program(mode="decode", graph_module=gm)).graph_module.graph.nodes)
+    routes = [n for n in nodes if n.target == ROUTE]
+    assert [([a.name for a in n.args[:2]], n.kwargs) for n in routes] == \
+        [(["x", "w"], {}), (["x", "gate"], {"logits_dtype": torch.float32})]
+    assert sum(n.target == SOFTMAX_TOP_K for n in nodes) == 2
+    assert not any(n.op == "call_method" or n.target is torch.nn.functional.linear for n in nodes)

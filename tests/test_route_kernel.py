@@ -70,3 +70,77 @@ def test_the_reference_is_transformers_routing():
 def test_a_k_outside_the_experts_is_refused(k, experts):
     with pytest.raises(InternalError, match=f"k={k}"):
         triton_route.softmax_top_k(torch.zeros(1, experts, device=DEVICE), k, False, 1.0)
+
+
+def top_weights(weights: torch.Tensor) -> list[list[float]]:
+    return [sorted(row, reverse=True) for row in weights.cpu().tolist()]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(rows=st.integers(0, triton_route.ROUTE_MAX_ROWS), experts=st.sampled_from([8, 60, 64, 128]),
+       hidden=st.sampled_from([64, 200, 512]), k=st.integers(1, 8), normalize=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), float_logits=st.booleans(), seed=st.integers(0, 99))
+def test_the_gate_and_choice_in_one_launch_choose_as_the_ops_they_replace(rows, experts, hidden, k, normalize, dtype,
+                                                                           float_logits, seed):
+    """Features and gate of -1, 0 and 1 give integer logits that every order of summing
+    gets exactly (and bfloat16 holds), so the kernel's logits are the reference's: the
+    chosen weights agree, and the experts too where no tie sits at the k-th pick. The
+    counter is left zeroed for the next launch."""
+    k, gen = min(k, experts), torch.Generator().manual_seed(seed)
+    x = torch.randint(-1, 2, (rows, hidden), generator=gen).to(DEVICE, dtype)
+    gate = torch.randint(-1, 2, (experts, hidden), generator=gen).to(DEVICE, torch.float32 if float_logits else dtype)
+    logits_dtype = torch.float32 if float_logits else None
+    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    weights, ids = triton_route.route(x, gate, k, normalize, 2.5, logits_dtype, counters)
+    want_weights, want_ids = reference.route(x.cpu(), gate.cpu(), k, normalize, 2.5, logits_dtype)
+    assert weights.shape == ids.shape == (rows, k) and not counters.any()
+    assert all(g == pytest.approx(w, rel=1e-5) for g, w in zip(top_weights(weights), top_weights(want_weights)))
+    logits = torch.sort((x.float() @ gate.float().T).cpu(), dim=-1, descending=True).values
+    for row in range(rows):
+        if k == experts or logits[row, k - 1] > logits[row, k]:
+            assert set(ids[row].tolist()) == set(want_ids[row].tolist())
+
+
+def test_a_gate_in_bfloat16_rounds_its_logits_before_the_choice():
+    """Logits 256 and 257 are one in bfloat16: the choice ties, and the lower expert wins,
+    as the unfused gate's bfloat16 output would have it; float32 logits tell them apart."""
+    x = torch.ones(1, 257, dtype=torch.bfloat16, device=DEVICE)
+    gate = torch.zeros(3, 257, dtype=torch.bfloat16, device=DEVICE)
+    gate[0, :256], gate[1] = 1.0, 1.0
+    counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    weights, ids = triton_route.route(x, gate, 1, False, 1.0, None, counters)
+    assert ids.tolist() == [[0]] and weights.tolist() == [[0.5]]
+    _, ids = triton_route.route(x, gate.float(), 1, False, 1.0, torch.float32, counters)
+    assert ids.tolist() == [[1]]
+
+
+def test_the_one_launch_gate_refuses_more_rows_than_a_decode_step():
+    rows = triton_route.ROUTE_MAX_ROWS + 1
+    with pytest.raises(InternalError, match=f"T <= {triton_route.ROUTE_MAX_ROWS}"):
+        triton_route.route(torch.zeros(rows, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE), 2, False, 1.0,
+                           None, torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, k, gate_dtype", [(64, 6, torch.float32), (128, 8, torch.bfloat16)],
+                         ids=["deepseek-v2-lite", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_gate_in_a_cuda_graph_chooses_as_an_eager_launch(experts, k, gate_dtype, rows):
+    """At the models' shapes (hidden 2048): a replay with new features chooses what an
+    eager launch chooses, to the bit, and the launches share the counters."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    gate = (torch.randn(experts, 2048, device="cuda", generator=gen) * 0.02).to(gate_dtype)
+    logits_dtype = torch.float32 if gate_dtype == torch.float32 else None
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+    triton_route.route(x, gate, k, True, 1.0, logits_dtype, counters)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = triton_route.route(x, gate, k, True, 1.0, logits_dtype, counters)
+    x.copy_(torch.randn(rows, 2048, device="cuda", generator=gen))
+    graph.replay()
+    want_weights, want_ids = triton_route.route(x, gate, k, True, 1.0, logits_dtype, counters)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights) and not counters.any()
+    ref_weights, ref_ids = reference.route(x, gate, k, True, 1.0, logits_dtype)
+    assert (ids.sort(dim=-1).values == ref_ids.sort(dim=-1).values).float().mean() > 0.95
+    torch.testing.assert_close(weights.sort(dim=-1).values, ref_weights.sort(dim=-1).values, rtol=2e-2, atol=1e-3)

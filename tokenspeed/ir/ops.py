@@ -226,6 +226,18 @@ def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -
     return [logits.new_empty(rows, k, dtype=torch.float32), logits.new_empty(rows, k, dtype=torch.int64)]
 
 
+@_op("route", mutates_args=("split_counters",))
+def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
+          logits_dtype: torch.dtype | None = None, split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``softmax_top_k`` of a router's gate: the gate's product ``x @ weight.T`` and the
+    choice in one op (a fusion pass's, for decode: one launch where a layer's routing took
+    two or three). ``logits_dtype`` float32: the product of x and weight both cast to
+    float32 (DeepSeek's gate, as transformers computes it); None: the linear layer's, in x's
+    dtype. ``split_counters``: as ``decode_attention``'s."""
+    rows = x.shape[0]
+    return [x.new_empty(rows, k, dtype=torch.float32), x.new_empty(rows, k, dtype=torch.int64)]
+
+
 @_op("moe")
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, shared: torch.Tensor | None = None, shared_w13: torch.Tensor | None = None,
@@ -305,6 +317,8 @@ ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTIO
 ROPE_WRITE_KV = OPS.rope_write_kv.default
 ROPE = OPS.rope.default
 MOE = OPS.moe.default
+ROUTE = OPS.route.default
+SOFTMAX_TOP_K = OPS.softmax_top_k.default
 WRITE_LATENT = OPS.write_latent.default
 NORM_ROPE_WRITE_LATENT = OPS.norm_rope_write_latent.default
 CAUSAL_CONV_SILU, GATED_DELTA_RULE = OPS.causal_conv_silu.default, OPS.gated_delta_rule.default
@@ -315,6 +329,6 @@ RECURRENT_TARGETS = (OPS.causal_conv_silu, CAUSAL_CONV_SILU, OPS.gated_delta_rul
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT, NORM_ROPE_WRITE_LATENT)
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "softmax_top_k", "moe", "write_latent", "norm_rope_write_latent",
+            "norm_linear", "embedding", "softmax_top_k", "route", "moe", "write_latent", "norm_rope_write_latent",
             "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule",
             "causal_conv_silu_step", "gated_delta_rule_step")

@@ -12,6 +12,7 @@ from tokenspeed.passes.kernels import decode_kernels, extend_kernels, recurrent_
 from tokenspeed.passes.latent_rope import fuse_latent_query_rope
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
+from tokenspeed.passes.router import fuse_router
 from tokenspeed.passes.shared_experts import fuse_shared_experts
 from tokenspeed.passes.split_merge import merge_splits_in_launch
 from tokenspeed.passes.split import split_segments
@@ -31,7 +32,7 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
     steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
     return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels, fuse_latent_write,
             fuse_latent_query_rope, fuse_moe_add, select_linear, fuse_gated_linear, fuse_shared_experts,
-            fuse_norm_linear, merge_splits_in_launch, whole_graph if decode_graph else attention_breaks,
+            fuse_router, fuse_norm_linear, merge_splits_in_launch, whole_graph if decode_graph else attention_breaks,
             split_segments]
 
 

@@ -14,13 +14,13 @@ they leave.
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE_DECODE_ATTENTION
+from tokenspeed.ir.ops import DECODE_ATTENTION, OPS as ops, ROPE_DECODE_ATTENTION, ROUTE
 from tokenspeed.passes.manager import graph_pass
 
 SPLIT_COUNTERS = "attention_split_counters"
 SPLIT_COUNTER_SLOTS = 1 << 16   # rows x KV heads of the largest step that merges in one launch
 SPLITTING = (DECODE_ATTENTION, ROPE_DECODE_ATTENTION, ops.linear.default, ops.gated_linear.default,
-             ops.norm_linear.default)
+             ops.norm_linear.default, ROUTE)
 
 
 @graph_pass("merge_splits_in_launch")

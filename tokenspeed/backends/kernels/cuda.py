@@ -226,6 +226,17 @@ def softmax_top_k(logits, k, normalize, scale):
     return triton_route.softmax_top_k(logits, k, normalize, scale)
 
 
+def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+    """One launch for a decode step's rows (``triton_route.route``); more rows, or no
+    counters, run the ops it stands for: the gate's product, then the choice."""
+    from tokenspeed.backends.kernels import triton_route
+    if split_counters is not None and x.shape[0] <= triton_route.ROUTE_MAX_ROWS:
+        return triton_route.route(x, weight, k, normalize, scale, logits_dtype, split_counters)
+    logits = linear(x, weight, None) if logits_dtype is None else \
+        torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
+    return triton_route.softmax_top_k(logits, k, normalize, scale)
+
+
 def moe(x, w13, w2, topk_weights, topk_ids, shared=None, shared_w13=None, shared_w2=None):
     """The shared experts' weights: their MLP inside the pair launches for a step of a few
     tokens; past that, their projections run first, as their own ops would."""

@@ -108,6 +108,14 @@ def softmax_top_k(logits, k, normalize, scale):
     return [weights * scale, ids]
 
 
+def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+    """The ops it stands for: float32 logits as the model's ``torch.linear`` of its cast
+    operands, the others as its ``linear`` op (``split_counters`` unread)."""
+    logits = linear(x, weight, None) if logits_dtype is None else \
+        torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
+    return softmax_top_k(logits, k, normalize, scale)
+
+
 def rope(x, cos_sin, positions, interleaved):
     if interleaved:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

@@ -1,11 +1,18 @@
 """A router's softmax and top-k as one launch (``tokenspeed::softmax_top_k``; the reference
-is ``reference.softmax_top_k``).
+is ``reference.softmax_top_k``), and with the gate's product before it (``tokenspeed::route``).
 
 At small batches a mixture-of-experts layer's routing is a handful of tiny kernels
 (softmax, top-k, the sum and division that renormalise, the scaling), each a launch and a
 round trip to memory for a few hundred bytes. One program a row holds the row's logits
 (every expert, up to a few hundred), takes the softmax in float32 and picks the k largest
 one after another, the lowest expert first among equals.
+
+``route`` computes the logits too, for a decode step of up to ``ROUTE_MAX_ROWS`` rows: each
+program multiplies a tile of the gate (``GATE_BLOCK_N`` experts by ``GATE_BLOCK_K`` features)
+by every row's features once, in float32, and stores its partial sums; the last program to
+finish (counted in, as ``triton_gemv``'s split reductions are) adds the partials of each
+row, rounds them as the gate's output is rounded, and chooses. DeepSeek's gate, a float32
+product of the layer's 16-bit input, took a cast, a cuBLAS product and this kernel before.
 """
 
 import torch
@@ -17,6 +24,28 @@ from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.errors import InternalError
 
 MAX_EXPERTS = 1024   # one program holds a row's logits
+ROUTE_MAX_ROWS = 16  # rows ``route`` takes in one launch: a decode step's
+GATE_BLOCK_N, GATE_BLOCK_K = 16, 256   # a program's tile of the gate, kept in registers across the rows
+
+
+@triton.jit
+def _choose(x, e, j, num_experts, weights_ptr, ids_ptr, scale, K: tl.constexpr, NORMALIZE: tl.constexpr,
+            BLOCK_E: tl.constexpr):
+    """One row's choice from its float32 logits ``x [BLOCK_E]`` (-inf past the experts)."""
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(e < num_experts, p / tl.sum(p, 0), -1.0)   # no padding expert is ever picked
+    weights = tl.zeros(j.shape, dtype=tl.float32)
+    ids = tl.zeros(j.shape, dtype=tl.int32)
+    for pick in tl.static_range(K):
+        best = tl.max(p, 0)
+        expert = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), num_experts - 1)   # NaN: in range
+        weights = tl.where(j == pick, best, weights)
+        ids = tl.where(j == pick, expert, ids)
+        p = tl.where(e == expert, -1.0, p)
+    if NORMALIZE:
+        weights = weights / tl.sum(tl.where(j < K, weights, 0.0), 0)
+    tl.store(weights_ptr + j, weights * scale, mask=j < K)
+    tl.store(ids_ptr + j, ids.to(tl.int64), mask=j < K)
 
 
 @triton.jit
@@ -28,33 +57,89 @@ def _softmax_top_k_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_
     t = tl.program_id(0).to(tl.int64)
     e, j = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
     x = tl.load(logits_ptr + t * stride_l + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(e < num_experts, p / tl.sum(p, 0), -1.0)   # no padding expert is ever picked
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for pick in tl.static_range(K):
-        best = tl.max(p, 0)
-        expert = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), num_experts - 1)   # NaN: in range
-        weights = tl.where(j == pick, best, weights)
-        ids = tl.where(j == pick, expert, ids)
-        p = tl.where(e == expert, -1.0, p)
-    if NORMALIZE:
-        weights = weights / tl.sum(tl.where(j < K, weights, 0.0), 0)
-    tl.store(weights_ptr + t * K + j, weights * scale, mask=j < K)
-    tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
+    _choose(x, e, j, num_experts, weights_ptr + t * K, ids_ptr + t * K, scale, K, NORMALIZE, BLOCK_E)
+
+
+@triton.jit
+def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, num_experts, hidden, stride_xm,
+                  stride_wn, scale, K: tl.constexpr, NORMALIZE: tl.constexpr, ROUND: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_TOP: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (column block, split): the gate's tile is read before the wait (PDL), then
+    each row's partial ``[BLOCK_N]`` is stored at ``part[split, row]``. ROUND: the logits
+    are rounded to x's dtype (the gate's output dtype) before the softmax."""
+    pdl.start(USE_PDL)
+    split = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                mask=(n < num_experts)[:, None] & (k < hidden)[None, :], other=0.0).to(tl.float32)
+    pdl.wait(USE_PDL)
+    for m in range(0, rows):
+        x = tl.load(x_ptr + m * stride_xm + k, mask=k < hidden, other=0.0).to(tl.float32)
+        tl.store(part_ptr + (split * rows + m) * num_experts + n, tl.sum(w * x[None, :], 1), mask=n < num_experts)
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(1) - 1:
+        s, e, j = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_TOP)
+        mask = (s < tl.num_programs(1))[:, None] & (e < num_experts)[None, :]
+        for m in range(0, rows):
+            parts = tl.load(part_ptr + (s[:, None] * rows + m) * num_experts + e[None, :], mask=mask, other=0.0,
+                            cache_modifier=".cg")
+            logits = tl.sum(parts, 0)
+            if ROUND:
+                logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
+            logits = tl.where(e < num_experts, logits, float("-inf"))
+            _choose(logits, e, j, num_experts, weights_ptr + m * K, ids_ptr + m * K, scale, K, NORMALIZE, BLOCK_E)
+        tl.store(cnt_ptr, 0)
 
 
 def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -> list[torch.Tensor]:
     """``logits [T, E]`` -> ``[weights [T, k] float32, ids [T, k] int64]``."""
-    if logits.dim() != 2 or not 0 < k <= logits.shape[1] or logits.shape[1] > MAX_EXPERTS:
-        raise InternalError(f"softmax_top_k wants logits [T, E] with 0 < k <= E <= {MAX_EXPERTS}; got "
-                            f"{tuple(logits.shape)} and k={k}")
+    _check_choice(logits.shape, k)
     rows, experts = logits.shape
-    weights = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
+    weights, ids = _choice(rows, k, logits.device)
     if rows:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         _softmax_top_k_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), float(scale), K=k,
                                        NORMALIZE=normalize, BLOCK_E=next_power_of_2(experts),
                                        BLOCK_K=next_power_of_2(k), num_warps=4, **pdl.launch_options(logits.device))
     return [weights, ids]
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
+          logits_dtype: torch.dtype | None, split_counters: torch.Tensor) -> list[torch.Tensor]:
+    """``softmax_top_k(x [T, H] @ weight [E, H].T)`` for T <= ``ROUTE_MAX_ROWS``, in one launch
+    that leaves its counter (``split_counters[0]``, int32) zeroed. ``logits_dtype``: float32,
+    or None for x's dtype (the logits rounded to it)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > ROUTE_MAX_ROWS:
+        raise InternalError(f"route wants x [T, H] with T <= {ROUTE_MAX_ROWS} and weight [E, H]; got "
+                            f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if logits_dtype not in (None, torch.float32) or split_counters.dtype != torch.int32:
+        raise InternalError(f"route takes float32 or x's dtype for its logits and int32 counters; got "
+                            f"{logits_dtype} and {split_counters.dtype}")
+    (rows, hidden), experts = x.shape, weight.shape[0]
+    _check_choice((rows, experts), k)
+    weights, ids = _choice(rows, k, x.device)
+    if rows:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+        grid = (triton.cdiv(experts, GATE_BLOCK_N), triton.cdiv(hidden, GATE_BLOCK_K))
+        part = torch.empty((grid[1], rows, experts), dtype=torch.float32, device=x.device)
+        _route_kernel[grid](x, weight, part, weights, ids, split_counters, rows, experts, hidden, x.stride(0),
+                            weight.stride(0), float(scale), K=k, NORMALIZE=normalize,
+                            ROUND=logits_dtype is None and x.dtype != torch.float32, BLOCK_N=GATE_BLOCK_N,
+                            BLOCK_K=GATE_BLOCK_K, BLOCK_E=next_power_of_2(experts),
+                            BLOCK_S=next_power_of_2(grid[1]), BLOCK_TOP=next_power_of_2(k), num_warps=4,
+                            **pdl.launch_options(x.device))
+    return [weights, ids]
+
+
+def _check_choice(shape, k: int) -> None:
+    if len(shape) != 2 or not 0 < k <= shape[1] or shape[1] > MAX_EXPERTS:
+        raise InternalError(f"softmax_top_k wants logits [T, E] with 0 < k <= E <= {MAX_EXPERTS}; got "
+                            f"{tuple(shape)} and k={k}")
+
+
+def _choice(rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((rows, k), dtype=torch.float32, device=device),
+            torch.empty((rows, k), dtype=torch.int64, device=device))
