@@ -43,7 +43,7 @@ def fused_kernels():
                                                          weights_ptr="*fp32", ids_ptr="*i64", cnt_ptr="*i32",
                                                          scale="fp32", rows="i32",
                                                          **i32(triton_route._route_kernel)),
-                        dict(K=6, NORMALIZE=False, ROUND=False, BLOCK_N=16, BLOCK_K=256, BLOCK_E=64, BLOCK_S=8,
+                        dict(K=6, NORMALIZE=False, ROUND=False, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64, BLOCK_S=8,
                              BLOCK_TOP=8, USE_PDL=True))
     assert all(k.asm["ptx"] for k in (rope, route, latent, combine, group, gate))
     assert "bar.sync" in group.asm["ptx"]   # the rows are marked empty before the pairs land

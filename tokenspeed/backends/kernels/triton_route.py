@@ -25,7 +25,7 @@ from tokenspeed.errors import InternalError
 
 MAX_EXPERTS = 1024   # one program holds a row's logits
 ROUTE_MAX_ROWS = 16  # rows ``route`` takes in one launch: a decode step's
-GATE_BLOCK_N, GATE_BLOCK_K = 16, 256   # a program's tile of the gate, kept in registers across the rows
+GATE_BLOCK_N, GATE_BLOCK_K = 8, 256   # a program's tile of the gate, kept in registers across the rows
 
 
 @triton.jit
