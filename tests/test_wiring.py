@@ -4,6 +4,7 @@ inputs is keyword-only, so a new or reordered one cannot shift another's value."
 import inspect
 
 import pytest
+import torch
 
 import tokenspeed as ts
 from tokenspeed import stages
@@ -38,3 +39,13 @@ def test_a_verify_window_holds_at_least_the_token_before_the_drafts():
     lowered = ts.trace(random_model(TINY_LLAMA)).lower("verify")
     with pytest.raises(ValueError, match="window"):
         stages.Verification(lowered, 0)
+
+
+def test_an_op_may_not_declare_an_optional_argument_mutated():
+    """torch 2.11 bumps the version of a mutated argument by its position in the call: an
+    omitted optional one raised an IndexError at run time (outside inference mode)."""
+    from tokenspeed.ir.ops import _op
+    with pytest.raises(TypeError, match=r"tokenspeed::scratch declares optional arguments mutated: \['buf'\]"):
+        @_op("scratch", mutates_args=("buf",))
+        def scratch(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+            return x

@@ -22,6 +22,8 @@ decode form), up-projecting through the layer's ``kv_b_weight`` ``[heads * (nope
 latent]`` (per head: the key's nope rows, then the value's).
 """
 
+import inspect
+
 import torch
 
 from tokenspeed.ir.weights import DENSE
@@ -31,6 +33,10 @@ def _op(name: str, mutates_args=()):
     """Declare ``tokenspeed::name`` with the decorated function's signature as its schema
     and its body as the shape function; its kernels come from the backends."""
     def declare(fake):
+        optional = [n for n in mutates_args
+                    if inspect.signature(fake).parameters[n].default is not inspect.Parameter.empty]
+        if optional:   # see decode_attention's split_counters
+            raise TypeError(f"tokenspeed::{name} declares optional arguments mutated: {optional}")
         schema = torch.library.infer_schema(fake, mutates_args=mutates_args)
         op = torch.library.custom_op(f"tokenspeed::{name}", _unregistered(name),
                                      mutates_args=mutates_args, schema=schema)
@@ -77,14 +83,17 @@ def extend_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
     return torch.empty_like(q)
 
 
-@_op("decode_attention", mutates_args=("split_counters",))
+@_op("decode_attention")
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, scale: float,
                      window: int, k_scale: float = 1.0, v_scale: float = 1.0,
                      split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """``attention`` restricted to one row per request: what decode lowering selects.
     ``split_counters``: a zeroed int32 workspace kept between steps, with which a kernel
-    that splits the keys merges the splits in the same launch (it leaves them zeroed)."""
+    that splits the keys merges the splits in the same launch. It leaves them zeroed, as
+    it found them, so no op declares them mutated (nor may any declare an optional argument
+    so: torch 2.11 bumps the version of every mutated argument by its position in the call,
+    and an omitted one raised an IndexError)."""
     return torch.empty_like(q)
 
 
@@ -162,7 +171,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: to
     return torch.empty_like(q)
 
 
-@_op("rope_decode_attention", mutates_args=("kv_cache", "split_counters"))
+@_op("rope_decode_attention", mutates_args=("kv_cache",))
 def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos_sin: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -177,7 +186,7 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@_op("linear", mutates_args=("split_counters",))
+@_op("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            weight_format: str = DENSE, weight_scale: torch.Tensor | None = None,
            split_counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,7 +198,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@_op("gated_linear", mutates_args=("split_counters",))
+@_op("gated_linear")
 def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_format: str = DENSE, weight_scale: torch.Tensor | None = None,
                  split_counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,7 +206,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
 
 
-@_op("norm_linear", mutates_args=("split_counters",))
+@_op("norm_linear")
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
                 weight_format: str = DENSE, weight_scale: torch.Tensor | None = None,
@@ -226,7 +235,7 @@ def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -
     return [logits.new_empty(rows, k, dtype=torch.float32), logits.new_empty(rows, k, dtype=torch.int64)]
 
 
-@_op("route", mutates_args=("split_counters",))
+@_op("route")
 def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
           logits_dtype: torch.dtype | None = None, split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
     """``softmax_top_k`` of a router's gate: the gate's product ``x @ weight.T`` and the
