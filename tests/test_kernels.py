@@ -140,56 +140,6 @@ def test_decode_merges_only_the_splits_that_hold_keys(monkeypatch, rope):
                         4, 2, 16, torch.float32, 1e-4, num_splits=16)
 
 
-def merged_in_launch(check, lengths, *args, **kwargs):
-    """``check`` with the splits merged in the attention's own launch; the counters it was
-    given are zeroed again after it."""
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    check(lengths, *args, split_counters=counters, **kwargs)
-    assert not counters.any()
-
-
-def check_decode(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype, tol, **kwargs):
-    check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, pad_rows), page_size,
-                    heads, kv_heads, head_dim, dtype, tol, **kwargs)
-
-
-@FEW
-@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=4), page_size=st.sampled_from([4, 16]),
-       heads=heads_st, splits=st.sampled_from([2, 3, 8, 16]), pad_rows=st.integers(0, 2),
-       window=st.sampled_from([0, 0, 37]), rope=st.booleans())
-def test_splits_merged_in_the_attention_launch(lengths, page_size, heads, splits, pad_rows, window, rope):
-    """Row counts, page layouts, splits holding keys or not, windows: the last split of a
-    row merges them all, as the merge kernel would, and leaves the counters zeroed."""
-    check = check_rope_decode if rope else check_decode
-    merged_in_launch(check, lengths, pad_rows, page_size, heads[0], heads[1], 16, torch.float32, 1e-4,
-                     num_splits=splits, max_context=max(lengths), window=window)
-
-
-@pytest.mark.parametrize("rope", [False, True])
-def test_splits_merged_in_the_launch_read_only_written_partials(monkeypatch, rope):
-    monkeypatch.setattr(triton_decode, "torch", _NanEmpty())
-    check = check_rope_decode if rope else check_decode
-    merged_in_launch(check, [1, 2, 130], 1, 4, 4, 2, 16, torch.float32, 1e-4, num_splits=16)
-
-
-def test_split_counters_must_cover_every_row_and_kv_head():
-    kv, table = paged_setup([5, 9], 4, 2, 16)
-    row_request, positions = decode_rows([5, 9], 1)
-    q = torch.randn(3, 4, 16, device=DEVICE)
-    with pytest.raises(InternalError, match=r"at least 6 elements .* got torch.int32 \[5\]"):
-        triton_decode.decode_attention(q, kv, 0, table, row_request, positions, 0.25, 4, num_splits=2,
-                                       split_counters=torch.zeros(5, dtype=torch.int32, device=DEVICE))
-
-
-def test_cuda_merges_in_two_launches_past_the_counters():
-    from tokenspeed.backends.kernels import cuda
-    counters, q = torch.zeros(8, dtype=torch.int32), torch.zeros(3, 4, 16)
-    cache = torch.zeros(1, 2, 5, 4, 2, 16)   # two KV heads: 6 counters needed
-    assert cuda._counters_for(counters, q, cache) is counters
-    assert cuda._counters_for(counters[:5], q, cache) is None
-    assert cuda._counters_for(None, q, cache) is None
-
-
 def rope_decode_case(lengths, pad_rows, page_size, heads, kv_heads, head_dim, dtype):
     """Cache, rows, and q, k, v as strided views of one projection output, like a layer's."""
     kv, table = paged_setup(lengths, page_size, kv_heads, head_dim, dtype=dtype)
@@ -669,22 +619,19 @@ REAL_HEADS = [(14, 2), (32, 8)]
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", REAL_HEADS)
-@pytest.mark.parametrize("merged", [False, True], ids=["two_launches", "merged"])
-def test_gpu_decode_attention(heads, merged):
-    check = (lambda *a, **k: merged_in_launch(check_decode, *a, **k)) if merged else check_decode
-    check([1, 17, 300, 1000, 4096, 2049], 2, 16, heads[0], heads[1], 64, torch.bfloat16, 2e-2,
-          max_context=4096)
+def test_gpu_decode_attention(heads):
+    lengths = [1, 17, 300, 1000, 4096, 2049]
+    check_attention(triton_decode.decode_attention, lengths, decode_rows(lengths, 2), 16,
+                    heads[0], heads[1], 64, torch.bfloat16, 2e-2, max_context=4096)
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", REAL_HEADS)
 @pytest.mark.parametrize("head_norms", [False, True], ids=["plain", "head_norms"])
-@pytest.mark.parametrize("merged", [False, True], ids=["two_launches", "merged"])
-def test_gpu_rope_decode_attention(heads, head_norms, merged):
-    check = (lambda *a, **k: merged_in_launch(check_rope_decode, *a, **k)) if merged else check_rope_decode
-    check([1, 17, 300, 1000, 4096, 2049], 1, 16, heads[0], heads[1], 64, torch.bfloat16, 2e-2,
-          head_norms=head_norms, max_context=4096)
+def test_gpu_rope_decode_attention(heads, head_norms):
+    check_rope_decode([1, 17, 300, 1000, 4096, 2049], 1, 16, heads[0], heads[1], 64,
+                      torch.bfloat16, 2e-2, head_norms=head_norms, max_context=4096)
 
 
 @gpu
@@ -699,29 +646,20 @@ def test_gpu_extend_attention(heads):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("merged", [False, True], ids=["two_launches", "merged"])
-def test_gpu_decode_attention_cuda_graph(merged):
-    """Replays; merged in the launch, every replay gives the same bits (the last split
-    merges the partials in split order, whichever finishes last) and zeroes the counters."""
+def test_gpu_decode_attention_cuda_graph():
     lengths = [5, 900, 4000]
     kv, table = paged_setup(lengths, 16, 2, 64, dtype=torch.bfloat16)
     row_request, positions = decode_rows(lengths, 1)
     q = torch.randn(len(positions), 14, 64, device="cuda", dtype=torch.bfloat16)
-    counters = torch.zeros(64, dtype=torch.int32, device="cuda") if merged else None
     args = (q, kv, 0, table, row_request, positions, 0.125, 16)
-    triton_decode.decode_attention(*args, max_context=4096, split_counters=counters)  # compile first
+    triton_decode.decode_attention(*args, max_context=4096)          # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_decode.decode_attention(*args, max_context=4096, split_counters=counters)
+        out = triton_decode.decode_attention(*args, max_context=4096)
     positions.copy_(torch.tensor([3, 37, 3999, 0], device="cuda"))
     graph.replay()
-    first = out.clone()
     want = reference.attention(q, as_pages(kv, 16), 0, table, row_request, positions, 0.125, 0)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
-    for _ in range(20):
-        graph.replay()
-        assert torch.equal(out, first)
-    assert counters is None or not counters.any()
 
 
 @gpu

@@ -112,14 +112,16 @@ def test_decode_is_one_graph_segment(model):
     assert [s.kind for s in broken.segments].count("break") == model.config.num_layers
 
 
-def test_decode_attentions_share_the_split_counters(model):
-    """Every decode attention and projection is handed the one zeroed counter buffer (merged
-    splits); no prefill op is."""
+def test_decode_projections_share_the_split_counters(model):
+    """Every decode projection is handed the one zeroed counter buffer (splits reduced in
+    their launch); no attention is (its splits merge in a kernel of their own), nor any
+    prefill op."""
     decode = ts.trace(model).lower("decode").segments[0].graph_module
     attentions = [n for n in decode.graph.nodes if n.target in ATTENTION_TARGETS]
-    projections = [n for n in decode.graph.nodes if n.target in SPLITTING and n not in attentions]
+    projections = [n for n in decode.graph.nodes if n.target in SPLITTING]
     assert len(attentions) == model.config.num_layers and len(projections) == 4 * model.config.num_layers + 1
-    assert {n.kwargs["split_counters"].target for n in attentions + projections} == {SPLIT_COUNTERS}
+    assert {n.kwargs["split_counters"].target for n in projections} == {SPLIT_COUNTERS}
+    assert not any("split_counters" in n.kwargs for n in attentions)
     counters = getattr(decode, SPLIT_COUNTERS)
     assert counters.dtype == torch.int32 and counters.shape == (SPLIT_COUNTER_SLOTS,) and not counters.any()
     prefill = ts.trace(model).lower("prefill")

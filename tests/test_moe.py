@@ -232,7 +232,7 @@ def test_decode_routes_with_one_op_and_prefill_with_the_gate_and_the_choice(mode
     one ``route`` op; prefill keeps them."""
     text = stages.trace(ts.models.load(checkpoint("qwen3_moe"))).lower(mode).as_text()
     fused = ("%model_layers_0_mlp_gate_route = tokenspeed.route(%layer0_post_attention_layernorm, "
-             "%model_layers_0_mlp_gate_weight, 2, True, 1.0, split_counters=%attention_split_counters)")
+             "%model_layers_0_mlp_gate_weight, 2, True, 1.0, split_counters=%split_counters)")
     assert (fused in text, "softmax_top_k(" in text) == ((True, False) if mode == "decode" else (False, True))
 
 

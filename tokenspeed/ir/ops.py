@@ -35,7 +35,7 @@ def _op(name: str, mutates_args=()):
     def declare(fake):
         optional = [n for n in mutates_args
                     if inspect.signature(fake).parameters[n].default is not inspect.Parameter.empty]
-        if optional:   # see decode_attention's split_counters
+        if optional:   # see linear's split_counters
             raise TypeError(f"tokenspeed::{name} declares optional arguments mutated: {optional}")
         schema = torch.library.infer_schema(fake, mutates_args=mutates_args)
         op = torch.library.custom_op(f"tokenspeed::{name}", _unregistered(name),
@@ -86,14 +86,8 @@ def extend_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
 @_op("decode_attention")
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                      row_request: torch.Tensor, positions: torch.Tensor, scale: float,
-                     window: int, k_scale: float = 1.0, v_scale: float = 1.0,
-                     split_counters: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention`` restricted to one row per request: what decode lowering selects.
-    ``split_counters``: a zeroed int32 workspace kept between steps, with which a kernel
-    that splits the keys merges the splits in the same launch. It leaves them zeroed, as
-    it found them, so no op declares them mutated (nor may any declare an optional argument
-    so: torch 2.11 bumps the version of every mutated argument by its position in the call,
-    and an omitted one raised an IndexError)."""
+                     window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """``attention`` restricted to one row per request: what decode lowering selects."""
     return torch.empty_like(q)
 
 
@@ -177,12 +171,10 @@ def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                           row_request: torch.Tensor, scale: float, window: int, k_scale: float = 1.0,
                           v_scale: float = 1.0, q_norm: torch.Tensor | None = None,
-                          k_norm: torch.Tensor | None = None, norm_eps: float = 0.0,
-                          split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                          k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """``decode_attention(rope_write_kv(...))``: one kernel rotates, writes the row's key and
     value and attends, using that key from registers. ``q_norm``, ``k_norm``: weights of a
-    per-head RMSNorm (Qwen3's) of q and k before the rotation, ``rms_norm``'s (eps ``norm_eps``);
-    ``split_counters``: as ``decode_attention``'s."""
+    per-head RMSNorm (Qwen3's) of q and k before the rotation, ``rms_norm``'s (eps ``norm_eps``)."""
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -193,8 +185,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """A linear layer whose kernel the backend chooses by shape (a GEMV for few rows) and by
     ``weight_format`` (``tokenspeed.ir.weights``): a block format's weight is its
     ``uint8 [N, row_bytes]`` blocks, so N is ``weight.shape[0]`` either way; an FP8
-    weight comes with its ``weight_scale``. ``split_counters``: as ``decode_attention``'s,
-    for a kernel that splits K (the GEMV)."""
+    weight comes with its ``weight_scale``. ``split_counters``: a zeroed int32 workspace kept
+    between steps, with which a kernel that splits K (the GEMV) reduces the splits in the
+    same launch. It leaves them zeroed, as it found them, so no op declares them mutated (nor
+    may any declare an optional argument so: torch 2.11 bumps the version of every mutated
+    argument by its position in the call, and an omitted one raised an IndexError)."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -242,7 +237,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale:
     choice in one op (a fusion pass's, for decode: one launch where a layer's routing took
     two or three). ``logits_dtype`` float32: the product of x and weight both cast to
     float32 (DeepSeek's gate, as transformers computes it); None: the linear layer's, in x's
-    dtype. ``split_counters``: as ``decode_attention``'s."""
+    dtype. ``split_counters``: as ``linear``'s."""
     rows = x.shape[0]
     return [x.new_empty(rows, k, dtype=torch.float32), x.new_empty(rows, k, dtype=torch.int64)]
 

@@ -49,13 +49,12 @@ def extend_attention(q, kv_cache, layer, block_tables, row_request, positions, t
 
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
-                     v_scale=1.0, split_counters=None):
+                     v_scale=1.0):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.decode_attention(q, flat, layer, block_tables, row_request,
                                           positions, scale, page_size, window=window,
-                                          k_scale=k_scale, v_scale=v_scale,
-                                          split_counters=_counters_for(split_counters, q, kv_cache))
+                                          k_scale=k_scale, v_scale=v_scale)
 
 
 def norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions, interleaved, kv_cache, layer,
@@ -81,23 +80,14 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0, q_norm=None,
-                          k_norm=None, norm_eps=0.0, split_counters=None):
+                          k_norm=None, norm_eps=0.0):
     from tokenspeed.backends.kernels import triton_decode
     flat, page_size = flat_slots(kv_cache)
     return triton_decode.rope_decode_attention(q, k, v, cos_sin, positions, flat, layer,
                                                slot_mapping, block_tables, row_request,
                                                scale, page_size, window=window,
                                                k_scale=k_scale, v_scale=v_scale,
-                                               head_norms=triton_decode.HeadNorms(q_norm, k_norm, norm_eps),
-                                               split_counters=_counters_for(split_counters, q, kv_cache))
-
-
-def _counters_for(split_counters, q, kv_cache):
-    """The counters, where there is one for each of the step's rows and KV heads (the
-    buffer's ``split_merge.SPLIT_COUNTER_SLOTS`` cover 8,192 rows of 8 KV heads); past
-    that the splits merge in a second launch."""
-    needed = q.shape[0] * kv_cache.shape[-2]
-    return split_counters if split_counters is not None and split_counters.numel() >= needed else None
+                                               head_norms=triton_decode.HeadNorms(q_norm, k_norm, norm_eps))
 
 
 def silu_and_mul(gate_up):

@@ -66,8 +66,8 @@ def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, 
 
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
-                     v_scale=1.0, split_counters=None):
-    """One row per request: every row alone in its run (no splits: ``split_counters`` unread)."""
+                     v_scale=1.0):
+    """One row per request: every row alone in its run."""
     flat, page_size = flat_slots(kv_cache)
     return lone_rows_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size, window,
                                kv_fp8.applied(flat.dtype, k_scale, v_scale))
@@ -148,7 +148,7 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0, q_norm=None,
-                          k_norm=None, norm_eps=0.0, split_counters=None):
+                          k_norm=None, norm_eps=0.0):
     q = q if q_norm is None else rms_norm(q, q_norm, norm_eps)
     k = k if k_norm is None else rms_norm(k, k_norm, norm_eps)
     q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale, v_scale)

@@ -9,12 +9,6 @@ so the splits past a row's actual length end at once and are not merged. Nothing
 tensor value on the host and the grid depends only on shapes and Python ints, so both
 launches can be captured.
 
-Given ``split_counters`` (zeroed int32, one per row and KV head, kept between launches),
-the merge happens in the same launch: each split of a row stores its partial and counts
-itself in, and the split that counts last merges them and sets its counter back to zero,
-so one launch a layer does what two did. A row whose keys fit one split writes its output
-at once.
-
 ``rope_decode_attention`` takes q, k and v as the projection wrote them. Each program
 rotates its q heads; the program whose split holds the row's own position rotates that
 key, attends to it from registers and writes it and its value to the cache: the kernel
@@ -121,8 +115,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   ROPE: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, USE_PDL: tl.constexpr,
-                   cnt_ptr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
+                   ROPE: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """ROPE: q, k_new, v_new are unrotated; the cache does not hold the row's key yet.
     Q_NORM, K_NORM (with ROPE): each head of q, of the new key, RMS-normalised first.
 
@@ -134,10 +127,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
 
     A split that starts past its row's end (the split count comes from the longest context
     the table allows, so at short contexts most do) ends there: it writes nothing, the merge
-    skips it, and it need not wait, since the row's first split always waits.
-
-    MERGE: the last of a row's splits to finish merges their partials (``_merge_last``);
-    a row with one split holding keys stores its output directly."""
+    skips it, and it need not wait, since the row's first split always waits."""
     pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -198,44 +188,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, pos_ptr, out_ptr, mid_o
                 tl.store(v_ptr + slot + d, v, mask=dmask)
         safe_l = tl.where(l > 0, l, 1.0)
         o = acc / safe_l[:, None] * v_scale
-        out_rows = out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :]
-        active = tl.cdiv(pos + 1 - first_key, per_split)
-        if (NUM_SPLITS == 1) | (MERGE & (active == 1)):
-            tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=hmask)
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + row * stride_or + heads[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=hmask)
         else:
-            first_part = (row * NUM_HEADS + heads) * NUM_SPLITS
-            tl.store(mid_o_ptr + (first_part + split)[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
+            part = (row * NUM_HEADS + heads) * NUM_SPLITS + split
+            tl.store(mid_o_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=hmask)
             lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
-            tl.store(mid_lse_ptr + first_part + split, lse, mask=g < GROUP)
-            if MERGE:
-                _merge_last(mid_o_ptr, mid_lse_ptr, first_part, active, g < GROUP, d, hmask,
-                            cnt_ptr + row * tl.num_programs(1) + kv_head, out_rows, HEAD_DIM, BLOCK_S)
-
-
-@triton.jit
-def _merge_last(mid_o_ptr, mid_lse_ptr, first_part, active, live, d, hmask, counter, out_rows,
-                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Count this split's partial in (after every thread of the program stored its part:
-    the barrier, then a release); the split that counts last (an acquire, so it sees the
-    others' stores; loads through L2) merges the ``active`` partials of its heads by their
-    log-sum-exp, stores the output and zeroes the counter for the next launch."""
-    tl.debug_barrier()
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:
-        s = tl.arange(0, BLOCK_S)
-        lse = tl.load(mid_lse_ptr + first_part[:, None] + s[None, :], mask=live[:, None] & (s[None, :] < active),
-                      other=float("-inf"), cache_modifier=".cg")
-        top = tl.where(live, tl.max(lse, 1), 0.0)
-        total = tl.sum(tl.exp2(lse - top[:, None]), 1)
-        acc = tl.zeros(hmask.shape, tl.float32)
-        for i in range(0, active):
-            w = tl.exp2(tl.load(mid_lse_ptr + first_part + i, mask=live, other=float("-inf"),
-                                cache_modifier=".cg") - top)
-            o = tl.load(mid_o_ptr + (first_part + i)[:, None] * HEAD_DIM + d[None, :], mask=hmask, other=0.0,
-                        cache_modifier=".cg")
-            acc += w[:, None] * o
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=hmask)
-        tl.store(counter, 0)
+            tl.store(mid_lse_ptr + part, lse, mask=g < GROUP)
 
 
 @triton.jit
@@ -272,11 +232,10 @@ def choose_num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int)
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale,
                      page_size, num_splits=None, max_context=None, window: int = 0, k_scale: float = 1.0,
-                     v_scale: float = 1.0, split_counters: torch.Tensor | None = None):
+                     v_scale: float = 1.0):
     """One query row per request; CUDA-graph safe. ``window``: each row sees only its last
     ``window`` positions (0: all); the splits share the window. ``k_scale``, ``v_scale``:
-    a float8 cache's. ``split_counters``: zeroed int32, at least rows * kv_heads of them,
-    for the merge in the same launch (left zeroed).
+    a float8 cache's.
 
     ``num_splits`` (if given) fixes the KV split count; otherwise it is chosen from
     ``max_context`` (a Python int upper bound on positions+1), defaulting to the block-table
@@ -287,13 +246,13 @@ def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, s
     """
     check_paged_inputs(q, kv_cache, block_tables, row_request, positions)
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, window, (k_scale, v_scale), split_counters)
+                   num_splits, max_context, window, (k_scale, v_scale))
 
 
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, page_size, num_splits=None,
                           max_context=None, window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-                          head_norms: HeadNorms = HeadNorms(), split_counters: torch.Tensor | None = None):
+                          head_norms: HeadNorms = HeadNorms()):
     """``rope_and_write_kv`` then ``decode_attention`` in one kernel: q [R, H, D], k and v
     [R, Hkv, D] unrotated, ``cos_sin`` the ``[pos, D]`` table; k and v reach the cache.
     ``head_norms``: q's and k's per-head RMSNorms, applied first (``[D]`` weights)."""
@@ -312,16 +271,14 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
     new = NewKey(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v, cos_sin)),
                  slot_mapping)   # may be a cache group's column of several groups' slots
     return _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-                   num_splits, max_context, window, (k_scale, v_scale), split_counters, new=new,
-                   head_norms=head_norms)
+                   num_splits, max_context, window, (k_scale, v_scale), new=new, head_norms=head_norms)
 
 
 def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, page_size,
-            num_splits, max_context, window, kv_scales, split_counters, *, new: NewKey | None = None,
+            num_splits, max_context, window, kv_scales, *, new: NewKey | None = None,
             head_norms: HeadNorms = HeadNorms()):
     """The launches; ``new``: the row's own key, unrotated (``rope_decode_attention``), with
-    ``head_norms`` to apply first; ``kv_scales``: (key, value) scales of a float8 cache;
-    ``split_counters``: merge the splits in the same launch."""
+    ``head_norms`` to apply first; ``kv_scales``: (key, value) scales of a float8 cache."""
     rows, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -334,7 +291,6 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
         num_splits = choose_num_splits(pow2_rows, kv_heads, context, sm_count(q.device))
     if not 1 <= num_splits <= 1024:
         raise InternalError(f"num_splits {num_splits} must be in 1..1024")
-    _check_counters(split_counters, rows * kv_heads)
     mid_o = torch.empty((rows, heads, num_splits, head_dim), dtype=torch.float32,
                         device=q.device) if num_splits > 1 else out
     mid_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32,
@@ -353,19 +309,12 @@ def _decode(q, kv_cache, layer, block_tables, row_request, positions, scale, pag
         NUM_HEADS=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits, BLOCK_G=max(16, next_power_of_2(heads // kv_heads)),
         BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision,
-        ROPE=new is not None, Q_NORM=head_norms.q is not None, K_NORM=head_norms.k is not None,
-        cnt_ptr=q if split_counters is None else split_counters, MERGE=split_counters is not None,
-        BLOCK_S=next_power_of_2(num_splits), num_warps=4, num_stages=2, **launch)
-    if num_splits > 1 and split_counters is None:
+        ROPE=new is not None, Q_NORM=head_norms.q is not None, K_NORM=head_norms.k is not None, num_warps=4,
+        num_stages=2, **launch)
+    if num_splits > 1:
         _combine_kernel[(rows, heads)](
             mid_o, mid_lse, positions, out, window, out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=block_n,
             BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=2,
             **launch)
     return out
-
-
-def _check_counters(split_counters, needed: int) -> None:
-    if split_counters is not None and (split_counters.dtype != torch.int32 or split_counters.numel() < needed):
-        raise InternalError(f"split_counters must be int32 with at least {needed} elements (rows x kv_heads); "
-                            f"got {split_counters.dtype} [{split_counters.numel()}]")
