@@ -7,8 +7,8 @@ atomics on the values). Given ``split_counters`` (zeroed int32, kept between lau
 last split of each column block to finish does that reduction in the same launch, in the
 same order, so the output is the same to the bit and the second launch is gone. For M == 1
 it accumulates products elementwise (no tensor-core padding); for M > 1 it pads M to 16 and
-uses ``tl.dot``. Nothing is read on the host and buffers are
-allocated per call, so it can be captured in a CUDA graph.
+uses ``tl.dot``. Nothing is read on the host and buffers are allocated per call, so it can
+be captured in a CUDA graph.
 
 The input may be computed as it is read, which saves the kernel that would produce it:
 silu(gate) * up (``gated``) or rms_norm(x + residual) * weight (``norm_linear``). Under
