@@ -10,19 +10,11 @@ import torch
 from sm90 import assert_compiles
 
 SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import sm90
 from tokenspeed.backends.kernels import triton_fp8_block_matmul as b, triton_fp8_gemv as g, triton_fp8_quantize as q
 
 def compile_sm90(kernel, signature, constexprs, num_warps, num_stages=3):
-    # pointers and integers divisible by 16, as a launch specializes the real ones
-    names = kernel.arg_names
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t != "fp32"}
-    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                       constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return sm90.compile_sm90(kernel, signature, constexprs, num_warps, num_stages).asm["ptx"]
 
 ints = lambda *names: {n: "i32" for n in names}
 gemv = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",

@@ -237,19 +237,10 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
 SM90 = """
 import re, sys
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90 import compile_sm90
 from tokenspeed.backends.kernels import triton_gguf_embedding as e, triton_gguf_gemv as v, triton_gguf_matmul as m
 from tokenspeed.backends.kernels import triton_gguf_units as d
 from tokenspeed.backends.kernels.gguf_blocks import block_format
-
-def compile_sm90(kernel, signature, constexprs, num_warps=4):
-    # pointers and integers divisible by 16, as a launch specializes the real ones
-    names = kernel.arg_names
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t != "fp32"}
-    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                       constexprs={(names.index(k),): c for k, c in constexprs.items()}, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 def check(fmt):
     common = dict(FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, USE_PDL=True)

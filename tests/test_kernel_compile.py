@@ -12,20 +12,9 @@ import sys
 import pytest
 import torch
 
-from sm90 import assert_compiles
+from sm90 import assert_compiles, compile_sm90  # noqa: F401 (compile_sm90: for the other compile tests)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
-
-
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int = 4):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    names = kernel.arg_names
-    signature = {**signature, **{k: "constexpr" for k in constexprs}}
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def gemv_variants():
