@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests com
 
 
 def fused_kernels():
-    from test_kernel_compile import compile_sm90
+    from sm90 import compile_sm90
     from tokenspeed.backends.kernels import triton_latent, triton_moe, triton_moe_align, triton_rope, triton_route
     def i32(kernel):   # its integer arguments
         return {n: "i32" for n in kernel.arg_names

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests com
 
 
 def mla_decode_kernels():
-    from test_kernel_compile import compile_sm90
+    from sm90 import compile_sm90
     from tokenspeed.backends.kernels import triton_mla
     names = triton_mla._absorbed_decode_kernel.arg_names
     signature = dict(ql_ptr="*fp32", qr_ptr="*bf16", cache_ptr="*bf16", bt_ptr="*i32", req_ptr="*i64", pos_ptr="*i64",

@@ -217,7 +217,7 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch):
 
 
 SM90 = """
-from test_kernel_compile import compile_sm90
+from sm90 import compile_sm90
 from tokenspeed.backends.kernels import triton_moe as m, triton_moe_align as a
 assert compile_sm90(a._count_kernel, dict(ids_ptr="*i32", counts_ptr="*i32", pairs="i32"),
                     dict(CHUNK=64, E=128)).asm["ptx"]

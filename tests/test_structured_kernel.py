@@ -98,7 +98,7 @@ def test_mismatched_shapes_are_named():
 
 
 SM90 = """
-from test_kernel_compile import compile_sm90
+from sm90 import compile_sm90
 from tokenspeed.backends.kernels import triton_bitmask as b
 for logits in ("*fp32", "*bf16", "*fp16"):
     kernel = compile_sm90(b._apply_bitmask_kernel, dict(logits_ptr=logits, mask_ptr="*i32", vocab="i32", words="i32",
