@@ -16,7 +16,7 @@ from tokenspeed.backends.kernels.fla_state import (  # noqa: F401  (fla's)
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.state_reference import causal_conv_silu_step  # noqa: F401  (torch, captured)
 from tokenspeed.backends.kernels.mla_reference import write_latent  # noqa: F401  (an index_copy_)
-from tokenspeed.backends.kernels.reference import flat_slots
+from tokenspeed.backends.kernels.reference import flat_slots, gate_logits
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 from tokenspeed.ir.weights import DENSE, FP8
 
@@ -222,9 +222,7 @@ def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None
     from tokenspeed.backends.kernels import triton_route
     if split_counters is not None and x.shape[0] <= triton_route.ROUTE_MAX_ROWS:
         return triton_route.route(x, weight, k, normalize, scale, logits_dtype, split_counters)
-    logits = linear(x, weight, None) if logits_dtype is None else \
-        torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
-    return triton_route.softmax_top_k(logits, k, normalize, scale)
+    return triton_route.softmax_top_k(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale)
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, shared=None, shared_w13=None, shared_w2=None):

@@ -109,11 +109,16 @@ def softmax_top_k(logits, k, normalize, scale):
 
 
 def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
-    """The ops it stands for: float32 logits as the model's ``torch.linear`` of its cast
-    operands, the others as its ``linear`` op (``split_counters`` unread)."""
-    logits = linear(x, weight, None) if logits_dtype is None else \
-        torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
-    return softmax_top_k(logits, k, normalize, scale)
+    """The ops it stands for (``split_counters`` unread)."""
+    return softmax_top_k(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale)
+
+
+def gate_logits(x, weight, logits_dtype, linear_op):
+    """A router gate's logits as the model computed them: float32 ones as its ``torch.linear``
+    of the cast operands, the others as its ``linear`` op (``linear_op``, the backend's)."""
+    if logits_dtype is None:
+        return linear_op(x, weight, None)
+    return torch.nn.functional.linear(x.to(logits_dtype), weight.to(logits_dtype))
 
 
 def rope(x, cos_sin, positions, interleaved):
