@@ -133,13 +133,15 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 def weight_bytes(model) -> int:
     """Bytes a decode step reads of the weights: every matrix once (the embedding table is
-    gathered, not read whole, unless the head reads it as tied weights)."""
+    gathered, not read whole, unless the head reads it as tied weights; a head quantized
+    apart from a tied table, as ``quantization="int4"`` makes it, does not)."""
     seen, total = set(), 0
+    head = model.lm_head.weight
     for name, p in model.named_parameters():
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
-        if "embed_tokens" in name and not model.config.tie_word_embeddings:
+        if "embed_tokens" in name and p.data_ptr() != head.data_ptr():
             continue
         total += p.numel() * p.element_size()
     return total

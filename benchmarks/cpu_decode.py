@@ -2,6 +2,7 @@
 transformers on the same file, side by side in one run, and the memory floor.
 
     python -m benchmarks.cpu_decode [--batches 1 4] [--prompt 128] [--new-tokens 32] [--rounds 5]
+                                    [--quantization int4]
 
 transformers reads the same GGUF file (``gguf_file=``, dequantized to float32) and runs its
 eager ``generate`` (greedy, its dynamic cache); both use the threads ``ts.LLM`` sized from
@@ -9,7 +10,8 @@ the CPU affinity. A time per output token is the difference of a run of ``new_to
 and one of 1, over ``new_tokens``. The machines this runs on are shared and noisy, so the
 two engines alternate, ``rounds`` times each, and each figure is the median of its rounds.
 Floor: the weight bytes a decode step reads over the measured read bandwidth (a sum over
-a tensor far larger than the caches).
+a tensor far larger than the caches), ours' (``--quantization int4``: our layers' int4
+weights, the head's float32; transformers still runs float32).
 """
 
 import argparse
@@ -62,14 +64,16 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quantization", default=None, choices=["int4"],
+                        help="our engine's weights quantized at load (transformers' stay float32)")
     parser.add_argument("--json", default="results/cpu_decode.json")
     args = parser.parse_args()
     import transformers
-    llm = ts.LLM()   # sizes torch's threads from the CPU affinity
+    llm = ts.LLM(quantization=args.quantization)   # sizes torch's threads from the CPU affinity
     path = Path(default_model_path())
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                            dtype=torch.float32).eval()
-    floor = common.weight_bytes(hf) / read_bandwidth()
+    floor = common.weight_bytes(llm.model) / read_bandwidth()
     rows = []
     for batch in args.batches:
         prompts = [[100 + (7 * i + j) % 900 for j in range(args.prompt)] for i in range(batch)]
@@ -86,7 +90,8 @@ def main() -> None:
         print(common.table(rows[-1:], list(rows[-1])), flush=True)
     print(common.table(rows, list(rows[0])))
     common.write_json(args.json, {"benchmark": "cpu_decode", "commit": common.git_commit(),
-                                  "threads": torch.get_num_threads(), "prompt": args.prompt,
+                                  "threads": torch.get_num_threads(), "quantization": args.quantization,
+                                  "prompt": args.prompt,
                                   "new_tokens": args.new_tokens, "rounds": args.rounds, "rows": rows})
 
 

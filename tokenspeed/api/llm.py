@@ -53,7 +53,9 @@ class LLM:
         Hugging Face cache; ``revision``: a branch, tag or commit of it), a GGUF file or a
         tokenspeed model (default: the embedded SmolLM2-135M-Instruct). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``quantization="fp8"``: the linear layers' weights quantized to FP8
-        at load, one scale per output channel (FP8 checkpoints load in FP8 without it). ``tokenizer``: a path or a ``Tokenizer`` (default: the model
+        at load, one scale per output channel (FP8 checkpoints load in FP8 without it);
+        ``"int4"`` (the CPU): the layers to int4, a scale and zero per 32 inputs, the head to
+        int8 per channel, run by torch's CPU kernels. ``tokenizer``: a path or a ``Tokenizer`` (default: the model
         path's). ``compile_options``: any :class:`CompileConfig` field (``page_size``,
         ``max_num_seqs``, ``max_model_len``, ``max_num_batched_tokens``, ``max_chunk_tokens``,
         ``num_kv_pages``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
@@ -70,7 +72,7 @@ class LLM:
             raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
         config = CompileConfig(device=checked_device(device),   # bad options refused before a model is found
                                **checked_compile_options(enforce_eager, compile_options))
-        quantization = checked_quantization(quantization)
+        quantization = checked_quantization(quantization, config.device)
         model = default_model_path() if model is None else model_source.resolved(model, revision)
         tokenizer = model_source.resolved(tokenizer)
         self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading

@@ -12,7 +12,7 @@ from tokenspeed.execution.sampling_params import SamplingParams
 
 LLM_OPTIONS = ("model", "device", "dtype", "quantization", "tokenizer", "revision", "enforce_eager",
                "overlap", "enable_prefix_caching", "speculative", "backend")
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "int4")
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
@@ -38,7 +38,10 @@ def checked_dtype(dtype) -> torch.dtype | None:
     raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)} or a torch dtype")
 
 
-def checked_quantization(quantization) -> str | None:
+def checked_quantization(quantization, device: torch.device) -> str | None:
+    if quantization == "int4" and device.type != "cpu":
+        raise ValueError(f"quantization='int4' runs on the CPU (torch's int4 CPU kernel), not on "
+                         f"{device}; on a GPU use 'fp8' or a GGUF file's blocks")
     if quantization is None or quantization in QUANTIZATIONS:
         return quantization
     raise ValueError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)} or None "

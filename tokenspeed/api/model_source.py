@@ -7,6 +7,7 @@ from tokenspeed.models.generation_config import FILE_NAME, sampling_defaults
 from tokenspeed.models.gguf import PlainGGUFReader, is_gguf
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.fp8_layers import quantized_to_fp8
+from tokenspeed.models.weight_only import quantized_to_int4
 from tokenspeed.models.loader import load
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.tokenizer import Tokenizer, load_tokenizer
@@ -25,9 +26,10 @@ def gguf_reader(model):
 
 
 def as_model(model, dtype, device, reader=None, quantization: str | None = None):
-    """The model on ``device``, quantized at load if asked (``quantization="fp8"``)."""
+    """The model on ``device``, quantized at load if asked (``quantization``: fp8, int4)."""
     model = _loaded(model, dtype, device, reader)
-    return quantized_to_fp8(model) if quantization == "fp8" else model
+    quantize = {"fp8": quantized_to_fp8, "int4": quantized_to_int4}.get(quantization)
+    return quantize(model) if quantize else model
 
 
 def _loaded(model, dtype, device, reader):

@@ -64,7 +64,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     command.add_argument("--quantization", default=None,
                          help="quantize a 16- or 32-bit model's weights at load: fp8 (e4m3, one scale per "
-                              "output channel; default: the weights as stored)")
+                              "output channel) or int4 (the CPU: int4 layers with a scale and zero per 32 "
+                              "inputs, an int8 head; a GGUF file's weights are read dequantized, then "
+                              "quantized); default: the weights as stored")
     command.add_argument("--max-model-len", type=int, default=None,
                          help="the longest context, prompt and output (default: the model's)")
     command.add_argument("--max-chunk-tokens", type=int, default=None,

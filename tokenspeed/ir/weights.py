@@ -1,5 +1,9 @@
 """Weight formats the IR's matrix ops accept: a dense weight in the activations' dtype,
-a GGUF block format whose bytes stay as the file stores them, or FP8 (e4m3) with scales.
+a GGUF block format whose bytes stay as the file stores them, FP8 (e4m3) with scales, or
+the CPU's weight-only integers of ``quantization="int4"``: int4 in torch's packed CPU
+layout with a scale and zero per group of 32 (``INT4``; ``weight_scale`` ``bfloat16
+[K / 32, N, 2]``), and int8 with a scale per output channel for the head (``INT8``;
+``weight_scale`` ``bfloat16 [N]``).
 
 The ops take the weight tensor and its format's name (``weight_format``), so a graph
 shows one ``tokenspeed::linear`` whatever the weight, and a backend picks the kernel that
@@ -17,6 +21,9 @@ import torch
 DENSE = "dense"
 BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 FP8 = "fp8_e4m3"
+INT4 = "int4_g32"
+INT4_GROUP = 32  # K elements sharing an int4 weight's scale and zero
+INT8 = "int8_channel"
 FP8_TILE = 128   # the side of a tile sharing one scale in block-scaled FP8 checkpoints
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 

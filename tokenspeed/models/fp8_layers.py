@@ -25,6 +25,19 @@ def _moved_not_cast(fn, tensor: torch.Tensor) -> torch.Tensor:
     return fn(tensor) if witness.dtype == tensor.dtype else tensor.to(witness.device)
 
 
+def apply_frozen(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> nn.Module:
+    """``nn.Module._apply`` that moves the parameters ``names`` (stored formats) to ``fn``'s
+    device but never casts them, while the rest (a bias) follows the model's dtype."""
+    frozen = {name: nn.Parameter(_moved_not_cast(fn, module._parameters[name].data), requires_grad=False)
+              for name in names}
+    for name in names:
+        module._parameters[name] = None     # skipped by the cast below, keeping its place
+    try:
+        return nn.Module._apply(module, fn, recurse)
+    finally:
+        module._parameters.update(frozen)
+
+
 def scale_shape(out_features: int, in_features: int, tiled: bool) -> tuple[int, ...]:
     """``[N]`` per output channel, or one scale per 128 x 128 tile."""
     if not tiled:
@@ -56,14 +69,7 @@ class Fp8Linear(nn.Module):
         return layer
 
     def _apply(self, fn, recurse=True):
-        frozen = {name: nn.Parameter(_moved_not_cast(fn, self._parameters[name].data), requires_grad=False)
-                  for name in FROZEN}
-        for name in FROZEN:
-            self._parameters[name] = None     # skipped by the cast below, keeping its place
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._parameters.update(frozen)
+        return apply_frozen(self, fn, recurse, FROZEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias, FP8, self.weight_scale)
@@ -78,18 +84,25 @@ def quantized_to_fp8(model: nn.Module) -> nn.Module:
     """``model`` with each dense linear layer but the output head quantized per output
     channel (as ``vllm --quantization fp8``: the head keeps its dtype, the logits' precision
     is worth its bytes). Layers already FP8 stay; a model of GGUF blocks is refused."""
-    from tokenspeed.models.block_layers import BlockLinear
-    if any(isinstance(m, BlockLinear) for m in model.modules()):
-        raise ValueError("quantization='fp8' quantizes 16- or 32-bit weights; this model's weights "
-                         "are GGUF blocks, already quantized")
-    if model.config.moe is not None:
-        raise ValueError(f"quantization='fp8' quantizes linear layers; {model.config.architecture}'s experts "
-                         "have no FP8 kernel, so its weights load unquantized only")
-    if model.config.mla is not None:   # the latent attention reads kv_b_proj's weight itself, unscaled
-        raise ValueError(f"quantization='fp8' quantizes linear layers; {model.config.architecture}'s latent "
-                         "attention reads its key and value projection's weight whole, so its weights load "
-                         "unquantized only")
-    dense = [name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head"]
-    for name in dense:
+    for name in quantizable_layers(model, "fp8"):
         replace_layer(model, name, Fp8Linear.quantized)
     return model
+
+
+def quantizable_layers(model: nn.Module, quantization: str) -> list[str]:
+    """The names of ``model``'s dense linear layers but the head, which ``quantization``
+    replaces; refused for a model of GGUF blocks (already quantized), a mixture of experts
+    (its experts have no kernel for it) and latent attention (which reads its key and value
+    projection's weight whole)."""
+    from tokenspeed.models.block_layers import BlockLinear
+    if any(isinstance(m, BlockLinear) for m in model.modules()):
+        raise ValueError(f"quantization={quantization!r} quantizes 16- or 32-bit weights; this model's "
+                         "weights are GGUF blocks, already quantized")
+    if model.config.moe is not None:
+        raise ValueError(f"quantization={quantization!r} quantizes linear layers; {model.config.architecture}'s "
+                         f"experts have no {quantization} kernel, so its weights load unquantized only")
+    if model.config.mla is not None:   # the latent attention reads kv_b_proj's weight itself, unscaled
+        raise ValueError(f"quantization={quantization!r} quantizes linear layers; {model.config.architecture}'s "
+                         "latent attention reads its key and value projection's weight whole, so its weights "
+                         "load unquantized only")
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head"]

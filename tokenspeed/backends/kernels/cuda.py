@@ -18,7 +18,7 @@ from tokenspeed.backends.kernels.state_reference import causal_conv_silu_step  #
 from tokenspeed.backends.kernels.mla_reference import write_latent  # noqa: F401  (an index_copy_)
 from tokenspeed.backends.kernels.reference import flat_slots, gate_logits
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
-from tokenspeed.ir.weights import DENSE, FP8
+from tokenspeed.ir.weights import DENSE, FP8, INT4, INT8
 
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 GGUF_DEQUANTIZED_ROWS = 128  # from here a GGUF weight is decoded whole for cuBLAS (prefill)
@@ -120,6 +120,9 @@ def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counte
     """``split_counters``: the dense GEMV reduces a split K in its own launch."""
     if weight_format == FP8:
         return _fp8_linear(x, weight, bias, weight_scale)
+    if weight_format in (INT4, INT8):
+        raise ValueError(f"{weight_format} weights (quantization='int4') run on the CPU only; on a GPU "
+                         "use 'fp8' or a GGUF file's blocks")
     if weight_format != DENSE:
         return _block_linear(x, weight, bias, weight_format)
     if x.shape[0] <= GEMV_MAX_ROWS:

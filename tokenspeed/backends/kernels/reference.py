@@ -13,7 +13,7 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 
 import torch
 
-from tokenspeed.backends.kernels import gguf_reference, kv_fp8, mla_reference, moe_reference
+from tokenspeed.backends.kernels import cpu_int4, cpu_int8, gguf_reference, kv_fp8, mla_reference, moe_reference
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
@@ -21,7 +21,7 @@ from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurr
     causal_conv_silu, causal_conv_silu_step, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
-from tokenspeed.ir.weights import DENSE, FP8
+from tokenspeed.ir.weights import DENSE, FP8, INT4, INT8
 
 SLAB_ROWS = 16   # activation rows up to which the CPU's dense linear reads its weight in slabs
 
@@ -163,10 +163,12 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
 
 def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
     """A block format's weight through ``gguf``'s dequantization (``gguf_reference``), an
-    FP8 weight times its scales (``fp8_weights.dequantize``). No split K: ``split_counters``
-    unread."""
+    FP8 weight times its scales (``fp8_weights.dequantize``), an int4 or int8 weight by
+    torch's CPU kernels (``cpu_int4``, ``cpu_int8``). No split K: ``split_counters`` unread."""
     if weight_format == DENSE:
         return _dense_linear(x, weight, bias)
+    if weight_format in (INT4, INT8):
+        return (cpu_int4 if weight_format == INT4 else cpu_int8).linear(x, weight, weight_scale, bias)
     if weight_format == FP8:
         return torch.nn.functional.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])

@@ -1,0 +1,47 @@
+"""Weight-only int8 on the CPU, one scale per output channel: torch's kernel
+(``aten._weight_int8pack_mm``) for the output head of ``quantization="int4"``.
+
+The head is the largest matrix of a small model (the default model's is 113 MB in
+float32, two thirds of an int4 step's bytes) and its logits are worth more bits than the
+layers': int8 keeps it within 1/254 of each row's largest weight at a quarter of the
+float32 bytes. The kernel computes in bfloat16 (its float32 path is ten times slower on
+the 2-core CPU), so the activations are rounded on the way in.
+"""
+
+import torch
+
+K_MULTIPLE = 16   # torch's kernel reads K in steps of 16: other K give wrong sums (torch 2.13)
+
+
+def fits(in_features: int) -> bool:
+    return in_features > 0 and in_features % K_MULTIPLE == 0
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``int8 [N, K]``, ``bfloat16 [N]`` scales) of a float weight: each row's largest
+    magnitude maps to 127 (an all-zero row: scale 1), the quants rounded against the
+    bfloat16 scale the kernel reads."""
+    if not fits(w.shape[1]):
+        raise ValueError(f"an int8 weight needs K a multiple of {K_MULTIPLE}; got [N={w.shape[0]}, "
+                         f"K={w.shape[1]}]")
+    w = w.detach().float()
+    amax = w.abs().amax(1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).bfloat16()
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``float32 [N, K]``: the kernel's reference."""
+    return q.float() * scale.float()[:, None]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` in x's dtype, computed in bfloat16 by torch's CPU kernel."""
+    if x.device.type != "cpu":
+        raise ValueError(f"int8 weights run on the CPU (torch's CPU kernel); x is on {x.device}")
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch.ops.aten._weight_int8pack_mm(rows, weight, scale).to(x.dtype)
+    out = out.view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
