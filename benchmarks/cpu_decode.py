@@ -10,8 +10,8 @@ the CPU affinity. A time per output token is the difference of a run of ``new_to
 and one of 1, over ``new_tokens``. The machines this runs on are shared and noisy, so the
 two engines alternate, ``rounds`` times each, and each figure is the median of its rounds.
 Floor: the weight bytes a decode step reads over the measured read bandwidth (a sum over
-a tensor far larger than the caches), ours' (``--quantization int4``: our layers' int4
-weights, the head's float32; transformers still runs float32).
+a tensor far larger than the caches), of our weights (``--quantization int4``: int4
+layers and an int8 head; transformers still runs float32).
 """
 
 import argparse

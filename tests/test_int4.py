@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 import tokenspeed as ts
 from tokenspeed.api.llm_arguments import checked_quantization
 from tokenspeed.backends.kernels import cpu_int4, cpu_int8
+from tokenspeed.ir.integer_weights import pack_int4, quantize_int4, quantize_int8
 from tokenspeed.ir import ops
 from tokenspeed.ir.weights import INT4, INT8
 from tokenspeed.models.weight_only import Int4Linear, Int8Linear, quantized_to_int4
 from tokenspeed.models.random import TINY_LLAMA, random_model
 
 from margins import decisive_model
-from test_fp8_models import CONFIG, PROMPTS, generate, prefill_logits
+from test_fp8_models import CONFIG, generate, prefill_logits
 
 # int4 logits against float logits, relative to the float logits' spread (std): the root
 # mean square and the largest difference. A weight's error is at most half a step, its
@@ -44,7 +45,7 @@ def test_quantize_keeps_each_weight_within_half_a_step(n_tiles, groups, seed, sp
     n, k = 16 * n_tiles, 32 * groups
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * spread
     w[0, :32] = 0.25   # a group of one value
-    q, scales_zeros = cpu_int4.quantize(w)
+    q, scales_zeros = quantize_int4(w)
     assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15
     assert scales_zeros.shape == (groups, n, 2) and scales_zeros.dtype == torch.bfloat16
     scale, zero = (t.float().t().repeat_interleave(32, 1) for t in scales_zeros.unbind(-1))
@@ -59,10 +60,10 @@ def test_quantize_keeps_each_weight_within_half_a_step(n_tiles, groups, seed, sp
 def test_kernel_matches_the_float_product_of_its_weights(rows, n_tiles, groups, bias, seed):
     gen = torch.Generator().manual_seed(seed)
     n, k = 16 * n_tiles, 32 * groups
-    q, scales_zeros = cpu_int4.quantize(torch.randn(n, k, generator=gen))
+    q, scales_zeros = quantize_int4(torch.randn(n, k, generator=gen))
     x = torch.randn(rows, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
-    out = cpu_int4.linear(x, cpu_int4.pack(q), scales_zeros, b)
+    out = cpu_int4.linear(x, pack_int4(q), scales_zeros, b)
     want = torch.nn.functional.linear(x.bfloat16().float(), cpu_int4.dequantize(q, scales_zeros), b)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     assert (out - want).abs().max() <= 1e-2 * want.abs().max() + 1e-3
@@ -74,7 +75,7 @@ def test_kernel_matches_the_float_product_of_its_weights(rows, n_tiles, groups, 
 def test_int8_kernel_matches_the_float_product_of_its_weights(rows, n, k_steps, bias, seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, 16 * k_steps, generator=gen)
-    q, scale = cpu_int8.quantize(w)
+    q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and int(q.abs().max()) <= 127
     assert ((cpu_int8.dequantize(q, scale) - w).abs() <= 0.5 * scale.float()[:, None] + 1e-6).all()
     x = torch.randn(rows, 16 * k_steps, generator=gen)
@@ -85,20 +86,20 @@ def test_int8_kernel_matches_the_float_product_of_its_weights(rows, n, k_steps, 
 
 
 def test_the_op_runs_the_kernel_on_three_dimensional_rows():
-    q, scales_zeros = cpu_int4.quantize(torch.randn(32, 64))
+    q, scales_zeros = quantize_int4(torch.randn(32, 64))
     x = torch.randn(2, 3, 64)
-    out = ops.linear(x, cpu_int4.pack(q), None, INT4, scales_zeros)
+    out = ops.linear(x, pack_int4(q), None, INT4, scales_zeros)
     assert out.shape == (2, 3, 32)
-    assert torch.equal(out, cpu_int4.linear(x.reshape(6, 64), cpu_int4.pack(q), scales_zeros, None).view(2, 3, 32))
+    assert torch.equal(out, cpu_int4.linear(x.reshape(6, 64), pack_int4(q), scales_zeros, None).view(2, 3, 32))
 
 
 def test_shapes_that_do_not_pack_are_refused_by_the_quantizer():
     with pytest.raises(ValueError, match=r"K a multiple of 32 and N of 16; got \[N=16, K=40\]"):
-        cpu_int4.quantize(torch.randn(16, 40))
+        quantize_int4(torch.randn(16, 40))
     with pytest.raises(ValueError, match=r"got \[N=24, K=32\]"):
-        cpu_int4.quantize(torch.randn(24, 32))
+        quantize_int4(torch.randn(24, 32))
     with pytest.raises(ValueError, match=r"int8 weight needs K a multiple of 16; got \[N=3, K=40\]"):
-        cpu_int8.quantize(torch.randn(3, 40))
+        quantize_int8(torch.randn(3, 40))
 
 
 def test_weight_only_layers_keep_their_dtypes_through_a_model_cast():
@@ -120,10 +121,10 @@ def test_quantization_int4_gives_the_tokens_of_its_dequantized_weights():
     with torch.no_grad():
         for name in layers:
             original = dense.get_submodule(name)
-            q, scales_zeros = cpu_int4.quantize(original.weight)
-            assert torch.equal(cpu_int4.pack(q), llm.model.get_submodule(name).weight)
+            q, scales_zeros = quantize_int4(original.weight)
+            assert torch.equal(pack_int4(q), llm.model.get_submodule(name).weight)
             original.weight.copy_(cpu_int4.dequantize(q, scales_zeros))
-        q, scale = cpu_int8.quantize(dense.lm_head.weight)
+        q, scale = quantize_int8(dense.lm_head.weight)
         assert torch.equal(q, llm.model.lm_head.weight)
         dense.lm_head.weight.copy_(cpu_int8.dequantize(q, scale))
     assert tokens == generate(dense)[1]
@@ -159,9 +160,9 @@ def test_int4_is_refused_off_the_cpu_and_for_gguf_blocks():
         checked_quantization("int4", torch.device("cuda"))
     assert checked_quantization("int4", torch.device("cpu")) == "int4"
     from tokenspeed.backends.kernels import cuda
-    q, scales_zeros = cpu_int4.quantize(torch.randn(16, 32))
+    q, scales_zeros = quantize_int4(torch.randn(16, 32))
     with pytest.raises(ValueError, match="int4_g32 weights .* run on the CPU only"):
-        cuda.linear(torch.randn(1, 32), cpu_int4.pack(q), None, INT4, scales_zeros)
+        cuda.linear(torch.randn(1, 32), pack_int4(q), None, INT4, scales_zeros)
     from test_gguf_blocks import decisive_file
     from gguf import GGMLQuantizationType as Q
     with pytest.raises(ValueError, match="quantization='int4' quantizes 16- or 32-bit weights.*GGUF blocks"):

@@ -4,8 +4,9 @@
 
 The integer weight and its scales are parameters (``weight``, ``weight_scale``) moved with
 the model but never cast (``fp8_layers.apply_frozen``); the op reads them as the ``INT4``
-or ``INT8`` format, which only the CPU's backend runs (``backends/kernels/cpu_int4.py``,
-``cpu_int8.py``). A tied head becomes its own int8 matrix; the embedding keeps its table.
+or ``INT8`` format (quantized by ``ir/integer_weights.py``), which only the CPU's backend
+runs (``backends/kernels/cpu_int4.py``, ``cpu_int8.py``). A tied head becomes its own int8
+matrix; the embedding keeps its table.
 """
 
 import logging
@@ -13,8 +14,9 @@ import logging
 import torch
 from torch import nn
 
-from tokenspeed.backends.kernels import cpu_int4, cpu_int8
 from tokenspeed.ir import ops
+from tokenspeed.ir.integer_weights import (INT4_N_MULTIPLE, INT8_K_MULTIPLE, int4_fits, int8_fits,
+                                           pack_int4, quantize_int4, quantize_int8)
 from tokenspeed.ir.weights import INT4, INT4_GROUP, INT8
 from tokenspeed.models.fp8_layers import FROZEN, apply_frozen, quantizable_layers
 from tokenspeed.models.layer_swap import HEAD, replace_layer
@@ -52,8 +54,8 @@ class Int4Linear(_WeightOnlyLinear):
 
     @classmethod
     def quantized(cls, dense: nn.Linear) -> "Int4Linear":
-        q, scales_zeros = cpu_int4.quantize(dense.weight)
-        return cls(dense.in_features, dense.out_features, cpu_int4.pack(q), scales_zeros, dense.bias)
+        q, scales_zeros = quantize_int4(dense.weight)
+        return cls(dense.in_features, dense.out_features, pack_int4(q), scales_zeros, dense.bias)
 
 
 class Int8Linear(_WeightOnlyLinear):
@@ -62,31 +64,31 @@ class Int8Linear(_WeightOnlyLinear):
 
     @classmethod
     def quantized(cls, dense: nn.Linear) -> "Int8Linear":
-        q, scale = cpu_int8.quantize(dense.weight)
+        q, scale = quantize_int8(dense.weight)
         return cls(dense.in_features, dense.out_features, q, scale, dense.bias)
 
 
 def quantized_to_int4(model: nn.Module) -> nn.Module:
     """``model`` (on the CPU) with each dense linear layer but the head in int4, as
     ``quantized_to_fp8`` chooses them, and the head in int8. A layer whose shape does not
-    pack (``cpu_int4.fits``, ``cpu_int8.fits``) stays dense, named in one log line."""
+    pack (``int4_fits``, ``int8_fits``) stays dense, named in one log line."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("quantization='int4' runs on the CPU (torch's int4 CPU kernel); on a GPU "
                          "use 'fp8' or a GGUF file's blocks")
     unfit = []
     for name in quantizable_layers(model, "int4"):
         layer = model.get_submodule(name)
-        if cpu_int4.fits(layer.out_features, layer.in_features):
+        if int4_fits(layer.out_features, layer.in_features):
             replace_layer(model, name, Int4Linear.quantized)
         else:
             unfit.append(f"{name} [{layer.out_features}, {layer.in_features}]")
     head = model.get_submodule(HEAD)
-    if type(head) is nn.Linear and cpu_int8.fits(head.in_features):
+    if type(head) is nn.Linear and int8_fits(head.in_features):
         replace_layer(model, HEAD, Int8Linear.quantized)
     elif type(head) is nn.Linear:
         unfit.append(f"{HEAD} [{head.out_features}, {head.in_features}]")
     if unfit:
         log.warning("quantization='int4' left %d layers dense (int4: K a multiple of %d and N of %d; "
-                    "the int8 head: K a multiple of %d): %s", len(unfit), INT4_GROUP, cpu_int4.N_MULTIPLE,
-                    cpu_int8.K_MULTIPLE, ", ".join(unfit))
+                    "the int8 head: K a multiple of %d): %s", len(unfit), INT4_GROUP, INT4_N_MULTIPLE,
+                    INT8_K_MULTIPLE, ", ".join(unfit))
     return model

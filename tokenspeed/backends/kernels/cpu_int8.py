@@ -5,30 +5,11 @@ The head is the largest matrix of a small model (the default model's is 113 MB i
 float32, two thirds of an int4 step's bytes) and its logits are worth more bits than the
 layers': int8 keeps it within 1/254 of each row's largest weight at a quarter of the
 float32 bytes. The kernel computes in bfloat16 (its float32 path is ten times slower on
-the 2-core CPU), so the activations are rounded on the way in.
+the 2-core CPU), so the activations are rounded on the way in. K must be a multiple of 16
+(``ir/integer_weights.py``).
 """
 
 import torch
-
-K_MULTIPLE = 16   # torch's kernel reads K in steps of 16: other K give wrong sums (torch 2.13)
-
-
-def fits(in_features: int) -> bool:
-    return in_features > 0 and in_features % K_MULTIPLE == 0
-
-
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``int8 [N, K]``, ``bfloat16 [N]`` scales) of a float weight: each row's largest
-    magnitude maps to 127 (an all-zero row: scale 1), the quants rounded against the
-    bfloat16 scale the kernel reads."""
-    if not fits(w.shape[1]):
-        raise ValueError(f"an int8 weight needs K a multiple of {K_MULTIPLE}; got [N={w.shape[0]}, "
-                         f"K={w.shape[1]}]")
-    w = w.detach().float()
-    amax = w.abs().amax(1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).bfloat16()
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127)
-    return q.to(torch.int8), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
