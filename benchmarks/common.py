@@ -136,7 +136,7 @@ def weight_bytes(model) -> int:
     gathered, not read whole, unless the head reads it as tied weights; a head quantized
     apart from a tied table, as ``quantization="int4"`` makes it, does not)."""
     seen, total = set(), 0
-    head = model.lm_head.weight
+    head = (model.lm_head if hasattr(model, "lm_head") else model.get_output_embeddings()).weight
     for name, p in model.named_parameters():
         if p.data_ptr() in seen:
             continue

@@ -28,16 +28,21 @@ def int8_fits(in_features: int) -> bool:
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``int32 [N, K]`` in 0..15, ``bfloat16 [K / 32, N, 2]`` scales and zeros) of a float
     weight, dequantized as ``(q - 8) * scale + zero``: each group of 32 maps its smallest
-    value to 0 and its largest to 15 (a group of one value: scale 1), so each quant lies
-    within half a scale of the weight it stands for."""
+    value to 0 and its largest to 15, so each weight comes back within half a scale, plus
+    the bfloat16 rounding of its zero (``|zero| / 256``: a group far from 0 for its range
+    keeps bfloat16's precision, as a bfloat16 weight would). A group of one value ``c`` gets
+    zero 0 and the scale that puts ``c`` at quant 15 (c > 0) or 0 (c < 0), so it comes back
+    within bfloat16's rounding of ``c``."""
     n, k = w.shape
     if not int4_fits(n, k):
         raise ValueError(f"an int4 weight needs K a multiple of {INT4_GROUP} and N of {INT4_N_MULTIPLE}; "
                          f"got [N={n}, K={k}]")
     groups = w.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(2), groups.amax(2)
-    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low)).bfloat16()
-    zero = (low + 8 * scale.float()).bfloat16()
+    flat = high == low
+    lone = torch.where(low > 0, low / 7, torch.where(low < 0, -low / 8, torch.ones_like(low)))
+    scale = torch.where(flat, lone, (high - low) / 15).bfloat16()
+    zero = torch.where(flat, torch.zeros_like(low), low + 8 * scale.float()).bfloat16()
     start = zero.float() - 8 * scale.float()
     q = torch.round((groups - start[..., None]) / scale.float()[..., None]).clamp(0, 15)
     scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()

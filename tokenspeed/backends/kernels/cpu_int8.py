@@ -2,10 +2,12 @@
 (``aten._weight_int8pack_mm``) for the output head of ``quantization="int4"``.
 
 The head is the largest matrix of a small model (the default model's is 113 MB in
-float32, two thirds of an int4 step's bytes) and its logits are worth more bits than the
+float32, two thirds of an int4 step's bytes) and its weights are worth more bits than the
 layers': int8 keeps it within 1/254 of each row's largest weight at a quarter of the
 float32 bytes. The kernel computes in bfloat16 (its float32 path is ten times slower on
-the 2-core CPU), so the activations are rounded on the way in. K must be a multiple of 16
+the 2-core CPU): the activations are rounded on the way in, and the logits come out at
+bfloat16's precision, as a bfloat16 model's do (two tokens within a bfloat16 step of each
+other tie, and the greedy choice takes the first). K must be a multiple of 16
 (``ir/integer_weights.py``).
 """
 

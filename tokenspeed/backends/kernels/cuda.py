@@ -118,17 +118,21 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_
 
 def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
     """``split_counters``: the dense GEMV reduces a split K in its own launch."""
+    _refuse_cpu_formats(weight_format)
     if weight_format == FP8:
         return _fp8_linear(x, weight, bias, weight_scale)
-    if weight_format in (INT4, INT8):
-        raise ValueError(f"{weight_format} weights (quantization='int4') run on the CPU only; on a GPU "
-                         "use 'fp8' or a GGUF file's blocks")
     if weight_format != DENSE:
         return _block_linear(x, weight, bias, weight_format)
     if x.shape[0] <= GEMV_MAX_ROWS:
         from tokenspeed.backends.kernels import triton_gemv
         return triton_gemv.linear(x, weight, bias, split_counters=split_counters)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _refuse_cpu_formats(weight_format) -> None:
+    if weight_format in (INT4, INT8):
+        raise ValueError(f"{weight_format} weights (quantization='int4') run on the CPU only; on a GPU "
+                         "use 'fp8' or a GGUF file's blocks")
 
 
 def _block_linear(x, weight, bias, weight_format):
@@ -165,6 +169,7 @@ def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None, 
     between the loads and ``tl.dot`` stalls the GEMV's pipeline; a GGUF GEMV program spends
     more on the activation of its whole input than on its rows' blocks (Q4_K, 1B shape's
     down projection on the H200: 17 us fused, 12 us with ``silu_and_mul`` before it)."""
+    _refuse_cpu_formats(weight_format)
     if gate_up.shape[0] == 1 and weight_format in (DENSE, FP8):
         return _gated_gemv(gate_up, weight, bias, weight_format, weight_scale, split_counters)
     return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale, split_counters)
@@ -184,6 +189,7 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
     and so does a GGUF weight's past ``GGUF_NORM_GEMV_MAX_N`` outputs: each GEMV program
     norms the whole input, which costs more than the saved kernel once programs are many
     (1B shape on the H200, Q4_K: the head 172 us fused, about 90 apart)."""
+    _refuse_cpu_formats(weight_format)
     if x.dim() == 2 and x.shape[0] == 1 and _fuses_norm(weight, weight_format):
         out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, split_counters)
         return [out] if total is None else [out, total]
