@@ -12,30 +12,7 @@ from torch import nn
 
 from tokenspeed.ir import ops
 from tokenspeed.ir.weights import FP8, FP8_TILE, quantize_per_channel
-from tokenspeed.models.layer_swap import replace_layer
-
-
-FROZEN = ("weight", "weight_scale")
-
-
-def _moved_not_cast(fn, tensor: torch.Tensor) -> torch.Tensor:
-    """``fn(tensor)`` where ``fn`` keeps its dtype (a move, ``to_empty``), else ``tensor``
-    moved to the device ``fn`` would put it on."""
-    witness = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
-    return fn(tensor) if witness.dtype == tensor.dtype else tensor.to(witness.device)
-
-
-def apply_frozen(module: nn.Module, fn, recurse: bool, names: tuple[str, ...]) -> nn.Module:
-    """``nn.Module._apply`` that moves the parameters ``names`` (stored formats) to ``fn``'s
-    device but never casts them, while the rest (a bias) follows the model's dtype."""
-    frozen = {name: nn.Parameter(_moved_not_cast(fn, module._parameters[name].data), requires_grad=False)
-              for name in names}
-    for name in names:
-        module._parameters[name] = None     # skipped by the cast below, keeping its place
-    try:
-        return nn.Module._apply(module, fn, recurse)
-    finally:
-        module._parameters.update(frozen)
+from tokenspeed.models.layer_swap import FROZEN, apply_frozen, quantizable_layers, replace_layer
 
 
 def scale_shape(out_features: int, in_features: int, tiled: bool) -> tuple[int, ...]:
@@ -88,21 +65,3 @@ def quantized_to_fp8(model: nn.Module) -> nn.Module:
         replace_layer(model, name, Fp8Linear.quantized)
     return model
 
-
-def quantizable_layers(model: nn.Module, quantization: str) -> list[str]:
-    """The names of ``model``'s dense linear layers but the head, which ``quantization``
-    replaces; refused for a model of GGUF blocks (already quantized), a mixture of experts
-    (its experts have no kernel for it) and latent attention (which reads its key and value
-    projection's weight whole)."""
-    from tokenspeed.models.block_layers import BlockLinear
-    if any(isinstance(m, BlockLinear) for m in model.modules()):
-        raise ValueError(f"quantization={quantization!r} quantizes 16- or 32-bit weights; this model's "
-                         "weights are GGUF blocks, already quantized")
-    if model.config.moe is not None:
-        raise ValueError(f"quantization={quantization!r} quantizes linear layers; {model.config.architecture}'s "
-                         f"experts have no {quantization} kernel, so its weights load unquantized only")
-    if model.config.mla is not None:   # the latent attention reads kv_b_proj's weight itself, unscaled
-        raise ValueError(f"quantization={quantization!r} quantizes linear layers; {model.config.architecture}'s "
-                         "latent attention reads its key and value projection's weight whole, so its weights "
-                         "load unquantized only")
-    return [name for name, m in model.named_modules() if type(m) is nn.Linear and name != "lm_head"]

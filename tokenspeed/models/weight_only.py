@@ -3,7 +3,7 @@
 (``Int4Linear``), the output head in int8, a scale per output channel (``Int8Linear``).
 
 The integer weight and its scales are parameters (``weight``, ``weight_scale``) moved with
-the model but never cast (``fp8_layers.apply_frozen``); the op reads them as the ``INT4``
+the model but never cast (``layer_swap.apply_frozen``); the op reads them as the ``INT4``
 or ``INT8`` format (quantized by ``ir/integer_weights.py``), which only the CPU's backend
 runs (``backends/kernels/cpu_int4.py``, ``cpu_int8.py``). A tied head becomes its own int8
 matrix; the embedding keeps its table.
@@ -18,8 +18,7 @@ from tokenspeed.ir import ops
 from tokenspeed.ir.integer_weights import (INT4_N_MULTIPLE, INT8_K_MULTIPLE, int4_fits, int8_fits,
                                            pack_int4, quantize_int4, quantize_int8)
 from tokenspeed.ir.weights import INT4, INT4_GROUP, INT8
-from tokenspeed.models.fp8_layers import FROZEN, apply_frozen, quantizable_layers
-from tokenspeed.models.layer_swap import HEAD, replace_layer
+from tokenspeed.models.layer_swap import FROZEN, HEAD, apply_frozen, quantizable_layers, replace_layer
 
 log = logging.getLogger(__name__)
 
