@@ -16,4 +16,4 @@ demo: install
 
 test: install
 	lint-imports
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n auto
