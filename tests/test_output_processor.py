@@ -144,3 +144,40 @@ def test_the_engine_sends_token_ids_and_no_text(llm, plain):
     tokens = [t for r in reports for _, u in r.updates for d in u.deltas for t in d.token_ids]
     assert tuple(tokens) == plain.token_ids and len(plain.text) > 20
     assert plain.text.encode() not in sent and plain.text[5:15].encode() not in sent
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_token_that_ended_the_answer_is_kept_without_its_text(llm, plain, include, skip_special):
+    """An end-of-sequence token (stop_token its id, stop_reason None) or a stop token ends
+    the answer: kept among its tokens, its text left out even where special tokens are
+    kept for a tool parser (``<|im_end|>`` once ended a tool-enabled reply), unless
+    ``include_stop_str_in_output`` asks for it."""
+    eos = llm.tokenizer.eos_token_ids[0]
+    stop = plain.token_ids[5]
+    for stop_token, stop_ids, reason in ((eos, (), None), (stop, (stop,), stop)):
+        params = ts.SamplingParams(temperature=0, max_tokens=LENGTH, stop_token_ids=stop_ids,
+                                   skip_special_tokens=skip_special, include_stop_str_in_output=include)
+        tokens = plain.token_ids[:5] + (stop_token,)
+        output = PromptOutput(llm.tokenizer, params, 3)
+        for i in range(len(tokens)):   # a token an update, the last one ending it
+            ended = i == len(tokens) - 1
+            update = TokenUpdate((TokenDelta(0, tokens[i:i + 1], (), "stop" if ended else None,
+                                             stop_token if ended else None),), ended, 3, None, ())
+            answer, _ = output.update(update)
+        last = answer.deltas[-1]
+        whole = llm.tokenizer.decode(list(tokens), skip_special_tokens=skip_special)
+        before = llm.tokenizer.decode(list(tokens[:-1]), skip_special_tokens=skip_special)
+        assert whole != before or (skip_special and stop_token == eos)   # the token has a text to leave out
+        assert (last.finish_reason, last.stop_reason) == ("stop", reason)
+        assert output.outputs()[0].token_ids == tokens
+        assert output.outputs()[0].text == (whole if include else before)
+
+
+def test_a_stop_string_stays_in_the_text_when_asked(llm, plain):
+    stop = plain.text[10:14]
+    params = ts.SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True, stop=[stop],
+                               include_stop_str_in_output=True)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert out.text == plain.text[:plain.text.find(stop) + len(stop)]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", stop)

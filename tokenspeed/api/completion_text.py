@@ -5,7 +5,11 @@ final ``finish_reason``, decided here and nowhere else.
 Stop strings may span tokens, so text that could still begin one is held back. The token
 that completes a stop string is the completion's last: the answer is final at that point,
 the tokens the engine made after it are dropped, and its owner tells the engine to
-finish it. Before ``min_tokens`` tokens exist no stop string is matched.
+finish it. Before ``min_tokens`` tokens exist no stop string is matched. The token that
+ended the answer in the engine (end-of-sequence, or one of ``stop_token_ids``) is kept as
+a token, but its text is not the answer's (as vLLM's): a reply whose special tokens are
+kept for a tool parser never ends in ``<|im_end|>``. ``include_stop_str_in_output`` keeps
+both the stop string and that token's text.
 """
 
 from tokenspeed.api.messages import TokenDelta
@@ -21,7 +25,7 @@ class CompletionText:
         self.params, self.index = params, index
         self.detokenizer = None if tokenizer is None else \
             IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self._pieces: list[str] = []      # its text, as it came (joined when read)
         self._read = 0                    # pieces a streaming reader has taken
         self.token_ids: list[int] = []    # those it keeps
@@ -42,7 +46,9 @@ class CompletionText:
         the finish once final; None when nothing (as for every delta after the end)."""
         if self.finish_reason is not None:
             return None
-        kept, stop, text = self._read_tokens(delta.token_ids, delta.finish_reason is not None)
+        shown = len(delta.token_ids) - self._ending_token_hidden(delta)
+        kept, stop, text = self._read_tokens(delta.token_ids[:shown], delta.finish_reason is not None)
+        kept = len(delta.token_ids) if stop is None else kept   # the ending token, hidden or not
         self._decide_finish(delta, kept, stop)
         if not (text or kept or self.finish_reason):
             return None
@@ -56,13 +62,22 @@ class CompletionText:
         new, self._read = "".join(self._pieces[self._read:]), len(self._pieces)
         return new
 
+    def _ending_token_hidden(self, delta: TokenDelta) -> int:
+        """1 when the delta's last token is the stop token that ended the answer and its
+        text is left out; else 0."""
+        ended_by_token = delta.stop_token is not None and delta.token_ids[-1:] == (delta.stop_token,)
+        return int(ended_by_token and not self.params.include_stop_str_in_output)
+
     def _decide_finish(self, delta: TokenDelta, kept: int, stop: str | None) -> None:
         """A stop string ends the answer, unless the engine's token stop ended it at the same
-        token (that token completed the stop string: the engine's reason stands)."""
+        token (that token completed the stop string: the engine's reason stands). The stop
+        reason of an end-of-sequence token is None, as OpenAI's and vLLM's."""
         if stop is not None and not (delta.finish_reason == "stop" and kept == len(delta.token_ids)):
             self.finish_reason, self.stop_reason = "stop", stop
         elif delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_token
+            token = delta.stop_token
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = token if token in self.params.stop_token_ids else None
 
     def output(self) -> CompletionOutput:
         """The whole answer (its text None without a tokenizer)."""

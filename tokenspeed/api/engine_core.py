@@ -149,4 +149,4 @@ def _delta(prompt: _Prompt, index: int, request: Request) -> TokenDelta | None:
     prompt.sent[index], prompt.finish_sent[index] = end, request.finished
     logprobs = tuple(request.logprobs[start:end]) if request.params.logprobs is not None else ()
     return TokenDelta(request.index, tuple(request.output[start:end]), logprobs, request.finish_reason,
-                      request.stop_reason)
+                      request.stop_token)

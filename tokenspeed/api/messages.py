@@ -57,8 +57,9 @@ class ClientGone(Record):
 
 class TokenDelta(Record):
     """The tokens one completion gained in a step (the engine sends no text: its clients
-    detokenize); ``finish_reason`` once the engine has ended it, ``stop_token`` the stop
-    token id that did (None for an end-of-sequence token, a length or an abort)."""
+    detokenize); ``finish_reason`` once the engine has ended it, ``stop_token`` the token
+    that did, its last: an end-of-sequence token or one of ``stop_token_ids`` (None for a
+    length, an abort or a complete grammar)."""
     index: int
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...]

@@ -39,7 +39,7 @@ import torch
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk
 from tokenspeed.errors import InternalError
 from tokenspeed.execution.outputs import TokenLogprobs
-from tokenspeed.scheduling.prompt_limits import PromptLimits
+from tokenspeed.scheduling.prompt_limits import PromptLimits, output_limit
 from tokenspeed.scheduling.request import Request, RequestStatus
 from tokenspeed.execution.sample_streams import stream_key
 from tokenspeed.execution.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -110,7 +110,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             int(torch.randint(INT64_MIN, INT64_MAX, (1,), generator=self.seeds))
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
-        max_output = min(params.max_tokens, self.max_model_len - len(prompt))
+        max_output = min(output_limit(params, len(prompt), self.max_model_len), self.max_model_len - len(prompt))
         requests = []
         for index, constraint in enumerate(self._constraints(params)):
             requests.append(Request(self._next_id + index, prompt, params, stream_key(seed, index), index,
@@ -122,12 +122,13 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             self.scheduler.add(request)
         return requests
 
-    def finish(self, request: Request, reason: str, stop_reason=None) -> None:
-        """End ``request`` now (a stop string, an abort): its pages and seat return at once;
-        a token of it still unread is dropped."""
+    def finish(self, request: Request, reason: str, stop_token: int | None = None) -> None:
+        """End ``request`` now (a stop string, an abort; ``stop_token``: the end-of-sequence
+        or stop token it sampled last): its pages and seat return at once; a token of it
+        still unread is dropped."""
         if request.finished:
             return
-        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.finish_reason, request.stop_token = reason, stop_token
         request.status, request.num_unread = RequestStatus.FINISHED, 0
         request.stats.finish_time = time.time()
         self.num_finished += 1
@@ -277,7 +278,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         if request.stats.first_token_time is None:
             request.stats.first_token_time = time.time()
         if token in request.stop_ids and len(request.output) >= request.params.min_tokens:
-            self.finish(request, "stop", token if token in request.params.stop_token_ids else None)
+            self.finish(request, "stop", stop_token=token)
             return True
         if completes or len(request.output) >= request.max_output:   # a complete grammar stops
             self.finish(request, "stop" if completes else "length")

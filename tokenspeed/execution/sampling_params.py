@@ -136,7 +136,10 @@ class SamplingParams:
     what the output must match (a JSON Schema, a regex, a choice, a grammar), enforced by
     a token mask every step; ``logit_bias`` (token id -> bias in [-100, 100], added to its
     logit, as OpenAI adds it) and ``allowed_token_ids`` (the only tokens it may sample)
-    take the same route."""
+    take the same route; ``max_tokens`` None: until the context ends (vLLM's None);
+    ``include_stop_str_in_output``: the stop string, stop token or
+    end-of-sequence token that ended the answer stays at the end of its text (by default
+    the text ends before it, as vLLM's does; the token stays among the token ids either way)."""
     n: int = attrs.field(default=1, validator=_int_in(1, MAX_N))
     temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, FLOAT32_MAX))
     top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
@@ -146,7 +149,7 @@ class SamplingParams:
     frequency_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
     repetition_penalty: float = attrs.field(default=1.0, validator=_positive_float32)
     seed: int | None = attrs.field(default=None, validator=_check_seed)
-    max_tokens: int = attrs.field(default=16, validator=_int_in(1, INT64_MAX))
+    max_tokens: int | None = attrs.field(default=16, validator=attrs.validators.optional(_int_in(1, INT64_MAX)))
     min_tokens: int = attrs.field(default=0, validator=_int_in(0, INT64_MAX))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_check_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids,
@@ -154,12 +157,13 @@ class SamplingParams:
     ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
     logprobs: int | None = attrs.field(default=None, validator=_check_logprobs)
     skip_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_check_bool)
     structured_outputs: StructuredOutputs | None = attrs.field(default=None, validator=_check_structured)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=bias_pairs)
     allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=allowed_ids)
 
     def __attrs_post_init__(self):
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
         if self.temperature == 0:
             object.__setattr__(self, "top_k", 1)

@@ -56,7 +56,19 @@ def check_request(limits: PromptLimits, index: int, prompt: tuple[int, ...], par
     _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
     _check_vocabulary("stop_token_ids", "stop_token_ids", "stop token id", params.stop_token_ids,
                       limits.vocab_size)
-    _check_length(limits, where, len(prompt), params.max_tokens)
+    _check_length(limits, where, len(prompt), output_limit(params, len(prompt), limits.max_model_len))
+
+
+def output_limit(params: SamplingParams, prompt_tokens: int, max_model_len: int) -> int:
+    """The tokens a request may make: ``max_tokens``, or with None (vLLM's "until the
+    context ends") what the context leaves the prompt, refused where that is none."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    if prompt_tokens >= max_model_len:
+        raise RefusedRequest(f"the prompt is {prompt_tokens} tokens: max_model_len={max_model_len} leaves no "
+                             "room for an output token", field="prompt", value=prompt_tokens,
+                             limit=max_model_len - 1)
+    return max_model_len - prompt_tokens
 
 
 def check_constraint(params: SamplingParams, vocab_size: int) -> None:

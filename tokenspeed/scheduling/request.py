@@ -14,7 +14,7 @@ from array import array
 
 import attrs
 
-from tokenspeed.execution.outputs import CompletionOutput, TokenLogprobs
+from tokenspeed.execution.outputs import TokenLogprobs
 from tokenspeed.scheduling.constraint import Constraint
 from tokenspeed.scheduling.request_stats import RequestStats
 from tokenspeed.execution.sampler import RowSampling
@@ -47,7 +47,7 @@ class Request:
     num_unread: int = 0                    # sampled on the device, not read yet (module doc)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    stop_token: int | None = None          # the end-of-sequence or stop token that ended it
     num_cached: int = 0                    # tokens whose K/V are in the cache (or being written)
     num_dropped: list[int] = attrs.Factory(list)   # per group: leading pages returned behind its window
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)
@@ -177,10 +177,3 @@ class Request:
     @property
     def num_verified_tokens(self) -> int:
         return self.stats.num_verified_tokens
-
-    def completion(self, text: str | None = None, num_tokens: int | None = None) -> CompletionOutput:
-        """``num_tokens``: keep only the first tokens (those up to a stop string)."""
-        kept = slice(None) if num_tokens is None else slice(num_tokens)
-        logprobs = tuple(self.logprobs[kept]) if self.params.logprobs is not None else None
-        return CompletionOutput(self.index, tuple(self.output[kept]), self.finish_reason, text,
-                                self.stop_reason, logprobs)

@@ -58,10 +58,12 @@ def _held_length(text: str, stops: tuple[str, ...]) -> int:
 
 
 class StopStrings:
-    """A per-request matcher fed the detokenized deltas in order."""
+    """A per-request matcher fed the detokenized deltas in order; ``include_stop``: the
+    text found ends with the stop string (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], include_stop: bool = False):
         self._stops = tuple(dict.fromkeys(stops))
+        self._include_stop = include_stop   # the text found ends after the stop, not before
         if "" in self._stops:
             raise ValueError("an empty stop string would stop before any text")
         self._held = ""
@@ -79,7 +81,8 @@ class StopStrings:
         first = _first_stop(text, self._stops)
         if first is not None:
             self._stopped = True
-            return StopCheck(text[:first[0]], True, first[1])
+            end = first[0] + len(first[1]) if self._include_stop else first[0]
+            return StopCheck(text[:end], True, first[1])
         keep = _held_length(text, self._stops)
         self._held = text[len(text) - keep:]
         return StopCheck(text[:len(text) - keep], False)

@@ -1,11 +1,11 @@
 """The OpenAI request bodies, checked strictly (types are not coerced; unknown fields are
 refused), and what they become: prompts and ``SamplingParams``. vLLM's extra sampling
 fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``) are accepted too, and so are the documented
-OpenAI fields that mean nothing to a local server (``user``; for chat also ``metadata``,
-``store``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, and
-``modalities: ["text"]``): read, checked for type, and ignored. (``parallel_tool_calls:
-false`` allows one tool call: ``tool_use``.)
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted
+too, and so are the documented OpenAI fields that mean nothing to a local server
+(``user``; for chat also ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``, and ``modalities: ["text"]``): read, checked for type, and
+ignored. (``parallel_tool_calls: false`` allows one tool call: ``tool_use``.)
 
 Constraints on the output (``response_format``, vLLM's ``structured_outputs``) become a
 ``Constraint`` here; the handler compiles it at the door (``grammar_check``).
@@ -58,6 +58,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     response_format: dict | None = None
@@ -80,6 +81,7 @@ class SamplingFields(Strict):
                                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                stop_token_ids=self.stop_token_ids or (),
                                skip_special_tokens=self.skip_special_tokens,
+                               include_stop_str_in_output=self.include_stop_str_in_output,
                                structured_outputs=constraint.spec if constraint else None,
                                logit_bias=self.logit_bias or (), allowed_token_ids=self.allowed_token_ids)
 
