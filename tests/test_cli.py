@@ -38,6 +38,13 @@ def test_chat_keeps_the_history(capsys, monkeypatch):
     assert out.out.count("> ") == 3 and len([r for r in replies if r.strip("> ")]) >= 2
 
 
+def test_a_message_past_the_context_is_dropped_and_the_chat_goes_on(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n" + "the sea " * 80 + "\nAnd then?\n\n"))
+    out = run(capsys, "chat", "--model", str(text_model_dir()), "--max-tokens", "5", "--max-model-len", "64")
+    assert out.out.count("> ") == 4 and out.err.count("the message was dropped") == 1
+    assert len([r for r in out.out.split("\n") if r.strip("> ")]) >= 2   # the replies before and after
+
+
 @pytest.mark.parametrize("end", ["/exit", "/quit"])
 def test_chat_ends_at_exit_or_quit(capsys, monkeypatch, end):
     monkeypatch.setattr("sys.stdin", io.StringIO(f"Hi\n{end}\nnever sent\n"))
@@ -70,6 +77,8 @@ def test_bench_prints_vllm_figures(capsys):
     (["generate", "hi", "--model", "/no/such/dir"], "/no/such/dir/config.json not found"),
     (["generate", "hi", "--dtype", "fp9"], "dtype='fp9'"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens=0: must be an integer >= 1"),
+    (["inspect", "--model", __file__], "test_cli.py: neither a model directory (with config.json) nor a GGUF"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"], "cannot reach http://127.0.0.1:9"),
 ])
 def test_errors_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -148,3 +157,26 @@ def test_engine_flags_reach_the_llms_options():
     options = llm_options(args)
     assert options["max_chunk_tokens"] == 64 and options["max_model_len"] == 512
     assert "max_chunk_tokens" not in llm_options(parser().parse_args(["generate", "x", "--device", "cpu"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "latency", "--input-len", "-4"], "argument --input-len: must be >= 1, got -4"),
+    (["bench", "latency", "--num-iters", "0"], "argument --num-iters: must be >= 1, got 0"),
+    (["bench", "latency", "--num-iters-warmup", "-1"], "must be >= 0, got -1"),
+    (["bench", "latency", "--batch-size", "x"], "argument --batch-size: not an integer: 'x'"),
+    (["bench", "throughput", "--num-prompts", "-3"], "argument --num-prompts: must be >= 1, got -3"),
+    (["bench", "serve", "--output-len", "0"], "argument --output-len: must be >= 1, got 0"),
+    (["bench", "latency", "--output-json", "/no/such/folder/figures.json"],
+     "the folder /no/such/folder does not exist"),
+    (["inspect", "--dot", "/no/such/folder/g.dot"], "the folder /no/such/folder does not exist"),
+    (["generate", "hi", "--speculative-tokens", "-1"], "argument --speculative-tokens: must be >= 0, got -1"),
+    (["generate", "hi", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+])
+def test_bad_numbers_and_paths_are_refused_before_a_model_loads(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_no_speculative_tokens_is_a_value_not_an_error():
+    assert parser().parse_args(["generate", "hi", "--speculative-tokens", "0"]).speculative_tokens == 0

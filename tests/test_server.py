@@ -161,6 +161,15 @@ def test_bench_serve_drives_the_server_when_released(base_url, tmp_path):
     assert metric(base_url, "tokenspeed_kv_pages_in_use") == 0
 
 
+def test_bench_serve_fails_when_every_request_failed(base_url, capsys):
+    from tokenspeed.cli.main import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--base-url", base_url, "--api-key", KEY, "--num-prompts", "2",
+              "--input-len", "4", "--output-len", "2", "--model", "not-served"])
+    assert "every one of the 2 requests failed" in str(exit_.value) and "not served here" in str(exit_.value)
+    assert "Failed requests:                        2" in capsys.readouterr().out   # the figures still print
+
+
 def test_a_client_that_leaves_frees_its_pages(base_url):
     body = {"prompt": "A long story begins", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},

@@ -5,6 +5,8 @@ import json
 import statistics
 import time
 
+from tokenspeed.cli.arg_types import at_least, file_to_write
+
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
@@ -13,20 +15,22 @@ def add_command(commands, engine_options) -> None:
                                 description=__doc__).add_subparsers(dest="kind", required=True)
     latency = bench.add_parser("latency", help="time one batch end to end, repeatedly")
     engine_options(latency)
-    latency.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
-    latency.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
-    latency.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
-    latency.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
-    latency.add_argument("--num-iters", type=int, default=10, help="timed runs")
-    latency.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    latency.add_argument("--input-len", type=at_least(1), default=32, help="prompt tokens per request")
+    latency.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")
+    latency.add_argument("--batch-size", type=at_least(1), default=8, help="requests in the batch")
+    latency.add_argument("--num-iters-warmup", type=at_least(0), default=2, help="untimed runs first")
+    latency.add_argument("--num-iters", type=at_least(1), default=10, help="timed runs")
+    latency.add_argument("--output-json", type=file_to_write, default=None,
+                         help="also write the figures to this JSON file")
     latency.set_defaults(run=run_latency)
     throughput = bench.add_parser("throughput", help="serve many requests at once")
     engine_options(throughput)
-    throughput.add_argument("--num-prompts", type=int, default=256, help="requests to serve")
-    throughput.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    throughput.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
-    throughput.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    throughput.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    throughput.add_argument("--num-prompts", type=at_least(1), default=256, help="requests to serve")
+    throughput.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens per request")
+    throughput.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")
+    throughput.add_argument("--max-num-seqs", type=at_least(1), default=64, help="requests running at once")
+    throughput.add_argument("--output-json", type=file_to_write, default=None,
+                            help="also write the figures to this JSON file")
     throughput.set_defaults(run=run_throughput)
     from tokenspeed.cli import bench_serve
     bench_serve.add_command(bench)

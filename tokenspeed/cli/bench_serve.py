@@ -12,6 +12,8 @@ import time
 import attrs
 import httpx
 
+from tokenspeed.cli.arg_types import at_least, file_to_write
+
 
 @attrs.frozen
 class RequestResult:
@@ -41,13 +43,13 @@ def add_command(bench) -> None:
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", default=None, help="the served model name (default: the server's)")
     serve.add_argument("--api-key", default=None)
-    serve.add_argument("--num-prompts", type=int, default=64)
-    serve.add_argument("--input-len", type=int, default=128)
-    serve.add_argument("--output-len", type=int, default=128)
+    serve.add_argument("--num-prompts", type=at_least(1), default=64)
+    serve.add_argument("--input-len", type=at_least(1), default=128)
+    serve.add_argument("--output-len", type=at_least(1), default=128)
     serve.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--max-concurrency", type=at_least(1), default=None)
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--output-json", default=None)
+    serve.add_argument("--output-json", type=file_to_write, default=None)
     serve.add_argument("--start-at", type=float, default=None,
                        help="wall-clock time (seconds since the epoch) to start sending at, so "
                             "several client processes start together")
@@ -77,12 +79,17 @@ def run(args) -> None:
         with open(args.output_json, "w") as f:
             json.dump({**summary, "start_time": started, "end_time": started + duration,
                        "requests": [attrs.asdict(r) for r in results]}, f, indent=2)
+    if not summary["completed"]:   # figures of nothing: the command failed
+        raise ValueError(f"every one of the {len(results)} requests failed: " + "; ".join(summary["errors"]))
 
 
 def served_model(base_url: str, api_key: str | None) -> dict:
     """The server's model entry (its name, and the vocabulary the prompts are drawn from)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    try:
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ConnectionError(f"cannot reach {base_url}: {exc}") from None
     if response.status_code != 200:
         raise ValueError(f"{base_url}/v1/models answered {response.status_code}: {response.text}")
     return response.json()["data"][0]

@@ -2,6 +2,8 @@
 history) and, with ``--dot``, write its segment graph for Graphviz. The model's modules
 are imported when the command runs, so that ``tokenspeed --help`` does not import torch."""
 
+from tokenspeed.cli.arg_types import file_to_write
+
 
 def add_command(commands) -> None:
     command = commands.add_parser("inspect", help="print the lowered program of a model",
@@ -14,7 +16,8 @@ def add_command(commands) -> None:
                               "that cannot capture it), not inside its stage's graph")
     command.add_argument("--full", action="store_true", help="print every segment's IR")
     command.add_argument("--history", action="store_true", help="print the IR after every pass")
-    command.add_argument("--dot", default=None, metavar="FILE", help="write the segment graph as DOT")
+    command.add_argument("--dot", type=file_to_write, default=None, metavar="FILE",
+                         help="write the segment graph as DOT")
     command.set_defaults(run=run)
 
 

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from tokenspeed.cli import bench, inspect_cmd, serve_cmd
+from tokenspeed.cli.arg_types import at_least
 from tokenspeed.cli.help_format import show_defaults
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
@@ -23,7 +24,7 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ConnectionError) as exc:
         sys.exit(f"tokenspeed {args.command}: error: {exc}")
     except KeyboardInterrupt:
         sys.exit(130)
@@ -67,9 +68,9 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
                               "output channel) or int4 (the CPU: int4 layers with a scale and zero per 32 "
                               "inputs, an int8 head; a GGUF file's weights are read dequantized, then "
                               "quantized); default: the weights as stored")
-    command.add_argument("--max-model-len", type=int, default=None,
+    command.add_argument("--max-model-len", type=at_least(1), default=None,
                          help="the longest context, prompt and output (default: the model's)")
-    command.add_argument("--max-chunk-tokens", type=int, default=None,
+    command.add_argument("--max-chunk-tokens", type=at_least(1), default=None,
                          help="the most prompt tokens a step computes for one request, so that others keep "
                               "flowing during a long prompt (default: 256 on the CPU, else the step's budget)")
     command.add_argument("--enforce-eager", action="store_true", help="capture no graphs")
@@ -79,7 +80,7 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--kv-cache-dtype", default="auto",
                          help="what the KV cache stores: auto (the model's dtype), fp8 or fp8_e4m3 (float8 "
                               "e4m3 with per-layer scales: twice the tokens fit)")
-    command.add_argument("--speculative-tokens", type=int, default=0,
+    command.add_argument("--speculative-tokens", type=at_least(0), default=0,
                          help="verify up to K drafts per decode step, n-grams or --draft-model's (0: off; "
                               "outputs are unchanged)")
     command.add_argument("--draft-model", default=None,
@@ -147,9 +148,7 @@ def cmd_generate(args) -> None:
     params = sampling(args, llm.sampling_defaults)
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
-    for piece in llm.stream(prompt, params):
-        print(piece, end="", flush=True)
-    print()
+    _streamed_reply(llm, prompt, params)
 
 
 CHAT_ENDS = ("/exit", "/quit")   # typed to leave a chat, as other chat prompts take them
@@ -162,13 +161,23 @@ def cmd_chat(args) -> None:
     history = [{"role": "system", "content": args.system}] if args.system else []
     print(f"chat with the model; an empty line, {' or '.join(CHAT_ENDS)} or Ctrl-D ends", file=sys.stderr)
     while (line := _read_line()) and line not in CHAT_ENDS:
-        history.append({"role": "user", "content": line})
-        reply = []
-        for piece in llm.stream(llm.chat_prompt(history), params):
-            reply.append(piece)
-            print(piece, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        turn = [*history, {"role": "user", "content": line}]
+        try:
+            reply = _streamed_reply(llm, llm.chat_prompt(turn), params)
+        except ValueError as exc:   # this message refused (too long for the context): the chat goes on
+            print(f"tokenspeed chat: {exc} (the message was dropped; send a shorter one, or start a "
+                  "new chat for more room)", file=sys.stderr)
+            continue
+        history = [*turn, {"role": "assistant", "content": reply}]
+
+
+def _streamed_reply(llm, prompt, params) -> str:
+    reply = []
+    for piece in llm.stream(prompt, params):
+        reply.append(piece)
+        print(piece, end="", flush=True)
+    print()
+    return "".join(reply)
 
 
 def _read_line() -> str:

@@ -93,6 +93,8 @@ def read_json(file: Path) -> dict:
 def read_hf_config(path) -> dict:
     """config.json's fields, as written."""
     config_file = Path(path) / "config.json"
+    if Path(path).is_file():
+        raise FileNotFoundError(f"{path}: neither a model directory (with config.json) nor a GGUF file")
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
     return read_json(config_file)
