@@ -34,3 +34,16 @@ def test_the_client_library_raises_not_found(client):
 
 def test_no_model_named_means_the_served_one(api):
     assert api.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).json()["model"] == MODEL
+
+
+def test_one_model_is_read_by_its_name(client, api):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.max_model_len) == (MODEL, "model", 256)
+    assert_error(api.request("GET", "/v1/models/gpt-9"), 404, "NotFoundError", "model", "'gpt-9'")
+
+
+def test_a_chat_that_fills_the_context_is_refused_as_too_long(api):
+    """No max_tokens sent: the prompt is what is too long, not a max_tokens of 1."""
+    long = "the sea " * 200
+    assert_error(api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}), 400,
+                 "BadRequestError", "messages", "leaves no room for an output token")

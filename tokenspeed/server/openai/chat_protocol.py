@@ -16,6 +16,7 @@ from tokenspeed.server.openai.api_error import APIError
 from tokenspeed.server.openai.protocol import SamplingFields, Strict
 
 OWN_VARIABLES = ("messages", "tools", "add_generation_prompt")
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule: a name the model writes back, and parsers find
 
 
 class TextPart(Strict):
@@ -55,7 +56,7 @@ class ChatMessage(Strict):
 
 
 class FunctionDefinition(Strict):
-    name: str
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
@@ -98,8 +99,16 @@ class ChatTemplateFields(Strict):
             raise APIError(400, f"chat_template_kwargs: {clash} are set by the request's own fields "
                            f"({', '.join(OWN_VARIABLES)}), not here", "chat_template_kwargs")
         if self.tools:
+            self._check_tool_names()
             variables["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return variables
+
+    def _check_tool_names(self) -> None:
+        """Two tools of one name: a call to it could be either."""
+        names = [tool.function.name for tool in self.tools]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise APIError(400, f"tools: the names {twice} are given to more than one tool", "tools")
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):

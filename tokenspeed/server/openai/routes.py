@@ -46,6 +46,13 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         return responses.model_list(server.model_name, server.limits.max_model_len,
                                     server.limits.vocab_size)
 
+    @app.get("/v1/models/{model:path}")   # a path: model names hold slashes (owner/name)
+    async def model(model: str):
+        server.check_model(model)
+        [entry] = responses.model_list(server.model_name, server.limits.max_model_len,
+                                       server.limits.vocab_size)["data"]
+        return entry
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await server.read(request, CompletionRequest)
@@ -54,7 +61,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         constraint = body.output_constraint()
         if constraint is not None:
             await asyncio.to_thread(server.check_constraint, constraint)
-        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts), body.logprobs,
+        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts, "prompt"), body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
@@ -176,7 +183,7 @@ def _chat_params(server: "Server", body: ChatCompletionRequest, prompts, tools, 
     """Special tokens stay in a reply whose calls are parsed: a format's marker may be one
     (vLLM's parsers keep them likewise)."""
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.sampling_params(_max_tokens(server, limit, prompts), body.logprobs_count(),
+    params = body.sampling_params(_max_tokens(server, limit, prompts, "messages"), body.logprobs_count(),
                                   server.engine.info.sampling_defaults, constraint)
     return attrs.evolve(params, skip_special_tokens=False) if tools.parser is not None else params
 
@@ -199,12 +206,17 @@ async def _chat_prompt(server: "Server", body) -> Prompt:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
 
 
-def _max_tokens(server: "Server", requested: int | None, prompts: list[Prompt]) -> int:
-    """``None`` (chat's default): as many as the context leaves the longest prompt."""
+def _max_tokens(server: "Server", requested: int | None, prompts: list[Prompt], field: str) -> int:
+    """``None`` (chat's default): as many as the context leaves the longest prompt; a
+    prompt that leaves none is refused as too long (``field`` names it: the client set no
+    ``max_tokens`` to blame)."""
     if requested is not None:
         return requested
-    room = server.limits.max_model_len - max(len(p.token_ids) for p in prompts)
-    return max(room, 1)
+    longest, limit = max(len(p.token_ids) for p in prompts), server.limits.max_model_len
+    if longest >= limit:
+        raise APIError(400, f"the prompt is {longest} tokens: max_model_len={limit} leaves no room for "
+                            "an output token", field)
+    return limit - longest
 
 
 def _tokenizer(server: "Server"):

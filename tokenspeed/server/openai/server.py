@@ -142,10 +142,14 @@ class Server:
             body = model.model_validate_json(bytes(raw))
         except ValidationError as exc:
             raise APIError(400, *_validation_message(exc)) from exc
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} is not served here (serving {self.model_name!r})",
-                           "model", "NotFoundError")
+        self.check_model(body.model)
         return body
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model not served here (None: the served one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} is not served here (serving {self.model_name!r})",
+                           "model", "NotFoundError")
 
     def check(self, prompts: list[Prompt], params, field: str) -> None:
         for i, prompt in enumerate(prompts):
