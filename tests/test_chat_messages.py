@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 from tokenspeed.api.chat_messages import ROLES, conversations, template_messages
 
 texts = st.text(max_size=20)
-contents = st.one_of(st.none(), texts, st.lists(texts.map(lambda t: {"type": "text", "text": t}), max_size=3))
-messages = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": contents},
-                                 optional={"name": st.one_of(st.none(), texts)})
+contents = st.one_of(texts, st.lists(texts.map(lambda t: {"type": "text", "text": t}), max_size=3))
+messages = st.one_of(   # an assistant's content may be None (its tool calls are the message)
+    st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": contents},
+                          optional={"name": st.one_of(st.none(), texts)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.none()}))
 
 
 @given(st.lists(messages, min_size=1, max_size=4))
@@ -29,7 +31,9 @@ def test_every_accepted_message_reaches_the_template_as_text(conversation):
     ([], "messages must be a list of message dicts"),
     ("hi", "messages must be a list of message dicts"),
     ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be a dict with 'role' and 'content', got str 'b'"),
-    ([[{"role": "user"}], []], r"messages\[1\] must be a non-empty list of message dicts, got list \[\]"),
+    ([[{"role": "user", "content": "a"}], []], r"messages\[1\] must be a non-empty list of message dicts, got list \[\]"),
+    ([{"role": "user"}], r"messages\[0\].content: a user message needs content"),
+    ([{"role": "tool", "content": None, "tool_call_id": "1"}], r"messages\[0\].content: a tool message needs content"),
     ([{"content": "a"}], r"messages\[0\].role=None: must be one of system, user"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
      r"messages\[0\].content\[0\] is an 'image_url' part: the models served here read text alone"),

@@ -49,6 +49,8 @@ def _message(message, where: str) -> dict:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role={role!r}: must be one of {', '.join(ROLES)}")
+    if message.get("content") is None and role != "assistant":   # only a call or a refusal may be all there is
+        raise ValueError(f"{where}.content: a {role} message needs content (a string or text parts)")
     out = {"role": "system" if role == "developer" else role,
            "content": _content(message.get("content"), f"{where}.content")}
     for field in ("name", "tool_call_id", "reasoning_content"):
