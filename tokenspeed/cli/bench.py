@@ -13,27 +13,29 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 def add_command(commands, engine_options) -> None:
     bench = commands.add_parser("bench", help="measure latency or throughput",
                                 description=__doc__).add_subparsers(dest="kind", required=True)
-    latency = bench.add_parser("latency", help="time one batch end to end, repeatedly")
-    engine_options(latency)
-    latency.add_argument("--input-len", type=at_least(1), default=32, help="prompt tokens per request")
-    latency.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")
+    latency = _offline_command(bench, "latency", "time one batch end to end, repeatedly", engine_options,
+                               input_len=32, run=run_latency)
     latency.add_argument("--batch-size", type=at_least(1), default=8, help="requests in the batch")
     latency.add_argument("--num-iters-warmup", type=at_least(0), default=2, help="untimed runs first")
     latency.add_argument("--num-iters", type=at_least(1), default=10, help="timed runs")
-    latency.add_argument("--output-json", type=file_to_write, default=None,
-                         help="also write the figures to this JSON file")
-    latency.set_defaults(run=run_latency)
-    throughput = bench.add_parser("throughput", help="serve many requests at once")
-    engine_options(throughput)
+    throughput = _offline_command(bench, "throughput", "serve many requests at once", engine_options,
+                                  input_len=128, run=run_throughput)
     throughput.add_argument("--num-prompts", type=at_least(1), default=256, help="requests to serve")
-    throughput.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens per request")
-    throughput.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")
     throughput.add_argument("--max-num-seqs", type=at_least(1), default=64, help="requests running at once")
-    throughput.add_argument("--output-json", type=file_to_write, default=None,
-                            help="also write the figures to this JSON file")
-    throughput.set_defaults(run=run_throughput)
     from tokenspeed.cli import bench_serve
     bench_serve.add_command(bench)
+
+
+def _offline_command(bench, name: str, help_text: str, engine_options, input_len: int, run):
+    """A command that loads the model itself, with the lengths and the JSON output both take."""
+    command = bench.add_parser(name, help=help_text)
+    engine_options(command)
+    command.add_argument("--input-len", type=at_least(1), default=input_len, help="prompt tokens per request")
+    command.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")
+    command.add_argument("--output-json", type=file_to_write, default=None,
+                         help="also write the figures to this JSON file")
+    command.set_defaults(run=run)
+    return command
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
