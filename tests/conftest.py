@@ -17,12 +17,13 @@ GIB_PER_WORKER = 3   # a worker's peak (seen: 2.7 GB, with models and a Triton c
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenspeed.api.cpu_threads import allowed_cpus  # noqa: E402  (after TRITON_INTERPRET)
+from tokenspeed.api.cpu_threads import CGROUP, allowed_cpus  # noqa: E402  (after TRITON_INTERPRET)
 
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):   # a worker beside others
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, allowed_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):   # a worker beside others: its share of the CPUs
+    share = max(1, allowed_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    if not os.environ.get("OMP_NUM_THREADS", "").isdigit():   # the user's own count stands
+        os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,8 +37,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker per allowed CPU that memory holds, none with a GPU."""
+    """``-n auto``: one worker per allowed CPU that memory holds, none with a GPU;
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it, as it does xdist's own count."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     if torch.cuda.is_available():
         return 0
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
-    return max(1, min(allowed_cpus(), memory_gib // GIB_PER_WORKER))
+    return max(1, min(allowed_cpus(), _memory_bytes() // (GIB_PER_WORKER * 2**30)))
+
+
+def _memory_bytes() -> int:
+    """The machine's memory, or its container's limit (cgroup v2 ``memory.max``) if less."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return min(memory, int((CGROUP / "memory.max").read_text()))
+    except (OSError, ValueError):   # no such file, or "max"
+        return memory

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tokenspeed.api.cpu_threads import allowed_cpus, size_torch_threads
+from tokenspeed.api.cpu_threads import allowed_cpus, cpu_quota, size_torch_threads
 
 
 @pytest.fixture
@@ -36,3 +36,13 @@ def test_an_llm_sizes_the_threads(restore_threads, monkeypatch):
     torch.set_num_threads(allowed_cpus() + 3)
     ts.LLM(text_model_dir(), num_kv_pages=8)
     assert torch.get_num_threads() == allowed_cpus()
+
+
+@pytest.mark.parametrize("cpu_max, quota", [("max 100000", None), ("150000 100000", 2), ("50000 100000", 1),
+                                            ("200000 100000\n", 2), ("garbled", None), (None, None)])
+def test_a_containers_cpu_quota_bounds_the_threads(tmp_path, cpu_max, quota):
+    if cpu_max is not None:
+        (tmp_path / "cpu.max").write_text(cpu_max)
+    assert cpu_quota(tmp_path) == quota
+    assert allowed_cpus(tmp_path) == (allowed_cpus(tmp_path / "none") if quota is None
+                                      else min(quota, allowed_cpus(tmp_path / "none")))

@@ -34,8 +34,8 @@ def refusal(prompt, has_tokenizer=True, **params) -> RefusedRequest:
     ([5] * 10, {"max_tokens": 60}, True, "max_tokens", 70, 64),
     ([5] * 10, {"max_tokens": 40}, True, "max_tokens", 13, 10),
     ([5], {"stop": ["x"]}, False, "stop", ("x",), None),
-    ([5] * 64, {"max_tokens": None}, True, "prompt", 64, 63),
-    ([5] * 60, {"max_tokens": None}, True, "max_tokens", 16, 10),   # to the context: 16 pages, 10 usable
+    ([5] * 64, {"max_tokens": None}, True, "prompt", 64, 39),   # 10 usable pages hold 40 tokens
+    ([5] * 40, {"max_tokens": None}, True, "prompt", 40, 39),
 ])
 def test_a_refusal_carries_its_field_value_and_limit(prompt, params, has_tokenizer, field, value, limit):
     refused = refusal(prompt, has_tokenizer, **params)
@@ -49,7 +49,12 @@ def test_no_max_tokens_runs_to_the_end_of_the_context():
     [out] = llm.generate([prompt], ts.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                          use_tqdm=False)
     assert (len(out.token_ids), out.finish_reason) == (12, "length")
-    assert "no room for an output token" in str(refusal([5] * 64, max_tokens=None))
+    small_pool = ts.LLM(text_model_dir(), page_size=4, max_model_len=32, num_kv_pages=6)   # 5 usable: 20 tokens
+    [out] = small_pool.generate([prompt[:8]], ts.SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                                use_tqdm=False)
+    assert (len(out.token_ids), out.finish_reason) == (12, "length")
+    assert str(refusal([5] * 64, max_tokens=None)) == ("prompt 3: 64 prompt tokens leave no room for an output "
+                                                       "token (max_model_len=64, 10 KV pages: 40 tokens at most)")
 
 
 def test_the_message_names_the_prompt_value_and_limit():

@@ -46,4 +46,4 @@ def test_a_chat_that_fills_the_context_is_refused_as_too_long(api):
     """No max_tokens sent: the prompt is what is too long, not a max_tokens of 1."""
     long = "the sea " * 200
     assert_error(api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}), 400,
-                 "BadRequestError", "messages", "leaves no room for an output token")
+                 "BadRequestError", "messages", "leave no room for an output token")

@@ -2,7 +2,8 @@
 message one accepts the other does not refuse.
 
 A message is a dict with a ``role`` (system, user, assistant, developer, tool), a
-``content`` (a string, a list of ``{"type": "text", "text": ...}`` parts, or None) and
+``content`` (a string, a list of ``{"type": "text", "text": ...}`` parts, or for an
+assistant's message None) and
 optionally a ``name``. An assistant message may carry the ``tool_calls`` it made (OpenAI's
 ``{"id", "type": "function", "function": {"name", "arguments"}}``) and the
 ``reasoning_content`` it thought; a tool message, the ``tool_call_id`` it answers. The

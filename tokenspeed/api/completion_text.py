@@ -70,8 +70,9 @@ class CompletionText:
 
     def _decide_finish(self, delta: TokenDelta, kept: int, stop: str | None) -> None:
         """A stop string ends the answer, unless the engine's token stop ended it at the same
-        token (that token completed the stop string: the engine's reason stands). The stop
-        reason of an end-of-sequence token is None, as OpenAI's and vLLM's."""
+        token (with ``include_stop_str_in_output`` the stop token's text is matched too: the
+        engine's reason stands). The stop reason is a stop token's id, and None for an
+        end-of-sequence token not among ``stop_token_ids``."""
         if stop is not None and not (delta.finish_reason == "stop" and kept == len(delta.token_ids)):
             self.finish_reason, self.stop_reason = "stop", stop
         elif delta.finish_reason is not None:

@@ -2,6 +2,7 @@
 loads, in argparse's one line (``argument --input-len: must be >= 1, got -4``)."""
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -19,9 +20,24 @@ def at_least(minimum: int):
     return parse
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def file_to_write(text: str) -> str:
-    """A file path whose folder exists: a run's figures are not lost to a typo at its end."""
-    folder = Path(text).expanduser().parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist")
+    """A file path in a folder this process may write: a run's figures are not lost to a
+    typo at its end."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: name a file in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} is not writable")
     return text

@@ -12,7 +12,7 @@ import time
 import attrs
 import httpx
 
-from tokenspeed.cli.arg_types import at_least, file_to_write
+from tokenspeed.cli.arg_types import at_least, file_to_write, positive_float
 
 
 @attrs.frozen
@@ -46,7 +46,8 @@ def add_command(bench) -> None:
     serve.add_argument("--num-prompts", type=at_least(1), default=64)
     serve.add_argument("--input-len", type=at_least(1), default=128)
     serve.add_argument("--output-len", type=at_least(1), default=128)
-    serve.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    serve.add_argument("--request-rate", type=positive_float, default=float("inf"),
+                       help="requests/s (inf: all at once)")
     serve.add_argument("--max-concurrency", type=at_least(1), default=None)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--output-json", type=file_to_write, default=None)

@@ -155,6 +155,7 @@ CHAT_ENDS = ("/exit", "/quit")   # typed to leave a chat, as other chat prompts 
 
 
 def cmd_chat(args) -> None:
+    from tokenspeed.errors import RefusedRequest
     sampling(args)
     llm = load_llm(args, max_num_seqs=1)
     params = sampling(args, llm.sampling_defaults)
@@ -164,7 +165,9 @@ def cmd_chat(args) -> None:
         turn = [*history, {"role": "user", "content": line}]
         try:
             reply = _streamed_reply(llm, llm.chat_prompt(turn), params)
-        except ValueError as exc:   # this message refused (too long for the context): the chat goes on
+        except RefusedRequest as exc:   # too long for the context: the chat goes on without it
+            if exc.field not in ("prompt", "max_tokens"):
+                raise
             print(f"tokenspeed chat: {exc} (the message was dropped; send a shorter one, or start a "
                   "new chat for more room)", file=sys.stderr)
             continue

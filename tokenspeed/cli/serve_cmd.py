@@ -3,6 +3,8 @@ how they become the server's options. Nothing here imports torch until the comma
 
 import argparse
 
+from tokenspeed.cli.arg_types import at_least
+
 
 def add_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -13,10 +15,10 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                        help="require Authorization: Bearer KEY on every route but /health (and /metrics)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send (default: the model id, or its file or folder name)")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests the engine runs at once")
-    serve.add_argument("--api-servers", type=int, default=1,
+    serve.add_argument("--max-num-seqs", type=at_least(1), default=64, help="requests the engine runs at once")
+    serve.add_argument("--api-servers", type=at_least(1), default=1,
                        help="HTTP processes sharing the port over one engine (many streaming clients)")
-    serve.add_argument("--stream-interval", type=int, default=1,
+    serve.add_argument("--stream-interval", type=at_least(1), default=1,
                        help="send a streamed completion's tokens every N (its first and last at once): "
                             "fewer, larger chunks cost the engine less under many clients")
     _lifecycle_options(serve)
@@ -65,9 +67,6 @@ def run(args, llm_options: dict) -> None:
     from tokenspeed.server.openai.server import serve
     args.model = _served_model(args.model_tag, args.model)
     checked_device(llm_options["device"]), checked_dtype(args.dtype)   # here, not in the engine
-    for flag, value in (("--api-servers", args.api_servers), ("--stream-interval", args.stream_interval)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
     parsers = parser_flags(args)
     spec = EngineSpec.of(args.model, args.stream_interval, **llm_options)
     name = args.served_model_name or _model_name(args.model)

@@ -63,8 +63,11 @@ class RequestMetrics:
 
 @attrs.frozen
 class CompletionOutput:
-    """``finish_reason``: ``"stop"`` (an end-of-sequence or stop token, or a stop string:
-    ``stop_reason`` names it), ``"length"`` (max_tokens or the context) or ``"abort"``."""
+    """``finish_reason``: ``"stop"`` (an end-of-sequence or stop token, or a stop string;
+    ``stop_reason`` names a stop string or a stop token id, None for end-of-sequence),
+    ``"length"`` (max_tokens or the context) or ``"abort"``. The text ends before the token
+    or string that stopped it (``include_stop_str_in_output`` keeps it), the token ids
+    with that token."""
     index: int
     token_ids: tuple[int, ...]
     finish_reason: str | None

@@ -56,19 +56,35 @@ def check_request(limits: PromptLimits, index: int, prompt: tuple[int, ...], par
     _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
     _check_vocabulary("stop_token_ids", "stop_token_ids", "stop token id", params.stop_token_ids,
                       limits.vocab_size)
-    _check_length(limits, where, len(prompt), output_limit(params, len(prompt), limits.max_model_len))
+    _check_length(limits, where, len(prompt), output_limit(limits, where, len(prompt), params))
 
 
-def output_limit(params: SamplingParams, prompt_tokens: int, max_model_len: int) -> int:
+def output_limit(limits: PromptLimits, where: str, prompt_tokens: int, params: SamplingParams) -> int:
     """The tokens a request may make: ``max_tokens``, or with None (vLLM's "until the
-    context ends") what the context leaves the prompt, refused where that is none."""
+    context ends") as many as the context and the KV pool leave the prompt; refused where
+    that is none."""
     if params.max_tokens is not None:
         return params.max_tokens
-    if prompt_tokens >= max_model_len:
-        raise RefusedRequest(f"the prompt is {prompt_tokens} tokens: max_model_len={max_model_len} leaves no "
-                             "room for an output token", field="prompt", value=prompt_tokens,
-                             limit=max_model_len - 1)
-    return max_model_len - prompt_tokens
+    longest = _longest_held(limits)
+    if prompt_tokens >= longest:
+        raise RefusedRequest(f"{where}: {prompt_tokens} prompt tokens leave no room for an output token "
+                             f"(max_model_len={limits.max_model_len}, {limits.usable_pages} KV pages: "
+                             f"{longest} tokens at most)", field="prompt", value=prompt_tokens, limit=longest - 1)
+    return longest - prompt_tokens
+
+
+def _longest_held(limits: PromptLimits) -> int:
+    """The most tokens, up to ``max_model_len``, whose KV pages the pool holds at once
+    (bisected: the pages grow with the tokens)."""
+    low, high = 0, limits.max_model_len
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if _pages_held(limits, middle) <= limits.usable_pages else (low, middle - 1)
+    return low
+
+
+def _pages_held(limits: PromptLimits, num_tokens: int) -> int:
+    return sum(most_pages_held(num_tokens, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
 
 
 def check_constraint(params: SamplingParams, vocab_size: int) -> None:
@@ -89,7 +105,7 @@ def _check_length(limits: PromptLimits, where: str, prompt_tokens: int, max_toke
         raise RefusedRequest(f"{where}: {prompt_tokens} prompt tokens + max_tokens={max_tokens} = {total} "
                              f"exceeds max_model_len={limits.max_model_len}",
                              field="max_tokens", value=total, limit=limits.max_model_len)
-    pages = sum(most_pages_held(total, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
+    pages = _pages_held(limits, total)
     if pages > limits.usable_pages:
         raise RefusedRequest(f"{where}: needs {pages} KV pages at once, the pool has "
                              f"{limits.usable_pages} ({prompt_tokens} prompt tokens + max_tokens="

@@ -64,6 +64,8 @@ class Request:
     def __attrs_post_init__(self):
         if self.max_output is None:
             self.max_output = self.params.max_tokens
+        if self.max_output is None:   # max_tokens None: the pool and the context decide (Engine.add)
+            raise ValueError("a Request of max_tokens=None needs its max_output (prompt_limits.output_limit)")
         self.sampling = RowSampling(self.params, self.seed, self.prompt, self.output, self.stop_ids)
         self._token_array = array("q", self.prompt)
 

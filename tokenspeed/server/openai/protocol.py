@@ -64,7 +64,7 @@ class SamplingFields(Strict):
     response_format: dict | None = None
     structured_outputs: dict | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, model_defaults: dict,
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, model_defaults: dict,
                         constraint: Constraint | None = None) -> SamplingParams:
         """``model_defaults``: the model's generation_config values (as ``LLM``'s), for the
         fields the request leaves unset, over OpenAI's defaults; ``constraint``: what the

@@ -61,7 +61,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         constraint = body.output_constraint()
         if constraint is not None:
             await asyncio.to_thread(server.check_constraint, constraint)
-        params = body.sampling_params(_max_tokens(server, body.max_tokens, prompts, "prompt"), body.logprobs,
+        params = body.sampling_params(body.max_tokens, body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
@@ -71,7 +71,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         body = await server.read(request, ChatCompletionRequest)
         tools, constraint = await _chat_constraint(server, body)
         prompts = [await _chat_prompt(server, body)]
-        params = _chat_params(server, body, prompts, tools, constraint)
+        params = _chat_params(server, body, tools, constraint)
         parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
         return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
@@ -179,11 +179,12 @@ def _compiled_constraint(server: "Server", body: ChatCompletionRequest):
     return tools, constraint
 
 
-def _chat_params(server: "Server", body: ChatCompletionRequest, prompts, tools, constraint):
+def _chat_params(server: "Server", body: ChatCompletionRequest, tools, constraint):
     """Special tokens stay in a reply whose calls are parsed: a format's marker may be one
-    (vLLM's parsers keep them likewise)."""
+    (vLLM's parsers keep them likewise). No max_tokens: each prompt's output runs to the
+    context's end (``SamplingParams``' None)."""
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.sampling_params(_max_tokens(server, limit, prompts, "messages"), body.logprobs_count(),
+    params = body.sampling_params(limit, body.logprobs_count(),
                                   server.engine.info.sampling_defaults, constraint)
     return attrs.evolve(params, skip_special_tokens=False) if tools.parser is not None else params
 
@@ -204,19 +205,6 @@ async def _chat_prompt(server: "Server", body) -> Prompt:
                                        **variables)
     except (ValueError, jinja2.TemplateError) as exc:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
-
-
-def _max_tokens(server: "Server", requested: int | None, prompts: list[Prompt], field: str) -> int:
-    """``None`` (chat's default): as many as the context leaves the longest prompt; a
-    prompt that leaves none is refused as too long (``field`` names it: the client set no
-    ``max_tokens`` to blame)."""
-    if requested is not None:
-        return requested
-    longest, limit = max(len(p.token_ids) for p in prompts), server.limits.max_model_len
-    if longest >= limit:
-        raise APIError(400, f"the prompt is {longest} tokens: max_model_len={limit} leaves no room for "
-                            "an output token", field)
-    return limit - longest
 
 
 def _tokenizer(server: "Server"):

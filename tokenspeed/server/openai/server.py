@@ -275,7 +275,9 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     location = [str(part) for part in error["loc"] if (not isinstance(part, int) or error["loc"][0] != part)
                 and "[" not in str(part)]
     param = ".".join(str(p) for p in error["loc"][:1]) if error["loc"] else None
-    return f"{'.'.join(location) or 'body'}: {error['msg']}", param
+    value = error.get("input")
+    shown = f", got {value!r:.80}" if isinstance(value, (str, int, float)) and error["type"] != "missing" else ""
+    return f"{'.'.join(location) or 'body'}: {error['msg']}{shown}", param
 
 
 def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
