@@ -110,7 +110,8 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             int(torch.randint(INT64_MIN, INT64_MAX, (1,), generator=self.seeds))
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
-        max_output = min(output_limit(self.limits, "prompt", len(prompt), params), self.max_model_len - len(prompt))
+        max_output = min(output_limit(self.limits, "prompt", len(prompt), params),
+                         self.max_model_len - len(prompt))
         requests = []
         for index, constraint in enumerate(self._constraints(params)):
             requests.append(Request(self._next_id + index, prompt, params, stream_key(seed, index), index,

@@ -136,10 +136,11 @@ class SamplingParams:
     what the output must match (a JSON Schema, a regex, a choice, a grammar), enforced by
     a token mask every step; ``logit_bias`` (token id -> bias in [-100, 100], added to its
     logit, as OpenAI adds it) and ``allowed_token_ids`` (the only tokens it may sample)
-    take the same route; ``max_tokens`` None: until the context ends (vLLM's None);
-    ``include_stop_str_in_output``: the stop string, stop token or
+    take the same route; ``max_tokens`` None: until the context (or the KV pool) ends, as
+    vLLM's None; ``include_stop_str_in_output``: the stop string, stop token or
     end-of-sequence token that ended the answer stays at the end of its text (by default
-    the text ends before it, as vLLM's does; the token stays among the token ids either way)."""
+    the text ends before it, as vLLM's does; the token stays among the token ids either
+    way)."""
     n: int = attrs.field(default=1, validator=_int_in(1, MAX_N))
     temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, FLOAT32_MAX))
     top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
@@ -149,7 +150,8 @@ class SamplingParams:
     frequency_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
     repetition_penalty: float = attrs.field(default=1.0, validator=_positive_float32)
     seed: int | None = attrs.field(default=None, validator=_check_seed)
-    max_tokens: int | None = attrs.field(default=16, validator=attrs.validators.optional(_int_in(1, INT64_MAX)))
+    max_tokens: int | None = attrs.field(default=16,
+                                         validator=attrs.validators.optional(_int_in(1, INT64_MAX)))
     min_tokens: int = attrs.field(default=0, validator=_int_in(0, INT64_MAX))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_strings, validator=_check_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids,
