@@ -210,3 +210,14 @@ def test_a_model_without_a_tokenizer_refuses_text():
     with pytest.raises(ValueError, match="prompt 0 is text, but this engine has no tokenizer"):
         llm.generate("hi", use_tqdm=False)
     assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].text is None
+
+
+def test_a_stream_finished_by_another_callers_steps_still_yields_its_text(llm):
+    """A generate call between two pieces runs the stream's request to its end: the rest
+    of the text still comes."""
+    params = ts.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = llm.generate(PROMPTS[2], params, use_tqdm=False)[0].text
+    stream = llm.stream(PROMPTS[2], params)
+    first = next(stream)
+    llm.generate(PROMPTS[0], ts.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert first + "".join(stream) == want and len(want) > len(first)

@@ -50,3 +50,18 @@ def test_a_conversation_with_tools_keeps_its_fields():
 def test_bad_tool_messages_are_refused_by_path(message, says):
     with pytest.raises((TypeError, ValueError), match=says):
         template_messages([message])
+
+
+def test_llm_chat_passes_tools_and_template_kwargs_as_the_server_does():
+    """vLLM's ``LLM.chat(..., tools=, chat_template_kwargs=)``: both reach the template."""
+    import tokenspeed as ts
+    from tool_models import hermes_model_dir
+    llm = ts.LLM(hermes_model_dir(), page_size=4, max_num_seqs=2)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    greedy = ts.SamplingParams(temperature=0, max_tokens=2)
+    [out] = llm.chat([{"role": "user", "content": "Hi"}], greedy, use_tqdm=False, tools=[tool],
+                     chat_template_kwargs={"enable_thinking": False})
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in out.prompt
+    assert out.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match=r"chat_template_kwargs: \['tools'\] are set by the request's own fields"):
+        llm.chat([{"role": "user", "content": "Hi"}], greedy, chat_template_kwargs={"tools": []})

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "video_url", "audio_url", "file")   # OpenAI's and vLLM's
 FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+OWN_VARIABLES = ("messages", "tools", "add_generation_prompt")   # the template's, set by their arguments
 ROLE_OF_FIELD = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
 CALL_FIELDS = ("id", "type", "function")
 
@@ -31,6 +32,20 @@ def conversations(messages) -> list[list[dict]]:
     if all(_is_list(c) for c in messages):
         return [template_messages(c, f"messages[{i}]") for i, c in enumerate(messages)]
     return [template_messages(messages, "messages")]
+
+
+def template_variables(tools=None, chat_template_kwargs=None) -> dict:
+    """The chat template's further variables: ``chat_template_kwargs`` and the ``tools``
+    (dicts, as transformers passes them on). The template's own variables are set by
+    their own arguments, never through ``chat_template_kwargs``."""
+    variables = dict(chat_template_kwargs or {})
+    clash = sorted(set(variables) & set(OWN_VARIABLES))
+    if clash:
+        raise ValueError(f"chat_template_kwargs: {clash} are set by the request's own fields "
+                         f"({', '.join(OWN_VARIABLES)}), not here")
+    if tools:
+        variables["tools"] = list(tools)
+    return variables
 
 
 def template_messages(messages, where: str = "messages") -> list[dict]:

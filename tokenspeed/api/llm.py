@@ -14,7 +14,7 @@ from tokenspeed.backends.kernels.precompile import CompileWorkers
 from tokenspeed.backends.mla import backend_for
 from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.api import model_source
-from tokenspeed.api.chat_messages import conversations, template_messages
+from tokenspeed.api.chat_messages import conversations, template_messages, template_variables
 from tokenspeed.api.cpu_threads import size_torch_threads
 from tokenspeed.api.llm_arguments import (checked_compile_options, checked_device, checked_dtype,
                                           checked_quantization, per_prompt)
@@ -180,10 +180,14 @@ class LLM:
         return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
-        such lists; see ``chat_messages``) through the model's chat template."""
-        prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt)
+        such lists; see ``chat_messages``) through the model's chat template, which also
+        sees ``tools`` and ``chat_template_kwargs`` (``{"enable_thinking": False}``), as
+        vLLM's ``LLM.chat`` passes them."""
+        variables = template_variables(tools, chat_template_kwargs)
+        prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt, **variables)
                    for c in conversations(messages)]
         return self._generate(prompts, sampling_params, use_tqdm)
 
@@ -212,6 +216,8 @@ class LLM:
             while not request.finished:
                 self.client.serve([request], lambda finished: None, steps=1)
                 yield text.take_unread()
+            if last := text.take_unread():   # what arrived while another caller's steps finished it
+                yield last
         finally:
             self.client.drop([key])   # a consumer that stopped early
 

@@ -10,12 +10,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenspeed.api.chat_messages import MEDIA_PARTS, ROLES, template_messages
+from tokenspeed.api.chat_messages import MEDIA_PARTS, ROLES, template_messages, template_variables
 from tokenspeed.execution.sampling_params import MAX_LOGPROBS
 from tokenspeed.server.openai.api_error import APIError
 from tokenspeed.server.openai.protocol import SamplingFields, Strict
 
-OWN_VARIABLES = ("messages", "tools", "add_generation_prompt")
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"   # OpenAI's rule: a name the model writes back, and parsers find
 
 
@@ -93,15 +92,13 @@ class ChatTemplateFields(Strict):
     def template_variables(self) -> dict:
         """``tools`` (as the client sent them: transformers passes dicts on unchanged) and
         ``chat_template_kwargs``."""
-        variables = dict(self.chat_template_kwargs or {})
-        clash = sorted(set(variables) & set(OWN_VARIABLES))
-        if clash:
-            raise APIError(400, f"chat_template_kwargs: {clash} are set by the request's own fields "
-                           f"({', '.join(OWN_VARIABLES)}), not here", "chat_template_kwargs")
         if self.tools:
             self._check_tool_names()
-            variables["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
-        return variables
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+        try:
+            return template_variables(tools, self.chat_template_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "chat_template_kwargs") from exc
 
     def _check_tool_names(self) -> None:
         """Two tools of one name: a call to it could be either."""
