@@ -65,3 +65,7 @@ def test_llm_chat_passes_tools_and_template_kwargs_as_the_server_does():
     assert out.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     with pytest.raises(ValueError, match=r"chat_template_kwargs: \['tools'\] are set by the request's own fields"):
         llm.chat([{"role": "user", "content": "Hi"}], greedy, chat_template_kwargs={"tools": []})
+    with pytest.raises(TypeError, match="tools must be a list of tool dicts, got dict"):
+        llm.chat([{"role": "user", "content": "Hi"}], greedy, tools=tool)
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict, got str"):
+        llm.chat([{"role": "user", "content": "Hi"}], greedy, chat_template_kwargs="enable_thinking")

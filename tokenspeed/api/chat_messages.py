@@ -38,6 +38,10 @@ def template_variables(tools=None, chat_template_kwargs=None) -> dict:
     """The chat template's further variables: ``chat_template_kwargs`` and the ``tools``
     (dicts, as transformers passes them on). The template's own variables are set by
     their own arguments, never through ``chat_template_kwargs``."""
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise TypeError(f"chat_template_kwargs must be a dict, got {_shown(chat_template_kwargs)}")
+    if tools is not None and not (_is_list(tools) and all(isinstance(t, Mapping) for t in tools)):
+        raise TypeError(f"tools must be a list of tool dicts, got {_shown(tools)}")
     variables = dict(chat_template_kwargs or {})
     clash = sorted(set(variables) & set(OWN_VARIABLES))
     if clash:
