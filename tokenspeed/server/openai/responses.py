@@ -37,9 +37,13 @@ class Usage:
 
 
 def model_list(name: str, max_model_len: int, vocab_size: int) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                        "owned_by": OWNER, "max_model_len": max_model_len,
-                                        "vocab_size": vocab_size}]}
+    return {"object": "list", "data": [model_card(name, max_model_len, vocab_size)]}
+
+
+def model_card(name: str, max_model_len: int, vocab_size: int) -> dict:
+    """The served model's entry, in the list and alone (``/v1/models/{model}``)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": OWNER,
+            "max_model_len": max_model_len, "vocab_size": vocab_size}
 
 
 def gather(updates, n: int, prompt_index: int) -> list[CompletionDelta]:

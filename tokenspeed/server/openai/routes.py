@@ -49,9 +49,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     @app.get("/v1/models/{model:path}")   # a path: model names hold slashes (owner/name)
     async def model(model: str):
         server.check_model(model)
-        [entry] = responses.model_list(server.model_name, server.limits.max_model_len,
-                                       server.limits.vocab_size)["data"]
-        return entry
+        return responses.model_card(server.model_name, server.limits.max_model_len, server.limits.vocab_size)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
