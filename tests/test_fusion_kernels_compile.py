@@ -1,6 +1,7 @@
 """This session's fused kernels compile for an H100/H200 (sm_90) on a machine without a GPU,
 as ``test_kernel_compile`` compiles the others (a child process, outside the interpreter):
-the rotary, the router's softmax and top k (alone and after the gate's product), the latent
+the rotary, the router's softmax and top k (alone, after the gate's product, and that after
+the norm), the latent
 write, the MoE combine with the shared experts' add and the one-launch expert grouping, at
 DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes, with programmatic dependent launch on where
 the kernel takes it."""
@@ -39,15 +40,16 @@ def fused_kernels():
                                                               block_experts_ptr="*i32",
                                                               **i32(triton_moe_align._group_kernel)),
                          dict(CHUNK=256, E=128, BLOCK_M=16, TILE=64, FILL=1024))
-    gate = compile_sm90(triton_route._route_kernel, dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32",
-                                                         weights_ptr="*fp32", ids_ptr="*i64", cnt_ptr="*i32",
-                                                         scale="fp32", rows="i32",
-                                                         **i32(triton_route._route_kernel)),
-                        dict(K=6, NORMALIZE=False, ROUND=False, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64, BLOCK_S=8,
-                             BLOCK_TOP=8, USE_PDL=True))
-    assert all(k.asm["ptx"] for k in (rope, route, latent, combine, group, gate))
+    gates = [compile_sm90(triton_route._route_kernel, dict(
+        x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", cnt_ptr="*i32",
+        scale="fp32", rows="i32", res_ptr="*bf16", nw_ptr="*bf16", normed_ptr="*bf16", total_ptr="*bf16", eps="fp32",
+        **i32(triton_route._route_kernel)),
+        dict(K=6, NORMALIZE=False, ROUND=False, NORM=norm, HAS_RES=norm, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64,
+             BLOCK_S=8, BLOCK_TOP=8, USE_PDL=True)) for norm in (False, True)]
+    assert all(k.asm["ptx"] for k in (rope, route, latent, combine, group, *gates))
     assert "bar.sync" in group.asm["ptx"]   # the rows are marked empty before the pairs land
-    assert "atom.global.gpu.acq_rel.add" in gate.asm["ptx"]   # the last program counts itself in
+    assert all("atom.global.gpu.acq_rel.add" in g.asm["ptx"] for g in gates)   # the last program counts itself in
+    assert gates[1].asm["ptx"].count("st.global") > gates[0].asm["ptx"].count("st.global")   # normed rows, sum
 
 
 def test_the_fused_kernels_compile_for_sm90():

@@ -229,11 +229,17 @@ def test_the_ir_shows_the_moe_op(mode):
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_decode_routes_with_one_op_and_prefill_with_the_gate_and_the_choice(mode):
     """``fuse_router`` (decode and verify): the gate's product and ``softmax_top_k`` become
-    one ``route`` op; prefill keeps them."""
+    one ``route`` op, and ``fuse_norm_route`` puts the norm before it in the same op, whose
+    normed rows the mixture reads and whose sum the next layer does; prefill keeps them."""
     text = stages.trace(ts.models.load(checkpoint("qwen3_moe"))).lower(mode).as_text()
-    fused = ("%model_layers_0_mlp_gate_route = tokenspeed.route(%layer0_post_attention_layernorm, "
-             "%model_layers_0_mlp_gate_weight, 2, True, 1.0, split_counters=%split_counters)")
+    fused = ("%model_layers_0_mlp_gate_route_normed = tokenspeed.norm_route(%embed_tokens, %layer0_o_proj, "
+             "%layer0_post_attention_layernorm_weight, 1e-06, %model_layers_0_mlp_gate_weight, 2, True, 1.0, "
+             "split_counters=%split_counters)")
     assert (fused in text, "softmax_top_k(" in text) == ((True, False) if mode == "decode" else (False, True))
+    if mode == "decode":
+        assert "%layer0_post_attention_layernorm = getitem(%model_layers_0_mlp_gate_route_normed, 2)" in text
+        assert "tokenspeed.norm_linear(%add, %layer0_moe, " in text and "tokenspeed.route(" not in text
+        assert text.count("add_rms_norm(") == 1   # the final norm, read by the head
 
 
 def test_the_router_pass_takes_the_gates_it_can_and_leaves_the_rest():
@@ -262,3 +268,37 @@ def test_the_router_pass_takes_the_gates_it_can_and_leaves_the_rest():
         [(["x", "w"], {}), (["x", "gate"], {"logits_dtype": torch.float32})]
     assert sum(n.target == SOFTMAX_TOP_K for n in nodes) == 2
     assert not any(n.op == "call_method" or n.target is torch.nn.functional.linear for n in nodes)
+
+
+def test_the_norm_pass_takes_a_norm_the_router_reads_first():
+    """``fuse_norm_route``: a norm (with or without its residual add) read by a ``route`` and
+    after it joins the route; one whose output is read before the route stays."""
+    import operator
+    from torch import fx
+    from tokenspeed.ir.ops import NORM_ROUTE, OPS, ROUTE
+    from tokenspeed.ir.program import Program
+    from tokenspeed.passes.fusion import fuse_norm_route
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    graph = gm.graph
+    x, res, nw, w = (graph.placeholder(n) for n in ("x", "res", "nw", "w"))
+    added = graph.call_function(OPS.add_rms_norm.default, (x, res, nw, 1e-6))
+    normed, total = (graph.call_function(operator.getitem, (added, i)) for i in (0, 1))
+    first = graph.call_function(ROUTE, (normed, w, 2, True, 1.0))
+    mixture = graph.call_function(OPS.moe.default, (normed, w, w, graph.call_function(operator.getitem, (first, 0)),
+                                                    graph.call_function(operator.getitem, (first, 1))))
+    plain = graph.call_function(OPS.rms_norm.default, (mixture, nw, 1e-6))
+    second = graph.call_function(ROUTE, (plain, w, 2, True, 1.0))
+    early = graph.call_function(OPS.rms_norm.default, (total, nw, 1e-6))
+    read_before = graph.call_function(torch.neg, (early,))
+    third = graph.call_function(ROUTE, (early, w, 2, True, 1.0))
+    graph.output([second, third, read_before, total, plain])
+    gm.recompile()
+    nodes = list(fuse_norm_route(Program(mode="decode", graph_module=gm)).graph_module.graph.nodes)
+    fused = [n for n in nodes if n.target == NORM_ROUTE]
+    assert [[getattr(a, "name", a) for a in n.args[:4]] for n in fused] == [["x", "res", "nw", 1e-6],
+                                                                              ["moe_default", None, "nw", 1e-6]]
+    assert sum(n.target == ROUTE for n in nodes) == 1 and not any(n.target == OPS.add_rms_norm.default for n in nodes)
+    moe = next(n for n in nodes if n.target == OPS.moe.default)
+    assert moe.args[0].target is operator.getitem and moe.args[0].args == (fused[0], 2)
+    outputs = nodes[-1].args[0]
+    assert outputs[3].args == (fused[0], 3) and outputs[4].args == (fused[1], 2)

@@ -114,6 +114,39 @@ def test_a_gate_in_bfloat16_rounds_its_logits_before_the_choice():
     assert ids.tolist() == [[1]]
 
 
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 3), hidden=st.sampled_from([64, 200, 520]), residual=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), float_logits=st.booleans(), seed=st.integers(0, 99))
+def test_the_router_with_its_norm_chooses_as_the_norm_and_the_route_apart(rows, hidden, residual, dtype, float_logits,
+                                                                         seed):
+    """``norm_route`` against ``reference.norm_route`` (the norm's op, then the route's): the
+    sum to the bit; the normed rows to float32's rounding, or two bfloat16 steps (the
+    interpreter truncates where the GPU rounds to nearest, at each of the two roundings);
+    the choice where the reference's
+    logits leave a margin at the k-th pick. Every program reads the whole row for its
+    statistics, and the rows span several of them (``GATE_BLOCK_K`` features each)."""
+    gen, k, experts = torch.Generator().manual_seed(seed), 4, 60
+    x, res = (torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to(DEVICE, dtype)
+    gate = (torch.randn(experts, hidden, generator=gen) * 0.1).to(DEVICE, torch.float32 if float_logits else dtype)
+    logits_dtype, counters = torch.float32 if float_logits else None, torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    res = res if residual else None
+    got = triton_route.norm_route(x, res, norm_weight, 1e-6, gate, k, True, 1.0, logits_dtype, counters)
+    want = reference.norm_route(x.cpu(), None if res is None else res.cpu(), norm_weight.cpu(), 1e-6, gate.cpu(), k,
+                                True, 1.0, logits_dtype)
+    assert len(got) == len(want) == 3 + residual and not counters.any()
+    if residual:
+        assert torch.equal(got[3].cpu(), want[3]) if dtype == torch.float32 else \
+            torch.allclose(got[3].cpu().float(), want[3].float(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(got[2].cpu().float(), want[2].float(), rtol=1e-5 if dtype == torch.float32 else 2 ** -6,
+                               atol=1e-6 if dtype == torch.float32 else 1e-2)
+    logits = torch.sort(want[2].float() @ gate.cpu().float().T, dim=-1, descending=True).values
+    for row in range(rows):
+        if logits[row, k - 1] - logits[row, k] > 0.05:
+            assert set(got[1][row].tolist()) == set(want[1][row].tolist())
+            assert sorted(got[0][row].tolist()) == pytest.approx(sorted(want[0][row].tolist()), rel=2e-2, abs=1e-3)
+
+
 def test_the_one_launch_gate_refuses_more_rows_than_a_decode_step():
     rows = triton_route.ROUTE_MAX_ROWS + 1
     with pytest.raises(InternalError, match=f"T <= {triton_route.ROUTE_MAX_ROWS}"):
@@ -144,3 +177,33 @@ def test_the_gate_in_a_cuda_graph_chooses_as_an_eager_launch(experts, k, gate_dt
     ref_weights, ref_ids = reference.route(x, gate, k, True, 1.0, logits_dtype)
     assert (ids.sort(dim=-1).values == ref_ids.sort(dim=-1).values).float().mean() > 0.95
     torch.testing.assert_close(weights.sort(dim=-1).values, ref_weights.sort(dim=-1).values, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, k, gate_dtype", [(64, 6, torch.float32), (128, 8, torch.bfloat16)],
+                         ids=["deepseek-v2-lite", "qwen3-30b-a3b"])
+def test_the_normed_gate_in_a_cuda_graph_chooses_as_an_eager_launch(experts, k, gate_dtype):
+    """``norm_route`` at the models' shapes (hidden 2048, one row): a replay with new
+    features and residual gives an eager launch's outputs to the bit, and the reference's
+    sum to the bit and its normed row within a bfloat16 step."""
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x, res = (torch.randn(1, 2048, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_weight = (torch.rand(2048, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    gate = (torch.randn(experts, 2048, device="cuda", generator=gen) * 0.02).to(gate_dtype)
+    logits_dtype = torch.float32 if gate_dtype == torch.float32 else None
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+    run = lambda: triton_route.norm_route(x, res, norm_weight, 1e-6, gate, k, True, 1.0, logits_dtype,  # noqa: E731
+                                          counters)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run()
+    x.copy_(torch.randn(1, 2048, device="cuda", generator=gen))
+    res.copy_(torch.randn(1, 2048, device="cuda", generator=gen))
+    graph.replay()
+    eager = run()
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager)) and not counters.any()
+    want = reference.norm_route(x, res, norm_weight, 1e-6, gate, k, True, 1.0, logits_dtype)
+    assert torch.equal(eager[3], want[3])
+    torch.testing.assert_close(eager[2].float(), want[2].float(), rtol=2 ** -7, atol=1e-2)
+    assert (eager[1].sort(dim=-1).values == want[1].sort(dim=-1).values).float().mean() > 0.8

@@ -242,6 +242,18 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale:
     return [x.new_empty(rows, k, dtype=torch.float32), x.new_empty(rows, k, dtype=torch.int64)]
 
 
+@_op("norm_route")
+def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               weight: torch.Tensor, k: int, normalize: bool, scale: float, logits_dtype: torch.dtype | None = None,
+               split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``route`` of ``rms_norm(x + residual)``, which the mixture reads too: ``[weights, ids,
+    normed, x + residual]`` (``[weights, ids, normed]`` without a residual). A decode step's
+    routing normalises its input in the router's launch: the norm's own launch is gone."""
+    rows = x.shape[0]
+    choice = [x.new_empty(rows, k, dtype=torch.float32), x.new_empty(rows, k, dtype=torch.int64)]
+    return [*choice, torch.empty_like(x)] + ([] if residual is None else [torch.empty_like(x)])
+
+
 @_op("moe")
 def moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, shared: torch.Tensor | None = None, shared_w13: torch.Tensor | None = None,
@@ -322,6 +334,7 @@ ROPE_WRITE_KV = OPS.rope_write_kv.default
 ROPE = OPS.rope.default
 MOE = OPS.moe.default
 ROUTE = OPS.route.default
+NORM_ROUTE = OPS.norm_route.default
 SOFTMAX_TOP_K = OPS.softmax_top_k.default
 WRITE_LATENT = OPS.write_latent.default
 NORM_ROPE_WRITE_LATENT = OPS.norm_rope_write_latent.default
@@ -333,6 +346,6 @@ RECURRENT_TARGETS = (OPS.causal_conv_silu, CAUSAL_CONV_SILU, OPS.gated_delta_rul
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT, NORM_ROPE_WRITE_LATENT)
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "softmax_top_k", "route", "moe", "write_latent", "norm_rope_write_latent",
-            "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule",
+            "norm_linear", "embedding", "softmax_top_k", "route", "norm_route", "moe", "write_latent",
+            "norm_rope_write_latent", "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule",
             "causal_conv_silu_step", "gated_delta_rule_step")

@@ -26,6 +26,9 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
 - ``fuse_norm_linear``: a norm (with its residual add) whose only reader is a linear
   becomes ``tokenspeed::norm_linear``, whose GEMV normalises its input as it reads it
   (a GGUF weight's up to ``cuda.GGUF_NORM_GEMV_MAX_N`` outputs; an FP8 weight's never).
+- ``fuse_norm_route``: a norm (with its residual add) read by a router's ``route`` and
+  after it (the mixture, the next layer) becomes ``tokenspeed::norm_route``, whose
+  launch normalises the gate's input and stores the normed rows and their sum.
 """
 
 import operator
@@ -33,8 +36,8 @@ import operator
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import (DECODE_ATTENTION, MOE, OPS as ops, ROPE, ROPE_DECODE_ATTENTION, WRITE_KV,
-                               WRITE_LATENT)
+from tokenspeed.ir.ops import (DECODE_ATTENTION, MOE, NORM_ROUTE, OPS as ops, ROPE, ROPE_DECODE_ATTENTION, ROUTE,
+                               WRITE_KV, WRITE_LATENT)
 from tokenspeed.ir.program import rename
 from tokenspeed.ir.rows import PROBE_ROWS, fake_values
 from tokenspeed.ir.trace import leaf_kind
@@ -235,8 +238,7 @@ def fuse_norm_linear(gm: fx.GraphModule, **_) -> None:
         norm = _feeding_norm(node, order)
         if norm is None:
             continue
-        x, residual, weight, eps = norm.args if norm.target == ops.add_rms_norm.default \
-            else (norm.args[0], None, *norm.args[1:])
+        x, residual, weight, eps = _norm_operands(norm)
         with gm.graph.inserting_before(node):
             fused = gm.graph.call_function(ops.norm_linear.default,
                                            (x, residual, weight, eps, *node.args[1:]))
@@ -248,6 +250,50 @@ def fuse_norm_linear(gm: fx.GraphModule, **_) -> None:
             else:
                 gm.graph.erase_node(part)
         gm.graph.erase_node(norm)
+
+
+@graph_pass("fuse_norm_route")
+def fuse_norm_route(gm: fx.GraphModule, **_) -> None:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for route in [n for n in gm.graph.nodes if n.target == ROUTE]:
+        norm = _norm_routed(route, order)
+        if norm is None:
+            continue
+        with gm.graph.inserting_before(route):
+            fused = gm.graph.call_function(NORM_ROUTE, (*_norm_operands(norm), *route.args[1:]), dict(route.kwargs))
+        rename(fused, f"{route.name}_normed")
+        _same_stage(route, fused)
+        route.replace_all_uses_with(fused)   # weights and ids come first in both
+        gm.graph.erase_node(route)
+        if norm.target == ops.rms_norm.default:
+            _substitute(gm, norm, operator.getitem, (fused, 2), after=fused)
+            continue
+        for part in _outputs(norm):   # the normed value and the sum
+            _substitute(gm, part, operator.getitem, (fused, 2 + part.args[1]), after=fused)
+        gm.graph.erase_node(norm)
+
+
+def _norm_routed(route: fx.Node, order) -> fx.Node | None:
+    """The ``rms_norm``/``add_rms_norm`` whose normed value ``route`` reads, if every other
+    reader of its outputs (the mixture, the next layer's residual) comes after ``route``."""
+    normed = route.args[0]
+    if not isinstance(normed, fx.Node):
+        return None
+    if normed.target == ops.rms_norm.default:
+        norm, outputs = normed, [normed]
+    elif normed.target is operator.getitem and normed.args[1] == 0 \
+            and normed.args[0].target == ops.add_rms_norm.default:
+        norm = normed.args[0]
+        outputs = _outputs(norm)
+    else:
+        return None
+    readers = [u for out in outputs for u in out.users if u is not route]
+    return norm if all(order[r] > order[route] for r in readers) else None
+
+
+def _norm_operands(norm: fx.Node) -> tuple:
+    """(x, residual or None, weight, eps) of an ``rms_norm`` or ``add_rms_norm``."""
+    return norm.args if norm.target == ops.add_rms_norm.default else (norm.args[0], None, *norm.args[1:])
 
 
 def _feeding_norm(linear: fx.Node, order) -> fx.Node | None:

@@ -5,8 +5,8 @@ from torch import fx
 
 from tokenspeed.ir.program import Program
 from tokenspeed.passes.breaks import attention_breaks, stage_breaks, whole_graph
-from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_head_norms, fuse_norm_linear, fuse_norms,
-                                      fuse_latent_write, fuse_moe_add, fuse_rope_decode_attention,
+from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_head_norms, fuse_latent_write, fuse_moe_add,
+                                      fuse_norm_linear, fuse_norm_route, fuse_norms, fuse_rope_decode_attention,
                                       fuse_rope_write_kv, rope_kernels, select_linear)
 from tokenspeed.passes.kernels import decode_kernels, extend_kernels, recurrent_steps
 from tokenspeed.passes.latent_rope import fuse_latent_query_rope
@@ -32,8 +32,8 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
     steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
     return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels, fuse_latent_write,
             fuse_latent_query_rope, fuse_moe_add, select_linear, fuse_gated_linear, fuse_shared_experts,
-            fuse_router, fuse_norm_linear, merge_splits_in_launch, whole_graph if decode_graph else attention_breaks,
-            split_segments]
+            fuse_router, fuse_norm_route, fuse_norm_linear, merge_splits_in_launch,
+            whole_graph if decode_graph else attention_breaks, split_segments]
 
 
 def run_pipeline(graph_module: fx.GraphModule, config, mode: str, *, narrow: bool = True,

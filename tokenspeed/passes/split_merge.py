@@ -17,12 +17,12 @@ batch 1 (0.465 against 0.446 ms, docs/PERFORMANCE.md); its merge kernel is kept.
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import OPS as ops, ROUTE
+from tokenspeed.ir.ops import NORM_ROUTE, OPS as ops, ROUTE
 from tokenspeed.passes.manager import graph_pass
 
 SPLIT_COUNTERS = "split_counters"
 SPLIT_COUNTER_SLOTS = 1 << 12   # column blocks of the widest projection that splits (a GEMV's)
-SPLITTING = (ops.linear.default, ops.gated_linear.default, ops.norm_linear.default, ROUTE)
+SPLITTING = (ops.linear.default, ops.gated_linear.default, ops.norm_linear.default, ROUTE, NORM_ROUTE)
 
 
 @graph_pass("merge_splits_in_launch")

@@ -234,6 +234,17 @@ def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None
     return triton_route.softmax_top_k(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale)
 
 
+def norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+    """One launch for one row (``triton_route.norm_route``), as ``norm_linear`` fuses its norm
+    for one row only; more rows run the norm's kernel, then ``route``."""
+    from tokenspeed.backends.kernels import triton_route
+    if split_counters is not None and x.dim() == 2 and x.shape[0] == 1:
+        return triton_route.norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype,
+                                       split_counters)
+    norm = [rms_norm(x, norm_weight, eps)] if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    return [*route(norm[0], weight, k, normalize, scale, logits_dtype, split_counters), *norm]
+
+
 def moe(x, w13, w2, topk_weights, topk_ids, shared=None, shared_w13=None, shared_w2=None):
     """The shared experts' weights: their MLP inside the pair launches for a step of a few
     tokens; past that, their projections run first, as their own ops would."""

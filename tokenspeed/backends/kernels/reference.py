@@ -113,6 +113,12 @@ def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None
     return softmax_top_k(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale)
 
 
+def norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+    """The ops it stands for: the norm (with its residual add), then ``route``."""
+    norm = [rms_norm(x, norm_weight, eps)] if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    return [*route(norm[0], weight, k, normalize, scale, logits_dtype), *norm]
+
+
 def gate_logits(x, weight, logits_dtype, linear_op):
     """A router gate's logits as the model computed them: float32 ones as its ``torch.linear``
     of the cast operands, the others as its ``linear`` op (``linear_op``, the backend's)."""

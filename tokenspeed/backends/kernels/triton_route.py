@@ -13,13 +13,18 @@ by every row's features once, in float32, and stores its partial sums; the last 
 finish (counted in, as ``triton_gemv``'s split reductions are) adds the partials of each
 row, rounds them as the gate's output is rounded, and chooses. DeepSeek's gate, a float32
 product of the layer's 16-bit input, took a cast, a cuBLAS product and this kernel before.
+``norm_route`` normalises the gate's input in the same launch (``rms_norm(x + residual)``,
+which every program computes for its slice of the features) and stores the normed rows and
+their sum, which the mixture and the next layer read: the norm's own launch is gone.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import pdl, triton_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.errors import InternalError
 
@@ -61,13 +66,39 @@ def _softmax_top_k_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_
 
 
 @triton.jit
+def _normed_slice(x_row, res_row, nw_ptr, normed_row, total_row, k, hidden, eps, written,
+                  HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A row's ``rms_norm(x + residual)`` at features ``k``, in float32 (rounded as
+    ``add_rms_norm`` rounds it): every program reads the whole row for its statistics (a
+    few kilobytes, in L2), and stores its slice of the normed row and of the sum, for the
+    ops after the router, below feature ``written`` (the row's width, or 0)."""
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        h = triton_gemv._hidden(x_row, res_row, k0 + tl.arange(0, BLOCK_K), k0 + tl.arange(0, BLOCK_K) < hidden,
+                                HAS_RES)
+        squares += h * h
+    inv = 1.0 / tl.sqrt(tl.sum(squares, 0) / hidden + eps)
+    mask = k < hidden
+    h = triton_gemv._hidden(x_row, res_row, k, mask, HAS_RES)
+    normed = triton_gemv.normed(h, tl.load(nw_ptr + k, mask=mask, other=0.0), inv, x_row.dtype.element_ty)
+    tl.store(normed_row + k, normed, mask=k < written)
+    if HAS_RES:
+        tl.store(total_row + k, h.to(total_row.dtype.element_ty), mask=k < written)
+    return normed.to(tl.float32)
+
+
+@triton.jit
 def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, num_experts, hidden, stride_xm,
-                  stride_wn, scale, K: tl.constexpr, NORMALIZE: tl.constexpr, ROUND: tl.constexpr,
+                  stride_wn, scale, res_ptr, nw_ptr, normed_ptr, total_ptr, eps, K: tl.constexpr,
+                  NORMALIZE: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                   BLOCK_TOP: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (column block, split): the gate's tile is read before the wait (PDL), then
     each row's partial ``[BLOCK_N]`` is stored at ``part[split, row]``. ROUND: the logits
-    are rounded to x's dtype (the gate's output dtype) before the softmax."""
+    are rounded to x's dtype (the gate's output dtype) before the softmax. NORM: the gate
+    reads ``rms_norm(x + residual)`` (``res_ptr`` read if HAS_RES), which the first column
+    block's programs store, with the sum, as ``[rows, hidden]`` rows (x's rows are
+    ``stride_xm`` apart, the residual's contiguous)."""
     pdl.start(USE_PDL)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,8 +106,13 @@ def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, n
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
                 mask=(n < num_experts)[:, None] & (k < hidden)[None, :], other=0.0).to(tl.float32)
     pdl.wait(USE_PDL)
+    written = tl.where(tl.program_id(0) == 0, hidden, 0)   # the first column block stores the norm's rows
     for m in range(0, rows):
-        x = tl.load(x_ptr + m * stride_xm + k, mask=k < hidden, other=0.0).to(tl.float32)
+        if NORM:
+            x = _normed_slice(x_ptr + m * stride_xm, res_ptr + m * hidden, nw_ptr, normed_ptr + m * hidden,
+                              total_ptr + m * hidden, k, hidden, eps, written, HAS_RES, BLOCK_K)
+        else:
+            x = tl.load(x_ptr + m * stride_xm + k, mask=k < hidden, other=0.0).to(tl.float32)
         tl.store(part_ptr + (split * rows + m) * num_experts + n, tl.sum(w * x[None, :], 1), mask=n < num_experts)
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(1) - 1:
@@ -106,11 +142,41 @@ def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -
     return [weights, ids]
 
 
+class RouterNorm(NamedTuple):
+    """The RMSNorm ``norm_route`` applies to the router's input, and where its outputs go."""
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    normed: torch.Tensor
+    total: torch.Tensor | None
+
+
 def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
           logits_dtype: torch.dtype | None, split_counters: torch.Tensor) -> list[torch.Tensor]:
     """``softmax_top_k(x [T, H] @ weight [E, H].T)`` for T <= ``ROUTE_MAX_ROWS``, in one launch
     that leaves its counter (``split_counters[0]``, int32) zeroed. ``logits_dtype``: float32,
     or None for x's dtype (the logits rounded to it)."""
+    return _route(x, weight, k, normalize, scale, logits_dtype, split_counters, None)
+
+
+def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+               weight: torch.Tensor, k: int, normalize: bool, scale: float, logits_dtype: torch.dtype | None,
+               split_counters: torch.Tensor) -> list[torch.Tensor]:
+    """``route`` of ``rms_norm(x + residual)`` in the same one launch: ``[weights, ids,
+    normed, x + residual]`` (no sum without a residual)."""
+    if residual is not None and residual.shape != x.shape or norm_weight.shape != x.shape[-1:]:
+        raise InternalError(f"norm_route wants a residual shaped as x {tuple(x.shape)} and a norm weight of "
+                            f"its width; got {None if residual is None else tuple(residual.shape)} and "
+                            f"{tuple(norm_weight.shape)}")
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = None if residual is None else torch.empty_like(normed)
+    norm = RouterNorm(None if residual is None else residual.contiguous(), norm_weight, eps, normed, total)
+    return [*_route(x, weight, k, normalize, scale, logits_dtype, split_counters, norm), normed,
+            *([] if total is None else [total])]
+
+
+def _route(x, weight, k: int, normalize: bool, scale: float, logits_dtype, split_counters,
+           norm: RouterNorm | None) -> list[torch.Tensor]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > ROUTE_MAX_ROWS:
         raise InternalError(f"route wants x [T, H] with T <= {ROUTE_MAX_ROWS} and weight [E, H]; got "
                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -125,12 +191,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale:
         weight = weight if weight.stride(-1) == 1 else weight.contiguous()
         grid = (triton.cdiv(experts, GATE_BLOCK_N), triton.cdiv(hidden, GATE_BLOCK_K))
         part = torch.empty((grid[1], rows, experts), dtype=torch.float32, device=x.device)
+        n = norm or RouterNorm(None, x, 0.0, x, None)   # unread without NORM
         _route_kernel[grid](x, weight, part, weights, ids, split_counters, rows, experts, hidden, x.stride(0),
-                            weight.stride(0), float(scale), K=k, NORMALIZE=normalize,
-                            ROUND=logits_dtype is None and x.dtype != torch.float32, BLOCK_N=GATE_BLOCK_N,
-                            BLOCK_K=GATE_BLOCK_K, BLOCK_E=next_power_of_2(experts),
-                            BLOCK_S=next_power_of_2(grid[1]), BLOCK_TOP=next_power_of_2(k), num_warps=4,
-                            **pdl.launch_options(x.device))
+                            weight.stride(0), float(scale), triton_gemv._or(n.residual, x), n.weight, n.normed,
+                            triton_gemv._or(n.total, x), float(n.eps), K=k, NORMALIZE=normalize,
+                            ROUND=logits_dtype is None and x.dtype != torch.float32, NORM=norm is not None,
+                            HAS_RES=n.residual is not None, BLOCK_N=GATE_BLOCK_N, BLOCK_K=GATE_BLOCK_K,
+                            BLOCK_E=next_power_of_2(experts), BLOCK_S=next_power_of_2(grid[1]),
+                            BLOCK_TOP=next_power_of_2(k), num_warps=4, **pdl.launch_options(x.device))
     return [weights, ids]
 
 
