@@ -17,15 +17,17 @@ def compile_sm90(kernel, signature, constexprs, num_warps, num_stages=3):
     return sm90.compile_sm90(kernel, signature, constexprs, num_warps, num_stages).asm["ptx"]
 
 ints = lambda *names: {n: "i32" for n in names}
-gemv = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+gemv = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32",
+            bias_ptr="*bf16", out_ptr="*bf16", eps="fp32",
             **ints("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_os", "stride_om"))
 for rows in (1, 16):
     for n, k in ((2048, 8192), (3072, 2048)):
         c = g.choose_config(rows, n, k, 132)
         for blocks in (False, True):
-            ptx = compile_sm90(g._gemv_kernel, gemv, dict(HAS_BIAS=True, GATED=k == 8192, BLOCK_SCALES=blocks,
-                               BLOCK_M=1 if rows == 1 else 16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                               PRECISION="tf32", USE_PDL=True), c.num_warps, c.num_stages)
+            normed = rows == 1 and k == 2048   # the one-row norm of a layer's first projection
+            ptx = compile_sm90(g._gemv_kernel, gemv, dict(HAS_BIAS=True, GATED=k == 8192, NORM=normed, HAS_RES=normed,
+                               BLOCK_SCALES=blocks, BLOCK_M=1 if rows == 1 else 16, BLOCK_N=c.block_n,
+                               BLOCK_K=c.block_k, PRECISION="tf32", USE_PDL=True), c.num_warps, c.num_stages)
             assert "griddepcontrol.wait" in ptx
 matmul = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
               **ints("M", "N", "K", "k_per_split", "stride_xm", "stride_xsm", "stride_wn", "stride_wsn", "stride_os", "stride_om"))

@@ -76,6 +76,24 @@ def test_kernels_compute_their_gated_input(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "alone"])
+def test_gemv_norms_its_one_row_as_the_norm_kernel_does(layout, residual):
+    """``norm_linear``: rms_norm(x + residual) * weight read by the GEMV, over several K
+    tiles and a split K (the statistics of the whole row in every program), equals the
+    norm's reference then the GEMV; the sum comes out to the bit."""
+    weight, scale = fp8_weight(layout, seed=8)
+    w = fp8_weights.dequantize(weight, scale)
+    x, res, norm_weight = rand(1, K, seed=9), rand(1, K, seed=10), rand(K, seed=11) + 1.5
+    res = res if residual else None
+    normed, *total = [reference.rms_norm(x, norm_weight, 1e-6)] if res is None else \
+        reference.add_rms_norm(x, res, norm_weight, 1e-6)
+    for config in (triton_fp8_gemv.GemvConfig(16, 64, 1, 4, 1), triton_fp8_gemv.GemvConfig(16, 64, 2, 4, 1), None):
+        got, got_total = triton_fp8_gemv.norm_linear(x, res, norm_weight, 1e-6, weight, scale, config=config)
+        assert_within(got, normed, w)
+        assert (got_total is None) == (res is None) and (res is None or torch.equal(got_total, total[0]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_matmul_equals_the_product_of_quantized_rows(layout):
     """``fp8_matmul.linear`` (``torch._scaled_mm`` per channel, the Triton kernel for
     blocks) for a skinny batch and one past ``SKINNY_M``, with K split, with a bias."""

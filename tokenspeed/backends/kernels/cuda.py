@@ -185,13 +185,14 @@ def _gated_gemv(gate_up, weight, bias, weight_format, weight_scale, split_counte
 def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None,
                 split_counters=None):
     """Fused for one row only: with more, every GEMV program re-reads all rows for the
-    statistics in a loop that is not pipelined. An FP8 weight's norm runs before its GEMV,
-    and so does a GGUF weight's past ``GGUF_NORM_GEMV_MAX_N`` outputs: each GEMV program
-    norms the whole input, which costs more than the saved kernel once programs are many
-    (1B shape on the H200, Q4_K: the head 172 us fused, about 90 apart)."""
+    statistics in a loop that is not pipelined. A GGUF weight's norm runs before its GEMV
+    past ``GGUF_NORM_GEMV_MAX_N`` outputs: each GEMV program norms the whole input, which
+    costs more than the saved kernel once programs are many (1B shape on the H200, Q4_K:
+    the head 172 us fused, about 90 apart)."""
     _refuse_cpu_formats(weight_format)
     if x.dim() == 2 and x.shape[0] == 1 and _fuses_norm(weight, weight_format):
-        out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, split_counters)
+        out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weight_scale,
+                                split_counters)
         return [out] if total is None else [out, total]
     if residual is None:
         return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale, split_counters)]
@@ -200,13 +201,16 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
 
 
 def _fuses_norm(weight, weight_format) -> bool:
-    return weight_format == DENSE or (weight_format != FP8 and weight.shape[0] <= GGUF_NORM_GEMV_MAX_N)
+    return weight_format in (DENSE, FP8) or weight.shape[0] <= GGUF_NORM_GEMV_MAX_N
 
 
-def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, split_counters):
+def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weight_scale, split_counters):
     if weight_format == DENSE:
         from tokenspeed.backends.kernels import triton_gemv
         return triton_gemv.norm_linear(x, residual, norm_weight, eps, weight, bias, split_counters=split_counters)
+    if weight_format == FP8:
+        from tokenspeed.backends.kernels import triton_fp8_gemv
+        return triton_fp8_gemv.norm_linear(x, residual, norm_weight, eps, weight, weight_scale, bias)
     from tokenspeed.backends.kernels import triton_gguf_gemv
     return triton_gguf_gemv.norm_gemv(x, residual, norm_weight, eps, weight,
                                       block_format(weight_format), bias)

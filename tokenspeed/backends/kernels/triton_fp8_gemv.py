@@ -13,7 +13,8 @@ the partials summed in a fixed order by a second kernel. The scales cost little:
 per-channel scale multiplies each output once; a 128 x 128 block scale multiplies each
 8-column sum (one row) or each 128-column tile's product (several rows), since a
 program's rows all lie in one block row. ``gated``: x is ``[M, 2K]`` (gate, up) and the
-input silu(gate) * up, computed as it is read (``triton_gemv``'s input code). Under PDL
+input silu(gate) * up, computed as it is read (``triton_gemv``'s input code); ``norm_linear``
+(one row): the input rms_norm(x + residual), its statistics read first. Under PDL
 the first weight tile is requested before the kernel waits for its predecessor. Nothing
 is read on the host: graph-capturable.
 """
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv, triton_gguf_gemv
 from tokenspeed.backends.kernels.fp8_weights import BLOCK, check_fp8_linear
-from tokenspeed.backends.kernels.triton_gemv import split_k
+from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
 
 MAX_M = triton_gemv.MAX_M
 VEC = tl.constexpr(8)  # one row: the columns a thread multiplies and sums in registers
@@ -70,18 +71,19 @@ def _weight_tile(w_ptr, n, nmask, k0, k_hi, stride_wn, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, s_ptr, m, mmask, k0, k_hi, K, stride_xm, scale_row,
-                GATED: tl.constexpr, BLOCK_SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc`` plus a tile's products with the input (x, or silu(gate) * up, as
-    ``triton_gemv`` computes it). One row: ``[BLOCK_N, BLOCK_K // VEC]`` sums of VEC
+def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, inv, s_ptr, m, mmask, k0, k_hi, K, stride_xm, scale_row,
+                GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc`` plus a tile's products with the input (x, silu(gate) * up or, one row only,
+    rms_norm(x + residual) given its ``inv`` rms, as ``triton_gemv`` computes each). One
+    row: ``[BLOCK_N, BLOCK_K // VEC]`` sums of VEC
     products each, a block scale multiplying the sums of its columns. Several rows: ``tl.dot``
     with the weight converted (exactly) to x's dtype; a block-scaled tile (one 128-column
     group) has its product scaled as a whole, a per-channel one is scaled at the end."""
     col = _columns(k0, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
-        x = triton_gemv._input(x_ptr, x_ptr, x_ptr, col[None, :, :], col,
-                               (col < k_hi)[None, :, :], K, 0.0, GATED, False, False)
+        x = triton_gemv._input(x_ptr, res_ptr, nw_ptr, col[None, :, :], col,
+                               (col < k_hi)[None, :, :], K, inv, GATED, NORM, HAS_RES)
         sums = tl.sum(w.to(tl.float32) * x.to(tl.float32), 2)
         if BLOCK_SCALES:
             group = k0 + tl.arange(0, BLOCK_K // VEC) * VEC
@@ -101,14 +103,16 @@ def _accumulate(acc, w, x_ptr, s_ptr, m, mmask, k0, k_hi, K, stride_xm, scale_ro
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
-                 stride_wn, stride_sn, stride_os, stride_om, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+                 stride_xm, stride_wn, stride_sn, stride_os, stride_om, eps, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                  USE_PDL: tl.constexpr):
     """BLOCK_SCALES: ``s_ptr`` is ``[ceil(N/128), ceil(K/128)]`` (BLOCK_N divides 128, so
-    the program's rows share a block row); else ``[N]``, applied to the sums. The first
-    weight tile is requested before waiting on the previous kernel (PDL)."""
+    the program's rows share a block row); else ``[N]``, applied to the sums. NORM (one
+    row): the input is rms_norm(x + residual) * norm weight, its statistics read first (the
+    GGUF GEMV's way), the sum stored by the first program. The first weight tile is
+    requested before waiting on the previous kernel (PDL)."""
     pdl.start(USE_PDL)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,12 +128,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, s
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w = _weight_tile(w_ptr, n, nmask, k_lo, k_hi, stride_wn, BLOCK_M, BLOCK_K)
     pdl.wait(USE_PDL)
-    acc = _accumulate(acc, w, x_ptr, s_ptr, m, mmask, k_lo, k_hi, K, stride_xm, scale_row,
-                      GATED, BLOCK_SCALES, BLOCK_M, BLOCK_K, PRECISION)
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), M, 0)   # the sum, once
+        inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, m, mmask, K, stride_xm, eps, write_rows, HAS_RES,
+                                   BLOCK_M, BLOCK_K)
+    acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, inv, s_ptr, m, mmask, k_lo, k_hi, K, stride_xm, scale_row,
+                      GATED, NORM, HAS_RES, BLOCK_SCALES, BLOCK_M, BLOCK_K, PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the first tile, peeled, came early
         w = _weight_tile(w_ptr, n, nmask, k0, k_hi, stride_wn, BLOCK_M, BLOCK_K)
-        acc = _accumulate(acc, w, x_ptr, s_ptr, m, mmask, k0, k_hi, K, stride_xm, scale_row,
-                          GATED, BLOCK_SCALES, BLOCK_M, BLOCK_K, PRECISION)
+        acc = _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, inv, s_ptr, m, mmask, k0, k_hi, K, stride_xm,
+                          scale_row, GATED, NORM, HAS_RES, BLOCK_SCALES, BLOCK_M, BLOCK_K, PRECISION)
     y = tl.sum(acc, 1)[None, :] if BLOCK_M == 1 else acc
     if not BLOCK_SCALES:
         y *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
@@ -184,29 +193,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if x.shape[0] > MAX_M:
         raise ValueError(f"the FP8 GEMV takes at most {MAX_M} rows; got {x.shape[0]} (use "
                          f"fp8_matmul.linear)")
-    c = config or choose_config(x.shape[0], weight.shape[0], k,
-                                triton_attention.sm_count(x.device))
+    return _launch(x, weight, scale, bias, _config(x, weight, scale, k, config), gated)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linear(rms_norm(x + residual) * norm_weight)`` for one row, the norm computed as the
+    GEMV reads its input (the norm's kernel saved), and ``x + residual`` (None without a
+    residual)."""
+    k = check_fp8_linear(x, weight, scale, bias)[0]
+    if x.shape[0] != 1:
+        raise ValueError(f"the FP8 GEMV norms one row [1, {k}]; got {tuple(x.shape)}")
+    x, norm = triton_gemv.input_norm(x, residual, norm_weight, eps, ValueError)
+    return _launch(x, weight, scale, bias, _config(x, weight, scale, k, config), False, norm), norm.total
+
+
+def _config(x, weight, scale, k: int, config: GemvConfig | None) -> GemvConfig:
+    """``config``, or ``choose_config``'s; either checked against block scales."""
+    c = config or choose_config(x.shape[0], weight.shape[0], k, triton_attention.sm_count(x.device))
     if scale.dim() == 2 and (BLOCK % c.block_n or (x.shape[0] > 1 and BLOCK % c.block_k)):
         raise ValueError(f"block scales need block_n dividing {BLOCK} (and, for several rows, "
                          f"block_k dividing it); got {c}")
-    return _launch(x, weight, scale, bias, c, gated)
+    return c
 
 
-def _launch(x, weight, scale, bias, c: GemvConfig, gated: bool):
+def _launch(x, weight, scale, bias, c: GemvConfig, gated: bool, norm: InputNorm | None = None):
     m, (n, k) = x.shape[0], weight.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
+        if norm is not None and norm.total is not None:
+            norm.total.copy_(x + norm.residual)
         return out
     k_per_split, splits = split_k(k, c.block_k, c.splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
     launch = pdl.launch_options(x.device)
+    has_norm, norm = norm is not None, norm or InputNorm(None, x, None, 0.0)   # unread if off
     _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
-        x, weight, scale, bias if bias is not None and splits == 1 else x, part, m, n, k,
+        x, triton_gemv._or(norm.residual, x), norm.weight, triton_gemv._or(norm.total, x), weight, scale,
+        bias if bias is not None and splits == 1 else x, part, m, n, k,
         k_per_split, x.stride(0), weight.stride(0), scale.stride(0),
-        part.stride(0) if splits > 1 else 0, part.stride(-2),
-        HAS_BIAS=bias is not None and splits == 1, GATED=gated,
+        part.stride(0) if splits > 1 else 0, part.stride(-2), norm.eps,
+        HAS_BIAS=bias is not None and splits == 1, GATED=gated, NORM=has_norm, HAS_RES=norm.residual is not None,
         BLOCK_SCALES=scale.dim() == 2, BLOCK_M=1 if m == 1 else MAX_M, BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=c.num_warps, num_stages=c.num_stages, **launch)
