@@ -147,6 +147,15 @@ def test_the_router_with_its_norm_chooses_as_the_norm_and_the_route_apart(rows, 
             assert sorted(got[0][row].tolist()) == pytest.approx(sorted(want[0][row].tolist()), rel=2e-2, abs=1e-3)
 
 
+def test_the_normed_gate_refuses_a_residual_or_norm_weight_that_does_not_fit():
+    x, gate, counters = (torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE),
+                         torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    for residual, norm_weight in ((torch.zeros(1, 6, device=DEVICE), torch.ones(8, device=DEVICE)),
+                                  (None, torch.ones(6, device=DEVICE))):
+        with pytest.raises(InternalError, match=r"norm_route wants a residual shaped as x \(1, 8\)"):
+            triton_route.norm_route(x, residual, norm_weight, 1e-6, gate, 2, False, 1.0, None, counters)
+
+
 def test_the_one_launch_gate_refuses_more_rows_than_a_decode_step():
     rows = triton_route.ROUTE_MAX_ROWS + 1
     with pytest.raises(InternalError, match=f"T <= {triton_route.ROUTE_MAX_ROWS}"):

@@ -74,8 +74,8 @@ def _normed_slice(x_row, res_row, nw_ptr, normed_row, total_row, k, hidden, eps,
     ops after the router, below feature ``written`` (the row's width, or 0)."""
     squares = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        h = triton_gemv._hidden(x_row, res_row, k0 + tl.arange(0, BLOCK_K), k0 + tl.arange(0, BLOCK_K) < hidden,
-                                HAS_RES)
+        tile = k0 + tl.arange(0, BLOCK_K)
+        h = triton_gemv._hidden(x_row, res_row, tile, tile < hidden, HAS_RES)
         squares += h * h
     inv = 1.0 / tl.sqrt(tl.sum(squares, 0) / hidden + eps)
     mask = k < hidden
@@ -164,7 +164,7 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
                split_counters: torch.Tensor) -> list[torch.Tensor]:
     """``route`` of ``rms_norm(x + residual)`` in the same one launch: ``[weights, ids,
     normed, x + residual]`` (no sum without a residual)."""
-    if residual is not None and residual.shape != x.shape or norm_weight.shape != x.shape[-1:]:
+    if (residual is not None and residual.shape != x.shape) or norm_weight.shape != x.shape[-1:]:
         raise InternalError(f"norm_route wants a residual shaped as x {tuple(x.shape)} and a norm weight of "
                             f"its width; got {None if residual is None else tuple(residual.shape)} and "
                             f"{tuple(norm_weight.shape)}")
