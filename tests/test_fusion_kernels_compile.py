@@ -45,7 +45,7 @@ def fused_kernels():
         scale="fp32", rows="i32", res_ptr="*bf16", nw_ptr="*bf16", normed_ptr="*bf16", total_ptr="*bf16", eps="fp32",
         **i32(triton_route._route_kernel)),
         dict(K=6, NORMALIZE=False, ROUND=False, NORM=norm, HAS_RES=norm, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64,
-             BLOCK_S=8, BLOCK_TOP=8, USE_PDL=True)) for norm in (False, True)]
+             BLOCK_S=8, BLOCK_TOP=8, BLOCK_H=2048, USE_PDL=True)) for norm in (False, True)]
     assert all(k.asm["ptx"] for k in (rope, route, latent, combine, group, *gates))
     assert "bar.sync" in group.asm["ptx"]   # the rows are marked empty before the pairs land
     assert all("atom.global.gpu.acq_rel.add" in g.asm["ptx"] for g in gates)   # the last program counts itself in

@@ -31,6 +31,7 @@ from tokenspeed.errors import InternalError
 MAX_EXPERTS = 1024   # one program holds a row's logits
 ROUTE_MAX_ROWS = 16  # rows ``route`` takes in one launch: a decode step's
 GATE_BLOCK_N, GATE_BLOCK_K = 8, 256   # a program's tile of the gate, kept in registers across the rows
+NORM_TILE = 4096   # features of a row read at once for ``norm_route``'s statistics
 
 
 @triton.jit
@@ -67,14 +68,15 @@ def _softmax_top_k_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_
 
 @triton.jit
 def _normed_slice(x_row, res_row, nw_ptr, normed_row, total_row, k, hidden, eps, written,
-                  HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
     """A row's ``rms_norm(x + residual)`` at features ``k``, in float32 (rounded as
     ``add_rms_norm`` rounds it): every program reads the whole row for its statistics (a
-    few kilobytes, in L2), and stores its slice of the normed row and of the sum, for the
-    ops after the router, below feature ``written`` (the row's width, or 0)."""
-    squares = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        tile = k0 + tl.arange(0, BLOCK_K)
+    few kilobytes, in L2; in one tile of ``BLOCK_H`` up to ``NORM_TILE`` features, so one
+    round trip), and stores its slice of the normed row and of the sum, for the ops after
+    the router, below feature ``written`` (the row's width, or 0)."""
+    squares = tl.zeros([BLOCK_H], tl.float32)
+    for k0 in range(0, hidden, BLOCK_H):
+        tile = k0 + tl.arange(0, BLOCK_H)
         h = triton_gemv._hidden(x_row, res_row, tile, tile < hidden, HAS_RES)
         squares += h * h
     inv = 1.0 / tl.sqrt(tl.sum(squares, 0) / hidden + eps)
@@ -92,7 +94,7 @@ def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, n
                   stride_wn, scale, res_ptr, nw_ptr, normed_ptr, total_ptr, eps, K: tl.constexpr,
                   NORMALIZE: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_TOP: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (column block, split): the gate's tile is read before the wait (PDL), then
     each row's partial ``[BLOCK_N]`` is stored at ``part[split, row]``. ROUND: the logits
     are rounded to x's dtype (the gate's output dtype) before the softmax. NORM: the gate
@@ -110,7 +112,7 @@ def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, n
     for m in range(0, rows):
         if NORM:
             x = _normed_slice(x_ptr + m * stride_xm, res_ptr + m * hidden, nw_ptr, normed_ptr + m * hidden,
-                              total_ptr + m * hidden, k, hidden, eps, written, HAS_RES, BLOCK_K)
+                              total_ptr + m * hidden, k, hidden, eps, written, HAS_RES, BLOCK_H)
         else:
             x = tl.load(x_ptr + m * stride_xm + k, mask=k < hidden, other=0.0).to(tl.float32)
         tl.store(part_ptr + (split * rows + m) * num_experts + n, tl.sum(w * x[None, :], 1), mask=n < num_experts)
@@ -198,7 +200,8 @@ def _route(x, weight, k: int, normalize: bool, scale: float, logits_dtype, split
                             ROUND=logits_dtype is None and x.dtype != torch.float32, NORM=norm is not None,
                             HAS_RES=n.residual is not None, BLOCK_N=GATE_BLOCK_N, BLOCK_K=GATE_BLOCK_K,
                             BLOCK_E=next_power_of_2(experts), BLOCK_S=next_power_of_2(grid[1]),
-                            BLOCK_TOP=next_power_of_2(k), num_warps=4, **pdl.launch_options(x.device))
+                            BLOCK_TOP=next_power_of_2(k), BLOCK_H=min(next_power_of_2(hidden), NORM_TILE),
+                            num_warps=4, **pdl.launch_options(x.device))
     return [weights, ids]
 
 
