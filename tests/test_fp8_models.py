@@ -225,6 +225,15 @@ def test_cuda_ops_read_fp8_weights_as_the_reference_does(rows, tiled):
             assert (g - e).abs().max().item() <= bound, (name, (g - e).abs().max().item(), bound)
 
 
+def test_an_fp8_gemv_norms_its_input_only_for_small_weights():
+    """Past ``FP8_NORM_GEMV_MAX_WEIGHTS`` every program re-reading the row costs more than the
+    norm's launch (H200): the 1B shape's qkv and gate_up take the norm's kernel first."""
+    from tokenspeed.backends.kernels import cuda
+    fits = [cuda._fuses_norm(torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta"), "fp8_e4m3")
+            for n, k in ((960, 576), (2048, 2048), (3072, 2048), (16384, 2048))]
+    assert fits == [True, True, False, False]
+
+
 def test_a_checkpoints_kv_cache_scales_reach_the_model():
     """vLLM's ``self_attn.k_scale`` / ``v_scale`` and compressed-tensors' ``output_scale``
     names; a scale that is not positive is refused naming it."""

@@ -272,7 +272,7 @@ def test_the_router_pass_takes_the_gates_it_can_and_leaves_the_rest():
 
 def test_the_norm_pass_takes_a_norm_the_router_reads_first():
     """``fuse_norm_route``: a norm (with or without its residual add) read by a ``route`` and
-    after it joins the route; one whose output is read before the route stays."""
+    after it joins the route; one whose normed value or sum is read before the route stays."""
     import operator
     from torch import fx
     from tokenspeed.ir.ops import NORM_ROUTE, OPS, ROUTE
@@ -291,13 +291,17 @@ def test_the_norm_pass_takes_a_norm_the_router_reads_first():
     early = graph.call_function(OPS.rms_norm.default, (total, nw, 1e-6))
     read_before = graph.call_function(torch.neg, (early,))
     third = graph.call_function(ROUTE, (early, w, 2, True, 1.0))
-    graph.output([second, third, read_before, total, plain])
+    summed = graph.call_function(OPS.add_rms_norm.default, (x, read_before, nw, 1e-6))
+    sum_normed, sum_total = (graph.call_function(operator.getitem, (summed, i)) for i in (0, 1))
+    sum_read_before = graph.call_function(torch.neg, (sum_total,))
+    fourth = graph.call_function(ROUTE, (sum_normed, w, 2, True, 1.0))
+    graph.output([second, third, read_before, total, plain, fourth, sum_read_before])
     gm.recompile()
     nodes = list(fuse_norm_route(Program(mode="decode", graph_module=gm)).graph_module.graph.nodes)
     fused = [n for n in nodes if n.target == NORM_ROUTE]
     assert [[getattr(a, "name", a) for a in n.args[:4]] for n in fused] == [["x", "res", "nw", 1e-6],
                                                                               ["moe_default", None, "nw", 1e-6]]
-    assert sum(n.target == ROUTE for n in nodes) == 1 and not any(n.target == OPS.add_rms_norm.default for n in nodes)
+    assert sum(n.target == ROUTE for n in nodes) == 2 and sum(n.target == OPS.add_rms_norm.default for n in nodes) == 1
     moe = next(n for n in nodes if n.target == OPS.moe.default)
     assert moe.args[0].target is operator.getitem and moe.args[0].args == (fused[0], 2)
     outputs = nodes[-1].args[0]

@@ -152,6 +152,26 @@ def test_the_router_with_its_norm_chooses_as_the_norm_and_the_route_apart(rows, 
                                                                  rel=1e-4 if dtype == torch.float32 else 0.1)
 
 
+@pytest.mark.parametrize("rows", [1, 2], ids=["one launch", "the norm's kernel first"])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "alone"])
+def test_the_backends_normed_gate_returns_what_the_reference_does(rows, residual):
+    """``cuda.norm_route``: one row in one launch, more after the norm's own kernel; either
+    way the choice, the normed rows and the sum (with a residual), in the op's order."""
+    from tokenspeed.backends.kernels import cuda
+    gen = torch.Generator().manual_seed(rows)
+    x, res = (torch.randn(rows, 300, generator=gen).to(DEVICE) for _ in range(2))
+    norm_weight, gate = torch.rand(300, generator=gen).to(DEVICE) + 0.5, torch.randn(16, 300, generator=gen).to(DEVICE)
+    res, counters = res if residual else None, torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    got = cuda.norm_route(x, res, norm_weight, 1e-6, gate, 3, True, 1.0, None, counters)
+    want = reference.norm_route(x.cpu(), None if res is None else res.cpu(), norm_weight.cpu(), 1e-6, gate.cpu(), 3,
+                                True, 1.0)
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want] == \
+        [(rows, 3), (rows, 3), (rows, 300)] + [(rows, 300)] * residual
+    assert torch.equal(got[1].sort(dim=-1).values.cpu(), want[1].sort(dim=-1).values) and not counters.any()
+    for g, w in zip(got[2:], want[2:]):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
+
+
 def test_the_normed_gate_refuses_a_residual_or_norm_weight_that_does_not_fit():
     x, gate, counters = (torch.zeros(1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE),
                          torch.zeros(1, dtype=torch.int32, device=DEVICE))

@@ -287,8 +287,8 @@ def _norm_routed(route: fx.Node, order) -> fx.Node | None:
         outputs = _outputs(norm)
     else:
         return None
-    readers = [u for out in outputs for u in out.users if u is not route]
-    return norm if all(order[r] > order[route] for r in readers) else None
+    readers = [u for out in outputs for u in out.users if u is not route]   # a node this pass made: before
+    return norm if all(order.get(r, -1) > order[route] for r in readers) else None
 
 
 def _norm_operands(norm: fx.Node) -> tuple:

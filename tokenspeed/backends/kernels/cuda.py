@@ -23,6 +23,7 @@ from tokenspeed.ir.weights import DENSE, FP8, INT4, INT8
 GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K GEMV wins
 GGUF_DEQUANTIZED_ROWS = 128  # from here a GGUF weight is decoded whole for cuBLAS (prefill)
 GGUF_NORM_GEMV_MAX_N = 4096  # past this many outputs (1B: gate_up, head) a GGUF GEMV reads a normed input
+FP8_NORM_GEMV_MAX_WEIGHTS = 2048 * 2048   # past this many (1B: qkv, gate_up) an FP8 GEMV reads a normed input
 
 
 def write_kv(k, v, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
@@ -186,9 +187,11 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
                 split_counters=None):
     """Fused for one row only: with more, every GEMV program re-reads all rows for the
     statistics in a loop that is not pipelined. A GGUF weight's norm runs before its GEMV
-    past ``GGUF_NORM_GEMV_MAX_N`` outputs: each GEMV program norms the whole input, which
-    costs more than the saved kernel once programs are many (1B shape on the H200, Q4_K:
-    the head 172 us fused, about 90 apart)."""
+    past ``GGUF_NORM_GEMV_MAX_N`` outputs, an FP8 weight's past ``FP8_NORM_GEMV_MAX_WEIGHTS``
+    weights: each GEMV program norms the whole input, which costs more than the saved
+    kernel once programs are many (on the H200, Q4_K, 1B shape: the head 172 us fused, about
+    90 apart; FP8, one row, graphs of 20 calls: 5120 x 4096 9.9 us fused, 8.3 apart; 2048 x
+    2048 and smaller faster fused)."""
     _refuse_cpu_formats(weight_format)
     if x.dim() == 2 and x.shape[0] == 1 and _fuses_norm(weight, weight_format):
         out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weight_scale,
@@ -201,7 +204,9 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
 
 
 def _fuses_norm(weight, weight_format) -> bool:
-    return weight_format in (DENSE, FP8) or weight.shape[0] <= GGUF_NORM_GEMV_MAX_N
+    if weight_format == FP8:
+        return weight.numel() <= FP8_NORM_GEMV_MAX_WEIGHTS
+    return weight_format == DENSE or weight.shape[0] <= GGUF_NORM_GEMV_MAX_N
 
 
 def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weight_scale, split_counters):

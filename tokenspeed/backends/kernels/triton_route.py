@@ -172,7 +172,8 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
                             f"{tuple(norm_weight.shape)}")
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = None if residual is None else torch.empty_like(normed)
-    norm = RouterNorm(None if residual is None else residual.contiguous(), norm_weight, eps, normed, total)
+    norm = RouterNorm(None if residual is None else residual.contiguous(), norm_weight.contiguous(), eps, normed,
+                      total)
     return [*_route(x, weight, k, normalize, scale, logits_dtype, split_counters, norm), normed,
             *([] if total is None else [total])]
 
