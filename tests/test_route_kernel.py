@@ -152,12 +152,15 @@ def test_the_router_with_its_norm_chooses_as_the_norm_and_the_route_apart(rows, 
                                                                  rel=1e-4 if dtype == torch.float32 else 0.1)
 
 
-@pytest.mark.parametrize("rows", [1, 2], ids=["one launch", "the norm's kernel first"])
+@pytest.mark.parametrize("rows, norm_tile", [(1, triton_route.NORM_TILE), (2, triton_route.NORM_TILE), (1, 256)],
+                         ids=["one launch", "the norm's kernel first", "a row wider than a tile"])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "alone"])
-def test_the_backends_normed_gate_returns_what_the_reference_does(rows, residual):
-    """``cuda.norm_route``: one row in one launch, more after the norm's own kernel; either
-    way the choice, the normed rows and the sum (with a residual), in the op's order."""
+def test_the_backends_normed_gate_returns_what_the_reference_does(rows, norm_tile, residual, monkeypatch):
+    """``cuda.norm_route``: one row in one launch; more, or a row wider than ``NORM_TILE``,
+    after the norm's own kernel; either way the choice, the normed rows and the sum (with a
+    residual), in the op's order."""
     from tokenspeed.backends.kernels import cuda
+    monkeypatch.setattr(triton_route, "NORM_TILE", norm_tile)
     gen = torch.Generator().manual_seed(rows)
     x, res = (torch.randn(rows, 300, generator=gen).to(DEVICE) for _ in range(2))
     norm_weight, gate = torch.rand(300, generator=gen).to(DEVICE) + 0.5, torch.randn(16, 300, generator=gen).to(DEVICE)
