@@ -25,7 +25,8 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
   (a 16-bit or FP8 weight's; a GGUF weight's kernel runs the activation first).
 - ``fuse_norm_linear``: a norm (with its residual add) whose only reader is a linear
   becomes ``tokenspeed::norm_linear``, whose GEMV normalises its input as it reads it
-  (a 16-bit or FP8 weight's; a GGUF weight's up to ``cuda.GGUF_NORM_GEMV_MAX_N`` outputs).
+  (a 16-bit weight's; an FP8 weight's up to ``cuda.FP8_NORM_GEMV_MAX_WEIGHTS`` weights; a
+  GGUF weight's up to ``cuda.GGUF_NORM_GEMV_MAX_N`` outputs).
 - ``fuse_norm_route``: a norm (with its residual add) read by a router's ``route`` and
   after it (the mixture, the next layer) becomes ``tokenspeed::norm_route``, whose
   launch normalises the gate's input and stores the normed rows and their sum.
