@@ -100,6 +100,14 @@ def test_a_broken_invariant_is_an_internal_error_not_bad_input():
     assert not isinstance(fault.value, ValueError)
 
 
+def test_a_request_of_no_max_tokens_is_made_with_its_limit():
+    """``max_tokens=None`` is the engine's to resolve (``output_limit``) before a Request exists."""
+    from tokenspeed.scheduling.request import Request
+    with pytest.raises(InternalError, match="needs its max_output"):
+        Request(0, (1, 2), ts.SamplingParams(max_tokens=None), 0)
+    assert Request(0, (1, 2), ts.SamplingParams(max_tokens=None), 0, max_output=5).max_output == 5
+
+
 def test_the_cli_prints_bad_input_as_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "hi", "--model", str(text_model_dir()), "--max-tokens", "100000"])

@@ -3,9 +3,9 @@ message one accepts the other does not refuse.
 
 A message is a dict with a ``role`` (system, user, assistant, developer, tool), a
 ``content`` (a string or a list of ``{"type": "text", "text": ...}`` parts; an assistant's
-may be None) and optionally a ``name``. An assistant message may carry the ``tool_calls`` it made (OpenAI's
-``{"id", "type": "function", "function": {"name", "arguments"}}``) and the
-``reasoning_content`` it thought; a tool message, the ``tool_call_id`` it answers. The
+may be None) and optionally a ``name``. An assistant message may carry the ``tool_calls``
+it made (OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``) and
+the ``reasoning_content`` it thought; a tool message, the ``tool_call_id`` it answers. The
 template sees the content as one string, a developer message as a system one, the other
 fields where given (transformers passes them on likewise), and each call's ``arguments``
 as a dict: the JSON text OpenAI sends, parsed, as tool-calling templates expect them

@@ -14,6 +14,7 @@ from array import array
 
 import attrs
 
+from tokenspeed.errors import InternalError
 from tokenspeed.execution.outputs import TokenLogprobs
 from tokenspeed.scheduling.constraint import Constraint
 from tokenspeed.scheduling.request_stats import RequestStats
@@ -65,7 +66,7 @@ class Request:
         if self.max_output is None:
             self.max_output = self.params.max_tokens
         if self.max_output is None:   # max_tokens None: the pool and the context decide (Engine.add)
-            raise ValueError("a Request of max_tokens=None needs its max_output (prompt_limits.output_limit)")
+            raise InternalError("a Request of max_tokens=None needs its max_output (prompt_limits.output_limit)")
         self.sampling = RowSampling(self.params, self.seed, self.prompt, self.output, self.stop_ids)
         self._token_array = array("q", self.prompt)
 
