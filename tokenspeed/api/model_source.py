@@ -1,8 +1,12 @@
 """What ``ts.LLM`` reads from its ``model`` argument: the model, its tokenizer and its
 sampling defaults (a path's), each read once."""
 
+import logging
 from pathlib import Path
 
+import torch
+
+from tokenspeed.backends.kernels import cpu_blocks
 from tokenspeed.models.generation_config import FILE_NAME, sampling_defaults
 from tokenspeed.models.gguf import PlainGGUFReader, is_gguf
 from tokenspeed.models.hub import resolve_model
@@ -11,6 +15,8 @@ from tokenspeed.models.weight_only import quantized_to_int4
 from tokenspeed.models.loader import load
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def resolved(source, revision: str | None = None):
@@ -27,17 +33,33 @@ def gguf_reader(model):
 
 def as_model(model, dtype, device, reader=None, quantization: str | None = None):
     """The model on ``device``, quantized at load if asked (``quantization``: fp8, int4)."""
-    model = _loaded(model, dtype, device, reader)
+    model = _loaded(model, dtype, device, reader, quantization)
     quantize = {"fp8": quantized_to_fp8, "int4": quantized_to_int4}.get(quantization)
     return quantize(model) if quantize else model
 
 
-def _loaded(model, dtype, device, reader):
+def _loaded(model, dtype, device, reader, quantization):
     if isinstance(model, (str, Path)):
-        return load(model, dtype=dtype, device=device, gguf_reader=reader)
+        return load(model, dtype=dtype, device=device, gguf_reader=reader,
+                    **kept_blocks(model, device, quantization))
     if not hasattr(model, "config"):
         raise TypeError(f"expected a checkpoint path or a tokenspeed model, got {type(model).__name__}")
     return model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
+
+
+def kept_blocks(model, device, quantization: str | None) -> dict:
+    """``load``'s GGUF arguments. On the CPU a GGUF file's layers stay in the block formats
+    the CPU's kernels read (``cpu_blocks``: the file's weights, a quarter to an eighth of
+    float32's bytes, which bound a decode step's time, and float32 products), unless
+    ``quantization`` asks to quantize anew (from dequantized weights). Elsewhere, or where
+    the kernels do not build (said in one log line), GGUF weights are dequantized at load."""
+    if torch.device(device).type != "cpu" or quantization is not None or not is_gguf(model):
+        return {}
+    if not cpu_blocks.available():
+        log.warning("GGUF weights dequantized to float32 at load: the CPU's block kernels are not built (%s)",
+                    cpu_blocks.unavailable_reason())
+        return {}
+    return {"quantized": True, "block_formats": cpu_blocks.FORMAT_NAMES}
 
 
 def tokenizer_of(tokenizer, model, reader=None) -> Tokenizer | None:

@@ -1,6 +1,6 @@
 """The torch reference of the GGUF kernels: ``gguf``'s own dequantization, then the float
 op. The oracle the Triton kernels are tested against, and what a CPU would compute from the
-same bytes (the CPU engine dequantizes GGUF files once, at load)."""
+same bytes (the CPU's own kernels for the simple formats are ``cpu_blocks``)."""
 
 import gguf
 import numpy as np
@@ -27,7 +27,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
               dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(weight, fmt)[ids].to(dtype)
+    """The rows ``ids`` names, each dequantized alone (a table is megabytes; a step reads a
+    few of its rows)."""
+    rows = dequantize(weight[ids.reshape(-1).to(weight.device)], fmt)
+    return rows.view(*ids.shape, rows.shape[-1]).to(dtype)
 
 
 def norm_linear(x, residual, norm_weight, eps, weight, fmt: BlockFormat, bias=None) -> list:

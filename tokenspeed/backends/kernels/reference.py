@@ -13,7 +13,7 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 
 import torch
 
-from tokenspeed.backends.kernels import cpu_int4, cpu_int8, gguf_reference, kv_fp8, mla_reference, moe_reference
+from tokenspeed.backends.kernels import cpu_blocks, cpu_int4, cpu_int8, gguf_reference, kv_fp8, mla_reference, moe_reference
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
@@ -168,7 +168,8 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_map
 
 
 def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
-    """A block format's weight through ``gguf``'s dequantization (``gguf_reference``), an
+    """A block format's weight by the CPU's block kernels (``cpu_blocks``, the formats they
+    read) or else through ``gguf``'s dequantization (``gguf_reference``), an
     FP8 weight times its scales (``fp8_weights.dequantize``), an int4 or int8 weight by
     torch's CPU kernels (``cpu_int4``, ``cpu_int8``). No split K: ``split_counters`` unread."""
     if weight_format == DENSE:
@@ -177,8 +178,11 @@ def linear(x, weight, bias, weight_format=DENSE, weight_scale=None, split_counte
         return (cpu_int4 if weight_format == INT4 else cpu_int8).linear(x, weight, weight_scale, bias)
     if weight_format == FP8:
         return torch.nn.functional.linear(x, dequantize(weight, weight_scale, x.dtype), bias)
+    fmt = block_format(weight_format)
+    if cpu_blocks.reads(fmt, x.device):
+        return cpu_blocks.linear(x, weight, fmt, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = gguf_reference.linear(rows, weight, block_format(weight_format), bias)
+    out = gguf_reference.linear(rows, weight, fmt, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

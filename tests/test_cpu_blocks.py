@@ -1,0 +1,181 @@
+"""The CPU's GGUF block kernels (``cpu_blocks.c``) against ``gguf``'s dequantization, their
+build (``c_library``), and the CPU's default of keeping a GGUF file's blocks.
+
+The dequantized weights are ``gguf``'s to the bit; a product sums the same weights in
+another order (per block, ``d * (u . x) + m * sum(x)``), so it is compared within float32
+rounding of the sum's magnitude. The machine building the kernels must have a C compiler
+(CI's does): a failed build fails these tests rather than skipping them.
+"""
+
+import logging
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tokenspeed as ts
+from tokenspeed.api import model_source
+from tokenspeed.backends.kernels import c_library, cpu_blocks, gguf_reference, reference
+from tokenspeed.backends.kernels.gguf_blocks import block_format
+from tokenspeed.models.block_layers import BlockLinear
+
+Q = gguf.GGMLQuantizationType
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+
+
+def blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """``uint8 [n, row_bytes]``: a random matrix as ``gguf`` quantizes it (rows offset
+    from zero, so Q4_1's and Q5_1's minimums matter)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) + rng.uniform(-1, 1, (n, 1)).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
+
+
+def assert_close_sums(actual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expected: torch.Tensor):
+    """Within float32 rounding of sums of |x| |w| (the magnitude a reordered sum errs by)."""
+    scale = x.abs().float() @ w.abs().T
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert ((actual.float() - expected.float()).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+def test_the_kernels_build_where_a_compiler_is():
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_blocks.available(), cpu_blocks.unavailable_reason()
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_dequantize_is_ggufs_to_the_bit(qtype):
+    raw = blocks(qtype, 37, 96)
+    expected = gguf.quants.dequantize(raw.numpy(), qtype)
+    np.testing.assert_array_equal(cpu_blocks.dequantize(raw, block_format(qtype)).numpy(), expected)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 16, 17, 40])
+def test_a_product_equals_the_dequantized_ones(qtype, rows):
+    """Every tile of rows (4, 2, 1 and their mixes), and past ``GEMV_ROWS`` the BLAS."""
+    raw, fmt = blocks(qtype, 45, 128, seed=rows), block_format(qtype)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype))
+    assert_close_sums(cpu_blocks.linear(x, raw, fmt), x, w, gguf_reference.linear(x, raw, fmt))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(qtype=st.sampled_from(FORMATS), rows=st.integers(1, 20), n=st.integers(1, 70),
+       blocks_per_row=st.integers(1, 6), lead=st.sampled_from([(), (2,)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans())
+def test_products_over_shapes_dtypes_and_a_bias(qtype, rows, n, blocks_per_row, lead, dtype, bias):
+    k, fmt = 32 * blocks_per_row, block_format(qtype)
+    raw = blocks(qtype, n, k, seed=rows * n)
+    x = torch.randn(*lead, rows, k).to(dtype)
+    b = torch.randn(n) if bias else None
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype))
+    out = cpu_blocks.linear(x, raw, fmt, b)
+    expected = gguf_reference.linear(x.reshape(-1, k), raw, fmt, b).view(*lead, rows, n)
+    assert out.dtype == dtype and out.shape == (*lead, rows, n)
+    if dtype == torch.float32:
+        assert_close_sums(out.reshape(-1, n), x.reshape(-1, k), w, expected.reshape(-1, n))
+    else:   # both round the same float32 sums to bfloat16: at most one step of bfloat16 apart
+        torch.testing.assert_close(out, expected, rtol=2 ** -7, atol=1e-2)
+
+
+def test_the_cpu_op_runs_these_kernels_for_their_formats(monkeypatch):
+    raw, calls = blocks(Q.Q4_1, 8, 64), []
+    monkeypatch.setattr(cpu_blocks, "linear", lambda *args: calls.append(args) or torch.zeros(1, 8))
+    reference.linear(torch.randn(1, 64), raw, None, "Q4_1")
+    assert len(calls) == 1
+    k_quant = torch.zeros(4, 144, dtype=torch.uint8)   # Q4_K, all zero: no CPU kernel, gguf's dequantization
+    assert torch.equal(reference.linear(torch.randn(1, 256), k_quant, None, "Q4_K"), torch.zeros(1, 4))
+    assert len(calls) == 1
+
+
+def test_misfit_inputs_are_refused_by_name():
+    raw, fmt = blocks(Q.Q8_0, 8, 64), block_format(Q.Q8_0)
+    with pytest.raises(ValueError, match="read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; got Q4_K"):
+        cpu_blocks.linear(torch.randn(1, 256), torch.zeros(4, 144, dtype=torch.uint8), block_format(Q.Q4_K))
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        cpu_blocks.linear(torch.randn(1, 32), raw[:, :34], fmt)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        cpu_blocks.linear(torch.randn(1, 32), raw, fmt)
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        cpu_blocks.linear(torch.randn(1, 64), raw, fmt, torch.zeros(3))
+
+
+def test_an_embedding_dequantizes_only_the_rows_it_reads(monkeypatch):
+    raw, fmt = blocks(Q.Q8_0, 50, 64), block_format(Q.Q8_0)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    full = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q8_0))
+    seen = []
+    dequantize = gguf_reference.dequantize
+    monkeypatch.setattr(gguf_reference, "dequantize", lambda w, f: seen.append(w.shape[0]) or dequantize(w, f))
+    assert torch.equal(gguf_reference.embedding(ids, raw, fmt, torch.float32), full[ids])
+    assert seen == [4]
+
+
+# ---------------------------------------------------------------- the build
+
+
+def test_the_library_is_named_by_its_source_and_reused(tmp_path, monkeypatch):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine")
+    source = tmp_path / "one.c"
+    source.write_text("int tokenspeed_one(void) { return 1; }\n")
+    environ = {"TOKENSPEED_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    assert c_library.load(source, environ).tokenspeed_one() == 1
+    built = list((tmp_path / "cache").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("one-")
+    monkeypatch.setattr(c_library, "_build", lambda *args: pytest.fail("rebuilt an unchanged source"))
+    assert c_library.load(source, environ).tokenspeed_one() == 1
+    source.write_text("int tokenspeed_one(void) { return 2; }\n")
+    monkeypatch.undo()
+    assert c_library.load(source, environ).tokenspeed_one() == 2
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_a_missing_compiler_or_a_bad_source_is_a_build_error(tmp_path):
+    source = tmp_path / "bad.c"
+    source.write_text("this is not C\n")
+    with pytest.raises(c_library.BuildError, match="no C compiler: no-such-cc"):
+        c_library.load(source, {"CC": "no-such-cc", "TOKENSPEED_CACHE_DIR": str(tmp_path)})
+    if shutil.which("cc"):
+        with pytest.raises(c_library.BuildError, match="could not build bad.c"):
+            c_library.load(source, {"TOKENSPEED_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"})
+        assert [p.name for p in tmp_path.iterdir()] == ["bad.c"]   # no partial library left
+
+
+def test_the_cache_folder_follows_the_environment(tmp_path):
+    assert c_library.cache_dir({"TOKENSPEED_CACHE_DIR": "/a"}) == type(tmp_path)("/a")
+    assert c_library.cache_dir({"XDG_CACHE_HOME": "/b"}) == type(tmp_path)("/b/tokenspeed")
+
+
+# ---------------------------------------------------------------- the CPU's default
+
+
+def test_gguf_files_keep_the_blocks_the_cpu_reads_unless_quantized_anew(monkeypatch):
+    gguf_path = ts.models.default_model_path()
+    monkeypatch.setattr(cpu_blocks, "available", lambda: True)
+    assert model_source.kept_blocks(gguf_path, "cpu", None) == {"quantized": True,
+                                                                "block_formats": cpu_blocks.FORMAT_NAMES}
+    assert model_source.kept_blocks(gguf_path, "cpu", "int4") == {}
+    assert model_source.kept_blocks(gguf_path, "cuda", None) == {}
+    assert model_source.kept_blocks("/some/hf/dir", "cpu", None) == {}
+
+
+def test_without_the_kernels_gguf_files_are_dequantized_and_the_log_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_blocks, "available", lambda: False)
+    monkeypatch.setattr(cpu_blocks, "unavailable_reason", lambda: "no C compiler: cc is not on PATH")
+    with caplog.at_level(logging.WARNING):
+        assert model_source.kept_blocks(ts.models.default_model_path(), "cpu", None) == {}
+    assert "dequantized to float32 at load" in caplog.text and "cc is not on PATH" in caplog.text
+
+
+def test_the_default_model_on_the_cpu_runs_its_files_blocks():
+    if not cpu_blocks.available():
+        pytest.skip(cpu_blocks.unavailable_reason())
+    model = model_source.as_model(ts.models.default_model_path(), None, torch.device("cpu"))
+    formats = {m.weight_format for m in model.modules() if isinstance(m, BlockLinear)}
+    assert formats == {"Q4_1", "Q8_0"} and model.lm_head.weight is model.model.embed_tokens.weight

@@ -1,0 +1,76 @@
+"""A C file of this package built into a shared library, once per machine, and loaded.
+
+The CPU's block kernels (``cpu_blocks.c``) are C: no library ships a float32 product over
+GGUF blocks for torch's tensors, and torch's own int4 kernel computes in bfloat16. The
+file is compiled by the system's C compiler (``$CC``, else ``cc``) for the machine it runs
+on (``-march=native``) with OpenMP, whose runtime is the one torch has loaded (``libgomp``),
+so the kernels share torch's threads. The library is kept under the cache folder
+(``$TOKENSPEED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenspeed``, else
+``~/.cache/tokenspeed``) under a name hashed from the source, the compiler, its flags and
+the CPU, so a change of any one builds anew; processes building at once each write their
+own file and rename it into place. Without a working compiler the build fails with the
+compiler's message, and the caller decides (``cpu_blocks.library``).
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+class BuildError(RuntimeError):
+    """The C compiler is missing or refused the source."""
+
+
+def cache_dir(environ=os.environ) -> Path:
+    if environ.get("TOKENSPEED_CACHE_DIR"):
+        return Path(environ["TOKENSPEED_CACHE_DIR"])
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenspeed"
+
+
+def load(source: Path, environ=os.environ) -> ctypes.CDLL:
+    """``source`` built (or found built) and loaded; ``BuildError`` if it cannot be built."""
+    compiler = shutil.which(environ.get("CC") or "cc")
+    if compiler is None:
+        raise BuildError(f"no C compiler: {environ.get('CC') or 'cc'} is not on PATH (set CC)")
+    target = cache_dir(environ) / f"{source.stem}-{_build_key(source, compiler)}.so"
+    if not target.is_file():
+        _build(source, compiler, target)
+    return ctypes.CDLL(str(target))
+
+
+def _build_key(source: Path, compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    parts = (source.read_bytes(), compiler.encode(), version.encode(), " ".join(FLAGS).encode(),
+             platform.machine().encode(), _cpu_identity().encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what ``-march=native`` compiles for), where the OS
+    tells them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
+
+
+def _build(source: Path, compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial], capture_output=True, text=True)
+        if done.returncode:
+            raise BuildError(f"{compiler} could not build {source.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

@@ -1,0 +1,109 @@
+"""GGUF weights kept in their blocks on the CPU: the kernels of ``cpu_blocks.c``.
+
+A CPU's decode step is bound by the weight bytes it reads. The default model's file holds
+Q4_1 layers and a Q8_0 embedding (the tied head): 538 MB a token once dequantized to
+float32, about 100 MB as blocks. These kernels decode each block in registers to exactly
+the float32 weights ``gguf``'s dequantization gives (what transformers computes with) and
+sum float32 products, so a result differs from the dequantized model's only in the order
+of its sums. Up to ``GEMV_ROWS`` rows (decode) take the block product; more rows (a
+prompt's chunk) dequantize the matrix and leave the product to torch's BLAS, which is
+faster from float32 when each weight serves many rows. The C is built on first use
+(``c_library``); where no compiler builds it, ``available()`` says why and the loader keeps
+GGUF files dequantized on the CPU (``models/loader.py``).
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from tokenspeed.backends.kernels import c_library
+from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear, check_weight
+
+FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+FORMAT_NAMES = tuple(q.name for q in FORMATS)
+GEMV_ROWS = 16   # rows up to which the product reads the blocks; more dequantize first
+SOURCE = Path(__file__).with_name("cpu_blocks.c")
+
+_I, _L, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+SIGNATURES = {"tokenspeed_block_linear": [_I, _P, _L, _L, _P, _L, _L, _P, _I],
+              "tokenspeed_block_dequantize": [_I, _P, _L, _L, _L, _P, _I]}
+
+
+
+@functools.cache
+def _built() -> tuple[ctypes.CDLL | None, str]:
+    """The library, built once a process, or None and the reason it was not."""
+    try:
+        library = c_library.load(SOURCE)
+    except (c_library.BuildError, OSError) as exc:
+        return None, str(exc)
+    for name, argtypes in SIGNATURES.items():
+        getattr(library, name).argtypes, getattr(library, name).restype = argtypes, ctypes.c_int
+    return library, ""
+
+
+def available() -> bool:
+    return _built()[0] is not None
+
+
+def unavailable_reason() -> str:
+    return _built()[1]
+
+
+def reads(fmt: BlockFormat, device) -> bool:
+    """Whether these kernels compute ``fmt``'s blocks on ``device``."""
+    return torch.device(device).type == "cpu" and fmt.qtype in FORMATS and available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T + bias`` in float32, rounded to x's dtype (as
+    ``gguf_reference.linear``)."""
+    rows = x.reshape(-1, x.shape[-1])
+    features, outputs = _checked(rows, weight, fmt, bias)
+    rows = rows.float().contiguous()   # the same tensor when it is float32 and dense
+    if rows.shape[0] > GEMV_ROWS:
+        out = torch.nn.functional.linear(rows, dequantize(weight, fmt))
+    else:
+        out = torch.empty(rows.shape[0], outputs)
+        _call("tokenspeed_block_linear", fmt.code, rows.data_ptr(), rows.shape[0], features, weight.data_ptr(),
+              outputs, weight.shape[1], out.data_ptr(), torch.get_num_threads())
+    out = out.view(*x.shape[:-1], outputs) if bias is None else (out + bias.float()).view(*x.shape[:-1], outputs)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def dequantize(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """``float32 [N, K]``: equal to ``gguf``'s dequantization, bit for bit."""
+    features = _checked_weight(weight, fmt)
+    out = torch.empty(weight.shape[0], features)
+    _call("tokenspeed_block_dequantize", fmt.code, weight.data_ptr(), weight.shape[0], features,
+          weight.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _checked(rows: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias) -> tuple[int, int]:
+    """(K, N) of ``rows @ weight.T + bias``, a product these kernels compute."""
+    _checked_weight(weight, fmt)
+    return check_linear(rows, weight, fmt, bias)
+
+
+def _checked_weight(weight: torch.Tensor, fmt: BlockFormat) -> int:
+    """K of ``weight``, a contiguous CPU tensor of ``fmt``'s blocks, one of ``FORMATS``."""
+    if fmt.qtype not in FORMATS:
+        raise ValueError(f"the CPU's block kernels read {', '.join(FORMAT_NAMES)}; got {fmt.name}")
+    if weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError(f"a {fmt.name} weight for the CPU's kernels must be a contiguous CPU tensor; "
+                         f"got one on {weight.device}, contiguous={weight.is_contiguous()}")
+    return check_weight(weight, fmt)
+
+
+def _call(name: str, *args) -> None:
+    library, reason = _built()
+    if library is None:
+        raise RuntimeError(f"the CPU's block kernels are not built: {reason}")
+    status = getattr(library, name)(*args)
+    if status == -2:
+        raise MemoryError(f"{name}: no memory for the rows' block sums")
+    if status:
+        raise ValueError(f"{name}: format {args[0]} is not one of {', '.join(FORMAT_NAMES)}")
