@@ -1,10 +1,11 @@
 """GGUF weights kept in their blocks (``quantized=True``): which layers
 keep them, what the graphs show, and tokens equal to the same file dequantized.
 
-On the CPU the block layers run the reference (``gguf``'s dequantization, then the float
-op), so the two models compute the same float32 products: tokens must be equal, and the
-margins are checked so that a GPU run of the same comparison means something. The CUDA
-dispatch of each op is run here through the Triton interpreter.
+On the CPU the block layers of the simple formats run the CPU's block kernels
+(``cpu_blocks``: the same float32 weights, summed in another order), the K-quants the
+reference (``gguf``'s dequantization, then the float op): tokens must be equal to the
+dequantized model's, and the margins are checked so that the comparison means something.
+The CUDA dispatch of each op is run here through the Triton interpreter.
 """
 
 import logging
@@ -74,7 +75,7 @@ def test_every_matrix_keeps_its_blocks_and_a_tied_head_reads_the_embedding(tied)
     assert sum(p.numel() * p.element_size() for p in model.parameters()) < dense / 5
 
 
-def test_the_cpu_default_stays_dequantized():
+def test_load_dequantizes_unless_asked():   # ts.LLM asks on the CPU (test_cpu_blocks.py)
     model = ts.models.load(decisive_file(Q.Q8_0))
     assert block_layers(model) == {} and all(p.dtype == torch.float32 for p in model.parameters())
 
