@@ -179,3 +179,11 @@ def test_the_default_model_on_the_cpu_runs_its_files_blocks():
     model = model_source.as_model(ts.models.default_model_path(), None, torch.device("cpu"))
     formats = {m.weight_format for m in model.modules() if isinstance(m, BlockLinear)}
     assert formats == {"Q4_1", "Q8_0"} and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_formats_the_cpu_does_not_read_are_dequantized_with_one_line_naming_them(caplog):
+    from test_gguf import k_layout_file   # a file of Q4_K matrices
+    with caplog.at_level(logging.WARNING):
+        model = ts.models.load(k_layout_file(Q.Q4_K)[0], quantized=True, block_formats=cpu_blocks.FORMAT_NAMES)
+    assert not [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert "Q4_K tensors (not kept in blocks on this device)" in caplog.text

@@ -94,9 +94,14 @@ def _log_dequantized(stored, kept, formats: Collection[str]) -> None:
                                  if name not in kept and m.format not in ("F32", "F16", "BF16"))
     if unread:
         log.warning("GGUF weights dequantized at load: %s", ", ".join(
-            f"{count} {fmt} tensors" + (" (in a layer with a part no kernel reads)" if fmt in formats
-                                        else f" (no kernel of this device reads {fmt})")
+            f"{count} {fmt} tensors" + _why_dequantized(fmt, formats)
             for fmt, count in sorted(unread.items())))
+
+
+def _why_dequantized(fmt: str, formats: Collection[str]) -> str:
+    if fmt in formats:
+        return " (in a layer with a part no kernel reads)"
+    return " (not kept in blocks on this device)" if fmt in BLOCK_FORMATS else f" (no kernel reads {fmt})"
 
 
 def swap_layers(model: nn.Module, block_plan: BlockPlan) -> nn.Module:
