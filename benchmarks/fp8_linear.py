@@ -6,7 +6,8 @@ blocks) at 2048 rows, beside torch's bf16 ``linear`` and (up to 16 rows) the bf1
 
     python -m benchmarks.fp8_linear [--rows 1 8 16 2048] [--json results/fp8_linear.json]
     python -m benchmarks.fp8_linear --tiny        (CPU: the Triton interpreter, small shapes)
-    python -m benchmarks.fp8_linear --sweep --projections down --rows 1   (other configs too)
+    python -m benchmarks.fp8_linear --sweep --projections down --rows 1 [--layouts channel]
+                                    (other configs too; --layouts: which scales)
 
 On a GPU each timing replays a CUDA graph of back-to-back calls over distinct weight
 copies (more bytes than L2 holds), as a decode step streams its layers. The down
@@ -157,9 +158,9 @@ def sweep(case: Case, layout: str, bandwidth) -> list[dict]:
     return rows
 
 
-def measure(case: Case, bandwidth, sweeping: bool) -> list[dict]:
+def measure(case: Case, bandwidth, sweeping: bool, layouts=LAYOUTS) -> list[dict]:
     rows = measure_16_bit(case, bandwidth)
-    for layout in LAYOUTS:
+    for layout in layouts:
         rows.append(measure_fp8(case, layout, bandwidth))
         if sweeping:
             rows += sweep(case, layout, bandwidth)
@@ -175,6 +176,8 @@ def main() -> None:
                         choices=list(PROJECTIONS))
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU: interpreter)")
     parser.add_argument("--sweep", action="store_true", help="also time other configs (GPU)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS,
+                        help="FP8 scales: per output channel, per 128 x 128 block")
     parser.add_argument("--json", default="results/fp8_linear.json")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -186,7 +189,7 @@ def main() -> None:
             n, k = PROJECTIONS[name]
             if args.tiny:
                 n, k = n // TINY, k // TINY
-            rows += measure(Case(name, n, k, m, args.tiny, device), bandwidth, args.sweep)
+            rows += measure(Case(name, n, k, m, args.tiny, device), bandwidth, args.sweep, args.layouts)
     columns = ["projection", "kernel", "rows", "n", "k", "mb", "us", "gbps", "floor_us",
                "of_floor", "tflops", "quant_us", "vs_torch", "config"]
     print(common.table(rows, columns))
