@@ -13,6 +13,7 @@ compiler's message, and the caller decides (``cpu_blocks.library``).
 """
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -21,7 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+LIBRARIES = ("-lm",)   # libm and, through it, glibc's vector functions (libmvec)
 
 
 class BuildError(RuntimeError):
@@ -32,6 +34,27 @@ def cache_dir(environ=os.environ) -> Path:
     if environ.get("TOKENSPEED_CACHE_DIR"):
         return Path(environ["TOKENSPEED_CACHE_DIR"])
     return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenspeed"
+
+
+@functools.cache
+def kernels(source: Path, signatures: tuple[tuple[str, tuple], ...]) -> tuple[ctypes.CDLL | None, str]:
+    """``source``'s library, each function of ``signatures`` (name, argument types) typed
+    with an ``int`` result, built once a process; or None and the reason it was not."""
+    try:
+        library = load(source)
+    except (BuildError, OSError) as exc:
+        return None, str(exc)
+    for name, argtypes in signatures:
+        getattr(library, name).argtypes, getattr(library, name).restype = list(argtypes), ctypes.c_int
+    return library, ""
+
+
+def call(built: tuple[ctypes.CDLL | None, str], name: str, *args) -> int:
+    """``name``'s status from a library ``kernels`` returned; an error if it was not built."""
+    library, reason = built
+    if library is None:
+        raise RuntimeError(f"the CPU's C kernels are not built: {reason}")
+    return getattr(library, name)(*args)
 
 
 def load(source: Path, environ=os.environ) -> ctypes.CDLL:
@@ -47,7 +70,7 @@ def load(source: Path, environ=os.environ) -> ctypes.CDLL:
 
 def _build_key(source: Path, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    parts = (source.read_bytes(), compiler.encode(), version.encode(), " ".join(FLAGS).encode(),
+    parts = (source.read_bytes(), compiler.encode(), version.encode(), " ".join(FLAGS + LIBRARIES).encode(),
              platform.machine().encode(), _cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -67,7 +90,8 @@ def _build(source: Path, compiler: str, target: Path) -> None:
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial, *LIBRARIES], capture_output=True,
+                              text=True)
         if done.returncode:
             raise BuildError(f"{compiler} could not build {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(partial, target)

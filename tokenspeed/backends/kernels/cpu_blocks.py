@@ -13,7 +13,6 @@ GGUF files dequantized on the CPU (``models/loader.py``).
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -27,21 +26,12 @@ GEMV_ROWS = 16   # rows up to which the product reads the blocks; more dequantiz
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 
 _I, _L, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-SIGNATURES = {"tokenspeed_block_linear": [_I, _P, _L, _L, _P, _L, _L, _P, _I],
-              "tokenspeed_block_dequantize": [_I, _P, _L, _L, _L, _P, _I]}
+SIGNATURES = (("tokenspeed_block_linear", (_I, _P, _L, _L, _P, _L, _L, _P, _I)),
+              ("tokenspeed_block_dequantize", (_I, _P, _L, _L, _L, _P, _I)))
 
 
-
-@functools.cache
 def _built() -> tuple[ctypes.CDLL | None, str]:
-    """The library, built once a process, or None and the reason it was not."""
-    try:
-        library = c_library.load(SOURCE)
-    except (c_library.BuildError, OSError) as exc:
-        return None, str(exc)
-    for name, argtypes in SIGNATURES.items():
-        getattr(library, name).argtypes, getattr(library, name).restype = argtypes, ctypes.c_int
-    return library, ""
+    return c_library.kernels(SOURCE, SIGNATURES)
 
 
 def available() -> bool:
@@ -99,10 +89,7 @@ def _checked_weight(weight: torch.Tensor, fmt: BlockFormat) -> int:
 
 
 def _call(name: str, *args) -> None:
-    library, reason = _built()
-    if library is None:
-        raise RuntimeError(f"the CPU's block kernels are not built: {reason}")
-    status = getattr(library, name)(*args)
+    status = c_library.call(_built(), name, *args)
     if status == -2:
         raise MemoryError(f"{name}: no memory for the rows' block sums")
     if status:

@@ -13,7 +13,7 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 
 import torch
 
-from tokenspeed.backends.kernels import cpu_blocks, cpu_int4, cpu_int8, gguf_reference, kv_fp8, mla_reference, moe_reference
+from tokenspeed.backends.kernels import cpu_attention, cpu_blocks, cpu_int4, cpu_int8, gguf_reference, kv_fp8, mla_reference, moe_reference
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
@@ -67,8 +67,12 @@ def _attention(q, kv_cache, layer, block_tables, row_request, positions, scale, 
 
 def decode_attention(q, kv_cache, layer, block_tables, row_request, positions, scale, window, k_scale=1.0,
                      v_scale=1.0):
-    """One row per request: every row alone in its run."""
+    """One row per request: every row alone in its run (a float32 cache's rows by the CPU's
+    C kernel, ``cpu_attention``)."""
     flat, page_size = flat_slots(kv_cache)
+    if cpu_attention.reads(q, flat[layer]):
+        return cpu_attention.decode_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size,
+                                              window)
     return lone_rows_attention(q, flat[layer], block_tables, row_request, positions, scale, page_size, window,
                                kv_fp8.applied(flat.dtype, k_scale, v_scale))
 
@@ -160,8 +164,14 @@ def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0, q_norm=None,
                           k_norm=None, norm_eps=0.0):
+    """On a float32 cache, the CPU's C kernel (``cpu_attention``): rotation, write and
+    attention in one call."""
     q = q if q_norm is None else rms_norm(q, q_norm, norm_eps)
     k = k if k_norm is None else rms_norm(k, k_norm, norm_eps)
+    flat, page_size = flat_slots(kv_cache)
+    if cpu_attention.rope_reads(q, k, v, cos_sin, flat[layer]):
+        return cpu_attention.rope_decode_attention(q, k, v, cos_sin, positions, flat[layer], slot_mapping, block_tables,
+                                                   row_request, scale, page_size, window)
     q_rot = rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale, v_scale)
     return decode_attention(q_rot, kv_cache, layer, block_tables, row_request, positions, scale, window,
                             k_scale, v_scale)
