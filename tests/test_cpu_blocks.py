@@ -24,15 +24,23 @@ from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.models.block_layers import BlockLinear
 
 Q = gguf.GGMLQuantizationType
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}   # a K-quant block's float16 fields
 COMPILER = shutil.which(os.environ.get("CC") or "cc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler on PATH")
 
 
 def blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """``uint8 [n, row_bytes]``: a random matrix as ``gguf`` quantizes it (rows offset
-    from zero, so Q4_1's and Q5_1's minimums matter)."""
+    from zero, so Q4_1's and Q5_1's minimums matter); ``gguf`` has no K-quant quantizer, so
+    a K-quant's blocks are random bytes with finite float16 scales."""
     rng = np.random.default_rng(seed)
+    if qtype in SCALES:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (n, k // block_size, type_size), dtype=np.uint8)
+        for at in SCALES[qtype]:
+            raw[..., at:at + 2] = rng.uniform(1e-3, 0.05, (n, k // block_size, 1)).astype(np.float16).view(np.uint8)
+        return torch.from_numpy(raw.reshape(n, -1).copy())
     w = rng.standard_normal((n, k)).astype(np.float32) + rng.uniform(-1, 1, (n, 1)).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
 
@@ -52,7 +60,7 @@ def test_the_kernels_build_where_a_compiler_is():
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @needs_compiler
 def test_dequantize_is_ggufs_to_the_bit(qtype):
-    raw = blocks(qtype, 37, 96)
+    raw = blocks(qtype, 37, 512)
     expected = gguf.quants.dequantize(raw.numpy(), qtype)
     np.testing.assert_array_equal(cpu_blocks.dequantize(raw, block_format(qtype)).numpy(), expected)
 
@@ -62,8 +70,8 @@ def test_dequantize_is_ggufs_to_the_bit(qtype):
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 15, 16, 17, 40])
 def test_a_product_equals_the_dequantized_ones(qtype, rows):
     """Every tile of rows (8, 4, 2, 1 and their mixes), and past ``GEMV_ROWS`` the BLAS."""
-    raw, fmt = blocks(qtype, 45, 128, seed=rows), block_format(qtype)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    raw, fmt = blocks(qtype, 45, 256, seed=rows), block_format(qtype)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype))
     assert_close_sums(cpu_blocks.linear(x, raw, fmt), x, w, gguf_reference.linear(x, raw, fmt))
 
@@ -71,10 +79,11 @@ def test_a_product_equals_the_dequantized_ones(qtype, rows):
 @needs_compiler
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(qtype=st.sampled_from(FORMATS), rows=st.integers(1, 20), n=st.integers(1, 70),
-       blocks_per_row=st.integers(1, 6), lead=st.sampled_from([(), (2,)]),
+       blocks_per_row=st.integers(1, 3), lead=st.sampled_from([(), (2,)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans())
 def test_products_over_shapes_dtypes_and_a_bias(qtype, rows, n, blocks_per_row, lead, dtype, bias):
-    k, fmt = 32 * blocks_per_row, block_format(qtype)
+    fmt = block_format(qtype)
+    k = fmt.block_size * blocks_per_row
     raw = blocks(qtype, n, k, seed=rows * n)
     x = torch.randn(*lead, rows, k).to(dtype)
     b = torch.randn(n) if bias else None
@@ -90,20 +99,19 @@ def test_products_over_shapes_dtypes_and_a_bias(qtype, rows, n, blocks_per_row, 
 
 @needs_compiler
 def test_the_cpu_op_runs_these_kernels_for_their_formats(monkeypatch):
-    raw, calls = blocks(Q.Q4_1, 8, 64), []
+    calls = []
     monkeypatch.setattr(cpu_blocks, "linear", lambda *args: calls.append(args) or torch.zeros(1, 8))
-    reference.linear(torch.randn(1, 64), raw, None, "Q4_1")
-    assert len(calls) == 1
-    k_quant = torch.zeros(4, 144, dtype=torch.uint8)   # Q4_K, all zero: no CPU kernel, gguf's dequantization
-    assert torch.equal(reference.linear(torch.randn(1, 256), k_quant, None, "Q4_K"), torch.zeros(1, 4))
-    assert len(calls) == 1
+    for qtype in (Q.Q4_1, Q.Q6_K):
+        reference.linear(torch.randn(1, 256), blocks(qtype, 8, 256), None, qtype.name)
+    assert [args[2].qtype for args in calls] == [Q.Q4_1, Q.Q6_K]
+    assert not cpu_blocks.reads(block_format(Q.Q4_1), "cuda")
 
 
 @needs_compiler
 def test_misfit_inputs_are_refused_by_name():
     raw, fmt = blocks(Q.Q8_0, 8, 64), block_format(Q.Q8_0)
-    with pytest.raises(ValueError, match="read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; got Q4_K"):
-        cpu_blocks.linear(torch.randn(1, 256), torch.zeros(4, 144, dtype=torch.uint8), block_format(Q.Q4_K))
+    with pytest.raises(ValueError, match="must be uint8"):
+        cpu_blocks.linear(torch.randn(1, 64), raw.to(torch.int16), fmt)
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         cpu_blocks.linear(torch.randn(1, 32), raw[:, :34], fmt)
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
@@ -186,9 +194,24 @@ def test_the_default_model_on_the_cpu_runs_its_files_blocks():
     assert formats == {"Q4_1", "Q8_0"} and model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_formats_the_cpu_does_not_read_are_dequantized_with_one_line_naming_them(caplog):
-    from test_gguf import k_layout_file   # a file of Q4_K matrices
-    with caplog.at_level(logging.WARNING):
-        model = ts.models.load(k_layout_file(Q.Q4_K)[0], quantized=True, block_formats=cpu_blocks.FORMAT_NAMES)
-    assert not [m for m in model.modules() if isinstance(m, BlockLinear)]
-    assert "Q4_K tensors (not kept in blocks on this device)" in caplog.text
+@needs_compiler
+def test_a_k_quant_file_keeps_its_blocks_and_its_tokens(monkeypatch):
+    """A Q4_K_M-like file (Q4_K beside Q6_K) loaded as ``ts.LLM`` loads it on the CPU (the
+    file has no tokenizer: the model goes in as a model): blocks kept, greedy tokens equal
+    to the dequantized model's on decisive prompts."""
+    from test_gguf import K_LAYOUT, k_layout_file
+    from hf_models import make_prompts
+    from margins import assert_decisive, greedy_margins
+    path, _ = k_layout_file(Q.Q4_K, matrix_type=Q.Q6_K)
+    options = dict(device="cpu", max_model_len=256, page_size=4, max_num_seqs=4)
+    model = model_source.as_model(path, None, torch.device("cpu"))
+    formats = {m.weight_format for m in model.modules() if isinstance(m, BlockLinear)}
+    assert formats == {"Q4_K", "Q6_K"}
+    prompts = make_prompts((3, 9), seed=2, vocab=K_LAYOUT["vocab"])
+    params = ts.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    margins = greedy_margins(monkeypatch)
+    tokens = [o.outputs[0].token_ids for o in ts.LLM(model, **options).generate(prompts, params, use_tqdm=False)]
+    dense = ts.LLM(ts.models.load(path), **options)
+    assert tokens == [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
+    assert_decisive(margins)
+

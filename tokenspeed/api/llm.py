@@ -52,7 +52,7 @@ class LLM:
         """``model``: a Hugging Face directory or model id (``owner/name``, through the
         Hugging Face cache; ``revision``: a branch, tag or commit of it), a GGUF file or a
         tokenspeed model (default: the embedded SmolLM2-135M-Instruct); on the CPU a GGUF file's
-        Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices stay in their blocks (float32 products by
+        block-format matrices (Q4_0 to Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks (float32 products by
         C kernels; ``model_source.kept_blocks``). ``dtype``: a torch dtype or its name (default:
         the checkpoint's). ``quantization="fp8"``: the linear layers' weights quantized to FP8
         at load, one scale per output channel (FP8 checkpoints load in FP8 without it);

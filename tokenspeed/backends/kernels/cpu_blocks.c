@@ -1,22 +1,27 @@
 /* GGUF blocks on the CPU (cpu_blocks.py builds and loads this file).
 
    A decode step on the CPU streams every weight once. Kept in its file's blocks, a weight
-   is 4.5 to 8.5 bits, not float32's 32. Each block's weights are d * u + m (u its integer
-   codes, d and m float16 widened), exactly the float32 values gguf's own dequantization
-   gives; a product is summed as d * (u . x) + m * sum(x) in float32, which spares the
-   widening of every weight (1.8 times the speed of d * u + m first, one CPU core). The vectors are GCC's vector extensions, so the compiler picks the instructions
+   is 4.5 to 8.5 bits, not float32's 32. Each block's weights are d * c + m (c its integer
+   codes, d and m from its float16 scales), exactly the float32 values gguf's own
+   dequantization gives; a product is summed as d * (c . x) + m * sum(x) in float32, which
+   spares the widening of every weight (1.8 times the speed of d * c + m first, one CPU
+   core). The vectors are GCC's vector extensions, so the compiler picks the instructions
    of the machine it builds on (-march=native); a byte goes to float through int32 because
    GCC scalarises the direct conversion.
 
    Block layouts (ggml's): Q4_0 {d; qs[16]}, Q4_1 {d; m; qs[16]}, Q5_0 {d; qh[4]; qs[16]},
-   Q5_1 {d; m; qh[4]; qs[16]}, Q8_0 {d; qs[32] int8}. Element j < 16 of a block is the low
-   nibble of qs[j], element j + 16 its high nibble; Q5's fifth bits are bit j of qh. */
+   Q5_1 {d; m; qh[4]; qs[16]}, Q8_0 {d; qs[32] int8}: element j < 16 of a block is the low
+   nibble of qs[j], element j + 16 its high nibble, Q5's fifth bits bit j of qh. Q4_K {d;
+   dmin; scales[12]; qs[128]}, Q5_K {d; dmin; scales[12]; qh[32]; qs[128]}, Q6_K {ql[128];
+   qh[64]; scales[16] int8; d} hold 256 elements (decode says where each unit's are). */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
@@ -27,7 +32,7 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
    2-core machine; 12-13 ms with 1 to 16 KB (2 KB best). */
 #define PREFETCH 2048
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };   /* ggml's type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };   /* ggml's type ids */
 
 static inline float half(const uint8_t *p) {
 #ifdef __FLT16_MAX__
@@ -60,7 +65,52 @@ static inline v16f floats16(const float *p) {
     return v;
 }
 
-/* Q5's fifth bits of elements first .. first + 15, as 0 or 16 */
+/* A unit is 32 elements of a block (a simple format's whole block, an eighth of a
+   K-quant's 256). Its codes c come as two halves of 16 (elements 0-15 in *lo, 16-31 in
+   *hi; codes), its scales and offsets once a block for all its units (scales): each
+   weight d * c + m as gguf's dequantization computes it (d * c exact in float32 where
+   gguf adds an offset, one rounding either way). The simple formats and Q4_K/Q5_K have
+   one scale a unit, Q6_K one a half (d[2 * s] and d[2 * s + 1]); Q6_K's and the simple
+   formats' offsets but Q4_1's and Q5_1's are 0. */
+typedef struct {
+    float d[16], m[8];
+} block_scales;
+
+/* Q4_K's and Q5_K's six-bit scale and minimum of sub-block s (ggml's get_scale_min_k4) */
+static inline void scale_min(const uint8_t *scales, int s, int *sc, int *mn) {
+    if (s < 4) {
+        *sc = scales[s] & 63, *mn = scales[s + 4] & 63;
+    } else {
+        *sc = (scales[s + 4] & 15) | ((scales[s - 4] >> 6) << 4);
+        *mn = (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4);
+    }
+}
+
+static inline void scales(int format, const uint8_t *b, block_scales *out) {
+    int sc, mn;
+    switch (format) {
+    case Q4_1: case Q5_1:
+        out->d[0] = half(b), out->m[0] = half(b + 2);
+        return;
+    case Q4_K: case Q5_K: {
+        const float d = half(b), dmin = half(b + 2);
+        for (int s = 0; s < 8; s++) {
+            scale_min(b + 4, s, &sc, &mn);
+            out->d[s] = d * (float)sc, out->m[s] = -(dmin * (float)mn);
+        }
+        return;
+    }
+    case Q6_K: {
+        const float d = half(b + 208);
+        for (int i = 0; i < 16; i++) out->d[i] = d * (float)((const int8_t *)(b + 192))[i];
+        return;
+    }
+    default:   /* Q4_0, Q5_0, Q8_0 */
+        out->d[0] = half(b), out->m[0] = 0.0f;
+    }
+}
+
+/* Q5's fifth bits of 16 elements (bit first + j of qh's four bytes for element j), as 0 or 16 */
 static inline v16f fifth_bits(const uint8_t *qh, int first) {
     uint32_t bits;
     memcpy(&bits, qh, 4);
@@ -69,34 +119,47 @@ static inline v16f fifth_bits(const uint8_t *qh, int first) {
     return __builtin_convertvector(((word >> at) & 1) << 4, v16f);
 }
 
-/* One block as gguf's dequantization reads it, with every weight d * u + m for an
-   unsigned code u: the codes of elements 0-15 in *lo and 16-31 in *hi, and the block's d
-   and m (for the formats without an m, -8 d, -16 d or -128 d: Q4_0's weight d * (q - 8)
-   is d * u + m exactly, each product and sum exact in float32). */
-static inline void decode(int format, const uint8_t *b, v16f *lo, v16f *hi, float *d, float *m) {
+static inline void codes(int format, const uint8_t *b, int s, v16f *lo, v16f *hi) {
     v16b q;
-    *d = half(b);
     switch (format) {
     case Q4_0:
         q = bytes16(b + 2);
-        *lo = FLOATS(q & 15), *hi = FLOATS(q >> 4), *m = -8.0f * *d;
+        *lo = FLOATS(q & 15) - 8.0f, *hi = FLOATS(q >> 4) - 8.0f;
         return;
     case Q4_1:
         q = bytes16(b + 4);
-        *lo = FLOATS(q & 15), *hi = FLOATS(q >> 4), *m = half(b + 2);
+        *lo = FLOATS(q & 15), *hi = FLOATS(q >> 4);
         return;
     case Q5_0:
         q = bytes16(b + 6);
-        *lo = FLOATS(q & 15) + fifth_bits(b + 2, 0), *hi = FLOATS(q >> 4) + fifth_bits(b + 2, 16);
-        *m = -16.0f * *d;
+        *lo = FLOATS(q & 15) + fifth_bits(b + 2, 0) - 16.0f, *hi = FLOATS(q >> 4) + fifth_bits(b + 2, 16) - 16.0f;
         return;
     case Q5_1:
         q = bytes16(b + 8);
         *lo = FLOATS(q & 15) + fifth_bits(b + 4, 0), *hi = FLOATS(q >> 4) + fifth_bits(b + 4, 16);
-        *m = half(b + 2);
         return;
-    default:   /* Q8_0: the int8 q read as a byte u = q + 128 = byte ^ 0x80 */
-        *lo = FLOATS(bytes16(b + 2) ^ 0x80), *hi = FLOATS(bytes16(b + 18) ^ 0x80), *m = -128.0f * *d;
+    case Q8_0:   /* the int8 q read as a byte: q + 128 = byte ^ 0x80 */
+        *lo = FLOATS(bytes16(b + 2) ^ 0x80) - 128.0f, *hi = FLOATS(bytes16(b + 18) ^ 0x80) - 128.0f;
+        return;
+    case Q4_K: {   /* qs[128] at 16: sub-block s the low (even s) or high nibbles of 32 bytes */
+        const uint8_t *qs = b + 16 + 32 * (s / 2);
+        const int shift = 4 * (s % 2);
+        *lo = FLOATS((bytes16(qs) >> shift) & 15), *hi = FLOATS((bytes16(qs + 16) >> shift) & 15);
+        return;
+    }
+    case Q5_K: {   /* qh[32] at 16 (bit s of byte j: element j's fifth bit), qs[128] at 48 */
+        const uint8_t *qs = b + 48 + 32 * (s / 2);
+        const int shift = 4 * (s % 2);
+        *lo = FLOATS(((bytes16(qs) >> shift) & 15) | (((bytes16(b + 16) >> s) & 1) << 4));
+        *hi = FLOATS(((bytes16(qs + 16) >> shift) & 15) | (((bytes16(b + 32) >> s) & 1) << 4));
+        return;
+    }
+    default: {   /* Q6_K: ql[128], qh[64] at 128; unit s in half s / 4, its row s % 4 */
+        const int h = s / 4, row = s % 4, shift = 4 * (row / 2);
+        const uint8_t *ql = b + 64 * h + 32 * (row % 2), *qh = b + 128 + 32 * h;
+        *lo = FLOATS(((bytes16(ql) >> shift) & 15) | (((bytes16(qh) >> (2 * row)) & 3) << 4)) - 32.0f;
+        *hi = FLOATS(((bytes16(ql + 16) >> shift) & 15) | (((bytes16(qh + 16) >> (2 * row)) & 3) << 4)) - 32.0f;
+    }
     }
 }
 
@@ -107,36 +170,59 @@ static int type_size(int format) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
     }
     return 0;
 }
 
-static inline float total(v16f v) {
-    float s = 0;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
+static int units(int format) {   /* units of 32 a block */
+    return format == Q4_K || format == Q5_K || format == Q6_K ? 8 : 1;
 }
 
-/* out[r * n_out] for TILE rows of x from one weight row. A block's weights d * u + m
-   give a row d * (u . x) + m * sum(x): each block's codes are widened once for all the
-   rows, a row's products summed in 16 float32 lanes, and sums[r * blocks + b] holds
-   row r's sum over block b. The same weights as gguf's, the sums in another order.
-   FORMAT is a constant in every expansion, so decode's switch folds away. */
+static inline float total(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Formats whose weights have an offset m (the others' is 0; Q6_K's two halves differ only
+   in their scales) */
+#define OFFSET(FORMAT) ((FORMAT) == Q4_1 || (FORMAT) == Q5_1 || (FORMAT) == Q4_K || (FORMAT) == Q5_K)
+
+/* out[r * n_out] for TILE rows of x from one weight row. A unit's weights d * c + m give
+   a row d * (c . x) + m * sum(x): each unit's codes are widened once for all the rows, a
+   row's products summed in 16 float32 lanes, and sums[r * (k / 32) + i] holds row r's sum
+   over unit i. The same weights as gguf's, the sums in another order. FORMAT is a
+   constant in every expansion, so decode's switch folds away. */
 #define DOT_ROWS(FORMAT, TILE)                                                                   \
 static void dot_##FORMAT##_##TILE(const float *x, const float *sums, int64_t k, const uint8_t *row, \
                                    float *out, int64_t n_out) {                                   \
-    const int64_t blocks = k / 32;                                                                \
+    const int64_t per_block = units(FORMAT), blocks = k / (32 * per_block), units_per_row = k / 32; \
     v16f acc[TILE];                                                                               \
     float offsets[TILE];                                                                          \
     for (int r = 0; r < TILE; r++) acc[r] = (v16f){0}, offsets[r] = 0;                            \
     for (int64_t b = 0; b < blocks; b++) {                                                        \
-        v16f lo, hi;                                                                              \
-        float d, m;                                                                               \
-        decode(FORMAT, row + b * type_size(FORMAT), &lo, &hi, &d, &m);                            \
-        for (int r = 0; r < TILE; r++) {                                                          \
-            const float *xr = x + r * k + b * 32;                                                 \
-            acc[r] += (lo * floats16(xr) + hi * floats16(xr + 16)) * d;                           \
-            offsets[r] += m * sums[r * blocks + b];                                               \
+        const uint8_t *block = row + b * type_size(FORMAT);                                       \
+        block_scales sc;                                                                          \
+        scales(FORMAT, block, &sc);                                                               \
+        _Pragma("GCC unroll 8")   /* constant shifts in each unit's codes */                      \
+        for (int s = 0; s < per_block; s++) {                                                     \
+            const int64_t i = b * per_block + s;                                                  \
+            const int unit_scale = FORMAT == Q4_K || FORMAT == Q5_K ? s : 0;                      \
+            v16f lo, hi;                                                                          \
+            codes(FORMAT, block, s, &lo, &hi);                                                    \
+            for (int r = 0; r < TILE; r++) {                                                      \
+                const float *xr = x + r * k + 32 * i;                                             \
+                if (FORMAT == Q6_K)                                                               \
+                    acc[r] += lo * floats16(xr) * sc.d[2 * s] + hi * floats16(xr + 16) * sc.d[2 * s + 1]; \
+                else                                                                              \
+                    acc[r] += (lo * floats16(xr) + hi * floats16(xr + 16)) * sc.d[unit_scale];    \
+                if (OFFSET(FORMAT))                                                               \
+                    offsets[r] += sc.m[unit_scale] * sums[r * units_per_row + i];                 \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
     for (int r = 0; r < TILE; r++) out[r * n_out] = total(acc[r]) + offsets[r];                  \
@@ -144,8 +230,8 @@ static void dot_##FORMAT##_##TILE(const float *x, const float *sums, int64_t k, 
 
 /* x [rows, k] times the weight [n, k] (rows of row_bytes) transposed, into out [rows, n]:
    the output features split over the threads, eight rows of x at a time (16 rows: 47 ms
-   for the default model's matrices against 55 four at a time). (A prefetch past
-   the matrix's end is harmless: prefetches never fault.) */
+   for the default model's matrices against 55 four at a time). (A prefetch past the
+   matrix's end is harmless: prefetches never fault.) */
 #define LINEAR(FORMAT)                                                                           \
 DOT_ROWS(FORMAT, 1)                                                                               \
 DOT_ROWS(FORMAT, 2)                                                                               \
@@ -153,20 +239,20 @@ DOT_ROWS(FORMAT, 4)                                                             
 DOT_ROWS(FORMAT, 8)                                                                               \
 static void linear_##FORMAT(const float *x, const float *sums, int64_t rows, int64_t k,          \
                             const uint8_t *w, int64_t n, int64_t row_bytes, float *out, int threads) { \
-    const int64_t blocks = k / 32;                                                                \
+    const int64_t units_per_row = k / 32;                                                         \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
     for (int64_t i = 0; i < n; i++) {                                                             \
         const uint8_t *row = w + i * row_bytes;                                                   \
         for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(row + PREFETCH + c);       \
         int64_t r = 0;                                                                            \
         for (; r + 8 <= rows; r += 8)                                                             \
-            dot_##FORMAT##_8(x + r * k, sums + r * blocks, k, row, out + r * n + i, n);           \
+            dot_##FORMAT##_8(x + r * k, sums + r * units_per_row, k, row, out + r * n + i, n);           \
         for (; r + 4 <= rows; r += 4)                                                             \
-            dot_##FORMAT##_4(x + r * k, sums + r * blocks, k, row, out + r * n + i, n);           \
+            dot_##FORMAT##_4(x + r * k, sums + r * units_per_row, k, row, out + r * n + i, n);           \
         for (; r + 2 <= rows; r += 2)                                                             \
-            dot_##FORMAT##_2(x + r * k, sums + r * blocks, k, row, out + r * n + i, n);           \
+            dot_##FORMAT##_2(x + r * k, sums + r * units_per_row, k, row, out + r * n + i, n);           \
         for (; r < rows; r++)                                                                     \
-            dot_##FORMAT##_1(x + r * k, sums + r * blocks, k, row, out + r * n + i, n);           \
+            dot_##FORMAT##_1(x + r * k, sums + r * units_per_row, k, row, out + r * n + i, n);           \
     }                                                                                             \
 }
 
@@ -175,6 +261,9 @@ LINEAR(Q4_1)
 LINEAR(Q5_0)
 LINEAR(Q5_1)
 LINEAR(Q8_0)
+LINEAR(Q4_K)
+LINEAR(Q5_K)
+LINEAR(Q6_K)
 
 /* 0; -1 for a format this file does not decode, -2 if out of memory */
 int tokenspeed_block_linear(int format, const float *x, int64_t rows, int64_t k, const uint8_t *w,
@@ -193,26 +282,37 @@ int tokenspeed_block_linear(int format, const float *x, int64_t rows, int64_t k,
     case Q5_0: linear_Q5_0(x, sums, rows, k, w, n, row_bytes, out, threads); break;
     case Q5_1: linear_Q5_1(x, sums, rows, k, w, n, row_bytes, out, threads); break;
     case Q8_0: linear_Q8_0(x, sums, rows, k, w, n, row_bytes, out, threads); break;
+    case Q4_K: linear_Q4_K(x, sums, rows, k, w, n, row_bytes, out, threads); break;
+    case Q5_K: linear_Q5_K(x, sums, rows, k, w, n, row_bytes, out, threads); break;
+    case Q6_K: linear_Q6_K(x, sums, rows, k, w, n, row_bytes, out, threads); break;
     }
     free(sums);
     return 0;
 }
 
-/* the weight [n, k] as float32 into out: for products of many rows (a prompt), which a
-   BLAS computes faster from float32 than the loops above from blocks */
+/* the weight [n, k] as float32 into out, bit for bit gguf's: for products of many rows (a
+   prompt), which a BLAS computes faster from float32 than the loops above from blocks */
 int tokenspeed_block_dequantize(int format, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                                 float *out, int threads) {
-    const int size = type_size(format);
+    const int size = type_size(format), per_block = units(format);
     if (!size) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        for (int64_t b = 0; b < k / 32; b++) {
-            v16f lo, hi;
-            float d, m;
-            decode(format, w + i * row_bytes + b * size, &lo, &hi, &d, &m);
-            lo = lo * d + m, hi = hi * d + m;   /* d * u exact: one rounding, gguf's */
-            memcpy(out + i * k + b * 32, &lo, sizeof lo);
-            memcpy(out + i * k + b * 32 + 16, &hi, sizeof hi);
+        for (int64_t b = 0; b < k / (32 * per_block); b++) {
+            const uint8_t *block = w + i * row_bytes + b * size;
+            block_scales sc;
+            scales(format, block, &sc);
+            #pragma GCC unroll 8
+            for (int s = 0; s < per_block; s++) {
+                const int at = format == Q6_K ? 2 * s : format == Q4_K || format == Q5_K ? s : 0;
+                const int at_hi = format == Q6_K ? at + 1 : at;
+                const float m = format == Q6_K ? 0.0f : sc.m[at];
+                v16f lo, hi;
+                codes(format, block, s, &lo, &hi);
+                lo = lo * sc.d[at] + m, hi = hi * sc.d[at_hi] + m;
+                memcpy(out + i * k + 32 * (b * per_block + s), &lo, sizeof lo);
+                memcpy(out + i * k + 32 * (b * per_block + s) + 16, &hi, sizeof hi);
+            }
         }
     }
     return 0;

@@ -2,7 +2,8 @@
 
 A CPU's decode step is bound by the weight bytes it reads. The default model's file holds
 Q4_1 layers and a Q8_0 embedding (the tied head): 538 MB a token once dequantized to
-float32, about 100 MB as blocks. These kernels decode each block in registers to exactly
+float32, about 100 MB as blocks. Every GGUF block format is read (the simple ones and the
+K-quants). These kernels decode each block in registers to exactly
 the float32 weights ``gguf``'s dequantization gives (what transformers computes with) and
 sum float32 products, so a result differs from the dequantized model's only in the order
 of its sums. Up to ``GEMV_ROWS`` rows (decode) take the block product; more rows (a
@@ -20,7 +21,7 @@ import torch
 from tokenspeed.backends.kernels import c_library
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear, check_weight
 
-FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)   # every block format
 FORMAT_NAMES = tuple(q.name for q in FORMATS)
 GEMV_ROWS = 16   # rows up to which the product reads the blocks; more dequantize first
 SOURCE = Path(__file__).with_name("cpu_blocks.c")

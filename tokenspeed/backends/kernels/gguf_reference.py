@@ -1,6 +1,6 @@
 """The torch reference of the GGUF kernels: ``gguf``'s own dequantization, then the float
 op. The oracle the Triton kernels are tested against, and what a CPU would compute from the
-same bytes (the CPU's own kernels for the simple formats are ``cpu_blocks``)."""
+same bytes (the CPU's own kernels are ``cpu_blocks``)."""
 
 import gguf
 import numpy as np
