@@ -1,6 +1,7 @@
-"""Decode on the CPU: the embedded default model through ``ts.LLM`` (float32, its default,
-and ``quantization="int4"``) against transformers on the same file (float32), side by side
-in one run, and the memory floors.
+"""Decode on the CPU: the embedded default model through ``ts.LLM`` (``float32``: its
+default, the file's Q4_1 and Q8_0 blocks with float32 activations and sums; and
+``quantization="int4"``) against transformers on the same file (dequantized to float32),
+side by side in one run, and the memory floors.
 
     python -m benchmarks.cpu_decode [--batches 1 4] [--prompt 128] [--new-tokens 32] [--rounds 5]
                                     [--ours float32 int4]
@@ -58,7 +59,7 @@ def theirs(model, prompts):
     return generate
 
 
-OURS = {"float32": None, "int4": "int4"}   # our engines: name -> ts.LLM's quantization
+OURS = {"float32": None, "int4": "int4"}   # our engines: name -> ts.LLM's quantization (None: the blocks)
 
 
 def main() -> None:
