@@ -82,6 +82,32 @@ def test_the_cpu_ops_take_the_c_kernel_for_float32_caches_only(monkeypatch):
     assert len(calls) == 1 and out.dtype == torch.bfloat16   # the torch formulation
     odd = torch.randn(2, 4, 24)   # heads of 24 elements: not a multiple of 16
     assert not cpu_attention.reads(odd, torch.zeros(2, 8, 2, 24))
+    assert not cpu_attention.reads(torch.randn(2, 4, 16), torch.zeros(2, 8, 2, 32))   # the cache's heads differ
+
+
+@needs_compiler
+def test_rows_outside_the_tables_or_the_cache_are_refused_not_read():
+    """The C reads where it is told: a position past the block table's width, a request
+    past its rows, a page or slot past the cache, or a position past the rotary table is an
+    IndexError before any read."""
+    q, kv, table, row_request, positions = decode_case([5, 9], 4, (4, 2), 16, 0)
+    attend = lambda **changed: cpu_attention.decode_attention(  # noqa: E731
+        *{**dict(q=q, kv=kv, block_tables=table, row_request=row_request, positions=positions), **changed}.values(),
+        0.25, 4, 0)
+    with pytest.raises(IndexError, match="outside the block tables"):
+        attend(positions=torch.tensor([4, 399_999]))
+    with pytest.raises(IndexError, match="outside the block tables"):
+        attend(row_request=torch.tensor([0, 7]))
+    with pytest.raises(IndexError, match="outside the block tables"):
+        attend(block_tables=torch.full_like(table, 10_000))
+    slots = torch.tensor([4, kv.shape[1]])   # one past the cache's last slot
+    k = v = torch.randn(2, 2, 16)
+    with pytest.raises(IndexError, match="outside the block tables"):
+        cpu_attention.rope_decode_attention(q, k, v, torch.zeros(16, 16), positions, kv, slots, table, row_request,
+                                            0.25, 4, 0)
+    with pytest.raises(IndexError, match="rotary table"):
+        cpu_attention.rope_decode_attention(q, k, v, torch.zeros(4, 16), positions, kv, slots - 1, table,
+                                            row_request, 0.25, 4, 0)
 
 
 @needs_compiler

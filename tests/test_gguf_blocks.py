@@ -344,6 +344,8 @@ def checked_against_reference(kernels, monkeypatch) -> list[str]:
     return mismatches
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter's run on CPU tensors; on a GPU "
+                    "test_gpu_each_block_op_of_a_model_step_matches_the_reference covers it")
 def test_each_block_op_of_a_model_step_matches_the_reference_through_the_cuda_kernels(monkeypatch):
     """The CUDA kernels (under the Triton interpreter) on the model's own activations,
     every op compared as the steps run it: tokens equal the dequantized model's."""

@@ -69,7 +69,7 @@ def load(source: Path, environ=os.environ) -> ctypes.CDLL:
 
 
 def _build_key(source: Path, compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace").stdout
     parts = (source.read_bytes(), compiler.encode(), version.encode(), " ".join(FLAGS + LIBRARIES).encode(),
              platform.machine().encode(), _cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -91,9 +91,10 @@ def _build(source: Path, compiler: str, target: Path) -> None:
     os.close(handle)
     try:
         done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial, *LIBRARIES], capture_output=True,
-                              text=True)
+                              text=True, errors="replace")
         if done.returncode:
             raise BuildError(f"{compiler} could not build {source.name}: {done.stderr.strip()[-2000:]}")
+        os.chmod(partial, 0o755)   # mkstemp's file is its owner's alone; a shared cache folder serves all
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -27,8 +27,6 @@ float expf(float) __attribute__((simd("notinbranch")));
 #define KEY_TILE 64
 
 typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
 
 static inline v16f load16(const float *p) {
     v16f v;
@@ -36,12 +34,23 @@ static inline v16f load16(const float *p) {
     return v;
 }
 
-/* the lanes' sum as a tree: a chain of 16 scalar additions a key took 5 times as long */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+/* the lanes' sum as a tree, the halves added as vectors (a chain of 16 scalar additions a
+   key took 5 times as long); a compiler without __builtin_shufflevector (GCC before 12)
+   adds the lanes one by one (splitting by memcpy instead was slower still) */
 static inline float total(v16f v) {
-    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#if defined(__clang__) || __GNUC__ >= 12
+    const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+    float s = 0;
+    for (int j = 0; j < 16; j++) s += v[j];
+    return s;
+#endif
 }
 
 static inline float dot(const float *a, const float *b, int64_t dim) {
@@ -114,13 +123,38 @@ static void attend_rows(const float *q, int64_t rows, int64_t heads, int64_t kv_
     }
 }
 
+/* The cache's bounds the rows must keep: requests (block-table rows), pages, slots (pages
+   * page_size), and positions the rotary table holds (0: no rotation). */
+typedef struct {
+    int64_t table_rows, pages, positions;
+} bounds;
+
+/* 0, or -3 if a row's request, position or page lies outside the tables and the cache:
+   the C reads and writes as it is told, where torch's indexing would raise */
+static int rows_fit(int64_t rows, const int64_t *row_request, const int64_t *positions, const int32_t *block_tables,
+                    int64_t table_width, int64_t page_size, int64_t window, bounds limits) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t last = positions[r], first = window && last - window + 1 > 0 ? last - window + 1 : 0;
+        if (row_request[r] < 0 || row_request[r] >= limits.table_rows || last < 0 ||
+            last >= table_width * page_size || (limits.positions && last >= limits.positions))
+            return -3;
+        const int32_t *table = block_tables + row_request[r] * table_width;
+        for (int64_t p = first / page_size; p <= last / page_size; p++)
+            if (table[p] < 0 || table[p] >= limits.pages) return -3;
+    }
+    return 0;
+}
+
 /* 0; -1 for shapes this file does not take (dim not a multiple of 16 or over MAX_DIM, a
-   group over MAX_GROUP) */
+   group over MAX_GROUP), -3 for rows outside the tables (rows_fit) */
 int tokenspeed_decode_attention(const float *q, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                                const float *k, const float *v, const int32_t *block_tables,
+                                const float *k, const float *v, const int32_t *block_tables, int64_t table_rows,
                                 int64_t table_width, const int64_t *row_request, const int64_t *positions,
-                                int64_t page_size, int64_t window, float scale, float *out, int threads) {
+                                int64_t page_size, int64_t pages, int64_t window, float scale, float *out,
+                                int threads) {
     if (!fits(heads, kv_heads, dim)) return -1;
+    const bounds limits = {table_rows, pages, 0};
+    if (rows_fit(rows, row_request, positions, block_tables, table_width, page_size, window, limits)) return -3;
     attend_rows(q, rows, heads, kv_heads, dim, k, v, block_tables, table_width, row_request, positions, page_size,
                 window, scale, out, threads);
     return 0;
@@ -131,6 +165,9 @@ int tokenspeed_decode_attention(const float *q, int64_t rows, int64_t heads, int
    apart as torch computes it (no fused multiply-add), so bit for bit the reference's */
 __attribute__((optimize("fp-contract=off")))
 static void rotate(const float *x, int64_t heads, int64_t dim, const float *cos_sin, float *out) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
     const int64_t half = dim / 2;
     const float *cos = cos_sin, *sin = cos_sin + half;
     for (int64_t h = 0; h < heads; h++, x += dim, out += dim)
@@ -141,18 +178,24 @@ static void rotate(const float *x, int64_t heads, int64_t dim, const float *cos_
         }
 }
 
-/* Each row's queries and keys rotated by its position (cos_sin [positions, dim]), its key
-   and value written at its slot (slot_mapping [rows]), then every row's attention, as
-   tokenspeed_decode_attention. q, k and v are [rows, heads or kv_heads, dim] with rows
-   q_stride, k_stride, v_stride apart; q_rot [rows, heads, dim] is scratch. */
+/* Each row's queries and keys rotated by its position (cos_sin [table_positions, dim]),
+   its key and value written at its slot (slot_mapping [rows]), then every row's
+   attention, as tokenspeed_decode_attention. q, k and v are [rows, heads or kv_heads,
+   dim] with rows q_stride, k_stride, v_stride apart; q_rot [rows, heads, dim] is scratch.
+   -3 for rows outside the tables, the cache or the rotary table. */
 int tokenspeed_rope_decode_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                                      const float *v, int64_t v_stride, int64_t rows, int64_t heads,
-                                     int64_t kv_heads, int64_t dim, const float *cos_sin,
+                                     int64_t kv_heads, int64_t dim, const float *cos_sin, int64_t table_positions,
                                      const int64_t *positions, const int64_t *slot_mapping, float *k_cache,
-                                     float *v_cache, const int32_t *block_tables, int64_t table_width,
-                                     const int64_t *row_request, int64_t page_size, int64_t window, float scale,
-                                     float *q_rot, float *out, int threads) {
+                                     float *v_cache, const int32_t *block_tables, int64_t table_rows,
+                                     int64_t table_width, const int64_t *row_request, int64_t page_size,
+                                     int64_t pages, int64_t window, float scale, float *q_rot, float *out,
+                                     int threads) {
     if (!fits(heads, kv_heads, dim)) return -1;
+    const bounds limits = {table_rows, pages, table_positions};
+    if (rows_fit(rows, row_request, positions, block_tables, table_width, page_size, window, limits)) return -3;
+    for (int64_t r = 0; r < rows; r++)
+        if (slot_mapping[r] < 0 || slot_mapping[r] >= pages * page_size) return -3;
     const int64_t slot_size = kv_heads * dim;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {

@@ -21,9 +21,11 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_GROUP, MAX_DIM = 16, 256   # the C file's bounds
 
 _I, _L, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-SIGNATURES = (("tokenspeed_decode_attention", (_P, _L, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _L, _F, _P, _I)),
-              ("tokenspeed_rope_decode_attention", (_P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P,
-                                                    _L, _P, _L, _L, _F, _P, _P, _I)))
+SIGNATURES = (("tokenspeed_decode_attention", (_P, _L, _L, _L, _L, _P, _P, _P, _L, _L, _P, _P, _L, _L, _L, _F, _P,
+                                               _I)),
+              ("tokenspeed_rope_decode_attention", (_P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _P, _L, _P, _P, _P, _P, _P,
+                                                    _L, _L, _P, _L, _L, _L, _F, _P, _P, _I)))
+OUTSIDE = -3   # the C's status for a row outside the block tables, the cache or the rotary table
 
 
 def _built() -> tuple[ctypes.CDLL | None, str]:
@@ -35,8 +37,8 @@ def reads(q: torch.Tensor, kv: torch.Tensor) -> bool:
     (``[2, slots, Hkv, D]``)."""
     heads, kv_heads, dim = q.shape[1], kv.shape[2], q.shape[2]
     return (q.device.type == "cpu" and q.dtype == kv.dtype == torch.float32 and dim % 16 == 0
-            and dim <= MAX_DIM and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
-            and kv.is_contiguous() and _built()[0] is not None)
+            and dim <= MAX_DIM and kv.shape[3] == dim and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP and kv.is_contiguous() and _built()[0] is not None)
 
 
 def decode_attention(q, kv, block_tables, row_request, positions, scale: float, page_size: int,
@@ -50,20 +52,27 @@ def decode_attention(q, kv, block_tables, row_request, positions, scale: float, 
     rows, heads, dim = q.shape
     q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
     requests, positions = row_request.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(rows, heads, dim, dtype=torch.float32, device="cpu")
     status = c_library.call(_built(), "tokenspeed_decode_attention", q.data_ptr(), rows, heads, kv.shape[2], dim,
-                            kv[0].data_ptr(), kv[1].data_ptr(), tables.data_ptr(), tables.shape[1],
-                            requests.data_ptr(), positions.data_ptr(), page_size, window, scale, out.data_ptr(),
-                            torch.get_num_threads())
-    if status:
-        raise ValueError(f"tokenspeed_decode_attention refused q {tuple(q.shape)} over kv {tuple(kv.shape)}")
+                            kv[0].data_ptr(), kv[1].data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1],
+                            requests.data_ptr(), positions.data_ptr(), page_size, kv.shape[1] // page_size, window,
+                            scale, out.data_ptr(), torch.get_num_threads())
+    _check(status, "tokenspeed_decode_attention", q, kv)
     return out
+
+
+def _check(status: int, name: str, q, kv) -> None:
+    if status == OUTSIDE:
+        raise IndexError(f"{name}: a row's request, position, page or slot lies outside the block tables, the cache "
+                         f"({kv.shape[1]} slots) or the rotary table")
+    if status:
+        raise ValueError(f"{name} refused q {tuple(q.shape)} over kv {tuple(kv.shape)}")
 
 
 def rope_reads(q, k, v, cos_sin, kv) -> bool:
     """Whether ``rope_decode_attention`` takes these: ``reads``, with float32 keys, values
     and table, each row's heads dense."""
-    return (reads(q, kv) and k.dtype == v.dtype == cos_sin.dtype == torch.float32
+    return (reads(q, kv) and k.dtype == v.dtype == cos_sin.dtype == torch.float32 and k.shape == v.shape
             and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
             and cos_sin.is_contiguous() and cos_sin.shape[1] == q.shape[2] and k.shape[1] == kv.shape[2])
 
@@ -81,12 +90,12 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv, slot_mapping, block_t
     tables = block_tables.to(torch.int32).contiguous()
     requests, positions = row_request.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    q_rot, out = torch.empty(rows, heads, dim), torch.empty(rows, heads, dim)
+    q_rot, out = (torch.empty(rows, heads, dim, dtype=torch.float32, device="cpu") for _ in range(2))
     status = c_library.call(_built(), "tokenspeed_rope_decode_attention", q.data_ptr(), q.stride(0), k.data_ptr(),
                             k.stride(0), v.data_ptr(), v.stride(0), rows, heads, kv.shape[2], dim, cos_sin.data_ptr(),
-                            positions.data_ptr(), slots.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(),
-                            tables.data_ptr(), tables.shape[1], requests.data_ptr(), page_size, window, scale,
-                            q_rot.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    if status:
-        raise ValueError(f"tokenspeed_rope_decode_attention refused q {tuple(q.shape)} over kv {tuple(kv.shape)}")
+                            cos_sin.shape[0], positions.data_ptr(), slots.data_ptr(), kv[0].data_ptr(),
+                            kv[1].data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1], requests.data_ptr(),
+                            page_size, kv.shape[1] // page_size, window, scale, q_rot.data_ptr(), out.data_ptr(),
+                            torch.get_num_threads())
+    _check(status, "tokenspeed_rope_decode_attention", q, kv)
     return out

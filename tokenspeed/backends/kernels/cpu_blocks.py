@@ -8,7 +8,10 @@ the float32 weights ``gguf``'s dequantization gives (what transformers computes 
 sum float32 products, so a result differs from the dequantized model's only in the order
 of its sums. Up to ``GEMV_ROWS`` rows (decode) take the block product; more rows (a
 prompt's chunk) dequantize the matrix and leave the product to torch's BLAS, which is
-faster from float32 when each weight serves many rows. The C is built on first use
+faster from float32 when each weight serves many rows (the default model's matrices, ms:
+blocks / dequantized then BLAS / float32 weights held: 16 rows 37 / 82 / 56, 32 rows 83 /
+129 / 60, 64 rows 162 / 303 / 91, 128 rows 336 / 185 / 130; from about 24 rows a model
+held in float32 would compute faster, reading five times the bytes). The C is built on first use
 (``c_library``); where no compiler builds it, ``available()`` says why and the loader keeps
 GGUF files dequantized on the CPU (``models/loader.py``).
 """
@@ -23,7 +26,7 @@ from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
 
 FORMATS = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)   # every block format
 FORMAT_NAMES = tuple(q.name for q in FORMATS)
-GEMV_ROWS = 16   # rows up to which the product reads the blocks; more dequantize first
+GEMV_ROWS = 64   # rows up to which the product reads the blocks; more dequantize first
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 
 _I, _L, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -57,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     if rows.shape[0] > GEMV_ROWS:
         out = torch.nn.functional.linear(rows, dequantize(weight, fmt))
     else:
-        out = torch.empty(rows.shape[0], outputs)
+        out = torch.empty(rows.shape[0], outputs, dtype=torch.float32, device="cpu")
         _call("tokenspeed_block_linear", fmt.code, rows.data_ptr(), rows.shape[0], features, weight.data_ptr(),
               outputs, weight.shape[1], out.data_ptr(), torch.get_num_threads())
     out = out.view(*x.shape[:-1], outputs) if bias is None else (out + bias.float()).view(*x.shape[:-1], outputs)
@@ -67,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
 def dequantize(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """``float32 [N, K]``: equal to ``gguf``'s dequantization, bit for bit."""
     features = _checked_weight(weight, fmt)
-    out = torch.empty(weight.shape[0], features)
+    out = torch.empty(weight.shape[0], features, dtype=torch.float32, device="cpu")
     _call("tokenspeed_block_dequantize", fmt.code, weight.data_ptr(), weight.shape[0], features,
           weight.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

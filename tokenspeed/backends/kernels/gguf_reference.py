@@ -29,6 +29,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
               dtype: torch.dtype) -> torch.Tensor:
     """The rows ``ids`` names, each dequantized alone (a table is megabytes; a step reads a
     few of its rows)."""
+    if ids.numel() == 0:   # gguf's dequantization cannot reshape no blocks
+        return torch.empty(*ids.shape, fmt.features(weight.shape[1]), dtype=dtype, device=weight.device)
     rows = dequantize(weight[ids.reshape(-1).to(weight.device)], fmt)
     return rows.view(*ids.shape, rows.shape[-1]).to(dtype)
 
