@@ -67,7 +67,7 @@ def test_dequantize_is_ggufs_to_the_bit(qtype):
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @needs_compiler
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 15, 16, 17, 40])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 15, 16, 17, 40, 64, 70])
 def test_a_product_equals_the_dequantized_ones(qtype, rows):
     """Every tile of rows (8, 4, 2, 1 and their mixes), and past ``GEMV_ROWS`` the BLAS."""
     raw, fmt = blocks(qtype, 45, 256, seed=rows), block_format(qtype)
