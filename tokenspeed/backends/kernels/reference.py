@@ -13,7 +13,8 @@ cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8
 
 import torch
 
-from tokenspeed.backends.kernels import cpu_attention, cpu_blocks, cpu_int4, cpu_int8, gguf_reference, kv_fp8, mla_reference, moe_reference
+from tokenspeed.backends.kernels import (cpu_attention, cpu_blocks, cpu_int4, cpu_int8, gguf_reference, kv_fp8,
+                                         mla_reference, moe_reference)
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
