@@ -28,6 +28,7 @@ FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}   # a K-quant block's float16 fields
 COMPILER = shutil.which(os.environ.get("CC") or "cc")
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler on PATH")
+SOME_INPUTS = settings(max_examples=20, deadline=None, derandomize=True)
 
 
 def blocks(qtype, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -247,3 +248,55 @@ def test_a_k_quant_file_keeps_its_blocks_and_its_tokens(monkeypatch):
     assert tokens == [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
     assert_decisive(margins)
 
+
+
+# ---------------------------------------------------------------- the input made before the product
+
+
+@needs_compiler
+@SOME_INPUTS
+@given(qtype=st.sampled_from([Q.Q4_1, Q.Q8_0, Q.Q6_K]), rows=st.integers(1, 17), n=st.integers(1, 40),
+       residual=st.booleans(), bias=st.booleans())
+def test_norm_linear_equals_the_norm_then_the_product(qtype, rows, n, residual, bias):
+    fmt = block_format(qtype)
+    raw, k = blocks(qtype, n, 256, seed=rows), 256
+    gen = torch.Generator().manual_seed(rows * n)
+    x, res, weight = torch.randn(rows, k, generator=gen), torch.randn(rows, k, generator=gen), torch.randn(k, generator=gen)
+    res, b = (res if residual else None), (torch.randn(n, generator=gen) if bias else None)
+    got = cpu_blocks.norm_linear(x, res, weight, 1e-5, raw, fmt, b)
+    normed, total = (reference.rms_norm(x, weight, 1e-5), None) if res is None else \
+        reference.add_rms_norm(x, res, weight, 1e-5)
+    want = gguf_reference.linear(normed, raw, fmt, b)
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype))
+    assert len(got) == (1 if res is None else 2)
+    assert_close_sums(got[0], normed, w, want)   # the norm's rounding is within the sums' tolerance
+    if res is not None:
+        assert torch.equal(got[1], total)
+
+
+@needs_compiler
+@SOME_INPUTS
+@given(qtype=st.sampled_from([Q.Q4_1, Q.Q4_K]), rows=st.integers(1, 17), n=st.integers(1, 40))
+def test_gated_linear_equals_the_activation_then_the_product(qtype, rows, n):
+    fmt = block_format(qtype)
+    raw = blocks(qtype, n, 256, seed=rows)
+    gate_up = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows * n)) * 3
+    act = reference.silu_and_mul(gate_up)
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype))
+    assert_close_sums(cpu_blocks.gated_linear(gate_up, raw, fmt), act, w, gguf_reference.linear(act, raw, fmt))
+
+
+@needs_compiler
+def test_the_cpu_ops_make_the_input_in_c_for_float32_rows_the_block_product_takes(monkeypatch):
+    raw, weight = blocks(Q.Q4_1, 8, 64), torch.ones(64)
+    with pytest.raises(ValueError, match=r"norm weight of \[64\]"):
+        cpu_blocks.norm_linear(torch.randn(1, 64), None, torch.ones(32), 1e-5, raw, block_format(Q.Q4_1))
+    calls = []
+    monkeypatch.setattr(cpu_blocks, "norm_linear", lambda *args: calls.append("norm") or [torch.zeros(1, 8)])
+    monkeypatch.setattr(cpu_blocks, "gated_linear", lambda *args: calls.append("gated") or torch.zeros(1, 8))
+    reference.norm_linear(torch.randn(1, 64), None, weight, 1e-5, raw, None, "Q4_1")
+    reference.gated_linear(torch.randn(1, 128), raw, None, "Q4_1")
+    assert calls == ["norm", "gated"]
+    reference.norm_linear(torch.randn(1, 64).bfloat16(), None, weight.bfloat16(), 1e-5, raw, None, "Q4_1")
+    reference.gated_linear(torch.randn(cpu_blocks.GEMV_ROWS + 1, 128), raw, None, "Q4_1")
+    assert calls == ["norm", "gated"]   # bfloat16 rows, and a prompt's many rows: torch's ops, then the product

@@ -30,8 +30,11 @@ GEMV_ROWS = 64   # rows up to which the product reads the blocks; more dequantiz
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 
 _I, _L, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_F = ctypes.c_float
 SIGNATURES = (("tokenspeed_block_linear", (_I, _P, _L, _L, _P, _L, _L, _P, _I)),
-              ("tokenspeed_block_dequantize", (_I, _P, _L, _L, _L, _P, _I)))
+              ("tokenspeed_block_dequantize", (_I, _P, _L, _L, _L, _P, _I)),
+              ("tokenspeed_block_norm_linear", (_I, _P, _P, _P, _F, _L, _L, _P, _L, _L, _P, _P, _P, _I)),
+              ("tokenspeed_block_gated_linear", (_I, _P, _L, _L, _P, _L, _L, _P, _P, _I)))
 
 
 def _built() -> tuple[ctypes.CDLL | None, str]:
@@ -65,6 +68,49 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
               outputs, weight.shape[1], out.data_ptr(), torch.get_num_threads())
     out = out.view(*x.shape[:-1], outputs) if bias is None else (out + bias.float()).view(*x.shape[:-1], outputs)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def prepares_input(fmt: BlockFormat, x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether ``norm_linear`` or ``gated_linear`` make their product's input in C: rows
+    the block product takes (up to ``GEMV_ROWS``), float32 and dense like ``others`` (a
+    residual, a norm's weight; None is absent)."""
+    dense = [t for t in (x, *others) if t is not None]
+    return (reads(fmt, x.device) and x.reshape(-1, x.shape[-1]).shape[0] <= GEMV_ROWS
+            and all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in dense))
+
+
+def norm_linear(x, residual, norm_weight, eps: float, weight, fmt: BlockFormat, bias=None) -> list:
+    """``reference.norm_linear``'s outputs (``[out]``, or ``[out, x + residual]``) with the
+    float32 RMSNorm computed by the C before its product (``prepares_input``)."""
+    rows = x.reshape(-1, x.shape[-1])
+    features, outputs = _checked(rows, weight, fmt, bias)
+    if norm_weight.shape != (features,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"norm_linear: x {tuple(x.shape)} needs a norm weight of [{features}] and a residual of its "
+                         f"shape; got {tuple(norm_weight.shape)} and "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    normed = torch.empty(rows.shape, dtype=torch.float32, device="cpu")
+    total = None if residual is None else torch.empty(x.shape, dtype=torch.float32, device="cpu")
+    out = torch.empty(rows.shape[0], outputs, dtype=torch.float32, device="cpu")
+    _call("tokenspeed_block_norm_linear", fmt.code, rows.data_ptr(), 0 if residual is None else residual.data_ptr(),
+          norm_weight.data_ptr(), eps, rows.shape[0], features, weight.data_ptr(), outputs, weight.shape[1],
+          normed.data_ptr(), 0 if total is None else total.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    out = (out if bias is None else out + bias.float()).view(*x.shape[:-1], outputs)
+    return [out] if total is None else [out, total]
+
+
+def gated_linear(gate_up, weight, fmt: BlockFormat, bias=None) -> torch.Tensor:
+    """``linear(silu(gate) * up)`` for ``gate_up`` (gate, then up, on its last axis), the
+    activation computed by the C before its product (``prepares_input``)."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    features, outputs = _checked(rows[:, : rows.shape[1] // 2], weight, fmt, bias)
+    if rows.shape[1] != 2 * features:
+        raise ValueError(f"gated_linear: gate_up must be [M, {2 * features}] for a weight of {features} columns; "
+                         f"got {tuple(gate_up.shape)}")
+    act = torch.empty(rows.shape[0], features, dtype=torch.float32, device="cpu")
+    out = torch.empty(rows.shape[0], outputs, dtype=torch.float32, device="cpu")
+    _call("tokenspeed_block_gated_linear", fmt.code, rows.data_ptr(), rows.shape[0], features, weight.data_ptr(),
+          outputs, weight.shape[1], act.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return (out if bias is None else out + bias.float()).view(*gate_up.shape[:-1], outputs)
 
 
 def dequantize(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurr
     causal_conv_silu, causal_conv_silu_step, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.torch_attention import lone_rows_attention, paged_attention
 from tokenspeed.ir.rope import apply_rotary
-from tokenspeed.ir.weights import DENSE, FP8, INT4, INT8
+from tokenspeed.ir.weights import BLOCK_FORMATS, DENSE, FP8, INT4, INT8
 
 SLAB_ROWS = 16   # activation rows up to which the CPU's dense linear reads its weight in slabs
 
@@ -217,11 +217,18 @@ def _dense_linear(x, weight, bias):
 
 
 def gated_linear(gate_up, weight, bias, weight_format=DENSE, weight_scale=None, split_counters=None):
+    """A block weight's activation computed by the CPU's C before its product."""
+    if weight_format in BLOCK_FORMATS and cpu_blocks.prepares_input(block_format(weight_format), gate_up):
+        return cpu_blocks.gated_linear(gate_up, weight, block_format(weight_format), bias)
     return linear(silu_and_mul(gate_up), weight, bias, weight_format, weight_scale)
 
 
 def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE, weight_scale=None,
                 split_counters=None):
+    """A block weight's norm computed by the CPU's C before its product."""
+    if weight_format in BLOCK_FORMATS and cpu_blocks.prepares_input(block_format(weight_format), x, residual,
+                                                                    norm_weight):
+        return cpu_blocks.norm_linear(x, residual, norm_weight, eps, weight, block_format(weight_format), bias)
     if residual is None:
         return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
