@@ -3,17 +3,18 @@
 A CPU's decode step is bound by the weight bytes it reads. The default model's file holds
 Q4_1 layers and a Q8_0 embedding (the tied head): 538 MB a token once dequantized to
 float32, about 100 MB as blocks. Every GGUF block format is read (the simple ones and the
-K-quants). These kernels decode each block in registers to exactly
-the float32 weights ``gguf``'s dequantization gives (what transformers computes with) and
-sum float32 products, so a result differs from the dequantized model's only in the order
-of its sums. Up to ``GEMV_ROWS`` rows (decode) take the block product; more rows (a
-prompt's chunk) dequantize the matrix and leave the product to torch's BLAS, which is
-faster from float32 when each weight serves many rows (the default model's matrices, ms:
-blocks / dequantized then BLAS / float32 weights held: 16 rows 37 / 82 / 56, 32 rows 83 /
-129 / 60, 64 rows 162 / 303 / 91, 128 rows 336 / 185 / 130; from about 24 rows a model
-held in float32 would compute faster, reading five times the bytes). The C is built on first use
-(``c_library``); where no compiler builds it, ``available()`` says why and the loader keeps
-GGUF files dequantized on the CPU (``models/loader.py``).
+K-quants). These kernels decode each block in registers to exactly the float32 weights
+``gguf``'s dequantization gives (what transformers computes with) and sum float32
+products, so a result differs from the dequantized model's only in the order of its sums.
+
+Up to ``GEMV_ROWS`` rows (decode) take the block product, which also makes its input (a
+norm, a gated activation: ``norm_linear``, ``gated_linear``); more rows (a prompt's chunk)
+dequantize the matrix for torch's BLAS. The default model's matrices, ms, blocks /
+dequantized then BLAS / float32 weights held: 16 rows 37 / 82 / 56, 32 rows 83 / 129 / 60,
+64 rows 162 / 303 / 91, 128 rows 336 / 185 / 130 (from about 24 rows a model held in
+float32 would compute faster, reading five times the bytes). The C is built on first use
+(``c_library``); where no compiler builds it, ``available()`` says why, and ``ts.LLM``
+loads GGUF files dequantized on the CPU (``api/model_source.kept_blocks``).
 """
 
 import ctypes
@@ -29,8 +30,7 @@ FORMAT_NAMES = tuple(q.name for q in FORMATS)
 GEMV_ROWS = 64   # rows up to which the product reads the blocks; more dequantize first
 SOURCE = Path(__file__).with_name("cpu_blocks.c")
 
-_I, _L, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_F = ctypes.c_float
+_I, _L, _P, _F = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = (("tokenspeed_block_linear", (_I, _P, _L, _L, _P, _L, _L, _P, _I)),
               ("tokenspeed_block_dequantize", (_I, _P, _L, _L, _L, _P, _I)),
               ("tokenspeed_block_norm_linear", (_I, _P, _P, _P, _F, _L, _L, _P, _L, _L, _P, _P, _P, _I)),
