@@ -300,3 +300,10 @@ def test_the_cpu_ops_make_the_input_in_c_for_float32_rows_the_block_product_take
     reference.norm_linear(torch.randn(1, 64).bfloat16(), None, weight.bfloat16(), 1e-5, raw, None, "Q4_1")
     reference.gated_linear(torch.randn(cpu_blocks.GEMV_ROWS + 1, 128), raw, None, "Q4_1")
     assert calls == ["norm", "gated"]   # bfloat16 rows, and a prompt's many rows: torch's ops, then the product
+
+
+@needs_compiler
+def test_inspect_shows_the_blocks_the_cpu_runs(capsys):
+    from test_cli import run
+    out = run(capsys, "inspect", "--model", a_gguf_file(), "--mode", "decode", "--full")
+    assert "'Q4_1'" in out and "tokenspeed.norm_linear(" in out

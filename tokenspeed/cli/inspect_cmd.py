@@ -22,10 +22,12 @@ def add_command(commands) -> None:
 
 
 def run(args) -> None:
+    """The model as ``ts.LLM`` loads it on the CPU (a GGUF file's blocks kept: its products
+    read ``'Q4_1'`` and the like)."""
     from tokenspeed import stages
+    from tokenspeed.api.model_source import as_model
     from tokenspeed.models.gguf import default_model_path
-    from tokenspeed.models.loader import load
-    model = load(args.model or default_model_path())
+    model = as_model(args.model or default_model_path(), None, "cpu")
     lowered = stages.trace(model).lower(args.mode, attention_breaks=args.attention_breaks)
     print(summary(lowered))
     for stage, segments in lowered.stages.items():
