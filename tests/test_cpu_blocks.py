@@ -305,5 +305,5 @@ def test_the_cpu_ops_make_the_input_in_c_for_float32_rows_the_block_product_take
 @needs_compiler
 def test_inspect_shows_the_blocks_the_cpu_runs(capsys):
     from test_cli import run
-    out = run(capsys, "inspect", "--model", a_gguf_file(), "--mode", "decode", "--full")
+    out = run(capsys, "inspect", "--model", a_gguf_file(), "--mode", "decode", "--full").out
     assert "'Q4_1'" in out and "tokenspeed.norm_linear(" in out
