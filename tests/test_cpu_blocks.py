@@ -172,6 +172,9 @@ def test_the_library_is_named_by_its_source_and_reused(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert c_library.load(source, environ).tokenspeed_one() == 2
     assert len(list((tmp_path / "cache").iterdir())) == 2
+    (tmp_path / "shared.h").write_text("/* a header beside the source: part of its key */\n")
+    assert c_library.load(source, environ).tokenspeed_one() == 2
+    assert len(list((tmp_path / "cache").iterdir())) == 3
 
 
 def test_a_missing_compiler_or_a_bad_source_is_a_build_error(tmp_path):

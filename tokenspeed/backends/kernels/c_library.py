@@ -69,8 +69,11 @@ def load(source: Path, environ=os.environ) -> ctypes.CDLL:
 
 
 def _build_key(source: Path, compiler: str) -> str:
+    """A hash of what the library depends on; the headers beside the source (which it may
+    include) count as its source."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace").stdout
-    parts = (source.read_bytes(), compiler.encode(), version.encode(), " ".join(FLAGS + LIBRARIES).encode(),
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    parts = (source.read_bytes(), headers, compiler.encode(), version.encode(), " ".join(FLAGS + LIBRARIES).encode(),
              platform.machine().encode(), _cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 

@@ -14,48 +14,17 @@
    positions [rows] int64; out [rows, heads, dim]. Row r attends to the keys at positions
    max(0, positions[r] - window + 1) (0 without a window) to positions[r]. */
 
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-/* glibc's vector expf (libmvec), which math.h declares only under -ffast-math: a tile's
-   exponentials 16 lanes at a time */
-float expf(float) __attribute__((simd("notinbranch")));
+#include "cpu_vectors.h"
 
 #define MAX_GROUP 16   /* query heads a KV head serves */
 #define MAX_DIM 256
 #define KEY_TILE 64
 
-typedef float v16f __attribute__((vector_size(64)));
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-/* the lanes' sum as a tree, the halves added as vectors (a chain of 16 scalar additions a
-   key took 5 times as long); a compiler without __builtin_shufflevector (GCC before 12)
-   adds the lanes one by one (splitting by memcpy instead was slower still) */
-static inline float total(v16f v) {
-#if defined(__clang__) || __GNUC__ >= 12
-    const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-#else
-    float s = 0;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
-#endif
-}
-
 static inline float dot(const float *a, const float *b, int64_t dim) {
     v16f acc = {0};
-    for (int64_t d = 0; d < dim; d += 16) acc += load16(a + d) * load16(b + d);
+    for (int64_t d = 0; d < dim; d += 16) acc += floats16(a + d) * floats16(b + d);
     return total(acc);
 }
 
@@ -95,7 +64,7 @@ static void attend(const float *q, int64_t group, int64_t dim, const float *k, c
             const float *value = v + (keys[j] - k);
             for (int64_t g = 0; g < group; g++)
                 for (int64_t d = 0; d < dim; d += 16) {
-                    v16f a = load16(acc[g] + d) + load16(value + d) * p[g][j];
+                    v16f a = floats16(acc[g] + d) + floats16(value + d) * p[g][j];
                     memcpy(acc[g] + d, &a, sizeof a);
                 }
         }

@@ -15,15 +15,11 @@
    dmin; scales[12]; qs[128]}, Q5_K {d; dmin; scales[12]; qh[32]; qs[128]}, Q6_K {ql[128];
    qh[64]; scales[16] int8; d} hold 256 elements (decode says where each unit's are). */
 
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-/* glibc's vector expf (libmvec), which math.h declares only under -ffast-math */
-float expf(float) __attribute__((simd("notinbranch")));
+#include "cpu_vectors.h"
 
-typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
@@ -58,12 +54,6 @@ static inline float half(const uint8_t *p) {
 static inline v16b bytes16(const uint8_t *p) {
     v16b v;
     memcpy(&v, p, 16);
-    return v;
-}
-
-static inline v16f floats16(const float *p) {
-    v16f v;
-    memcpy(&v, p, sizeof v);
     return v;
 }
 
@@ -181,25 +171,6 @@ static int type_size(int format) {
 
 static int units(int format) {   /* units of 32 a block */
     return format == Q4_K || format == Q5_K || format == Q6_K ? 8 : 1;
-}
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-
-/* the halves added as vectors; a compiler without __builtin_shufflevector (GCC before 12)
-   adds the lanes one by one, more slowly (splitting by memcpy instead ran Q8_0 products at
-   18 G weights/s against 31) */
-static inline float total(v16f v) {
-#if defined(__clang__) || __GNUC__ >= 12
-    const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-#else
-    float s = 0;
-    for (int j = 0; j < 16; j++) s += v[j];
-    return s;
-#endif
 }
 
 /* Formats whose weights have an offset m (the others' is 0; Q6_K's two halves differ only
@@ -337,13 +308,13 @@ int tokenspeed_block_dequantize(int format, const uint8_t *w, int64_t n, int64_t
    through the caches): a norm of x (+ residual) or a gated activation. */
 
 /* normed = weight * (t * rsqrt(mean(t * t) + eps)) for t = x (+ residual), Hugging Face's
-   float32 RMSNorm, t into total when there is a residual */
+   float32 RMSNorm, t into total_out when there is a residual */
 int tokenspeed_block_norm_linear(int format, const float *x, const float *residual, const float *norm_weight,
                                  float eps, int64_t rows, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                                 float *normed, float *total, float *out, int threads) {
+                                 float *normed, float *total_out, float *out, int threads) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * k;
-        float *t = residual ? total + r * k : normed + r * k;
+        float *t = residual ? total_out + r * k : normed + r * k;
         if (residual)
             for (int64_t j = 0; j < k; j++) t[j] = xr[j] + residual[r * k + j];
         else
