@@ -310,3 +310,19 @@ def test_inspect_shows_the_blocks_the_cpu_runs(capsys):
     from test_cli import run
     out = run(capsys, "inspect", "--model", a_gguf_file(), "--mode", "decode", "--full").out
     assert "'Q4_1'" in out and "tokenspeed.norm_linear(" in out
+
+
+@needs_compiler
+def test_the_input_makers_take_any_layout_and_dtype():
+    """Called directly (not through ``prepares_input``), a strided or bfloat16 input is made
+    dense float32 first: the C reads float32 rows."""
+    raw, fmt = blocks(Q.Q4_1, 8, 64), block_format(Q.Q4_1)
+    gate_up = torch.randn(128, 3).T   # [3, 128], columns 3 apart
+    torch.testing.assert_close(cpu_blocks.gated_linear(gate_up, raw, fmt),
+                               cpu_blocks.gated_linear(gate_up.contiguous(), raw, fmt))
+    x, residual, weight = torch.randn(2, 64), torch.randn(2, 64), torch.randn(64)
+    out, total = cpu_blocks.norm_linear(x.bfloat16(), residual.bfloat16(), weight, 1e-5, raw, fmt)
+    want, want_total = cpu_blocks.norm_linear(x.bfloat16().float(), residual.bfloat16().float(), weight, 1e-5, raw,
+                                              fmt)
+    assert out.dtype == total.dtype == torch.float32
+    assert torch.equal(out, want) and torch.equal(total, want_total)

@@ -66,7 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
         out = torch.empty(rows.shape[0], outputs, dtype=torch.float32, device="cpu")
         _call("tokenspeed_block_linear", fmt.code, rows.data_ptr(), rows.shape[0], features, weight.data_ptr(),
               outputs, weight.shape[1], out.data_ptr(), torch.get_num_threads())
-    out = out.view(*x.shape[:-1], outputs) if bias is None else (out + bias.float()).view(*x.shape[:-1], outputs)
+    out = _biased(out, bias, x.shape[:-1])
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -80,28 +80,30 @@ def prepares_input(fmt: BlockFormat, x: torch.Tensor, *others: torch.Tensor | No
 
 
 def norm_linear(x, residual, norm_weight, eps: float, weight, fmt: BlockFormat, bias=None) -> list:
-    """``reference.norm_linear``'s outputs (``[out]``, or ``[out, x + residual]``) with the
-    float32 RMSNorm computed by the C before its product (``prepares_input``)."""
+    """``reference.norm_linear``'s outputs (``[out]``, or ``[out, x + residual]``), float32,
+    with the float32 RMSNorm computed by the C before its product (``prepares_input``)."""
     rows = x.reshape(-1, x.shape[-1])
     features, outputs = _checked(rows, weight, fmt, bias)
     if norm_weight.shape != (features,) or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"norm_linear: x {tuple(x.shape)} needs a norm weight of [{features}] and a residual of its "
                          f"shape; got {tuple(norm_weight.shape)} and "
                          f"{None if residual is None else tuple(residual.shape)}")
+    rows, norm_weight = rows.float().contiguous(), norm_weight.float().contiguous()   # as they are, if dense float32
+    residual = None if residual is None else residual.float().contiguous()
     normed = torch.empty(rows.shape, dtype=torch.float32, device="cpu")
     total = None if residual is None else torch.empty(x.shape, dtype=torch.float32, device="cpu")
     out = torch.empty(rows.shape[0], outputs, dtype=torch.float32, device="cpu")
     _call("tokenspeed_block_norm_linear", fmt.code, rows.data_ptr(), 0 if residual is None else residual.data_ptr(),
           norm_weight.data_ptr(), eps, rows.shape[0], features, weight.data_ptr(), outputs, weight.shape[1],
           normed.data_ptr(), 0 if total is None else total.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    out = (out if bias is None else out + bias.float()).view(*x.shape[:-1], outputs)
+    out = _biased(out, bias, x.shape[:-1])
     return [out] if total is None else [out, total]
 
 
 def gated_linear(gate_up, weight, fmt: BlockFormat, bias=None) -> torch.Tensor:
-    """``linear(silu(gate) * up)`` for ``gate_up`` (gate, then up, on its last axis), the
-    activation computed by the C before its product (``prepares_input``)."""
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    """``linear(silu(gate) * up)`` for ``gate_up`` (gate, then up, on its last axis), float32,
+    the activation computed by the C before its product (``prepares_input``)."""
+    rows = gate_up.reshape(-1, gate_up.shape[-1]).float().contiguous()
     features, outputs = _checked(rows[:, : rows.shape[1] // 2], weight, fmt, bias)
     if rows.shape[1] != 2 * features:
         raise ValueError(f"gated_linear: gate_up must be [M, {2 * features}] for a weight of {features} columns; "
@@ -110,7 +112,12 @@ def gated_linear(gate_up, weight, fmt: BlockFormat, bias=None) -> torch.Tensor:
     out = torch.empty(rows.shape[0], outputs, dtype=torch.float32, device="cpu")
     _call("tokenspeed_block_gated_linear", fmt.code, rows.data_ptr(), rows.shape[0], features, weight.data_ptr(),
           outputs, weight.shape[1], act.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return (out if bias is None else out + bias.float()).view(*gate_up.shape[:-1], outputs)
+    return _biased(out, bias, gate_up.shape[:-1])
+
+
+def _biased(out: torch.Tensor, bias: torch.Tensor | None, lead: torch.Size) -> torch.Tensor:
+    """``out [rows, N]`` (+ bias) shaped ``[*lead, N]``."""
+    return (out if bias is None else out + bias.float()).view(*lead, out.shape[-1])
 
 
 def dequantize(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
