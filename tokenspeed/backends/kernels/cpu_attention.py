@@ -52,8 +52,7 @@ def decode_attention(q, kv, block_tables, row_request, positions, scale: float, 
                          f"{MAX_DIM}, at most {MAX_GROUP} query heads a KV head, a contiguous cache; got q "
                          f"{q.dtype} {tuple(q.shape)}, cache {kv.dtype} {tuple(kv.shape)}")
     rows, heads, dim = q.shape
-    q, tables = q.contiguous(), block_tables.to(torch.int32).contiguous()
-    requests, positions = row_request.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+    q, (tables, requests, positions) = q.contiguous(), _as_read(block_tables, row_request, positions)
     out = torch.empty(rows, heads, dim, dtype=torch.float32, device="cpu")
     status = c_library.call(_built(), "tokenspeed_decode_attention", q.data_ptr(), rows, heads, kv.shape[2], dim,
                             kv[0].data_ptr(), kv[1].data_ptr(), tables.data_ptr(), tables.shape[0], tables.shape[1],
@@ -61,6 +60,13 @@ def decode_attention(q, kv, block_tables, row_request, positions, scale: float, 
                             scale, out.data_ptr(), torch.get_num_threads())
     _check(status, "tokenspeed_decode_attention", q, kv)
     return out
+
+
+def _as_read(block_tables, row_request, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The metadata as the C reads it: dense int32 block tables, int64 requests and
+    positions (the same tensors when they are)."""
+    return (block_tables.to(torch.int32).contiguous(), row_request.to(torch.int64).contiguous(),
+            positions.to(torch.int64).contiguous())
 
 
 def _check(status: int, name: str, q, kv) -> None:
@@ -89,8 +95,7 @@ def rope_decode_attention(q, k, v, cos_sin, positions, kv, slot_mapping, block_t
                          f"heads dense; got q {q.dtype} {tuple(q.shape)} {q.stride()}, k {k.dtype} {k.stride()}, "
                          f"v {v.dtype} {v.stride()}, table {cos_sin.dtype} {tuple(cos_sin.shape)}")
     rows, heads, dim = q.shape
-    tables = block_tables.to(torch.int32).contiguous()
-    requests, positions = row_request.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+    tables, requests, positions = _as_read(block_tables, row_request, positions)
     slots = slot_mapping.to(torch.int64).contiguous()
     q_rot, out = (torch.empty(rows, heads, dim, dtype=torch.float32, device="cpu") for _ in range(2))
     status = c_library.call(_built(), "tokenspeed_rope_decode_attention", q.data_ptr(), q.stride(0), k.data_ptr(),
