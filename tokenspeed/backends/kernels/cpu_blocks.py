@@ -9,12 +9,12 @@ products, so a result differs from the dequantized model's only in the order of 
 
 Up to ``GEMV_ROWS`` rows (decode) take the block product, which also makes its input (a
 norm, a gated activation: ``norm_linear``, ``gated_linear``); more rows (a prompt's chunk)
-dequantize the matrix for torch's BLAS. The default model's matrices, ms, blocks /
-dequantized then BLAS / float32 weights held: 16 rows 37 / 82 / 56, 32 rows 83 / 129 / 60,
-64 rows 162 / 303 / 91, 128 rows 336 / 185 / 130 (from about 24 rows a model held in
-float32 would compute faster, reading five times the bytes). The C is built on first use
-(``c_library``); where no compiler builds it, ``available()`` says why, and ``ts.LLM``
-loads GGUF files dequantized on the CPU (``api/model_source.kept_blocks``).
+dequantize the matrix for torch's BLAS. The default model's matrices (2-core Xeon), ms,
+blocks / dequantized then BLAS / float32 weights held: 1 row 9.6 / 142 / 22, 16 rows 25 / 70
+/ 49, 32 rows 49 / 92 / 57, 64 rows 98 / 128 / 92, 128 rows 180 / 178 / 141 (up to 64 rows
+the blocks keep pace with a model held in float32, which reads five times the bytes). The
+C is built on first use (``c_library``); where no compiler builds it, ``available()`` says
+why, and ``ts.LLM`` loads GGUF files dequantized on the CPU (``api/model_source.kept_blocks``).
 """
 
 import ctypes
