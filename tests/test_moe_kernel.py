@@ -249,8 +249,8 @@ for shared, chunks in ((True, 0), (False, 2)):
                         weights_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16", ws2_ptr="*bf16", H="i32", I="i32",
                         I_S="i32", routed_pairs="i32", stride_we="i64", stride_wn="i32", stride_s="i32",
                         stride_wsn="i32"),
-                        dict(K=6, HAS_SHARED=shared, CHUNKS=chunks, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k,
-                             **pdl)).asm["ptx"]
+                        dict(K=6, HAS_SHARED=shared, CHUNKS=chunks, BLOCK_J=8, BLOCK_N=tiles.down_n,
+                             BLOCK_K=tiles.down_k, **pdl)).asm["ptx"]
 """
 
 

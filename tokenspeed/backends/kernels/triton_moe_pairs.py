@@ -6,11 +6,12 @@ At one to a few tokens every pair has its own expert (or nearly), so grouping pa
 15/16 empty, and short weight tiles. Here each program streams thin, long weight tiles as
 the dense GEMV does (``triton_gemv``): the first kernel stores each pair's
 ``silu(gate) * up`` row; the second gives each token's output columns: its k experts' down
-products, scaled by their routing weights and summed in float32 in routing order (the
-order the grouped path's combine sums in), rounded to x's dtype, plus the shared experts'
-output. Two launches a layer where the grouped path takes four to seven. Both run under
-programmatic dependent launch: the expert ids come from the router, so each program waits
-before it reads anything.
+products, read together as one tile (each expert's weights in flight at once: DeepSeek-V2-
+Lite's layer 54 -> 49 us for both kernels on an H100, against one expert after another),
+scaled by their routing weights and summed in float32, rounded to x's dtype, plus the
+shared experts' output. Two launches a layer where the grouped path takes four to seven.
+Both run under programmatic dependent launch: the expert ids come from the router, so each
+program waits before it reads anything.
 
 Given the shared experts' weights (``SharedExperts``: DeepSeek's, which every token passes),
 their MLP runs in the same two launches, as more pairs: each token's shared intermediate
@@ -45,13 +46,16 @@ class SharedExperts(NamedTuple):
 
 @attrs.frozen
 class PairTiles:
-    """Output columns a program and reduction columns a step, for each of the two kernels;
-    the defaults were the fastest of 14 on the H200 at Qwen3-30B-A3B's and DeepSeek-V2-Lite's
-    expert shapes (``docs/PERFORMANCE.md``): thin, long rows."""
+    """Output columns a program, reduction columns a step and warps, for each of the two
+    kernels; the gate/up defaults were the fastest of 14 on the H200 at Qwen3-30B-A3B's and
+    DeepSeek-V2-Lite's expert shapes, the down kernel's of 27 on an H100
+    (``docs/PERFORMANCE.md``): thin, long rows."""
     gate_up_n: int = 1
-    down_n: int = 2
+    down_n: int = 1
     block_k: int = 2048
     num_warps: int = 2
+    down_k: int = 128
+    down_warps: int = 4
 
 
 @triton.jit
@@ -90,36 +94,37 @@ def _pair_gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, ws13_ptr, H, I, I_S, 
 @triton.jit
 def _pair_down_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, shared_ptr, out_ptr, ws2_ptr, H, I, I_S, routed_pairs,
                       stride_we, stride_wn, stride_s, stride_wsn, K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                      CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      CHUNKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """``out[t, n] = sum_j weight[t, j] * (act[t, j] @ down_j[n])`` (+ shared[t, n]); CHUNKS
     (the shared MLP's pairs a token, 0: none) add the shared MLP's output, its chunks' down
-    products summed in float32 and rounded to x's dtype as its own projection would round."""
+    products summed in float32 and rounded to x's dtype as its own projection would round.
+    A token's K + CHUNKS products are slots j of one [BLOCK_J, BLOCK_N, BLOCK_K] tile (j < K
+    routed expert j, then the shared chunks), so every expert's weights are in flight at once."""
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)
     t, n = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(K):
-        expert = tl.load(ids_ptr + t * K + j).to(tl.int64)
-        w = w2_ptr + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + kk
-            a = tl.load(act_ptr + (t * K + j) * I + k, mask=k < I, other=0.0).to(tl.float32)
-            acc += tl.load(w + k[None, :], mask=(n[:, None] < H) & (k[None, :] < I), other=0.0).to(tl.float32) \
-                * a[None, :]
-        total += tl.sum(acc, 1) * tl.load(weights_ptr + t * K + j)
-    out = total.to(out_ptr.dtype.element_ty)
+    j, kk = tl.arange(0, BLOCK_J), tl.arange(0, BLOCK_K)
+    routed, chunk = j < K, tl.maximum(j - K, 0)
+    shared_slot = (j >= K) & (chunk < CHUNKS)
+    expert = tl.load(ids_ptr + t * K + j, mask=routed, other=0).to(tl.int64)
+    rows = tl.where(routed[:, None], w2_ptr + expert[:, None] * stride_we + n[None, :].to(tl.int64) * stride_wn,
+                    ws2_ptr + n[None, :].to(tl.int64) * stride_wsn + (chunk * I)[:, None])       # [J, N]
+    acts = act_ptr + tl.where(routed, t * K + j, routed_pairs + t * CHUNKS + chunk).to(tl.int64) * I
+    width = tl.where(routed, I, tl.where(shared_slot, I_S - chunk * I, 0))   # a slot's columns (none: unused)
+    acc = tl.zeros([BLOCK_J, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        kmask = (k[None, :] < I) & (k[None, :] < width[:, None])                               # [J, K]
+        a = tl.load(acts[:, None] + k[None, :], mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(rows[:, :, None] + k[None, None, :], mask=kmask[:, None, :] & (n[None, :, None] < H),
+                    other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
+    parts = tl.sum(acc, 2)                                                                          # [J, N]
+    weights = tl.load(weights_ptr + t * K + j, mask=routed, other=0.0)
+    out = tl.sum(parts * weights[:, None], 0).to(out_ptr.dtype.element_ty)
     if CHUNKS > 0:
-        mlp = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for c in tl.static_range(CHUNKS):
-            for k0 in range(0, I, BLOCK_K):
-                k = k0 + kk
-                kmask = (k < I) & (c * I + k < I_S)
-                a = tl.load(act_ptr + (routed_pairs + t * CHUNKS + c) * I + k, mask=kmask, other=0.0).to(tl.float32)
-                mlp += tl.load(ws2_ptr + n[:, None].to(tl.int64) * stride_wsn + c * I + k[None, :],
-                               mask=(n[:, None] < H) & kmask[None, :], other=0.0).to(tl.float32) * a[None, :]
-        mlp = tl.sum(mlp, 1).to(out_ptr.dtype.element_ty)
+        mlp = tl.sum(tl.where(shared_slot[:, None], parts, 0.0), 0).to(out_ptr.dtype.element_ty)
         out = (out.to(tl.float32) + mlp.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if HAS_SHARED:   # the sum of two values in x's dtype, rounded once: that dtype's addition
         shared = tl.load(shared_ptr + t * stride_s + n, mask=n < H, other=0.0).to(tl.float32)
@@ -150,8 +155,9 @@ def moe_by_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
     _pair_down_kernel[(tokens, triton.cdiv(hidden, tiles.down_n))](
         act, w2, ids, weights, out if shared is None else shared, out, mlp.w2, hidden, inter, mlp.w2.shape[1],
         tokens * top_k, w2.stride(0), w2.stride(1), 0 if shared is None else shared.stride(0), mlp.w2.stride(0),
-        K=top_k, HAS_SHARED=shared is not None, CHUNKS=chunks,
-        BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.block_k, next_power_of_2(inter)), **launch)
+        K=top_k, HAS_SHARED=shared is not None, CHUNKS=chunks, BLOCK_J=next_power_of_2(top_k + chunks),
+        BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.down_k, next_power_of_2(inter)),
+        **{**launch, "num_warps": tiles.down_warps})
     return out
 
 
