@@ -27,7 +27,8 @@ from tokenspeed.backends.kernels.mla_reference import UpProjection
 from tokenspeed.errors import InternalError
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 16
+BLOCK_N = 32   # keys a step: at one row of 576 to 1,024 keys the attention and its merge took 11.4-11.9 us
+# on an H100 against 13.8-14.1 with 16 (DeepSeek-V2-Lite's 16 heads; docs/PERFORMANCE.md)
 COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-projection: at 32 rows of
 # DeepSeek-V2-Lite's 16 heads the merged launch took 90 us a layer on the H200, the merge and a
 # batched product about 10; at one row it saves the product's and the reshape's launches
