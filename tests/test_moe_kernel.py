@@ -243,7 +243,7 @@ for chunks in (1, 2):   # with the shared experts' MLP as two pairs a token (Dee
     assert compile_sm90(p._pair_gate_up_kernel, dict(x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64",
                         act_ptr="*bf16", ws13_ptr="*bf16", H="i32", I="i32", I_S="i32", top_k="i32",
                         routed_pairs="i32", stride_xt="i32", stride_we="i64", stride_wn="i32", stride_wsn="i32"),
-                        dict(CHUNKS=chunks, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.block_k, **pdl)).asm["ptx"]
+                        dict(CHUNKS=chunks, BLOCK_N=tiles.gate_up_n, BLOCK_K=tiles.gate_up_k, **pdl)).asm["ptx"]
 for shared, chunks in ((True, 0), (False, 2)):
     assert compile_sm90(p._pair_down_kernel, dict(act_ptr="*bf16", w2_ptr="*bf16", ids_ptr="*i64",
                         weights_ptr="*fp32", shared_ptr="*bf16", out_ptr="*bf16", ws2_ptr="*bf16", H="i32", I="i32",

@@ -51,9 +51,9 @@ class PairTiles:
     DeepSeek-V2-Lite's expert shapes, the down kernel's of 27 on an H100
     (``docs/PERFORMANCE.md``): thin, long rows."""
     gate_up_n: int = 1
+    gate_up_k: int = 2048
+    gate_up_warps: int = 2
     down_n: int = 1
-    block_k: int = 2048
-    num_warps: int = 2
     down_k: int = 128
     down_warps: int = 4
 
@@ -146,18 +146,19 @@ def moe_by_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
         return out
     mlp, chunks = _shared_mlp(shared_experts, shared, x, inter)
     act = torch.empty((tokens * (top_k + chunks), inter), dtype=x.dtype, device=x.device)
-    launch = dict(num_warps=tiles.num_warps, **pdl.launch_options(x.device))
+    launch = pdl.launch_options(x.device)
     _pair_gate_up_kernel[(tokens * (top_k + chunks), triton.cdiv(inter, tiles.gate_up_n))](
         x, w13, ids, act, mlp.w13, hidden, inter, mlp.w2.shape[1], top_k, tokens * top_k, x.stride(0),
         w13.stride(0), w13.stride(1), mlp.w13.stride(0), CHUNKS=max(chunks, 1),
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=min(tiles.block_k, next_power_of_2(hidden)), **launch)
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=min(tiles.gate_up_k, next_power_of_2(hidden)), num_warps=tiles.gate_up_warps,
+        **launch)
     shared = shared if shared is None or shared.stride(-1) == 1 else shared.contiguous()
     _pair_down_kernel[(tokens, triton.cdiv(hidden, tiles.down_n))](
         act, w2, ids, weights, out if shared is None else shared, out, mlp.w2, hidden, inter, mlp.w2.shape[1],
         tokens * top_k, w2.stride(0), w2.stride(1), 0 if shared is None else shared.stride(0), mlp.w2.stride(0),
         K=top_k, HAS_SHARED=shared is not None, CHUNKS=chunks, BLOCK_J=next_power_of_2(top_k + chunks),
-        BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.down_k, next_power_of_2(inter)),
-        **{**launch, "num_warps": tiles.down_warps})
+        BLOCK_N=tiles.down_n, BLOCK_K=min(tiles.down_k, next_power_of_2(inter)), num_warps=tiles.down_warps,
+        **launch)
     return out
 
 
