@@ -1,7 +1,8 @@
 """The Triton MLA kernels (decode's, and prefill's of one split a row) compile for an
-H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes (latent 512, rope key 64, 16 heads) on a
-machine without a GPU, as test_kernel_compile compiles the other kernels: in a child
-process, outside the interpreter."""
+H100/H200 (sm_90) at DeepSeek-V2-Lite's shapes (latent 512, rope key 64, 16 heads), and
+within a program's shared memory at DeepSeek-V3's 128 heads, on a machine without a GPU,
+as test_kernel_compile compiles the other kernels: in a child process, outside the
+interpreter."""
 
 import sys
 
@@ -11,6 +12,7 @@ import torch
 from sm90 import assert_compiles
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests compile for real")
+HOPPER_SHARED_BYTES = 232448   # the shared memory an H100 or H200 gives one program (227 KB)
 
 
 def mla_decode_kernels():
@@ -25,6 +27,13 @@ def mla_decode_kernels():
                      BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32", ROTATE=rotate,
                      INTERLEAVED=rotate)
         assert compile_sm90(triton_mla._absorbed_decode_kernel, signature, flags, num_warps=8).asm["ptx"]
+    for heads, cache, precision in [(128, "*bf16", "tf32"), (128, "*fp32", "ieee")]:   # DeepSeek-V3's heads
+        flags = dict(HEADS=heads, LATENT=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=8,
+                     BLOCK_H=triton_mla.head_block(heads), BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64,
+                     PRECISION=precision, ROTATE=True, INTERLEAVED=True)
+        kernel = compile_sm90(triton_mla._absorbed_decode_kernel, {**signature, "cache_ptr": cache}, flags,
+                              num_warps=8)
+        assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, (heads, cache, kernel.metadata.shared)
     merge = compile_sm90(triton_mla._combine_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", pos_ptr="*i64",
                                                           out_ptr="*fp32", stride_or="i32", stride_oh="i32"),
                          dict(HEADS=16, LATENT=512, NUM_SPLITS=8, BLOCK_N=triton_mla.BLOCK_N, BLOCK_S=8, BLOCK_R=512))

@@ -215,7 +215,7 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
     if rows == 0:
         return q_latent.new_empty(rows, heads, latent if w_v is None else w_v.shape[1])
-    block_h = max(16, min(next_power_of_2(heads), 64))
+    block_h = head_block(heads)
     head_blocks = triton.cdiv(heads, block_h)
     splits = num_splits or choose_num_splits(next_power_of_2(rows), head_blocks,
                                              block_tables.shape[1] * kv_cache.shape[3], sm_count(q_latent.device))
@@ -242,6 +242,14 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
     if partials:
         _combine_kernel[(rows, heads)](mid_o, mid_lse, positions, out, out.stride(0), out.stride(1), **merge)
     return out if w_v is None else torch.einsum("qhr,hvr->qhv", out, w_v)
+
+
+def head_block(heads: int) -> int:
+    """Query heads a program takes (the M side of its ``tl.dot``, at least 16): at most 32.
+    64 heads of a bfloat16 cache need 236 KB of shared memory with 16 keys a step and 324
+    KB with 32, past the 227 KB an H100 or H200 gives a program; 32 heads take 115 KB
+    (tests/test_mla_kernel_compile.py)."""
+    return max(16, min(next_power_of_2(heads), 32))
 
 
 def _combine_up(mid_o, mid_lse, positions, w_v, merge: dict) -> torch.Tensor:
