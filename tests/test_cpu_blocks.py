@@ -2,8 +2,9 @@
 build (``c_library``), and the CPU's default of keeping a GGUF file's blocks.
 
 The dequantized weights are ``gguf``'s to the bit; a product sums the same weights in
-another order (per block, ``d * (u . x) + m * sum(x)``), so it is compared within float32
-rounding of the sum's magnitude. Where a C compiler is on PATH (CI's machine) a failed
+another order (one row per block as ``d * (u . x) + m * sum(x)``, tiles of rows over the
+weights dequantized in registers), so it is compared within float32 rounding of the sum's
+magnitude. Where a C compiler is on PATH (CI's machine) a failed
 build fails these tests; without one, the tests of the kernels themselves skip.
 """
 
