@@ -23,9 +23,9 @@
 #define KEY_TILE 64
 
 static inline float dot(const float *a, const float *b, int64_t dim) {
-    v16f acc = {0};
-    for (int64_t d = 0; d < dim; d += 16) acc += floats16(a + d) * floats16(b + d);
-    return total(acc);
+    vf acc = {0};
+    for (int64_t d = 0; d < dim; d += VW) acc += vload(a + d) * vload(b + d);
+    return vtotal(acc);
 }
 
 /* out[g] (the group's query heads) for one row and KV head */
@@ -63,8 +63,8 @@ static void attend(const float *q, int64_t group, int64_t dim, const float *k, c
         for (int64_t j = 0; j < count; j++) {
             const float *value = v + (keys[j] - k);
             for (int64_t g = 0; g < group; g++)
-                for (int64_t d = 0; d < dim; d += 16) {
-                    v16f a = floats16(acc[g] + d) + floats16(value + d) * p[g][j];
+                for (int64_t d = 0; d < dim; d += VW) {
+                    vf a = vload(acc[g] + d) + vload(value + d) * p[g][j];
                     memcpy(acc[g] + d, &a, sizeof a);
                 }
         }

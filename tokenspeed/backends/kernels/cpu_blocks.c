@@ -21,27 +21,34 @@
 
 #include "cpu_vectors.h"
 
-typedef int32_t v16i __attribute__((vector_size(64)));
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* AVX2's conversions by intrinsics: GCC 12 lowers the 16-lane conversion below to one
-   extraction a byte there, which ran the kernels two to three times slower */
-#include <immintrin.h>
-static inline v16f floats_of(v16b bytes) {
-    __m128i b;
-    memcpy(&b, &bytes, sizeof b);
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
-    v16f out;
-    memcpy(&out, &lo, sizeof lo);
-    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
-    return out;
-}
-#define FLOATS(bytes) floats_of(bytes)
+#define PARTS (16 / VW)   /* vectors in half a unit (16 codes) */
+
+/* 16 bytes as floats less offset, in PARTS vectors; a byte goes to float through int32
+   because GCC scalarises the direct conversion */
+static inline void floats_of(v16b bytes, float offset, vf out[PARTS]) {
+    for (int p = 0; p < PARTS; p++) {
+        uint8_t part[VW];
+        memcpy(part, (const uint8_t *)&bytes + VW * p, VW);
+#if defined(__AVX2__) && VW == 8   /* GCC 12 lowers this conversion to one extraction a byte */
+        __m128i b;
+        memcpy(&b, part, 8);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+        memcpy(&out[p], &f, sizeof f);
 #else
-#define FLOATS(bytes) __builtin_convertvector(__builtin_convertvector((bytes), v16i), v16f)
+        typedef uint8_t vb __attribute__((vector_size(VW)));
+        vb q;
+        memcpy(&q, part, VW);
+        out[p] = __builtin_convertvector(__builtin_convertvector(q, vi), vf);
 #endif
+        out[p] -= offset;
+    }
+}
 
 /* Bytes ahead of the row being read that each thread asks the caches for: read from memory
    without it, the 121 matrices of the default model's step took 22 ms at one row on the
@@ -120,55 +127,59 @@ static inline void scales(int format, const uint8_t *b, block_scales *out) {
     }
 }
 
-/* Q5's fifth bits of 16 elements (bit first + j of qh's four bytes for element j), as 0 or 16 */
-static inline v16f fifth_bits(const uint8_t *qh, int first) {
+/* Q5's fifth bits of 16 elements (bit first + j of qh's four bytes for element j), as
+   bytes of 0 or 16 */
+static inline v16b fifth_bits(const uint8_t *qh, int first) {
     uint32_t bits;
     memcpy(&bits, qh, 4);
-    const v16i at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16i word = (v16i){0} + (int32_t)(bits >> first);
-    return __builtin_convertvector(((word >> at) & 1) << 4, v16f);
+    bits >>= first;
+    const uint8_t low = (uint8_t)bits, high = (uint8_t)(bits >> 8);
+    const v16b spread = {low, low, low, low, low, low, low, low, high, high, high, high, high, high, high, high};
+    const v16b at = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (v16b)((spread & at) != 0) & 16;
 }
 
-static inline void codes(int format, const uint8_t *b, int s, v16f *lo, v16f *hi) {
+/* unit s's codes c: elements 0-15 in lo, 16-31 in hi */
+static inline void codes(int format, const uint8_t *b, int s, vf lo[PARTS], vf hi[PARTS]) {
     v16b q;
     switch (format) {
     case Q4_0:
         q = bytes16(b + 2);
-        *lo = FLOATS(q & 15) - 8.0f, *hi = FLOATS(q >> 4) - 8.0f;
+        floats_of(q & 15, 8.0f, lo), floats_of(q >> 4, 8.0f, hi);
         return;
     case Q4_1:
         q = bytes16(b + 4);
-        *lo = FLOATS(q & 15), *hi = FLOATS(q >> 4);
+        floats_of(q & 15, 0.0f, lo), floats_of(q >> 4, 0.0f, hi);
         return;
     case Q5_0:
         q = bytes16(b + 6);
-        *lo = FLOATS(q & 15) + fifth_bits(b + 2, 0) - 16.0f, *hi = FLOATS(q >> 4) + fifth_bits(b + 2, 16) - 16.0f;
+        floats_of((q & 15) | fifth_bits(b + 2, 0), 16.0f, lo), floats_of((q >> 4) | fifth_bits(b + 2, 16), 16.0f, hi);
         return;
     case Q5_1:
         q = bytes16(b + 8);
-        *lo = FLOATS(q & 15) + fifth_bits(b + 4, 0), *hi = FLOATS(q >> 4) + fifth_bits(b + 4, 16);
+        floats_of((q & 15) | fifth_bits(b + 4, 0), 0.0f, lo), floats_of((q >> 4) | fifth_bits(b + 4, 16), 0.0f, hi);
         return;
     case Q8_0:   /* the int8 q read as a byte: q + 128 = byte ^ 0x80 */
-        *lo = FLOATS(bytes16(b + 2) ^ 0x80) - 128.0f, *hi = FLOATS(bytes16(b + 18) ^ 0x80) - 128.0f;
+        floats_of(bytes16(b + 2) ^ 0x80, 128.0f, lo), floats_of(bytes16(b + 18) ^ 0x80, 128.0f, hi);
         return;
     case Q4_K: {   /* qs[128] at 16: sub-block s the low (even s) or high nibbles of 32 bytes */
         const uint8_t *qs = b + 16 + 32 * (s / 2);
         const int shift = 4 * (s % 2);
-        *lo = FLOATS((bytes16(qs) >> shift) & 15), *hi = FLOATS((bytes16(qs + 16) >> shift) & 15);
+        floats_of((bytes16(qs) >> shift) & 15, 0.0f, lo), floats_of((bytes16(qs + 16) >> shift) & 15, 0.0f, hi);
         return;
     }
     case Q5_K: {   /* qh[32] at 16 (bit s of byte j: element j's fifth bit), qs[128] at 48 */
         const uint8_t *qs = b + 48 + 32 * (s / 2);
         const int shift = 4 * (s % 2);
-        *lo = FLOATS(((bytes16(qs) >> shift) & 15) | (((bytes16(b + 16) >> s) & 1) << 4));
-        *hi = FLOATS(((bytes16(qs + 16) >> shift) & 15) | (((bytes16(b + 32) >> s) & 1) << 4));
+        floats_of(((bytes16(qs) >> shift) & 15) | (((bytes16(b + 16) >> s) & 1) << 4), 0.0f, lo);
+        floats_of(((bytes16(qs + 16) >> shift) & 15) | (((bytes16(b + 32) >> s) & 1) << 4), 0.0f, hi);
         return;
     }
     default: {   /* Q6_K: ql[128], qh[64] at 128; unit s in half s / 4, its row s % 4 */
         const int h = s / 4, row = s % 4, shift = 4 * (row / 2);
         const uint8_t *ql = b + 64 * h + 32 * (row % 2), *qh = b + 128 + 32 * h;
-        *lo = FLOATS(((bytes16(ql) >> shift) & 15) | (((bytes16(qh) >> (2 * row)) & 3) << 4)) - 32.0f;
-        *hi = FLOATS(((bytes16(ql + 16) >> shift) & 15) | (((bytes16(qh + 16) >> (2 * row)) & 3) << 4)) - 32.0f;
+        floats_of(((bytes16(ql) >> shift) & 15) | (((bytes16(qh) >> (2 * row)) & 3) << 4), 32.0f, lo);
+        floats_of(((bytes16(ql + 16) >> shift) & 15) | (((bytes16(qh + 16) >> (2 * row)) & 3) << 4), 32.0f, hi);
     }
     }
 }
@@ -192,12 +203,13 @@ static int units(int format) {   /* units of 32 a block */
 }
 
 /* unit s's 32 weights d * c + m, gguf's float32 values (d * c is exact where m is added) */
-static inline void weights(int format, const uint8_t *block, const block_scales *sc, int s, v16f *lo, v16f *hi) {
+static inline void weights(int format, const uint8_t *block, const block_scales *sc, int s, vf lo[PARTS],
+                           vf hi[PARTS]) {
     const int at = format == Q6_K ? 2 * s : format == Q4_K || format == Q5_K ? s : 0;
     const int at_hi = format == Q6_K ? at + 1 : at;
     const float m = format == Q6_K ? 0.0f : sc->m[at];
     codes(format, block, s, lo, hi);
-    *lo = *lo * sc->d[at] + m, *hi = *hi * sc->d[at_hi] + m;
+    for (int p = 0; p < PARTS; p++) lo[p] = lo[p] * sc->d[at] + m, hi[p] = hi[p] * sc->d[at_hi] + m;
 }
 
 /* Formats whose weights have an offset m (the others' is 0; Q6_K's two halves differ only
@@ -211,7 +223,7 @@ static inline void weights(int format, const uint8_t *block, const block_scales 
 #define DOT(FORMAT)                                                                              \
 static float dot_##FORMAT(const float *x, const float *sums, int64_t k, const uint8_t *row) {    \
     const int64_t per_block = units(FORMAT), blocks = k / (32 * per_block);                       \
-    v16f acc = {0};                                                                               \
+    vf acc = {0};                                                                                 \
     float offsets = 0;                                                                            \
     for (int64_t b = 0; b < blocks; b++) {                                                        \
         const uint8_t *block = row + b * type_size(FORMAT);                                       \
@@ -222,16 +234,19 @@ static float dot_##FORMAT(const float *x, const float *sums, int64_t k, const ui
             const int64_t i = b * per_block + s;                                                  \
             const int unit_scale = FORMAT == Q4_K || FORMAT == Q5_K ? s : 0;                      \
             const float *xs = x + 32 * i;                                                         \
-            v16f lo, hi;                                                                          \
-            codes(FORMAT, block, s, &lo, &hi);                                                    \
-            if (FORMAT == Q6_K)                                                                   \
-                acc += lo * floats16(xs) * sc.d[2 * s] + hi * floats16(xs + 16) * sc.d[2 * s + 1]; \
-            else                                                                                  \
-                acc += (lo * floats16(xs) + hi * floats16(xs + 16)) * sc.d[unit_scale];           \
+            vf lo[PARTS], hi[PARTS];                                                              \
+            codes(FORMAT, block, s, lo, hi);                                                      \
+            for (int p = 0; p < PARTS; p++) {                                                     \
+                const vf x0 = vload(xs + VW * p), x1 = vload(xs + 16 + VW * p);                   \
+                if (FORMAT == Q6_K)                                                               \
+                    acc += lo[p] * x0 * sc.d[2 * s] + hi[p] * x1 * sc.d[2 * s + 1];               \
+                else                                                                              \
+                    acc += (lo[p] * x0 + hi[p] * x1) * sc.d[unit_scale];                          \
+            }                                                                                     \
             if (OFFSET(FORMAT)) offsets += sc.m[unit_scale] * sums[i];                            \
         }                                                                                         \
     }                                                                                             \
-    return total(acc) + offsets;                                                                  \
+    return vtotal(acc) + offsets;                                                                  \
 }
 
 /* out[r * n_out + w] for XT rows of x and WT weight rows (row_bytes apart) from row: each
@@ -241,29 +256,30 @@ static float dot_##FORMAT(const float *x, const float *sums, int64_t k, const ui
 static void tile_##FORMAT##_##WT##_##XT(const float *x, int64_t k, const uint8_t *row, int64_t row_bytes, \
                                         float *out, int64_t n_out) {                             \
     const int64_t per_block = units(FORMAT), blocks = k / (32 * per_block);                       \
-    v16f acc[WT][XT];                                                                             \
+    vf acc[WT][XT];                                                                               \
     for (int w = 0; w < WT; w++)                                                                  \
-        for (int r = 0; r < XT; r++) acc[w][r] = (v16f){0};                                       \
+        for (int r = 0; r < XT; r++) acc[w][r] = (vf){0};                                         \
     for (int64_t b = 0; b < blocks; b++) {                                                        \
         block_scales sc[WT];                                                                      \
         for (int w = 0; w < WT; w++) scales(FORMAT, row + w * row_bytes + b * type_size(FORMAT), &sc[w]); \
         _Pragma("GCC unroll 8")                                                                   \
         for (int s = 0; s < per_block; s++) {                                                     \
             const float *xs = x + 32 * (b * per_block + s);                                       \
-            v16f lo[WT], hi[WT];                                                                  \
+            vf lo[WT][PARTS], hi[WT][PARTS];                                                      \
             for (int w = 0; w < WT; w++)                                                          \
-                weights(FORMAT, row + w * row_bytes + b * type_size(FORMAT), &sc[w], s, &lo[w], &hi[w]); \
-            for (int r = 0; r < XT; r++) {                                                        \
-                const v16f x0 = floats16(xs + r * k), x1 = floats16(xs + r * k + 16);             \
-                for (int w = 0; w < WT; w++) {                                                    \
-                    acc[w][r] += lo[w] * x0;                                                      \
-                    acc[w][r] += hi[w] * x1;                                                      \
+                weights(FORMAT, row + w * row_bytes + b * type_size(FORMAT), &sc[w], s, lo[w], hi[w]); \
+            for (int r = 0; r < XT; r++)                                                          \
+                for (int p = 0; p < PARTS; p++) {                                                 \
+                    const vf x0 = vload(xs + r * k + VW * p), x1 = vload(xs + r * k + 16 + VW * p); \
+                    for (int w = 0; w < WT; w++) {                                                \
+                        acc[w][r] += lo[w][p] * x0;                                               \
+                        acc[w][r] += hi[w][p] * x1;                                               \
+                    }                                                                             \
                 }                                                                                 \
-            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
     for (int w = 0; w < WT; w++)                                                                  \
-        for (int r = 0; r < XT; r++) out[r * n_out + w] = total(acc[w][r]);                       \
+        for (int r = 0; r < XT; r++) out[r * n_out + w] = vtotal(acc[w][r]);                      \
 }
 
 /* x [rows, k] times the weight [n, k] (rows of row_bytes) transposed, into out [rows, n]:
@@ -349,10 +365,10 @@ int tokenspeed_block_dequantize(int format, const uint8_t *w, int64_t n, int64_t
             scales(format, block, &sc);
             #pragma GCC unroll 8
             for (int s = 0; s < per_block; s++) {
-                v16f lo, hi;
-                weights(format, block, &sc, s, &lo, &hi);
-                memcpy(out + i * k + 32 * (b * per_block + s), &lo, sizeof lo);
-                memcpy(out + i * k + 32 * (b * per_block + s) + 16, &hi, sizeof hi);
+                vf lo[PARTS], hi[PARTS];
+                weights(format, block, &sc, s, lo, hi);
+                memcpy(out + i * k + 32 * (b * per_block + s), lo, sizeof lo);
+                memcpy(out + i * k + 32 * (b * per_block + s) + 16, hi, sizeof hi);
             }
         }
     }
