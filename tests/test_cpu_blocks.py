@@ -11,6 +11,8 @@ build fails these tests; without one, the tests of the kernels themselves skip.
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -156,6 +158,33 @@ def test_an_embedding_dequantizes_only_the_rows_it_reads(monkeypatch):
 
 
 # ---------------------------------------------------------------- the build
+
+
+AVX2_CHILD = """
+from tokenspeed.backends.kernels import c_library
+c_library.FLAGS = tuple("-march=haswell" if f == "-march=native" else f for f in c_library.FLAGS)
+import test_cpu_attention as a, test_cpu_blocks as b
+for qtype in b.FORMATS:
+    b.test_dequantize_is_ggufs_to_the_bit(qtype)
+    for rows in (1, 2, 5, 17, 40):
+        b.test_a_product_equals_the_dequantized_ones(qtype, rows)
+a.test_decode_attention_equals_the_torch_formulation()
+a.test_rope_decode_attention_is_the_references_rotation_write_and_attention()
+"""
+
+
+@needs_compiler
+@pytest.mark.skipif("avx2" not in c_library._cpu_identity().split(), reason="the CPU runs no AVX2 code")
+def test_a_build_for_avx2_computes_as_the_native_one(tmp_path):
+    """The kernels compute at the machine's vector width, 8 lanes without AVX-512: built for
+    AVX2 alone (-march=haswell, in a child with its own cache), their products, dequantized
+    weights and attention equal the references as the native build's do."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TOKENSPEED_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list(tmp_path.glob("cpu_blocks-*.so"))) == 1 and len(list(tmp_path.glob("cpu_attention-*.so"))) == 1
 
 
 @needs_compiler
