@@ -21,8 +21,11 @@
 
 #include "cpu_vectors.h"
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && VW == 8   /* AVX2's intrinsics serve the 8-lane build */
+#define AVX2_ONLY 1
 #include <immintrin.h>
+#else
+#define AVX2_ONLY 0
 #endif
 
 typedef uint8_t v16b __attribute__((vector_size(16)));
@@ -35,9 +38,8 @@ static inline void floats_of(v16b bytes, float offset, vf out[PARTS]) {
     for (int p = 0; p < PARTS; p++) {
         uint8_t part[VW];
         memcpy(part, (const uint8_t *)&bytes + VW * p, VW);
-#if defined(__AVX2__) && VW == 8   /* GCC 12 lowers this conversion to one extraction a byte */
-        __m128i b;
-        memcpy(&b, part, 8);
+#if AVX2_ONLY   /* GCC 12 lowers the generic conversion to one extraction a byte */
+        const __m128i b = _mm_loadl_epi64((const __m128i *)part);
         const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
         memcpy(&out[p], &f, sizeof f);
 #else
@@ -83,12 +85,12 @@ static inline v16b bytes16(const uint8_t *p) {
 }
 
 /* A unit is 32 elements of a block (a simple format's whole block, an eighth of a
-   K-quant's 256). Its codes c come as two halves of 16 (elements 0-15 in *lo, 16-31 in
-   *hi; codes), its scales and offsets once a block for all its units (scales): each
-   weight d * c + m as gguf's dequantization computes it (d * c exact in float32 where
-   gguf adds an offset, one rounding either way). The simple formats and Q4_K/Q5_K have
-   one scale a unit, Q6_K one a half (d[2 * s] and d[2 * s + 1]); Q6_K's and the simple
-   formats' offsets but Q4_1's and Q5_1's are 0. */
+   K-quant's 256). Its codes c come as two halves of 16 (elements 0-15 in lo, 16-31 in hi,
+   PARTS vectors each; codes), its scales and offsets once a block for all its units
+   (scales): each weight d * c + m as gguf's dequantization computes it (d * c exact in
+   float32 where gguf adds an offset, one rounding either way). The simple formats and
+   Q4_K/Q5_K have one scale a unit, Q6_K one a half (d[2 * s] and d[2 * s + 1]); Q6_K's and
+   the simple formats' offsets but Q4_1's and Q5_1's are 0. */
 typedef struct {
     float d[16], m[8];
 } block_scales;
@@ -127,16 +129,25 @@ static inline void scales(int format, const uint8_t *b, block_scales *out) {
     }
 }
 
-/* Q5's fifth bits of 16 elements (bit first + j of qh's four bytes for element j), as
-   bytes of 0 or 16 */
-static inline v16b fifth_bits(const uint8_t *qh, int first) {
+/* Q5's fifth bits of VW elements (bit first + j of qh's four bytes for element j), as 0 or
+   16 (shifted in int32 lanes: as bytes OR'd into the codes, AVX-512's Q5 products took 1.75
+   times as long) */
+static inline vf fifth_bits(const uint8_t *qh, int first) {
     uint32_t bits;
     memcpy(&bits, qh, 4);
-    bits >>= first;
-    const uint8_t low = (uint8_t)bits, high = (uint8_t)(bits >> 8);
-    const v16b spread = {low, low, low, low, low, low, low, low, high, high, high, high, high, high, high, high};
-    const v16b at = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    return (v16b)((spread & at) != 0) & 16;
+#if VW == 16
+    const vi at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    const vi at = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+    const vi word = (vi){0} + (int32_t)(bits >> first);
+    return __builtin_convertvector(((word >> at) & 1) << 4, vf);
+}
+
+/* Q5's codes: the low four bits from q, the fifth from qh */
+static inline void five_bits(v16b q, const uint8_t *qh, float offset, vf lo[PARTS], vf hi[PARTS]) {
+    floats_of(q & 15, offset, lo), floats_of(q >> 4, offset, hi);
+    for (int p = 0; p < PARTS; p++) lo[p] += fifth_bits(qh, VW * p), hi[p] += fifth_bits(qh, 16 + VW * p);
 }
 
 /* unit s's codes c: elements 0-15 in lo, 16-31 in hi */
@@ -152,12 +163,10 @@ static inline void codes(int format, const uint8_t *b, int s, vf lo[PARTS], vf h
         floats_of(q & 15, 0.0f, lo), floats_of(q >> 4, 0.0f, hi);
         return;
     case Q5_0:
-        q = bytes16(b + 6);
-        floats_of((q & 15) | fifth_bits(b + 2, 0), 16.0f, lo), floats_of((q >> 4) | fifth_bits(b + 2, 16), 16.0f, hi);
+        five_bits(bytes16(b + 6), b + 2, 16.0f, lo, hi);
         return;
     case Q5_1:
-        q = bytes16(b + 8);
-        floats_of((q & 15) | fifth_bits(b + 4, 0), 0.0f, lo), floats_of((q >> 4) | fifth_bits(b + 4, 16), 0.0f, hi);
+        five_bits(bytes16(b + 8), b + 4, 0.0f, lo, hi);
         return;
     case Q8_0:   /* the int8 q read as a byte: q + 128 = byte ^ 0x80 */
         floats_of(bytes16(b + 2) ^ 0x80, 128.0f, lo), floats_of(bytes16(b + 18) ^ 0x80, 128.0f, hi);

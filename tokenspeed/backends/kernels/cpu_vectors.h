@@ -9,8 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* glibc's vector expf (libmvec), which math.h declares only under -ffast-math: 16 lanes'
-   exponentials at once where a loop asks for them (#pragma omp simd) */
+/* glibc's vector expf (libmvec), which math.h declares only under -ffast-math: a vector's
+   lanes' exponentials at once (16 with AVX-512, 8 with AVX2) where a loop asks for them
+   (#pragma omp simd) */
 float expf(float) __attribute__((simd("notinbranch")));
 
 typedef float v16f __attribute__((vector_size(64)));
