@@ -207,6 +207,34 @@ def test_the_library_is_named_by_its_source_and_reused(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").iterdir())) == 3
 
 
+def test_clang_builds_with_gnu_openmp_the_runtime_torch_loaded():
+    clang = c_library.flags("Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu\n")
+    assert "-fopenmp=libgomp" in clang and "-fopenmp" not in clang
+    assert c_library.flags("cc (Debian 12.2.0-14) 12.2.0\n") == c_library.FLAGS
+
+
+CLANG_CHILD = """
+import gguf
+import test_cpu_attention as a, test_cpu_blocks as b
+for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q6_K):
+    b.test_dequantize_is_ggufs_to_the_bit(qtype)
+    b.test_a_product_equals_the_dequantized_ones(qtype, 17)
+a.test_decode_attention_equals_the_torch_formulation()
+"""
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="no clang on PATH")
+def test_a_clang_cc_builds_the_kernels(tmp_path):
+    """CC=clang, in a child with its own cache: clang's own OpenMP (libomp) is often not
+    installed, so the build asks for GNU's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "CC": "clang", "TOKENSPEED_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", CLANG_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list(tmp_path.glob("cpu_blocks-*.so"))) == 1
+
+
 def test_a_missing_compiler_or_a_bad_source_is_a_build_error(tmp_path):
     source = tmp_path / "bad.c"
     source.write_text("this is not C\n")

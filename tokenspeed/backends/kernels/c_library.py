@@ -3,8 +3,8 @@
 The CPU's block kernels (``cpu_blocks.c``) are C: no library ships a float32 product over
 GGUF blocks for torch's tensors, and torch's own int4 kernel computes in bfloat16. The
 file is compiled by the system's C compiler (``$CC``, else ``cc``) for the machine it runs
-on (``-march=native``) with OpenMP, whose runtime is the one torch has loaded (``libgomp``),
-so the kernels share torch's threads. The library is kept under the cache folder
+on (``-march=native``) with OpenMP, whose runtime is the one torch has loaded (``libgomp``,
+asked for by name from clang), so the kernels share torch's threads. The library is kept under the cache folder
 (``$TOKENSPEED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenspeed``, else
 ``~/.cache/tokenspeed``) under a name hashed from the source, the compiler, its flags and
 the CPU, so a change of any one builds anew; processes building at once each write their
@@ -62,19 +62,26 @@ def load(source: Path, environ=os.environ) -> ctypes.CDLL:
     compiler = shutil.which(environ.get("CC") or "cc")
     if compiler is None:
         raise BuildError(f"no C compiler: {environ.get('CC') or 'cc'} is not on PATH (set CC)")
-    target = cache_dir(environ) / f"{source.stem}-{_build_key(source, compiler)}.so"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace").stdout
+    target = cache_dir(environ) / f"{source.stem}-{_build_key(source, compiler, version)}.so"
     if not target.is_file():
-        _build(source, compiler, target)
+        _build(source, compiler, flags(version), target)
     return ctypes.CDLL(str(target))
 
 
-def _build_key(source: Path, compiler: str) -> str:
+def flags(version: str) -> tuple[str, ...]:
+    """``FLAGS`` for the compiler whose ``--version`` says ``version``: clang's OpenMP is GNU's
+    libgomp, the runtime torch loaded (its own default, libomp, is often not installed)."""
+    gnu_openmp = "-fopenmp=libgomp" if "clang" in version else "-fopenmp"
+    return tuple(gnu_openmp if flag == "-fopenmp" else flag for flag in FLAGS)
+
+
+def _build_key(source: Path, compiler: str, version: str) -> str:
     """A hash of what the library depends on; the headers beside the source (which it may
     include) count as its source."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace").stdout
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    parts = (source.read_bytes(), headers, compiler.encode(), version.encode(), " ".join(FLAGS + LIBRARIES).encode(),
-             platform.machine().encode(), _cpu_identity().encode())
+    parts = (source.read_bytes(), headers, compiler.encode(), version.encode(),
+             " ".join(flags(version) + LIBRARIES).encode(), platform.machine().encode(), _cpu_identity().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -88,12 +95,12 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
 
 
-def _build(source: Path, compiler: str, target: Path) -> None:
+def _build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial, *LIBRARIES], capture_output=True,
+        done = subprocess.run([compiler, *flags, str(source), "-o", partial, *LIBRARIES], capture_output=True,
                               text=True, errors="replace")
         if done.returncode:
             raise BuildError(f"{compiler} could not build {source.name}: {done.stderr.strip()[-2000:]}")
