@@ -4,12 +4,12 @@ The CPU's block kernels (``cpu_blocks.c``) are C: no library ships a float32 pro
 GGUF blocks for torch's tensors, and torch's own int4 kernel computes in bfloat16. The
 file is compiled by the system's C compiler (``$CC``, else ``cc``) for the machine it runs
 on (``-march=native``) with OpenMP, whose runtime is the one torch has loaded (``libgomp``,
-asked for by name from clang), so the kernels share torch's threads. The library is kept under the cache folder
-(``$TOKENSPEED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenspeed``, else
-``~/.cache/tokenspeed``) under a name hashed from the source, the compiler, its flags and
-the CPU, so a change of any one builds anew; processes building at once each write their
-own file and rename it into place. Without a working compiler the build fails with the
-compiler's message, and the caller decides (``cpu_blocks.library``).
+asked for by name from clang), so the kernels share torch's threads. The library is kept
+under the cache folder (``$TOKENSPEED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokenspeed``,
+else ``~/.cache/tokenspeed``) under a name hashed from the source, the compiler, its flags
+and the CPU, so a change of any one builds anew; processes building at once each write
+their own file and rename it into place. Without a working compiler the build fails with
+the compiler's message, and the caller decides (``cpu_blocks.available``).
 """
 
 import ctypes
@@ -95,12 +95,12 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
 
 
-def _build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> None:
+def _build(source: Path, compiler: str, options: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *flags, str(source), "-o", partial, *LIBRARIES], capture_output=True,
+        done = subprocess.run([compiler, *options, str(source), "-o", partial, *LIBRARIES], capture_output=True,
                               text=True, errors="replace")
         if done.returncode:
             raise BuildError(f"{compiler} could not build {source.name}: {done.stderr.strip()[-2000:]}")
