@@ -59,7 +59,7 @@ def kept_blocks(model, device, quantization: str | None) -> dict:
         log.warning("GGUF weights dequantized to float32 at load: the CPU's block kernels are not built (%s)",
                     cpu_blocks.unavailable_reason())
         return {}
-    return {"quantized": True, "block_formats": cpu_blocks.FORMAT_NAMES}
+    return {"quantized": True}   # the block formats the loader keeps are those cpu_blocks reads
 
 
 def tokenizer_of(tokenizer, model, reader=None) -> Tokenizer | None:

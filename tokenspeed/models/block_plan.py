@@ -11,7 +11,6 @@ tensors' counts. A tied head reads the embedding's blocks.
 
 import collections
 import logging
-from collections.abc import Collection
 
 import attrs
 from torch import nn
@@ -49,14 +48,13 @@ def stored_matrices(reader) -> dict[str, StoredMatrix]:
             for t in reader.tensors if len(t.shape) == 2}
 
 
-def plan(model: nn.Module, stored: dict[str, StoredMatrix], formats: Collection[str] = BLOCK_FORMATS) -> BlockPlan:
-    """The layers of ``model`` (dense, on any device) whose every part is stored in one of
-    ``formats`` (block formats), at the shape the model expects (a wrong shape is left to
-    the loader's check)."""
+def plan(model: nn.Module, stored: dict[str, StoredMatrix]) -> BlockPlan:
+    """The layers of ``model`` (dense, on any device) whose every part is stored in a block
+    format, at the shape the model expects (a wrong shape is left to the loader's check)."""
     layers, split_layers, kept = {}, {}, set()
     for layer, names in parts_by_layer(model, stored).items():
         parts = [stored[n] for n in names]
-        if not _fits(model, layer, parts, formats):
+        if not _fits(model, layer, parts):
             continue
         if len({(p.format, p.row_bytes) for p in parts}) == 1:
             layers[layer] = _stacked(parts)
@@ -65,7 +63,7 @@ def plan(model: nn.Module, stored: dict[str, StoredMatrix], formats: Collection[
         kept.update(names)
     if model.config.tie_word_embeddings and EMBEDDING in layers:
         layers[HEAD] = layers[EMBEDDING]
-    _log_dequantized(stored, kept, formats)
+    _log_dequantized(stored, kept)
     return BlockPlan(layers, split_layers, frozenset(kept))
 
 
@@ -80,28 +78,23 @@ def _part_name(name: str) -> str:
     return name.removesuffix(".weight").rpartition(".")[2]
 
 
-def _fits(model, layer: str, parts: list[StoredMatrix], formats: Collection[str]) -> bool:
-    """Every part in one of ``formats``, of the shape the model's layer expects."""
+def _fits(model, layer: str, parts: list[StoredMatrix]) -> bool:
+    """Every part in a block format, of the shape the model's layer expects."""
     module = layer_module(model, layer)
-    if module is None or not {p.format for p in parts} <= set(formats) & set(BLOCK_FORMATS):
+    if module is None or not {p.format for p in parts} <= set(BLOCK_FORMATS):
         return False
     return [p.shape for p in parts] == [(n, module.weight.shape[1]) for n in part_sizes(model, layer)]
 
 
-def _log_dequantized(stored, kept, formats: Collection[str]) -> None:
+def _log_dequantized(stored, kept) -> None:
     """One line naming the quantized formats dequantized, with their tensors' counts."""
     unread = collections.Counter(m.format for name, m in stored.items()
                                  if name not in kept and m.format not in ("F32", "F16", "BF16"))
     if unread:
         log.warning("GGUF weights dequantized at load: %s", ", ".join(
-            f"{count} {fmt} tensors" + _why_dequantized(fmt, formats)
+            f"{count} {fmt} tensors" + (" (in a layer with a part no kernel reads)" if fmt in BLOCK_FORMATS
+                                        else f" (no kernel reads {fmt})")
             for fmt, count in sorted(unread.items())))
-
-
-def _why_dequantized(fmt: str, formats: Collection[str]) -> str:
-    if fmt in formats:
-        return " (in a layer with a part no kernel reads)"
-    return " (not kept in blocks on this device)" if fmt in BLOCK_FORMATS else f" (no kernel reads {fmt})"
 
 
 def swap_layers(model: nn.Module, block_plan: BlockPlan) -> nn.Module:

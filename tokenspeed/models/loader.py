@@ -5,12 +5,10 @@ Tensors are read straight into freshly allocated parameters (the model is built 
 meta device first, so nothing is initialised twice).
 """
 
-from collections.abc import Collection
-
 import torch
 from tqdm import tqdm
 
-from tokenspeed.ir.weights import BLOCK_FORMATS, BlockWeight
+from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models import gguf as gguf_file
 from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
 from tokenspeed.models.config import DEEPSEEK, ModelConfig
@@ -60,21 +58,21 @@ def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
 
 
 def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
-         quantized: bool = False, block_formats: Collection[str] = BLOCK_FORMATS) -> LlamaForCausalLM:
+         quantized: bool = False) -> LlamaForCausalLM:
     """A Hugging Face directory, a ``.gguf`` file (``gguf_reader``: that file already
     opened with ``gguf.GGUFReader``), or a Hugging Face model id (``owner/name``, at
     ``revision``; see ``hub.resolve_model``). ``dtype=None`` keeps the directory's
     ``torch_dtype``/``dtype`` (float32 if absent; for GGUF see ``gguf.default_dtype``),
     except that a GPU runs float32 as bfloat16 (``run_dtype``). ``quantized`` (GGUF): keep
-    the weights of ``block_formats`` in their blocks (``block_plan``). ``ts.LLM`` asks for it
-    on the CPU, for the formats the CPU's kernels read (``api/model_source.py``); not yet on
-    a GPU: there a Q8_0 model's tokens with its blocks still differ from the dequantized
-    model's (tests/test_gguf_blocks.py, GPU). FP8 checkpoints keep their FP8 layers on
-    every device."""
+    the weights of the block formats kernels read in their blocks (``block_plan``).
+    ``ts.LLM`` asks for it on the CPU (``api/model_source.kept_blocks``); not yet on a GPU:
+    there a Q8_0 model's tokens with its blocks still differ from the dequantized model's
+    (tests/test_gguf_blocks.py, GPU). FP8 checkpoints keep their FP8 layers on every
+    device."""
     path = resolve_model(path, revision)
     _check_dtype_argument(dtype)
     if gguf_file.is_gguf(path):
-        return _load_gguf(path, dtype, device, gguf_reader, block_formats if quantized else ())
+        return _load_gguf(path, dtype, device, gguf_reader, quantized)
     if quantized:
         raise ValueError(f"quantized=True: only GGUF files keep quantized weights; {path} is not one")
     checkpoint = open_dir(path)
@@ -93,20 +91,19 @@ def _check_dtype_argument(dtype) -> None:
         raise ValueError(f"dtype={dtype}: tokenspeed runs {', '.join(RUNNABLE_DTYPES)}")
 
 
-def _load_gguf(path, dtype, device, reader, block_formats: Collection[str]) -> LlamaForCausalLM:
+def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM:
     checkpoint = gguf_file.open_gguf(path, reader)
-    model, kept = _with_block_layers(checkpoint, block_formats)
+    model, kept = _with_block_layers(checkpoint, quantized)
     return _filled(_allocated(model, dtype or run_dtype(checkpoint.dtype, device), device), checkpoint, path, kept)
 
 
-def _with_block_layers(checkpoint, block_formats: Collection[str]) -> tuple[LlamaForCausalLM, frozenset[str]]:
-    """The model on the meta device with the layers ``block_plan`` keeps in
-    ``block_formats`` swapped in (none if empty); and the checkpoint names of the weights
-    read as blocks."""
+def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:
+    """The model on the meta device with, if ``keep_blocks``, the layers ``block_plan``
+    keeps in blocks swapped in; and the checkpoint names of the weights read as blocks."""
     model = _on_meta(checkpoint.config)
-    if not block_formats:
+    if not keep_blocks:
         return model, frozenset()
-    block_plan = plan(model, stored_matrices(checkpoint.reader), block_formats)
+    block_plan = plan(model, stored_matrices(checkpoint.reader))
     return swap_layers(model, block_plan), block_plan.kept
 
 
