@@ -6,10 +6,9 @@ ops a layer; a CPU's decode step is bound by its small ops once its weights are 
 blocks (docs/PERFORMANCE.md). The C kernel reads the keys in place and computes the
 softmax online in float32, one thread per (row, KV head) pair at a time; with the step's
 rotation and cache write before it in the same call (``rope_decode_attention``), the
-decode attention op is one call a layer. It takes float32
-caches and heads of a multiple of 16 elements, up to 256, with up to 16 query heads a KV
-head (``reads``); the other decode rows run the torch formulation, the oracle it is tested
-against.
+decode attention op is one call a layer. It takes float32 caches and heads of a multiple
+of 16 elements, up to 256, with up to 16 query heads a KV head (``reads``); the other
+decode rows run the torch formulation, the oracle it is tested against.
 """
 
 import ctypes

@@ -308,7 +308,6 @@ TILES(FORMAT, 2)                                                                
 TILES(FORMAT, 1)                                                                                  \
 static void linear_##FORMAT(const float *x, const float *sums, int64_t rows, int64_t k,          \
                             const uint8_t *w, int64_t n, int64_t row_bytes, float *out, int threads) { \
-    const int64_t units_per_row = k / 32;                                                         \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                             \
     for (int64_t pair = 0; pair < (n + 1) / 2; pair++) {                                          \
         const int64_t i = 2 * pair, count = i + 2 <= n ? 2 : 1;                                   \
@@ -320,9 +319,9 @@ static void linear_##FORMAT(const float *x, const float *sums, int64_t rows, int
         } else {                                                                                  \
             RUN_TILES(FORMAT, 1)                                                                  \
         }                                                                                         \
-        for (; r < rows; r++)                                                                     \
+        for (; r < rows; r++)   /* the last row, when rows is odd */                           \
             for (int64_t j = 0; j < count; j++)                                                   \
-                out[r * n + i + j] = dot_##FORMAT(x + r * k, sums + r * units_per_row, k, row + j * row_bytes); \
+                out[r * n + i + j] = dot_##FORMAT(x + r * k, sums, k, row + j * row_bytes);       \
     }                                                                                             \
 }
 
@@ -339,11 +338,12 @@ LINEAR(Q6_K)
 int tokenspeed_block_linear(int format, const float *x, int64_t rows, int64_t k, const uint8_t *w,
                             int64_t n, int64_t row_bytes, float *out, int threads) {
     if (!type_size(format)) return -1;
-    float *sums = malloc(sizeof(float) * (size_t)(rows * (k / 32) + 1));
+    /* the sums over each unit of the row no tile takes (the last, when rows is odd), for dot_* */
+    float *sums = malloc(sizeof(float) * (size_t)(k / 32 + 1));
     if (!sums) return -2;
-    for (int64_t i = 0; i < rows * (k / 32); i++) {
+    for (int64_t i = 0; rows % 2 && i < k / 32; i++) {
         float s = 0;
-        for (int j = 0; j < 32; j++) s += x[i * 32 + j];
+        for (int j = 0; j < 32; j++) s += x[(rows - 1) * k + i * 32 + j];
         sums[i] = s;
     }
     switch (format) {
