@@ -73,6 +73,11 @@ static void attend(const float *q, int64_t group, int64_t dim, const float *k, c
         for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g][d] / sum[g];
 }
 
+/* the first position a row at last attends to: its window's start, else 0 */
+static inline int64_t first_key(int64_t last, int64_t window) {
+    return window && last - window + 1 > 0 ? last - window + 1 : 0;
+}
+
 static int fits(int64_t heads, int64_t kv_heads, int64_t dim) {
     return dim % 16 == 0 && dim <= MAX_DIM && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP;
 }
@@ -84,8 +89,7 @@ static void attend_rows(const float *q, int64_t rows, int64_t heads, int64_t kv_
     const int64_t group = heads / kv_heads;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t pair = 0; pair < rows * kv_heads; pair++) {
-        const int64_t r = pair / kv_heads, h = pair % kv_heads, last = positions[r];
-        const int64_t first = window && last - window + 1 > 0 ? last - window + 1 : 0;
+        const int64_t r = pair / kv_heads, h = pair % kv_heads, last = positions[r], first = first_key(last, window);
         attend(q + (r * heads + h * group) * dim, group, dim, k + h * dim, v + h * dim, kv_heads,
                block_tables + row_request[r] * table_width, page_size, first, last, scale,
                out + (r * heads + h * group) * dim);
@@ -103,7 +107,7 @@ typedef struct {
 static int rows_fit(int64_t rows, const int64_t *row_request, const int64_t *positions, const int32_t *block_tables,
                     int64_t table_width, int64_t page_size, int64_t window, bounds limits) {
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t last = positions[r], first = window && last - window + 1 > 0 ? last - window + 1 : 0;
+        const int64_t last = positions[r], first = first_key(last, window);
         if (row_request[r] < 0 || row_request[r] >= limits.table_rows || last < 0 ||
             last >= table_width * page_size || (limits.positions && last >= limits.positions))
             return -3;
