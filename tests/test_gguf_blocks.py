@@ -1,9 +1,8 @@
 """GGUF weights kept in their blocks (``quantized=True``): which layers
 keep them, what the graphs show, and tokens equal to the same file dequantized.
 
-On the CPU the block layers of the simple formats run the CPU's block kernels
-(``cpu_blocks``: the same float32 weights, summed in another order), the K-quants the
-reference (``gguf``'s dequantization, then the float op): tokens must be equal to the
+On the CPU the block layers run the CPU's block kernels (``cpu_blocks``: the same float32
+weights as ``gguf``'s dequantization, summed in another order): tokens must be equal to the
 dequantized model's, and the margins are checked so that the comparison means something.
 The CUDA dispatch of each op is run here through the Triton interpreter.
 """
