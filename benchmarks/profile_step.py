@@ -1,17 +1,21 @@
 """Where a decode step and a prefill go: graph replay time, host time, top kernels.
 
-    python -m benchmarks.profile_step [--shape llama-3.2-1b] [--batches 1 32] [--top 12]
+    python -m benchmarks.profile_step [--shape llama-3.2-1b] [--batches 1 32] [--top 12] [--format Q4_K]
 
 ``--top``: the kernels listed per profile, by total device time (each table ends with the
 count of every kernel launched, so a replay's line says how many kernels a step runs).
+``--format``: the random model written as a GGUF file of that block format (as
+``benchmarks.quantized`` writes it) and loaded with its blocks kept; bf16 by default.
 """
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import torch
 
 import tokenspeed as ts
-from benchmarks import common
+from benchmarks import common, quantized
 from benchmarks.decode import PROMPT, our_tpot
 from tokenspeed.backends.metadata import DecodeRow
 from tokenspeed.execution.ladders import bucket_for
@@ -28,6 +32,16 @@ def top_kernels(fn, n: int = 12) -> str:
             f"\n{launched} kernels launched (as Compiled.kernels_per_step counts them)")
 
 
+def model_of(shape: str, block_format: str | None, tmp: Path):
+    """The random model, bf16, or written as a GGUF file of ``block_format`` and loaded with
+    its blocks kept."""
+    if block_format is None:
+        return random_model(common.SHAPES[shape], torch.bfloat16, "cuda")
+    work = quantized.Workload(shape, "cuda", "bfloat16", (1,), 0, 0, 0, 0, 0, 0)
+    path = quantized.written_sources([block_format], work, tmp)[block_format]
+    return ts.models.load(path, dtype=torch.bfloat16, device="cuda", quantized=True)
+
+
 def decode_rows(llm, batch):
     pages = PROMPT // llm.compiled.config.page_size + 1
     return [DecodeRow(1, PROMPT, tuple(range(1 + i * pages, 1 + (i + 1) * pages))) for i in range(batch)]
@@ -38,8 +52,10 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.2-1b", choices=common.SHAPES)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--top", type=int, default=12, help="kernels listed per profile")
+    parser.add_argument("--format", choices=quantized.GGUF_FORMATS, help="GGUF blocks kept (default: bf16)")
     args = parser.parse_args()
-    ours = random_model(common.SHAPES[args.shape], torch.bfloat16, "cuda")
+    with tempfile.TemporaryDirectory(prefix="ts_profile_") as tmp:
+        ours = model_of(args.shape, args.format, Path(tmp))
     llm = ts.LLM(ours, device="cuda", max_num_seqs=max(args.batches), max_model_len=4096,
                  enable_prefix_caching=False)
     greedy = ts.SamplingParams(temperature=0.0)
