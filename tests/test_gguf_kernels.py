@@ -32,7 +32,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from sm90 import assert_compiles  # noqa: E402
 
 from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
-from tokenspeed.backends.kernels import triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels import triton_gguf_dequant, triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, block_format  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,6 +89,25 @@ def test_matmul_equals_the_dequantized_product(name):
         got = triton_gguf_matmul.matmul(x, weight, fmt, config=config)
         assert got.shape == (m, 45) and got.dtype == torch.float32
         assert_within(got, x, weight, fmt)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("offset", [0, 2])
+def test_k_quant_heads_read_as_words_or_bytes(name, offset):
+    """A K-quant block's head is read as words where the rows start 4-byte aligned, byte by
+    byte otherwise (a table viewed 2 bytes into its storage); the products and the rows
+    gathered are the dequantized weight's either way."""
+    fmt = block_format(name)
+    blocks = quantized(name, 19, 512, seed=5)
+    storage = torch.empty(blocks.numel() + 4, dtype=torch.uint8, device=DEVICE)
+    weight = storage[offset:offset + blocks.numel()].view(blocks.shape)
+    weight.copy_(blocks)
+    assert triton_gguf_dequant.reads_words(weight, fmt) == (offset == 0)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert_within(triton_gguf_matmul.matmul(x, weight, fmt), x, weight, fmt)
+    table = gguf_reference.dequantize(weight, fmt)
+    exact = dict(rtol=2**-20, atol=2**-20 * float(table.abs().max()))
+    torch.testing.assert_close(triton_gguf_embedding.dequantize(weight, fmt, torch.float32), table, **exact)
 
 
 @FEW
@@ -262,10 +281,13 @@ def check(fmt):
                           M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
                           stride_os="i32", stride_om="i32"),
                           dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
-                               PRECISION="tf32", **group), c.num_warps)
+                               PRECISION="tf32", WORDS=fmt.name in ("Q4_K", "Q5_K"), **group), c.num_warps)
         assert "mma" in mm.asm["ptx"], "tensor cores"
+        if fmt.name in ("Q4_K", "Q5_K"):  # the block's head read as words, so every load is pipelined
+            assert "ld.global.b8" not in mm.asm["ptx"] and "cp.async" in mm.asm["ptx"]
     emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
-                       stride_wn="i32", stride_out="i32"), dict(GROUPS=1024 // fmt.group_size, **group))
+                       stride_wn="i32", stride_out="i32"),
+                       dict(GROUPS=1024 // fmt.group_size, WORDS=fmt.name in ("Q4_K", "Q5_K"), **group))
     assert "griddepcontrol.wait" in emb.asm["ptx"]
 
 for name in sys.argv[1:]:   # every format in one child: one start of torch and Triton

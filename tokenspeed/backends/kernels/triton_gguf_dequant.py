@@ -8,9 +8,11 @@ element within a group (``[1, 1, GROUP]``). Scales and offsets are read once per
 (``[R, G, 1]``), quants once per element; an element's value is ``scale * q + offset``
 in fp32, as ``gguf.quants.dequantize`` computes it (fp16 scales widened to fp32). The
 byte offsets inside a block follow llama.cpp's structs (``block_q4_K`` and kin) in the
-order ``gguf.quants`` unpacks them.
+order ``gguf.quants`` unpacks them. A Q4_K or Q5_K block's 16-byte head is read as four
+words where the rows allow (``reads_words``), byte by byte elsewhere.
 """
 
+import torch
 import triton
 import triton.language as tl
 from gguf.constants import QK_K, GGMLQuantizationType as Q
@@ -32,6 +34,13 @@ Q6_K_GROUPS = tl.constexpr(QK_K // 16)         # Q6_K: 16 int8 scales, one per 1
 Q6_K_QH = tl.constexpr(QK_K // 2)              # Q6_K: low nibbles first, then 2-bit highs
 Q6_K_SCALES = tl.constexpr(QK_K // 2 + QK_K // 4)
 Q6_K_D = tl.constexpr(QK_K // 2 + QK_K // 4 + QK_K // 16)
+
+
+def reads_words(weight: torch.Tensor, fmt) -> bool:
+    """Whether the kernels read a Q4_K or Q5_K block's head as words (``k_head_words``):
+    their blocks (144 and 176 bytes) keep every head 4-byte aligned when the rows are."""
+    return (fmt.qtype in (Q.Q4_K, Q.Q5_K) and weight.data_ptr() % 4 == 0
+            and weight.stride(0) % 4 == 0)
 
 
 @triton.jit
@@ -80,10 +89,9 @@ def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexp
 
 
 @triton.jit
-def k_scale_min(base, s, mask):
-    """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min, unpacked from the 12 bytes."""
-    low = base + K_SCALES + s % 4
-    a, b, c = read_byte(low, mask), read_byte(low + 4, mask), read_byte(low + 8, mask)
+def _six_bits(a, b, c, s):
+    """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min from bytes ``s % 4`` (``a``),
+    ``4 + s % 4`` (``b``) and ``8 + s % 4`` (``c``) of the 12, as fp32."""
     upper = s >= 4
     scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
     least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
@@ -91,18 +99,57 @@ def k_scale_min(base, s, mask):
 
 
 @triton.jit
-def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+def k_scale_min(base, s, mask):
+    """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min, unpacked from the 12 bytes."""
+    low = base + K_SCALES + s % 4
+    return _six_bits(read_byte(low, mask), read_byte(low + 4, mask), read_byte(low + 8, mask), s)
+
+
+@triton.jit
+def _halves(word):
+    """The two fp16 of a word (low, high), as fp32."""
+    low = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    high = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return low.to(tl.float32), high.to(tl.float32)
+
+
+@triton.jit
+def k_head_words(base, s, mask):
+    """Q4_K / Q5_K: a block's 16-byte head as four 32-bit words, one load (``base`` 4-byte
+    aligned): d, dmin, and sub-block ``s``'s 6-bit scale and min as ``k_scale_min``
+    unpacks them. Triton pipelines loads of 4 bytes or more (asynchronous copies), so the
+    head's byte loads stalled every K tile; read as words, the 1B shape's projections at 32
+    rows took 1.74 ms a token instead of 2.56 on an H100 (PERFORMANCE.md, 2026-12-05)."""
+    head = tl.load(base.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4)[None, None, :],
+                   mask=mask, other=0)
+    even, odd = tl.split(tl.reshape(head, [head.shape[0], head.shape[1], 2, 2]))
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    d, dmin = _halves(w0[:, :, None])
+    shift = 8 * (s % 4)
+    scale, least = _six_bits((w1[:, :, None] >> shift) & 255, (w2[:, :, None] >> shift) & 255,
+                             (w3[:, :, None] >> shift) & 255, s)
+    return d, dmin, scale, least
+
+
+@triton.jit
+def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr,
+             WORDS: tl.constexpr):
     """Q4_K, Q5_K: fp16 d and dmin, 8 pairs of 6-bit (scale, min) packed in 12 bytes, then
     (Q5_K) 32 bytes of high bits, then nibbles: byte b of each 32 holds sub-blocks 2c and
-    2c + 1 (low, high nibble)."""
+    2c + 1 (low, high nibble). ``WORDS``: the head read as words (``k_head_words``)."""
     base = w_ptr + row + (g // K_SUB_BLOCKS) * TYPE_SIZE
     s = g % K_SUB_BLOCKS
-    scale, least = k_scale_min(base, s, mask)
+    if WORDS:
+        d, dmin, scale, least = k_head_words(base, s, mask)
+    else:
+        scale, least = k_scale_min(base, s, mask)
+        d, dmin = read_half(base, mask), read_half(base + 2, mask)
     quants: tl.constexpr = Q5_K_QS if FORMAT == Q5_K else Q4_K_QS
     q = (read_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
     if FORMAT == Q5_K:
         q = q | (((read_byte(base + K_QH + j, mask) >> s) & 1) << 4)
-    return q.to(tl.float32), read_half(base, mask) * scale, -(read_half(base + 2, mask) * least)
+    return q.to(tl.float32), d * scale, -(dmin * least)
 
 
 @triton.jit
@@ -121,7 +168,8 @@ def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                WORDS: tl.constexpr):
     """The groups ``g`` of rows at byte offsets ``row`` as ``(q, scale, offset)``: fp32
     quants ``[R, G, GROUP]`` (integers, a format's fixed bias subtracted) and per group
     ``[R, G, 1]`` the scale and offset (0 where the format has none), the value being
@@ -130,17 +178,18 @@ def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.cons
     if FORMAT == Q6_K:
         parts = _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE)
     elif FORMAT == Q4_K or FORMAT == Q5_K:
-        parts = _q4_q5_k(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+        parts = _q4_q5_k(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE, WORDS)
     else:
         parts = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
     return parts
 
 
 @triton.jit
-def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr):
+def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                 WORDS: tl.constexpr):
     """fp32 ``[R, G, GROUP]``: the values of groups ``g`` of rows at byte offsets ``row``
     (``mask``: ``[R, G, 1]``, the groups that exist; others read as 0)."""
-    q, scale, offset = group_parts(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
+    q, scale, offset = group_parts(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE, WORDS)
     if FORMAT == Q4_1 or FORMAT == Q5_1 or FORMAT == Q4_K or FORMAT == Q5_K:
         values = scale * q + offset
     else:
@@ -150,20 +199,23 @@ def group_values(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.con
 
 @triton.jit
 def weight_groups(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
-                  TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+                  TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                  WORDS: tl.constexpr):
     """fp32 ``[BLOCK_N, GROUPS, GROUP]``: rows ``n`` (``[BLOCK_N]``), groups ``g0`` to
     ``g0 + GROUPS`` of each (``groups``: how many a row has; past them, and past
     ``nmask``, zeros)."""
     g = g0 + tl.arange(0, GROUPS)[None, :, None]
     j = tl.arange(0, GROUP)[None, None, :]
     row = n.to(tl.int64)[:, None, None] * stride_wn
-    return group_values(w_ptr, row, g, j, nmask[:, None, None] & (g < groups), FORMAT, TYPE_SIZE)
+    return group_values(w_ptr, row, g, j, nmask[:, None, None] & (g < groups), FORMAT, TYPE_SIZE,
+                        WORDS)
 
 
 @triton.jit
 def weight_tile(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT: tl.constexpr,
                 TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                GROUP: tl.constexpr):
+                GROUP: tl.constexpr, WORDS: tl.constexpr):
     """``weight_groups`` as ``[BLOCK_N, GROUPS * GROUP]`` (the tensor-core tile)."""
-    values = weight_groups(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT, TYPE_SIZE, GROUPS, GROUP)
+    values = weight_groups(w_ptr, n, nmask, g0, groups, stride_wn, FORMAT, TYPE_SIZE, GROUPS, GROUP,
+                           WORDS)
     return tl.reshape(values, [BLOCK_N, GROUPS * GROUP])

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight
-from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
+from tokenspeed.backends.kernels.triton_gguf_dequant import reads_words, weight_tile
 
 TILE = 1024
 
@@ -20,14 +20,14 @@ TILE = 1024
 @triton.jit
 def _embedding_kernel(ids_ptr, w_ptr, out_ptr, K, vocab, stride_wn, stride_out,
                       FORMAT: tl.constexpr, TYPE_SIZE: tl.constexpr, GROUPS: tl.constexpr,
-                      GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+                      GROUP: tl.constexpr, WORDS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     pdl.wait(USE_PDL)  # the ids are the step's, written by the kernel before
     token = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * GROUPS
     row = tl.load(ids_ptr + token + tl.arange(0, 1))
     values = weight_tile(w_ptr, row, (row >= 0) & (row < vocab), g0, K // GROUP, stride_wn,
-                         FORMAT, TYPE_SIZE, 1, GROUPS, GROUP)
+                         FORMAT, TYPE_SIZE, 1, GROUPS, GROUP, WORDS)
     k = g0 * GROUP + tl.arange(0, GROUPS * GROUP)
     tl.store(out_ptr + token * stride_out + k[None, :],
              values.to(out_ptr.dtype.element_ty), mask=(k < K)[None, :])
@@ -50,7 +50,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
     _embedding_kernel[grid](
         ids.contiguous(), weight, out, k, weight.shape[0], weight.stride(0), out.stride(0),
         FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, GROUPS=groups, GROUP=fmt.group_size,
-        num_warps=4, **pdl.launch_options(weight.device))
+        WORDS=reads_words(weight, fmt), num_warps=4, **pdl.launch_options(weight.device))
     return out
 
 

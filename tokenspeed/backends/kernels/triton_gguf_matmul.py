@@ -23,7 +23,7 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import weight_tile
+from tokenspeed.backends.kernels.triton_gguf_dequant import reads_words, weight_tile
 
 SKINNY_M = 64
 
@@ -56,7 +56,8 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
                    stride_wn, stride_os, stride_om, FORMAT: tl.constexpr,
                    TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                   BAND_M: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                   BAND_M: tl.constexpr, PRECISION: tl.constexpr, WORDS: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     tile_m, tile_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, BAND_M)
     split = tl.program_id(1)
@@ -73,7 +74,7 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     for k0 in range(k_lo, k_hi, BLOCK_K):
         x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
         w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP)
+                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP, WORDS)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
@@ -140,7 +141,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
         x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
         FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, GROUP=fmt.group_size, BAND_M=8,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c.num_warps,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        WORDS=reads_words(weight, fmt), num_warps=c.num_warps,
         num_stages=c.num_stages, **launch)
     if splits > 1:
         triton_gguf_gemv.sum_splits(part, bias, out, launch)
