@@ -311,7 +311,6 @@ def test_a_k_quant_file_keeps_its_blocks_and_its_tokens(monkeypatch):
     assert_decisive(margins)
 
 
-
 # ---------------------------------------------------------------- the input made before the product
 
 
