@@ -15,6 +15,7 @@ within ``2e-2 * sum_k |x_k w_nk|``. Dequantization itself is exact under the int
 rounding, so it is compared within 2^-20 of the table's largest value.
 """
 
+import itertools
 import json
 import os
 import sys
@@ -151,6 +152,11 @@ def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
     for n, k in ((2048, 8192), (512, 2048), (128256, 2048)):  # one row
         c = triton_gguf_gemv.choose_config(n, k, fmt, sms)
         assert -(-n // c.block_n) * c.splits >= sms
+    for m, (n, k) in itertools.product((2, 8, 32), ((3072, 2048), (16384, 2048), (2048, 8192))):
+        c = triton_gguf_matmul.choose_config(m, n, k, fmt, sms)  # split to at most four programs an SM
+        assert c.splits > 1 and sms <= -(-n // c.block_n) * c.splits <= 4 * sms
+    head = triton_gguf_matmul.choose_config(32, 128256, 2048, fmt, sms)
+    assert head.splits == 1 and head.block_n == 128, head  # a vocabulary's columns fill the GPU alone
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])

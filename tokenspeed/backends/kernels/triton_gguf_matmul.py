@@ -84,26 +84,39 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
 
 
 def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
-    """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): 64
-    columns a program, K split towards four programs an SM (each split at least 256 long),
-    since a program has only a few KB in flight: at 32 rows over the 1B shape's five
-    projections, 1.06x (Q4_K) and 1.34x (Q8_0) faster than 32 columns and two programs an
-    SM, still 1.46x and 1.14x slower than each shape's best config (PERFORMANCE.md,
-    2026-12-04). More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be) where
-    the large ones would leave SMs idle. K tiles are the longest that compile without
+    """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): see
+    ``_decode_tiles``. More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be)
+    where the large ones would leave SMs idle. K tiles are the longest that compile without
     spilling registers for every format (ptxas, sm_90a, at 64 columns too): 128 up to 32
     rows, else 64."""
-    k_tile = 64
     if m <= SKINNY_M:
-        block_m = max(16, next_power_of_2(m))
-        k_tile = 128 if block_m <= 32 else 64
-        return _filled(MatmulConfig(block_m, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
-                       4 * sm_count, max_splits=8, min_split=256)
-    large = MatmulConfig(128, 128, k_tile // fmt.group_size, 1, 8, 3)
+        return _decode_tiles(m, n, k, fmt, sm_count)
+    large = MatmulConfig(128, 128, 64 // fmt.group_size, 1, 8, 3)
     if _tiles(large, m, n) >= sm_count:
         return large
-    return _filled(MatmulConfig(64, 64, k_tile // fmt.group_size, 1, 4, 3), m, n, k,
+    return _filled(MatmulConfig(64, 64, 64 // fmt.group_size, 1, 4, 3), m, n, k,
                    2 * sm_count, max_splits=4, min_split=1024, idle_below=sm_count)
+
+
+def _decode_tiles(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
+    """A program has only a few KB in flight, so a decode batch wants several programs an
+    SM. A vocabulary head has them from its columns alone: 128 a program, 64-long K tiles,
+    3 stages. Any other weight: 64 columns, 128-long K tiles, 2 stages, K split in up to 16
+    so that the programs come to at most four an SM, each split at least 256 long. Chosen
+    from a sweep on an H100 (8 and 32 rows, Q4_K, Q8_0 and Q6_K, the 1B shape's
+    projections): the model's linears at 32 rows 1.21x (Q4_K), 1.10x (Q8_0) and 1.02x
+    (Q6_K) faster than the earlier rule (64 columns, 3 stages, up to 8 splits towards four
+    programs an SM), and within 1.03x, 1.07x and 1.13x of each shape's best config; Q4_K at
+    8 rows 1.08x faster, 1.23x off its best (PERFORMANCE.md, 2026-12-05). 33 to 64 rows
+    (not swept) keep the earlier rule."""
+    block_m = max(16, next_power_of_2(m))
+    if block_m > 32:
+        return _filled(MatmulConfig(block_m, 64, 64 // fmt.group_size, 1, 4, 3), m, n, k,
+                       4 * sm_count, max_splits=8, min_split=256)
+    if triton.cdiv(n, 64) >= 4 * sm_count:
+        return MatmulConfig(block_m, 128, 64 // fmt.group_size, 1, 4, 3)
+    splits = max(1, min(16, 4 * sm_count // triton.cdiv(n, 64), k // 256))
+    return MatmulConfig(block_m, 64, 128 // fmt.group_size, splits, 4, 2)
 
 
 def _tiles(config: MatmulConfig, m: int, n: int) -> int:
