@@ -152,6 +152,8 @@ def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
     for n, k in ((2048, 8192), (512, 2048), (128256, 2048)):  # one row
         c = triton_gguf_gemv.choose_config(n, k, fmt, sms)
         assert -(-n // c.block_n) * c.splits >= sms
+    short, long = (triton_gguf_gemv.choose_config(2048, k, fmt, sms) for k in (2048, 8192))
+    assert (short.num_warps, long.num_warps) == (2, 4)  # a long loop waits on memory at every tile
     for m, (n, k) in itertools.product((2, 8, 32), ((3072, 2048), (16384, 2048), (2048, 8192))):
         c = triton_gguf_matmul.choose_config(m, n, k, fmt, sms)  # split to at most four programs an SM
         assert c.splits > 1 and sms <= -(-n // c.block_n) * c.splits <= 4 * sms

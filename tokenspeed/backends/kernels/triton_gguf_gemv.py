@@ -131,14 +131,22 @@ def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig
     program keeping more bytes in flight; no tile longer than a split's K. This is the
     best of a sweep on the H200 at every projection of the 1B shape for Q6_K, and within
     3 % of it summed over a token for Q4_K (block rows 1-4, tiles 1024-2048, 1-2 warps;
-    PERFORMANCE.md, 2026-12-04). K is split where the rows alone leave SMs idle."""
+    PERFORMANCE.md, 2026-12-04). A program whose K is 8192 or longer waits on memory at
+    every tile, so it takes four warps, and four rows take tiles of 4096 (each thread's
+    share as at 2048 and two warps): the best or within 3 % of it in a sweep on an H100 at
+    the 1B shape's down projection (block rows 1-8, tiles 512-4096, 1-4 warps, 1-8 splits;
+    Q4_K 12.69 to 8.38 us, Q8_0 12.20 to 8.65; 2026-12-05). K is split where the rows
+    alone leave SMs idle."""
     block_n = 4 if fmt.qtype in (Q.Q4_K, Q.Q5_K) else 1
     blocks = triton.cdiv(n, block_n)
     few = blocks < 32 * sm_count
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),
                                                    max(1, k // 1024))
-    tile = min(2048 if few else 1024, max(64, next_power_of_2(triton.cdiv(k, splits))))
-    return GemvConfig(block_n, tile, splits, 2 if few else 1)
+    per_split = triton.cdiv(k, splits)
+    long = few and per_split >= 8192
+    longest = 1024 if not few else 4096 if long and block_n == 4 else 2048
+    tile = min(longest, max(64, next_power_of_2(per_split)))
+    return GemvConfig(block_n, tile, splits, 4 if long else 2 if few else 1)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
