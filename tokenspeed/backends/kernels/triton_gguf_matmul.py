@@ -21,7 +21,7 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_linear
+from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
 from tokenspeed.backends.kernels.triton_gguf_dequant import reads_words, weight_tile
 
@@ -100,23 +100,32 @@ def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> Ma
 
 def _decode_tiles(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
     """A program has only a few KB in flight, so a decode batch wants several programs an
-    SM. A vocabulary head has them from its columns alone: 128 a program, 64-long K tiles,
-    3 stages. Any other weight: 64 columns, 128-long K tiles, 2 stages, K split in up to 16
-    so that the programs come to at most four an SM, each split at least 256 long. Chosen
-    from a sweep on an H100 (8 and 32 rows, Q4_K, Q8_0 and Q6_K, the 1B shape's
-    projections): the model's linears at 32 rows 1.21x (Q4_K), 1.10x (Q8_0) and 1.02x
-    (Q6_K) faster than the earlier rule (64 columns, 3 stages, up to 8 splits towards four
-    programs an SM), and within 1.03x, 1.07x and 1.13x of each shape's best config; Q4_K at
-    8 rows 1.08x faster, 1.23x off its best (PERFORMANCE.md, 2026-12-05). 33 to 64 rows
-    (not swept) keep the earlier rule."""
+    SM. Wide tiles (128 columns, 64-long K tiles, 3 stages) where a vocabulary head has
+    programs enough from its columns alone, and for Q6_K, whose decoding is the heaviest,
+    K split towards at most two programs an SM; any other weight 64 columns, 128-long K
+    tiles, 2 stages, K split towards at most four. A split is at least 256 long, and at
+    most 16 of them. Chosen from a sweep on an H100 (8 and 32 rows, Q4_K, Q8_0 and Q6_K,
+    the 1B shape's projections): the model's linears at 32 rows 1.21x (Q4_K), 1.10x (Q8_0)
+    and 1.12x (Q6_K) faster than the earlier rule (64 columns, 3 stages, up to 8 splits
+    towards at least four programs an SM), within 1.03x, 1.07x and 1.02x of each shape's
+    best config; Q4_K at 8 rows 1.08x faster, 1.23x off its best (PERFORMANCE.md,
+    2026-12-05). 33 to 64 rows (not swept) keep the earlier rule."""
     block_m = max(16, next_power_of_2(m))
     if block_m > 32:
         return _filled(MatmulConfig(block_m, 64, 64 // fmt.group_size, 1, 4, 3), m, n, k,
                        4 * sm_count, max_splits=8, min_split=256)
-    if triton.cdiv(n, 64) >= 4 * sm_count:
-        return MatmulConfig(block_m, 128, 64 // fmt.group_size, 1, 4, 3)
-    splits = max(1, min(16, 4 * sm_count // triton.cdiv(n, 64), k // 256))
-    return MatmulConfig(block_m, 64, 128 // fmt.group_size, splits, 4, 2)
+    if triton.cdiv(n, 64) >= 4 * sm_count or fmt.qtype == Q.Q6_K:
+        return _split(MatmulConfig(block_m, 128, 64 // fmt.group_size, 1, 4, 3), n, k,
+                      2 * sm_count)
+    return _split(MatmulConfig(block_m, 64, 128 // fmt.group_size, 1, 4, 2), n, k,
+                  4 * sm_count)
+
+
+def _split(config: MatmulConfig, n: int, k: int, programs: int) -> MatmulConfig:
+    """``config`` with K split in up to 16, each split at least 256 long, so that the
+    programs come to at most ``programs`` (no split where the columns alone reach it)."""
+    splits = max(1, min(16, programs // triton.cdiv(n, config.block_n), k // 256))
+    return attrs.evolve(config, splits=splits)
 
 
 def _tiles(config: MatmulConfig, m: int, n: int) -> int:
