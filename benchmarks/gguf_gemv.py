@@ -1,10 +1,10 @@
-"""The GGUF linear kernels per block format, at the 1B shape's down projection (N 2048,
-K 8192), against a bf16 torch matmul and bf16 split-K GEMV (fp32 under ``--tiny``) and the
-bytes-read floor.
+"""The GGUF linear kernels per block format, at the 1B shape's projections (the down
+projection, N 2048 x K 8192, unless ``--projections`` names others), against a bf16 torch
+matmul and bf16 split-K GEMV (fp32 under ``--tiny``) and the bytes-read floor.
 
     python -m benchmarks.gguf_gemv [--rows 1 32 2048] [--json results/gguf_gemv.json]
     python -m benchmarks.gguf_gemv --tiny        (CPU: the Triton interpreter, small shape)
-    python -m benchmarks.gguf_gemv --sweep --formats Q4_K --rows 1 32   (other configs too)
+    python -m benchmarks.gguf_gemv --sweep --formats Q4_K --rows 1 32 --projections all
 
 On a GPU each timing replays a CUDA graph of back-to-back calls over distinct weight copies
 (more bytes than L2 holds), as a decode step streams its layers. One row goes through the
@@ -13,8 +13,10 @@ matrix-vector kernel, more through the tensor-core kernel (``triton_gguf_matmul.
 The floor is the weight's bytes over the measured device-to-device copy bandwidth. Weights
 are random blocks with finite fp16 scales: the values do not change the time. ``--tiny``
 only checks that the benchmark runs (interpreter times mean nothing). ``--sweep`` times the
-kernel's other configs (``config`` column; the chosen one is ``chosen``) and prints each
-format's best: about 20 compiles a format and row count.
+kernel's other configs (``config`` column; the chosen one is ``chosen``), prints each
+shape's best and, per format and row count, the model's linears a token (every layer's
+projections and the head once, of those timed) at the chosen configs and at each shape's
+best: about 50 compiles a format and row count, 2-3 minutes on an H100.
 """
 
 import argparse
@@ -30,10 +32,10 @@ import attrs  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from tokenspeed.backends.kernels import triton_gemv, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels import triton_attention, triton_gemv  # noqa: E402
+from tokenspeed.backends.kernels import triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, BlockFormat, block_format  # noqa: E402
 
-SHAPE = (2048, 8192)  # llama-3.2-1b's down projection: N, K
 TINY_SHAPE = (48, 512)
 HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 fields
@@ -73,32 +75,67 @@ def kernel(x, fmt: BlockFormat, config):
     return lambda w: triton_gguf_matmul.matmul(x, w, fmt, config=config)
 
 
-def candidates(fmt: BlockFormat, m: int) -> list:
-    """The configs ``--sweep`` times: split counts are not compiled in, so they are cheap."""
+def projections(config: dict) -> dict:
+    """A model's linear weights as ``name: (N, K)``: the fused qkv and gate/up, the output
+    and down projections, and the head."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter), "head": (config["vocab_size"], hidden)}
+
+
+PROJECTIONS = projections(common.SHAPES["llama-3.2-1b"])
+
+
+def candidates(fmt: BlockFormat, m: int, shape, sm_count: int) -> list:
+    """The configs ``--sweep`` times for ``m`` rows of a ``shape`` (N, K) weight: every
+    grid point of tiles, warps, stages and splits, less splits shorter than a tile and
+    splits of weights whose column blocks alone fill the GPU several times."""
+    n, k = shape
     if m == 1:
-        tiles = itertools.product([1, 2, 4, 8], [512, 1024, 2048], [1, 2, 4], [1, 2, 4])
-        return [triton_gguf_gemv.GemvConfig(bn, tile, splits, warps)
-                for bn, tile, splits, warps in tiles]
-    block_m = max(16, triton.next_power_of_2(m)) if m <= triton_gguf_matmul.SKINNY_M else 128
-    if m <= triton_gguf_matmul.SKINNY_M:
-        tiles = itertools.product([block_m], [16, 32, 64], [64, 128], [1, 2, 4, 8], [4], [2, 3])
-    else:
-        tiles = itertools.product([64, 128], [64, 128], [64], [1], [4, 8], [3, 4])
-    return [triton_gguf_matmul.MatmulConfig(bm, bn, tile // fmt.group_size, splits, warps,
-                                            stages)
-            for bm, bn, tile, splits, warps, stages in tiles]
+        grid = itertools.product([1, 2, 4, 8], [512, 1024, 2048, 4096], [1, 2, 4, 8], [1, 2, 4])
+        return [triton_gguf_gemv.GemvConfig(bn, tile, splits, warps) for bn, tile, splits, warps in grid
+                if tile <= k // splits and (splits == 1 or triton.cdiv(n, bn) < 8 * sm_count)]
+    if m > triton_gguf_matmul.SKINNY_M:
+        grid = itertools.product([64, 128], [64], [4, 8], [3, 4])
+        return [triton_gguf_matmul.MatmulConfig(128, bn, tile // fmt.group_size, 1, warps, stages)
+                for bn, tile, warps, stages in grid]
+    block_m = max(16, triton.next_power_of_2(m))
+    grid = itertools.product([32, 64, 128], [64, 128], [1, 2, 3, 4, 8, 16], [4, 8], [2, 3, 4, 5])
+    return [triton_gguf_matmul.MatmulConfig(block_m, bn, tile // fmt.group_size, splits, warps, stages)
+            for bn, tile, splits, warps, stages in grid
+            if (tile == 64 or block_m <= 32) and tile <= k // splits
+            and (splits == 1 or triton.cdiv(n, bn) * splits <= 8 * sm_count)]
 
 
-def sweep(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
+def sweep(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth, sm_count) -> list[dict]:
     rows = []
-    for config in candidates(fmt, m):
+    for config in candidates(fmt, m, shape, sm_count):
         try:
             rows.append(measure(fmt, m, shape, tiny, device, bandwidth, config))
         except Exception as exc:  # e.g. a config that needs more shared memory than there is
             print(f"  skip {fmt.name} {_describe(config)}: {type(exc).__name__}", flush=True)
     best = min(rows, key=lambda row: row["us"])
-    print(f"  {fmt.name} x {m} rows: best {best['us']:.2f} us with {best['config']}", flush=True)
+    print(f"  {fmt.name} x {m} rows, N {shape[0]} x K {shape[1]}: best {best['us']:.2f} us with "
+          f"{best['config']}", flush=True)
     return rows
+
+
+def model_linears(rows: list[dict], names, layers: int) -> list[dict]:
+    """Per format and row count, the ms a token of the projections ``names`` (the head once,
+    the others ``layers`` times) at the chosen configs and at each shape's best."""
+    totals = []
+    swept = [r for r in rows if r.get("config") is not None]
+    for fmt, m in dict.fromkeys((r["format"], r["rows"]) for r in swept):
+        chosen = best = 0.0
+        for name in names:
+            times = [r for r in swept if (r["format"], r["rows"], r["projection"]) == (fmt, m, name)]
+            count = 1 if name == "head" else layers
+            chosen += count * next(r["us"] for r in times if r["config"] == "chosen")
+            best += count * min(r["us"] for r in times)
+        totals.append({"format": fmt, "rows": m, "chosen_ms": chosen / 1e3, "best_ms": best / 1e3})
+    return totals
 
 
 def _describe(config) -> str:
@@ -128,29 +165,47 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 32, 2048])
     parser.add_argument("--formats", nargs="+", default=[q.name for q in SUPPORTED])
+    parser.add_argument("--projections", nargs="+", default=["down"],
+                        choices=[*PROJECTIONS, "all"], help="the 1B shape's weights timed")
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU: interpreter)")
     parser.add_argument("--sweep", action="store_true", help="also time other configs (GPU)")
     parser.add_argument("--json", default="results/gguf_gemv.json")
     args = parser.parse_args()
+    names = list(PROJECTIONS) if "all" in args.projections else args.projections
     cuda = torch.cuda.is_available()
-    device, shape = ("cuda" if cuda else "cpu"), (TINY_SHAPE if args.tiny else SHAPE)
+    device = "cuda" if cuda else "cpu"
     bandwidth = common.copy_bandwidth() if cuda else None
+    sm_count = triton_attention.sm_count(torch.device(device)) if cuda else 132
     rows = []
-    for m in args.rows:
-        rows += measure_16_bit(m, shape, args.tiny, device, bandwidth)
-        for name in args.formats:
-            rows.append(measure(block_format(name), m, shape, args.tiny, device, bandwidth))
+    for m, name in itertools.product(args.rows, names):
+        shape = TINY_SHAPE if args.tiny else PROJECTIONS[name]
+        mine = measure_16_bit(m, shape, args.tiny, device, bandwidth)
+        for fmt in map(block_format, args.formats):
+            mine.append(measure(fmt, m, shape, args.tiny, device, bandwidth))
             if args.sweep:
-                rows += sweep(block_format(name), m, shape, args.tiny, device, bandwidth)
-    for row in rows:  # each batch's first row is torch's
-        row["vs_torch"] = next(r["us"] for r in rows if r["rows"] == row["rows"]) / row["us"]
-    columns = ["format", "rows", "n", "k", "mb", "us", "floor_us", "of_floor", "vs_torch", "config"]
+                mine += sweep(fmt, m, shape, args.tiny, device, bandwidth, sm_count)
+        for row in mine:  # the first row is torch's
+            row.update(projection=name, vs_torch=mine[0]["us"] / row["us"])
+        rows += mine
+    layers = common.SHAPES["llama-3.2-1b"]["num_hidden_layers"]
+    totals = model_linears(rows, names, layers) if args.sweep else []
+    report(rows, totals, names, layers, bandwidth)
+    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
+                                  "bandwidth": bandwidth, "tiny": args.tiny, "rows": rows,
+                                  "model_linears": totals})
+
+
+def report(rows: list[dict], totals: list[dict], names, layers: int, bandwidth) -> None:
+    columns = ["format", "projection", "rows", "n", "k", "mb", "us", "floor_us", "of_floor", "vs_torch",
+               "config"]
     print(common.table(rows, columns))
     band = f"copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else "no floor on the CPU"
     print(f"\n# GGUF linear kernels, {common.device_name()}, commit {common.git_commit()}, {band}; "
           "us per call; of_floor: floor / time; vs_torch: torch's time / time")
-    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
-                                  "bandwidth": bandwidth, "tiny": args.tiny, "rows": rows})
+    if totals:
+        print(common.table(totals, ["format", "rows", "chosen_ms", "best_ms"]))
+        print(f"\n# the 1B shape's linears a token ({', '.join(names)}; the head once, the others "
+              f"{layers} times) at the chosen configs and at each shape's best")
 
 
 if __name__ == "__main__":

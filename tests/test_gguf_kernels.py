@@ -272,6 +272,29 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
     assert "GGUF linear kernels" in capsys.readouterr().out
 
 
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_sweep_times_the_chosen_configs(name):
+    """``--sweep`` compares the engine's own choice with the others: for every row count
+    of a decode step and every projection of the 1B shape, the chosen config is one of the
+    sweep's candidates (on an H100's 132 SMs)."""
+    from benchmarks import gguf_gemv
+    fmt = block_format(name)
+    for m, shape in itertools.product((1, 2, 8, 32, 64), gguf_gemv.PROJECTIONS.values()):
+        chosen = triton_gguf_gemv.choose_config(*shape, fmt, 132) if m == 1 else \
+            triton_gguf_matmul.choose_config(m, *shape, fmt, 132)
+        assert chosen in gguf_gemv.candidates(fmt, m, shape, 132), (m, shape, chosen)
+
+
+def test_model_linears_count_every_layer_and_the_head_once():
+    from benchmarks import gguf_gemv
+    timed = {("qkv", "chosen"): 3.0, ("qkv", "(a)"): 2.0, ("head", "chosen"): 50.0, ("head", "(b)"): 60.0}
+    rows = [{"format": "Q4_K", "rows": 1, "projection": p, "config": c, "us": us} for (p, c), us in timed.items()]
+    rows.append({"format": "torch bfloat16", "rows": 1, "projection": "qkv", "us": 1.0})  # not swept
+    assert gguf_gemv.model_linears(rows, ["qkv", "head"], 16) == [
+        {"format": "Q4_K", "rows": 1, "chosen_ms": (16 * 3.0 + 50.0) / 1e3, "best_ms": (16 * 2.0 + 50.0) / 1e3}]
+
+
 SM90 = """
 import re, sys
 import triton
