@@ -272,7 +272,6 @@ def test_the_benchmark_runs_tiny(tmp_path, monkeypatch, capsys):
     assert "GGUF linear kernels" in capsys.readouterr().out
 
 
-
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_sweep_times_the_chosen_configs(name):
     """``--sweep`` compares the engine's own choice with the others: for every row count

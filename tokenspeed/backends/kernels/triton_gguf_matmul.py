@@ -86,9 +86,8 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
 def choose_config(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
     """Up to ``SKINNY_M`` rows, one row tile (a decode batch reads the weight once): see
     ``_decode_tiles``. More rows: 128 x 128 tiles, or 64 x 64 ones (K split if need be)
-    where the large ones would leave SMs idle. K tiles are the longest that compile without
-    spilling registers for every format (ptxas, sm_90a, at 64 columns too): 128 up to 32
-    rows, else 64."""
+    where the large ones would leave SMs idle, with K tiles of 64: longer ones spill
+    registers for some formats past 32 rows (ptxas, sm_90a)."""
     if m <= SKINNY_M:
         return _decode_tiles(m, n, k, fmt, sm_count)
     large = MatmulConfig(128, 128, 64 // fmt.group_size, 1, 8, 3)
