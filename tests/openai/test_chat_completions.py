@@ -1,7 +1,11 @@
 """``POST /v1/chat/completions``: the response's and the stream's shapes, samples, logprobs
-(each token's own bytes), a message's ``name``, the OpenAI fields accepted and ignored."""
+(each token's own bytes), a message's ``name``, the OpenAI fields accepted and ignored, and
+tool calls on a server with no tool-call parser."""
+
+import json
 
 import attrs
+import jsonschema
 import openai
 import pytest
 
@@ -18,6 +22,10 @@ from text_models import text_model_dir
 
 PATH = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Hello!"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "additionalProperties": False}}}]
 
 
 def test_a_chat_completion_has_openais_shape_and_equals_offline(api, llm):
@@ -87,7 +95,8 @@ def test_openais_fields_that_mean_nothing_here_are_accepted_and_ignored(client):
     plain = client.chat.completions.create(**kw).choices[0].message.content
     ignored = client.chat.completions.create(**kw, user="u-1", metadata={"team": "a"}, store=False,
                                              service_tier="auto", parallel_tool_calls=False,
-                                             prompt_cache_key="k", safety_identifier="s", modalities=["text"])
+                                             prompt_cache_key="k", safety_identifier="s", modalities=["text"],
+                                             prediction={"type": "content", "content": "Hi there"})
     assert ignored.choices[0].message.content == plain
 
 
@@ -96,8 +105,8 @@ def test_an_answer_in_audio_is_refused(api):
                  "modalities", "'text'")
 
 
-@pytest.mark.parametrize("field, value", [("prediction", {"type": "content", "content": "x"}),
-                                          ("reasoning_effort", "low"), ("frobnicate", 1)])
+@pytest.mark.parametrize("field, value", [("verbosity", "low"), ("frobnicate", 1),
+                                          ("reasoning_effort", "extreme")])
 def test_fields_that_would_change_the_answer_are_refused(api, field, value):
     assert_error(api.post(PATH, {"messages": HELLO, field: value}), 400, "BadRequestError", field)
 
@@ -143,3 +152,23 @@ def test_chat_top_logprobs_are_as_many_as_asked_and_completions_hold_the_sampled
                                      temperature=1.8, seed=5, extra_body={"ignore_eos": True})
     lp = text.choices[0].logprobs
     assert all(token in top and len(top) in (1, 2) for token, top in zip(lp.tokens, lp.top_logprobs))
+
+
+@pytest.mark.parametrize("choice, names", [({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+                                           ("required", {"get_weather", "ping"})])
+def test_without_a_parser_a_named_or_required_call_is_valid_json(client, choice, names):
+    """This server has no tool-call parser (its template shows no tool format); as in vLLM,
+    a named or required call is held to JSON calls all the same, and streamed as it ends."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+              tool_choice=choice, parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=5)
+    for c in client.chat.completions.create(**kw, n=3).choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+        call = c.message.tool_calls[0].function
+        assert call.name in names and c.message.content in (None, "")
+        jsonschema.validate(json.loads(call.arguments), TOOLS[call.name != "get_weather"]["function"]["parameters"])
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [t.function.name for t in calls if t.function.name] == [whole.name]
+    assert "".join(t.function.arguments or "" for t in calls) == whole.arguments
+    assert chunks[-1].finish_reason == "tool_calls"

@@ -12,7 +12,7 @@ from tokenspeed.server.openai.chat_parsers import ChatParsers
 from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenspeed.server.openai.grammar_check import Constraint, GrammarCheck
 from tokenspeed.server.openai.protocol import CompletionRequest
-from tokenspeed.server.openai.tool_use import tool_use
+from tokenspeed.server.openai.tool_use import JSON_CALLS, tool_use
 from tokenspeed.structured import StructuredOutputs
 
 from tiny_vocab import tiny_tokenizer
@@ -110,6 +110,17 @@ def test_a_required_or_named_tool_choice_is_a_grammar_of_those_tools(choice, nam
     assert ("set_age" in grammar) == ("set_age" in names)
 
 
+@pytest.mark.parametrize("choice, names", [("required", ["set_age", "ping"]),
+                                           ({"type": "function", "function": {"name": "ping"}}, ["ping"])])
+def test_without_a_parser_a_required_or_named_call_is_plain_json(choice, names):
+    """As in vLLM, no tool-call parser is needed: the grammar holds the reply to JSON calls."""
+    use = tool_use(chat(tools=TOOLS, tool_choice=choice), ChatParsers(), tiny_tokenizer())
+    assert use.parser == JSON_CALLS and use.constraint.field == "tool_choice"
+    grammar = use.constraint.spec.grammar
+    assert "<tool_call>" not in grammar and '"parameters"' in grammar
+    assert all(f'"const": "{n}"' in grammar for n in names) and ("set_age" in grammar) == ("set_age" in names)
+
+
 @pytest.mark.parametrize("choice", [None, "auto"])
 def test_auto_parses_calls_without_a_grammar(choice):
     assert tool_use(chat(tools=TOOLS, tool_choice=choice), HERMES, tiny_tokenizer()).constraint is None
@@ -129,6 +140,7 @@ def test_tool_choice_none_leaves_the_reply_as_text():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
       "tool_choice": "required"}, HERMES, "tools", "the parameters of 'f'"),
     ({"tools": TOOLS}, ChatParsers(), "tools", "--tool-call-parser"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, ChatParsers(), "tools", "or a named function"),
 ])
 def test_bad_tool_requests_are_refused_by_name(fields, parsers, param, says):
     with pytest.raises(APIError) as refused:
@@ -141,6 +153,14 @@ def test_the_tools_and_chat_template_kwargs_are_template_variables():
     assert request.template_variables() == {"enable_thinking": False, "tools": TOOLS}
     with pytest.raises(APIError, match=r"chat_template_kwargs: \['tools'\] are set by"):
         chat(chat_template_kwargs={"tools": []}).template_variables()
+
+
+def test_reasoning_effort_is_a_template_variable_given_once():
+    assert chat(reasoning_effort="low").template_variables() == {"reasoning_effort": "low"}
+    assert chat().template_variables() == {}
+    with pytest.raises(APIError, match="reasoning_effort is given twice") as refused:
+        chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}).template_variables()
+    assert refused.value.param == "reasoning_effort"
 
 
 def test_tokenize_takes_the_templates_fields_with_messages_only():

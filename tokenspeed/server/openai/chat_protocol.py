@@ -108,6 +108,12 @@ class ChatTemplateFields(Strict):
             raise APIError(400, f"tools: the names {twice} are given to more than one tool", "tools")
 
 
+class Prediction(Strict):
+    """OpenAI's predicted output: a hint for speed that never changes the answer; ignored."""
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -122,6 +128,20 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     modalities: list[Literal["text"]] | None = None   # text is what comes back; "audio" is refused
+    prediction: Prediction | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_variables(self) -> dict:
+        """Also ``reasoning_effort``, a template variable as vLLM makes it: a template that
+        reads it (gpt-oss's) thinks as asked; the others ignore it, as a model without such a
+        setting would."""
+        variables = super().template_variables()
+        if self.reasoning_effort is not None:
+            if "reasoning_effort" in variables:
+                raise APIError(400, "reasoning_effort is given twice: as a field and in chat_template_kwargs",
+                               "reasoning_effort")
+            variables["reasoning_effort"] = self.reasoning_effort
+        return variables
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -4,8 +4,10 @@ fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_e
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted
 too, and so are the documented OpenAI fields that mean nothing to a local server
 (``user``; for chat also ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, and ``modalities: ["text"]``): read, checked for type, and
-ignored. (``parallel_tool_calls: false`` allows one tool call: ``tool_use``.)
+``safety_identifier``, ``modalities: ["text"]`` and ``prediction``, a hint for speed):
+read, checked for type, and ignored. (``parallel_tool_calls: false`` allows one tool call:
+``tool_use``; ``reasoning_effort`` reaches the chat template, as vLLM passes it.) Fields
+that would change the answer and cannot here (``verbosity``) are refused like unknown ones.
 
 Constraints on the output (``response_format``, vLLM's ``structured_outputs``) become a
 ``Constraint`` here; the handler compiles it at the door (``grammar_check``).

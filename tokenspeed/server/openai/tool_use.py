@@ -5,8 +5,11 @@ default), ``"auto"`` (the default with tools) parses the calls the model writes,
 arguments valid for their schemas, by a grammar in the parser's format
 (``tool_choice_constraint``). ``parallel_tool_calls: false`` allows one call: the grammar
 of a required call takes one, and a reply parsed for calls keeps its first (as vLLM keeps
-it). Parsing needs a tool-call parser (``ChatParsers``): a request that wants calls parsed
-on a server with none is refused."""
+it). ``"auto"`` reads calls in the format the model was taught, so it needs a tool-call
+parser (``ChatParsers``) and is refused on a server with none; a required or named call
+does not, as in vLLM: where no parser is set, its grammar holds the reply to plain JSON
+calls (``JSON_CALLS``, Llama 3's ``{"name": ..., "parameters": ...}`` objects), which that
+format's parser reads back."""
 
 import attrs
 
@@ -17,6 +20,7 @@ from tokenspeed.server.openai.grammar_check import Constraint
 from tokenspeed.structured import tool_choice_constraint
 
 MISTRAL_MARKER = "[TOOL_CALLS]"
+JSON_CALLS = "llama3_json"   # the calls' format where a required or named call meets no parser
 
 
 @attrs.frozen
@@ -38,13 +42,15 @@ def tool_use(request, parsers: ChatParsers, tokenizer) -> ToolUse:
         raise APIError(400, f"tool_choice={_shown(choice)} needs tools", "tool_choice")
     if not request.tools or choice == "none":
         return ToolUse()
-    parser = parsers.tool_call_parser
-    if parser is None:
-        raise APIError(400, "tools: this server has no tool-call parser (its chat template shows no tool-call "
-                       "format): start it with --tool-call-parser, or send tool_choice='none'", "tools")
-    single = request.parallel_tool_calls is False
+    parser, single = parsers.tool_call_parser, request.parallel_tool_calls is False
     if choice in (None, "auto"):
+        if parser is None:
+            raise APIError(400, "tools: tool_choice='auto' (the default with tools) reads the calls a model writes, "
+                           "and this server has no tool-call parser (its chat template shows no tool-call format): "
+                           "start it with --tool-call-parser, or send tool_choice 'none', 'required' or a named "
+                           "function", "tools")
         return ToolUse(parser, single=single)
+    parser = parser or JSON_CALLS
     return ToolUse(parser, Constraint(_constraint(request, parser, tokenizer, not single), "tool_choice"), single)
 
 
