@@ -119,6 +119,10 @@ def test_help_shows_every_default():
         for action in command._actions:
             if action.option_strings and action.nargs != 0 and action.default is not argparse.SUPPRESS:
                 assert "default" in formatter._get_help_string(action), (command.prog, action.dest)
+            if action.option_strings:   # each option says what it is, besides its default
+                assert action.help and not action.help.startswith("(default"), (command.prog, action.dest)
+    for text in (parser().format_help(), next(c for c in commands if c.prog.endswith(" bench")).format_help()):
+        assert "(default: none)" not in text   # a subcommand has no default
     generate = next(c for c in commands if c.prog.endswith(" generate")).format_help()
     assert "generation_config.json, else 1.0" in " ".join(generate.split())
 

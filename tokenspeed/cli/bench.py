@@ -1,5 +1,9 @@
-"""``tokenspeed bench latency|throughput``: offline figures in the format vLLM's
-``benchmark latency`` and ``benchmark throughput`` print, on random token prompts."""
+"""``tokenspeed bench latency|throughput`` (offline figures in the format vLLM's
+``benchmark latency`` and ``benchmark throughput`` print, on random token prompts) and
+``tokenspeed bench serve`` (``bench_serve``)."""
+
+DESCRIPTION = ("measure the engine offline (latency, throughput: random token prompts, reported as vLLM's "
+               "benchmarks report them) or a running server (serve)")
 
 import json
 import statistics
@@ -11,8 +15,8 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def add_command(commands, engine_options) -> None:
-    bench = commands.add_parser("bench", help="measure latency or throughput",
-                                description=__doc__).add_subparsers(dest="kind", required=True)
+    bench = commands.add_parser("bench", help="measure latency or throughput, offline or of a server",
+                                description=DESCRIPTION).add_subparsers(dest="kind", required=True)
     latency = _offline_command(bench, "latency", "time one batch end to end, repeatedly", engine_options,
                                input_len=32, run=run_latency)
     latency.add_argument("--batch-size", type=at_least(1), default=8, help="requests in the batch")

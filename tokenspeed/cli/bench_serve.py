@@ -39,18 +39,21 @@ class LoadSpec:
 
 
 def add_command(bench) -> None:
-    serve = bench.add_parser("serve", help="load a running server (see tokenspeed serve)")
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve = bench.add_parser("serve", help="load a running server (see tokenspeed serve)",
+                             description="drive a running server with streamed completions and report TTFT, "
+                                         "TPOT, inter-token latency and throughput as vLLM's bench serve does")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
     serve.add_argument("--model", default=None, help="the served model name (default: the server's)")
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--num-prompts", type=at_least(1), default=64)
-    serve.add_argument("--input-len", type=at_least(1), default=128)
-    serve.add_argument("--output-len", type=at_least(1), default=128)
+    serve.add_argument("--api-key", default=None, help="the server's key, if it asks for one")
+    serve.add_argument("--num-prompts", type=at_least(1), default=64, help="requests to send")
+    serve.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens per request (random ids)")
+    serve.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")
     serve.add_argument("--request-rate", type=positive_float, default=float("inf"),
-                       help="requests/s (inf: all at once)")
-    serve.add_argument("--max-concurrency", type=at_least(1), default=None)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--output-json", type=file_to_write, default=None)
+                       help="requests/s, Poisson arrivals (inf: all at once)")
+    serve.add_argument("--max-concurrency", type=at_least(1), default=None,
+                       help="requests in flight at most (default: no limit)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
+    serve.add_argument("--output-json", type=file_to_write, default=None, help="also write the figures here")
     serve.add_argument("--start-at", type=float, default=None,
                        help="wall-clock time (seconds since the epoch) to start sending at, so "
                             "several client processes start together")

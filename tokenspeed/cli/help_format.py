@@ -8,7 +8,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     help what that comes to (a model's, a device's), else "(default: none)" is added."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.nargs == 0:
+        if action.nargs == 0 or not action.option_strings:   # a flag, a positional, a subcommand
             return action.help
         if "default" in action.help:   # the help says it in its own words
             return action.help

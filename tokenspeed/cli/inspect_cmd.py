@@ -4,13 +4,17 @@ are imported when the command runs, so that ``tokenspeed --help`` does not impor
 
 from tokenspeed.cli.arg_types import file_to_write
 
+DESCRIPTION = ("print a model's lowered program (its segments, stages and the pass history) and, with --dot, "
+               "write its segment graph for Graphviz")
+
 
 def add_command(commands) -> None:
     command = commands.add_parser("inspect", help="print the lowered program of a model",
-                                  description=__doc__)
+                                  description=DESCRIPTION)
     command.add_argument("--model", default=None,
                          help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2)")
-    command.add_argument("--mode", choices=("prefill", "decode"), default="prefill")
+    command.add_argument("--mode", choices=("prefill", "decode"), default="prefill",
+                         help="the program of a prompt's steps or of a decode step")
     command.add_argument("--attention-breaks", action="store_true",
                          help="prefill: every attention in an eager break (the lowering for a backend "
                               "that cannot capture it), not inside its stage's graph")
