@@ -74,7 +74,9 @@ def test_bench_prints_vllm_figures(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
-    (["generate", "hi", "--model", "/no/such/dir"], "/no/such/dir/config.json not found"),
+    (["generate", "hi", "--model", "/no/such/dir"], "/no/such/dir: no such file or directory"),
+    (["serve", "/no/such/dir"], "/no/such/dir: no such file or directory"),
+    (["generate", "hi", "--model", "/tmp"], "/tmp/config.json not found: expected a Hugging Face model directory"),
     (["generate", "hi", "--dtype", "fp9"], "dtype='fp9'"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens=0: must be an integer >= 1"),
     (["inspect", "--model", __file__], "test_cli.py: neither a model directory (with config.json) nor a GGUF"),

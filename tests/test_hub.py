@@ -5,6 +5,7 @@ set it run in a child process."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,8 +81,9 @@ def test_a_local_path_is_returned_as_it_is(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "acme" / "tiny").mkdir(parents=True)
     assert resolve_model("acme/tiny") == Path("acme/tiny")          # a folder of that name wins
-    for missing in ("./nothing", "/no/such/dir", "model.gguf", "a/b/c"):
-        assert resolve_model(missing) == Path(missing)              # the loader names what is missing
+    for missing in ("./nothing", "/no/such/dir", "model.gguf", "a/b/c"):   # none of them an id
+        with pytest.raises(FileNotFoundError, match=f"^{re.escape(missing)}: no such file or directory"):
+            resolve_model(missing)
 
 
 def test_a_revision_of_a_local_path_is_refused():
