@@ -165,9 +165,17 @@ def test_bench_serve_fails_when_every_request_failed(base_url, capsys):
     from tokenspeed.cli.main import main
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "serve", "--base-url", base_url, "--api-key", KEY, "--num-prompts", "2",
-              "--input-len", "4", "--output-len", "2", "--model", "not-served"])
-    assert "every one of the 2 requests failed" in str(exit_.value) and "not served here" in str(exit_.value)
+              "--input-len", "300", "--output-len", "2"])   # past the server's max_model_len
+    assert "every one of the 2 requests failed" in str(exit_.value) and "max_model_len" in str(exit_.value)
     assert "Failed requests:                        2" in capsys.readouterr().out   # the figures still print
+
+
+def test_bench_serve_refuses_a_model_the_server_does_not_serve_before_sending(base_url, capsys):
+    from tokenspeed.cli.main import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--base-url", base_url, "--api-key", KEY, "--model", "not-served"])
+    assert f"--model 'not-served': {base_url} serves [{MODEL!r}]" in str(exit_.value)
+    assert "Failed requests" not in capsys.readouterr().out
 
 
 def test_a_client_that_leaves_frees_its_pages(base_url):

@@ -65,9 +65,9 @@ def add_command(bench) -> None:
 
 def run(args) -> None:
     from tokenspeed.cli.bench import random_prompts
-    served = served_model(args.base_url, args.api_key)
+    served = served_model(args.base_url, args.api_key, args.model)
     prompts = random_prompts(args.num_prompts, args.input_len, served["vocab_size"], args.seed)
-    spec = LoadSpec(args.base_url, args.model or served["id"], prompts, args.output_len,
+    spec = LoadSpec(args.base_url, served["id"], prompts, args.output_len,
                     args.request_rate, args.max_concurrency, args.api_key, args.seed)
     if args.start_on_stdin:
         print("ready", flush=True)
@@ -87,8 +87,10 @@ def run(args) -> None:
         raise ValueError(f"every one of the {len(results)} requests failed: " + "; ".join(summary["errors"]))
 
 
-def served_model(base_url: str, api_key: str | None) -> dict:
-    """The server's model entry (its name, and the vocabulary the prompts are drawn from)."""
+def served_model(base_url: str, api_key: str | None, name: str | None = None) -> dict:
+    """The server's entry of the model ``name`` (None: its first), with its vocabulary, which
+    the prompts are drawn from; a name the server does not serve is refused before a
+    request is sent."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
@@ -96,7 +98,11 @@ def served_model(base_url: str, api_key: str | None) -> dict:
         raise ConnectionError(f"cannot reach {base_url}: {exc}") from None
     if response.status_code != 200:
         raise ValueError(f"{base_url}/v1/models answered {response.status_code}: {response.text}")
-    return response.json()["data"][0]
+    models = response.json()["data"]
+    named = [m for m in models if name in (None, m["id"])]
+    if not named:
+        raise ValueError(f"--model {name!r}: {base_url} serves {[m['id'] for m in models]}")
+    return named[0]
 
 
 async def drive(spec: LoadSpec) -> tuple[list[RequestResult], float]:
