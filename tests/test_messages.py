@@ -29,7 +29,7 @@ SAMPLES = {
     Finish: Finish(3, 1, 0),
     StepReport: step_report(),
     Heartbeat: Heartbeat(),
-    EngineInfo: EngineInfo(PromptLimits(100, 256, 4, 63, (0, 16), 32), True, {"temperature": 0.6}),
+    EngineInfo: EngineInfo(PromptLimits(100, 256, 4, 63, (0, 16), 32, (2, 7)), True, {"temperature": 0.6}),
     EngineFailed: EngineFailed("boom"),
 }
 DECODERS = {Submit: messages.to_engine_decoder, Abort: messages.to_engine_decoder, Finish: messages.to_engine_decoder}

@@ -17,7 +17,7 @@ from tokenspeed.scheduling.prompt_limits import PromptLimits, check_request
 
 from text_models import text_model_dir
 
-LIMITS = PromptLimits(vocab_size=100, max_model_len=64, page_size=4, usable_pages=10)
+LIMITS = PromptLimits(vocab_size=100, max_model_len=64, page_size=4, usable_pages=10, eos_token_ids=(2,))
 
 
 def refusal(prompt, has_tokenizer=True, **params) -> RefusedRequest:
@@ -36,11 +36,28 @@ def refusal(prompt, has_tokenizer=True, **params) -> RefusedRequest:
     ([5], {"stop": ["x"]}, False, "stop", ("x",), None),
     ([5] * 64, {"max_tokens": None}, True, "prompt", 64, 39),   # 10 usable pages hold 40 tokens
     ([5] * 40, {"max_tokens": None}, True, "prompt", 40, 39),
+    ([5], {"min_tokens": 2, "allowed_token_ids": [2]}, True, "min_tokens", 2, 0),   # the end of sequence alone
+    ([5], {"min_tokens": 1, "allowed_token_ids": [2, 9], "stop_token_ids": [9]}, True, "min_tokens", 1, 0),
 ])
 def test_a_refusal_carries_its_field_value_and_limit(prompt, params, has_tokenizer, field, value, limit):
     refused = refusal(prompt, has_tokenizer, **params)
     assert (refused.field, refused.value, refused.limit) == (field, value, limit)
     assert isinstance(refused, ValueError)
+
+
+@pytest.mark.parametrize("params", [{"min_tokens": 2, "allowed_token_ids": [2, 9]},
+                                    {"min_tokens": 2, "allowed_token_ids": [2], "ignore_eos": True},
+                                    {"allowed_token_ids": [2]}])
+def test_allowed_tokens_that_min_tokens_leaves_one_of_are_served(params):
+    check_request(LIMITS, 0, (5,), ts.SamplingParams(**params), has_tokenizer=True)
+
+
+def test_min_tokens_over_allowed_end_tokens_alone_is_refused_by_the_engine():
+    """The engine's own limits carry its end-of-sequence ids: a token outside the allowed
+    ones was sampled instead (a fault probe found it)."""
+    llm = ts.LLM(text_model_dir(), page_size=4, max_model_len=32)
+    with pytest.raises(RefusedRequest, match=r"min_tokens=2: every one of allowed_token_ids \[2\] ends"):
+        llm.generate([[5, 6]], ts.SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[2]), use_tqdm=False)
 
 
 def test_no_max_tokens_runs_to_the_end_of_the_context():

@@ -98,7 +98,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         scheduler = self.scheduler
         return PromptLimits(self.vocab_size, self.max_model_len, scheduler.page_size,
                             scheduler.allocator.num_pages - 1, scheduler.retentions,
-                            scheduler.max_num_batched_tokens)
+                            scheduler.max_num_batched_tokens, tuple(self.eos_token_ids))
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
         """Queue ``params.n`` samples of a checked prompt; the later ones share its pages.

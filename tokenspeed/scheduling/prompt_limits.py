@@ -23,6 +23,7 @@ class PromptLimits:
     usable_pages: int            # the pool's pages, less the null page
     retentions: tuple[int, ...] = (0,)   # each cache group's (``Scheduler.retentions``)
     max_chunk: int = 0           # the most new tokens a step computes for one request
+    eos_token_ids: tuple[int, ...] = ()   # masked, with stop_token_ids, until min_tokens
 
 
 def most_pages_held(num_tokens: int, page_size: int, window: int = 0, max_chunk: int = 0) -> int:
@@ -51,6 +52,7 @@ def check_request(limits: PromptLimits, index: int, prompt: tuple[int, ...], par
                              "the vocabulary as it spells it), and this engine has none",
                              field="structured_outputs", value=params.structured_outputs, limit=None)
     check_constraint(params, limits.vocab_size)
+    _check_min_tokens(params, limits.eos_token_ids)
     if not prompt:
         raise RefusedRequest(f"{where} is empty", field="prompt", value=0, limit=1)
     _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
@@ -96,6 +98,19 @@ def check_constraint(params: SamplingParams, vocab_size: int) -> None:
     if params.structured_outputs is not None and params.min_tokens:
         raise RefusedRequest(f"min_tokens={params.min_tokens}: must be 0 with structured_outputs (a complete "
                              "grammar allows only the end of sequence, which min_tokens forbids)",
+                             field="min_tokens", value=params.min_tokens, limit=0)
+
+
+def _check_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> None:
+    """``allowed_token_ids`` that ``min_tokens`` masks whole (each an end of sequence or a stop
+    token) leave the first steps no token to sample."""
+    if not params.min_tokens or params.allowed_token_ids is None:
+        return
+    masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if set(params.allowed_token_ids) <= masked:
+        raise RefusedRequest(f"min_tokens={params.min_tokens}: every one of allowed_token_ids "
+                             f"{list(params.allowed_token_ids)} ends the sequence (end-of-sequence ids "
+                             f"{sorted(masked)}), and min_tokens masks them, leaving no token to sample",
                              field="min_tokens", value=params.min_tokens, limit=0)
 
 
