@@ -2,9 +2,6 @@
 ``benchmark latency`` and ``benchmark throughput`` print, on random token prompts) and
 ``tokenspeed bench serve`` (``bench_serve``)."""
 
-DESCRIPTION = ("measure the engine offline (latency, throughput: random token prompts, reported as vLLM's "
-               "benchmarks report them) or a running server (serve)")
-
 import json
 import statistics
 import time
@@ -12,6 +9,8 @@ import time
 from tokenspeed.cli.arg_types import at_least, file_to_write
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
+DESCRIPTION = ("measure the engine offline (latency, throughput: random token prompts, reported as vLLM's "
+               "benchmarks report them) or a running server (serve)")
 
 
 def add_command(commands, engine_options) -> None:
