@@ -76,7 +76,6 @@ def test_bench_prints_vllm_figures(capsys):
     (["generate", "hi", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
     (["generate", "hi", "--model", "/no/such/dir"], "/no/such/dir: no such file or directory"),
     (["serve", "/no/such/dir"], "/no/such/dir: no such file or directory"),
-    (["generate", "hi", "--model", "/tmp"], "/tmp/config.json not found: expected a Hugging Face model directory"),
     (["generate", "hi", "--dtype", "fp9"], "dtype='fp9'"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens=0: must be an integer >= 1"),
     (["inspect", "--model", __file__], "test_cli.py: neither a model directory (with config.json) nor a GGUF"),
@@ -87,6 +86,12 @@ def test_errors_are_one_line(capsys, argv, message):
         main(argv)
     assert message in str(exit_.value) and "\n" not in str(exit_.value)
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_folder_that_is_no_model_is_named_with_what_it_lacks(tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--model", str(tmp_path)])
+    assert f"{tmp_path}/config.json not found: expected a Hugging Face model directory" in str(exit_.value)
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"], ["inspect"], ["bench", "latency"],

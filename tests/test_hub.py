@@ -81,6 +81,9 @@ def test_a_local_path_is_returned_as_it_is(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "acme" / "tiny").mkdir(parents=True)
     assert resolve_model("acme/tiny") == Path("acme/tiny")          # a folder of that name wins
+
+
+def test_a_missing_path_that_is_no_model_id_is_refused_by_name():
     for missing in ("./nothing", "/no/such/dir", "model.gguf", "a/b/c"):   # none of them an id
         with pytest.raises(FileNotFoundError, match=f"^{re.escape(missing)}: no such file or directory"):
             resolve_model(missing)

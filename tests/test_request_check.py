@@ -52,12 +52,16 @@ def test_allowed_tokens_that_min_tokens_leaves_one_of_are_served(params):
     check_request(LIMITS, 0, (5,), ts.SamplingParams(**params), has_tokenizer=True)
 
 
-def test_min_tokens_over_allowed_end_tokens_alone_is_refused_by_the_engine():
-    """The engine's own limits carry its end-of-sequence ids: a token outside the allowed
-    ones was sampled instead (a fault probe found it)."""
+def test_min_tokens_over_allowed_end_tokens_alone_is_refused_by_the_llm_and_the_engine():
+    """By the door (``LLM``, whose limits carry the engine's end-of-sequence ids) and by the
+    engine's own ``add``: a token outside the allowed ones was sampled (a fault probe found it)."""
     llm = ts.LLM(text_model_dir(), page_size=4, max_model_len=32)
-    with pytest.raises(RefusedRequest, match=r"min_tokens=2: every one of allowed_token_ids \[2\] ends"):
-        llm.generate([[5, 6]], ts.SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[2]), use_tqdm=False)
+    params = ts.SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[2])
+    says = r"min_tokens=2: every one of allowed_token_ids \[2\] ends the sequence"
+    with pytest.raises(RefusedRequest, match=says):
+        llm.generate([[5, 6]], params, use_tqdm=False)
+    with pytest.raises(RefusedRequest, match=says):
+        llm.engine.add((5, 6), params)
 
 
 def test_no_max_tokens_runs_to_the_end_of_the_context():

@@ -602,11 +602,12 @@ def test_api_servers_refuse_a_bad_count_and_a_port_in_use(capsys):
 
 
 @pytest.mark.parametrize("api_servers", ["1", "2"])
-def test_a_port_in_use_out_of_range_or_an_unknown_host_is_refused_before_the_engine_starts(api_servers):
-    """Refused at once, naming the address: the engine (here a model that does not exist,
-    which would fail its start otherwise) is never started."""
+def test_a_port_in_use_out_of_range_or_an_unknown_host_is_refused_before_the_engine_starts(api_servers,
+                                                                                             tmp_path):
+    """Refused at once, naming the address: the engine (here of an empty folder, which would
+    fail its start otherwise) is never started."""
     from tokenspeed.cli import main as cli
-    command = ["serve", "/no/such/model", "--api-servers", api_servers, "--device", "cpu"]
+    command = ["serve", str(tmp_path), "--api-servers", api_servers, "--device", "cpu"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

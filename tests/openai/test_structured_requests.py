@@ -158,9 +158,10 @@ def test_the_tools_and_chat_template_kwargs_are_template_variables():
 def test_reasoning_effort_is_a_template_variable_given_once():
     assert chat(reasoning_effort="low").template_variables() == {"reasoning_effort": "low"}
     assert chat().template_variables() == {}
-    with pytest.raises(APIError, match="reasoning_effort is given twice") as refused:
+    with pytest.raises(APIError, match=r"\['reasoning_effort'\] is set by the request's own field") as refused:
         chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}).template_variables()
-    assert refused.value.param == "reasoning_effort"
+    assert refused.value.param == "chat_template_kwargs"
+    assert chat(chat_template_kwargs={"reasoning_effort": "high"}).template_variables() == {"reasoning_effort": "high"}
 
 
 def test_tokenize_takes_the_templates_fields_with_messages_only():

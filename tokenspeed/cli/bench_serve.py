@@ -101,7 +101,8 @@ def served_model(base_url: str, api_key: str | None, name: str | None = None) ->
     models = response.json()["data"]
     named = [m for m in models if name in (None, m["id"])]
     if not named:
-        raise ValueError(f"--model {name!r}: {base_url} serves {[m['id'] for m in models]}")
+        asked = "a model" if name is None else f"--model {name!r}"
+        raise ValueError(f"{asked}: {base_url} serves {[m['id'] for m in models] or 'none'}")
     return named[0]
 
 

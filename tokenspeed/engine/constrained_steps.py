@@ -31,16 +31,17 @@ from tokenspeed.structured import MaskFiller
 
 
 class ConstrainedSteps:
-    """Mixed into ``Engine``: reads its ``grammars``, ``vocab_size``, ``decode`` and
-    ``_num_constrained`` (running constrained requests), and keeps its mask filler."""
+    """Mixed into ``Engine``: reads its ``grammars``, ``vocab_size``, ``eos_token_ids``,
+    ``decode`` and ``_num_constrained`` (running constrained requests), and keeps its mask
+    filler."""
 
     def _constraints(self, params: SamplingParams) -> list[Constraint | None]:
         """The constraint of each of ``params.n`` samples (None: unconstrained); a grammar
-        that does not compile, a token id outside the vocabulary or ``min_tokens`` with a
-        grammar is refused by field."""
+        that does not compile, a token id outside the vocabulary or ``min_tokens`` that may
+        leave nothing to sample is refused by field."""
         if not params.constrained:
             return [None] * params.n
-        check_constraint(params, self.vocab_size)
+        check_constraint(params, self.vocab_size, self.eos_token_ids)
         bias = params.token_bias
         matchers = [None] * params.n
         if params.structured_outputs is not None:

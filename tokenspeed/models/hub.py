@@ -23,17 +23,18 @@ class ModelNotFoundError(FileNotFoundError):
 def resolve_model(name_or_path, revision: str | None = None) -> Path:
     """The local checkpoint (directory or ``.gguf`` file) that ``name_or_path`` names: a
     path that exists is returned as is (the loader names what is missing in it); an
-    ``owner/name`` id is looked up in the cache or downloaded; anything else is refused here,
-    so that every command says the same of a path that is not there."""
+    ``owner/name`` id is looked up in the cache or downloaded (``ModelNotFoundError`` where
+    it is not to be had); anything else is refused here, so that every command says the
+    same of a path that is not there."""
     path = Path(name_or_path)
-    if not path.exists() and not is_repo_id(str(name_or_path)):
-        raise FileNotFoundError(f"{name_or_path}: no such file or directory (a model is a Hugging Face model "
-                                f"directory, a GGUF file or a Hugging Face model id, owner/name)")
     if path.exists():
         if revision is not None:
             raise ValueError(f"revision={revision!r} selects a version of a Hugging Face model id; "
                              f"{str(name_or_path)!r} is a local path")
         return path
+    if not is_repo_id(str(name_or_path)):
+        raise FileNotFoundError(f"{name_or_path}: no such file or directory (expected a Hugging Face model "
+                                f"directory, a GGUF file or a Hugging Face model id, owner/name)")
     return _snapshot(str(name_or_path), revision)
 
 

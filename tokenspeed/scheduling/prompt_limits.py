@@ -51,8 +51,7 @@ def check_request(limits: PromptLimits, index: int, prompt: tuple[int, ...], par
         raise RefusedRequest(f"{where}: structured_outputs need a tokenizer (a grammar is compiled against "
                              "the vocabulary as it spells it), and this engine has none",
                              field="structured_outputs", value=params.structured_outputs, limit=None)
-    check_constraint(params, limits.vocab_size)
-    _check_min_tokens(params, limits.eos_token_ids)
+    check_constraint(params, limits.vocab_size, limits.eos_token_ids)
     if not prompt:
         raise RefusedRequest(f"{where} is empty", field="prompt", value=0, limit=1)
     _check_vocabulary("prompt", where, "token id", prompt, limits.vocab_size)
@@ -89,28 +88,29 @@ def _pages_held(limits: PromptLimits, num_tokens: int) -> int:
     return sum(most_pages_held(num_tokens, limits.page_size, r, limits.max_chunk) for r in limits.retentions)
 
 
-def check_constraint(params: SamplingParams, vocab_size: int) -> None:
+def check_constraint(params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
     """Refuse token ids outside the vocabulary (``logit_bias``, ``allowed_token_ids``), and
-    ``min_tokens`` with a grammar: a grammar complete before then allows only the end of
-    sequence, which ``min_tokens`` forbids, leaving no token to sample."""
+    ``min_tokens`` where it may leave no token to sample: with a grammar (one complete before
+    then allows only the end of sequence, which ``min_tokens`` forbids), or over allowed
+    tokens that each end the sequence. The engine checks it too, for callers of its own."""
     if params.token_bias is not None:
         params.token_bias.check_vocabulary(vocab_size)
     if params.structured_outputs is not None and params.min_tokens:
         raise RefusedRequest(f"min_tokens={params.min_tokens}: must be 0 with structured_outputs (a complete "
                              "grammar allows only the end of sequence, which min_tokens forbids)",
                              field="min_tokens", value=params.min_tokens, limit=0)
+    _check_min_tokens(params, eos_token_ids)
 
 
 def _check_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> None:
-    """``allowed_token_ids`` that ``min_tokens`` masks whole (each an end of sequence or a stop
-    token) leave the first steps no token to sample."""
+    """``allowed_token_ids`` that ``min_tokens`` masks whole leave the first steps nothing."""
     if not params.min_tokens or params.allowed_token_ids is None:
         return
     masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     if set(params.allowed_token_ids) <= masked:
         raise RefusedRequest(f"min_tokens={params.min_tokens}: every one of allowed_token_ids "
-                             f"{list(params.allowed_token_ids)} ends the sequence (end-of-sequence ids "
-                             f"{sorted(masked)}), and min_tokens masks them, leaving no token to sample",
+                             f"{list(params.allowed_token_ids)} ends the sequence (the end-of-sequence and "
+                             f"stop ids {sorted(masked)}), and min_tokens masks them, leaving no token to sample",
                              field="min_tokens", value=params.min_tokens, limit=0)
 
 

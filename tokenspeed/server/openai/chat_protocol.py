@@ -129,7 +129,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     safety_identifier: str | None = None
     modalities: list[Literal["text"]] | None = None   # text is what comes back; "audio" is refused
     prediction: Prediction | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # vLLM's values
 
     def template_variables(self) -> dict:
         """Also ``reasoning_effort``, a template variable as vLLM makes it: a template that
@@ -138,8 +138,8 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         variables = super().template_variables()
         if self.reasoning_effort is not None:
             if "reasoning_effort" in variables:
-                raise APIError(400, "reasoning_effort is given twice: as a field and in chat_template_kwargs",
-                               "reasoning_effort")
+                raise APIError(400, "chat_template_kwargs: ['reasoning_effort'] is set by the request's own "
+                               "field reasoning_effort, not here", "chat_template_kwargs")
             variables["reasoning_effort"] = self.reasoning_effort
         return variables
 
