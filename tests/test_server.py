@@ -152,7 +152,8 @@ def test_bench_serve_drives_the_server_when_released(base_url, tmp_path):
     assert process.returncode == 0, errors.decode()
     summary = json.loads(out.read_text())
     assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (6, 0, 30)
-    assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p99"] >= summary["tpot_ms"]["p50"] > 0
+    # a stream's tokens may all arrive in one read on a busy host: its time per token is then 0
+    assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p99"] >= summary["tpot_ms"]["p50"] >= 0
     assert "Output token throughput (tok/s):" in report.decode()
     for _ in range(200):      # the gauge follows the engine's next report
         if metric(base_url, "tokenspeed_kv_pages_in_use") == 0:
