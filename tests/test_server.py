@@ -30,6 +30,7 @@ from tokenspeed.api.output_processor import PromptOutput
 from tokenspeed.api.prompts import parse_prompts
 
 from serving import free_port, running
+from hf_models import checkpoint
 from text_models import llm_failing_on, text_model_dir
 
 KEY = "sesame"
@@ -720,3 +721,19 @@ def test_a_step_that_fails_in_the_loop_is_logged_with_its_traceback(caplog):
     loop.stop()
     [record] = [r for r in caplog.records if r.exc_info]
     assert isinstance(record.exc_info[1], InternalError) and "engine step failed" in record.getMessage()
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids_and_names_what_needs_one():
+    """Weights alone (no tokenizer.json): token-id completions are served; chat, text and
+    detokenizing are 400s naming the field that would need the tokenizer."""
+    app = create_app(EngineSpec.of(str(checkpoint("llama")), **OPTIONS), MODEL)
+    with running(app) as url:
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+        for route, body, field in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                    "messages"), ("/detokenize", {"tokens": [5]}, "tokens"),
+                                   ("/tokenize", {"prompt": "hi"}, "prompt")):
+            refused = httpx.post(f"{url}{route}", json=body, timeout=60)
+            error = refused.json()["error"]
+            assert refused.status_code == 400 and error["param"] == field, (route, error)
+            assert "this model has no tokenizer" in error["message"]

@@ -78,7 +78,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     async def tokenize(request: Request):
         body = await server.read(request, TokenizeRequest)
         body.check_input()
-        tokenizer = _tokenizer(server)
+        tokenizer = _tokenizer(server, "prompt" if body.prompt is not None else "messages")
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens) \
             if body.prompt is not None else \
             (await _chat_prompt(server, body)).token_ids
@@ -92,7 +92,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": await asyncio.to_thread(_tokenizer(server).decode, body.tokens)}
+        return {"prompt": await asyncio.to_thread(_tokenizer(server, "tokens").decode, body.tokens)}
 
 
 async def _answer(server: "Server", request: Request, body, prompts, params, field: str, fmt):
@@ -196,7 +196,7 @@ def _reasoning_parser(server: "Server", constraint) -> str | None:
 async def _chat_prompt(server: "Server", body) -> Prompt:
     """The conversation (with the tools and ``chat_template_kwargs``) through the chat
     template, off the event loop (as ``_prompts``)."""
-    _tokenizer(server)
+    _tokenizer(server, "messages")
     messages, variables = body.checked_messages(), body.template_variables()
     try:
         return await asyncio.to_thread(chat_prompt, server.tokenizer, messages, body.add_generation_prompt,
@@ -205,7 +205,10 @@ async def _chat_prompt(server: "Server", body) -> Prompt:
         raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
 
 
-def _tokenizer(server: "Server"):
+def _tokenizer(server: "Server", field: str):
+    """The tokenizer, or a 400 naming the ``field`` that needs one (a prompt's text, a chat's
+    messages, ids to spell)."""
     if server.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+        raise APIError(400, f"{field}: this model has no tokenizer, so only token-id prompts to "
+                       "/v1/completions are served", field)
     return server.tokenizer
