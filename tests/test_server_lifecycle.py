@@ -210,6 +210,13 @@ def serve_slowly(path: str, port: int) -> None:
           shutdown_timeout=GRACE_S)
 
 
+def serve_slowly_twice(path: str, port: int) -> None:
+    """``serve_slowly`` with two API servers (``--api-servers 2``)."""
+    from tokenspeed.server.openai.api_servers import serve_many
+    serve_many(EngineSpec(functools.partial(slow_llm, path, 0.1, **OPTIONS), path), "m", "127.0.0.1", port, None,
+               2, shutdown_timeout=GRACE_S)
+
+
 def serve_command(path: str, port: int) -> list[str]:
     return [sys.executable, "-m", "tokenspeed", "serve", "--model", path, "--port", str(port),
             "--max-num-seqs", "8", "--max-model-len", "256", "--device", "cpu"]
@@ -335,3 +342,26 @@ def test_sigterm_drains_for_the_grace_period_then_ends_what_is_left_and_exits(to
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert status == 200 and error["code"] == 503 and "shutting down" in error["message"]
     assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.slow
+def test_two_api_servers_refuse_a_new_connection_while_they_drain():
+    """As one server does: before, the supervising process kept its copy of the listening
+    socket open, so the kernel took a new connection that nobody answered until the drain
+    ended (a fault probe found it)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launch = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_server_lifecycle as t; "
+              f"t.serve_slowly_twice({str(text_model_dir())!r}, {port})")
+    with served([sys.executable, "-c", launch], url) as server:
+        long_stream = []
+        thread = in_flight(url, {**LONG, "stream": True}, long_stream)
+        wait_for(lambda: requests_seen(url) == 1, 30)
+        server.send_signal(signal.SIGTERM)
+        time.sleep(1.0)   # the servers close their listeners as their drain starts
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=GRACE_S)
+        server.wait(timeout=GRACE_S + 15)
+        thread.join(5)
+    [(status, lines)] = long_stream
+    assert status == 200 and lines[-1] == "data: [DONE]"

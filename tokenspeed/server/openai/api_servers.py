@@ -4,7 +4,9 @@ With many streaming clients the HTTP process does Python work for every token of
 client (server-sent events, the writes) and becomes as busy as the engine it feeds
 (docs/PERFORMANCE.md, serving). As vLLM's ``--api-server-count`` does, N processes share
 one listening socket, bound here and inherited by each, so the kernel spreads the
-connections among them; each has its own channel to the engine process, which routes
+connections among them (this parent closes its own copy once they have theirs, so that
+when they close theirs to drain, the kernel refuses a new connection rather than queue it
+for no one); each has its own channel to the engine process, which routes
 every request's updates to the process that submitted it. Their metrics are pooled through
 prometheus_client's multiprocess folder (``metrics``). This parent only supervises: once
 any of its children exits (an API server exits too once the engine has gone), or on
@@ -63,6 +65,7 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
                     _environment(MULTIPROC_ENV, metrics_dir), parent_end:
                 servers = [_api_server(engine, i, info, spec.tokenizer, model_name, api_key, sock, metrics_dir,
                                        log_level, lifeline, timeouts, access, parser_flags) for i in range(count)]
+                sock.close()   # the servers' copies alone: closed as they drain, a new connection is refused
                 lifeline.close()
                 for channel in engine.channels:   # each now held by its server alone: when one
                     channel.close()               # exits, the engine drops its requests
