@@ -164,9 +164,9 @@ def test_a_served_model_id_is_named_as_it_is():
 def test_engine_flags_reach_the_llms_options():
     from tokenspeed.cli.main import llm_options, parser
     args = parser().parse_args(["generate", "x", "--device", "cpu", "--max-chunk-tokens", "64",
-                                "--max-model-len", "512"])
+                                "--max-model-len", "512", "--num-kv-pages", "40"])
     options = llm_options(args)
-    assert options["max_chunk_tokens"] == 64 and options["max_model_len"] == 512
+    assert options["max_chunk_tokens"] == 64 and options["max_model_len"] == 512 and options["num_kv_pages"] == 40
     assert "max_chunk_tokens" not in llm_options(parser().parse_args(["generate", "x", "--device", "cpu"]))
 
 
@@ -185,6 +185,7 @@ def test_engine_flags_reach_the_llms_options():
     (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
     (["generate", "hi", "--speculative-tokens", "-1"], "argument --speculative-tokens: must be >= 0, got -1"),
     (["generate", "hi", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+    (["serve", "--num-kv-pages", "1"], "argument --num-kv-pages: must be >= 2, got 1"),
 ])
 def test_bad_numbers_and_paths_are_refused_before_a_model_loads(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

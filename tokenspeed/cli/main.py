@@ -77,6 +77,10 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                          help="share of the GPU's memory the engine may fill, weights, graphs and KV "
                               "pool included (the pool is sized after the captures)")
+    command.add_argument("--num-kv-pages", type=at_least(2), default=None,
+                         help="the KV pool's pages of 16 tokens, as vLLM's --num-gpu-blocks-override sets its "
+                              "blocks (default: sized by --gpu-memory-utilization on a GPU, 512 MiB on the CPU, "
+                              "at most --max-num-seqs sequences at full length)")
     command.add_argument("--kv-cache-dtype", default="auto",
                          help="what the KV cache stores: auto (the model's dtype), fp8 or fp8_e4m3 (float8 "
                               "e4m3 with per-layer scales: twice the tokens fit)")
@@ -117,7 +121,7 @@ def default_device() -> str:
 def llm_options(args, **options) -> dict:
     """``LLM`` keyword arguments from the engine options on the command line."""
     from tokenspeed.engine.speculative import SpeculativeConfig
-    for name in ("max_model_len", "max_chunk_tokens"):
+    for name in ("max_model_len", "max_chunk_tokens", "num_kv_pages"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.draft_model is not None and not args.speculative_tokens:
