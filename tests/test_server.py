@@ -29,8 +29,8 @@ from tokenspeed.server.openai.server import create_app
 from tokenspeed.api.output_processor import PromptOutput
 from tokenspeed.api.prompts import parse_prompts
 
-from serving import free_port, running
 from hf_models import checkpoint
+from serving import free_port, running
 from text_models import llm_failing_on, text_model_dir
 
 KEY = "sesame"
