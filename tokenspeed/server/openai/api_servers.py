@@ -4,10 +4,10 @@ With many streaming clients the HTTP process does Python work for every token of
 client (server-sent events, the writes) and becomes as busy as the engine it feeds
 (docs/PERFORMANCE.md, serving). As vLLM's ``--api-server-count`` does, N processes share
 one listening socket, bound here and inherited by each, so the kernel spreads the
-connections among them (this parent closes its own copy once they have theirs, so that
-when they close theirs to drain, the kernel refuses a new connection rather than queue it
-for no one); each has its own channel to the engine process, which routes
-every request's updates to the process that submitted it. Their metrics are pooled through
+connections among them. This parent closes its own copy once they hold theirs: when they
+close theirs to drain, the kernel then refuses a new connection rather than queue it for
+no one. Each has its own channel to the engine process, which routes every request's
+updates to the process that submitted it. Their metrics are pooled through
 prometheus_client's multiprocess folder (``metrics``). This parent only supervises: once
 any of its children exits (an API server exits too once the engine has gone), or on
 Ctrl-C / SIGTERM, it stops them all: each drains for the grace period (``lifecycle``).
