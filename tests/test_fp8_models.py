@@ -188,7 +188,7 @@ def test_a_layer_with_parts_stored_both_ways_is_refused():
 
 
 def test_bad_quantization_argument_is_refused():
-    with pytest.raises(ValueError, match="quantization=.int3.: expected one of fp8, int4"):
+    with pytest.raises(ValueError, match="quantization=.int3.: expected one of fp8, int4, or None .* leave the flag out"):
         ts.LLM(decisive_model(4), device="cpu", quantization="int3")
 
 

@@ -27,7 +27,7 @@ from tokenspeed.models.random import TINY_LLAMA, hf_state_dict
 
 from hf_models import EOS, checkpoint, make_prompts, new_tmpdir
 from margins import assert_decisive, decisive_model, greedy_margins
-from test_gguf import K_LAYOUT, k_layout_file, metadata
+from test_gguf import K_LAYOUT, k_layout_file, metadata, random_blocks
 
 Q = gguf.GGMLQuantizationType
 GREEDY = ts.SamplingParams(temperature=0, max_tokens=8)
@@ -127,6 +127,20 @@ def test_a_file_missing_a_part_of_a_two_format_projection_is_refused_naming_it()
                  {**raw, **norms})
     with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.up_proj.weight'\]"):
         ts.models.load(path, quantized=True)
+
+
+def test_a_block_matrix_of_the_wrong_shape_is_refused_without_a_line_about_dequantizing(caplog):
+    """The loader names the shape; the plan, which leaves that layer, says nothing of it
+    (a probe found a dequantization warning before the shape error)."""
+    path, raw = k_layout_file(Q.Q8_0)
+    c = K_LAYOUT
+    raw["blk.0.attn_q.weight"] = (random_blocks((c["heads"] * c["head_dim"] // 2, c["hidden"]), Q.Q8_0, 7), Q.Q8_0)
+    norms = {n: np.ones(c["hidden"], np.float32) for n in
+             ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight")}
+    path = write(new_tmpdir("ts_gguf_blocks_") / "misshapen.gguf", "llama", metadata(*c.values()), {**raw, **norms})
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="q_proj.weight"):
+        ts.models.load(path, quantized=True)
+    assert not [r for r in caplog.records if "dequantized at load" in r.getMessage()]
 
 
 def test_a_format_no_kernel_reads_is_dequantized_with_one_line_naming_it(caplog):

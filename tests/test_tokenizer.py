@@ -167,6 +167,14 @@ def test_unsupported_gguf_tokenizer_is_named(tmp_path):
         load_tokenizer(path)
 
 
+def test_a_byte_level_gguf_without_merges_is_refused(tmp_path):
+    """Loaded, it would cut every text into single bytes, prompts the model never saw (a
+    probe found it loading silently)."""
+    path = write_gguf(tmp_path / "nomerges.gguf", "gpt2", sorted(pre_tokenizers.ByteLevel.alphabet()), [1] * 256)
+    with pytest.raises(ValueError, match=r"nomerges.gguf: a byte-level BPE vocabulary .* without tokenizer.ggml.merges"):
+        load_tokenizer(path)
+
+
 # ---------------------------------------------------------------- chat templates
 
 

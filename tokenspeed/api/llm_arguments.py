@@ -44,8 +44,9 @@ def checked_quantization(quantization, device: torch.device) -> str | None:
                          f"{device}; on a GPU use 'fp8' or a GGUF file's blocks")
     if quantization is None or quantization in QUANTIZATIONS:
         return quantization
-    raise ValueError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)} or None "
-                     f"(FP8 checkpoints load in FP8 as stored, without it)")
+    raise ValueError(f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}, or None for "
+                     f"the weights as stored (on the command line: leave the flag out; FP8 checkpoints load "
+                     f"in FP8 without it)")
 
 
 def checked_compile_options(enforce_eager: bool, options: dict) -> dict:

@@ -50,11 +50,15 @@ def stored_matrices(reader) -> dict[str, StoredMatrix]:
 
 def plan(model: nn.Module, stored: dict[str, StoredMatrix]) -> BlockPlan:
     """The layers of ``model`` (dense, on any device) whose every part is stored in a block
-    format, at the shape the model expects (a wrong shape is left to the loader's check)."""
-    layers, split_layers, kept = {}, {}, set()
+    format, at the shape the model expects (a wrong shape is left to the loader's check, and
+    not logged as dequantized: the loader refuses it)."""
+    layers, split_layers, kept, misshapen = {}, {}, set(), set()
     for layer, names in parts_by_layer(model, stored).items():
         parts = [stored[n] for n in names]
-        if not _fits(model, layer, parts):
+        if not _readable(model, layer, parts):
+            continue
+        if not _shaped(model, layer, parts):
+            misshapen.update(names)
             continue
         if len({(p.format, p.row_bytes) for p in parts}) == 1:
             layers[layer] = _stacked(parts)
@@ -63,7 +67,7 @@ def plan(model: nn.Module, stored: dict[str, StoredMatrix]) -> BlockPlan:
         kept.update(names)
     if model.config.tie_word_embeddings and EMBEDDING in layers:
         layers[HEAD] = layers[EMBEDDING]
-    _log_dequantized(stored, kept)
+    _log_dequantized(stored, kept | misshapen)
     return BlockPlan(layers, split_layers, frozenset(kept))
 
 
@@ -78,12 +82,15 @@ def _part_name(name: str) -> str:
     return name.removesuffix(".weight").rpartition(".")[2]
 
 
-def _fits(model, layer: str, parts: list[StoredMatrix]) -> bool:
-    """Every part in a block format, of the shape the model's layer expects."""
-    module = layer_module(model, layer)
-    if module is None or not {p.format for p in parts} <= set(BLOCK_FORMATS):
-        return False
-    return [p.shape for p in parts] == [(n, module.weight.shape[1]) for n in part_sizes(model, layer)]
+def _readable(model, layer: str, parts: list[StoredMatrix]) -> bool:
+    """A layer of the model whose every part is in a block format."""
+    return layer_module(model, layer) is not None and {p.format for p in parts} <= set(BLOCK_FORMATS)
+
+
+def _shaped(model, layer: str, parts: list[StoredMatrix]) -> bool:
+    """Every part of the shape the model's layer expects."""
+    width = layer_module(model, layer).weight.shape[1]
+    return [p.shape for p in parts] == [(n, width) for n in part_sizes(model, layer)]
 
 
 def _log_dequantized(stored, kept) -> None:

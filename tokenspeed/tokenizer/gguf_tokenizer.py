@@ -6,6 +6,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from tokenspeed.tokenizer.chat_template import ChatTemplate
+from tokenspeed.tokenizer.file_errors import TokenizerFileError
 from tokenspeed.tokenizer.gguf_bpe import byte_alphabet, byte_level_backend
 from tokenspeed.tokenizer.gguf_spm import sentencepiece_backend
 from tokenspeed.tokenizer.gguf_vocab import CONTROL, USER_DEFINED, GGUFVocab, read_gguf_vocab
@@ -23,6 +24,9 @@ def _backend(vocab: GGUFVocab, path: Path) -> Backend:
         raise UnsupportedTokenizerError(
             f"{path}: tokenizer.ggml.model={vocab.model!r} is not supported "
             f"(supported: {', '.join(sorted(builders))})")
+    if vocab.model == "gpt2" and not vocab.merges:   # BPE without merges: every text in single bytes
+        raise TokenizerFileError(path, "a byte-level BPE vocabulary (tokenizer.ggml.model='gpt2') without "
+                                       "tokenizer.ggml.merges: text would be cut into single bytes")
     return builders[vocab.model](vocab)
 
 
