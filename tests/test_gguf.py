@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -96,6 +97,7 @@ SMOLLM2_PROMPTS = [  # ids from the file's own vocabulary (SmolLM2's tokenizer)
 TRANSFORMERS_GREEDY = """
 import functools, json, sys, gguf, torch, transformers
 from pathlib import Path
+from types import SimpleNamespace
 torch.set_num_threads(1)
 # speed only: transformers parses the file twice and rebuilds gguf's tensor-name table
 # for every module it visits; both are pure, so each is done once here
@@ -366,3 +368,15 @@ def test_default_model_path_without_the_file(monkeypatch):
         ts.models.default_model_path()
     (empty / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")
     assert ts.models.default_model_path() == empty / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.parametrize("key", ["block_count", "attention.head_count"])
+def test_missing_metadata_is_named_by_its_gguf_key(key):
+    """Not by the config.json field it would have become (a probe found
+    ``num_hidden_layers`` named for a file that lacked ``llama.block_count``)."""
+    keys = {k: v for k, v in metadata(*K_LAYOUT.values()).items() if k != key}
+    path = write(new_tmpdir("ts_gguf_meta_") / "lacking.gguf", "llama", keys, {})
+    with pytest.raises(ValueError, match=f"lacking.gguf: the GGUF file lacks the metadata llama.{re.escape(key)}$"):
+        ts.models.load(path)
+    with pytest.raises(ValueError, match="no general.architecture key"):
+        ts_gguf.architecture(SimpleNamespace(fields={}))

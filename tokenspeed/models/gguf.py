@@ -189,8 +189,14 @@ def default_dtype(reader) -> torch.dtype:
 # ---------------------------------------------------------------- metadata
 
 
+REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length",   # under the architecture's name:
+                 "attention.head_count")                                    # config.json's REQUIRED_FIELDS
+
+
 def architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise ValueError("the GGUF file has no general.architecture key: it names no model to build")
     if arch not in ARCHITECTURES:
         experts = " (GGUF mixtures of experts are not read: load the Hugging Face checkpoint)" \
             if "moe" in str(arch) else ""
@@ -213,8 +219,11 @@ def hf_config(reader) -> dict:
     """The metadata as the config.json fields ``ModelConfig.from_hf`` reads."""
     arch = architecture(reader)
     meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    missing = [f"{arch}.{key}" for key in REQUIRED_KEYS if meta(key) is None]
+    if missing:
+        raise ValueError(f"the GGUF file lacks the metadata {', '.join(missing)}")
     heads, hidden = meta("attention.head_count"), meta("embedding_length")
-    head_dim = meta("attention.key_length") or (hidden // heads if heads and hidden else None)
+    head_dim = meta("attention.key_length") or hidden // heads
     _check_metadata(arch, meta, head_dim)
     return {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
