@@ -189,8 +189,9 @@ def default_dtype(reader) -> torch.dtype:
 # ---------------------------------------------------------------- metadata
 
 
-REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length",   # under the architecture's name:
-                 "attention.head_count")                                    # config.json's REQUIRED_FIELDS
+# The keys (under the architecture's name) behind config.json's REQUIRED_FIELDS: a file
+# lacking one is refused by that key, not by the field it would have become.
+REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
 def architecture(reader) -> str:
