@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
@@ -153,6 +154,26 @@ def test_a_bad_schema_is_refused_at_the_call_and_nothing_else_is_affected(llm):
     assert caught.value.field == "structured_outputs.json"
     assert not llm.engine.has_work and llm.engine._num_constrained == 0
     assert re.fullmatch(REGEX, texts(llm, good)[0])
+
+
+@pytest.mark.parametrize("bad", [
+    dict(structured_outputs=ts.StructuredOutputs(choice=["yes"]), allowed_token_ids=[89, 90]),   # share no token
+    dict(structured_outputs=ts.StructuredOutputs(choice=[f"opt{i}" for i in range(2000)])),   # past a limit
+    dict(structured_outputs=ts.StructuredOutputs(grammar='start: "(" start ")"'))])   # no text ends it
+def test_constraints_that_leave_no_token_end_their_request_alone(llm, bad):
+    """Found mid-run, not at the door: the engine ends that request with its error, the
+    call that made it is refused naming the prompt, and another caller's request in the
+    same steps goes on (before, the step failed and took every request with it)."""
+    plain = ts.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    [other] = llm.engine.add((5, 6, 7), plain)
+    with pytest.raises(RefusedRequest, match="prompt 1: structured_outputs: the request's constraints left no token"):
+        llm.generate([PROMPT, PROMPT], [plain, ts.SamplingParams(temperature=0, max_tokens=40, **bad)],
+                     use_tqdm=False)
+    with torch.inference_mode():
+        while llm.engine.has_work:
+            llm.engine.step()
+    assert (other.finish_reason, len(other.output), other.error) == ("length", 24, None)
+    assert llm.engine._num_constrained == 0
 
 
 def test_a_stream_with_a_bad_grammar_is_refused_at_the_call(llm):

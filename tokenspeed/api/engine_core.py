@@ -113,7 +113,12 @@ class EngineCore:
 
     def _update(self, key: Hashable, prompt: _Prompt, error: str | None) -> TokenUpdate | None:
         """What the prompt's completions gained (only those that gained tokens or finished,
-        each finish sent once); None when nothing did. A finished prompt is forgotten."""
+        each finish sent once); None when nothing did. A finished prompt is forgotten. A
+        completion the engine ended with an error (its constraint's) ends the prompt with it."""
+        error = error or next((r.error for r in prompt.requests if r.error is not None), None)
+        if error is not None:
+            for request in prompt.requests:
+                self.engine.finish(request, "abort")
         deltas, finished = [], True
         for index, request in enumerate(prompt.requests):
             delta = _delta(prompt, index, request)

@@ -179,6 +179,7 @@ class LLM:
         except BaseException:
             self.client.drop(keys)   # an interrupt: nothing of this call runs on
             raise
+        self.client.raise_failure(keys)
         return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
@@ -220,6 +221,7 @@ class LLM:
                 yield text.take_unread()
             if last := text.take_unread():   # what arrived while another caller's steps finished it
                 yield last
+            self.client.raise_failure([key])
         finally:
             self.client.drop([key])   # a consumer that stopped early
 

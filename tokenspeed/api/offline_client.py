@@ -18,6 +18,7 @@ from tokenspeed.api.prompts import Prompt
 from tokenspeed.api.request_figures import prompt_metrics
 from tokenspeed.api.token_texts import with_token_texts
 from tokenspeed.engine.core import Engine
+from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.outputs import RequestOutput
 from tokenspeed.scheduling.request import Request
 from tokenspeed.execution.sampling_params import SamplingParams
@@ -102,6 +103,18 @@ class OfflineClient:
             if live is not None:
                 for index in live.output.update(update)[1]:   # a stop string ended it
                     self.core.finish(key, index)
+
+    def raise_failure(self, keys: list[int]) -> None:
+        """Refuse the call, forgetting its prompts, where the engine ended one alone with an
+        error (its constraints left it no token): as a prompt refused at the door refuses
+        its whole call."""
+        with self._lock:
+            failed = [(i, self._prompts[k].output.error) for i, k in enumerate(keys)
+                      if k in self._prompts and self._prompts[k].output.error is not None]
+        if failed:
+            self.drop(keys)
+            index, error = failed[0]
+            raise RefusedRequest(f"prompt {index}: {error}", field="structured_outputs", value=None, limit=None)
 
     def abort(self, requests: list[Request]) -> None:
         """Finish the unfinished ``requests`` now, returning their pages."""

@@ -105,7 +105,13 @@ class ConstrainedSteps:
                 for r, d in zip(requests, drafts)]
 
     def _accept(self, request, token: int) -> bool:
-        """Feed a read token to the request's constraint; True when its grammar is complete."""
+        """Feed a read token to the request's constraint; True when its grammar is complete.
+        A grammar that takes no token here ends this request alone, with its error."""
         constraint = request.constraint
-        constraint.accept(token)
+        try:
+            constraint.accept(token)
+        except RefusedRequest as exc:
+            request.error = str(exc)
+            self.finish(request, "abort")
+            return True
         return constraint.finished

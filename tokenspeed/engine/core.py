@@ -271,6 +271,8 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         remembered now: ``remember_full_pages``); True when it ends the request."""
         request.output.append(token)
         completes = request.constraint is not None and self._accept(request, token)
+        if request.finished:   # its constraint took no token: ended, with its error
+            return True
         scheduler = self.scheduler   # (every row of every step: the common case first)
         if scheduler.prefix_caching and request.num_cached // scheduler.page_size > request.num_pages_remembered:
             scheduler.remember_full_pages(request)

@@ -49,6 +49,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_token: int | None = None          # the end-of-sequence or stop token that ended it
+    error: str | None = None               # why it was ended alone, mid-run (its constraint's)
     num_cached: int = 0                    # tokens whose K/V are in the cache (or being written)
     num_dropped: list[int] = attrs.Factory(list)   # per group: leading pages returned behind its window
     page_digests: list[bytes] = attrs.Factory(list)   # of its full pages (page_digests.py)

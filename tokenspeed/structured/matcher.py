@@ -50,10 +50,15 @@ class GrammarMatcher:
         return twin
 
     def accept(self, token: int) -> None:
-        """Feeds a token the request keeps. The mask allowed it, so a refusal is a fault."""
+        """Feeds a token the request keeps. The mask allowed it, so a refusal means the mask
+        allowed nothing (the grammar and ``allowed_token_ids`` share no token) or the grammar
+        passed one of llguidance's limits (a choice of thousands, a grammar no text ends):
+        the request's own constraints, refused for it alone (``ConstrainedSteps._accept``)."""
         if not self.matcher.consume_token(token):
-            raise InternalError(f"the grammar refused token {token}, which its mask allowed: "
-                                f"{self.matcher.get_error()}")
+            raise RefusedRequest(f"structured_outputs: the request's constraints left no token to sample "
+                                 f"(llguidance: {self.matcher.get_error()}): a grammar past llguidance's "
+                                 f"limits, or one that shares no token with allowed_token_ids",
+                                 field="structured_outputs", value=token, limit=None)
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (a speculative draft) the grammar takes from here, in order;
