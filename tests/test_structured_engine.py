@@ -176,6 +176,17 @@ def test_constraints_that_leave_no_token_end_their_request_alone(llm, bad):
     assert llm.engine._num_constrained == 0
 
 
+def test_the_schema_true_is_any_json_value(llm):
+    """A boolean JSON Schema, given as text (before: a bare ValueError, a 500 on the server)."""
+    [out] = llm.generate([PROMPT], ts.SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                                                      structured_outputs=ts.StructuredOutputs(json="true")),
+                         use_tqdm=False)
+    answer = out.outputs[0]
+    assert answer.finish_reason in ("stop", "length")
+    if answer.finish_reason == "stop":
+        json.loads(answer.text)   # raises where the answer is no JSON
+
+
 def test_a_stream_with_a_bad_grammar_is_refused_at_the_call(llm):
     with pytest.raises(RefusedRequest, match=r"structured_outputs\.regex"):
         llm.stream(PROMPT, ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="[z-a]")))
@@ -186,7 +197,11 @@ def test_a_stream_with_a_bad_grammar_is_refused_at_the_call(llm):
     (ts.SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
     (ts.SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
     (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex="(unclosed")), "structured_outputs.regex"),
-    (ts.SamplingParams(min_tokens=2, structured_outputs=ts.StructuredOutputs(choice=["a"])), "min_tokens")])
+    (ts.SamplingParams(min_tokens=2, structured_outputs=ts.StructuredOutputs(choice=["a"])), "min_tokens"),
+    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(regex=r"[^\s\S]")), "structured_outputs.regex"),
+    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(grammar="start: /[^\\s\\S]/")),
+     "structured_outputs.grammar"),   # no text satisfies either (before: an empty answer, "stop")
+    (ts.SamplingParams(structured_outputs=ts.StructuredOutputs(json="false")), "structured_outputs.json")])
 def test_bad_ids_and_grammars_are_refused_by_field(llm, params, field):
     with pytest.raises(RefusedRequest) as caught:
         llm.generate([PROMPT], params, use_tqdm=False)

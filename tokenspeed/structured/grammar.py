@@ -47,7 +47,10 @@ def _schema(spec: StructuredOutputs, text: str) -> str:
         raise _refuse(spec, f"not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise _refuse(spec, f"a JSON Schema is an object or a boolean, not {type(schema).__name__}")
-    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    if schema is False:
+        raise _refuse(spec, "the schema false allows no value")
+    schema = {} if schema is True else schema   # any value: llguidance takes the object form
+    own = schema.get("x-guidance")
     chosen = isinstance(own, dict) and WHITESPACE_OPTIONS & own.keys()
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=None if chosen else JSON_DEFAULTS)
 
@@ -71,9 +74,20 @@ def compile_grammar(spec: StructuredOutputs,
                     tokenizer: llguidance.LLTokenizer | None = None) -> Grammar:
     """``spec`` as llguidance's grammar, refused with llguidance's message if it does not
     compile. With the model's ``tokenizer`` (``guidance_tokenizer``) the check also covers
-    what depends on the vocabulary (special tokens a grammar names)."""
+    what depends on the vocabulary (special tokens a grammar names), and a grammar that no
+    text satisfies (``[^\\s\\S]``): its first mask leaves llguidance's matcher in error, where
+    the engine would end the request at once with nothing."""
     text = _grammar_text(spec)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
     if failed:
         raise _refuse(spec, messages[0].strip())
+    if tokenizer is not None:
+        _check_satisfiable(spec, text, tokenizer)
     return Grammar(spec, text)
+
+
+def _check_satisfiable(spec: StructuredOutputs, text: str, tokenizer: llguidance.LLTokenizer) -> None:
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        raise _refuse(spec, f"no text satisfies it ({matcher.get_error().splitlines()[0]})")
