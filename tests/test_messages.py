@@ -19,7 +19,7 @@ from tokenspeed.scheduling.prompt_limits import PromptLimits
 def step_report() -> StepReport:
     logprobs = (TokenLogprobs(5, -0.25, {5: -0.25, 9: -2.0}, {5: "a", 9: "b"}, 1),)
     delta = TokenDelta(1, (5,), logprobs, "stop", 9)
-    update = TokenUpdate((delta,), True, 4, None, (Completed(1, "stop", 0.5, None),))
+    update = TokenUpdate((delta,), True, 4, None, (Completed(1, "stop", 0.5, None),), False)
     return StepReport([(7, update)], EngineLoad(1, 0, 3))
 
 

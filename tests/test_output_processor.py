@@ -71,7 +71,7 @@ def engine_updates(token_ids, cuts, finish: str) -> list[TokenUpdate]:
     bounds = [0, *sorted(set(cuts)), len(token_ids)]
     spans = [token_ids[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
     return [TokenUpdate((TokenDelta(0, tuple(span), (), finish if i == len(spans) - 1 else None, None),),
-                        i == len(spans) - 1, 3, None, ()) for i, span in enumerate(spans)]
+                        i == len(spans) - 1, 3, None, (), False) for i, span in enumerate(spans)]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -163,7 +163,7 @@ def test_the_token_that_ended_the_answer_is_kept_without_its_text(llm, plain, in
         for i in range(len(tokens)):   # a token an update, the last one ending it
             ended = i == len(tokens) - 1
             update = TokenUpdate((TokenDelta(0, tokens[i:i + 1], (), "stop" if ended else None,
-                                             stop_token if ended else None),), ended, 3, None, ())
+                                             stop_token if ended else None),), ended, 3, None, (), False)
             answer, _ = output.update(update)
         last = answer.deltas[-1]
         whole = llm.tokenizer.decode(list(tokens), skip_special_tokens=skip_special)

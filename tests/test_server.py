@@ -737,3 +737,25 @@ def test_a_model_without_a_tokenizer_serves_token_ids_and_names_what_needs_one()
             error = refused.json()["error"]
             assert refused.status_code == 400 and error["param"] == field, (route, error)
             assert "this model has no tokenizer" in error["message"]
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_that_leave_no_token_are_a_400_for_that_request_alone(base_url, stream):
+    """Found mid-run (a grammar and allowed_token_ids that share no token): the request's
+    own settings, so a 400 naming why, streamed or not; the server serves on."""
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": "zzz"}, headers=AUTH).json()["tokens"]
+    body = {"prompt": "Answer:", "max_tokens": 10, "allowed_token_ids": ids, "stream": stream,
+            "structured_outputs": {"choice": ["yes"]}}
+    answer = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    if stream:
+        [error] = [json.loads(line.removeprefix("data: "))["error"] for line in answer.text.splitlines()
+                   if line.startswith("data: {\"error\"")]
+    else:
+        error = answer.json()["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError"
+    assert "the request's constraints left no token to sample" in error["message"]
+    ok = httpx.post(f"{base_url}/v1/completions", json={"prompt": "still", "max_tokens": 2}, headers=AUTH)
+    assert ok.status_code == 200

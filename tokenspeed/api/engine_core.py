@@ -115,7 +115,8 @@ class EngineCore:
         """What the prompt's completions gained (only those that gained tokens or finished,
         each finish sent once); None when nothing did. A finished prompt is forgotten. A
         completion the engine ended with an error (its constraint's) ends the prompt with it."""
-        error = error or next((r.error for r in prompt.requests if r.error is not None), None)
+        own = next((r.error for r in prompt.requests if r.error is not None), None)
+        refused, error = error is None and own is not None, error or own
         if error is not None:
             for request in prompt.requests:
                 self.engine.finish(request, "abort")
@@ -131,7 +132,7 @@ class EngineCore:
         if finished:
             del self._live[key]
             done = tuple(map(completed, prompt.requests))
-        return TokenUpdate(tuple(deltas), finished, prompt.num_prompt_tokens, error, done)
+        return TokenUpdate(tuple(deltas), finished, prompt.num_prompt_tokens, error, done, refused)
 
 
 def _due(prompt: _Prompt, interval: int) -> bool:

@@ -78,12 +78,14 @@ class Completed(Record):
 class TokenUpdate(Record):
     """A prompt's completions after a step; ``finished`` once the engine has ended all of
     them, with each one's figures in ``completed``; ``error`` when a step failed and took
-    the request with it."""
+    the request with it, or, ``refused``, when the request's own settings ended it (its
+    constraints left it no token; the engine refused it): the caller's to mend."""
     deltas: tuple[TokenDelta, ...]
     finished: bool
     num_prompt_tokens: int
     error: str | None
     completed: tuple[Completed, ...]
+    refused: bool
 
 
 class EngineLoad(Record):

@@ -32,7 +32,8 @@ class PromptOutput:
             return None, []
         if update.error is not None:
             self.error = update.error
-            return GroupUpdate((), True, self.num_prompt_tokens, self.num_output_tokens, update.error), []
+            return GroupUpdate((), True, self.num_prompt_tokens, self.num_output_tokens, update.error,
+                               update.refused), []
         deltas, stopped = [], []
         for delta in update.deltas:
             gained = self.completions[delta.index].feed(delta)

@@ -32,3 +32,4 @@ class GroupUpdate(TextRecord):
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None
+    refused: bool = False   # the error is the request's own (``TokenUpdate.refused``)

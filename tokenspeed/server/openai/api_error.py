@@ -12,3 +12,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.status}}
+
+
+def failed_in_engine(update) -> APIError:
+    """A prompt's update that ended it with an error, as the answer: a 400 where the request's
+    own settings ended it (``refused``: its constraints left it no token), else a 500."""
+    if update.refused:
+        return APIError(400, update.error, None, "BadRequestError")
+    return APIError(500, f"the request failed in the engine: {update.error}", None, "InternalServerError")

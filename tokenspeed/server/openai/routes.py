@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenspeed.server.openai import responses
+from tokenspeed.server.openai.api_error import failed_in_engine
 from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenspeed.server.openai.chat_replies import ReplyParsing
 from tokenspeed.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
@@ -121,7 +122,7 @@ async def _stream(server: "Server", keys, updates, fmt, include_usage: bool):
                 return
             for index, update in arrived:   # one write for all that arrived
                 if update.error:
-                    yield "".join(events) + _error_event(APIError(500, update.error, None, "InternalServerError"))
+                    yield "".join(events) + _error_event(failed_in_engine(update))
                     return
                 events.append(fmt.events(prefix, index, update))
                 if update.finished:

@@ -30,7 +30,7 @@ from tokenspeed.server.openai.lifecycle import SHUTDOWN_TIMEOUT_S, check_timeout
 from tokenspeed.server.openai.listening import listening
 from tokenspeed.server.openai.mailbox import Mailbox
 from tokenspeed.server.openai.metrics import ServerMetrics
-from tokenspeed.server.openai.api_error import APIError
+from tokenspeed.server.openai.api_error import APIError, failed_in_engine
 from tokenspeed.server.openai.routes import add_routes
 from tokenspeed.api.output_processor import PromptOutput
 from tokenspeed.api.prompts import Prompt
@@ -218,8 +218,7 @@ class Server:
                     continue
                 for index, update in arrived:
                     if update.error:
-                        raise APIError(500, f"the request failed in the engine: {update.error}", None,
-                                       "InternalServerError")
+                        raise failed_in_engine(update)
                     per_prompt[index].append(update)
                     if update.finished:
                         pending.discard(index)
