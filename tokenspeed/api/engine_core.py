@@ -115,7 +115,7 @@ class EngineCore:
         """What the prompt's completions gained (only those that gained tokens or finished,
         each finish sent once); None when nothing did. A finished prompt is forgotten. A
         completion the engine ended with an error (its constraint's) ends the prompt with it."""
-        own = next((r.error for r in prompt.requests if r.error is not None), None)
+        own = _own_error(prompt)
         refused, error = error is None and own is not None, error or own
         if error is not None:
             for request in prompt.requests:
@@ -133,6 +133,15 @@ class EngineCore:
             del self._live[key]
             done = tuple(map(completed, prompt.requests))
         return TokenUpdate(tuple(deltas), finished, prompt.num_prompt_tokens, error, done, refused)
+
+
+def _own_error(prompt: _Prompt) -> str | None:
+    """The error of a completion the engine ended alone (a plain loop: every live prompt's
+    update of every step asks)."""
+    for request in prompt.requests:
+        if request.error is not None:
+            return request.error
+    return None
 
 
 def _due(prompt: _Prompt, interval: int) -> bool:
