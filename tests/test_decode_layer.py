@@ -104,6 +104,19 @@ def test_an_odd_shape_takes_several_tiles_a_program():
     assert_close([kv], [kv_expected], torch.float32)
 
 
+def test_a_cache_groups_column_of_slots_is_read_by_its_stride():
+    """A model of several cache groups hands each layer its group's column of the slot
+    mapping (stride 2 here): each row's key and value reach that row's slot."""
+    args = list(layer_case(96, 160, 6, 2, 16, [20, 35], 4, torch.float32, seed=5))
+    slots = args[11]
+    args[11] = torch.stack([slots, torch.zeros_like(slots)], 1)[:, 0]   # the other group: the null slot
+    assert args[11].stride(0) == 2
+    x = torch.randn(2, 96).to(DEVICE)
+    (got, kv), (expected, kv_expected) = run_both(tuple(args), x, None, splits=2)
+    assert_close(got, expected, torch.float32)
+    assert_close([kv], [kv_expected], torch.float32)
+
+
 def test_the_kernel_refuses_a_missing_counter_buffer():
     args = layer_case(96, 160, 6, 2, 16, [5], 4, torch.float32)
     with pytest.raises(Exception, match="split_counters"):
@@ -113,9 +126,10 @@ def test_the_kernel_refuses_a_missing_counter_buffer():
 def test_tiles_and_splits_follow_the_shape():
     assert triton_layer.tile_rows(576, 576, 132, 8192, padded=1024) == 8     # one tile a program
     assert triton_layer.tile_rows(2048, 8192, 132, 8192) == 1                # within the budget
-    assert triton_layer.choose_splits(1, 3, 4096, 132) == 8
-    assert triton_layer.choose_splits(8, 8, 4096, 132) == 2                  # the grid filled once
-    assert triton_layer.choose_splits(1, 3, 200, 132) == 1
+    assert triton_layer.choose_splits(1, 3, 4096, 132, 16 * 64) == 8
+    assert triton_layer.choose_splits(8, 8, 4096, 132, 32 * 64) == 2          # the grid filled once
+    assert triton_layer.choose_splits(1, 3, 200, 132, 16 * 64) == 1
+    assert triton_layer.choose_splits(1, 8, 8192, 132, 32 * 128) == 4         # the merge's tile
     assert layer_kernel_refuses(576, 1536, 9, 3, 64) is None
     assert "head_dim 80" in layer_kernel_refuses(576, 1536, 9, 3, 80)
     assert "intermediate" in layer_kernel_refuses(8192, 28672, 64, 8, 128)
@@ -151,14 +165,20 @@ def test_a_layer_the_kernel_cannot_take_stays_unfused_and_says_why(variant, dtyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_the_layer_kernel_on_a_gpu_at_the_default_models_shape(rows):
-    """The whole grid of one program an SM, barriers and all, against the CUDA ops, and
-    twenty launches leave the counters zero."""
+    """The whole grid of one program an SM, barriers and all, against the CUDA ops; twenty
+    more launches give the same bits and leave the counters zero."""
     args = layer_case(576, 1536, 9, 3, 64, [512 + 37 * r for r in range(rows)], 16, torch.bfloat16)
     x = torch.randn(rows, 576, device="cuda").to(torch.bfloat16)
     residual = torch.randn(rows, 576, device="cuda").to(torch.bfloat16)
     (got, kv), (expected, kv_expected) = run_both(args, x, residual)
     assert_close(got, expected, torch.bfloat16)
     assert_close([kv], [kv_expected], torch.bfloat16)
+    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
+    mine = list(args)
+    mine[9] = kv
+    for _ in range(20):
+        again = triton_layer.decode_layer(x, residual, *mine, counters)
+        assert all(torch.equal(a, g) for a, g in zip(again, got)) and not counters.any()
 
 
 @gpu

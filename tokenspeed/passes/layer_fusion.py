@@ -87,6 +87,8 @@ def _match(down: fx.Node) -> "_Layer | None":
     first = qkv_item.args[0]
     pre = _kwargs(first)
     total = [u for u in first.users if u.target is operator.getitem and u.args[1] == 1]
+    if pre["residual"] is not None and not total:   # the sum unread: the MLP's input is something else
+        return None
     h = total[0] if total else pre["x"]
     if post_args["x"] is not h or (total and len(total[0].users) != 1):
         return None

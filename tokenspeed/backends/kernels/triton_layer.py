@@ -17,7 +17,8 @@ Every program of the grid must be resident at once (one per SM, at most), or the
 would wait for a program that cannot start: a GPU shared through MPS with a cap on its SMs
 would hang. Under the Triton interpreter, which runs programs one after another, the grid
 is one program and every barrier is passed at once.
-Each phase rounds as the unfused ops do (``reference``): only summation orders differ.
+Each phase rounds as CUDA's unfused kernels do (the rotary in float32, as
+``triton_decode``'s): only summation orders differ.
 """
 
 import functools
@@ -94,7 +95,7 @@ def _tile(w_ptr, rows, valid, K: tl.constexpr, KP: tl.constexpr):
 
 @triton.jit
 def _phase_a(t, wa, wb, x_ptr, delta_ptr, nw_ptr, eps, rows, pos_ptr, cs_ptr, slot_ptr, q_buf,
-             k_ptr, v_ptr, stride_cs, stride_slot, stride_kvh,
+             k_ptr, v_ptr, stride_cs, stride_sm, stride_slot, stride_kvh,
              H: tl.constexpr, HP: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr,
              D: tl.constexpr, BN: tl.constexpr, HAS_DELTA: tl.constexpr):
     head, idx = _qkv_tile_cols(t, D, BN)
@@ -110,7 +111,7 @@ def _phase_a(t, wa, wb, x_ptr, delta_ptr, nw_ptr, eps, rows, pos_ptr, cs_ptr, sl
         if head < NQ:
             dst = q_buf + (r * NQ + head) * D + idx
         else:
-            slot = tl.load(slot_ptr + r).to(tl.int64) * stride_slot
+            slot = tl.load(slot_ptr + r * stride_sm).to(tl.int64) * stride_slot
             cache = k_ptr if head < NQ + NKV else v_ptr
             dst = cache + slot + ((head - NQ) % NKV) * stride_kvh + idx
         tl.store(dst, y1.to(dst.dtype.element_ty))
@@ -206,7 +207,7 @@ def _decode_layer_kernel(
         x_ptr, delta_ptr, res_out, down_out, in_norm, w_qkv, w_o, post_norm, w_gu, w_down,
         cs_ptr, pos_ptr, slot_ptr, bt_ptr, req_ptr, k_ptr, v_ptr,
         q_buf, mid_o, mid_lse, o_buf, act_buf, bar_ptr,
-        rows, eps, qk_scale, stride_cs, stride_bt, stride_slot, stride_kvh,
+        rows, eps, qk_scale, stride_cs, stride_sm, stride_bt, stride_slot, stride_kvh,
         H: tl.constexpr, HP: tl.constexpr, INTER: tl.constexpr, IP: tl.constexpr,
         NQ: tl.constexpr, NQP: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -225,7 +226,7 @@ def _decode_layer_kernel(
     for t in range(pid, nt, P):
         na, nb = _qkv_tiles(w_qkv, t + P, nt, H, HP, D, BN_QKV)
         _phase_a(t, wa, wb, x_ptr, delta_ptr, in_norm, eps, rows, pos_ptr, cs_ptr, slot_ptr, q_buf,
-                 k_ptr, v_ptr, stride_cs, stride_slot, stride_kvh, H, HP, NQ, NKV, D, BN_QKV, HAS_DELTA)
+                 k_ptr, v_ptr, stride_cs, stride_sm, stride_slot, stride_kvh, H, HP, NQ, NKV, D, BN_QKV, HAS_DELTA)
         wa, wb = na, nb
     _grid_sync(bar_ptr, P)
     # B: attention partials
@@ -304,7 +305,10 @@ def decode_layer(x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_
     ``num_warps`` override the choices (for measuring)."""
     if split_counters is None or split_counters.numel() < 2:
         raise InternalError("decode_layer needs split_counters: two zeroed int32 for its barriers")
-    x = x.contiguous()
+    weights = (input_norm, qkv_weight, o_weight, post_norm, gate_up_weight, down_weight)
+    if not all(w.is_contiguous() for w in weights):
+        raise InternalError("decode_layer reads its weights as contiguous rows")
+    x, cos_sin = x.contiguous(), cos_sin.contiguous()
     residual = residual if residual is None else residual.contiguous()
     rows, hidden = x.shape
     head_dim = qkv_weight.shape[0] // (num_heads + 2 * num_kv_heads)
@@ -312,8 +316,10 @@ def decode_layer(x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_
     k_cache, v_cache = kv_cache.flatten(2, 3)[layer].unbind(0)
     programs = programs or grid_size(x.device)
     hp, ip, nqp = next_power_of_2(hidden), next_power_of_2(inter), next_power_of_2(num_heads)
-    num_warps = num_warps or (4 if max(2 * hp, ip, 4 * nqp * head_dim) <= 8192 else 8)
-    splits = splits or choose_splits(rows, num_kv_heads, block_tables.shape[1] * kv_cache.shape[3], programs)
+    splits = splits or choose_splits(rows, num_kv_heads, block_tables.shape[1] * kv_cache.shape[3], programs,
+                                     nqp * head_dim)
+    widest = max(2 * hp, ip, 4 * nqp * head_dim, 2 * nqp * splits * head_dim)   # the merge's tile: float32
+    num_warps = num_warps or (4 if widest <= 8192 else 8)
     budget = 64 * 32 * num_warps
     scratch = functools.partial(torch.empty, device=x.device)
     mid_o = scratch((rows, num_heads, splits, head_dim), dtype=torch.float32)
@@ -325,7 +331,8 @@ def decode_layer(x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_
         x, x if residual is None else residual, res_out, down_out, input_norm, qkv_weight, o_weight, post_norm,
         gate_up_weight, down_weight, cos_sin, positions, slot_mapping, block_tables, row_request, k_cache, v_cache,
         q_buf, mid_o, mid_lse, o_buf, act_buf, split_counters,
-        rows, eps, scale * LOG2E, cos_sin.stride(0), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+        rows, eps, scale * LOG2E, cos_sin.stride(0), slot_mapping.stride(0), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1),
         H=hidden, HP=hp, INTER=inter, IP=ip, NQ=num_heads, NQP=nqp, NKV=num_kv_heads, D=head_dim,
         PAGE_SIZE=kv_cache.shape[3], SPLITS=splits, BLOCK_N=64,
         BLOCK_G=max(16, next_power_of_2(num_heads // num_kv_heads)),
@@ -338,9 +345,11 @@ def decode_layer(x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_
     return [res_out, down_out]
 
 
-def choose_splits(rows: int, kv_heads: int, max_context: int, programs: int) -> int:
-    """KV splits a row and KV head: a power of two (the merge's tile), at most 8 and at
-    most what fills the grid once, at least 256 keys each at the longest context."""
+def choose_splits(rows: int, kv_heads: int, max_context: int, programs: int, head_values: int) -> int:
+    """KV splits a row and KV head: a power of two (the merge's tile), at most 8, at most
+    what fills the grid once, at least 256 keys each at the longest context, and a merge
+    tile (``head_values``, padded heads x head_dim, a split) of at most 16K values."""
     by_length = next_power_of_2(max(1, -(-max_context // 256)))
     by_grid = max(1, programs // max(1, rows * kv_heads))
-    return max(1, min(8, by_length, 1 << (by_grid.bit_length() - 1)))
+    by_tile = max(1, 16384 // head_values)
+    return max(1, min(8, by_length, 1 << (by_grid.bit_length() - 1), 1 << (by_tile.bit_length() - 1)))
