@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 import tokenspeed as ts  # noqa: E402
 from tokenspeed import stages  # noqa: E402
 from tokenspeed.api.model_source import as_model  # noqa: E402
-from tokenspeed.backends.kernels import layer_steps, reference, triton_layer  # noqa: E402
+from tokenspeed.backends.kernels import cuda, layer_steps, reference, triton_layer  # noqa: E402
 from tokenspeed.backends.kernels.layer_steps import layer_kernel_refuses  # noqa: E402
 from tokenspeed.ir.ops import DECODE_LAYER  # noqa: E402
 from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
@@ -62,8 +62,7 @@ def run_both(args, x, residual, kernel=triton_layer.decode_layer, **options):
     kv = args[9]
     mine = list(args)
     mine[9] = kv.clone()
-    ops = reference if x.device.type == "cpu" else __import__("tokenspeed.backends.kernels.cuda").backends.kernels.cuda
-    expected = layer_steps.decode_layer_by_ops(ops, x, residual, *args)
+    expected = layer_steps.decode_layer_by_ops(reference if x.device.type == "cpu" else cuda, x, residual, *args)
     got = kernel(x, residual, *mine, counters, **options)
     assert not counters.any(), "the barriers left their counters set"
     return (got, mine[9]), (expected, kv)
