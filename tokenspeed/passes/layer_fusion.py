@@ -80,6 +80,9 @@ def _match(down: fx.Node) -> "_Layer | None":
     heads = [_head_view(att[name]) for name in ("q", "k", "v")]
     if None in heads or len({h[0] for h in heads}) != 1 or [h[1].args[1] for h in heads] != [0, 1, 2]:
         return None
+    (_, _, q), (_, _, k), (_, _, v) = heads
+    if k.args[2:] != v.args[2:] or q.args[3] != k.args[3]:   # k and v alike, one head_dim
+        return None
     split = heads[0][0]
     qkv_item = split.args[0]
     if not (_lone(qkv_item, index=0) and qkv_item.args[0].target == NORM_LINEAR) or len(split.users) != 3:
