@@ -12,6 +12,7 @@ kept on its first op (``unfused=``, printed by ``inspect``).
 
 import functools
 import operator
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -39,11 +40,15 @@ def fuse_decode_layers(gm: fx.GraphModule, **_) -> None:
         _replace(gm, layer)
 
 
-class _Layer:
-    """The matched chain, first op to last, and the fused op's arguments."""
+class _Layer(NamedTuple):
+    """The matched chain, first op to last (the order they are defined in), and the
+    normalized arguments of its ops."""
+    nodes: list[fx.Node]
+    args: dict
 
-    def __init__(self, nodes: list[fx.Node], args: dict):
-        self.nodes, self.args, self.first = nodes, args, nodes[0]
+    @property
+    def first(self) -> fx.Node:
+        return self.nodes[0]
 
 
 def _kwargs(node: fx.Node) -> dict:
@@ -95,10 +100,10 @@ def _match(down: fx.Node) -> "_Layer | None":
     h = total[0] if total else pre["x"]
     if post_args["x"] is not h or (total and len(total[0].users) != 1):
         return None
-    nodes = [first, qkv_item, split, *[item for _, item, _ in heads], *[view for _, _, view in heads], attention,
-             flat, o_proj, post, gate_up_item, down]
+    nodes = [first, *total, qkv_item, split, *[item for _, item, _ in heads], *[view for _, _, view in heads],
+             attention, flat, o_proj, post, gate_up_item, down]
     args = dict(pre=pre, post=post_args, att=att, o=_kwargs(o_proj), mlp=mlp,
-                heads=(att["q"].args[2], att["k"].args[2]), total=total[0] if total else None)
+                heads=(att["q"].args[2], att["k"].args[2]))
     return _Layer(nodes, args)
 
 
@@ -161,16 +166,11 @@ def _replace(gm: fx.GraphModule, layer: _Layer) -> None:
     with gm.graph.inserting_after(residual):
         out = gm.graph.call_function(operator.getitem, (fused, 1))
     post_total = [u for u in layer.nodes[-3].users if u.target is operator.getitem and u.args[1] == 1]
+    names = [(fused, f"layer{att['layer']}"), (out, down.name), *[(residual, t.name) for t in post_total]]
     for total in post_total:
         total.replace_all_uses_with(residual)
     down.replace_all_uses_with(out)
-    names = {"fused": f"layer{att['layer']}", "residual": post_total[0].name if post_total else None,
-             "out": down.name}
-    for node in [*post_total, *reversed(layer.nodes)]:
-        if a["total"] is not None and node is layer.first:
-            gm.graph.erase_node(a["total"])
+    for node in [*post_total, *reversed(layer.nodes)]:   # readers before what they read
         gm.graph.erase_node(node)
-    rename(fused, names["fused"])
-    if names["residual"]:
-        rename(residual, names["residual"])
-    rename(out, names["out"])
+    for node, name in names:
+        rename(node, name)

@@ -2,6 +2,8 @@
 reference, and CUDA's form where the one-launch kernel does not run (more rows than it
 takes, a float8 cache)."""
 
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+
 
 def decode_layer_by_ops(kernels, x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_up_weight,
                         down_weight, eps, cos_sin, positions, kv_cache, layer, slot_mapping, block_tables,
@@ -29,11 +31,7 @@ def layer_kernel_refuses(hidden: int, intermediate: int, num_heads: int, num_kv_
         return f"head_dim {head_dim} (the kernel takes a power of two from 16 to 256)"
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads over {num_kv_heads} KV heads"
-    widest = {"hidden": 2 * _power_of_2(hidden), "intermediate": _power_of_2(intermediate),
-              "heads x head_dim": 4 * _power_of_2(num_heads) * head_dim}
+    widest = {"hidden": 2 * next_power_of_2(hidden), "intermediate": next_power_of_2(intermediate),
+              "heads x head_dim": 4 * next_power_of_2(num_heads) * head_dim}
     over = [name for name, width in widest.items() if width > 16384]
     return f"{', '.join(over)} past the kernel's tiles" if over else None
-
-
-def _power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
