@@ -110,38 +110,11 @@ def cache_writes():
         assert converts == (2 if cache == "*fp8e4nv" else 0)
 
 
-def layer_kernels():
-    """The one-launch decode layer at the default model's shape and the 1B shape: its grid
-    barriers (a release add, acquire polls), the wait for the kernel before it and the
-    early launch of the next."""
-    from tokenspeed.backends.kernels import triton_layer
-    names = triton_layer._decode_layer_kernel.arg_names
-    pointers = {n: "*bf16" for n in names[:17]}
-    pointers.update(pos_ptr="*i64", slot_ptr="*i64", bt_ptr="*i32", req_ptr="*i32", mid_o="*fp32",
-                    mid_lse="*fp32", q_buf="*bf16", o_buf="*bf16", act_buf="*bf16", bar_ptr="*i32")
-    signature = {**pointers, "rows": "i32", "eps": "fp32", "qk_scale": "fp32",
-                 **{n: "i32" for n in names if n.startswith("stride")}}
-    for hidden, inter, heads, kv_heads, warps in ((576, 1536, 9, 3, 4), (2048, 8192, 32, 8, 8)):
-        hp, ip, nqp = (triton_layer.next_power_of_2(n) for n in (hidden, inter, heads))
-        budget = 64 * 32 * warps
-        flags = dict(H=hidden, HP=hp, INTER=inter, IP=ip, NQ=heads, NQP=nqp, NKV=kv_heads, D=64, PAGE_SIZE=16,
-                     SPLITS=8, BLOCK_N=64, BLOCK_G=16, BN_QKV=max(2, triton_layer.tile_rows(
-                         (heads + 2 * kv_heads) * 64, hidden, 132, budget, 64, hp)),
-                     BN_O=triton_layer.tile_rows(hidden, hidden, 132, budget, padded=nqp * 64),
-                     BN_GU=triton_layer.tile_rows(inter, 2 * hidden, 132, budget, padded=2 * hp),
-                     BN_DOWN=triton_layer.tile_rows(hidden, inter, 132, budget, padded=ip),
-                     HAS_DELTA=True, PRECISION="tf32", LAUNCH_NEXT=True, USE_PDL=True)
-        kernel = compile_sm90(triton_layer._decode_layer_kernel, signature, flags, num_warps=warps)
-        ptx = kernel.asm["ptx"]   # the arrival's add returns nothing; a poll is a load
-        assert "griddepcontrol.wait" in ptx and "red.global.gpu.release.add" in ptx
-        assert "ld.global.gpu.acquire" in ptx and "griddepcontrol.launch_dependents" in ptx
-
-
 def test_kernels_compile_for_sm90():
     """Every check in one child (one start of torch and Triton); a failure's traceback
     names its check."""
     assert_compiles([__file__, "gemv_variants", "decode_kernels", "sampling_kernels", "extend_kernels",
-                     "cache_writes", "layer_kernels"])
+                     "cache_writes"])
 
 
 def test_the_precompile_marker_names_the_variant_set(tmp_path, monkeypatch):

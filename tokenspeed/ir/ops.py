@@ -212,22 +212,6 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return [out] if residual is None else [out, torch.empty_like(x)]
 
 
-@_op("decode_layer", mutates_args=("kv_cache",))
-def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torch.Tensor,
-                 qkv_weight: torch.Tensor, o_weight: torch.Tensor, post_norm: torch.Tensor,
-                 gate_up_weight: torch.Tensor, down_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
-                 positions: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, row_request: torch.Tensor, scale: float, num_heads: int,
-                 num_kv_heads: int, split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """A Llama decoder layer's decode step (a fusion pass's, 16-bit weights): with ``h =
-    x + residual`` (``x`` alone without one), ``[h + attention, mlp]``, the next layer's
-    ``x`` and ``residual``. Attention is ``rope_decode_attention`` of the QKV product of
-    ``rms_norm(h)`` (q, k, v heads in that order, no bias, no window), projected by
-    ``o_weight``; the MLP is ``gated_linear`` of ``norm_linear``'s gate/up product of the
-    sum. ``split_counters``: as ``linear``'s (its barriers leave them zeroed)."""
-    return [torch.empty_like(x), torch.empty_like(x)]
-
-
 @_op("embedding")
 def embedding(ids: torch.Tensor, weight: torch.Tensor, weight_format: str, features: int,
               dtype: torch.dtype) -> torch.Tensor:
@@ -342,10 +326,9 @@ ATTENTION = OPS.attention.default
 EXTEND_ATTENTION = OPS.extend_attention.default
 DECODE_ATTENTION = OPS.decode_attention.default
 ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
-DECODE_LAYER = OPS.decode_layer.default
 MLA_ATTENTION = OPS.mla_attention.default
 MLA_DECODE_ATTENTION = OPS.mla_decode_attention.default
-ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION, DECODE_LAYER,
+ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION,
                      OPS.mla_attention, MLA_ATTENTION, MLA_DECODE_ATTENTION)
 ROPE_WRITE_KV = OPS.rope_write_kv.default
 ROPE = OPS.rope.default
@@ -365,4 +348,4 @@ OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attenti
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
             "norm_linear", "embedding", "softmax_top_k", "route", "norm_route", "moe", "write_latent",
             "norm_rope_write_latent", "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule",
-            "causal_conv_silu_step", "gated_delta_rule_step", "decode_layer")
+            "causal_conv_silu_step", "gated_delta_rule_step")

@@ -13,7 +13,7 @@ from tokenspeed.ir.descriptors import leaves
 from tokenspeed.ir.printing import graph_text
 
 STAGES = ("encoder", "narrowing", "decoder", "finish")
-ANNOTATIONS = ("stage", "segment", "unfused")
+ANNOTATIONS = ("stage", "segment")
 
 
 @attrs.frozen
@@ -46,7 +46,7 @@ class Segment:
     def as_text(self) -> str:
         head = f"segment {self.name} [{self.kind}, stage={self.stage}, ladder={self.ladder}]"
         return f"{head}({', '.join(self.inputs)}) -> ({', '.join(self.outputs)})\n" + \
-            graph_text(self.graph_module.graph, ("unfused",))
+            graph_text(self.graph_module.graph)
 
 
 @attrs.frozen

@@ -9,12 +9,8 @@ Triton. Where a fused form is slower for a shape (see docs/PERFORMANCE.md), the 
 as the CUDA kernels of its parts.
 """
 
-import os
-import sys
-
 import torch
 
-from tokenspeed.backends.kernels import layer_steps
 from tokenspeed.backends.kernels.fla_state import (  # noqa: F401  (fla's)
     causal_conv_silu, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.gguf_blocks import block_format
@@ -28,7 +24,6 @@ GEMV_MAX_ROWS = 16  # up to here a linear layer streams its weight: the split-K 
 GGUF_DEQUANTIZED_ROWS = 128  # from here a GGUF weight is decoded whole for cuBLAS (prefill)
 GGUF_NORM_GEMV_MAX_N = 4096  # past this many outputs (1B: gate_up, head) a GGUF GEMV reads a normed input
 FP8_NORM_GEMV_MAX_WEIGHTS = 2048 * 2048   # past this many (1B: qkv, gate_up) an FP8 GEMV reads a normed input
-LAYER_KERNEL_MAX_ROWS = 8   # up to here a fused decode layer is one launch (triton_layer)
 
 
 def write_kv(k, v, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
@@ -224,24 +219,6 @@ def _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weigh
     from tokenspeed.backends.kernels import triton_gguf_gemv
     return triton_gguf_gemv.norm_gemv(x, residual, norm_weight, eps, weight,
                                       block_format(weight_format), bias)
-
-
-def decode_layer(x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_up_weight, down_weight, eps,
-                 cos_sin, positions, kv_cache, layer, slot_mapping, block_tables, row_request, scale, num_heads,
-                 num_kv_heads, split_counters=None):
-    """With ``TOKENSPEED_LAYER_KERNEL=1``, one launch (``triton_layer``) up to
-    ``LAYER_KERNEL_MAX_ROWS`` rows over a 16-bit cache; otherwise, past them, or over a
-    float8 cache, the ops it fuses (``layer_steps``): its GEMVs take the rows one by one, and
-    it writes no float8 keys. The launch is opt-in until it is measured on a GPU (built and
-    checked on the CPU: docs/PERFORMANCE.md, forty-first session)."""
-    args = (x, residual, input_norm, qkv_weight, o_weight, post_norm, gate_up_weight, down_weight, eps, cos_sin,
-            positions, kv_cache, layer, slot_mapping, block_tables, row_request, scale, num_heads, num_kv_heads,
-            split_counters)
-    if x.shape[0] <= LAYER_KERNEL_MAX_ROWS and kv_cache.element_size() == 2 and \
-            os.environ.get("TOKENSPEED_LAYER_KERNEL", "0") == "1":
-        from tokenspeed.backends.kernels import triton_layer
-        return triton_layer.decode_layer(*args)
-    return layer_steps.decode_layer_by_ops(sys.modules[__name__], *args)
 
 
 def embedding(ids, weight, weight_format, features, dtype):

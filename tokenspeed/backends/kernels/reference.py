@@ -11,12 +11,10 @@ How the CPU computes it, a request's rows at once, is ``torch_attention.py``'s. 
 cache stores and reads through the layer's ``k_scale`` and ``v_scale`` (``kv_fp8``).
 """
 
-import sys
-
 import torch
 
 from tokenspeed.backends.kernels import (cpu_attention, cpu_blocks, cpu_int4, cpu_int8, gguf_reference, kv_fp8,
-                                         layer_steps, mla_reference, moe_reference)
+                                         mla_reference, moe_reference)
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
@@ -235,10 +233,6 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
         return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale)]
     normed, total = add_rms_norm(x, residual, norm_weight, eps)
     return [linear(normed, weight, bias, weight_format, weight_scale), total]
-
-
-def decode_layer(*args, **kwargs):
-    return layer_steps.decode_layer_by_ops(sys.modules[__name__], *args, **kwargs)
 
 
 def embedding(ids, weight, weight_format, features, dtype):
