@@ -17,7 +17,7 @@ GIB_PER_WORKER = 3   # a worker's peak (seen: 2.7 GB, with models and a Triton c
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tokenspeed.api.cpu_threads import CGROUP, allowed_cpus  # noqa: E402  (after TRITON_INTERPRET)
+from tokenspeed.cores import CGROUP, allowed_cpus  # noqa: E402  (after TRITON_INTERPRET)
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):   # a worker beside others: its share of the CPUs
     share = max(1, allowed_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))

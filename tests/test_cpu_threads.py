@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from tokenspeed.api.cpu_threads import allowed_cpus, cpu_quota, size_torch_threads
+from tokenspeed.api.cpu_threads import size_torch_threads
+from tokenspeed.cores import allowed_cpus, cpu_quota
 
 
 @pytest.fixture

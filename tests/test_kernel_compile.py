@@ -212,7 +212,7 @@ def test_no_compile_workers_need_no_triton(monkeypatch):
 @pytest.mark.parametrize("cores, workers", [(1, 0), (2, 1), (16, 8), (64, 8)])
 def test_default_workers_leave_half_the_cores_to_the_engine(monkeypatch, cores, workers):
     from tokenspeed.execution import compile_config
-    monkeypatch.setattr(compile_config, "usable_cores", lambda: cores)
+    monkeypatch.setattr(compile_config, "allowed_cpus", lambda: cores)
     assert compile_config.default_workers() == workers
 
 

@@ -8,27 +8,8 @@ CPU shared with other busy work).
 """
 
 import os
-from pathlib import Path
 
-CGROUP = Path("/sys/fs/cgroup")   # a container's own cgroup (v2, in its cgroup namespace)
-
-
-def allowed_cpus(cgroup: Path = CGROUP) -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one), fewer
-    where its container's CPU quota allows less (``docker --cpus``: the affinity still
-    names every core of the host)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota = cpu_quota(cgroup)
-    return cpus if quota is None else max(1, min(cpus, quota))
-
-
-def cpu_quota(cgroup: Path = CGROUP) -> int | None:
-    """The CPUs a cgroup v2 ``cpu.max`` grants, rounded up; None without a quota."""
-    try:
-        quota, period = (cgroup / "cpu.max").read_text().split()
-        return None if quota == "max" else -(-int(quota) // int(period))
-    except (OSError, ValueError):
-        return None
+from tokenspeed.cores import allowed_cpus
 
 
 def size_torch_threads(environ=os.environ) -> int | None:

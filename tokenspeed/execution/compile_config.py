@@ -4,12 +4,11 @@
 model (its context length bounds ``max_model_len``, which sets the block-table width).
 """
 
-import os
-
 import attrs
 import torch
 
 from tokenspeed.backends.support import CudaGraphSupport
+from tokenspeed.cores import allowed_cpus
 from tokenspeed.execution.ladders import given_ladder
 
 MAX_COMPILE_WORKERS = 8
@@ -135,9 +134,4 @@ class EngineLimits:
 def default_workers() -> int:
     """Half the usable cores, at most 8: the other half stays with this process, which
     traces, lowers and captures meanwhile (docs/PERFORMANCE.md, startup)."""
-    return min(usable_cores() // 2, MAX_COMPILE_WORKERS)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity and cgroup cpuset), not the machine's."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(allowed_cpus() // 2, MAX_COMPILE_WORKERS)

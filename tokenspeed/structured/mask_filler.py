@@ -19,7 +19,6 @@ which then spin for a while on every core, just as llguidance's workers start; o
 two-core host that made a 32-row fill up to four times slower.
 """
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,6 +27,7 @@ import llguidance
 import numpy as np
 import torch
 
+from tokenspeed.cores import allowed_cpus
 from tokenspeed.structured.bitmask import ALL_ALLOWED, check_host_bitmask
 from tokenspeed.structured.matcher import GrammarMatcher
 
@@ -68,11 +68,11 @@ def _batches(rows: Sequence[MaskRow]) -> list[list[MaskRow]]:
 
 
 def default_threads() -> int:
-    """Half the cores, at most ``MAX_THREADS``: llguidance's own default (80% of the cores,
+    """Half the CPUs this process may use, at most ``MAX_THREADS``: llguidance's own default (80% of the cores,
     up to 32) leaves little to the engine's thread, torch's pool and a server's threads on
     the same cores, and its idle workers spin before they sleep. Only rows of different lexers
     are computed in parallel (``_batches``)."""
-    return max(1, min(MAX_THREADS, (os.cpu_count() or 2) // 2))
+    return max(1, min(MAX_THREADS, allowed_cpus() // 2))
 
 
 class MaskFiller:
