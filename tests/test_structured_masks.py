@@ -216,8 +216,8 @@ def test_a_reused_buffer_is_filled_whole_and_without_a_torch_op(vocab):
 
 
 def test_the_filler_leaves_cores_to_the_engine(monkeypatch):
-    from tokenspeed.structured import mask_filler
     """Half the CPUs the process may use (its affinity and quota, not the machine's count)."""
+    from tokenspeed.structured import mask_filler
     for cores, threads in ((1, 1), (2, 1), (16, 8), (192, mask_filler.MAX_THREADS)):
         monkeypatch.setattr(mask_filler, "allowed_cpus", lambda c=cores: c)
         assert mask_filler.default_threads() == threads

@@ -68,10 +68,10 @@ def _batches(rows: Sequence[MaskRow]) -> list[list[MaskRow]]:
 
 
 def default_threads() -> int:
-    """Half the CPUs this process may use, at most ``MAX_THREADS``: llguidance's own default (80% of the cores,
-    up to 32) leaves little to the engine's thread, torch's pool and a server's threads on
-    the same cores, and its idle workers spin before they sleep. Only rows of different lexers
-    are computed in parallel (``_batches``)."""
+    """Half the CPUs this process may use, at most ``MAX_THREADS``: llguidance's own
+    default (80% of the machine's cores, up to 32) leaves little to the engine's thread,
+    torch's pool and a server's threads on the same cores, and its idle workers spin before
+    they sleep. Only rows of different lexers are computed in parallel (``_batches``)."""
     return max(1, min(MAX_THREADS, allowed_cpus() // 2))
 
 
