@@ -132,7 +132,7 @@ class EngineCore:
         if finished:
             del self._live[key]
             done = tuple(map(completed, prompt.requests))
-        return TokenUpdate(tuple(deltas), finished, prompt.num_prompt_tokens, error, done, refused)
+        return TokenUpdate(tuple(deltas), finished, prompt.num_prompt_tokens, error, done, refused=refused)
 
 
 def _own_error(prompt: _Prompt) -> str | None:

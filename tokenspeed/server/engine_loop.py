@@ -96,7 +96,7 @@ class EngineLoop:
             self.core.add((submit.client, submit.key), submit.prompt.token_ids, submit.params)
         except ValueError as exc:   # the engine's own refusal: this submission alone fails
             self._queue(submit.client, submit.key,
-                        TokenUpdate((), True, len(submit.prompt.token_ids), str(exc), (), True))
+                        TokenUpdate((), True, len(submit.prompt.token_ids), str(exc), (), refused=True))
 
     def _leave(self, client: int) -> None:
         self.clients.discard(client)

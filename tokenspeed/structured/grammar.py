@@ -86,8 +86,14 @@ def compile_grammar(spec: StructuredOutputs,
     return Grammar(spec, text)
 
 
+def error_line(matcher: llguidance.LLMatcher) -> str:
+    """The first line of a matcher's error: the rest is llguidance's dump of the parser's
+    state, not for clients."""
+    return (matcher.get_error().splitlines() or ["no message"])[0]
+
+
 def _check_satisfiable(spec: StructuredOutputs, text: str, tokenizer: llguidance.LLTokenizer) -> None:
     matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
     matcher.compute_bitmask()
     if matcher.is_error():
-        raise _refuse(spec, f"no text satisfies it ({matcher.get_error().splitlines()[0]})")
+        raise _refuse(spec, f"no text satisfies it ({error_line(matcher)})")

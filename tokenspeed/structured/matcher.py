@@ -19,7 +19,7 @@ import torch
 
 from tokenspeed.errors import InternalError, RefusedRequest
 from tokenspeed.structured.bitmask import check_host_bitmask
-from tokenspeed.structured.grammar import Grammar
+from tokenspeed.structured.grammar import Grammar, error_line
 
 
 class Lexer:
@@ -56,7 +56,7 @@ class GrammarMatcher:
         the request's own constraints, refused for it alone (``ConstrainedSteps._accept``)."""
         if not self.matcher.consume_token(token):
             raise RefusedRequest(f"structured_outputs: the request's constraints left no token to sample "
-                                 f"(llguidance: {self.matcher.get_error().splitlines()[0]}): a grammar past llguidance's "
+                                 f"(llguidance: {error_line(self.matcher)}): a grammar past llguidance's "
                                  f"limits, or one that shares no token with allowed_token_ids",
                                  field="structured_outputs", value=token, limit=None)
 
