@@ -1,6 +1,6 @@
 """What a JSON-schema constraint costs outside the model: building llguidance's view of the
 vocabulary (once per model), compiling a typical schema (once per request), filling a
-batch's masks at each step (in the worker thread, overlapping the step) and applying
+batch's masks at each step (on the engine's thread, overlapping the forward) and applying
 them to the logits (on the device, in the step).
 
     python -m benchmarks.grammar_masks [--batches 1 32] [--out results/grammar_masks.json]
@@ -50,15 +50,12 @@ def fill_times(guide, grammar, tokens: list[int], batch: int) -> list[float]:
     """Seconds per step to fill ``batch`` rows, each row at the same point of the answer."""
     matchers = [GrammarMatcher(grammar, guide) for _ in range(batch)]
     filler, bitmask, times = MaskFiller(), new_bitmask(batch, guide.vocab_size, torch.cuda.is_available()), []
-    try:
-        for token in tokens:
-            start = time.perf_counter()
-            filler.submit([MaskRow(m, row) for row, m in enumerate(matchers)], bitmask).result()
-            times.append(time.perf_counter() - start)
-            for m in matchers:
-                m.accept(token)
-    finally:
-        filler.close()
+    for token in tokens:
+        start = time.perf_counter()
+        filler.fill([MaskRow(m, row) for row, m in enumerate(matchers)], bitmask)
+        times.append(time.perf_counter() - start)
+        for m in matchers:
+            m.accept(token)
     return times
 
 

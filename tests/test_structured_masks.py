@@ -107,17 +107,13 @@ def test_a_finished_grammar_allows_eos_alone(vocab):
     assert mask_of(matcher, guide.vocab_size).nonzero().flatten().tolist() == [tokenizer.eos_token_ids[0]]
 
 
-def test_a_batch_fill_in_the_worker_equals_one_row_at_a_time(vocab):
+def test_a_batch_fill_equals_one_row_at_a_time(vocab):
     tokenizer, guide = vocab
     matchers = [GrammarMatcher(compile_grammar(SPECS[k], guide), guide) for k in ("json", "regex", "choice")]
     for t in tokenizer.encode('{"kind"', add_special_tokens=False):
         matchers[0].accept(t)
-    filler = MaskFiller(threads=2)
-    try:
-        batch = filler.submit([MaskRow(m, row) for m, row in zip(matchers, (0, 2, 3))],
-                              new_bitmask(5, guide.vocab_size)).result()
-    finally:
-        filler.close()
+    batch = MaskFiller(threads=2).fill([MaskRow(m, row) for m, row in zip(matchers, (0, 2, 3))],
+                                       new_bitmask(5, guide.vocab_size))
     for m, row in zip(matchers, (0, 2, 3)):
         assert torch.equal(unpack_bits(batch[row], guide.vocab_size), mask_of(m, guide.vocab_size))
     assert (batch[[1, 4]] == -1).all()     # rows without a constraint allow everything
@@ -138,11 +134,8 @@ def test_copies_share_a_lexer_and_move_apart(vocab):
     other = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
     assert len({id(m.lexer) for m in copies + [origin]}) == 1 and other.lexer is not origin.lexer
     filler = MaskFiller(threads=2)
-    try:
-        rows = [MaskRow(m, i) for i, m in enumerate([copies[0], other, *copies[1:]])]
-        batch = filler.fill(rows, new_bitmask(len(rows), guide.vocab_size))
-    finally:
-        filler.close()
+    rows = [MaskRow(m, i) for i, m in enumerate([copies[0], other, *copies[1:]])]
+    batch = filler.fill(rows, new_bitmask(len(rows), guide.vocab_size))
     for row, m in enumerate([fresh[0], other, *fresh[1:]]):
         assert torch.equal(unpack_bits(batch[row], guide.vocab_size), mask_of(m, guide.vocab_size))
     assert torch.equal(mask_of(origin, guide.vocab_size), mask_of(fresh[2], guide.vocab_size))
@@ -154,10 +147,7 @@ def test_draft_rows_hold_the_masks_after_each_draft_token(vocab):
     drafts = tokenizer.encode("12.5", add_special_tokens=False)
     matcher = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
     filler = MaskFiller(threads=1)
-    try:
-        batch = filler.fill([MaskRow(matcher, 1, drafts=tuple(drafts))], new_bitmask(len(drafts) + 2, guide.vocab_size))
-    finally:
-        filler.close()
+    batch = filler.fill([MaskRow(matcher, 1, drafts=tuple(drafts))], new_bitmask(len(drafts) + 2, guide.vocab_size))
     expected = []
     for t in [None, *drafts]:
         if t is not None:
@@ -174,12 +164,9 @@ def test_allowed_token_ids_narrow_the_grammar_row(vocab):
     bias = TokenBias(allowed_token_ids=digits[:2] + [tokenizer.encode("a", add_special_tokens=False)[0]])
     matcher = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
     filler = MaskFiller(threads=1)
-    try:
-        rows = [MaskRow(matcher, 0, allowed=bias.allowed_words(guide.vocab_size)),
-                MaskRow(None, 1, allowed=bias.allowed_words(guide.vocab_size))]
-        batch = filler.fill(rows, new_bitmask(2, guide.vocab_size))
-    finally:
-        filler.close()
+    rows = [MaskRow(matcher, 0, allowed=bias.allowed_words(guide.vocab_size)),
+            MaskRow(None, 1, allowed=bias.allowed_words(guide.vocab_size))]
+    batch = filler.fill(rows, new_bitmask(2, guide.vocab_size))
     assert unpack_bits(batch[0], guide.vocab_size).nonzero().flatten().tolist() == sorted(digits[:2])
     assert unpack_bits(batch[1], guide.vocab_size).nonzero().flatten().tolist() == sorted(bias.allowed_token_ids)
 
@@ -204,11 +191,8 @@ def test_a_reused_buffer_is_filled_whole_and_without_a_torch_op(vocab):
     drafts = tuple(tokenizer.encode("1a2", add_special_tokens=False))   # the choice grammar takes none
     bitmask = torch.zeros(6 + len(drafts), new_bitmask(1, guide.vocab_size).shape[1], dtype=torch.int32)
     filler = MaskFiller(threads=1)
-    try:
-        with Ops() as ops:
-            filler.fill([MaskRow(matchers[0], 1), MaskRow(matchers[1], 3, drafts=drafts)], bitmask)
-    finally:
-        filler.close()
+    with Ops() as ops:
+        filler.fill([MaskRow(matchers[0], 1), MaskRow(matchers[1], 3, drafts=drafts)], bitmask)
     assert set(ops.seen) <= {"aten.detach.default"}     # numpy's view of the buffer
     assert (bitmask[[0, 2]] == -1).all() and (bitmask[4:] == -1).all()
     assert torch.equal(unpack_bits(bitmask[1], guide.vocab_size), mask_of(matchers[0], guide.vocab_size))
@@ -227,13 +211,10 @@ def test_rows_past_the_bitmask_are_refused_before_any_write(vocab):
     _, guide = vocab
     matcher = GrammarMatcher(compile_grammar(SPECS["regex"], guide), guide)
     filler = MaskFiller(threads=1)
-    try:
-        with pytest.raises(ValueError, match="mask row 1 with 2 draft rows after it is outside a bitmask of 3 rows"):
-            filler.fill([MaskRow(matcher, 1, drafts=(5, 6))], new_bitmask(3, guide.vocab_size))
-        with pytest.raises(ValueError, match="contiguous host int32"):
-            filler.fill([MaskRow(matcher, 0)], new_bitmask(3, guide.vocab_size)[:, :2])
-    finally:
-        filler.close()
+    with pytest.raises(ValueError, match="mask row 1 with 2 draft rows after it is outside a bitmask of 3 rows"):
+        filler.fill([MaskRow(matcher, 1, drafts=(5, 6))], new_bitmask(3, guide.vocab_size))
+    with pytest.raises(ValueError, match="contiguous host int32"):
+        filler.fill([MaskRow(matcher, 0)], new_bitmask(3, guide.vocab_size)[:, :2])
 
 
 def test_the_package_loads_without_torch_compile():

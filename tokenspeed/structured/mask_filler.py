@@ -1,11 +1,13 @@
-"""Masks for a batch, filled in a worker thread while the device runs the step before.
+"""Masks for a batch, filled on the engine's thread while the device runs the step's forward.
 
 llguidance computes every row's mask in native code, without the GIL: rows of different
 lexers in parallel (``LLExecutor``), rows whose matchers share one (``GrammarMatcher.copy``)
-one after another, as the lexer's lock would serialise them anyway. ``MaskFiller.submit``
-runs that in one worker thread and returns a future, so the engine's thread launches step
-n while the masks of step n+1 fill, and waits on the future only before it copies the
-bitmask to the device.
+one after another, as the lexer's lock would serialise them anyway. The engine calls
+``fill`` between launching a step's forward and its draw (``ConstrainedSteps``), so the
+fill overlaps the forward. Not in a worker thread: a fill there waits for the GIL at each
+row's return while the engine's thread runs Python (docs/PERFORMANCE.md, the thirty-fifth
+session), and spreading one schema's rows over several lexers to fill them in parallel
+was slower on the H200's 16-core host (the forty-third session).
 
 A row is a ``MaskRow``: a matcher (or none, for a row with ``allowed_token_ids`` alone),
 the row it fills, the tokens allowed besides (``allowed``: a packed row ANDed in) and,
@@ -20,7 +22,6 @@ two-core host that made a 32-row fill up to four times slower.
 """
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 import llguidance
@@ -76,12 +77,10 @@ def default_threads() -> int:
 
 
 class MaskFiller:
-    """Fills host bitmasks for batches; ``threads``: llguidance's workers (``default_threads``).
-    ``close()`` ends the worker thread."""
+    """Fills host bitmasks for batches; ``threads``: llguidance's workers (``default_threads``)."""
 
     def __init__(self, threads: int | None = None):
         self._executor = llguidance.LLExecutor(threads or default_threads())
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-masks")
 
     def fill(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> torch.Tensor:
         """Writes the batch's masks into ``bitmask [rows, words]`` (host int32) and returns it."""
@@ -104,11 +103,3 @@ class MaskFiller:
                 window = words[r.row: r.row + len(r.drafts) + 1]
                 np.bitwise_and(window, r.allowed.numpy(), out=window)
         return bitmask
-
-    def submit(self, rows: Sequence[MaskRow], bitmask: torch.Tensor) -> "Future[torch.Tensor]":
-        """``fill`` in the worker thread. Until the future is done, neither ``bitmask`` nor
-        the rows' matchers may be touched."""
-        return self._worker.submit(self.fill, list(rows), bitmask)
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=True)

@@ -27,8 +27,8 @@ class Lexer:
 
 
 class GrammarMatcher:
-    """One request's llguidance matcher. Not thread-safe: while a batch fill
-    (``MaskFiller.submit``) runs, the matchers it holds are the worker's."""
+    """One request's llguidance matcher. Not thread-safe: one thread (the engine's) feeds
+    it and fills its masks."""
 
     def __init__(self, grammar: Grammar, tokenizer: llguidance.LLTokenizer):
         self.grammar = grammar
