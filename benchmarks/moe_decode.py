@@ -193,6 +193,8 @@ def cache_figures(config: dict, work: Workload, memory_bytes: int) -> dict:
 def bench_shape(shape: str, work: Workload, tiny: bool, bandwidth: float | None, memory_bytes: int) -> list[dict]:
     config = shape_config(shape, tiny)
     rows, prefill = ours_rows(shape, config, work, bandwidth)
+    print(f"{shape}, ours (transformers' model is built next):", flush=True)
+    print(common.table(rows, [c for c in COLUMNS if c in rows[0]]), flush=True)
     rows = with_hf(rows, config, work)
     rows[0] = {**rows[0], "prefill_ms": prefill * 1e3, **cache_figures(config, work, memory_bytes)}
     return rows
