@@ -26,3 +26,18 @@ def test_buffers_alternate_and_grow():
     first, second, third = buffers.take(2), buffers.take(3), buffers.take(2)
     assert first.shape == (2, 4) and second.shape == (3, 4) and third.data_ptr() == first.data_ptr()
     assert second.data_ptr() != first.data_ptr() and buffers.take(5).shape == (5, 4)
+
+
+def test_a_masks_only_draw_writes_the_rows_seats_of_the_column():
+    """The draw of a step whose rows need only their masks puts each row's token in ``out``
+    and at its seat of the token column (the decode runner writes the column no more)."""
+    from tokenspeed.execution.sampler import RowSampling, SamplingTensors
+    from tokenspeed.execution.sampling_params import SamplingParams
+    logits = torch.randn(2, 70, generator=torch.Generator().manual_seed(1))
+    bitmask = torch.stack([pack_allowed([3, 9], 70), pack_allowed([40], 70)])
+    settings = SamplingTensors.build([RowSampling(SamplingParams(temperature=0.0), seed=5, seat=4),
+                                      RowSampling(SamplingParams(temperature=0.7), seed=6, seat=1)], "cpu")
+    out, column = torch.empty(2, dtype=torch.int64), torch.full((6,), -1, dtype=torch.int64)
+    StepMasks(bitmask).draw(logits, settings, torch.tensor([7, 8]), out, column)
+    assert out[0].item() == (3 if logits[0, 3] > logits[0, 9] else 9) and out[1].item() == 40
+    assert column.tolist() == [-1, 40, -1, -1, out[0].item(), -1]

@@ -51,7 +51,8 @@ def test_the_kernel_equals_the_reference(rows, vocab, word_slack, block, dtype, 
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
 def test_the_masked_draw_equals_masking_then_drawing(rows, vocab, block, dtype, data):
     """The Gumbel-max launches reading the mask give the tokens of the masked float32 copy
-    drawn by ``triton_sampling``: greedy and tempered rows, free rows, seeds and positions."""
+    drawn by ``triton_sampling``: greedy and tempered rows, free rows, seeds and positions;
+    with a token column, the same tokens at the rows' seats and nothing else written."""
     free = data.draw(st.lists(st.integers(0, rows - 1), max_size=rows))
     mask = random_mask(rows, mask_words(vocab), free, seed=vocab + rows)
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype).to(DEVICE)
@@ -63,9 +64,17 @@ def test_the_masked_draw_equals_masking_then_drawing(rows, vocab, block, dtype, 
     positions = torch.arange(rows, dtype=torch.int64, device=DEVICE) + 3
     masked = triton_bitmask.apply_token_bitmask(logits.float(), mask.to(DEVICE))
     expected = triton_sampling.gumbel_argmax(masked, temperature, top_k, seeds, positions, block=block)
+    seats = torch.tensor(data.draw(st.permutations(range(rows + 3)))[:rows], dtype=torch.int64, device=DEVICE)
+    column = torch.full((rows + 3,), -1, dtype=torch.int64, device=DEVICE)
+    written = triton_sampling.ColumnWrite(column, seats) if data.draw(st.booleans()) else None
     got = triton_bitmask.masked_gumbel_argmax(logits, mask.to(DEVICE), temperature, top_k, seeds, positions,
-                                              torch.empty(rows, dtype=torch.int64, device=DEVICE), block=block)
+                                              torch.empty(rows, dtype=torch.int64, device=DEVICE), block=block,
+                                              column=written)
     assert torch.equal(got, expected)
+    expected_column = torch.full_like(column, -1)
+    if written is not None:
+        expected_column[seats] = expected
+    assert torch.equal(column, expected_column)
 
 
 def test_a_mask_narrower_than_the_vocabulary_forbids_the_rest():

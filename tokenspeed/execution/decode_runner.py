@@ -147,11 +147,12 @@ class DecodeRunner:
         if forward.processed or masks is not None:
             bs = len(forward.sampling)
             if masks is not None and masks.masks_only and not forward.processed:
-                masks.draw(forward.logits[:bs], forward.settings.head(bs), forward.positions[:bs], out)
+                masks.draw(forward.logits[:bs], forward.settings.head(bs), forward.positions[:bs], out,
+                           self.column)
             else:
                 logprobs = sample(forward.logits[:bs], forward.sampling, forward.positions[:bs], out=out,
                                   settings=forward.settings.head(bs), masks=masks).logprobs
-            self._write_column(forward.seats, out)
+                self._write_column(forward.seats, out)
         self._turn ^= 1
         host = forward.hosts[self._turn]
         host.copy_(out, non_blocking=True)

@@ -36,18 +36,22 @@ class StepMasks:
         """No row is biased: a step whose rows need no other processing draws with ``draw``."""
         return self.bitmask is not None and not self.biases
 
-    def draw(self, logits: torch.Tensor, settings, positions: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The rows' tokens into ``out``, as ``sampler.sample`` draws them when the masks are all
-        there is to a step's processing (``masks_only``): on CUDA in the Gumbel-max launches
-        themselves (``triton_bitmask.masked_gumbel_argmax``), without the masked copy of the logits."""
+    def draw(self, logits: torch.Tensor, settings, positions: torch.Tensor, out: torch.Tensor,
+             column: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' tokens into ``out`` (and into their seats, ``settings.seat``, of the token
+        ``column`` if given), as ``sampler.sample`` draws them when the masks are all there is
+        to a step's processing (``masks_only``): on CUDA in the Gumbel-max launches themselves
+        (``triton_bitmask.masked_gumbel_argmax``), without the masked copy of the logits, the
+        column written by the launch that picks the tokens."""
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         if logits.is_cuda:
-            from tokenspeed.backends.kernels import triton_bitmask
+            from tokenspeed.backends.kernels import triton_bitmask, triton_sampling
+            written = None if column is None else triton_sampling.ColumnWrite(column, settings.seat)
             return triton_bitmask.masked_gumbel_argmax(logits, bitmask, settings.temperature, settings.top_k,
-                                                       settings.seed, positions, out)
+                                                       settings.seed, positions, out, column=written)
         from tokenspeed.execution.sampler import gumbel_argmax
         scores = logits.to(torch.float32, copy=True)   # the logits stay the model's
-        return gumbel_argmax(apply_token_bitmask_(scores, bitmask), settings, positions, out)
+        return gumbel_argmax(apply_token_bitmask_(scores, bitmask), settings, positions, out, column)
 
     def _biased(self, scores: torch.Tensor) -> torch.Tensor:
         """``add_logit_bias_``'s sum, its indices copied as the step's other settings are

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
-from tokenspeed.backends.kernels.triton_sampling import (MIN_TEMPERATURE, POSITION_KEY, _row_best_kernel,
-                                                          store_block_best)
+from tokenspeed.backends.kernels.triton_sampling import (MIN_TEMPERATURE, POSITION_KEY, ColumnWrite,
+                                                          _row_best_kernel, store_block_best)
 
 BLOCK = 4096
 
@@ -80,14 +80,17 @@ def _masked_block_best_kernel(logits_ptr, mask_ptr, temp_ptr, top_k_ptr, seed_pt
 
 def masked_gumbel_argmax(logits: torch.Tensor, bitmask: torch.Tensor, temperature: torch.Tensor,
                          top_k: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                         out: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+                         out: torch.Tensor, block: int = BLOCK, column: ColumnWrite | None = None) -> torch.Tensor:
     """``triton_sampling.gumbel_argmax`` of ``logits [rows, vocab]`` with the tokens
     ``bitmask [rows, words]`` (int32, on the logits' device) disallows at -inf; the tokens
-    into ``out`` ([rows] int64, may be strided)."""
+    into ``out`` ([rows] int64, may be strided) and, given a ``column``, into each row's seat
+    of the token column by the same launch (no ``index_copy_`` after it)."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1 or bitmask.stride(-1) != 1 or bitmask.shape[0] != rows:
         raise ValueError(f"logits [rows, vocab] and bitmask [rows, words] must be contiguous along the "
                          f"vocabulary; got {tuple(logits.shape)} and {tuple(bitmask.shape)}")
+    if column is not None and column.seats.shape != (rows,):
+        raise ValueError(f"seats must be [{rows}]; got {tuple(column.seats.shape)}")
     if rows == 0 or vocab == 0:
         return out
     num_blocks = triton.cdiv(vocab, block)
@@ -98,6 +101,7 @@ def masked_gumbel_argmax(logits: torch.Tensor, bitmask: torch.Tensor, temperatur
         logits, bitmask, temperature, top_k, seeds, positions, best_val, best_idx, vocab, bitmask.shape[1],
         logits.stride(0), bitmask.stride(0), num_blocks, MIN_T=MIN_TEMPERATURE, KEY=POSITION_KEY, BLOCK=block,
         num_warps=8, **launch)
-    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0), out, positions,  # no column
-                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, COLUMN=False, **launch)
+    col, seats = column if column is not None else (out, positions)   # unread without a column
+    _row_best_kernel[(rows,)](best_val, best_idx, out, num_blocks, out.stride(0), col, seats,
+                              BLOCKS=next_power_of_2(num_blocks), num_warps=1, COLUMN=column is not None, **launch)
     return out
