@@ -4,9 +4,8 @@
 the model's vocabulary as llguidance sees it (``guidance_tokenizer``); each request then
 holds a ``GrammarMatcher``, and a ``MaskFiller`` writes a batch's packed bitmask (on the
 engine's thread, in llguidance's native code), which ``apply_token_bitmask_`` applies to
-the logits. ``TokenBias`` carries
-``logit_bias`` and ``allowed_token_ids`` along the same route. Nothing here imports the
-engine or the face: they import this.
+the logits. ``TokenBias`` carries ``logit_bias`` and ``allowed_token_ids`` along the same
+route. Nothing here imports the engine or the face: they import this.
 """
 
 from tokenspeed.structured.bitmask import apply_token_bitmask_, mask_words, new_bitmask
