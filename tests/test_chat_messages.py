@@ -21,7 +21,7 @@ def test_every_accepted_message_reaches_the_template_as_text(conversation):
     for given_message, message in zip(conversation, checked):
         content = given_message["content"]
         assert message["content"] == (content if isinstance(content, str) else
-                                      "".join(p["text"] for p in content or []))
+                                      "\n".join(p["text"] for p in content or []))
         assert message["role"] == ("system" if given_message["role"] == "developer" else given_message["role"])
         assert message.get("name") == given_message.get("name")
     assert conversations(conversation) == [checked] == conversations([conversation])
@@ -44,3 +44,28 @@ def test_every_accepted_message_reaches_the_template_as_text(conversation):
 def test_bad_messages_are_named_by_path(bad, message):
     with pytest.raises((TypeError, ValueError), match=message):
         conversations(bad)
+
+
+def test_an_assistant_message_as_openais_client_dumps_it_goes_back_in():
+    """``message.model_dump()`` of a reply: its null fields accepted, a refusal its content."""
+    dumped = {"role": "assistant", "content": "Hi.", "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    refused = {**dumped, "content": None, "refusal": "I can't help with that."}
+    checked = template_messages([{"role": "user", "content": "hi"}, dumped, refused])
+    assert checked[1] == {"role": "assistant", "content": "Hi."}
+    assert checked[2] == {"role": "assistant", "content": "I can't help with that."}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("audio", {"id": "a1"}, r"messages\[0\].audio: audio output .* only null is accepted"),
+    ("function_call", {"name": "f", "arguments": "{}"}, r"messages\[0\].function_call: function_call \(deprecated"),
+    ("refusal", 3, r"messages\[0\].refusal=3: must be a string"),
+])
+def test_what_a_text_model_never_wrote_is_refused_unless_null(field, value, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        template_messages([{"role": "assistant", "content": None, field: value}])
+
+
+def test_a_refusal_belongs_to_an_assistant():
+    with pytest.raises(ValueError, match=r"messages\[0\].refusal: only a message of role 'assistant'"):
+        template_messages([{"role": "user", "content": "a", "refusal": "no"}])

@@ -93,6 +93,35 @@ def test_any_text_streams_to_its_whole_parse(fmt, pieces, cuts):
     assert joined(streamed(tool_parser(fmt, ids()).stream(), text, cuts)) == tool_parser(fmt, ids()).parse(text)
 
 
+FIELDS = st.lists(st.tuples(st.sampled_from(["name", "arguments", "parameters", "other"]), NAMES, ARGS),
+                  min_size=1, max_size=5)
+
+
+def written(fields, dump) -> str:
+    """An object whose keys may repeat (json.dumps cannot write one)."""
+    return "{" + ", ".join(f"{json.dumps(key)}: {dumped(name if key == 'name' else args, dump)}"
+                           for key, name, args in fields) + "}"
+
+
+@PROPERTY
+@given(fmt=st.sampled_from(FORMATS), fields=FIELDS, dump=DUMP, cut=st.integers(0, 10**4),
+       cuts=st.lists(st.integers(0, 10**4), max_size=8))
+def test_a_call_that_repeats_a_key_streams_to_its_whole_parse(fmt, fields, dump, cut, cuts):
+    """A key written twice (two names, both argument keys) keeps its first value, in the
+    stream as in the whole parse, cut off anywhere: a later one never renames a call or
+    takes back arguments a stream sent."""
+    body = written(fields, dump)
+    text = {"hermes": f"<tool_call>\n{body}\n</tool_call>", "llama3_json": body,
+            "mistral": f"[TOOL_CALLS][{body}]"}[fmt]
+    whole = tool_parser(fmt, ids()).parse(text)
+    names = [name for key, name, _ in fields if key == "name"]
+    arguments = [args for key, _, args in fields if key in ("arguments", "parameters")]
+    if names:
+        assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [(names[0], (arguments or [{}])[0])]
+    text = text[:cut % (len(text) + 1)]
+    assert joined(streamed(tool_parser(fmt, ids()).stream(), text, cuts)) == tool_parser(fmt, ids()).parse(text)
+
+
 def test_a_reply_without_calls_is_all_content():
     for fmt in FORMATS:
         text = "I would call a tool, but { it is not } <tool_ here.\n"

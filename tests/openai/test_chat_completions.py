@@ -101,6 +101,47 @@ def test_openais_fields_that_mean_nothing_here_are_accepted_and_ignored(client):
     assert ignored.choices[0].message.content == plain
 
 
+def test_none_from_the_client_means_unset(client):
+    """OpenAI's client sends null for an argument given as None: the default, as OpenAI reads it."""
+    kw = dict(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    nulls = client.chat.completions.create(**kw, n=None, presence_penalty=None, frequency_penalty=None,
+                                           logprobs=None, stream=None)
+    assert [c.message.content for c in nulls.choices] == [plain]
+
+
+def test_a_reply_dumped_by_the_client_goes_back_in_as_a_turn(client):
+    """``message.model_dump()`` carries OpenAI's null refusal, annotations, audio and
+    function_call: the next turn takes it as it is."""
+    first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0)
+    turn = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call"} <= set(turn)
+    messages = [*HELLO, turn, {"role": "user", "content": "More."}]
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    kept = [*HELLO, first.choices[0].message.model_dump(exclude_none=True), messages[-1]]
+    assert again.choices[0].message.content == client.chat.completions.create(
+        model=MODEL, messages=kept, max_tokens=4, temperature=0).choices[0].message.content
+
+
+def test_max_completion_tokens_is_refused_by_its_own_name(api):
+    assert_error(api.post(PATH, {"messages": HELLO, "max_completion_tokens": 0}), 400, "BadRequestError",
+                 "max_completion_tokens", "max_completion_tokens=0")
+    assert_error(api.post(PATH, {"messages": HELLO, "max_completion_tokens": 10**6}), 400, "BadRequestError",
+                 "max_completion_tokens", "max_completion_tokens")
+    assert_error(api.post(PATH, {"messages": HELLO, "max_tokens": 0}), 400, "BadRequestError", "max_tokens")
+
+
+def test_a_fault_formatting_a_stream_ends_it_with_an_error_event(api, monkeypatch):
+    """Not a connection cut mid-stream: the client reads a 500's body, then [DONE]."""
+    def broken(self, prefix, index, update):
+        raise RuntimeError("a formatting fault")
+    monkeypatch.setattr(responses.ChatFormat, "events", broken)
+    lines = api.stream_lines(PATH, {"messages": HELLO, "max_tokens": 3, "stream": True})
+    assert lines[-1] == "[DONE]"
+    error = json.loads(lines[-2])["error"]
+    assert error["code"] == 500 and "RuntimeError: a formatting fault" in error["message"]
+
+
 def test_an_answer_in_audio_is_refused(api):
     assert_error(api.post(PATH, {"messages": HELLO, "modalities": ["text", "audio"]}), 400, "BadRequestError",
                  "modalities", "'text'")

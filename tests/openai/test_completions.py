@@ -32,6 +32,14 @@ def test_max_tokens_ends_in_length_and_equals_offline(client, llm):
     assert got.usage.completion_tokens == 7 and got.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_none_from_the_client_means_unset(client, llm):
+    """The client's nulls (arguments given as None) leave their fields at OpenAI's defaults."""
+    got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=7, temperature=0, n=None,
+                                    echo=None, stream=None, presence_penalty=None, frequency_penalty=None)
+    want = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)[0]
+    assert [c.text for c in got.choices] == [want.text]
+
+
 def test_several_prompts_times_n_are_indexed_prompt_major(client, llm):
     got = client.completions.create(model=MODEL, prompt=["One", "Two", "Three"], max_tokens=4, n=2, seed=9)
     assert [c.index for c in got.choices] == list(range(6))

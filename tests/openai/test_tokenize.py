@@ -67,3 +67,11 @@ def test_tokenizing_leaves_the_event_loop_serving(server_app, api, base_url):
         worker.join(30)
         server.tokenizer = held.tokenizer
     assert answers[0].status_code == 200 and answers[0].json()["count"] == len(held.tokenizer.encode("slow"))
+
+
+def test_detokenize_keeps_special_tokens_as_vllm_does(api, llm):
+    """A chat prompt's ids come back with their template markers (vLLM decodes them too)."""
+    ids = api.post("/tokenize", {"messages": HELLO}).json()["tokens"]
+    text = api.post("/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text == llm.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text != llm.tokenizer.decode(ids)   # the template's markers are special tokens

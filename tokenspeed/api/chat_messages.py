@@ -6,10 +6,15 @@ A message is a dict with a ``role`` (system, user, assistant, developer, tool), 
 may be None) and optionally a ``name``. An assistant message may carry the ``tool_calls``
 it made (OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}``) and
 the ``reasoning_content`` it thought; a tool message, the ``tool_call_id`` it answers. The
-template sees the content as one string, a developer message as a system one, the other
-fields where given (transformers passes them on likewise), and each call's ``arguments``
-as a dict: the JSON text OpenAI sends, parsed, as tool-calling templates expect them
-(vLLM parses them likewise).
+template sees the content as one string (text parts joined by newlines, as vLLM joins
+them), a developer message as a system one, the other fields where given (transformers
+passes them on likewise), and each call's ``arguments`` as a dict: the JSON text OpenAI
+sends, parsed, as tool-calling templates expect them (vLLM parses them likewise).
+
+An assistant message as OpenAI's client returns it (``message.model_dump()``) goes back
+in as it is: its ``refusal`` stands for the content when there is none, and its
+``annotations`` are dropped; ``audio`` and the deprecated ``function_call`` are refused
+unless null (a text model wrote neither).
 """
 
 import json
@@ -17,9 +22,13 @@ from collections.abc import Mapping, Sequence
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "video_url", "audio_url", "file")   # OpenAI's and vLLM's
-FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
+          "annotations", "audio", "function_call")
+NULL_ONLY = {"audio": "audio output (a text model writes none)",
+             "function_call": "function_call (deprecated by OpenAI: send tool_calls)"}
 OWN_VARIABLES = ("messages", "tools", "add_generation_prompt")   # the template's, set by their arguments
-ROLE_OF_FIELD = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool"}
+ROLE_OF_FIELD = {"tool_calls": "assistant", "reasoning_content": "assistant", "tool_call_id": "tool",
+                 "refusal": "assistant", "annotations": "assistant"}
 CALL_FIELDS = ("id", "type", "function")
 
 
@@ -70,11 +79,18 @@ def _message(message, where: str) -> dict:
         raise ValueError(f"{where}.role={role!r}: must be one of {', '.join(ROLES)}")
     if message.get("content") is None and role != "assistant":   # only a call or a refusal may be all there is
         raise ValueError(f"{where}.content: a {role} message needs content (a string or text parts)")
-    out = {"role": "system" if role == "developer" else role,
-           "content": _content(message.get("content"), f"{where}.content")}
+    for field, what in NULL_ONLY.items():
+        if message.get(field) is not None:
+            raise ValueError(f"{where}.{field}: {what} is not supported; only null is accepted")
+    refusal = message.get("refusal")
+    refusal = None if refusal is None else _string(refusal, role, "refusal", where)
+    content = refusal if message.get("content") is None else message["content"]
+    out = {"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content")}
     for field in ("name", "tool_call_id", "reasoning_content"):
         if message.get(field) is not None:
             out[field] = _string(message[field], role, field, where)
+    if message.get("annotations") is not None:
+        _check_role(role, "annotations", where)
     if message.get("tool_calls") is not None:
         _check_role(role, "tool_calls", where)
         out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
@@ -134,7 +150,7 @@ def _content(content, where: str) -> str:
         return content or ""
     if not _is_list(content):
         raise TypeError(f"{where} must be a string or a list of text parts, got {_shown(content)}")
-    return "".join(_text_part(p, f"{where}[{i}]") for i, p in enumerate(content))
+    return "\n".join(_text_part(p, f"{where}[{i}]") for i, p in enumerate(content))
 
 
 def _text_part(part, where: str) -> str:

@@ -59,8 +59,10 @@ def _container_end(text: str, start: int) -> int | None:
 @attrs.frozen
 class ObjectScan:
     """The fields of a JSON object seen so far: key -> (value start, value end or None
-    while the value is unfinished). ``end``: past the closing brace; None while the object
-    is open, and for text that stops being an object (``broken``)."""
+    while the value is unfinished), in the order they appear; a key written twice keeps its
+    first value (a later one would change what a stream already sent). ``end``: past the
+    closing brace; None while the object is open, and for text that stops being an object
+    (``broken``)."""
 
     fields: dict[str, tuple[int, int | None]]
     end: int | None
@@ -82,7 +84,7 @@ def scan_object(text: str, start: int) -> ObjectScan:
             return head
         key, value = head
         end = value_end(text, value)
-        fields[key] = (value, end)
+        fields.setdefault(key, (value, end))
         if end is None:
             return ObjectScan(fields, None)
         at = end

@@ -48,11 +48,13 @@ def shown_content(text: str, marker: str, final: bool) -> str:
 
 def call_of(text: str, scan: ObjectScan) -> CallScan | None:
     """A call named by an object's ``name`` field, with its arguments' text so far (``{}``
-    once the object closes without any). Arguments given as a JSON string are its value."""
+    once the object closes without any): the first of ``ARGUMENT_KEYS`` written, since a
+    later one would take back what a stream sent. Arguments given as a JSON string are its
+    value."""
     name = scan.fields.get("name")
     if name is None or name[1] is None or text[name[0]] != '"':
         return None
-    key = next((k for k in ARGUMENT_KEYS if k in scan.fields), None)
+    key = next((k for k in scan.fields if k in ARGUMENT_KEYS), None)
     if key is None:
         return CallScan(json.loads(text[name[0]:name[1]]), "{}" if scan.end is not None else "")
     start, end = scan.fields[key]

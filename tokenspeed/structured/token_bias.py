@@ -21,8 +21,8 @@ MAX_BIAS = 100.0
 
 
 def _token_id(field: str, key: object) -> int:
-    """An id as JSON carries it (OpenAI's keys are strings of digits) or as an int."""
-    if isinstance(key, str) and key.strip().isdigit():
+    """An id as JSON carries it (OpenAI's keys are strings of ASCII digits) or as an int."""
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
         return int(key)
     if isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
         return int(key)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from tokenspeed.server.openai.api_error import internal_error
 from tokenspeed.server.openai.protocol import APIError
 
 OPEN_PATHS = frozenset({"/health"})
@@ -95,6 +96,5 @@ def error_bodies(app: FastAPI) -> None:
         return response
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
-        return JSONResponse(error.body(), status_code=500)
+    async def fault(request: Request, exc: Exception):
+        return JSONResponse(internal_error(exc).body(), status_code=500)

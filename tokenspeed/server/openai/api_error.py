@@ -1,5 +1,8 @@
 """The server's answers other than 200, in OpenAI's error shape."""
 
+import contextlib
+import re
+
 
 class APIError(Exception):
     """An answer other than 200: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -20,3 +23,20 @@ def failed_in_engine(update) -> APIError:
     if update.refused:
         return APIError(400, update.error, None, "BadRequestError")
     return APIError(500, f"the request failed in the engine: {update.error}", None, "InternalServerError")
+
+
+def internal_error(exc: Exception) -> APIError:
+    """A fault in the server (a 500 naming the exception)."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "InternalServerError")
+
+
+@contextlib.contextmanager
+def named_as_sent(sent: str, read_as: str):
+    """Refusals of ``read_as`` named ``sent``: the field the request gave its value in (chat's
+    ``max_completion_tokens``, read as ``max_tokens``)."""
+    try:
+        yield
+    except APIError as exc:
+        if sent == read_as or exc.param != read_as:
+            raise
+        raise APIError(exc.status, re.sub(rf"\b{read_as}\b", sent, exc.message), sent, exc.type) from exc

@@ -48,6 +48,10 @@ class ChatMessage(Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    refusal: str | None = None             # OpenAI's assistant message, as its client returns it
+    annotations: list | None = None
+    audio: dict | None = None              # refused unless null (``chat_messages``)
+    function_call: dict | None = None
 
     def as_template_message(self) -> dict:
         """Shaped by the check ``LLM.chat`` makes (``chat_messages``): one rule for both."""

@@ -19,7 +19,10 @@ past what a client asks for, and close the door on requests built to wedge the s
 (a 1 MB stop string is matched against every step's text).
 """
 
-from pydantic import BaseModel, ConfigDict
+import types
+import typing
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.sampling_params import SamplingParams
@@ -34,7 +37,26 @@ MAX_STOP_CHARS = 1024       # characters in one stop string
 
 
 class Strict(BaseModel):
+    """Types checked, not coerced; unknown fields refused. A null sent for a field that takes
+    no null (``n``, ``stream``, ``presence_penalty``) leaves it at its default: OpenAI's
+    client sends null for an argument given as None, and OpenAI reads it as unset."""
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, body):
+        if not isinstance(body, dict):
+            return body
+        return {k: v for k, v in body.items() if v is not None or not _defaulted_without_null(cls, k)}
+
+
+def _defaulted_without_null(model: type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    if field is None or field.is_required():
+        return False
+    annotation = field.annotation
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return not (annotation is type(None) or union and type(None) in typing.get_args(annotation))
 
 
 class StreamOptions(Strict):

@@ -7,6 +7,7 @@ a request without one makes no trip to a worker thread for it."""
 import asyncio
 import importlib.metadata
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenspeed.server.openai import responses
-from tokenspeed.server.openai.api_error import failed_in_engine
+from tokenspeed.server.openai.api_error import failed_in_engine, internal_error, named_as_sent
 from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenspeed.server.openai.chat_replies import ReplyParsing
 from tokenspeed.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
@@ -70,10 +71,12 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         body = await server.read(request, ChatCompletionRequest)
         tools, constraint = await _chat_constraint(server, body)
         prompts = [await _chat_prompt(server, body)]
-        params = _chat_params(server, body, tools, constraint)
-        parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
-        return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
-            server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
+        with named_as_sent("max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
+                           "max_tokens"):
+            params = _chat_params(server, body, tools, constraint)
+            parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
+            return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
+                server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -93,7 +96,8 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": await asyncio.to_thread(_tokenizer(server, "tokens").decode, body.tokens)}
+        # special tokens kept, as vLLM's /detokenize keeps them: /tokenize's ids come back whole
+        return {"prompt": await asyncio.to_thread(_tokenizer(server, "tokens").decode, body.tokens, False)}
 
 
 async def _answer(server: "Server", request: Request, body, prompts, params, field: str, fmt):
@@ -124,7 +128,12 @@ async def _stream(server: "Server", keys, updates, fmt, include_usage: bool):
                 if update.error:
                     yield "".join(events) + _error_event(failed_in_engine(update))
                     return
-                events.append(fmt.events(prefix, index, update))
+                try:
+                    events.append(fmt.events(prefix, index, update))
+                except Exception as exc:   # a fault in the reply's formatting: an error event, not a cut stream
+                    logging.getLogger(__name__).exception("a streamed reply could not be formatted")
+                    yield "".join(events) + _error_event(internal_error(exc))
+                    return
                 if update.finished:
                     pending.discard(index)
                     usage = usage.add(update)
