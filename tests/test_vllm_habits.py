@@ -77,8 +77,9 @@ def test_a_misspelt_keyword_is_named_with_what_is_accepted():
 
 
 def test_chat_takes_what_the_server_takes(llm):
-    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+    plain = [{"role": "system", "content": "Be brief.\nBe kind."}, {"role": "user", "content": "Hi!"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."},   # joined by a newline
+                                               {"type": "text", "text": "Be kind."}]},
              {"role": "user", "content": "Hi!", "name": "ada"}]
     want = llm.chat(plain, GREEDY, use_tqdm=False)[0]
     got = llm.chat(parts, GREEDY, use_tqdm=False)[0]
