@@ -57,9 +57,10 @@ def test_an_assistant_message_as_openais_client_dumps_it_goes_back_in():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("audio", {"id": "a1"}, r"messages\[0\].audio: audio output .* only null is accepted"),
-    ("function_call", {"name": "f", "arguments": "{}"}, r"messages\[0\].function_call: function_call \(deprecated"),
+    ("audio", {"id": "a1"}, r"messages\[0\].audio=dict \{'id': 'a1'\}: audio output .* only null is accepted"),
+    ("function_call", {"name": "f", "arguments": "{}"}, r"messages\[0\].function_call=dict .*: function_call \(deprecated"),
     ("refusal", 3, r"messages\[0\].refusal=3: must be a string"),
+    ("annotations", "cited", r"messages\[0\].annotations must be a list, got str 'cited'"),
 ])
 def test_what_a_text_model_never_wrote_is_refused_unless_null(field, value, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -69,3 +70,8 @@ def test_what_a_text_model_never_wrote_is_refused_unless_null(field, value, mess
 def test_a_refusal_belongs_to_an_assistant():
     with pytest.raises(ValueError, match=r"messages\[0\].refusal: only a message of role 'assistant'"):
         template_messages([{"role": "user", "content": "a", "refusal": "no"}])
+
+
+def test_content_and_a_refusal_together_are_refused():
+    with pytest.raises(ValueError, match=r"messages\[0\] has both content and a refusal \(str 'no'\): give one"):
+        template_messages([{"role": "assistant", "content": "", "refusal": "no"}])

@@ -95,6 +95,7 @@ def test_a_schema_dict_and_its_text_are_one_spec():
     ({"logit_bias": {-3: 1}}, "logit_bias", "-3 is not a token id"),
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "'\u00b2' is not a token id"),     # a digit to isdigit, not to int
     ({"logit_bias": {"\u0663": 1}}, "logit_bias", "'\u0663' is not a token id"),     # an Arabic-Indic three
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias", "is not a token id"),   # past what int() reads
     ({"logit_bias": [1, 2]}, "logit_bias", "must map token ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
     ({"allowed_token_ids": [1, True]}, "allowed_token_ids", "True is not a token id"),

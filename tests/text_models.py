@@ -8,6 +8,7 @@ tests that need words (stop strings, detokenization, chat) get them quickly.
 
 import functools
 import json
+import os
 
 import pytest
 
@@ -25,10 +26,12 @@ TEXT_LLAMA = {
 
 
 def smol_tokenizer():
+    """The default model's tokenizer; ``TOKENSPEED_TEST_TOKENIZER`` names a copy of it (a
+    directory) on a machine without the model's 98 MB file, such as the GPU machine."""
     from tokenspeed.models import default_model_path
     from tokenspeed.tokenizer import load_tokenizer
     try:
-        return load_tokenizer(default_model_path())
+        return load_tokenizer(os.environ.get("TOKENSPEED_TEST_TOKENIZER") or default_model_path())
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
 

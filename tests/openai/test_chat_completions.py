@@ -129,14 +129,19 @@ def test_max_completion_tokens_is_refused_by_its_own_name(api):
     assert_error(api.post(PATH, {"messages": HELLO, "max_completion_tokens": 10**6}), 400, "BadRequestError",
                  "max_completion_tokens", "max_completion_tokens")
     assert_error(api.post(PATH, {"messages": HELLO, "max_tokens": 0}), 400, "BadRequestError", "max_tokens")
+    error = assert_error(api.post(PATH, {"messages": HELLO, "max_completion_tokens": 3, "min_tokens": 5}), 400,
+                         "BadRequestError", "min_tokens", "max_completion_tokens=3")
+    assert "max_tokens" not in error["message"]
 
 
-def test_a_fault_formatting_a_stream_ends_it_with_an_error_event(api, monkeypatch):
+@pytest.mark.parametrize("method", ["events", "first_chunks", "usage_chunk"])
+def test_a_fault_formatting_a_stream_ends_it_with_an_error_event(api, monkeypatch, method):
     """Not a connection cut mid-stream: the client reads a 500's body, then [DONE]."""
-    def broken(self, prefix, index, update):
+    def broken(self, *args):
         raise RuntimeError("a formatting fault")
-    monkeypatch.setattr(responses.ChatFormat, "events", broken)
-    lines = api.stream_lines(PATH, {"messages": HELLO, "max_tokens": 3, "stream": True})
+    monkeypatch.setattr(responses.ChatFormat, method, broken)
+    body = {"messages": HELLO, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    lines = api.stream_lines(PATH, body)
     assert lines[-1] == "[DONE]"
     error = json.loads(lines[-2])["error"]
     assert error["code"] == 500 and "RuntimeError: a formatting fault" in error["message"]

@@ -73,7 +73,9 @@ def _message(message, where: str) -> dict:
         raise TypeError(f"{where} must be a dict with 'role' and 'content', got {_shown(message)}")
     unknown = sorted(set(message) - set(FIELDS), key=str)
     if unknown:
-        raise ValueError(f"{where} has unknown field(s) {unknown}: a message takes {', '.join(FIELDS)}")
+        taken = ", ".join(f for f in FIELDS if f not in NULL_ONLY)
+        raise ValueError(f"{where} has unknown field(s) {unknown}: a message takes {taken} (and "
+                         f"{' and '.join(NULL_ONLY)} as null)")
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"{where}.role={role!r}: must be one of {', '.join(ROLES)}")
@@ -81,20 +83,33 @@ def _message(message, where: str) -> dict:
         raise ValueError(f"{where}.content: a {role} message needs content (a string or text parts)")
     for field, what in NULL_ONLY.items():
         if message.get(field) is not None:
-            raise ValueError(f"{where}.{field}: {what} is not supported; only null is accepted")
-    refusal = message.get("refusal")
-    refusal = None if refusal is None else _string(refusal, role, "refusal", where)
-    content = refusal if message.get("content") is None else message["content"]
+            raise ValueError(f"{where}.{field}={_shown(message[field])}: {what} is not supported; only null "
+                             f"is accepted")
+    content = _refusal_as_content(message, role, where)
     out = {"role": "system" if role == "developer" else role, "content": _content(content, f"{where}.content")}
     for field in ("name", "tool_call_id", "reasoning_content"):
         if message.get(field) is not None:
             out[field] = _string(message[field], role, field, where)
     if message.get("annotations") is not None:
         _check_role(role, "annotations", where)
+        if not _is_list(message["annotations"]):
+            raise TypeError(f"{where}.annotations must be a list, got {_shown(message['annotations'])}")
     if message.get("tool_calls") is not None:
         _check_role(role, "tool_calls", where)
         out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
     return out
+
+
+def _refusal_as_content(message: Mapping, role: str, where: str):
+    """The content, or the refusal an assistant gave instead of one (never both: which would
+    the template show?)."""
+    refusal, content = message.get("refusal"), message.get("content")
+    if refusal is None:
+        return content
+    refusal = _string(refusal, role, "refusal", where)
+    if content is not None:
+        raise ValueError(f"{where} has both content and a refusal ({_shown(refusal)}): give one")
+    return refusal
 
 
 def _string(value, role: str, field: str, where: str) -> str:

@@ -18,11 +18,13 @@ from tokenspeed.errors import RefusedRequest
 from tokenspeed.structured.bitmask import pack_allowed
 
 MAX_BIAS = 100.0
+MAX_KEY_CHARS = 32   # a token id's digits, with room for spaces around them
 
 
 def _token_id(field: str, key: object) -> int:
-    """An id as JSON carries it (OpenAI's keys are strings of ASCII digits) or as an int."""
-    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+    """An id as JSON carries it (OpenAI's keys are strings of ASCII digits, short enough for
+    ``int``: past 4,300 digits it raises) or as an int."""
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() and len(key) <= MAX_KEY_CHARS:
         return int(key)
     if isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
         return int(key)

@@ -32,11 +32,13 @@ def internal_error(exc: Exception) -> APIError:
 
 @contextlib.contextmanager
 def named_as_sent(sent: str, read_as: str):
-    """Refusals of ``read_as`` named ``sent``: the field the request gave its value in (chat's
-    ``max_completion_tokens``, read as ``max_tokens``)."""
+    """Refusals naming ``read_as`` name ``sent`` instead: the field the request gave its value
+    in (chat's ``max_completion_tokens``, read as ``max_tokens``), as the refused field or
+    as another's bound (``min_tokens=5: must be <= max_tokens=3``)."""
     try:
         yield
     except APIError as exc:
-        if sent == read_as or exc.param != read_as:
+        if sent == read_as or read_as not in exc.message:
             raise
-        raise APIError(exc.status, re.sub(rf"\b{read_as}\b", sent, exc.message), sent, exc.type) from exc
+        param = sent if exc.param == read_as else exc.param
+        raise APIError(exc.status, re.sub(rf"\b{read_as}\b", sent, exc.message), param, exc.type) from exc

@@ -39,7 +39,8 @@ MAX_STOP_CHARS = 1024       # characters in one stop string
 class Strict(BaseModel):
     """Types checked, not coerced; unknown fields refused. A null sent for a field that takes
     no null (``n``, ``stream``, ``presence_penalty``) leaves it at its default: OpenAI's
-    client sends null for an argument given as None, and OpenAI reads it as unset."""
+    client sends null for an argument given as None, and OpenAI reads it as unset. A field
+    that takes null keeps it (completions' ``max_tokens``: null is no bound, as vLLM reads it)."""
     model_config = ConfigDict(strict=True, extra="forbid")
 
     @model_validator(mode="before")

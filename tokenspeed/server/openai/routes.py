@@ -111,40 +111,44 @@ async def _answer(server: "Server", request: Request, body, prompts, params, fie
 
 
 async def _stream(server: "Server", keys, updates, fmt, include_usage: bool):
-    request_id, created = uuid.uuid4().hex, int(time.time())
-    pending, usage = set(range(len(keys))), responses.Usage()
-    prefix = fmt.chunk_prefix(request_id, created)
+    """The answer's events; a failure ends the stream with an error event and [DONE]: the
+    engine's (its request's error), the server's (an ``APIError``: stopping, the deadline) or
+    a fault formatting the reply (a 500, logged), never a connection cut mid-stream."""
     try:
-        if first := _event(fmt.first_chunks(request_id, created, len(keys))):
-            yield first
-        while pending:
-            events = []
-            try:
-                arrived = await updates.take_all()
-            except APIError as exc:   # the engine exited, the server is stopping, the deadline
-                yield _error_event(exc)
-                return
-            for index, update in arrived:   # one write for all that arrived
-                if update.error:
-                    yield "".join(events) + _error_event(failed_in_engine(update))
-                    return
-                try:
-                    events.append(fmt.events(prefix, index, update))
-                except Exception as exc:   # a fault in the reply's formatting: an error event, not a cut stream
-                    logging.getLogger(__name__).exception("a streamed reply could not be formatted")
-                    yield "".join(events) + _error_event(internal_error(exc))
-                    return
-                if update.finished:
-                    pending.discard(index)
-                    usage = usage.add(update)
-            if not pending:   # the last tokens, the usage and the end go out in one write
-                if include_usage:
-                    events.append(_event([fmt.usage_chunk(usage, request_id, created)]))
-                events.append("data: [DONE]\n\n")
-            yield "".join(events)
+        async for text in _events(keys, updates, fmt, include_usage):
+            yield text
+    except APIError as exc:
+        yield _error_event(exc)
+    except Exception as exc:
+        logging.getLogger(__name__).exception("a streamed reply failed")
+        yield _error_event(internal_error(exc))
     finally:
         updates.close()
         server.abort(keys)
+
+
+async def _events(keys, updates, fmt, include_usage: bool):
+    request_id, created = uuid.uuid4().hex, int(time.time())
+    pending, usage = set(range(len(keys))), responses.Usage()
+    prefix = fmt.chunk_prefix(request_id, created)
+    if first := _event(fmt.first_chunks(request_id, created, len(keys))):
+        yield first
+    while pending:
+        events = []
+        for index, update in await updates.take_all():   # one write for all that arrived
+            if update.error:
+                if events:
+                    yield "".join(events)
+                raise failed_in_engine(update)
+            events.append(fmt.events(prefix, index, update))
+            if update.finished:
+                pending.discard(index)
+                usage = usage.add(update)
+        if not pending:   # the last tokens, the usage and the end go out in one write
+            if include_usage:
+                events.append(_event([fmt.usage_chunk(usage, request_id, created)]))
+            events.append("data: [DONE]\n\n")
+        yield "".join(events)
 
 
 def _error_event(error: APIError) -> str:
