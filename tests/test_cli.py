@@ -31,6 +31,19 @@ def test_generate_streams_the_completion(capsys):
     assert out.out == want + "\n"
 
 
+def test_the_commands_own_max_tokens_ends_with_a_short_context(capsys):
+    """``generate``'s 128 tokens past a 32-token context: cut to the room left (greedy,
+    so the text is the one asked for with that room), not refused; asked for, refused."""
+    model = str(text_model_dir())
+    out = run(capsys, "generate", "--model", model, "--max-model-len", "32", "--temperature", "0", "The sea is")
+    llm = ts.LLM(model, max_model_len=32)
+    room = 32 - len(llm.tokenizer.encode("The sea is"))
+    want = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=room), use_tqdm=False)[0].text
+    assert out.out == want + "\n"
+    with pytest.raises(SystemExit, match="exceeds max_model_len=32"):
+        main(["generate", "--model", model, "--max-model-len", "32", "--max-tokens", "128", "The sea is"])
+
+
 def test_chat_keeps_the_history(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAnd then?\n\n"))
     out = run(capsys, "chat", "--model", str(text_model_dir()), "--max-tokens", "5")

@@ -78,6 +78,34 @@ def test_no_max_tokens_runs_to_the_end_of_the_context():
                                                        "token (max_model_len=64, 10 KV pages: 40 tokens at most)")
 
 
+@given(prompt_tokens=st.integers(1, 45), max_tokens=st.integers(1, 100))
+def test_a_default_max_tokens_is_fitted_to_the_room_left(prompt_tokens, max_tokens):
+    """Cut to what the context and the pool leave (10 pages: 40 tokens), never raised; a
+    prompt with no room keeps its params, to be refused."""
+    from tokenspeed.scheduling.prompt_limits import fitted
+    params = ts.SamplingParams(max_tokens=max_tokens)
+    got = fitted(LIMITS, prompt_tokens, params)
+    if prompt_tokens >= 40:
+        assert got == params
+    else:
+        assert got.max_tokens == min(max_tokens, 40 - prompt_tokens)
+        check_request(LIMITS, 0, (5,) * prompt_tokens, got, has_tokenizer=True)
+    assert fitted(LIMITS, prompt_tokens, ts.SamplingParams(max_tokens=None)).max_tokens is None
+
+
+def test_the_defaults_end_with_the_context_and_asked_for_max_tokens_is_refused():
+    """A call without params takes the defaults (``max_tokens`` 16 here) cut to the room
+    left, as vLLM ends such a request; the same 16 asked for is refused."""
+    llm = ts.LLM(text_model_dir(), page_size=4, max_model_len=32)
+    prompt = list(range(3, 25))   # 22 tokens: room for 10
+    [out] = llm.generate([prompt], use_tqdm=False)
+    assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (10, "length") \
+        or out.outputs[0].finish_reason == "stop"
+    assert list(llm.stream(prompt))   # refused at the call before
+    with pytest.raises(RefusedRequest, match="22 prompt tokens \\+ max_tokens=16 = 38 exceeds max_model_len=32"):
+        llm.generate([prompt], ts.SamplingParams(max_tokens=16), use_tqdm=False)
+
+
 def test_the_message_names_the_prompt_value_and_limit():
     refused = refusal([5] * 10, max_tokens=60)
     assert str(refused) == "prompt 3: 10 prompt tokens + max_tokens=60 = 70 exceeds max_model_len=64"

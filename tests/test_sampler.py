@@ -478,3 +478,14 @@ def test_a_row_refuses_a_seed_past_int64_naming_it(seed):
     with pytest.raises(RefusedRequest, match=r"^seed=.*: must fit a signed 64-bit integer") as refused:
         RowSampling(ts.SamplingParams(), seed)
     assert (refused.value.field, refused.value.value) == ("seed", seed)
+
+
+def test_clone_is_a_checked_copy_with_changes():
+    """vLLM's code sets a field of the defaults; here, an immutable record's ``clone``."""
+    import attrs
+    p = ts.SamplingParams(temperature=0.5, max_tokens=16)
+    assert p.clone() == p and p.clone(max_tokens=100) == ts.SamplingParams(temperature=0.5, max_tokens=100)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        p.max_tokens = 100
+    with pytest.raises(RefusedRequest, match="max_tokens"):
+        p.clone(max_tokens=0)

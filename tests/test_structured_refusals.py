@@ -48,6 +48,7 @@ def test_exactly_one_constraint_is_set(fields, given):
     ({"choice": []}, "choice", "at least one string"),
     ({"choice": ["a", ""]}, "choice", "none of them empty"),
     ({"choice": "ab"}, "choice", "a list of strings"),
+    ({"choice": 5}, "choice", "a list of strings"),   # not iterable: refused, not a TypeError
     ({"regex": ""}, "regex", "non-empty string"),
     ({"grammar": 3}, "grammar", "non-empty string"),
     ({"json": 3}, "json", "a dict or its JSON text"),

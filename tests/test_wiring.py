@@ -35,6 +35,17 @@ def test_compile_refuses_its_options_by_position():
         ts.compile(traced.lower("prefill"), traced.lower("decode"), ts.CompileConfig(num_kv_pages=8), None)
 
 
+def test_compile_refuses_programs_in_each_others_places():
+    traced = ts.trace(random_model(TINY_LLAMA))
+    prefill, decode = traced.lower("prefill"), traced.lower("decode")
+    with pytest.raises(ValueError, match=r"the prefill argument is a 'decode' program; pass traced.lower\('prefill'\)"):
+        ts.compile(decode, prefill, ts.CompileConfig(num_kv_pages=8))
+    with pytest.raises(ValueError, match=r"the decode argument is a 'prefill' program"):
+        ts.compile(prefill, prefill, ts.CompileConfig(num_kv_pages=8))
+    with pytest.raises(ValueError, match=r"the decode argument is Traced"):
+        ts.compile(prefill, traced, ts.CompileConfig(num_kv_pages=8))
+
+
 def test_a_verify_window_holds_at_least_the_token_before_the_drafts():
     lowered = ts.trace(random_model(TINY_LLAMA)).lower("verify")
     with pytest.raises(ValueError, match="window"):
@@ -49,3 +60,8 @@ def test_an_op_may_not_declare_an_optional_argument_mutated():
         @_op("scratch", mutates_args=("buf",))
         def scratch(x: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
             return x
+
+
+def test_a_device_torch_does_not_know_is_named():
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device \(cpu, cuda, cuda:N\)"):
+        ts.CompileConfig(device="gpu")

@@ -140,6 +140,11 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     ``companion_page_bytes``: a page of another pool to be bound with as many pages as this
     one, whose consumer keeps every page of a request (a draft model's): the budget pays for
     both, and pools are sized for whole contexts."""
+    for name, lowered in (("prefill", prefill), ("decode", decode)):
+        if not isinstance(lowered, Lowered) or lowered.mode != name:
+            got = f"a {lowered.mode!r} program" if isinstance(lowered, Lowered) else type(lowered).__name__
+            raise ValueError(f"compile(prefill, decode): the {name} argument is {got}; pass "
+                             f"traced.lower({name!r})")
     backend = backend or backend_for(decode.config)
     _check_prefill_attention(prefill, backend.graph_support())
     _check_state_slots(decode, config)

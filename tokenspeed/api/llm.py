@@ -31,7 +31,7 @@ from tokenspeed.engine.draft_model import DraftModelDrafter
 from tokenspeed.engine.core import Engine
 from tokenspeed.engine.grammars import Grammars
 from tokenspeed.execution.outputs import RequestOutput
-from tokenspeed.scheduling.prompt_limits import check_request
+from tokenspeed.scheduling.prompt_limits import check_request, fitted
 from tokenspeed.scheduling.request import Request
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.scheduling.scheduler import Scheduler
@@ -168,7 +168,8 @@ class LLM:
         return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
 
     def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        params = per_prompt(sampling_params, len(parsed), self.get_default_sampling_params())
+        params = [self._defaults_for(p) for p in parsed] if sampling_params is None else \
+            per_prompt(sampling_params, len(parsed))
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
         keys = self.client.add(parsed, params)
@@ -205,7 +206,8 @@ class LLM:
         if len(parsed) != 1:
             raise ValueError(f"stream takes one prompt (a string, token ids or a prompt dict), got "
                              f"a list of {len(parsed)}: use generate for several")
-        [params] = per_prompt(sampling_params, 1, self.get_default_sampling_params())
+        [params] = [self._defaults_for(parsed[0])] if sampling_params is None else \
+            per_prompt(sampling_params, 1)
         if params.n != 1:
             raise ValueError(f"stream takes one completion: n={params.n}")
         self._require_tokenizer()
@@ -224,6 +226,12 @@ class LLM:
             self.client.raise_failure([key])
         finally:
             self.client.drop([key])   # a consumer that stopped early
+
+    def _defaults_for(self, prompt: Prompt) -> SamplingParams:
+        """The defaults, for a call that gave none: their ``max_tokens`` (the model's
+        ``max_new_tokens`` or ``SamplingParams``' 16) cut to the room the context leaves the
+        prompt (``prompt_limits.fitted``), not refused: the caller never asked for it."""
+        return fitted(self.engine.limits, len(prompt.token_ids), self.get_default_sampling_params())
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):

@@ -7,7 +7,7 @@ import difflib
 import attrs
 import torch
 
-from tokenspeed.execution.compile_config import CompileConfig
+from tokenspeed.execution.compile_config import CompileConfig, as_device
 from tokenspeed.execution.sampling_params import SamplingParams
 
 LLM_OPTIONS = ("model", "device", "dtype", "quantization", "tokenizer", "revision", "enforce_eager",
@@ -19,10 +19,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.flo
 
 
 def checked_device(device) -> torch.device:
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N)") from exc
+    device = as_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}, but no CUDA GPU is available here: use device='cpu'")
     if device.type not in ("cpu", "cuda"):
@@ -75,10 +72,10 @@ def _graphs_option(enforce_eager: bool, options: dict) -> dict:
     return {**options, "graphs": False}
 
 
-def per_prompt(params, n: int, default: SamplingParams) -> list[SamplingParams]:
-    """One ``SamplingParams`` per prompt: ``params`` for all, one each, or ``default``."""
-    if params is None or isinstance(params, SamplingParams):
-        return [params or default] * n
+def per_prompt(params, n: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt: ``params`` for all, or one each."""
+    if isinstance(params, SamplingParams):
+        return [params] * n
     if isinstance(params, (str, bytes, dict)) or not hasattr(params, "__iter__"):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
                         f"{type(params).__name__}")

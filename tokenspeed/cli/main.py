@@ -152,7 +152,7 @@ def cmd_generate(args) -> None:
     params = sampling(args, llm.sampling_defaults)
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
-    _streamed_reply(llm, prompt, params)
+    _streamed_reply(llm, prompt, params, fit=args.max_tokens is None)
 
 
 CHAT_ENDS = ("/exit", "/quit")   # typed to leave a chat, as other chat prompts take them
@@ -168,7 +168,7 @@ def cmd_chat(args) -> None:
     while (line := _read_line()) and line not in CHAT_ENDS:
         turn = [*history, {"role": "user", "content": line}]
         try:
-            reply = _streamed_reply(llm, llm.chat_prompt(turn), params)
+            reply = _streamed_reply(llm, llm.chat_prompt(turn), params, fit=args.max_tokens is None)
         except RefusedRequest as exc:   # too long for the context: the chat goes on without it
             if exc.field not in ("prompt", "max_tokens"):
                 raise
@@ -178,7 +178,14 @@ def cmd_chat(args) -> None:
         history = [*turn, {"role": "assistant", "content": reply}]
 
 
-def _streamed_reply(llm, prompt, params) -> str:
+def _streamed_reply(llm, prompt, params, fit: bool) -> str:
+    """``fit``: ``max_tokens`` is a default (the model's or the command's), cut to the room
+    the context leaves the prompt rather than refused (``prompt_limits.fitted``)."""
+    if fit:
+        from tokenspeed.api.prompts import parse_prompts
+        from tokenspeed.scheduling.prompt_limits import fitted
+        [parsed] = parse_prompts(prompt, llm.tokenizer)
+        params = fitted(llm.engine.limits, len(parsed.token_ids), params)
     reply = []
     for piece in llm.stream(prompt, params):
         reply.append(piece)

@@ -45,6 +45,14 @@ def _sizes(instance, attribute, value):
         given_ladder(attribute.name, value)
 
 
+def as_device(device) -> torch.device:
+    """``device`` as a ``torch.device``, or a ``ValueError`` naming it."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device (cpu, cuda, cuda:N)") from exc
+
+
 @attrs.frozen
 class CompileConfig:
     """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
@@ -62,7 +70,7 @@ class CompileConfig:
     KV pool stores, ``"auto"`` the model's dtype, ``"fp8_e4m3"`` (or ``"fp8"``) float8 e4m3
     through each layer's scales (``models.kv_scales``), half the bytes of 16-bit values per
     token, so twice the pages fit in a budget."""
-    device: torch.device = attrs.field(default="cpu", converter=torch.device)
+    device: torch.device = attrs.field(default="cpu", converter=as_device)
     page_size: int = attrs.field(default=16, validator=_at_least(1))
     max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
     max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))

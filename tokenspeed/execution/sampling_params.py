@@ -140,7 +140,10 @@ class SamplingParams:
     vLLM's None; ``include_stop_str_in_output``: the stop string, stop token or
     end-of-sequence token that ended the answer stays at the end of its text (by default
     the text ends before it, as vLLM's does; the token stays among the token ids either
-    way)."""
+    way).
+
+    Immutable (a request's settings cannot change under it): ``clone(max_tokens=100)``
+    gives a changed copy, checked as a new one is, where vLLM's code sets the field."""
     n: int = attrs.field(default=1, validator=_int_in(1, MAX_N))
     temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, FLOAT32_MAX))
     top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
@@ -169,6 +172,11 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
         if self.temperature == 0:
             object.__setattr__(self, "top_k", 1)
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with ``changes`` (vLLM's ``clone()``, which takes none). What temperature 0
+        normalised stays so (``top_k`` 1), as it does when vLLM's code sets a field."""
+        return attrs.evolve(self, **changes)
 
     @property
     def token_bias(self) -> TokenBias | None:

@@ -74,6 +74,18 @@ def output_limit(limits: PromptLimits, where: str, prompt_tokens: int, params: S
     return longest - prompt_tokens
 
 
+def fitted(limits: PromptLimits, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+    """``params`` with a ``max_tokens`` past the room the context and the KV pool leave a
+    prompt of ``prompt_tokens`` cut to that room. For a default the caller did not choose
+    (the model's ``max_new_tokens``, a command's own): the request then ends with the
+    context, as vLLM ends it, where a ``max_tokens`` asked for is refused. A prompt that
+    leaves no room keeps ``params``, and is refused as it is."""
+    if params.max_tokens is None:
+        return params
+    room = _longest_held(limits) - prompt_tokens
+    return attrs.evolve(params, max_tokens=room) if 0 < room < params.max_tokens else params
+
+
 def _longest_held(limits: PromptLimits) -> int:
     """The most tokens, up to ``max_model_len``, whose KV pages the pool holds at once
     (bisected: the pages grow with the tokens)."""

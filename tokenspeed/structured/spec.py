@@ -7,7 +7,7 @@ schema, expression or grammar compiles is ``compile_grammar``'s to say, at the d
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -34,7 +34,7 @@ def _schema_text(value: object) -> str | None:
 def _choices(value: object) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if isinstance(value, str) or not all(isinstance(c, str) for c in value):
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(c, str) for c in value):
         raise _refuse("choice", value, "must be a list of strings")
     return tuple(value)
 
