@@ -52,11 +52,22 @@ def test_a_byte_budget_takes_the_most_pages_it_holds_up_to_every_sequence_at_ful
     assert sizing.max_full_length_sequences == (sizing.num_pages - 1) // pages_per_sequence
 
 
+@given(pages=st.integers(2, 10**9), max_num_seqs=st.integers(1, 64), pages_per_sequence=st.integers(1, 64))
+def test_a_page_count_is_kept_up_to_every_sequence_at_full_length(pages, max_num_seqs, pages_per_sequence):
+    """``num_kv_pages=10**9`` allocated 8 TB on a probe; no pool is larger than the engine uses."""
+    geometry = kv_pool.PoolGeometry(2, PAGE, 2, 8, torch.float32, "cpu")
+    config = CompileConfig(max_num_seqs=max_num_seqs, num_kv_pages=pages)
+    sizing = kv_pool.sized_by_bytes(config, geometry, pages_per_sequence)
+    assert sizing.num_pages == min(pages, kv_pool.wanted_pages(max_num_seqs, pages_per_sequence))
+
+
 @pytest.mark.parametrize("options, fragment", [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization=0.0: must be in (0, 1]"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: must be in (0, 1]"),
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes=0: must be >= 1"),
     (dict(kv_cache_memory_bytes=1000), "kv_cache_memory_bytes=1000 leaves"),
+    (dict(num_kv_pages=8, kv_cache_memory_bytes=10**6), "num_kv_pages=8 and kv_cache_memory_bytes=1000000 both "
+                                                      "size the KV pool: give one"),
 ])
 def test_bad_pool_budgets_are_named(model, options, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):

@@ -45,6 +45,12 @@ def _sizes(instance, attribute, value):
         given_ladder(attribute.name, value)
 
 
+def _one_pool_size(instance, attribute, value):
+    if value is not None and instance.num_kv_pages is not None:
+        raise ValueError(f"num_kv_pages={instance.num_kv_pages} and kv_cache_memory_bytes={value} both size "
+                         f"the KV pool: give one")
+
+
 def as_device(device) -> torch.device:
     """``device`` as a ``torch.device``, or a ``ValueError`` naming it."""
     try:
@@ -59,10 +65,10 @@ class CompileConfig:
     min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``: rows
     per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
     on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
-    ``num_kv_pages``: the pool's pages, page 0 included; else ``kv_cache_memory_bytes``, the
-    pool's bytes; else ``gpu_memory_utilization``, the share of a GPU's memory the engine
+    ``num_kv_pages``: the pool's pages, page 0 included; or ``kv_cache_memory_bytes``, the
+    pool's bytes (not both); else ``gpu_memory_utilization``, the share of a GPU's memory the engine
     fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
-    exceeds ``max_num_seqs`` sequences at full length (``runtime.kv_pool``; a request of a
+    exceeds ``max_num_seqs`` sequences at full length (``execution.kv_pool``; a request of a
     model windowed on every layer holds only its window's pages); ``compile_workers``:
     processes that compile the Triton kernels before the captures (default: half the usable
     cores, at most 8; 0 compiles each on first launch); ``max_chunk_tokens``: the most new
@@ -77,7 +83,7 @@ class CompileConfig:
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
     max_chunk_tokens: int | None = attrs.field(default=None, validator=_within_step)
     num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2))
-    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_at_least(1))
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=[_at_least(1), _one_pool_size])
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_share)
     capture_sizes: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple), validator=_sizes)

@@ -97,8 +97,8 @@ def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int, *,
     ``companion_page_bytes``: a page of another pool that will hold as many pages (a draft
     model's), paid from the same budget."""
     wanted, page_bytes = wanted_pages(config.max_num_seqs, pages_per_sequence), geometry.page_bytes
-    if config.num_kv_pages is not None:
-        return PoolSizing(config.num_kv_pages, page_bytes, pages_per_sequence, "num_kv_pages")
+    if config.num_kv_pages is not None:   # no more than every sequence at full length uses
+        return PoolSizing(min(config.num_kv_pages, wanted), page_bytes, pages_per_sequence, "num_kv_pages")
     if config.kv_cache_memory_bytes is None and geometry.device.type == "cuda":
         return None
     budget = CPU_KV_BYTES if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
