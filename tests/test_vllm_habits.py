@@ -84,3 +84,17 @@ def test_chat_takes_what_the_server_takes(llm):
     want = llm.chat(plain, GREEDY, use_tqdm=False)[0]
     got = llm.chat(parts, GREEDY, use_tqdm=False)[0]
     assert got.prompt == want.prompt and got.token_ids == want.token_ids
+
+
+def test_chat_continues_a_begun_reply_and_takes_a_template(llm):
+    """vLLM's ``continue_final_message`` and ``chat_template`` keywords."""
+    begun = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, I am"}]
+    out = llm.chat(begun, GREEDY, continue_final_message=True, add_generation_prompt=False, use_tqdm=False)[0]
+    whole = llm.get_tokenizer().apply_chat_template(begun, add_generation_prompt=False, tokenize=False)
+    assert out.prompt == whole[:whole.rindex("Hello, I am") + len("Hello, I am")] and out.prompt.endswith("I am")
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    assert llm.chat(begun[:1], GREEDY, chat_template=template, use_tqdm=False)[0].prompt == "[user] Hi!\n"
+    with pytest.raises(ValueError, match="pass add_generation_prompt=False"):
+        llm.chat(begun, GREEDY, continue_final_message=True, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"chat_template: not a Jinja template \(line 1"):
+        llm.chat(begun, GREEDY, chat_template="{% for m %}", use_tqdm=False)

@@ -147,6 +147,22 @@ def test_a_fault_formatting_a_stream_ends_it_with_an_error_event(api, monkeypatc
     assert error["code"] == 500 and "RuntimeError: a formatting fault" in error["message"]
 
 
+def test_a_begun_reply_is_continued_as_vllm_continues_it(client, llm):
+    begun = [*HELLO, {"role": "assistant", "content": "Hello, I am"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    got = client.chat.completions.create(model=MODEL, messages=begun, max_tokens=4, temperature=0, extra_body=extra)
+    want = llm.chat(begun, ts.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False, continue_final_message=True,
+                    add_generation_prompt=False)[0]
+    assert got.choices[0].message.content == want.text
+
+
+def test_a_template_or_a_continuation_that_cannot_be_is_refused_by_its_field(api):
+    assert_error(api.post(PATH, {"messages": HELLO, "chat_template": "{% for m %}"}), 400, "BadRequestError",
+                 "chat_template", "not a Jinja template")
+    assert_error(api.post(PATH, {"messages": HELLO, "continue_final_message": True}), 400, "BadRequestError",
+                 "continue_final_message", "pass add_generation_prompt=False")
+
+
 def test_an_answer_in_audio_is_refused(api):
     assert_error(api.post(PATH, {"messages": HELLO, "modalities": ["text", "audio"]}), 400, "BadRequestError",
                  "modalities", "'text'")

@@ -184,14 +184,17 @@ class LLM:
         return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
-             use_tqdm: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
-        such lists; see ``chat_messages``) through the model's chat template, which also
-        sees ``tools`` and ``chat_template_kwargs`` (``{"enable_thinking": False}``), as
-        vLLM's ``LLM.chat`` passes them."""
+        such lists; see ``chat_messages``) through the model's chat template (or
+        ``chat_template``, a Jinja template's text), which also sees ``tools`` and
+        ``chat_template_kwargs`` (``{"enable_thinking": False}``), as vLLM's ``LLM.chat``
+        passes them. ``continue_final_message`` (with ``add_generation_prompt=False``): the
+        model goes on writing the last message (an assistant's reply begun for it)."""
         variables = template_variables(tools, chat_template_kwargs)
-        prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt, **variables)
+        prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt, chat_template=chat_template,
+                               continue_final_message=continue_final_message, **variables)
                    for c in conversations(messages)]
         return self._generate(prompts, sampling_params, use_tqdm)
 

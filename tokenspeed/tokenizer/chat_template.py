@@ -79,7 +79,11 @@ class ChatTemplate:
 
     @classmethod
     def compile(cls, source: str) -> "ChatTemplate":
-        return cls(source, _environment().from_string(source))
+        """``source`` compiled; a template that does not parse is a ``ValueError`` naming the line."""
+        try:
+            return cls(source, _environment().from_string(source))
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat_template: not a Jinja template (line {exc.lineno}: {exc.message})") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                special_tokens: Mapping[str, str], **kwargs) -> str:
@@ -92,3 +96,18 @@ class ChatTemplate:
         variables = {"tools": None, "documents": None, **special_tokens, **kwargs}
         return self.template.render(messages=[_without_none(m) for m in messages],
                                     add_generation_prompt=add_generation_prompt, **variables)
+
+
+def continued(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """``text`` (a conversation rendered without a generation prompt) cut after the last
+    message's content, so the model goes on writing that message (transformers'
+    ``continue_final_message``: a template that strips contents is matched stripped)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    for content in (final, final.strip()):
+        at = text.rfind(content)
+        if at >= 0:
+            return text[:at + len(content)]
+    raise ValueError("continue_final_message: the chat template does not write the last message's content "
+                     "as it is, so the prompt cannot end inside it")

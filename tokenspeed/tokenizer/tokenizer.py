@@ -8,7 +8,7 @@ import attrs
 from tokenizers import Tokenizer as Backend
 
 from tokenspeed.tokenizer.byte_fallback import byte_fallback_ids
-from tokenspeed.tokenizer.chat_template import ChatTemplate, NoChatTemplateError
+from tokenspeed.tokenizer.chat_template import ChatTemplate, NoChatTemplateError, continued
 from tokenspeed.tokenizer.gguf_tokenizer import read_gguf
 from tokenspeed.tokenizer.hf_dir import read_hf_dir
 from tokenspeed.tokenizer.parts import TokenizerParts
@@ -84,17 +84,26 @@ class Tokenizer:
         return self.special.eos_token_ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True, **kwargs) -> list[int] | str:
+                            tokenize: bool = True, *, chat_template: str | None = None,
+                            continue_final_message: bool = False, **kwargs) -> list[int] | str:
         """One conversation as the model's prompt: ids, or the text with ``tokenize=False``.
 
         The rendered text already holds every special token the template writes, so it
         is encoded without adding any (as transformers does). ``kwargs`` become template
-        variables (``tools``, ``enable_thinking``, ...).
+        variables (``tools``, ``enable_thinking``, ...). ``chat_template``: a Jinja template
+        instead of the model's; ``continue_final_message``: the prompt ends inside the last
+        message, which the model goes on writing (an assistant's reply begun for it), as
+        transformers' argument of that name does.
         """
-        if self.chat_template is None:
-            raise NoChatTemplateError("this model has no chat template; pass a prompt (text or ids) instead")
-        text = self.chat_template.render(messages, add_generation_prompt,
-                                         self.special.template_variables(), **kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt both end the prompt: "
+                             "pass add_generation_prompt=False")
+        template = ChatTemplate.compile(chat_template) if chat_template is not None else self.chat_template
+        if template is None:
+            raise NoChatTemplateError("this model has no chat template; pass a prompt (text or ids) or a "
+                                      "chat_template instead")
+        text = template.render(messages, add_generation_prompt, self.special.template_variables(), **kwargs)
+        text = continued(text, messages) if continue_final_message else text
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -83,6 +83,8 @@ class ChatTemplateFields(Strict):
     """What the chat template sees: the conversation, the tools and further variables."""
 
     add_generation_prompt: bool = True
+    continue_final_message: bool = False     # vLLM's: the reply goes on from the last message
+    chat_template: str | None = None         # vLLM's: a Jinja template instead of the model's
     tools: list[Tool] | None = None
     chat_template_kwargs: dict | None = None
 

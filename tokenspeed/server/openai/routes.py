@@ -214,9 +214,12 @@ async def _chat_prompt(server: "Server", body) -> Prompt:
     messages, variables = body.checked_messages(), body.template_variables()
     try:
         return await asyncio.to_thread(chat_prompt, server.tokenizer, messages, body.add_generation_prompt,
-                                       **variables)
+                                       chat_template=body.chat_template,
+                                       continue_final_message=body.continue_final_message, **variables)
     except (ValueError, jinja2.TemplateError) as exc:
-        raise APIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
+        field = "chat_template" if str(exc).startswith("chat_template") else \
+            "continue_final_message" if str(exc).startswith("continue_final_message") else "messages"
+        raise APIError(400, f"the chat template refused the messages: {exc}", field) from exc
 
 
 def _tokenizer(server: "Server", field: str):
