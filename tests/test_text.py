@@ -101,6 +101,7 @@ def test_stream_pieces_join_to_the_generated_text(llm):
     params = ts.SamplingParams(temperature=0, max_tokens=12)
     pieces = list(llm.stream(PROMPTS[2], params))
     assert len(pieces) > 1 and "".join(pieces) == llm.generate(PROMPTS[2], params, use_tqdm=False)[0].text
+    assert all(pieces), pieces   # a step whose token adds no text yet yields nothing
     assert not llm.engine.has_work
 
 

@@ -223,7 +223,8 @@ class LLM:
         try:
             while not request.finished:
                 self.client.serve([request], lambda finished: None, steps=1)
-                yield text.take_unread()
+                if piece := text.take_unread():   # a step whose token adds no text yet yields nothing
+                    yield piece
             if last := text.take_unread():   # what arrived while another caller's steps finished it
                 yield last
             self.client.raise_failure([key])
