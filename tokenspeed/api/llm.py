@@ -168,7 +168,7 @@ class LLM:
         return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
 
     def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        params = [self._defaults_for(p) for p in parsed] if sampling_params is None else \
+        params = self._defaults_for(parsed) if sampling_params is None else \
             per_prompt(sampling_params, len(parsed))
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
@@ -209,8 +209,7 @@ class LLM:
         if len(parsed) != 1:
             raise ValueError(f"stream takes one prompt (a string, token ids or a prompt dict), got "
                              f"a list of {len(parsed)}: use generate for several")
-        [params] = [self._defaults_for(parsed[0])] if sampling_params is None else \
-            per_prompt(sampling_params, 1)
+        [params] = self._defaults_for(parsed) if sampling_params is None else per_prompt(sampling_params, 1)
         if params.n != 1:
             raise ValueError(f"stream takes one completion: n={params.n}")
         self._require_tokenizer()
@@ -231,11 +230,12 @@ class LLM:
         finally:
             self.client.drop([key])   # a consumer that stopped early
 
-    def _defaults_for(self, prompt: Prompt) -> SamplingParams:
+    def _defaults_for(self, prompts: list[Prompt]) -> list[SamplingParams]:
         """The defaults, for a call that gave none: their ``max_tokens`` (the model's
-        ``max_new_tokens`` or ``SamplingParams``' 16) cut to the room the context leaves the
+        ``max_new_tokens`` or ``SamplingParams``' 16) cut to the room the context leaves each
         prompt (``prompt_limits.fitted``), not refused: the caller never asked for it."""
-        return fitted(self.engine.limits, len(prompt.token_ids), self.get_default_sampling_params())
+        defaults = self.get_default_sampling_params()
+        return [fitted(self.engine.limits, len(p.token_ids), defaults) for p in prompts]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request samples with when it gives no ``SamplingParams`` (vLLM's name):

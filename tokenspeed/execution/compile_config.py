@@ -66,8 +66,8 @@ class CompileConfig:
     per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
     on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
     ``num_kv_pages``: the pool's pages, page 0 included; or ``kv_cache_memory_bytes``, the
-    pool's bytes (not both); else ``gpu_memory_utilization``, the share of a GPU's memory the engine
-    fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
+    pool's bytes (not both); else ``gpu_memory_utilization``, the share of a GPU's memory
+    the engine fills, everything included (default 0.9; on the CPU the pool gets 512 MiB); no pool
     exceeds ``max_num_seqs`` sequences at full length (``execution.kv_pool``; a request of a
     model windowed on every layer holds only its window's pages); ``compile_workers``:
     processes that compile the Triton kernels before the captures (default: half the usable

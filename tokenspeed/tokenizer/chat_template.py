@@ -23,6 +23,16 @@ class NoChatTemplateError(ValueError):
     """The model ships no chat template, so a conversation cannot be turned into a prompt."""
 
 
+class ChatTemplateRefusal(ValueError):
+    """A chat template (``chat_template``) or a continuation (``continue_final_message``)
+    that cannot be: ``field`` names the argument, for a server to name the request's field
+    (the tokenizer imports nothing of the engine, so not a ``RefusedRequest``)."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` renders its body unchanged.
 
@@ -79,11 +89,12 @@ class ChatTemplate:
 
     @classmethod
     def compile(cls, source: str) -> "ChatTemplate":
-        """``source`` compiled; a template that does not parse is a ``ValueError`` naming the line."""
+        """``source`` compiled; a template that does not parse is refused naming the line."""
         try:
             return cls(source, _environment().from_string(source))
         except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"chat_template: not a Jinja template (line {exc.lineno}: {exc.message})") from None
+            raise ChatTemplateRefusal("chat_template", f"not a Jinja template (line {exc.lineno}: "
+                                      f"{exc.message})") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                special_tokens: Mapping[str, str], **kwargs) -> str:
@@ -104,10 +115,15 @@ def continued(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
     ``continue_final_message``: a template that strips contents is matched stripped)."""
     final = messages[-1].get("content") if messages else None
     if not isinstance(final, str) or not final.strip():
-        raise ValueError("continue_final_message: the last message has no text to continue")
+        raise _cannot_continue("the last message has no text to continue")
     for content in (final, final.strip()):
         at = text.rfind(content)
         if at >= 0:
             return text[:at + len(content)]
-    raise ValueError("continue_final_message: the chat template does not write the last message's content "
-                     "as it is, so the prompt cannot end inside it")
+    raise _cannot_continue("the chat template does not write the last message's content as it is, so the "
+                           "prompt cannot end inside it")
+
+
+def _cannot_continue(why: str) -> ChatTemplateRefusal:
+    return ChatTemplateRefusal("continue_final_message", why)
+

@@ -8,7 +8,8 @@ import attrs
 from tokenizers import Tokenizer as Backend
 
 from tokenspeed.tokenizer.byte_fallback import byte_fallback_ids
-from tokenspeed.tokenizer.chat_template import ChatTemplate, NoChatTemplateError, continued
+from tokenspeed.tokenizer.chat_template import (ChatTemplate, ChatTemplateRefusal, NoChatTemplateError,
+                                                 continued)
 from tokenspeed.tokenizer.gguf_tokenizer import read_gguf
 from tokenspeed.tokenizer.hf_dir import read_hf_dir
 from tokenspeed.tokenizer.parts import TokenizerParts
@@ -96,8 +97,8 @@ class Tokenizer:
         transformers' argument of that name does.
         """
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt both end the prompt: "
-                             "pass add_generation_prompt=False")
+            raise ChatTemplateRefusal("continue_final_message", "it and add_generation_prompt both end the "
+                                      "prompt: pass add_generation_prompt=False")
         template = ChatTemplate.compile(chat_template) if chat_template is not None else self.chat_template
         if template is None:
             raise NoChatTemplateError("this model has no chat template; pass a prompt (text or ids) or a "

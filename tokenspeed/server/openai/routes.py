@@ -25,6 +25,7 @@ from tokenspeed.server.openai.chat_replies import ReplyParsing
 from tokenspeed.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
 from tokenspeed.server.openai.tool_use import tool_use
 from tokenspeed.api.prompts import Prompt, chat_prompt, parse_prompts
+from tokenspeed.tokenizer.chat_template import ChatTemplateRefusal
 
 if TYPE_CHECKING:
     from tokenspeed.server.openai.server import Server
@@ -217,8 +218,7 @@ async def _chat_prompt(server: "Server", body) -> Prompt:
                                        chat_template=body.chat_template,
                                        continue_final_message=body.continue_final_message, **variables)
     except (ValueError, jinja2.TemplateError) as exc:
-        field = "chat_template" if str(exc).startswith("chat_template") else \
-            "continue_final_message" if str(exc).startswith("continue_final_message") else "messages"
+        field = exc.field if isinstance(exc, ChatTemplateRefusal) else "messages"
         raise APIError(400, f"the chat template refused the messages: {exc}", field) from exc
 
 
