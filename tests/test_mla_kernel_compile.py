@@ -25,12 +25,13 @@ def mla_decode_kernels():
     for splits, rotate in [(1, False), (8, False), (8, True)]:   # rotated: q_rope as the projection left it
         flags = dict(HEADS=16, LATENT=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_H=16,
                      BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64, PRECISION="tf32", ROTATE=rotate,
-                     INTERLEAVED=rotate)
-        assert compile_sm90(triton_mla._absorbed_decode_kernel, signature, flags, num_warps=8).asm["ptx"]
+                     INTERLEAVED=rotate, USE_PDL=rotate)
+        ptx = compile_sm90(triton_mla._absorbed_decode_kernel, signature, flags, num_warps=8).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == rotate
     for heads, cache, precision in [(128, "*bf16", "tf32"), (128, "*fp32", "ieee")]:   # DeepSeek-V3's heads
         flags = dict(HEADS=heads, LATENT=512, ROPE=64, PAGE_SIZE=16, NUM_SPLITS=8,
                      BLOCK_H=triton_mla.head_block(heads), BLOCK_N=triton_mla.BLOCK_N, BLOCK_R=512, BLOCK_P=64,
-                     PRECISION=precision, ROTATE=True, INTERLEAVED=True)
+                     PRECISION=precision, ROTATE=True, INTERLEAVED=True, USE_PDL=True)
         kernel = compile_sm90(triton_mla._absorbed_decode_kernel, {**signature, "cache_ptr": cache}, flags,
                               num_warps=8)
         assert kernel.metadata.shared <= HOPPER_SHARED_BYTES, (heads, cache, kernel.metadata.shared)
@@ -43,8 +44,14 @@ def mla_decode_kernels():
                                                           stride_wh="i32", stride_wv="i32", stride_or="i32",
                                                           stride_oh="i32"),
                       dict(HEADS=16, LATENT=512, NUM_SPLITS=64, BLOCK_N=triton_mla.BLOCK_N, BLOCK_S=64, BLOCK_R=512,
-                           BLOCK_V=16), num_warps=8)
-    assert up.asm["ptx"]
+                           BLOCK_V=16, USE_PDL=True), num_warps=8)
+    assert "griddepcontrol.wait" in up.asm["ptx"]
+    absorb = compile_sm90(triton_mla._absorb_kernel, dict(qn_ptr="*bf16", wk_ptr="*bf16", out_ptr="*bf16", rows="i32",
+                                                          stride_qnr="i32", stride_qnh="i32", stride_wkh="i32",
+                                                          stride_wkn="i32", stride_or="i32", stride_oh="i32"),
+                          dict(NOPE=128, LATENT=512, BLOCK_D=128, BLOCK_C=triton_mla.ABSORB_COLUMNS, USE_PDL=True),
+                          num_warps=triton_mla.ABSORB_WARPS)
+    assert "griddepcontrol.wait" in absorb.asm["ptx"]
 
 
 def test_the_mla_decode_and_prefill_compile_for_sm90():

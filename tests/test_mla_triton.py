@@ -4,6 +4,7 @@ tests/conftest.py)."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -52,6 +53,21 @@ def test_the_triton_decode_rotates_its_query_as_the_rope_op(lengths, pad_rows, s
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(reference.mla_decode_attention(q_nope, q_rope, *args, cos_sin=table,
                                                               rope_interleaved=interleaved), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_the_absorbed_query_of_few_rows_equals_the_batched_product(rows, dtype):
+    """One or two rows by ``_absorb_kernel`` (a query strided as the projection's output
+    leaves it), more by the product: each as the product rounds it, in the weight's dtype."""
+    gen = torch.Generator().manual_seed(rows)
+    projected = torch.randn(rows, 3 * (8 + 4) + 5, generator=gen).to(dtype)
+    q_nope = projected[:, :36].view(rows, 3, 12)[..., :8]
+    w_k = (torch.randn(3 * (8 + 6), 10, generator=gen) / 10 ** 0.5).to(dtype).view(3, 14, 10)[:, :8]
+    got = triton_mla.absorbed_query(q_nope, w_k)
+    assert got.dtype == dtype and got.shape == (rows, 3, 10)
+    want = torch.einsum("qhn,hnr->qhr", q_nope.float(), w_k.float()).to(dtype)
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_attention import sm_count
 from tokenspeed.backends.kernels.triton_decode import _split_size, choose_num_splits
@@ -29,6 +30,9 @@ from tokenspeed.errors import InternalError
 LOG2E = 1.4426950408889634
 BLOCK_N = 32   # keys a step: at one row of 576 to 1,024 keys the attention and its merge took 11.4-11.9 us
 # on an H100 against 13.8-14.1 with 16 (DeepSeek-V2-Lite's 16 heads; docs/PERFORMANCE.md)
+ABSORB_MAX_ROWS = 2   # rows up to which the query's absorption is ``_absorb_kernel`` (cuBLAS's product
+# above): at one row of DeepSeek-V2-Lite the product took 3.4 us (H100), a launch for 2 MB of weights
+ABSORB_COLUMNS, ABSORB_WARPS = 64, 4   # latent columns of one head a program: a [128, 64] float32 tile
 COMBINE_UP_MAX_ROWS = 2   # each (row, head) program reads its head's value up-projection: at 32 rows of
 # DeepSeek-V2-Lite's 16 heads the merged launch took 90 us a layer on the H200, the merge and a
 # batched product about 10; at one row it saves the product's and the reshape's launches
@@ -49,12 +53,14 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
                             HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
-                            ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr):
+                            ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr):
     """One split of one row's keys for a block of heads: its unnormalised output and
     log-sum-exp (base 2), merged by ``_combine_kernel``. A split past the row's end writes
     nothing and is not merged. One split is the row's output, stored as it is: no float32
     partials for a prefill's thousands of rows. ROTATE: q_rope is unrotated, and each
-    program rotates its heads' as it loads them (``_query_rope``)."""
+    program rotates its heads' as it loads them (``_query_rope``). The row's bounds are
+    read before the wait (``pdl``), the query and the keys after it."""
+    pdl.start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -64,6 +70,7 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
     pos = tl.load(pos_ptr + row).to(tl.int32)
     size = _split_size(pos + 1, NUM_SPLITS, BLOCK_N)
     lo, hi = split * size, tl.minimum((split + 1) * size, pos + 1)
+    pdl.wait(USE_PDL)
     if lo < hi:
         q_lat = tl.load(ql_ptr + row * stride_qlr + heads[:, None] * stride_qlh + r[None, :],
                         mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
@@ -152,19 +159,42 @@ def _combine_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, out_ptr, stride_or, stride_
 @triton.jit
 def _combine_up_kernel(mid_o_ptr, mid_lse_ptr, pos_ptr, wv_ptr, out_ptr, V_DIM, stride_wh, stride_wv, stride_or,
                        stride_oh, HEADS: tl.constexpr, LATENT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """Merges a row's splits for one head, rounds the latent output to the weight's dtype (as
     ``_combine_kernel`` stores it), and multiplies it by ``BLOCK_V`` of the head's value
     up-projection rows: the merged latents never reach memory, and the output is the
-    ``[rows, heads, v]`` the output projection reads, with no product or copy after."""
+    ``[rows, heads, v]`` the output projection reads, with no product or copy after. The
+    weight rows are loaded before the wait for the partials (``pdl``)."""
+    pdl.start(USE_PDL)
     row, head, r = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.arange(0, BLOCK_R)
-    merged = _merged(mid_o_ptr, mid_lse_ptr, pos_ptr, row, head, HEADS, LATENT, NUM_SPLITS, BLOCK_N, BLOCK_S,
-                     BLOCK_R)
-    merged = merged.to(wv_ptr.dtype.element_ty).to(tl.float32)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     w = tl.load(wv_ptr + head * stride_wh + v[:, None] * stride_wv + r[None, :],
                 mask=(v[:, None] < V_DIM) & (r[None, :] < LATENT), other=0.0).to(tl.float32)
+    pdl.wait(USE_PDL)
+    merged = _merged(mid_o_ptr, mid_lse_ptr, pos_ptr, row, head, HEADS, LATENT, NUM_SPLITS, BLOCK_N, BLOCK_S,
+                     BLOCK_R)
+    merged = merged.to(wv_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_or + head * stride_oh + v, tl.sum(w * merged[None, :], 1), mask=v < V_DIM)
+
+
+@triton.jit
+def _absorb_kernel(qn_ptr, wk_ptr, out_ptr, rows, stride_qnr, stride_qnh, stride_wkh, stride_wkn, stride_or,
+                   stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    """``q_latent[row, head, c] = q_nope[row, head] @ W_UK[head][:, c]`` for ``BLOCK_C`` latent
+    columns of one head, every row, rounded to the weight's dtype as the batched product
+    rounds it. The weights are loaded before the wait (``pdl``): the launch's bytes are in
+    flight while the kernel before it ends."""
+    pdl.start(USE_PDL)
+    head, c, d = tl.program_id(0), tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_D)
+    w = tl.load(wk_ptr + head.to(tl.int64) * stride_wkh + d[:, None] * stride_wkn + c[None, :],
+                mask=(d[:, None] < NOPE) & (c[None, :] < LATENT), other=0.0).to(tl.float32)
+    pdl.wait(USE_PDL)
+    for row in range(rows):
+        q = tl.load(qn_ptr + row * stride_qnr + head * stride_qnh + d, mask=d < NOPE, other=0.0)
+        q = q.to(wk_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_or + head * stride_oh + c, tl.sum(w * q[:, None], 0), mask=c < LATENT)
 
 
 def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight, scale):
@@ -191,10 +221,26 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
     """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``;
     ``rope``: q_rope is unrotated, the kernel rotates it."""
     up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2], as_stored=True)
-    q_latent = torch.einsum("qhn,hnr->qhr", q_nope.to(up.w_k.dtype), up.w_k)   # in the weight's dtype, as
-    # transformers' kv_b_proj: a float32 copy of the weight would be read and written every step
-    return absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
-                           num_splits, w_v=up.w_v, rope=rope).to(q_nope.dtype)
+    return absorbed_decode(absorbed_query(q_nope, up.w_k), q_rope, kv_cache, layer, block_tables, row_request,
+                           positions, scale, num_splits, w_v=up.w_v, rope=rope).to(q_nope.dtype)
+
+
+def absorbed_query(q_nope: torch.Tensor, w_k: torch.Tensor) -> torch.Tensor:
+    """``q_nope @ W_UK`` per head, ``[rows, H, latent]`` in the weight's dtype, as transformers'
+    kv_b_proj rounds it (a float32 copy of the weight would be read and written every step):
+    up to ``ABSORB_MAX_ROWS`` rows by ``_absorb_kernel``, more by the batched product."""
+    rows, heads, nope = q_nope.shape
+    if not 0 < rows <= ABSORB_MAX_ROWS:
+        return torch.einsum("qhn,hnr->qhr", q_nope.to(w_k.dtype), w_k)
+    latent = w_k.shape[2]
+    w_k = w_k if w_k.stride(-1) == 1 else w_k.contiguous()
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    out = torch.empty((rows, heads, latent), dtype=w_k.dtype, device=q_nope.device)
+    _absorb_kernel[(heads, triton.cdiv(latent, ABSORB_COLUMNS))](
+        q_nope, w_k, out, rows, q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), out.stride(0),
+        out.stride(1), NOPE=nope, LATENT=latent, BLOCK_D=max(16, next_power_of_2(nope)), BLOCK_C=ABSORB_COLUMNS,
+        num_warps=ABSORB_WARPS, **pdl.launch_options(q_nope.device))
+    return out
 
 
 def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request, positions, scale,
@@ -234,7 +280,8 @@ def absorbed_decode(q_latent, q_rope, kv_cache, layer, block_tables, row_request
         PAGE_SIZE=kv_cache.shape[3], NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
         BLOCK_R=max(16, next_power_of_2(latent)), BLOCK_P=max(16, next_power_of_2(q_rope.shape[2])),
         PRECISION=precision, ROTATE=rope is not None, INTERLEAVED=rope is not None and rope.interleaved,
-        num_warps=8 if latent >= 256 else 4)   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
+        num_warps=8 if latent >= 256 else 4,   # a [heads, latent] float32 accumulator: 32 KiB at 16 x 512
+        **pdl.launch_options(q_latent.device))
     merge = dict(HEADS=heads, LATENT=latent, NUM_SPLITS=splits, BLOCK_N=BLOCK_N, BLOCK_S=next_power_of_2(splits),
                  BLOCK_R=max(16, next_power_of_2(latent)))
     if fused_up:
@@ -261,7 +308,8 @@ def _combine_up(mid_o, mid_lse, positions, w_v, merge: dict) -> torch.Tensor:
     block_v = min(16, next_power_of_2(v_dim))   # 128 programs a row at DeepSeek's 16 heads of 128 values
     _combine_up_kernel[(rows, heads, triton.cdiv(v_dim, block_v))](
         mid_o, mid_lse, positions, w_v, out, v_dim, w_v.stride(0), w_v.stride(1), out.stride(0), out.stride(1),
-        BLOCK_V=block_v, **merge, num_warps=8)   # splits x latent float32 partials and v x latent weights
+        BLOCK_V=block_v, **merge, num_warps=8,   # splits x latent float32 partials and v x latent weights
+        **pdl.launch_options(mid_o.device))
     return out
 
 
