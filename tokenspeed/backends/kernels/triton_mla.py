@@ -58,9 +58,10 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
     log-sum-exp (base 2), merged by ``_combine_kernel``. A split past the row's end writes
     nothing and is not merged. One split is the row's output, stored as it is: no float32
     partials for a prefill's thousands of rows. ROTATE: q_rope is unrotated, and each
-    program rotates its heads' as it loads them (``_query_rope``). The row's bounds are
-    read before the wait (``pdl``), the query and the keys after it."""
+    program rotates its heads' as it loads them (``_query_rope``). Everything is read after
+    the wait (``pdl``): a prefill's rows and positions may be a kernel's output."""
     pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -70,7 +71,6 @@ def _absorbed_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
     pos = tl.load(pos_ptr + row).to(tl.int32)
     size = _split_size(pos + 1, NUM_SPLITS, BLOCK_N)
     lo, hi = split * size, tl.minimum((split + 1) * size, pos + 1)
-    pdl.wait(USE_PDL)
     if lo < hi:
         q_lat = tl.load(ql_ptr + row * stride_qlr + heads[:, None] * stride_qlh + r[None, :],
                         mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
