@@ -12,10 +12,10 @@ if not torch.cuda.is_available():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tokenspeed.backends.kernels import mla_reference, reference, triton_mla  # noqa: E402
+from tokenspeed.backends.kernels import cuda, mla_reference, reference, triton_mla  # noqa: E402
 from tokenspeed.ir.rope import cos_sin_table  # noqa: E402
 
-from test_mla_kernels import poisoned_cache, batch, queries  # noqa: E402
+from test_mla_kernels import LATENT, ROPE, poisoned_cache, batch, queries  # noqa: E402
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -68,6 +68,34 @@ def test_the_absorbed_query_of_few_rows_equals_the_batched_product(rows, dtype):
     assert got.dtype == dtype and got.shape == (rows, 3, 10)
     want = torch.einsum("qhn,hnr->qhr", q_nope.float(), w_k.float()).to(dtype)
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("lengths, pad_rows", [([5], 0), ([9, 30], 0), ([3], 1), ([7, 12, 1], 0)])
+def test_the_write_joined_to_the_attention_stores_and_reads_the_rows_latents(lengths, pad_rows, interleaved):
+    """``mla_write_decode_attention``'s CUDA kernels (the absorption's launch writes one or two
+    rows; more rows, their own launch): the reference's cache, and its output, whose own keys
+    are the ones written (the rows' slots start as NaN)."""
+    cache, tables, requests, positions, gen = batch(lengths, 4, seed=len(lengths) + pad_rows)
+    last = torch.tensor([sum(lengths[:r + 1]) - 1 for r in range(len(lengths))])
+    requests = torch.cat([requests[last], torch.full((pad_rows,), len(lengths))])   # padding: page 0
+    positions = torch.cat([positions[last], torch.zeros(pad_rows, dtype=torch.long)])
+    slots = tables[requests, positions // 4].long() * 4 + positions % 4
+    cache[1, 0].flatten(0, 1)[slots, 0] = float("nan")
+    rows = len(requests)
+    q_nope, q_rope, w = queries(rows, gen)
+    kv_a = torch.randn(rows, LATENT + ROPE, generator=gen)                  # latent | rope key, as split
+    latent, k_rope, weight = kv_a[:, :LATENT], kv_a[:, LATENT:].view(rows, 1, ROPE), torch.rand(LATENT) + 0.5
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, ROPE, 2, dtype=torch.float32) / ROPE)
+    table = cos_sin_table(inv_freq, torch.arange(64))
+    got_cache, want_cache = cache.clone(), cache.clone()
+    args = (q_nope, q_rope, latent, weight, 1e-6, k_rope, table, positions, interleaved)
+    rest = (1, slots, tables, requests, w, 0.3)
+    got = cuda.mla_write_decode_attention(*args, got_cache, *rest)
+    want = reference.mla_write_decode_attention(*args, want_cache, *rest)
+    torch.testing.assert_close(got_cache, want_cache, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)

@@ -15,7 +15,8 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 import tokenspeed as ts  # noqa: E402
 from tokenspeed.backends.kernels import reference, triton_latent, triton_rope  # noqa: E402
 from tokenspeed.errors import InternalError  # noqa: E402
-from tokenspeed.ir.ops import MLA_DECODE_ATTENTION, NORM_ROPE_WRITE_LATENT, ROPE, WRITE_LATENT  # noqa: E402
+from tokenspeed.ir.ops import (MLA_DECODE_ATTENTION, MLA_WRITE_DECODE_ATTENTION, NORM_ROPE_WRITE_LATENT,  # noqa: E402
+                               ROPE, WRITE_LATENT)
 from tokenspeed.models.config import ModelConfig  # noqa: E402
 from tokenspeed.models.mla_rotary import MlaRotary  # noqa: E402
 from tokenspeed.models.random import random_model  # noqa: E402
@@ -78,17 +79,19 @@ def test_the_reference_over_the_shared_table_is_deepseeks_rotary(interleaved):
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_a_latent_layer_rotates_its_query_in_one_op_and_writes_its_key_in_another(mode):
-    """Prefill's query in a ``rope`` op; decode's in its attention (``fuse_latent_query_rope``)."""
+    """Prefill's query in a ``rope`` op; decode's in its attention (``fuse_latent_query_rope``),
+    which writes the key too (``fuse_latent_write_attention``)."""
     model = random_model(TINY_DEEPSEEK)
     lowered = ts.trace(model).lower(mode)
     nodes = [n for seg in lowered.segments for n in seg.graph_module.graph.nodes]
     assert not [n for n in nodes if n.op == "call_module" and "rotary" in str(n.target)]
     layers = TINY_DEEPSEEK["num_hidden_layers"]
     query_ropes = 0 if mode == "decode" else layers
+    writes = 0 if mode == "decode" else layers
     assert [len([n for n in nodes if n.target == t]) for t in (ROPE, NORM_ROPE_WRITE_LATENT, WRITE_LATENT)] == \
-        [query_ropes, layers, 0]
-    rotating = [n for n in nodes if n.target == MLA_DECODE_ATTENTION and "cos_sin" in n.kwargs]
-    assert len(rotating) == (layers if mode == "decode" else 0)
+        [query_ropes, writes, 0]
+    fused = [n for n in nodes if n.target == MLA_WRITE_DECODE_ATTENTION]
+    assert len(fused) == layers - writes and not [n for n in nodes if n.target == MLA_DECODE_ATTENTION]
     assert {"rope_kernels", "fuse_latent_write"} <= {entry.pass_name for entry in lowered.history}
 
 

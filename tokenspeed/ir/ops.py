@@ -130,6 +130,20 @@ def mla_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
 
 
+@_op("mla_write_decode_attention", mutates_args=("kv_cache",))
+def mla_write_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float, k_rope: torch.Tensor, cos_sin: torch.Tensor,
+                               positions: torch.Tensor, rope_interleaved: bool, kv_cache: torch.Tensor, layer: int,
+                               slot_mapping: torch.Tensor, block_tables: torch.Tensor, row_request: torch.Tensor,
+                               kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """``norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions,
+    rope_interleaved, kv_cache, layer, slot_mapping)``, then ``mla_decode_attention`` of the
+    unrotated ``q_rope`` by the same table: a latent decode layer's cache write joins its
+    attention (the query's absorption launch writes the rows)."""
+    heads, v_dim = q_nope.shape[1], kv_b_weight.shape[0] // q_nope.shape[1] - q_nope.shape[2]
+    return q_nope.new_empty(q_nope.shape[0], heads, v_dim)
+
+
 @_op("silu_and_mul")
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a stacked ``[rows, 2 * I]`` projection (gate first)."""
@@ -328,8 +342,9 @@ DECODE_ATTENTION = OPS.decode_attention.default
 ROPE_DECODE_ATTENTION = OPS.rope_decode_attention.default
 MLA_ATTENTION = OPS.mla_attention.default
 MLA_DECODE_ATTENTION = OPS.mla_decode_attention.default
+MLA_WRITE_DECODE_ATTENTION = OPS.mla_write_decode_attention.default
 ATTENTION_TARGETS = (OPS.attention, ATTENTION, EXTEND_ATTENTION, DECODE_ATTENTION, ROPE_DECODE_ATTENTION,
-                     OPS.mla_attention, MLA_ATTENTION, MLA_DECODE_ATTENTION)
+                     OPS.mla_attention, MLA_ATTENTION, MLA_DECODE_ATTENTION, MLA_WRITE_DECODE_ATTENTION)
 ROPE_WRITE_KV = OPS.rope_write_kv.default
 ROPE = OPS.rope.default
 MOE = OPS.moe.default
@@ -347,5 +362,6 @@ WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRI
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
             "norm_linear", "embedding", "softmax_top_k", "route", "norm_route", "moe", "write_latent",
-            "norm_rope_write_latent", "mla_attention", "mla_decode_attention", "causal_conv_silu", "gated_delta_rule",
+            "norm_rope_write_latent", "mla_attention", "mla_decode_attention", "mla_write_decode_attention",
+            "causal_conv_silu", "gated_delta_rule",
             "causal_conv_silu_step", "gated_delta_rule_step")

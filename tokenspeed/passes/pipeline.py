@@ -9,7 +9,7 @@ from tokenspeed.passes.fusion import (fuse_gated_linear, fuse_head_norms, fuse_l
                                       fuse_norm_linear, fuse_norm_route, fuse_norms, fuse_rope_decode_attention,
                                       fuse_rope_write_kv, rope_kernels, select_linear)
 from tokenspeed.passes.kernels import decode_kernels, extend_kernels, recurrent_steps
-from tokenspeed.passes.latent_rope import fuse_latent_query_rope
+from tokenspeed.passes.latent_decode import fuse_latent_query_rope, fuse_latent_write_attention
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
 from tokenspeed.passes.router import fuse_router
@@ -29,9 +29,11 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
         return ([narrow_rows] if narrow else []) + [extend_kernels, fuse_norms, fuse_rope_write_kv,
                                                      rope_kernels, fuse_latent_write, fuse_moe_add, breaks,
                                                      split_segments]
-    steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if mode == "decode" else ([], [])
+    decode = mode == "decode"
+    steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if decode else ([], [])
+    latent = [fuse_latent_write_attention] if decode else []
     return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels, fuse_latent_write,
-            fuse_latent_query_rope, fuse_moe_add, select_linear, fuse_gated_linear, fuse_shared_experts,
+            fuse_latent_query_rope, *latent, fuse_moe_add, select_linear, fuse_gated_linear, fuse_shared_experts,
             fuse_router, fuse_norm_route, fuse_norm_linear, merge_splits_in_launch,
             whole_graph if decode_graph else attention_breaks, split_segments]
 

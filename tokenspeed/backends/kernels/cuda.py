@@ -79,6 +79,17 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
                                            kv_b_weight, scale, rope=rope)
 
 
+def mla_write_decode_attention(q_nope, q_rope, latent, norm_weight, eps, k_rope, cos_sin, positions,
+                               rope_interleaved, kv_cache, layer, slot_mapping, block_tables, row_request,
+                               kv_b_weight, scale):
+    from tokenspeed.backends.kernels import triton_latent, triton_mla
+    write = triton_latent.LatentWrite.of(latent, norm_weight, eps, k_rope, cos_sin, positions, rope_interleaved,
+                                         kv_cache, layer, slot_mapping)
+    return triton_mla.mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
+                                           kv_b_weight, scale, rope=triton_mla.QueryRope(cos_sin, rope_interleaved),
+                                           write=write)
+
+
 def rope_decode_attention(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping,
                           block_tables, row_request, scale, window, k_scale=1.0, v_scale=1.0, q_norm=None,
                           k_norm=None, norm_eps=0.0):

@@ -153,6 +153,15 @@ def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_requ
                                               positions, kv_b_weight, scale)
 
 
+def mla_write_decode_attention(q_nope, q_rope, latent, norm_weight, eps, k_rope, cos_sin, positions,
+                               rope_interleaved, kv_cache, layer, slot_mapping, block_tables, row_request,
+                               kv_b_weight, scale):
+    norm_rope_write_latent(latent, norm_weight, eps, k_rope, cos_sin, positions, rope_interleaved, kv_cache, layer,
+                           slot_mapping)
+    return mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions, kv_b_weight,
+                                scale, cos_sin, rope_interleaved)
+
+
 def rope_write_kv(q, k, v, cos_sin, positions, kv_cache, layer, slot_mapping, k_scale=1.0, v_scale=1.0):
     """Queries and keys rotated together: one rotation's ops instead of two (a decode step
     on the CPU is bound by how many small ops it runs)."""

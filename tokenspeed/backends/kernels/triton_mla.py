@@ -20,11 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels import pdl, triton_latent
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.triton_attention import sm_count
 from tokenspeed.backends.kernels.triton_decode import _split_size, choose_num_splits
 from tokenspeed.backends.kernels.mla_reference import UpProjection
+from tokenspeed.backends.kernels.triton_latent import LatentWrite, write_latent_row
 from tokenspeed.errors import InternalError
 
 LOG2E = 1.4426950408889634
@@ -184,10 +185,42 @@ def _absorb_kernel(qn_ptr, wk_ptr, out_ptr, rows, stride_qnr, stride_qnh, stride
                    BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
     """``q_latent[row, head, c] = q_nope[row, head] @ W_UK[head][:, c]`` for ``BLOCK_C`` latent
     columns of one head, every row, rounded to the weight's dtype as the batched product
-    rounds it. The weights are loaded before the wait (``pdl``): the launch's bytes are in
-    flight while the kernel before it ends."""
+    rounds it (``_absorb_columns``)."""
     pdl.start(USE_PDL)
-    head, c, d = tl.program_id(0), tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_D)
+    _absorb_columns(qn_ptr, wk_ptr, out_ptr, rows, tl.program_id(0), tl.program_id(1), stride_qnr, stride_qnh,
+                    stride_wkh, stride_wkn, stride_or, stride_oh, NOPE, LATENT, BLOCK_D, BLOCK_C, USE_PDL)
+
+
+@triton.jit
+def _absorb_write_kernel(qn_ptr, wk_ptr, out_ptr, rows, stride_qnr, stride_qnh, stride_wkh, stride_wkn, stride_or,
+                         stride_oh, latent_ptr, nw_ptr, rope_ptr, table_ptr, pos_ptr, slot_ptr, cache_ptr, eps,
+                         stride_l, stride_r, stride_table, stride_pos, stride_sm, stride_slot,
+                         NOPE: tl.constexpr, LATENT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                         KV_LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                         BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
+    """``_absorb_kernel`` and, by a last column of programs, the layer's cache write
+    (``triton_latent.write_latent_row``: head h's program the rows h, h + heads, ...): the
+    write costs no launch of its own, and the attention after reads it."""
+    pdl.start(USE_PDL)
+    head, block = tl.program_id(0), tl.program_id(1)
+    if block == tl.num_programs(1) - 1:
+        pdl.wait(USE_PDL)
+        for t in range(head, rows, tl.num_programs(0)):
+            write_latent_row(t, latent_ptr, nw_ptr, rope_ptr, table_ptr, pos_ptr, slot_ptr, cache_ptr,
+                             eps, stride_l, stride_r, stride_table, stride_pos, stride_sm, stride_slot, KV_LATENT,
+                             HALF, INTERLEAVED, BLOCK_L, BLOCK_HALF)
+    else:
+        _absorb_columns(qn_ptr, wk_ptr, out_ptr, rows, head, block, stride_qnr, stride_qnh, stride_wkh, stride_wkn,
+                        stride_or, stride_oh, NOPE, LATENT, BLOCK_D, BLOCK_C, USE_PDL)
+
+
+@triton.jit
+def _absorb_columns(qn_ptr, wk_ptr, out_ptr, rows, head, block, stride_qnr, stride_qnh, stride_wkh, stride_wkn,
+                    stride_or, stride_oh, NOPE: tl.constexpr, LATENT: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    """One head's ``BLOCK_C`` columns of ``block``, every row. The weights are loaded before
+    the wait (``pdl``): the launch's bytes are in flight while the kernel before it ends."""
+    c, d = block * BLOCK_C + tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_D)
     w = tl.load(wk_ptr + head.to(tl.int64) * stride_wkh + d[:, None] * stride_wkn + c[None, :],
                 mask=(d[:, None] < NOPE) & (c[None, :] < LATENT), other=0.0).to(tl.float32)
     pdl.wait(USE_PDL)
@@ -217,29 +250,43 @@ def mla_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, po
 
 
 def mla_decode_attention(q_nope, q_rope, kv_cache, layer, block_tables, row_request, positions,
-                         kv_b_weight, scale, num_splits: int | None = None, rope: QueryRope | None = None):
+                         kv_b_weight, scale, num_splits: int | None = None, rope: QueryRope | None = None,
+                         write: LatentWrite | None = None):
     """The op's CUDA kernel: ``kv_cache`` the IR's ``[L, 1, pages, P, 1, latent + rope]``;
-    ``rope``: q_rope is unrotated, the kernel rotates it."""
+    ``rope``: q_rope is unrotated, the kernel rotates it; ``write``: the rows' latents are
+    written first, by the query's absorption (``tokenspeed::mla_write_decode_attention``)."""
     up = UpProjection.of(kv_b_weight, q_nope.shape[1], q_nope.shape[2], as_stored=True)
-    return absorbed_decode(absorbed_query(q_nope, up.w_k), q_rope, kv_cache, layer, block_tables, row_request,
+    return absorbed_decode(absorbed_query(q_nope, up.w_k, write), q_rope, kv_cache, layer, block_tables, row_request,
                            positions, scale, num_splits, w_v=up.w_v, rope=rope).to(q_nope.dtype)
 
 
-def absorbed_query(q_nope: torch.Tensor, w_k: torch.Tensor) -> torch.Tensor:
+def absorbed_query(q_nope: torch.Tensor, w_k: torch.Tensor, write: LatentWrite | None = None) -> torch.Tensor:
     """``q_nope @ W_UK`` per head, ``[rows, H, latent]`` in the weight's dtype, as transformers'
     kv_b_proj rounds it (a float32 copy of the weight would be read and written every step):
-    up to ``ABSORB_MAX_ROWS`` rows by ``_absorb_kernel``, more by the batched product."""
+    up to ``ABSORB_MAX_ROWS`` rows by ``_absorb_kernel``, more by the batched product.
+    ``write``: the layer's latent write, done by the same launch (``_absorb_write_kernel``;
+    by its own launch before the batched product)."""
     rows, heads, nope = q_nope.shape
+    if write is not None and write.rows != rows:
+        raise InternalError(f"the latent write has {write.rows} rows and the query {rows}")
     if not 0 < rows <= ABSORB_MAX_ROWS:
+        if write is not None:
+            triton_latent.write_latents(write)
         return torch.einsum("qhn,hnr->qhr", q_nope.to(w_k.dtype), w_k)
     latent = w_k.shape[2]
     w_k = w_k if w_k.stride(-1) == 1 else w_k.contiguous()
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     out = torch.empty((rows, heads, latent), dtype=w_k.dtype, device=q_nope.device)
-    _absorb_kernel[(heads, triton.cdiv(latent, ABSORB_COLUMNS))](
-        q_nope, w_k, out, rows, q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), out.stride(0),
-        out.stride(1), NOPE=nope, LATENT=latent, BLOCK_D=max(16, next_power_of_2(nope)), BLOCK_C=ABSORB_COLUMNS,
-        num_warps=ABSORB_WARPS, **pdl.launch_options(q_nope.device))
+    args = (q_nope, w_k, out, rows, q_nope.stride(0), q_nope.stride(1), w_k.stride(0), w_k.stride(1), out.stride(0),
+            out.stride(1))
+    shape = dict(NOPE=nope, LATENT=latent, BLOCK_D=max(16, next_power_of_2(nope)), BLOCK_C=ABSORB_COLUMNS,
+                 num_warps=ABSORB_WARPS, **pdl.launch_options(q_nope.device))
+    blocks = triton.cdiv(latent, ABSORB_COLUMNS)
+    if write is None:
+        _absorb_kernel[(heads, blocks)](*args, **shape)
+    else:
+        constants = {("KV_LATENT" if k == "LATENT" else k): v for k, v in write.constants.items()}
+        _absorb_write_kernel[(heads, blocks + 1)](*args, *write.args, **shape, **constants)
     return out
 
 
