@@ -137,9 +137,9 @@ def test_history_names_every_pass(model):
     assert [name for name, _ in traced.lower("decode").history] == [
         "trace", "decode_kernels", "recurrent_steps", "fuse_norms", "fuse_rope_write_kv",
         "fuse_rope_decode_attention", "fuse_head_norms", "rope_kernels", "fuse_latent_write",
-        "fuse_latent_query_rope", "fuse_latent_write_attention", "fuse_moe_add", "select_linear", "fuse_gated_linear", "fuse_shared_experts",
-        "fuse_router", "fuse_norm_route", "fuse_norm_linear", "merge_splits_in_launch", "whole_graph",
-        "split_segments"]
+        "fuse_latent_query_rope", "fuse_latent_write_attention", "fuse_moe_add", "select_linear",
+        "fuse_gated_linear", "fuse_shared_experts", "fuse_router", "fuse_norm_route", "fuse_norm_linear",
+        "merge_splits_in_launch", "whole_graph", "split_segments"]
     texts = [text for _, text in traced.lower("prefill").history]
     assert "stage=encoder" in texts[1] and "extend_attention" in texts[2] and "rope_write_kv" in texts[4] \
         and "segment=" in texts[8] and "segment 00." in texts[9]

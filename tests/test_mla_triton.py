@@ -98,6 +98,29 @@ def test_the_write_joined_to_the_attention_stores_and_reads_the_rows_latents(len
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_one_head_writes_both_rows_and_absorbs_every_column_block():
+    """A latent of several ``ABSORB_COLUMNS`` blocks (the last one partial) and one head: the
+    writing program writes both rows, and every block of the query's absorption is stored."""
+    gen, latent_dim, rope_dim, nope, v_dim, page = torch.Generator().manual_seed(5), 130, 8, 8, 6, 4
+    cache = torch.randn(2, 1, 6, page, 1, latent_dim + rope_dim, generator=gen)
+    tables = torch.tensor([[1, 2], [3, 4], [0, 0]], dtype=torch.int32)        # row 2: padding's
+    requests, positions = torch.tensor([0, 1]), torch.tensor([6, 2])
+    slots = tables[requests, positions // page].long() * page + positions % page
+    cache[1, 0].flatten(0, 1)[slots, 0] = float("nan")
+    q_nope, q_rope = torch.randn(2, 1, nope, generator=gen), torch.randn(2, 1, rope_dim, generator=gen)
+    w = torch.randn(nope + v_dim, latent_dim, generator=gen) / latent_dim ** 0.5
+    latent, k_rope = torch.randn(2, latent_dim, generator=gen), torch.randn(2, 1, rope_dim, generator=gen)
+    table = cos_sin_table(1.0 / 10000 ** (torch.arange(0, rope_dim, 2) / rope_dim), torch.arange(16))
+    args = (q_nope, q_rope, latent, torch.rand(latent_dim, generator=gen) + 0.5, 1e-6, k_rope, table, positions,
+            False)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    got = cuda.mla_write_decode_attention(*args, got_cache, 1, slots, tables, requests, w, 0.3)
+    want = reference.mla_write_decode_attention(*args, want_cache, 1, slots, tables, requests, w, 0.3)
+    assert -(-latent_dim // triton_mla.ABSORB_COLUMNS) > 2 and len(requests) <= triton_mla.ABSORB_MAX_ROWS
+    torch.testing.assert_close(got_cache, want_cache, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @settings(max_examples=6, deadline=None, derandomize=True)
 @given(lengths=st.lists(st.integers(1, 30), min_size=2, max_size=3), page_size=st.sampled_from([1, 4]),
        seed=st.integers(0, 2**16))

@@ -6,7 +6,8 @@
   the pairing (``cos_sin``, ``rope_interleaved``); it must be the step's own positions,
   which the attention reads too.
 - ``fuse_latent_write_attention``: the layer's cache write (``norm_rope_write_latent``)
-  joins that attention when both rotate by one table, pairing and positions
+  joins that attention when both rotate by one table, pairing and positions, the write
+  comes first and nothing between them touches the cache
   (``tokenspeed::mla_write_decode_attention``): the launch that absorbs the query writes
   the rows' latents, and the attention's launch after it reads them.
 """
@@ -38,7 +39,7 @@ def fuse_latent_write_attention(gm: fx.GraphModule, **_) -> None:
     for node in [n for n in gm.graph.nodes if n.target == MLA_DECODE_ATTENTION and "cos_sin" in n.kwargs]:
         q_nope, q_rope, cache, layer, block_tables, row_request, positions, kv_b_weight, scale = node.args
         write = writes.get((cache, layer))
-        if write is None:
+        if write is None or not _joinable(write, node):
             continue
         latent, weight, eps, k_rope, table, write_positions, interleaved, _, _, slots = write.args
         if (table, write_positions, interleaved) != (node.kwargs["cos_sin"], positions,
@@ -47,4 +48,16 @@ def fuse_latent_write_attention(gm: fx.GraphModule, **_) -> None:
         _substitute(gm, node, MLA_WRITE_DECODE_ATTENTION, (
             q_nope, q_rope, latent, weight, eps, k_rope, table, positions, interleaved, cache, layer, slots,
             block_tables, row_request, kv_b_weight, scale))
+        del writes[cache, layer]
         gm.graph.erase_node(write)
+
+
+def _joinable(write: fx.Node, attention: fx.Node) -> bool:
+    """The write comes before the attention and nothing between them touches the cache: the
+    write moves to the attention's place."""
+    cache, node = write.args[7], write.next
+    while node is not attention:
+        if node.op == "output" or cache in node.all_input_nodes:
+            return False
+        node = node.next
+    return True
