@@ -58,7 +58,8 @@ def test_an_assistant_message_as_openais_client_dumps_it_goes_back_in():
 
 @pytest.mark.parametrize("field, value, message", [
     ("audio", {"id": "a1"}, r"messages\[0\].audio=dict \{'id': 'a1'\}: audio output .* only null is accepted"),
-    ("function_call", {"name": "f", "arguments": "{}"}, r"messages\[0\].function_call=dict .*: function_call \(deprecated"),
+    ("function_call", {"name": "f", "arguments": "{}"},
+     r"messages\[0\].function_call=dict .*: function_call \(deprecated"),
     ("refusal", 3, r"messages\[0\].refusal=3: must be a string"),
     ("annotations", "cited", r"messages\[0\].annotations must be a list, got str 'cited'"),
 ])

@@ -57,7 +57,7 @@ def mla_decode_kernels():
         qn_ptr="*bf16", wk_ptr="*bf16", out_ptr="*bf16", rows="i32", latent_ptr="*bf16", nw_ptr="*bf16",
         rope_ptr="*bf16", table_ptr="*fp32", pos_ptr="*i64", slot_ptr="*i64", cache_ptr="*bf16", eps="fp32",
         **{n: "i32" for n in names if n.startswith("stride")}),
-        dict(NOPE=128, LATENT=512, BLOCK_D=128, BLOCK_C=triton_mla.ABSORB_COLUMNS, KV_LATENT=512, HALF=32,
+        dict(NOPE=128, LATENT=512, BLOCK_D=128, BLOCK_C=triton_mla.ABSORB_COLUMNS, HALF=32,
              INTERLEAVED=True, BLOCK_L=512, BLOCK_HALF=32, USE_PDL=True), num_warps=triton_mla.ABSORB_WARPS)
     assert write.asm["ptx"].count("griddepcontrol.wait") >= 2   # the writing programs wait, and the absorbing
 

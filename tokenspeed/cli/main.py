@@ -184,8 +184,8 @@ def _streamed_reply(llm, prompt, params, fit: bool) -> str:
     if fit:
         from tokenspeed.api.prompts import parse_prompts
         from tokenspeed.scheduling.prompt_limits import fitted
-        [parsed] = parse_prompts(prompt, llm.tokenizer)
-        params = fitted(llm.engine.limits, len(parsed.token_ids), params)
+        [prompt] = parse_prompts(prompt, llm.tokenizer)   # tokenized once: stream takes the record
+        params = fitted(llm.engine.limits, len(prompt.token_ids), params)
     reply = []
     for piece in llm.stream(prompt, params):
         reply.append(piece)

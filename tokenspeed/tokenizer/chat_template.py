@@ -126,4 +126,3 @@ def continued(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
 
 def _cannot_continue(why: str) -> ChatTemplateRefusal:
     return ChatTemplateRefusal("continue_final_message", why)
-

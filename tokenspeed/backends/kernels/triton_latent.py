@@ -10,7 +10,6 @@ the rope key in float32 and stores both into the row's cache slot.
 
 from typing import NamedTuple
 
-import torch
 import triton
 import triton.language as tl
 

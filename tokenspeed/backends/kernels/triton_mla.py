@@ -196,8 +196,8 @@ def _absorb_write_kernel(qn_ptr, wk_ptr, out_ptr, rows, stride_qnr, stride_qnh, 
                          stride_oh, latent_ptr, nw_ptr, rope_ptr, table_ptr, pos_ptr, slot_ptr, cache_ptr, eps,
                          stride_l, stride_r, stride_table, stride_pos, stride_sm, stride_slot,
                          NOPE: tl.constexpr, LATENT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                         KV_LATENT: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
+                         HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_L: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
     """``_absorb_kernel`` and, by a last column of programs, the layer's cache write
     (``triton_latent.write_latent_row``: head h's program the rows h, h + heads, ...): the
     write costs no launch of its own, and the attention after reads it."""
@@ -207,7 +207,7 @@ def _absorb_write_kernel(qn_ptr, wk_ptr, out_ptr, rows, stride_qnr, stride_qnh, 
         pdl.wait(USE_PDL)
         for t in range(head, rows, tl.num_programs(0)):
             write_latent_row(t, latent_ptr, nw_ptr, rope_ptr, table_ptr, pos_ptr, slot_ptr, cache_ptr,
-                             eps, stride_l, stride_r, stride_table, stride_pos, stride_sm, stride_slot, KV_LATENT,
+                             eps, stride_l, stride_r, stride_table, stride_pos, stride_sm, stride_slot, LATENT,
                              HALF, INTERLEAVED, BLOCK_L, BLOCK_HALF)
     else:
         _absorb_columns(qn_ptr, wk_ptr, out_ptr, rows, head, block, stride_qnr, stride_qnh, stride_wkh, stride_wkn,
@@ -267,8 +267,9 @@ def absorbed_query(q_nope: torch.Tensor, w_k: torch.Tensor, write: LatentWrite |
     ``write``: the layer's latent write, done by the same launch (``_absorb_write_kernel``;
     by its own launch before the batched product)."""
     rows, heads, nope = q_nope.shape
-    if write is not None and write.rows != rows:
-        raise InternalError(f"the latent write has {write.rows} rows and the query {rows}")
+    if write is not None and (write.rows, write.constants["LATENT"]) != (rows, w_k.shape[2]):
+        raise InternalError(f"the latent write has {write.rows} rows of {write.constants['LATENT']} and the "
+                            f"query {rows} of {w_k.shape[2]}")
     if not 0 < rows <= ABSORB_MAX_ROWS:
         if write is not None:
             triton_latent.write_latents(write)
@@ -285,7 +286,7 @@ def absorbed_query(q_nope: torch.Tensor, w_k: torch.Tensor, write: LatentWrite |
     if write is None:
         _absorb_kernel[(heads, blocks)](*args, **shape)
     else:
-        constants = {("KV_LATENT" if k == "LATENT" else k): v for k, v in write.constants.items()}
+        constants = {k: v for k, v in write.constants.items() if k != "LATENT"}   # the query's, checked above
         _absorb_write_kernel[(heads, blocks + 1)](*args, *write.args, **shape, **constants)
     return out
 
