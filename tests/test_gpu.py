@@ -49,6 +49,18 @@ def test_decode_graph_replay_equals_eager(dtype):
                 rows = [DecodeRow(t, r.position + 1, r.pages) for t, r in zip(want, rows)]
 
 
+def test_each_decode_graph_knows_the_kernels_it_launches():
+    """The driver's count of a graph's kernel nodes is what the profiler sees an eager step
+    of that rung launch, and ``as_text`` prints it by rung with the count a layer."""
+    engine = llm(random_model(MID, seed=5).to("cuda", torch.bfloat16), capture_sizes=(1, 2, 4))
+    graphs = engine.compiled.decode.graphs
+    for bs, graph in graphs.items():
+        assert graph.kernels == engine.compiled.kernels_per_step(bs) > MID["num_hidden_layers"], bs
+    text = engine.compiled.as_text()
+    counts = ", ".join(f"{bs}: {graphs[bs].kernels}" for bs in (1, 2, 4))
+    assert f"kernels a step, by batch: {counts} (4 layers: {graphs[1].kernels / 4:.1f} a layer at batch 1)" in text
+
+
 def _prefilled(engine, bs):
     rows, per = [], 6  # pages of 16 for the longest prompt (83 tokens) and 4 decode steps
     for i, p in enumerate(prompts(bs)):

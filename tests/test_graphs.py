@@ -309,7 +309,10 @@ def test_a_cpu_engine_captures_nothing_unless_asked(model):
     llm = ts.LLM(model, page_size=4, max_num_seqs=4)
     assert llm.compiled.startup.num_graphs == 0 and not llm.compiled.decode.graphs
     assert "every batch runs eagerly" in llm.compiled.as_text()
-    assert re.search(r"00.decode.graph +graph +ladder=batch", make_llm(model).compiled.as_text())
+    stand_in = make_llm(model)
+    assert re.search(r"00.decode.graph +graph +ladder=batch", stand_in.compiled.as_text())
+    assert all(g.kernels is None for g in stand_in.compiled.decode.graphs.values())
+    assert "kernels a step" not in stand_in.compiled.as_text()   # the stand-in launches no kernels
 
 
 def test_the_dry_run_walks_until_two_quiet_walks_then_the_largest():

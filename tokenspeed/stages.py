@@ -306,7 +306,21 @@ class Compiled:
             for seg in lowered.segments:
                 how = "graph" if seg.name in replayed[mode] else "eager"
                 lines.append(f"  {seg.name:<28} {how:<5} ladder={seg.ladder}")
+            lines += self._kernels_text(mode)
         return "\n".join(lines)
+
+    def _kernels_text(self, mode: str) -> list[str]:
+        """The kernels each captured decode (or verify) graph launches, by rung, as the
+        driver counts its nodes; nothing on the CPU, whose stand-in launches none."""
+        runner = {"decode": self.decode, "verify": self.verify}.get(mode)
+        counts = {} if runner is None else {bs: g.kernels for bs, g in sorted(runner.graphs.items())}
+        if not counts or None in counts.values():
+            return []
+        layers = self.lowered[mode].config.num_layers
+        first, kernels = next(iter(counts.items()))
+        by_batch = ", ".join(f"{bs}: {k}" for bs, k in counts.items())
+        return [f"  kernels a step, by batch: {by_batch} ({layers} layers: {kernels / layers:.1f} a layer "
+                f"at batch {first})"]
 
     def __str__(self) -> str:
         return self.as_text()

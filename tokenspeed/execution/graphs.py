@@ -14,6 +14,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from tokenspeed.execution.graph_nodes import kernel_nodes
+
 DEBUG_ENV = "TOKENSPEED_GRAPH_DEBUG"
 
 
@@ -59,6 +61,7 @@ class PointerGuard:
 
 class RecordedGraph:
     """CPU stand-in: replay re-runs the recorded function into the captured outputs."""
+    kernels = None  # it launches no device kernels
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -70,15 +73,20 @@ class RecordedGraph:
 
 
 class CudaGraph:
+    """A captured graph and the kernels it launches (``kernels``: its nodes counted before it
+    is instantiated, so the graph is kept for the count)."""
+
     def __init__(self, fn: Callable, pool):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up: autotuning and lazy allocations happen outside the capture
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = fn()
+        self.kernels = kernel_nodes(self.graph.raw_cuda_graph())
+        self.graph.instantiate()
 
     def replay(self):
         self.graph.replay()
@@ -115,6 +123,11 @@ class Captured:
     @property
     def outputs(self):
         return self.graph.outputs
+
+    @property
+    def kernels(self) -> int | None:
+        """Kernels a replay launches; None for the CPU stand-in."""
+        return self.graph.kernels
 
     def replay(self):
         if self.check_every_replay:
