@@ -170,9 +170,9 @@ def test_decode_graphs_show_one_linear_op_with_the_weights_format():
     decode = ts.trace(model).lower(mode="decode")
     text = decode.as_text()
     c = model.config
-    assert text.count("tokenspeed.norm_linear(") == 2 * c.num_layers  # qkv, gate_up
-    assert text.count("tokenspeed.gated_linear(") == c.num_layers       # down
-    assert text.count("tokenspeed.linear(") == c.num_layers + 1         # o, the head
+    assert text.count("tokenspeed.norm_linear(") == 2 * c.num_layers + 1  # qkv, gate_up; the head
+    assert text.count("tokenspeed.gated_linear(") == c.num_layers           # down
+    assert text.count("tokenspeed.linear(") == c.num_layers                 # o
     assert text.count("'Q4_0'") == 4 * c.num_layers + 2                 # and the embedding
     assert "tokenspeed.embedding(%input_ids, %embed_tokens_weight, 'Q4_0', 64, torch.float32)" in text
 

@@ -1,6 +1,8 @@
 """Traced and lowered programs compute what the module computes; the narrowing keeps the
 sampled rows exact (docs/DESIGN.md invariant 7); the lowered structure is what the passes say."""
 
+import operator
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ import tokenspeed as ts
 from tokenspeed.backends.metadata import DecodeRow, ExtendChunk, plan_extend, refresh_decode
 from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.backends.support import CudaGraphSupport
-from tokenspeed.ir.ops import ATTENTION_TARGETS, ROPE_WRITE_KV, WRITE_KV_TARGETS
+from tokenspeed.ir.ops import ATTENTION_TARGETS, OPS, ROPE_WRITE_KV, WRITE_KV_TARGETS
 from tokenspeed.models.random import TINY_LLAMA, random_model
 from tokenspeed.passes.split_merge import SPLIT_COUNTER_SLOTS, SPLIT_COUNTERS, SPLITTING
 from tokenspeed.execution import kv_pool
@@ -112,6 +114,17 @@ def test_decode_is_one_graph_segment(model):
     assert [s.kind for s in broken.segments].count("break") == model.config.num_layers
 
 
+def test_decode_heads_read_the_final_norm_without_a_gather(model):
+    """Decode samples every row, so the sampled rows' gather is dropped and the final norm
+    joins the head's product; prefill keeps the gather (its finish stage samples a few)."""
+    decode = ts.trace(model).lower("decode").segments[0].graph_module.graph
+    assert not [n for n in decode.nodes if n.target == "index_select"]
+    [head] = [n for n in decode.nodes if n.target == OPS.norm_linear.default and n.args[2].target == "model.norm.weight"]
+    assert head.args[4].target == "lm_head.weight"
+    prefill = ts.trace(model).lower("prefill")
+    assert any(n.target == "index_select" for s in prefill.segments for n in s.graph_module.graph.nodes)
+
+
 def test_decode_projections_share_the_split_counters(model):
     """Every decode projection is handed the one zeroed counter buffer (splits reduced in
     their launch); no attention is (its splits merge in a kernel of their own), nor any
@@ -135,7 +148,7 @@ def test_history_names_every_pass(model):
          "fuse_latent_write", "fuse_moe_add", "stage_breaks", "split_segments"]
     assert traced.lower("prefill", attention_breaks=True).history[8].pass_name == "attention_breaks"
     assert [name for name, _ in traced.lower("decode").history] == [
-        "trace", "decode_kernels", "recurrent_steps", "fuse_norms", "fuse_rope_write_kv",
+        "trace", "decode_kernels", "drop_sample_gather", "recurrent_steps", "fuse_norms", "fuse_rope_write_kv",
         "fuse_rope_decode_attention", "fuse_head_norms", "rope_kernels", "fuse_latent_write",
         "fuse_latent_query_rope", "fuse_latent_write_attention", "fuse_moe_add", "select_linear",
         "fuse_gated_linear", "fuse_shared_experts", "fuse_router", "fuse_norm_route", "fuse_norm_linear",
@@ -192,8 +205,8 @@ def test_decode_fusions_leave_few_ops_per_layer(model):
     assert targets.count("tokenspeed.rope_decode_attention.default") == writers
     assert "tokenspeed.rope_write_kv.default" not in targets
     assert targets.count("tokenspeed.decode_attention.default") == c.num_kv_shared_layers
-    assert targets.count("tokenspeed.norm_linear.default") == 2 * c.num_layers  # qkv, gate_up
-    assert targets.count("tokenspeed.add_rms_norm.default") == 1    # final: a gather follows
+    assert targets.count("tokenspeed.norm_linear.default") == 2 * c.num_layers + 1  # qkv, gate_up; the head
+    assert "tokenspeed.add_rms_norm.default" not in targets    # the final norm: in the head's
     assert targets.count("tokenspeed.gated_linear.default") == c.num_layers
     assert "tokenspeed.silu_and_mul.default" not in targets
     assert not any(t.endswith("layernorm") or t == "<built-in function add>" for t in targets)
@@ -245,8 +258,9 @@ def test_a_broadcast_add_is_not_fused_into_the_norm(monkeypatch):
 
     monkeypatch.setattr(llama.LlamaModel, "forward", with_bias)
     graph = ts.trace(random_model(TINY_LLAMA)).lower("decode").segments[0].graph_module.graph
-    last_norm = [n for n in graph.nodes if "rms_norm" in str(n.target)][-1]
-    assert "add_rms_norm" not in str(last_norm.target)
+    [head] = [n for n in graph.nodes if n.target == OPS.norm_linear.default and n.args[2].target == "model.norm.weight"
+              and n.args[4].target == "lm_head.weight"]
+    assert head.args[1] is None and head.args[0].target == operator.add   # the add stays its own op
 
 
 def test_shape_propagation_leaves_every_weight_where_it_was():

@@ -52,6 +52,14 @@ def test_decode_live_rows_write_their_own_pages(case):
 
 
 @given(case=decode_cases())
+def test_a_decode_step_samples_every_row_in_order(case):
+    """What ``drop_sample_gather`` relies on: decode's gather of the sampled rows is the
+    identity, padding rows included."""
+    meta = refresh_decode(case.rows, case.num_rows, case.max_pages, case.page_size)
+    assert torch.equal(meta.sample_rows, torch.arange(case.num_rows))
+
+
+@given(case=decode_cases())
 def test_eager_and_padded_refresh_agree_on_live_rows(case):
     eager = refresh_decode(case.rows, len(case.rows), case.max_pages, case.page_size)
     padded = refresh_decode(case.rows, case.num_rows, case.max_pages, case.page_size)

@@ -13,6 +13,7 @@ from tokenspeed.passes.latent_decode import fuse_latent_query_rope, fuse_latent_
 from tokenspeed.passes.manager import HistoryEntry, run_passes
 from tokenspeed.passes.narrowing import narrow_rows
 from tokenspeed.passes.router import fuse_router
+from tokenspeed.passes.sampled_rows import drop_sample_gather
 from tokenspeed.passes.shared_experts import fuse_shared_experts
 from tokenspeed.passes.split_merge import merge_splits_in_launch
 from tokenspeed.passes.split import split_segments
@@ -32,9 +33,9 @@ def pipeline(mode: str, narrow: bool, decode_graph: bool, prefill_breaks: bool =
     decode = mode == "decode"
     steps, fused = ([recurrent_steps], [fuse_rope_decode_attention, fuse_head_norms]) if decode else ([], [])
     latent = [fuse_latent_write_attention] if decode else []
-    return [decode_kernels, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels, fuse_latent_write,
-            fuse_latent_query_rope, *latent, fuse_moe_add, select_linear, fuse_gated_linear, fuse_shared_experts,
-            fuse_router, fuse_norm_route, fuse_norm_linear, merge_splits_in_launch,
+    return [decode_kernels, drop_sample_gather, *steps, fuse_norms, fuse_rope_write_kv, *fused, rope_kernels,
+            fuse_latent_write, fuse_latent_query_rope, *latent, fuse_moe_add, select_linear, fuse_gated_linear,
+            fuse_shared_experts, fuse_router, fuse_norm_route, fuse_norm_linear, merge_splits_in_launch,
             whole_graph if decode_graph else attention_breaks, split_segments]
 
 
