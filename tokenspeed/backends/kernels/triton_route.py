@@ -37,17 +37,23 @@ NORM_TILE = 4096   # features of a row read at once for ``norm_route``'s statist
 @triton.jit
 def _choose(x, e, j, num_experts, weights_ptr, ids_ptr, scale, K: tl.constexpr, NORMALIZE: tl.constexpr,
             BLOCK_E: tl.constexpr):
-    """One row's choice from its float32 logits ``x [BLOCK_E]`` (-inf past the experts)."""
+    """One row's choice from its float32 logits ``x [BLOCK_E]`` (-inf past the experts).
+    A pick is one reduction, of keys that hold a probability's bits above the expert's
+    rank: non-negative floats order as their bits do, and the lower expert of two equal
+    probabilities holds the higher rank. (Two reductions a pick, the largest and then its
+    lowest expert, were most of the launch's serial tail.)"""
     p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(e < num_experts, p / tl.sum(p, 0), -1.0)   # no padding expert is ever picked
+    p = tl.where(e < num_experts, p / tl.sum(p, 0), -1.0)   # negative keys: no padding expert is ever picked
+    rank = (BLOCK_E - 1 - e).to(tl.int64)
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | rank
     weights = tl.zeros(j.shape, dtype=tl.float32)
     ids = tl.zeros(j.shape, dtype=tl.int32)
     for pick in tl.static_range(K):
-        best = tl.max(p, 0)
-        expert = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), num_experts - 1)   # NaN: in range
-        weights = tl.where(j == pick, best, weights)
+        best = tl.max(keys, 0)
+        expert = tl.minimum(BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32), num_experts - 1)   # NaN: in range
+        weights = tl.where(j == pick, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), weights)
         ids = tl.where(j == pick, expert, ids)
-        p = tl.where(e == expert, -1.0, p)
+        keys = tl.where(rank == (best & (BLOCK_E - 1)), -(1 << 62), keys)
     if NORMALIZE:
         weights = weights / tl.sum(tl.where(j < K, weights, 0.0), 0)
     tl.store(weights_ptr + j, weights * scale, mask=j < K)
