@@ -75,6 +75,11 @@ def test_inspect_prints_stages_and_writes_dot(capsys, tmp_path):
     assert "decode: 1 segments (1 graph, 0 break)" in decode.out and "rope_decode_attention" in decode.out
 
 
+def test_inspect_compiled_prints_what_the_engine_runs(capsys):
+    out = run(capsys, "inspect", "--model", str(text_model_dir()), "--mode", "decode", "--compiled", "--device", "cpu")
+    assert "# compiled for cpu:" in out.out and "## decode" in out.out and "00.decode.graph" in out.out
+
+
 def test_bench_prints_vllm_figures(capsys):
     model = str(text_model_dir())
     latency = run(capsys, "bench", "latency", "--model", model, "--input-len", "8", "--output-len", "4",

@@ -1,5 +1,7 @@
 """``tokenspeed inspect``: print a model's lowered program (segments, stages, the pass
-history) and, with ``--dot``, write its segment graph for Graphviz. The model's modules
+history) and, with ``--dot``, write its segment graph for Graphviz; with ``--compiled``,
+what a compiled engine runs (its pool, its graphs and the kernels each decode graph
+launches, counted on a GPU). The model's modules
 are imported when the command runs, so that ``tokenspeed --help`` does not import torch."""
 
 from tokenspeed.cli.arg_types import file_to_write
@@ -22,6 +24,11 @@ def add_command(commands) -> None:
     command.add_argument("--history", action="store_true", help="print the IR after every pass")
     command.add_argument("--dot", type=file_to_write, default=None, metavar="FILE",
                          help="write the segment graph as DOT")
+    command.add_argument("--compiled", action="store_true",
+                         help="also compile the model as ts.LLM does and print what runs: the KV pool, the "
+                              "graphs captured and, on a GPU, the kernels each decode graph launches")
+    command.add_argument("--device", default=None,
+                         help="with --compiled: cpu or cuda (default: cuda when a GPU is available, else cpu)")
     command.set_defaults(run=run)
 
 
@@ -45,6 +52,16 @@ def run(args) -> None:
     if args.dot:
         write_dot(lowered, args.dot)
         print(f"segment graph written to {args.dot}")
+    if args.compiled:
+        print("\n" + compiled_text(args))
+
+
+def compiled_text(args) -> str:
+    """``Compiled.as_text()`` of the model as ``ts.LLM`` compiles it on ``--device``."""
+    from tokenspeed.api.llm import LLM
+    from tokenspeed.cli.main import default_device
+    from tokenspeed.models.gguf import default_model_path
+    return LLM(args.model or default_model_path(), device=args.device or default_device()).compiled.as_text()
 
 
 def summary(lowered) -> str:
