@@ -97,6 +97,7 @@ def test_bench_prints_vllm_figures(capsys):
     (["generate", "hi", "--dtype", "fp9"], "dtype='fp9'"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens=0: must be an integer >= 1"),
     (["inspect", "--model", __file__], "test_cli.py: neither a model directory (with config.json) nor a GGUF"),
+    (["inspect", "--device", "cuda"], "--device cuda names where --compiled compiles the model"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"], "cannot reach http://127.0.0.1:9"),
 ])
 def test_errors_are_one_line(capsys, argv, message):

@@ -51,14 +51,15 @@ def test_decode_graph_replay_equals_eager(dtype):
 
 def test_each_decode_graph_knows_the_kernels_it_launches():
     """The driver's count of a graph's kernel nodes is what the profiler sees an eager step
-    of that rung launch, and ``as_text`` prints it by rung with the count a layer."""
+    of that rung launch (no rung of this model copies or sets memory in its step), and
+    ``as_text`` prints it by rung with the count a layer."""
     engine = llm(random_model(MID, seed=5).to("cuda", torch.bfloat16), capture_sizes=(1, 2, 4))
     graphs = engine.compiled.decode.graphs
     for bs, graph in graphs.items():
         assert graph.kernels == engine.compiled.kernels_per_step(bs) > MID["num_hidden_layers"], bs
     text = engine.compiled.as_text()
     counts = ", ".join(f"{bs}: {graphs[bs].kernels}" for bs in (1, 2, 4))
-    assert f"kernels a step, by batch: {counts} (4 layers: {graphs[1].kernels / 4:.1f} a layer at batch 1)" in text
+    assert f"kernels a step, by rows: {counts} ({graphs[1].kernels / 4:.1f} a layer at 1 rows over 4 layers" in text
 
 
 def _prefilled(engine, bs):

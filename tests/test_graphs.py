@@ -312,7 +312,21 @@ def test_a_cpu_engine_captures_nothing_unless_asked(model):
     stand_in = make_llm(model)
     assert re.search(r"00.decode.graph +graph +ladder=batch", stand_in.compiled.as_text())
     assert all(g.kernels is None for g in stand_in.compiled.decode.graphs.values())
-    assert "kernels a step" not in stand_in.compiled.as_text()   # the stand-in launches no kernels
+    assert "kernels a step: not counted (the CPU stand-in launches no device kernels)" in stand_in.compiled.as_text()
+
+
+def test_as_text_prints_each_graphs_kernels_by_rows(model):
+    """The line as a GPU prints it, from counts set on the stand-in's graphs."""
+    llm = make_llm(model)
+    graphs = llm.compiled.decode.graphs
+    for rows, captured in graphs.items():
+        captured.graph.kernels, captured.graph.uncounted = 100 + rows, None
+    layers = model.config.num_layers
+    counts = ", ".join(f"{rows}: {100 + rows}" for rows in sorted(graphs))
+    assert (f"kernels a step, by rows: {counts} ({101 / layers:.1f} a layer at 1 rows over {layers} layers"
+            in llm.compiled.as_text())
+    graphs[max(graphs)].graph.kernels, graphs[max(graphs)].graph.uncounted = None, "driver error 400"
+    assert "kernels a step: not counted (driver error 400)" in llm.compiled.as_text()
 
 
 def test_the_dry_run_walks_until_two_quiet_walks_then_the_largest():

@@ -50,6 +50,20 @@ def test_the_largest_comes_first_and_the_lowest_expert_wins_a_tie():
     assert weights[0, 0] == weights[0, 1] > weights[0, 2]
 
 
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(experts=st.integers(1, 130), k=st.integers(1, 8), levels=st.integers(1, 4), seed=st.integers(0, 99))
+def test_ties_go_to_the_lowest_expert_in_every_pick(experts, k, levels, seed):
+    """Logits from a few levels (many ties; one level: all equal): the picks are a stable
+    descending sort's, the lowest expert first among equals."""
+    k, gen = min(k, experts), torch.Generator().manual_seed(seed)
+    logits = (torch.randint(0, levels, (3, experts), generator=gen) * 0.5).to(DEVICE)
+    weights, ids = triton_route.softmax_top_k(logits, k, False, 1.0)
+    probs = torch.softmax(logits.float().cpu(), -1)
+    want = torch.sort(probs, dim=-1, descending=True, stable=True)
+    assert ids.cpu().tolist() == want.indices[:, :k].tolist()
+    torch.testing.assert_close(weights.cpu(), want.values[:, :k], rtol=1e-5, atol=1e-7)
+
+
 def test_a_row_of_nan_still_names_experts_that_exist():
     """A broken row must not send the expert kernels outside the weights of other rows."""
     logits = torch.full((2, 8), float("nan"), device=DEVICE)

@@ -310,17 +310,20 @@ class Compiled:
         return "\n".join(lines)
 
     def _kernels_text(self, mode: str) -> list[str]:
-        """The kernels each captured decode (or verify) graph launches, by rung, as the
-        driver counts its nodes; nothing on the CPU, whose stand-in launches none."""
+        """The kernels each captured decode (or verify) graph launches, by its rows, as the
+        driver counts the graph's nodes; where they were not counted, why."""
         runner = {"decode": self.decode, "verify": self.verify}.get(mode)
-        counts = {} if runner is None else {bs: g.kernels for bs, g in sorted(runner.graphs.items())}
-        if not counts or None in counts.values():
+        graphs = {} if runner is None else dict(sorted(runner.graphs.items()))
+        if not graphs:
             return []
+        uncounted = next((g.uncounted for g in graphs.values() if g.kernels is None), None)
+        if uncounted is not None:
+            return [f"  kernels a step: not counted ({uncounted})"]
+        rows, first = next(iter(graphs.items()))
         layers = self.lowered[mode].config.num_layers
-        first, kernels = next(iter(counts.items()))
-        by_batch = ", ".join(f"{bs}: {k}" for bs, k in counts.items())
-        return [f"  kernels a step, by batch: {by_batch} ({layers} layers: {kernels / layers:.1f} a layer "
-                f"at batch {first})"]
+        by_rows = ", ".join(f"{n}: {g.kernels}" for n, g in graphs.items())
+        return [f"  kernels a step, by rows: {by_rows} ({first.kernels / layers:.1f} a layer at {rows} rows over "
+                f"{layers} layers, the embedding, head and draw included)"]
 
     def __str__(self) -> str:
         return self.as_text()

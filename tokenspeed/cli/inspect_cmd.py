@@ -4,10 +4,12 @@ what a compiled engine runs (its pool, its graphs and the kernels each decode gr
 launches, counted on a GPU). The model's modules
 are imported when the command runs, so that ``tokenspeed --help`` does not import torch."""
 
+import gc
+
 from tokenspeed.cli.arg_types import file_to_write
 
-DESCRIPTION = ("print a model's lowered program (its segments, stages and the pass history) and, with --dot, "
-               "write its segment graph for Graphviz")
+DESCRIPTION = ("print a model's lowered program (its segments, stages and the pass history); with --dot, "
+               "write its segment graph for Graphviz; with --compiled, compile it and print what runs")
 
 
 def add_command(commands) -> None:
@@ -33,6 +35,15 @@ def add_command(commands) -> None:
 
 
 def run(args) -> None:
+    if args.device is not None and not args.compiled:
+        raise ValueError(f"--device {args.device} names where --compiled compiles the model: give --compiled too")
+    print_lowered(args)
+    if args.compiled:
+        gc.collect()   # the lowered program's model (graph modules hold cycles) before another loads
+        print("\n" + compiled_text(args))
+
+
+def print_lowered(args) -> None:
     """The model as ``ts.LLM`` loads it on the CPU (a GGUF file's blocks kept: its products
     read ``'Q4_1'`` and the like)."""
     from tokenspeed import stages
@@ -52,8 +63,6 @@ def run(args) -> None:
     if args.dot:
         write_dot(lowered, args.dot)
         print(f"segment graph written to {args.dot}")
-    if args.compiled:
-        print("\n" + compiled_text(args))
 
 
 def compiled_text(args) -> str:

@@ -87,7 +87,7 @@ class DecodeRunner:
             view, sampling, out = self.idle_inputs(bs)
             self.graphs[bs] = capturer.capture(
                 f"{name}[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o),
-                reach=lambda bs=bs: self.reach(bs))
+                reach=lambda bs=bs: self.reach(bs), count_kernels=True)
             if progress is not None:
                 progress.update(1)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from tokenspeed.execution.graph_nodes import kernel_nodes
+from tokenspeed.execution.graph_nodes import UncountedGraph, kernel_nodes
 
 DEBUG_ENV = "TOKENSPEED_GRAPH_DEBUG"
 
@@ -61,7 +61,7 @@ class PointerGuard:
 
 class RecordedGraph:
     """CPU stand-in: replay re-runs the recorded function into the captured outputs."""
-    kernels = None  # it launches no device kernels
+    kernels, uncounted = None, "the CPU stand-in launches no device kernels"
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -73,20 +73,27 @@ class RecordedGraph:
 
 
 class CudaGraph:
-    """A captured graph and the kernels it launches (``kernels``: its nodes counted before it
-    is instantiated, so the graph is kept for the count)."""
+    """A captured graph; with ``count_kernels``, the kernels it launches (``kernels``: its
+    nodes counted before it is instantiated, so the graph is kept until then; None with
+    ``uncounted`` saying why when the driver could not list them: a missing diagnostic
+    does not stop an engine)."""
 
-    def __init__(self, fn: Callable, pool):
+    def __init__(self, fn: Callable, pool, count_kernels: bool = False):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up: autotuning and lazy allocations happen outside the capture
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+        self.graph = torch.cuda.CUDAGraph(keep_graph=count_kernels)
         with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = fn()
-        self.kernels = kernel_nodes(self.graph.raw_cuda_graph())
-        self.graph.instantiate()
+        self.kernels, self.uncounted = None, None if count_kernels else "not asked for"
+        if count_kernels:
+            try:
+                self.kernels = kernel_nodes(self.graph.raw_cuda_graph())
+            except UncountedGraph as exc:
+                self.uncounted = str(exc)
+            self.graph.instantiate()
 
     def replay(self):
         self.graph.replay()
@@ -126,8 +133,12 @@ class Captured:
 
     @property
     def kernels(self) -> int | None:
-        """Kernels a replay launches; None for the CPU stand-in."""
+        """Kernels a replay launches; None where they were not counted (``uncounted``: why)."""
         return self.graph.kernels
+
+    @property
+    def uncounted(self) -> str | None:
+        return self.graph.uncounted
 
     def replay(self):
         if self.check_every_replay:
@@ -145,12 +156,14 @@ class GraphCapturer:
         self.sealed = False
         self.count = 0
 
-    def capture(self, name: str, fn: Callable, reach: Callable[[], dict[str, torch.Tensor]]) -> Captured:
+    def capture(self, name: str, fn: Callable, reach: Callable[[], dict[str, torch.Tensor]],
+                count_kernels: bool = False) -> Captured:
+        """``count_kernels``: a CUDA graph's kernel nodes are counted (``Captured.kernels``)."""
         if self.sealed:
             raise LateCaptureError(f"capture of {name} requested after startup: graphs are captured "
                                    "at startup only")
         try:
-            graph = CudaGraph(fn, self.pool) if self.is_cuda else RecordedGraph(fn)
+            graph = CudaGraph(fn, self.pool, count_kernels) if self.is_cuda else RecordedGraph(fn)
         except Exception as exc:  # noqa: BLE001 - re-raised as fatal with the graph's name
             raise GraphCaptureError(f"capture of {name} failed: {exc}") from exc
         self.count += 1

@@ -30,7 +30,9 @@ class ForwardMetadata:
 
 @attrs.frozen
 class DecodeMetadata(ForwardMetadata):
-    """One row per request; rows ``[num_live_rows, rows)`` are padding."""
+    """One row per request; rows ``[num_live_rows, rows)`` are padding. Every row is
+    sampled (``sample_rows`` is ``0 .. rows - 1``): decode lowering drops the gather
+    (``drop_sample_gather``), so a backend's ``refresh_decode`` must keep it so."""
 
 
 @attrs.frozen

@@ -12,6 +12,12 @@ from tokenspeed.passes.manager import graph_pass
 @graph_pass("drop_sample_gather")
 def drop_sample_gather(gm: fx.GraphModule, **_) -> None:
     for node in list(gm.graph.nodes):
-        if node.target == "index_select" and getattr(node.args[2], "name", None) == "sample_rows":
+        if _gathers_sampled_rows(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _gathers_sampled_rows(node: fx.Node) -> bool:
+    """``x.index_select(0, sample_rows)``: rows only (another dimension is not the identity)."""
+    return (node.op == "call_method" and node.target == "index_select" and len(node.args) == 3
+            and node.args[1] == 0 and getattr(node.args[2], "name", None) == "sample_rows")

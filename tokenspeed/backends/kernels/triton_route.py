@@ -50,7 +50,7 @@ def _choose(x, e, j, num_experts, weights_ptr, ids_ptr, scale, K: tl.constexpr, 
     ids = tl.zeros(j.shape, dtype=tl.int32)
     for pick in tl.static_range(K):
         best = tl.max(keys, 0)
-        expert = tl.minimum(BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32), num_experts - 1)   # NaN: in range
+        expert = tl.minimum(BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32), num_experts - 1)   # a real one
         weights = tl.where(j == pick, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), weights)
         ids = tl.where(j == pick, expert, ids)
         keys = tl.where(rank == (best & (BLOCK_E - 1)), -(1 << 62), keys)
