@@ -32,7 +32,8 @@ class StandInDriver:
 
 
 def test_only_kernel_nodes_are_counted(monkeypatch):
-    monkeypatch.setattr(graph_nodes.ctypes, "CDLL", lambda name: StandInDriver([KERNEL, MEMCPY, KERNEL, MEMSET, KERNEL]))
+    driver = StandInDriver([KERNEL, MEMCPY, KERNEL, MEMSET, KERNEL])
+    monkeypatch.setattr(graph_nodes.ctypes, "CDLL", lambda name: driver)
     assert kernel_nodes(0x1234) == 3
 
 

@@ -119,7 +119,8 @@ def test_decode_heads_read_the_final_norm_without_a_gather(model):
     joins the head's product; prefill keeps the gather (its finish stage samples a few)."""
     decode = ts.trace(model).lower("decode").segments[0].graph_module.graph
     assert not [n for n in decode.nodes if n.target == "index_select"]
-    [head] = [n for n in decode.nodes if n.target == OPS.norm_linear.default and n.args[2].target == "model.norm.weight"]
+    [head] = [n for n in decode.nodes if n.target == OPS.norm_linear.default
+              and n.args[2].target == "model.norm.weight"]
     assert head.args[4].target == "lm_head.weight"
     prefill = ts.trace(model).lower("prefill")
     assert any(n.target == "index_select" for s in prefill.segments for n in s.graph_module.graph.nodes)

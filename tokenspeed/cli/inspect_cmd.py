@@ -1,8 +1,8 @@
 """``tokenspeed inspect``: print a model's lowered program (segments, stages, the pass
 history) and, with ``--dot``, write its segment graph for Graphviz; with ``--compiled``,
 what a compiled engine runs (its pool, its graphs and the kernels each decode graph
-launches, counted on a GPU). The model's modules
-are imported when the command runs, so that ``tokenspeed --help`` does not import torch."""
+launches, counted on a GPU). The model's modules are imported when the command runs, so
+that ``tokenspeed --help`` does not import torch."""
 
 import gc
 
