@@ -87,10 +87,10 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph(keep_graph=count_kernels)
         with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = fn()
-        self.kernels, self.uncounted = None, None if count_kernels else "not asked for"
+        self.kernels, self.uncounted = None, "not asked for"
         if count_kernels:
             try:
-                self.kernels = kernel_nodes(self.graph.raw_cuda_graph())
+                self.kernels, self.uncounted = kernel_nodes(self.graph.raw_cuda_graph()), None
             except UncountedGraph as exc:
                 self.uncounted = str(exc)
             self.graph.instantiate()
