@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.errors import RefusedRequest
+from tokenspeed.execution.masked_draws import MaskedDraws
 
 from text_models import text_model_dir
 
@@ -114,6 +115,22 @@ def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sy
     assert any(forwards), "no constrained decode step was chained onto the step in flight"
     jsonschema.validate(json.loads(on[0].outputs[0].text), SCHEMA)
     assert re.fullmatch(REGEX, on[2].outputs[0].text)
+
+
+def test_a_masked_draw_replayed_gives_the_eager_draws_tokens(llm, monkeypatch):
+    """With the CPU stand-in's captures, a decode step whose rows need only their masks
+    replays its rung's masked draw (``execution.masked_draws``): the tokens of the eager
+    draws. Four rows under a schema no run of 24 tokens completes keep the rung full."""
+    endless = ts.StructuredOutputs(json={"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1000})
+    params = [constrained(endless, seed, max_tokens=24) for seed in range(4)]
+    graphed = ts.LLM(str(text_model_dir()), page_size=4, max_num_seqs=4, graphs=True, capture_sizes=(2, 4))
+    replays, replay = [], MaskedDraws.replay
+    monkeypatch.setattr(MaskedDraws, "replay", lambda self, rung, bitmask: (replays.append(replay(self, rung, bitmask)),
+                                                                            replays[-1])[1])
+    on = graphed.generate([PROMPT] * 4, params, use_tqdm=False)
+    off = llm.generate([PROMPT] * 4, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert all(len(o.outputs[0].token_ids) == 24 for o in on) and sum(replays) >= 20
 
 
 def test_requests_join_constrained_ones_in_flight_by_chained_extends(llm_sync):

@@ -11,7 +11,8 @@ graph; a chained step takes its input tokens from there (``fed``). Rows whose sa
 needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are
 resampled from the step's logits before the copy. A step with constrained rows is
 enqueued in two stages (``forward``, then ``draw`` with the rows' masks), so the host
-computes the masks while the device runs the model.
+computes the masks while the device runs the model; a step whose rows need only their
+masks replays its rung's captured masked draw (``masked_draws``).
 """
 
 import attrs
@@ -23,6 +24,7 @@ from tokenspeed.errors import InternalError
 from tokenspeed.execution.graphs import state_tensors
 from tokenspeed.ir.descriptors import leaves
 from tokenspeed.execution.ladders import bucket_for
+from tokenspeed.execution.masked_draws import MaskedDraws
 from tokenspeed.execution.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.execution.slots import MetadataSlots
@@ -36,9 +38,10 @@ PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 @attrs.frozen(eq=False)
 class Forward:
     """A decode step whose first stage is enqueued (``DecodeRunner.forward``): its logits and
-    positions (padded to its rung; the live rows first), its rows' sampling and their
-    settings on the device, whether a row is resampled whatever its masks
-    (``processed``), and the views its draw writes."""
+    positions (padded to its rung, None when run eagerly; the live rows first), its rows'
+    sampling and their settings on the device, whether a row is resampled whatever its
+    masks (``processed``), and the views its draw writes."""
+    rung: int | None
     logits: torch.Tensor
     positions: torch.Tensor
     sampling: list[RowSampling]
@@ -70,6 +73,7 @@ class DecodeRunner:
         self._views: dict[tuple[int, int], tuple] = {}
         self.graphs: dict[int, object] = {}
         self.ladder: tuple[int, ...] = ()
+        self.masked = MaskedDraws(max_decode_bs, device) if column is not None else None   # chained steps' draws
 
     def columns(self, rows: list[DecodeRow]) -> DecodeColumns:
         """``rows`` as the columns ``launch`` also takes (a decode chain keeps them)."""
@@ -81,20 +85,30 @@ class DecodeRunner:
                                            num_groups=self.num_groups)
 
     def capture(self, capturer, ladder: tuple[int, ...], progress=None, name: str = "decode") -> None:
-        """Largest rung first, so smaller graphs reuse the shared pool's memory."""
+        """Largest rung first, so smaller graphs reuse the shared pool's memory; with a token
+        column, each rung's masked draw too (``masked_draws``)."""
         self.ladder = ladder
         for bs in sorted(ladder, reverse=True):
             view, sampling, out = self.idle_inputs(bs)
+            reach = lambda bs=bs: self.reach(bs)  # noqa: E731
             self.graphs[bs] = capturer.capture(
-                f"{name}[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o),
-                reach=lambda bs=bs: self.reach(bs), count_kernels=True)
+                f"{name}[bs={bs}]", lambda v=view, s=sampling, o=out: self.step(v, s, o), reach=reach,
+                count_kernels=True)
+            if self.masked is not None:
+                draw = lambda l=self.graphs[bs].outputs, v=view, s=sampling, o=out: \
+                    self.masked.step(l, s, v.positions, o, self.column)  # noqa: E731
+                self.masked.capture(capturer, f"{name}.masked_draw[bs={bs}]", bs, draw, reach)
             if progress is not None:
                 progress.update(1)
 
     def dry_step(self, bs: int) -> None:
-        """Rung ``bs``'s idle step, eagerly: under ``precompile.dry_run`` it records the
-        kernel variants its capture will launch (sampling keeps no state to restore)."""
-        self.step(*self.idle_inputs(bs))
+        """Rung ``bs``'s idle step (and masked draw), eagerly: under ``precompile.dry_run``
+        it records the kernel variants its capture will launch (sampling keeps no state to
+        restore)."""
+        view, sampling, out = self.idle_inputs(bs)
+        logits = self.step(view, sampling, out)
+        if self.masked is not None:
+            self.masked.step(logits, sampling, view.positions, out, self.column)
 
     def idle_inputs(self, bs: int) -> tuple:
         """The step's inputs for rung ``bs`` with no live rows: the published metadata and
@@ -137,18 +151,20 @@ class DecodeRunner:
         if fed is not None:
             self._feed(input_ids, fed, seats)
         logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
-        return Forward(logits, view.positions, sampling, settings, processed, seats, out, hosts)
+        return Forward(rung, logits, view.positions, sampling, settings, processed, seats, out, hosts)
 
     def draw(self, forward: "Forward", masks: StepMasks | None = None) -> StepFuture:
         """The step's second stage: rows whose sampling needs more than the graph's draw
         (``masks``, processing) drawn again from its logits into the column, then the
         tokens' copy to the host. Enqueued after ``forward``, before the next step."""
-        logprobs, out = None, forward.out
+        logprobs, out, replayed = None, forward.out, False
         if forward.processed or masks is not None:
             bs = len(forward.sampling)
             if masks is not None and masks.masks_only and not forward.processed:
-                masks.draw(forward.logits[:bs], forward.settings.head(bs), forward.positions[:bs], out,
-                           self.column)
+                replayed = self.masked is not None and self.masked.replay(forward.rung, masks.bitmask)
+                if not replayed:
+                    masks.draw(forward.logits[:bs], forward.settings.head(bs), forward.positions[:bs], out,
+                               self.column)
             else:
                 logprobs = sample(forward.logits[:bs], forward.sampling, forward.positions[:bs], out=out,
                                   settings=forward.settings.head(bs), masks=masks).logprobs
@@ -156,7 +172,10 @@ class DecodeRunner:
         self._turn ^= 1
         host = forward.hosts[self._turn]
         host.copy_(out, non_blocking=True)
-        return StepFuture(host, recorded_event(self.kv_cache.device), forward.sampling, logprobs)
+        future = StepFuture(host, recorded_event(self.kv_cache.device), forward.sampling, logprobs)
+        if replayed:
+            self.masked.staged_until(future.event)
+        return future
 
     def _feed(self, input_ids: torch.Tensor, fed: FedRows, seats: torch.Tensor) -> None:
         """The rows' inputs from the token column. Each row reads the seat it writes (its
