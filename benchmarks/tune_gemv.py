@@ -1,6 +1,6 @@
 """Sweep split-K GEMV configs on the decode shapes of the benchmark models.
 
-    python -m benchmarks.tune_gemv [--rows 1 8] [--json results/tune_gemv.json]
+    python -m benchmarks.tune_gemv [--shapes ...] [--rows 1 8] [--matrices qkv o] [--json results/tune_gemv.json]
 
 Each timing replays a CUDA graph of back-to-back launches over distinct weight copies
 (more bytes than L2 holds), as in a decode step, with PDL as the engine launches it. Each
@@ -91,6 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=list(common.SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--matrices", nargs="+", default=None,
+                        help="only these of each shape's matrices (qkv o gate_up down lm_head)")
     parser.add_argument("--json", default="results/tune_gemv.json")
     args = parser.parse_args()
     bandwidth = common.copy_bandwidth()
@@ -98,6 +100,8 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         for name, (n, k) in decode_shapes(shape).items():
+            if args.matrices is not None and name not in args.matrices:
+                continue
             for m in args.rows:
                 row = {"shape": shape, "matrix": name, **tune(name, m, n, k, sms)}
                 for key in ("chosen", "best", "torch"):
