@@ -47,9 +47,10 @@ class MaskedDraws:
         self.graphs[rung] = capturer.capture(name, fn, reach=lambda: {**reach(), "mask_host": self._host,
                                                                      "mask_rows": self._rows})
 
-    def replay(self, rung: int, bitmask: torch.Tensor) -> bool:
-        """Draw a step of rung ``rung`` whose live rows' masks are ``bitmask [rows, words]``
-        (host int32); False, with nothing done, when the rung has no graph."""
+    def replay(self, rung: int | None, bitmask: torch.Tensor) -> bool:
+        """Draw a step of rung ``rung`` (None: run eagerly) whose live rows' masks are
+        ``bitmask [rows, words]`` (host int32); False, with nothing done, when the rung has
+        no graph."""
         graph = self.graphs.get(rung)
         if graph is None:
             return False
