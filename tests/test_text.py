@@ -105,6 +105,28 @@ def test_stream_pieces_join_to_the_generated_text(llm):
     assert not llm.engine.has_work
 
 
+def test_an_answer_read_whole_is_decoded_once_at_its_end(llm, monkeypatch):
+    """``generate`` reads text only once an answer is final: without stop strings no token
+    is decoded on its own, with them, and in a stream, every token is."""
+    from tokenspeed.tokenizer import detokenizer
+
+    steps, stream_of = [], detokenizer.DecodeStream
+
+    class CountedStream:
+        def __init__(self, **options):
+            self.stream = stream_of(**options)
+
+        def step(self, tokenizer, ids):
+            steps.append(len(ids))
+            return self.stream.step(tokenizer, ids)
+    monkeypatch.setattr(detokenizer, "DecodeStream", CountedStream)
+    whole = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not steps and [o.text for o in whole] == [llm.tokenizer.decode(o.token_ids) for o in whole]
+    stopped = ts.SamplingParams(temperature=0, max_tokens=12, stop=["\u00ff never"])
+    assert [o.text for o in llm.generate(PROMPTS, stopped, use_tqdm=False)] == [o.text for o in whole]
+    assert steps and "".join(llm.stream(PROMPTS[0], GREEDY)) == whole[0].text
+
+
 def test_chat_applies_the_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     [out] = llm.chat(messages, GREEDY, use_tqdm=False)

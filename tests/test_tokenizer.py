@@ -367,6 +367,18 @@ def test_detokenizer_holds_byte_fallback_runs(spm, data, skip):
     assert final == mine.decode(ids, skip)
 
 
+@FAST
+@given(data=st.data(), skip=st.booleans(), byte_fallback=st.booleans())
+def test_a_deferred_detokenizer_gives_the_whole_text_at_its_flush(ours, spm, piece_ids, data, skip, byte_fallback):
+    """Nothing before the end, then the text the streamed pushes and flush give."""
+    tokenizer = spm[0] if byte_fallback else ours
+    ids = data.draw(token_ids(list(range(tokenizer.vocab_size)) if byte_fallback else piece_ids, tokenizer.vocab_size))
+    deferred = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, deferred=True)
+    assert all(deferred.push(i) == "" for i in ids)
+    *_, (streamed, _) = detokenize(tokenizer, ids, skip)
+    assert deferred.flush() == streamed == tokenizer.decode(ids, skip)
+
+
 def test_detokenizer_on_real_text(ours):
     text = "Streaming 😀 text: 你好, naïve café — done.\n"
     ids = ours.encode(text * 3, add_special_tokens=False)

@@ -172,7 +172,7 @@ class LLM:
             per_prompt(sampling_params, len(parsed))
         for i, (prompt, p) in enumerate(zip(parsed, params)):
             self.check(i, prompt, p)
-        keys = self.client.add(parsed, params)
+        keys = self.client.add(parsed, params, streamed=False)   # answered whole: text decoded at the end
         groups = [self.client.requests(key) for key in keys]
         try:
             with Progress(groups, use_tqdm) as progress:

@@ -41,9 +41,10 @@ class OfflineClient:
         self._keys = itertools.count()
         self._failures, self._failure = 0, None   # failed steps so far, and the last error
 
-    def add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[int]:
+    def add(self, prompts: list[Prompt], params: list[SamplingParams], streamed: bool = True) -> list[int]:
         """Queue checked prompts; their keys. All or none: a prompt refused takes those
-        queued before it out again."""
+        queued before it out again. ``streamed`` False: their text is read only in
+        ``answer`` (``PromptOutput``)."""
         with self._lock:
             keys = []
             try:
@@ -51,7 +52,7 @@ class OfflineClient:
                     keys.append(next(self._keys))
                     requests = self.core.add(keys[-1], prompt.token_ids, sp)
                     self._prompts[keys[-1]] = LivePrompt(requests, PromptOutput(self.tokenizer, sp,
-                                                                                len(prompt.token_ids)))
+                                                                                len(prompt.token_ids), streamed))
             except ValueError:
                 for key in keys:
                     self.core.abort(key)

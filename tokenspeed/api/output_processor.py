@@ -12,8 +12,9 @@ from tokenspeed.execution.outputs import CompletionOutput
 
 
 class PromptOutput:
-    def __init__(self, tokenizer, params, num_prompt_tokens: int):
-        self.completions = [CompletionText(tokenizer, params, i) for i in range(params.n)]
+    def __init__(self, tokenizer, params, num_prompt_tokens: int, streamed: bool = True):
+        """``streamed`` False: the answers' text is read only once final (``CompletionText``)."""
+        self.completions = [CompletionText(tokenizer, params, i, streamed) for i in range(params.n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0       # the tokens its answers kept so far
         self.error: str | None = None
