@@ -41,3 +41,30 @@ def test_a_masks_only_draw_writes_the_rows_seats_of_the_column():
     StepMasks(bitmask).draw(logits, settings, torch.tensor([7, 8]), out, column)
     assert out[0].item() == (3 if logits[0, 3] > logits[0, 9] else 9) and out[1].item() == 40
     assert column.tolist() == [-1, 40, -1, -1, out[0].item(), -1]
+
+
+def test_a_masked_draw_replays_only_masks_as_wide_as_its_logits():
+    """A rung's captured draw stages a step's masks; masks of another width (an engine whose
+    vocabulary is narrower than the logits) are left to the eager draw, which disallows the
+    tokens past them."""
+    from tokenspeed.execution.masked_draws import MaskedDraws
+    from tokenspeed.execution.sampler import RowSampling, SamplingTensors
+    from tokenspeed.execution.sampling_params import SamplingParams
+    from tokenspeed.structured import new_bitmask
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    draws = MaskedDraws(4, "cpu")
+    settings = SamplingTensors.build([RowSampling(SamplingParams(temperature=0.0), seed=0)] * 4, "cpu")
+    out = torch.zeros(4, dtype=torch.int64)
+    draws.step(torch.randn(4, 70), settings, torch.zeros(4, dtype=torch.int32), out, torch.zeros(8, dtype=torch.int64))
+    draws.graphs[4] = Graph()
+    staged = torch.stack([pack_allowed([3], 70), pack_allowed([9, 64], 70)])
+    assert draws.replay(4, staged) and Graph.replays == 1
+    assert not draws.replay(4, new_bitmask(2, 40)) and not draws.replay(2, staged) and Graph.replays == 1
+    draws.step(torch.randn(4, 70), settings, torch.zeros(4, dtype=torch.int32), out, torch.zeros(8, dtype=torch.int64))
+    assert out[0] == 3 and out[1] in (9, 64)

@@ -37,10 +37,10 @@ PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
 
 @attrs.frozen(eq=False)
 class Forward:
-    """A decode step whose first stage is enqueued (``DecodeRunner.forward``): its logits and
-    positions (padded to its rung, None when run eagerly; the live rows first), its rows'
-    sampling and their settings on the device, whether a row is resampled whatever its
-    masks (``processed``), and the views its draw writes."""
+    """A decode step whose first stage is enqueued (``DecodeRunner.forward``): its rung (None
+    when run eagerly), its logits and positions (padded to the rung; the live rows first),
+    its rows' sampling and their settings on the device, whether a row is resampled
+    whatever its masks (``processed``), and the views its draw writes."""
     rung: int | None
     logits: torch.Tensor
     positions: torch.Tensor

@@ -50,9 +50,10 @@ class MaskedDraws:
     def replay(self, rung: int | None, bitmask: torch.Tensor) -> bool:
         """Draw a step of rung ``rung`` (None: run eagerly) whose live rows' masks are
         ``bitmask [rows, words]`` (host int32); False, with nothing done, when the rung has
-        no graph."""
+        no graph or the masks are not as wide as the logits' (the eager draw disallows the
+        tokens past a narrower mask)."""
         graph = self.graphs.get(rung)
-        if graph is None:
+        if graph is None or bitmask.shape[1] != self._host.shape[1]:
             return False
         if self._read is not None:
             self._read.synchronize()

@@ -148,7 +148,8 @@ def start_description(steps, prefill) -> list[str]:
     runners = [runner for runner, _ in steps] + [prefill]
     described = [repr([type(node).__qualname__ for node in walk(prefill.backend)]),
                  repr((tuple(prefill.kv_cache.shape), prefill.kv_cache.dtype, prefill.max_pages)),
-                 repr([ladder for _, ladder in steps]), repr((prefill.token_ladder, prefill.view_ladder))]
+                 repr([ladder for _, ladder in steps]), repr((prefill.token_ladder, prefill.view_ladder)),
+                 repr([getattr(runner, "masked", None) is not None for runner, _ in steps])]   # masked draws
     for runner in runners:
         gm = runner.program.graph_module
         described += [seg.graph_module.code for seg in runner.program.segments] or [gm.code]
