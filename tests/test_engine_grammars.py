@@ -1,6 +1,7 @@
 """The engine's grammars: compiled against the tokenizer's vocabulary padded to the model's,
 a schema sent again reuses its compiled grammar (the most recent ``KEPT_GRAMMARS`` kept)
-and its lexer, and a bad one is refused each time it comes."""
+and its lexers, its requests dealt among them in turn, and a bad one is refused each time
+it comes."""
 
 import pytest
 
@@ -15,7 +16,7 @@ from text_models import smol_tokenizer
 @pytest.fixture(scope="module")
 def grammars():
     tokenizer = smol_tokenizer()
-    return Grammars(tokenizer, tokenizer.vocab_size + 64)
+    return Grammars(tokenizer, tokenizer.vocab_size + 64, lexers=1)
 
 
 def test_the_vocabulary_is_padded_to_the_model(grammars):
@@ -50,3 +51,19 @@ def test_a_schema_s_requests_copy_one_matcher_and_a_lexer_is_renewed(grammars, m
     assert first[0].lexer is first[1].lexer is second.lexer and third.lexer is not second.lexer
     assert [m.valid_prefix([grammars.tokenizer.encode("7", add_special_tokens=False)[0]] * 3)
             for m in (first[0], first[1], second, third)] == [1, 2, 2, 2]
+
+
+def test_a_schema_s_requests_take_the_least_busy_of_its_lexers(grammars, monkeypatch):
+    """A new lexer while every one is in use (up to ``lexers``), else the least busy, the
+    first of those; one that has made ``COPIES_PER_LEXER`` copies is renewed on its own."""
+    monkeypatch.setattr(grammars_module, "COPIES_PER_LEXER", 3)
+    dealt, spec = Grammars(grammars.tokenizer, grammars.vocab_size, lexers=3), StructuredOutputs(regex="[a-z]+")
+    matchers = dealt.matchers(spec, 5)
+    lexer = [m.lexer for m in matchers]
+    assert len(set(lexer[:3])) == 3 and lexer[3:5] == lexer[:2]
+    del matchers[:]
+    alone = [dealt.matchers(spec, 1)[0].lexer, dealt.matchers(spec, 1)[0].lexer]   # each dropped at once
+    assert alone[0] is lexer[0]   # the first lexer, idle again, made its third copy
+    assert alone[1] not in lexer   # so it was renewed for the next
+    cat = grammars.tokenizer.encode("cat", add_special_tokens=False)
+    assert dealt.matchers(spec, 1)[0].valid_prefix(cat) == len(cat)

@@ -6,43 +6,73 @@ every token: it is built at the first constrained request, so a model that never
 never pays for it. The model's vocabulary (its logits' width) may be wider than the
 tokenizer's: the ids past it are empty tokens, which no mask allows.
 
-A schema's requests get copies of one kept matcher (``GrammarMatcher.copy``): no compile on
-the engine's thread, and one lexer whose states every request of the schema reuses. The
-lexer only grows, so after ``COPIES_PER_LEXER`` requests the next ones start a fresh one.
+A schema's requests get copies of kept matchers (``GrammarMatcher.copy``): no compile on the
+engine's thread once they are made, and lexers whose states the schema's requests reuse. A
+lexer computes one mask at a time, so a schema keeps up to one per mask-filling thread
+(``default_threads``) and gives each request the least busy: a batch's rows of one schema then
+fill in parallel, and requests one at a time all use the first lexer, whose states are warm. A lexer only grows, so after ``COPIES_PER_LEXER`` requests the next
+ones start a fresh one.
 """
 
 import threading
+import weakref
 
 import attrs
 
 from tokenspeed.structured import Grammar, GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer
+from tokenspeed.structured.mask_filler import default_threads
 
 KEPT_GRAMMARS = 64
 COPIES_PER_LEXER = 256
 
 
 @attrs.define(eq=False)
-class KeptGrammar:
-    """A compiled grammar and the unused matcher its requests copy (made at the first)."""
-    grammar: Grammar
-    origin: GrammarMatcher | None = None
+class KeptLexer:
+    """An unused matcher whose lexer its copies share; how many it has made, and those in use."""
+    origin: GrammarMatcher
     copies: int = 0
+    live: weakref.WeakSet = attrs.Factory(weakref.WeakSet)
+
+    def copy(self) -> GrammarMatcher:
+        matcher = self.origin.copy()
+        self.copies += 1
+        self.live.add(matcher)
+        return matcher
+
+
+@attrs.define(eq=False)
+class KeptGrammar:
+    """A compiled grammar and its lexers (``lexers`` at most, each made when the others are busy)."""
+    grammar: Grammar
+    lexers: int
+    kept: list[KeptLexer] = attrs.Factory(list)
 
     def matchers(self, guide, n: int) -> list[GrammarMatcher]:
-        """``n`` copies of the kept matcher, a fresh one (and lexer) made when the last has
-        served ``COPIES_PER_LEXER``: a lexer's states are never dropped, so one shared for
-        the engine's life would grow towards llguidance's limit on them."""
-        if self.origin is None or self.copies >= COPIES_PER_LEXER:
-            self.origin, self.copies = GrammarMatcher(self.grammar, guide), 0
-        self.copies += n
-        return [self.origin.copy() for _ in range(n)]
+        """``n`` matchers, each a copy from the least busy lexer (the first of those: the
+        most used, whose states are the most complete; a lexer builds them as it goes)."""
+        return [self._least_busy(guide).copy() for _ in range(n)]
+
+    def _least_busy(self, guide) -> KeptLexer:
+        """A new lexer while every one is busy and there are fewer than ``lexers``; a fresh
+        one for a lexer that has made ``COPIES_PER_LEXER`` copies: a lexer's states are never
+        dropped, so one shared for the engine's life would grow towards llguidance's limit."""
+        least = min(self.kept, key=lambda lexer: len(lexer.live), default=None)
+        if least is None or (least.live and len(self.kept) < self.lexers):
+            least = KeptLexer(GrammarMatcher(self.grammar, guide))
+            self.kept.append(least)
+        elif least.copies >= COPIES_PER_LEXER:
+            fresh = KeptLexer(GrammarMatcher(self.grammar, guide))
+            self.kept[self.kept.index(least)] = fresh
+            return fresh
+        return least
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, lexers: int | None = None):
         """``tokenizer``: the model's (``structured.vocabulary.Tokenizer``); ``vocab_size``:
-        the model's logits' width."""
+        the model's logits' width; ``lexers``: a schema's at most (``default_threads``)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.lexers = lexers or default_threads()
         self._guide = None
         self._lock = threading.Lock()   # callers check requests on their own threads
         self._kept: dict[StructuredOutputs, KeptGrammar] = {}   # in use order, the newest last
@@ -71,7 +101,7 @@ class Grammars:
         guide = self.guide
         with self._lock:
             kept = self._kept.pop(spec, None)
-        kept = kept or KeptGrammar(compile_grammar(spec, guide))
+        kept = kept or KeptGrammar(compile_grammar(spec, guide), self.lexers)
         with self._lock:
             self._kept[spec] = kept
             if len(self._kept) > KEPT_GRAMMARS:

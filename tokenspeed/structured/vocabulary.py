@@ -1,19 +1,29 @@
 """llguidance's view of a model's vocabulary, built from tokenspeed's own tokenizer.
 
-llguidance computes masks over a trie of each token's bytes. It is given those bytes
-from ``Tokenizer.token_bytes`` (a byte-level BPE token's raw bytes, a SentencePiece
-``<0xNN>`` token's byte), so a Hugging Face directory and a GGUF file, whose backends
-are built differently, give the same trie for the same vocabulary. Special tokens are
-marked as such: a grammar names them (``<|im_end|>``) and text never spells them.
+llguidance computes masks over a trie of each token's bytes, and tokenizes text a grammar
+forces while it computes them (about one call in three masks of a JSON schema). It reads
+both from the tokenizer's ``tokenizers`` JSON when its reading agrees with tokenspeed's
+(``Tokenizer.token_bytes``: a byte-level BPE token's raw bytes, a SentencePiece ``<0xNN>``
+token's byte, so a Hugging Face directory and a GGUF file, whose backends are built
+differently, give the same trie) and with its special tokens: then it tokenizes in native
+code and a mask never takes the GIL, so llguidance's workers fill rows of different lexers
+truly in parallel (with a Python encoder they queued on the GIL: eight lexers filled 32 rows
+no faster than one, docs/PERFORMANCE.md's forty-eighth session). Where the readings differ,
+llguidance is given the bytes and a Python encoder, and one log line says so.
+Special tokens are marked as such: a grammar names them (``<|im_end|>``) and text never
+spells them.
 
 The model's vocabulary (its logits' width) may be larger than the tokenizer's (padded
-embeddings); the ids past the tokenizer's are empty tokens, which no mask allows.
+embeddings); the ids past the tokenizer's are tokens no text mask allows.
 """
 
+import logging
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import llguidance
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -25,6 +35,7 @@ class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
     special_token_ids: Iterable[int]
     token_bytes: Callable[[int], bytes]
+    backend: Any    # its ``tokenizers.Tokenizer``, whose JSON llguidance reads
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -50,12 +61,42 @@ class _Vocabulary:
 def guidance_tokenizer(tokenizer: Tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:
     """The ``LLTokenizer`` every grammar of this model compiles against. ``vocab_size``:
     the model's logits' width (the tokenizer's own when None). Build it once per model:
-    it walks the whole vocabulary (a tenth of a second for 50k tokens)."""
+    it walks the whole vocabulary (a few tenths of a second for 50k tokens)."""
     size = tokenizer.vocab_size if vocab_size is None else vocab_size
     if size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size={size}: the model's vocabulary must hold the tokenizer's "
                          f"{tokenizer.vocab_size} tokens")
     if not tokenizer.eos_token_ids:
         raise ValueError("the tokenizer declares no EOS token; a grammar needs one to end on")
-    wrapper = llguidance.TokenizerWrapper(_Vocabulary(tokenizer, size))
-    return llguidance.LLTokenizer(wrapper, eos_token=list(tokenizer.eos_token_ids))
+    native = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=size, eos_token=list(tokenizer.eos_token_ids))
+    if _reads_as_tokenspeed(native, tokenizer):
+        return native
+    wrapped = _wrapped(tokenizer, size)
+    differing = _first_difference(native, wrapped, tokenizer.vocab_size)
+    if differing is None:
+        return native
+    log.warning("llguidance reads token %d of this vocabulary as %r, tokenspeed as %r: masks tokenize "
+                "through Python and are filled more slowly", differing, native.decode_bytes([differing]),
+                wrapped.decode_bytes([differing]))
+    return wrapped
+
+
+def _wrapped(tokenizer: Tokenizer, size: int) -> llguidance.LLTokenizer:
+    """tokenspeed's bytes and a Python encoder."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, size)),
+                                  eos_token=list(tokenizer.eos_token_ids))
+
+
+def _reads_as_tokenspeed(native: llguidance.LLTokenizer, tokenizer: Tokenizer) -> bool:
+    """Every token's bytes and special mark as tokenspeed has them (the common case, checked
+    without building the Python-fed view)."""
+    special = frozenset(tokenizer.special_token_ids)
+    return all(native.decode_bytes([i]) == tokenizer.token_bytes(i) and native.is_special_token(i) == (i in special)
+               for i in range(tokenizer.vocab_size))
+
+
+def _first_difference(a: llguidance.LLTokenizer, b: llguidance.LLTokenizer, count: int) -> int | None:
+    """The first of the first ``count`` ids the two views read differently (a byte no UTF-8
+    text holds, 0xFF, is marked special by llguidance either way)."""
+    return next((i for i in range(count) if a.decode_bytes([i]) != b.decode_bytes([i])
+                 or a.is_special_token(i) != b.is_special_token(i)), None)

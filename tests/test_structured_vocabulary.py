@@ -1,0 +1,84 @@
+"""llguidance's view of a vocabulary: read from the tokenizer's JSON (native tokenization,
+no Python during a mask) when that reading agrees with tokenspeed's bytes, with the masks
+of the Python-fed view; where it does not, the Python-fed view, said in a log line."""
+
+import logging
+
+import pytest
+import torch
+
+from tokenspeed.structured import GrammarMatcher, StructuredOutputs, compile_grammar, guidance_tokenizer, new_bitmask
+from tokenspeed.structured import vocabulary
+
+from text_models import smol_tokenizer
+from tiny_vocab import tiny_tokenizer
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer"}},
+          "required": ["name", "kind", "age"], "additionalProperties": False}
+TEXT = '{"name": "Zoë 😀 \\"x", "kind": "dog", "age": 41}'
+
+
+class PythonCalls:
+    """``_Vocabulary.__call__`` (the Python encoder llguidance calls), counted."""
+
+    def __init__(self, monkeypatch):
+        self.count, call = 0, vocabulary._Vocabulary.__call__
+
+        def counted(vocab, text):
+            self.count += 1
+            return call(vocab, text)
+        monkeypatch.setattr(vocabulary._Vocabulary, "__call__", counted)
+
+
+def walk_masks(tokenizer, guide) -> torch.Tensor:
+    """The masks along ``TEXT`` under ``SCHEMA``, a row a token."""
+    text = tokenizer.encode(TEXT, add_special_tokens=False)
+    matcher, bitmask = GrammarMatcher(compile_grammar(StructuredOutputs(json=SCHEMA), guide), guide), \
+        new_bitmask(len(text), guide.vocab_size)
+    for row, token in enumerate(text):
+        matcher.fill(bitmask, row)
+        matcher.accept(token)
+    return bitmask
+
+
+@pytest.mark.parametrize("make, padding", [(tiny_tokenizer, 7), (smol_tokenizer, 11)])
+def test_the_json_reading_is_kept_with_the_masks_of_the_python_fed_view(make, padding, monkeypatch):
+    """The tiny vocabulary holds the lone byte 0xFF, which llguidance marks special either
+    way: its reading differs from tokenspeed's bytes there and is kept all the same."""
+    tokenizer = make()
+    size = tokenizer.vocab_size + padding
+    python = PythonCalls(monkeypatch)
+    guide = guidance_tokenizer(tokenizer, size)
+    python.count = 0     # (the Python-fed view built for the comparison calls its encoder once)
+    native_masks = walk_masks(tokenizer, guide)
+    assert python.count == 0 and guide.vocab_size == size
+    assert torch.equal(native_masks, walk_masks(tokenizer, vocabulary._wrapped(tokenizer, size)))
+    assert python.count > 0     # the walk tokenizes forced text: the Python-fed view called out
+
+
+class Misread:
+    """The tiny tokenizer, one token's bytes given otherwise."""
+
+    def __init__(self, tokenizer, token: int, misread: bytes):
+        self.tokenizer, self.token, self.misread = tokenizer, token, misread
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.misread if i == self.token else self.tokenizer.token_bytes(i)
+
+
+def test_a_vocabulary_read_differently_is_fed_from_python_and_said(monkeypatch, caplog):
+    tiny = tiny_tokenizer()
+    token = tiny.encode("yes", add_special_tokens=False)[0]
+    tokenizer = Misread(tiny, token, b"no")
+    python = PythonCalls(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=vocabulary.__name__):
+        guide = guidance_tokenizer(tokenizer)
+    assert f"llguidance reads token {token} of this vocabulary as b'yes', tokenspeed as b'no'" in caplog.text
+    assert guide.decode_bytes([token]) == b"no"
+    python.count = 0
+    walk_masks(tiny, guide)
+    assert python.count > 0
