@@ -34,11 +34,11 @@ import triton  # noqa: E402
 from benchmarks import common  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_gemv  # noqa: E402
 from tokenspeed.backends.kernels import triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
-from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, BlockFormat, block_format  # noqa: E402
+from tokenspeed.backends.kernels.gguf_blocks import GATHERED, SUPPORTED, BlockFormat, block_format  # noqa: E402
 
 TINY_SHAPE = (48, 512)
 HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 fields
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), GATHERED: tuple(range(0, 16, 2))}  # fp16 fields' bytes
 
 
 def random_blocks(fmt: BlockFormat, n: int, k: int, device) -> torch.Tensor:
@@ -164,7 +164,7 @@ def measure_16_bit(m: int, shape, tiny: bool, device, bandwidth) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 32, 2048])
-    parser.add_argument("--formats", nargs="+", default=[q.name for q in SUPPORTED])
+    parser.add_argument("--formats", nargs="+", default=[q.name for q in SUPPORTED] + [GATHERED])
     parser.add_argument("--projections", nargs="+", default=["down"],
                         choices=[*PROJECTIONS, "all"], help="the 1B shape's weights timed")
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU: interpreter)")

@@ -19,9 +19,9 @@ from hypothesis import given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.backends.kernels import cuda, reference
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED
-from tokenspeed.ir.weights import BLOCK_FORMATS, BlockWeight
+from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, BlockWeight
 from tokenspeed.models import gguf as ts_gguf
-from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear
+from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear, gather_q8_0_scales
 from tokenspeed.models.gguf_writer import write, write_llama
 from tokenspeed.models.random import TINY_LLAMA, hf_state_dict
 
@@ -35,13 +35,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the CUDA kernels' te
 PROMPTS = make_prompts((5, 19), seed=5)
 
 
-def decisive_file(qtype, tied: bool = False) -> str:
+GATHERABLE = {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 384}   # K 256 gathers, 384 does not
+
+
+def decisive_file(qtype, tied: bool = False, config=TINY_LLAMA) -> str:
     """``margins.decisive_model`` (clear greedy choices) written as llama.cpp writes a
     llama file, its matrices quantized to ``qtype``."""
-    model = decisive_model(config={**TINY_LLAMA, "tie_word_embeddings": tied})
-    config = attrs.evolve(model.config, eos_token_ids=(EOS,))
-    path = new_tmpdir("ts_gguf_blocks_") / f"decisive-{qtype.name}.gguf"
-    return write_llama(path, config, hf_state_dict(model), qtype)
+    model = decisive_model(config={**config, "tie_word_embeddings": tied})
+    path = new_tmpdir("ts_gguf_blocks_") / f"decisive-{qtype.name}-{config['hidden_size']}.gguf"
+    return write_llama(path, attrs.evolve(model.config, eos_token_ids=(EOS,)), hf_state_dict(model), qtype)
 
 
 def generate(model, prompts=PROMPTS):
@@ -55,7 +57,7 @@ def block_layers(model) -> dict[str, str]:
 
 
 def test_the_ir_names_the_formats_the_backends_read():
-    assert BLOCK_FORMATS == tuple(q.name for q in SUPPORTED)
+    assert BLOCK_FORMATS == tuple(q.name for q in SUPPORTED) + (GATHERED,)
 
 
 # ---------------------------------------------------------------- loading
@@ -215,6 +217,22 @@ def test_greedy_tokens_equal_the_dequantized_models(qtype, tied, monkeypatch):
     assert kept == generate(ts.models.load(path)) and all(len(t) == GREEDY.max_tokens for t in kept)
 
 
+def test_q8_0_regathered_gives_the_files_tokens(monkeypatch):
+    """A GPU's loader regathers Q8_0 layers whose rows are whole runs of eight blocks
+    (Q8_0_G8, K 256 here) and leaves the others (the down projection's K 384); a tied head
+    and its table stay one tensor. Run here by the CPU's reference: the file's tokens."""
+    path = decisive_file(Q.Q8_0, tied=True, config=GATHERABLE)
+    margins = greedy_margins(monkeypatch)
+    kept = generate(ts.models.load(path, quantized=True))
+    assert_decisive(margins)
+    gathered = gather_q8_0_scales(ts.models.load(path, quantized=True))
+    formats = block_layers(gathered)
+    assert {n for n, f in formats.items() if f == "Q8_0"} == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    assert set(formats.values()) == {"Q8_0", GATHERED} and formats["lm_head"] == GATHERED
+    assert gathered.lm_head.weight is gathered.model.embed_tokens.weight
+    assert generate(gathered) == kept
+
+
 def test_greedy_tokens_of_a_q4_k_file_equal_the_dequantized_models(monkeypatch):
     """Random Q4_K blocks (``gguf`` cannot write K-quants) in a one-layer model."""
     path, _ = k_layout_file(Q.Q4_K)
@@ -281,16 +299,17 @@ def cuda_llm(model, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
-def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, monkeypatch):
+@pytest.mark.parametrize("qtype, config", [(Q.Q8_0, TINY_LLAMA), (Q.Q8_0, GATHERABLE), (Q.Q4_K, None)],
+                         ids=["Q8_0", "Q8_0_G8", "Q4_K"])
+def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, config, monkeypatch):
     """float32 activations on both sides; the quantized model runs its captured graphs (the
     GGUF GEMV at batch 1..4, the matmul in prefill), the dequantized one eagerly, its
-    margins checked."""
-    path = decisive_file(qtype) if qtype != Q.Q4_K else k_layout_file(qtype)[0]
+    margins checked. A Q8_0 file whose rows are whole runs of eight blocks runs Q8_0_G8."""
+    path = decisive_file(qtype, config=config) if qtype != Q.Q4_K else k_layout_file(qtype)[0]
     vocab = K_LAYOUT["vocab"] if qtype == Q.Q4_K else TINY_LLAMA["vocab_size"]
     prompts = make_prompts((3, 9, 17, 30), seed=2, vocab=vocab)   # margins above MIN_MARGIN
     kept = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=True)
-    assert block_layers(kept)
+    assert block_layers(kept) and (GATHERED in block_layers(kept).values()) == (config is GATHERABLE)
     tokens = [o.token_ids for o in cuda_llm(kept).generate(prompts, GREEDY)]
     margins = greedy_margins(monkeypatch)
     dense = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=False)

@@ -36,16 +36,20 @@ from sm90 import assert_compiles  # noqa: E402
 
 from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_gguf_dequant, triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
-from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED, block_format  # noqa: E402
+from tokenspeed.ir.weights import Q8_0_BLOCK_BYTES  # noqa: E402
+from tokenspeed.backends.kernels.gguf_blocks import (  # noqa: E402
+    GATHERED, SUPPORTED, block_format, gather_scales, scatter_scales)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = [q.name for q in SUPPORTED]
+FORMATS = [q.name for q in SUPPORTED] + [GATHERED]
 SCALE_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 fields
 FEW = settings(max_examples=8, deadline=None, derandomize=True)
 
 
 def quantized(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
-    """``uint8 [rows, row_bytes]`` of format ``name``."""
+    """``uint8 [rows, row_bytes]`` of format ``name`` (Q8_0_G8: Q8_0's, gathered)."""
+    if name == GATHERED:
+        return gather_scales(quantized("Q8_0", rows, k, seed))
     fmt, rng = block_format(name), np.random.default_rng(seed)
     if name not in SCALE_HALVES:
         weights = rng.standard_normal((rows, k)).astype(np.float32)
@@ -59,7 +63,7 @@ def quantized(name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def assert_within(got, x, weight, fmt, bias=None, relative=1e-5):
     """|got - exact| <= relative * sum_k |x_k w_nk| elementwise (exact: float64)."""
-    w = torch.from_numpy(gguf.quants.dequantize(weight.cpu().numpy(), fmt.qtype)).double()
+    w = gguf_reference.dequantize(weight.cpu(), fmt).double()
     x = x.cpu().double()
     exact = x @ w.T + (bias.cpu().double() if bias is not None else 0)
     bound = relative * (x.abs() @ w.abs().T) + 1e-6
@@ -220,6 +224,25 @@ def test_layouts_are_the_gguf_packages():
         assert fmt.block_size % fmt.group_size == 0
         assert (7, fmt.row_bytes(512)) == gguf.quants.quant_shape_to_byte_shape((7, 512), qtype)
     assert block_format("Q6_K") == block_format(14) == block_format(gguf.GGMLQuantizationType.Q6_K)
+    assert Q8_0_BLOCK_BYTES == GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][1]
+
+
+@FEW
+@given(rows=st.integers(1, 5), runs=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_gathered_q8_0_holds_every_byte_of_its_blocks(rows, runs, seed):
+    """Q8_0_G8 moves bytes only: its rows scatter back to the Q8_0 rows, each run starts
+    with its eight blocks' scales, and each block's 32 quants follow at 16-byte offsets."""
+    blocks = torch.randint(0, 256, (rows, runs * 272), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    gathered = gather_scales(blocks)
+    assert torch.equal(scatter_scales(gathered), blocks)
+    q8, run = blocks.view(rows, runs, 8, 34), gathered.view(rows, runs, 272)
+    assert torch.equal(run[..., :16].unflatten(2, (8, 2)), q8[..., :2])
+    for b in range(8):
+        assert torch.equal(run[..., 16 + 32 * b: 48 + 32 * b], q8[:, :, b, 2:])
+    fmt = block_format(GATHERED)
+    assert (fmt.block_size, fmt.type_size, fmt.group_size, fmt.name) == (256, 272, 32, GATHERED)
+    with pytest.raises(ValueError, match="whole runs of 272 bytes"):
+        gather_scales(blocks[:, :34])
 
 
 def test_bad_calls_are_named():

@@ -1,5 +1,6 @@
 """Weight formats the IR's matrix ops accept: a dense weight in the activations' dtype,
-a GGUF block format whose bytes stay as the file stores them, FP8 (e4m3) with scales, or
+a GGUF block format whose bytes stay as the file stores them (``Q8_0_G8``: Q8_0's,
+regathered on a GPU, ``backends/kernels/gguf_blocks.py``), FP8 (e4m3) with scales, or
 the CPU's weight-only integers of ``quantization="int4"``: int4 in torch's packed CPU
 layout with a scale and zero per group of 32 (``INT4``; ``weight_scale`` ``bfloat16
 [K / 32, N, 2]``), and int8 with a scale per output channel for the head (``INT8``;
@@ -19,7 +20,10 @@ import attrs
 import torch
 
 DENSE = "dense"
-BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GATHERED = "Q8_0_G8"      # Q8_0 regathered on a GPU (backends/kernels/gguf_blocks.py)
+GATHERED_RUN = 8          # the Q8_0 blocks of a Q8_0_G8 run, their fp16 scales gathered first
+Q8_0_BLOCK_BYTES = 34     # an fp16 scale and 32 int8 quants (gguf's GGML_QUANT_SIZES; tested)
+BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", GATHERED)
 FP8 = "fp8_e4m3"
 INT4 = "int4_g32"
 INT4_GROUP = 32  # K elements sharing an int4 weight's scale and zero
@@ -42,6 +46,29 @@ class BlockWeight:
             raise ValueError(f"{self.format} blocks of a {self.shape} weight must be uint8 "
                              f"[{self.shape[0]}, row_bytes]; got {self.blocks.dtype} "
                              f"{tuple(self.blocks.shape)}")
+
+
+def gather_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows ``uint8 [N, row_bytes]`` (whole runs of eight blocks) as Q8_0_G8 rows."""
+    runs = _runs(blocks, "Q8_0")
+    return torch.cat([runs[..., :2].flatten(2), runs[..., 2:].flatten(2)], 2).view(blocks.shape)
+
+
+def scatter_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0_G8 rows as the Q8_0 rows they were gathered from."""
+    runs = _runs(blocks, GATHERED).flatten(2)
+    scales = runs[..., :2 * GATHERED_RUN].unflatten(2, (GATHERED_RUN, 2))
+    quants = runs[..., 2 * GATHERED_RUN:].unflatten(2, (GATHERED_RUN, -1))
+    return torch.cat([scales, quants], 3).view(blocks.shape)
+
+
+def _runs(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """``[N, runs, 8, 34]`` (gathered: the same bytes, read in that shape)."""
+    run_bytes = GATHERED_RUN * Q8_0_BLOCK_BYTES
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % run_bytes:
+        raise ValueError(f"{name} rows to regather must be uint8 [N, row_bytes] of whole runs of "
+                         f"{run_bytes} bytes; got {blocks.dtype} {tuple(blocks.shape)}")
+    return blocks.contiguous().view(blocks.shape[0], -1, GATHERED_RUN, Q8_0_BLOCK_BYTES)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,7 @@ def unavailable_reason() -> str:
 
 def reads(fmt: BlockFormat, device) -> bool:
     """Whether these kernels compute ``fmt``'s blocks on ``device``."""
-    return torch.device(device).type == "cpu" and fmt.qtype in FORMATS and available()
+    return torch.device(device).type == "cpu" and fmt.qtype in FORMATS and not fmt.gathered and available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None) -> torch.Tensor:
@@ -137,7 +137,7 @@ def _checked(rows: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias) -
 
 def _checked_weight(weight: torch.Tensor, fmt: BlockFormat) -> int:
     """K of ``weight``, a contiguous CPU tensor of ``fmt``'s blocks, one of ``FORMATS``."""
-    if fmt.qtype not in FORMATS:
+    if fmt.qtype not in FORMATS or fmt.gathered:
         raise ValueError(f"the CPU's block kernels read {', '.join(FORMAT_NAMES)}; got {fmt.name}")
     if weight.device.type != "cpu" or not weight.is_contiguous():
         raise ValueError(f"a {fmt.name} weight for the CPU's kernels must be a contiguous CPU tensor; "

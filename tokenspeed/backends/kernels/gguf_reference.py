@@ -7,13 +7,15 @@ import numpy as np
 import torch
 
 from tokenspeed.backends.kernels import reference
-from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight
+from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight, scatter_scales
 
 
 def dequantize(weight: torch.Tensor, fmt: BlockFormat, dtype=torch.float32) -> torch.Tensor:
-    """``uint8 [N, row_bytes]`` -> ``[N, K]`` in ``dtype``, on ``weight``'s device."""
+    """``uint8 [N, row_bytes]`` -> ``[N, K]`` in ``dtype``, on ``weight``'s device (Q8_0_G8:
+    as the Q8_0 blocks it holds)."""
     check_weight(weight, fmt)
-    values = gguf.quants.dequantize(weight.cpu().numpy(), fmt.qtype)
+    blocks = scatter_scales(weight) if fmt.gathered else weight
+    values = gguf.quants.dequantize(blocks.cpu().numpy(), fmt.qtype)
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"])).to(weight.device, dtype)
 
 

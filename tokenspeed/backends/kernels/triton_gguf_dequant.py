@@ -17,7 +17,11 @@ import triton
 import triton.language as tl
 from gguf.constants import QK_K, GGMLQuantizationType as Q
 
+from tokenspeed.backends.kernels.gguf_blocks import GATHERED_CODE, GATHERED_RUN
+
 Q8_0 = tl.constexpr(int(Q.Q8_0))
+Q8_0_G8 = tl.constexpr(GATHERED_CODE)
+RUN = tl.constexpr(GATHERED_RUN)                # Q8_0_G8: blocks a run, their fp16 scales first
 Q4_0 = tl.constexpr(int(Q.Q4_0))
 Q4_1 = tl.constexpr(int(Q.Q4_1))
 Q5_0 = tl.constexpr(int(Q.Q5_0))
@@ -86,6 +90,20 @@ def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexp
     if header == 4:
         return q.to(tl.float32), d, read_half(base + 2, mask)
     return (q - (16 if five else 8)).to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def gathered_run(base, b, mask):
+    """Q8_0_G8: block ``b`` (of ``RUN``) of the run at ``base``: its fp16 scale (fp32) and the
+    address of its 32 quants, 16-byte aligned where the rows are."""
+    return read_half(base + 2 * b, mask), base + 2 * RUN + b * 32
+
+
+@triton.jit
+def _q8_0_g8(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
+    """Q8_0_G8 (``gguf_blocks``): group ``g`` is block ``g % RUN`` of run ``g // RUN``."""
+    d, quants = gathered_run(w_ptr + row + (g // RUN) * TYPE_SIZE, g % RUN, mask)
+    return read_int8(quants + j, mask), d, tl.zeros_like(d)
 
 
 @triton.jit
@@ -179,6 +197,8 @@ def group_parts(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.cons
         parts = _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE)
     elif FORMAT == Q4_K or FORMAT == Q5_K:
         parts = _q4_q5_k(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE, WORDS)
+    elif FORMAT == Q8_0_G8:
+        parts = _q8_0_g8(w_ptr, row, g, j, mask, TYPE_SIZE)
     else:
         parts = _simple(w_ptr, row, g, j, mask, FORMAT, TYPE_SIZE)
     return parts

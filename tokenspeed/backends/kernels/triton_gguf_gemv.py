@@ -124,8 +124,8 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig:
-    """Four output rows a program where a format's quants are 16-byte aligned (Q4_K, Q5_K:
-    read 16 bytes a load), one elsewhere (narrower loads: the other formats' blocks are 2,
+    """Four output rows a program where a format's quants are 16-byte aligned (Q4_K, Q5_K,
+    Q8_0_G8: read 16 bytes a load), one elsewhere (narrower loads: the other formats' blocks are 2,
     4 or 8-byte aligned); K tiles of 1024 elements at one warp, or, where the programs
     are fewer than 32 an SM (the most an SM holds), tiles of 2048 at two warps, each
     program keeping more bytes in flight; no tile longer than a split's K. This is the
@@ -137,7 +137,7 @@ def choose_config(n: int, k: int, fmt: BlockFormat, sm_count: int) -> GemvConfig
     the 1B shape's down projection (block rows 1-8, tiles 512-4096, 1-4 warps, 1-8 splits;
     Q4_K 12.69 to 8.38 us, Q8_0 12.20 to 8.65; 2026-12-05). K is split where the rows
     alone leave SMs idle."""
-    block_n = 4 if fmt.qtype in (Q.Q4_K, Q.Q5_K) else 1
+    block_n = 4 if fmt.qtype in (Q.Q4_K, Q.Q5_K) or fmt.gathered else 1
     blocks = triton.cdiv(n, block_n)
     few = blocks < 32 * sm_count
     splits = 1 if blocks >= 2 * sm_count else min(4, triton.cdiv(2 * sm_count, blocks),

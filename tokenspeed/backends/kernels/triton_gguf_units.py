@@ -7,7 +7,7 @@ for each group it serves, and Q6_K's bytes two and four times through computed o
 A unit is instead a run of ``unit_width`` bytes read once, decoded into two *halves*,
 the elements of its bytes' low and high parts: a simple block's 16 bytes of nibbles (Q8_0:
 its 32 quants as two runs of 16), 32 bytes of a Q4_K / Q5_K block's nibbles (two
-sub-blocks), 16 of Q6_K's (elements 64 apart). Each
+sub-blocks), 16 of Q6_K's (elements 64 apart), a Q8_0_G8 block's 32 quants. Each
 half shares one scale, so a matrix-vector product sums a half's products before it
 scales them. On the H200 this alone took decoding the 1B shape from 4.07 to 2.12 ms a
 token in Q6_K and from 1.10 to 0.92 in Q4_K (PERFORMANCE.md, 2026-12-04).
@@ -19,7 +19,7 @@ import triton.language as tl
 from tokenspeed.backends.kernels.gguf_blocks import Q
 from tokenspeed.backends.kernels.triton_gguf_dequant import (
     K_QH, Q4_1, Q4_K_QS, Q5_0, Q5_1, Q5_K, Q5_K_QS, Q6_K, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0,
-    Q4_K, k_scale_min, read_byte, read_half, read_int8, read_short)
+    Q8_0_G8, RUN, Q4_K, gathered_run, k_scale_min, read_byte, read_half, read_int8, read_short)
 
 
 @triton.jit
@@ -44,6 +44,14 @@ def _simple_halves(base, t, mask, FORMAT: tl.constexpr):
         return (lo.to(tl.float32), d, m), (hi.to(tl.float32), d, m)
     bias: tl.constexpr = 16 if five else 8
     return ((lo - bias).to(tl.float32), d, zero), ((hi - bias).to(tl.float32), d, zero)
+
+
+@triton.jit
+def _gathered_halves(base, b, t, mask):
+    """Q8_0_G8: block ``b`` of the run at ``base``, its quants ``t`` and ``16 + t``."""
+    d, quants = gathered_run(base, b, mask)
+    zero = tl.zeros_like(d)
+    return (read_int8(quants + t, mask), d, zero), (read_int8(quants + 16 + t, mask), d, zero)
 
 
 @triton.jit
@@ -95,6 +103,8 @@ def unit_halves(w_ptr, row, u, t, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.cons
         halves = _q6_k_halves(w_ptr + row + (u // 8) * TYPE_SIZE, (u // 4) % 2, u % 4, t, mask)
     elif FORMAT == Q4_K or FORMAT == Q5_K:
         halves = _k_halves(w_ptr + row + (u // 4) * TYPE_SIZE, u % 4, t, mask, FORMAT)
+    elif FORMAT == Q8_0_G8:
+        halves = _gathered_halves(w_ptr + row + (u // RUN) * TYPE_SIZE, u % RUN, t, mask)
     else:
         halves = _simple_halves(w_ptr + row + u * TYPE_SIZE, t, mask, FORMAT)
     return halves
