@@ -337,7 +337,7 @@ def check(fmt):
                                  BLOCK_K=one_row.block_k, WIDTH=d.unit_width(fmt), GAP=d.unit_gap(fmt),
                                  **common), one_row.num_warps)
         assert "griddepcontrol.wait" in gemv.asm["ptx"]
-        if fmt.name in ("Q4_K", "Q5_K"):  # 16-byte aligned nibbles: read 16 bytes a load
+        if fmt.name in ("Q4_K", "Q5_K", "Q8_0_G8"):  # 16-byte aligned quants: read 16 bytes a load
             assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
     for rows in (16, 128, 2048):  # the tiles of a decode batch, a small batch, a prefill
         c = m.choose_config(rows, 2048, 8192, fmt, 132)

@@ -9,9 +9,9 @@ tokenizer's: the ids past it are empty tokens, which no mask allows.
 A schema's requests get copies of kept matchers (``GrammarMatcher.copy``): no compile on the
 engine's thread once they are made, and lexers whose states the schema's requests reuse. A
 lexer computes one mask at a time, so a schema keeps up to one per mask-filling thread
-(``default_threads``) and gives each request the least busy: a batch's rows of one schema then
-fill in parallel, and requests one at a time all use the first lexer, whose states are warm. A lexer only grows, so after ``COPIES_PER_LEXER`` requests the next
-ones start a fresh one.
+(``default_threads``) and gives each request the least busy: a batch's rows of one schema
+then fill in parallel, and requests one at a time all use the first lexer, whose states are
+warm. A lexer only grows, so after ``COPIES_PER_LEXER`` requests it is replaced.
 """
 
 import threading
