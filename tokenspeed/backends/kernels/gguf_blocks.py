@@ -118,4 +118,3 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
     return k, n
-
