@@ -12,9 +12,9 @@ fp16 scales gathered ahead of their 256 quants (272 bytes, the same as eight blo
 Q8_0 block is 34 bytes, so its quants sit at every alignment and a GPU reads them a byte
 or two a load; gathered, each block's 32 quants are 16-byte aligned (rows of whole runs,
 K a multiple of 256), read 16 bytes a load. Every bit of every block is kept:
-``gather_scales`` and ``scatter_scales`` move bytes only. On the H100 the 1B shape's
-one-row products took 0.525 ms a token this way against 0.757 in the file's blocks
-(docs/PERFORMANCE.md, forty-eighth session).
+``gather_scales`` and ``scatter_scales`` move bytes only. On an H100, a scratch GEMV over
+aligned quants took the 1B shape's one-row products from the file's blocks' 0.757 ms a
+token to 0.525 (docs/PERFORMANCE.md, forty-eighth session).
 """
 
 import attrs
