@@ -165,7 +165,7 @@ def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
     assert head.splits == 1 and head.block_n == 128, head  # a vocabulary's columns fill the GPU alone
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q4_K", "Q6_K", GATHERED])
 def test_gemv_computes_its_normed_input(name):
     """As ``triton_gemv`` does for bf16 weights: rms_norm(x + residual) * norm weight (its
     sum written once), as the unfused ops compute it."""
@@ -188,7 +188,7 @@ def test_gemv_computes_its_normed_input(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", GATHERED])
 def test_16_bit_inputs(name, dtype):
     """The interpreter's bf16 ``tl.dot`` is wrong (the products of bf16 tiles it loads
     itself come out ~1e10), so bf16 reaches the tensor-core kernel only on a GPU."""
