@@ -67,3 +67,8 @@ def test_a_schema_s_requests_take_the_least_busy_of_its_lexers(grammars, monkeyp
     assert alone[1] not in lexer   # so it was renewed for the next
     cat = grammars.tokenizer.encode("cat", add_special_tokens=False)
     assert dealt.matchers(spec, 1)[0].valid_prefix(cat) == len(cat)
+
+
+def test_a_schema_needs_a_lexer(grammars):
+    with pytest.raises(ValueError, match="lexers=0: a schema needs at least one lexer"):
+        Grammars(grammars.tokenizer, grammars.vocab_size, lexers=0)

@@ -228,7 +228,7 @@ def test_layouts_are_the_gguf_packages():
 
 
 @FEW
-@given(rows=st.integers(1, 5), runs=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(rows=st.integers(0, 5), runs=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_gathered_q8_0_holds_every_byte_of_its_blocks(rows, runs, seed):
     """Q8_0_G8 moves bytes only: its rows scatter back to the Q8_0 rows, each run starts
     with its eight blocks' scales, and each block's 32 quants follow at 16-byte offsets."""

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
+from tokenspeed.api.prompts import Prompt
 from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.masked_draws import MaskedDraws
@@ -156,6 +157,19 @@ def test_preempted_constrained_requests_recompute_to_the_same_tokens(llm):
     pressed = tight.generate([PROMPT] * len(params), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in pressed] == [o.outputs[0].token_ids for o in roomy]
     assert preempted, "no request was preempted"
+
+
+def test_a_finished_request_still_held_leaves_its_lexer_idle(llm):
+    """A finished request whose answer is unread holds no matcher: the schema's lexers count
+    it idle, so the next request takes the first, warm lexer, not a fresh one."""
+    spec = ts.StructuredOutputs(choice=CHOICE)
+    prompt = Prompt(tuple(llm.tokenizer.encode(PROMPT)), PROMPT)
+    held = [r for group in llm.add([prompt] * 2, [constrained(spec, 7)] * 2) for r in group]
+    while not all(r.finished for r in held):
+        llm.step()
+    assert all(r.constraint.matcher is None for r in held)
+    assert not any(lexer.live for lexer in llm.engine.grammars._kept[spec].kept)
+    llm.release(held)
 
 
 def test_each_of_n_completions_holds_its_constraint(llm):

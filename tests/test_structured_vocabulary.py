@@ -77,8 +77,32 @@ def test_a_vocabulary_read_differently_is_fed_from_python_and_said(monkeypatch, 
     python = PythonCalls(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=vocabulary.__name__):
         guide = guidance_tokenizer(tokenizer)
-    assert f"llguidance reads token {token} of this vocabulary as b'yes', tokenspeed as b'no'" in caplog.text
+    assert f"llguidance reads token {token} of this vocabulary as b'yes' (special: False), tokenspeed as b'no'" in caplog.text
     assert guide.decode_bytes([token]) == b"no"
     python.count = 0
     walk_masks(tiny, guide)
     assert python.count > 0
+
+
+def metaspace_tokenizer():
+    """A Unigram vocabulary with byte fallback behind a lone ``Metaspace`` decoder (the
+    T5 / Mistral style), which llguidance's own reader does not know."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+    from tokenspeed.tokenizer.special_tokens import SpecialTokens
+    from tokenspeed.tokenizer.tokenizer import Tokenizer
+    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), *((f"<0x{b:02X}>", 0.0) for b in range(256)),
+              ("▁", -1.0), ("▁cat", -2.0), ("▁dog", -2.0), *((c, -3.0) for c in "acdgot{}\"")]
+    backend = Backend(models.Unigram(pieces, unk_id=0, byte_fallback=True))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return Tokenizer(backend, SpecialTokens(bos_token="<s>", eos_token="</s>", bos_token_id=1, eos_token_ids=(2,)))
+
+
+def test_a_vocabulary_llguidance_cannot_read_is_fed_from_python_and_said(monkeypatch, caplog):
+    tokenizer = metaspace_tokenizer()
+    with caplog.at_level(logging.WARNING, logger=vocabulary.__name__):
+        guide = guidance_tokenizer(tokenizer, tokenizer.vocab_size + 3)
+    assert "llguidance cannot read this tokenizer itself" in caplog.text and guide.vocab_size == tokenizer.vocab_size + 3
+    matcher = GrammarMatcher(compile_grammar(StructuredOutputs(choice=["cat", "dog"]), guide), guide)
+    pieces = [tokenizer.backend.token_to_id(c) for c in "cato"]
+    assert matcher.valid_prefix(pieces[:3]) == 3 and matcher.valid_prefix(pieces[3:]) == 0

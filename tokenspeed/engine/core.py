@@ -133,7 +133,9 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         request.status, request.num_unread = RequestStatus.FINISHED, 0
         request.stats.finish_time = time.time()
         self.num_finished += 1
-        self._num_constrained -= request.constraint is not None
+        if request.constraint is not None:
+            self._num_constrained -= 1
+            request.constraint.release()
         self.scheduler.finish(request)
         self.backoff.release(request.id)
         if self.drafter is not None:

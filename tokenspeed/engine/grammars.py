@@ -71,8 +71,10 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, lexers: int | None = None):
         """``tokenizer``: the model's (``structured.vocabulary.Tokenizer``); ``vocab_size``:
         the model's logits' width; ``lexers``: a schema's at most (``default_threads``)."""
+        if lexers is not None and lexers < 1:
+            raise ValueError(f"lexers={lexers}: a schema needs at least one lexer")
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.lexers = lexers or default_threads()
+        self.lexers = default_threads() if lexers is None else lexers
         self._guide = None
         self._lock = threading.Lock()   # callers check requests on their own threads
         self._kept: dict[StructuredOutputs, KeptGrammar] = {}   # in use order, the newest last
@@ -101,9 +103,12 @@ class Grammars:
         guide = self.guide
         with self._lock:
             kept = self._kept.pop(spec, None)
-        kept = kept or KeptGrammar(compile_grammar(spec, guide), self.lexers)
+            if kept is not None:
+                self._kept[spec] = kept   # the newest last
+                return kept
+        compiled = KeptGrammar(compile_grammar(spec, guide), self.lexers)   # outside the lock: milliseconds
         with self._lock:
-            self._kept[spec] = kept
+            kept = self._kept.setdefault(spec, compiled)   # another thread's, if it compiled it first
             if len(self._kept) > KEPT_GRAMMARS:
                 del self._kept[next(iter(self._kept))]
         return kept

@@ -68,7 +68,7 @@ def _runs(blocks: torch.Tensor, name: str) -> torch.Tensor:
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % run_bytes:
         raise ValueError(f"{name} rows to regather must be uint8 [N, row_bytes] of whole runs of "
                          f"{run_bytes} bytes; got {blocks.dtype} {tuple(blocks.shape)}")
-    return blocks.contiguous().view(blocks.shape[0], -1, GATHERED_RUN, Q8_0_BLOCK_BYTES)
+    return blocks.contiguous().view(blocks.shape[0], blocks.shape[1] // run_bytes, GATHERED_RUN, Q8_0_BLOCK_BYTES)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

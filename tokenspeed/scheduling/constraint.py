@@ -23,6 +23,11 @@ class Constraint:
         if self.matcher is not None:
             self.matcher.accept(token)
 
+    def release(self) -> None:
+        """The request has ended: its matcher goes, so that its schema's lexer counts it idle
+        (``engine.grammars``) while the request itself is still held (its answer unread)."""
+        self.matcher = None
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and takes nothing more: the request stops (as vLLM stops it)."""

@@ -8,7 +8,9 @@ token's byte, so a Hugging Face directory and a GGUF file, whose backends are bu
 differently, give the same trie) and with its special tokens: then it tokenizes in native
 code and a mask never takes the GIL, so llguidance's workers fill rows of different lexers
 truly in parallel (with a Python encoder they queued on the GIL: eight lexers filled 32 rows
-no faster than one, docs/PERFORMANCE.md's forty-eighth session). Where the readings differ,
+no faster than one, docs/PERFORMANCE.md's forty-eighth session). Where the readings differ
+(llguidance marks every added token special: a vocabulary with plain added tokens, such as
+Qwen's ``<think>``, differs) or llguidance cannot read the JSON (a decoder it does not know),
 llguidance is given the bytes and a Python encoder, and one log line says so.
 Special tokens are marked as such: a grammar names them (``<|im_end|>``) and text never
 spells them.
@@ -68,17 +70,32 @@ def guidance_tokenizer(tokenizer: Tokenizer, vocab_size: int | None = None) -> l
                          f"{tokenizer.vocab_size} tokens")
     if not tokenizer.eos_token_ids:
         raise ValueError("the tokenizer declares no EOS token; a grammar needs one to end on")
-    native = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=size, eos_token=list(tokenizer.eos_token_ids))
-    if _reads_as_tokenspeed(native, tokenizer):
+    native = _native(tokenizer, size)
+    if native is not None and _reads_as_tokenspeed(native, tokenizer):
         return native
     wrapped = _wrapped(tokenizer, size)
+    if native is None:
+        return wrapped
     differing = _first_difference(native, wrapped, tokenizer.vocab_size)
     if differing is None:
         return native
-    log.warning("llguidance reads token %d of this vocabulary as %r, tokenspeed as %r: masks tokenize "
-                "through Python and are filled more slowly", differing, native.decode_bytes([differing]),
-                wrapped.decode_bytes([differing]))
+    log.warning("llguidance reads token %d of this vocabulary as %r (special: %s), tokenspeed as %r "
+                "(special: %s): masks tokenize through Python and are filled more slowly", differing,
+                native.decode_bytes([differing]), native.is_special_token(differing),
+                wrapped.decode_bytes([differing]), wrapped.is_special_token(differing))
     return wrapped
+
+
+def _native(tokenizer: Tokenizer, size: int) -> llguidance.LLTokenizer | None:
+    """llguidance's own reading of the tokenizer's JSON; None, said in a log line, where it
+    cannot read it (a decoder it does not know, such as a lone Metaspace)."""
+    try:
+        return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=size,
+                                      eos_token=list(tokenizer.eos_token_ids))
+    except ValueError as exc:
+        log.warning("llguidance cannot read this tokenizer itself (%s): masks tokenize through Python "
+                    "and are filled more slowly", str(exc).splitlines()[0][:200])
+        return None
 
 
 def _wrapped(tokenizer: Tokenizer, size: int) -> llguidance.LLTokenizer:
