@@ -36,9 +36,9 @@ from sm90 import assert_compiles  # noqa: E402
 
 from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_gguf_dequant, triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
-from tokenspeed.ir.weights import Q8_0_BLOCK_BYTES  # noqa: E402
+from tokenspeed.ir.weights import Q8_0_BLOCK_BYTES, gather_scales, scatter_scales  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import (  # noqa: E402
-    GATHERED, SUPPORTED, block_format, gather_scales, scatter_scales)
+    GATHERED, SUPPORTED, block_format)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = [q.name for q in SUPPORTED] + [GATHERED]

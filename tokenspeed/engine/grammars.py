@@ -58,12 +58,12 @@ class KeptGrammar:
         dropped, so one shared for the engine's life would grow towards llguidance's limit."""
         least = min(self.kept, key=lambda lexer: len(lexer.live), default=None)
         if least is None or (least.live and len(self.kept) < self.lexers):
-            least = KeptLexer(GrammarMatcher(self.grammar, guide))
-            self.kept.append(least)
-        elif least.copies >= COPIES_PER_LEXER:
-            fresh = KeptLexer(GrammarMatcher(self.grammar, guide))
-            self.kept[self.kept.index(least)] = fresh
-            return fresh
+            self.kept.append(KeptLexer(GrammarMatcher(self.grammar, guide)))
+            return self.kept[-1]
+        if least.copies >= COPIES_PER_LEXER:
+            i = self.kept.index(least)
+            self.kept[i] = KeptLexer(GrammarMatcher(self.grammar, guide))
+            return self.kept[i]
         return least
 
 

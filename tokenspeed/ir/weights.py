@@ -23,6 +23,7 @@ DENSE = "dense"
 GATHERED = "Q8_0_G8"      # Q8_0 regathered on a GPU (backends/kernels/gguf_blocks.py)
 GATHERED_RUN = 8          # the Q8_0 blocks of a Q8_0_G8 run, their fp16 scales gathered first
 Q8_0_BLOCK_BYTES = 34     # an fp16 scale and 32 int8 quants (gguf's GGML_QUANT_SIZES; tested)
+GATHERED_RUN_BYTES = GATHERED_RUN * Q8_0_BLOCK_BYTES
 BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", GATHERED)
 FP8 = "fp8_e4m3"
 INT4 = "int4_g32"
@@ -64,11 +65,11 @@ def scatter_scales(blocks: torch.Tensor) -> torch.Tensor:
 
 def _runs(blocks: torch.Tensor, name: str) -> torch.Tensor:
     """``[N, runs, 8, 34]`` (gathered: the same bytes, read in that shape)."""
-    run_bytes = GATHERED_RUN * Q8_0_BLOCK_BYTES
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % run_bytes:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % GATHERED_RUN_BYTES:
         raise ValueError(f"{name} rows to regather must be uint8 [N, row_bytes] of whole runs of "
-                         f"{run_bytes} bytes; got {blocks.dtype} {tuple(blocks.shape)}")
-    return blocks.contiguous().view(blocks.shape[0], blocks.shape[1] // run_bytes, GATHERED_RUN, Q8_0_BLOCK_BYTES)
+                         f"{GATHERED_RUN_BYTES} bytes; got {blocks.dtype} {tuple(blocks.shape)}")
+    return blocks.contiguous().view(blocks.shape[0], blocks.shape[1] // GATHERED_RUN_BYTES, GATHERED_RUN,
+                                    Q8_0_BLOCK_BYTES)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

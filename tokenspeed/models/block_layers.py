@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenspeed.ir import ops
-from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, GATHERED_RUN, Q8_0_BLOCK_BYTES, gather_scales
+from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, GATHERED_RUN_BYTES, gather_scales
 
 
 def _blocks(rows: int, row_bytes: int) -> nn.Parameter:
@@ -89,9 +89,9 @@ def gather_q8_0_scales(model: nn.Module) -> nn.Module:
     """``model`` (on a GPU) with every Q8_0 block layer whose rows are whole runs of eight
     blocks regathered in place as Q8_0_G8 (``gguf_blocks``: each block's quants 16-byte
     aligned, the same bytes); a tied head and its table, one tensor, are regathered once."""
-    run_bytes, done = GATHERED_RUN * Q8_0_BLOCK_BYTES, set()
+    done = set()
     for module in model.modules():
-        if getattr(module, "weight_format", None) == "Q8_0" and module.weight.shape[1] % run_bytes == 0:
+        if getattr(module, "weight_format", None) == "Q8_0" and module.weight.shape[1] % GATHERED_RUN_BYTES == 0:
             if id(module.weight) not in done:
                 module.weight.data = gather_scales(module.weight.data)
                 done.add(id(module.weight))

@@ -93,11 +93,11 @@ def _check_dtype_argument(dtype) -> None:
 
 
 def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM:
-    """On a GPU, Q8_0 blocks are regathered so that their quants are read 16 bytes a load."""
+    """On a GPU, kept Q8_0 blocks are regathered so that their quants are read 16 bytes a load."""
     checkpoint = gguf_file.open_gguf(path, reader)
     model, kept = _with_block_layers(checkpoint, quantized)
     model = _filled(_allocated(model, dtype or run_dtype(checkpoint.dtype, device), device), checkpoint, path, kept)
-    return gather_q8_0_scales(model) if torch.device(device).type == "cuda" else model
+    return gather_q8_0_scales(model) if quantized and torch.device(device).type == "cuda" else model
 
 
 def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:

@@ -21,7 +21,7 @@ import attrs
 import torch
 from gguf.constants import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
-from tokenspeed.ir.weights import GATHERED, GATHERED_RUN, gather_scales, scatter_scales  # noqa: F401 (re-exported)
+from tokenspeed.ir.weights import GATHERED, GATHERED_RUN
 
 Q = GGMLQuantizationType
 SIMPLE_FORMATS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
@@ -78,8 +78,8 @@ def block_format(qtype) -> BlockFormat:
     ``GATHERED``)."""
     if qtype == GATHERED:
         q8 = block_format(Q.Q8_0)
-        run = GATHERED_RUN
-        return BlockFormat(Q.Q8_0, run * q8.block_size, run * q8.type_size, q8.group_size, gathered=True)
+        return BlockFormat(Q.Q8_0, GATHERED_RUN * q8.block_size, GATHERED_RUN * q8.type_size, q8.group_size,
+                           gathered=True)
     try:
         qtype = Q[qtype] if isinstance(qtype, str) else Q(qtype)
     except (KeyError, ValueError):

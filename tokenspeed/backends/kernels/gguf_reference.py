@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from tokenspeed.backends.kernels import reference
-from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight, scatter_scales
+from tokenspeed.backends.kernels.gguf_blocks import BlockFormat, check_weight
+from tokenspeed.ir.weights import scatter_scales
 
 
 def dequantize(weight: torch.Tensor, fmt: BlockFormat, dtype=torch.float32) -> torch.Tensor:
