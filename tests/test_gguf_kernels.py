@@ -36,6 +36,7 @@ from sm90 import assert_compiles  # noqa: E402
 
 from tokenspeed.backends.kernels import gguf_reference, reference  # noqa: E402
 from tokenspeed.backends.kernels import triton_gguf_dequant, triton_gguf_embedding, triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
+from tokenspeed.backends.kernels import triton_gguf_wide  # noqa: E402
 from tokenspeed.ir.weights import Q8_0_BLOCK_BYTES, gather_scales, scatter_scales  # noqa: E402
 from tokenspeed.backends.kernels.gguf_blocks import (  # noqa: E402
     GATHERED, SUPPORTED, block_format)
@@ -83,6 +84,64 @@ def test_gemv_equals_the_dequantized_product(name):
         got = triton_gguf_gemv.gemv(x, weight, fmt, config=config)
         assert got.shape == (1, 37) and got.dtype == torch.float32
         assert_within(got, x, weight, fmt)
+
+
+WIDE = ["Q4_K", GATHERED]
+
+
+@pytest.mark.parametrize("name", WIDE)
+def test_wide_gemv_equals_the_dequantized_product(name):
+    """Rows not a multiple of a program's, K of three blocks in tiles of two and four (the
+    last tile part empty), of one, and the chosen tiles; a bias; 16-bit inputs."""
+    fmt = block_format(name)
+    weight, bias = quantized(name, 37, 3 * 256, seed=4), torch.randn(37).to(DEVICE)
+    x = torch.randn(1, 3 * 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for config in (None, triton_gguf_wide.WideConfig(4, 2, 1, 1), triton_gguf_wide.WideConfig(8, 4, 2, 2),
+                   triton_gguf_wide.WideConfig(2, 1, 1, 1)):
+        got = triton_gguf_wide.gemv(x, weight, fmt, bias, config=config)
+        assert got.shape == (1, 37) and got.dtype == torch.float32
+        assert_within(got, x, weight, fmt, bias)
+    half = triton_gguf_wide.gemv(x.bfloat16(), weight, fmt)
+    assert half.dtype == torch.bfloat16
+    assert_within(half.float(), x.bfloat16().float(), weight, fmt, relative=2e-2)
+
+
+@pytest.mark.parametrize("name", WIDE + ["Q8_0", "Q6_K"])
+def test_one_row_of_a_wide_weight_goes_to_the_wide_gemv(name, monkeypatch):
+    """From ``WIDE_ROWS`` rows (here made 16) a Q4_K or Q8_0_G8 weight's one-row product is
+    the wide kernel's; a narrower one, or another format, the unit GEMV's."""
+    monkeypatch.setattr(triton_gguf_wide, "WIDE_ROWS", 16)
+    called = []
+    monkeypatch.setattr(triton_gguf_wide, "_wide_kernel", _Recorded(triton_gguf_wide._wide_kernel, called))
+    fmt = block_format(name)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for rows in (15, 16):
+        weight = quantized(name, rows, 256, seed=rows)
+        assert_within(triton_gguf_gemv.gemv(x, weight, fmt), x, weight, fmt)
+    assert len(called) == (1 if name in WIDE else 0)
+
+
+class _Recorded:
+    """A kernel whose launches are counted."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
+def test_the_wide_gemv_refuses_what_it_cannot_read():
+    q4k, weight = block_format("Q4_K"), quantized("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="one row of a Q4_K or Q8_0_G8 weight; got 2 rows of Q4_K"):
+        triton_gguf_wide.gemv(torch.zeros(2, 256, device=DEVICE), weight, q4k)
+    with pytest.raises(ValueError, match="one row of a Q4_K or Q8_0_G8 weight; got 1 rows of Q8_0"):
+        triton_gguf_wide.gemv(torch.zeros(1, 256, device=DEVICE), quantized("Q8_0", 4, 256), block_format("Q8_0"))
+    shifted = torch.zeros(4 * 144 + 2, dtype=torch.uint8, device=DEVICE)[2:].view(4, 144)
+    with pytest.raises(ValueError, match="rows must start 16-byte aligned; got address"):
+        triton_gguf_wide.gemv(torch.zeros(1, 256, device=DEVICE), shifted, q4k)
+    assert not triton_gguf_wide.serves(shifted[:1].expand(1 << 14, 144), q4k)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -322,7 +381,7 @@ import re, sys
 import triton
 from sm90 import compile_sm90
 from tokenspeed.backends.kernels import triton_gguf_embedding as e, triton_gguf_gemv as v, triton_gguf_matmul as m
-from tokenspeed.backends.kernels import triton_gguf_units as d
+from tokenspeed.backends.kernels import triton_gguf_units as d, triton_gguf_wide as w
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 
 def check(fmt):
@@ -349,6 +408,19 @@ def check(fmt):
         assert "mma" in mm.asm["ptx"], "tensor cores"
         if fmt.name in ("Q4_K", "Q5_K"):  # the block's head read as words, so every load is pipelined
             assert "ld.global.b8" not in mm.asm["ptx"] and "cp.async" in mm.asm["ptx"]
+        if fmt.name == "Q8_0_G8":  # a tile's quants one aligned span a row
+            assert re.search(r"cp\.async\.c[ag]\.shared\.global.*0x10|ld\.global(\.\w+)*\.v4", mm.asm["ptx"]), \
+                sorted(set(re.findall(r"(?:ld\.global|cp\.async)[.\w]*", mm.asm["ptx"])))
+    if fmt.name in ("Q4_K", "Q8_0_G8"):
+        for rows in (16384, 128256):  # a gate/up, a head
+            c = w.choose_config(rows, 2048, fmt)
+            wide = compile_sm90(w._wide_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
+                                N="i32", K="i32", stride_wn="i32"),
+                                dict(HAS_BIAS=False, SPAN=256 if fmt.gathered else 128, BLOCK_N=c.block_n,
+                                     BLOCKS=c.blocks, **common), c.num_warps, c.num_stages)
+            ptx = wide.asm["ptx"]
+            assert "griddepcontrol.wait" in ptx and re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), \
+                sorted(set(re.findall(r"ld\.global[.\w]*", ptx)))
     emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
                        stride_wn="i32", stride_out="i32"),
                        dict(GROUPS=1024 // fmt.group_size, WORDS=fmt.name in ("Q4_K", "Q5_K"), **group))

@@ -12,9 +12,10 @@ fp16 scales gathered ahead of their 256 quants (272 bytes, the same as eight blo
 Q8_0 block is 34 bytes, so its quants sit at every alignment and a GPU reads them a byte
 or two a load; gathered, each block's 32 quants are 16-byte aligned (rows of whole runs,
 K a multiple of 256), read 16 bytes a load. Every bit of every block is kept:
-``gather_scales`` and ``scatter_scales`` move bytes only. On an H100, a scratch GEMV over
-aligned quants took the 1B shape's one-row products from the file's blocks' 0.757 ms a
-token to 0.525 (docs/PERFORMANCE.md, forty-eighth session).
+``gather_scales`` and ``scatter_scales`` move bytes only. A GPU's loader regathers wide
+Q8_0 weights only (``ir.weights.WIDE_ROWS`` rows: a gate/up, a head), whose one-row
+products ``triton_gguf_wide`` reads; on an H100 the file's blocks stayed faster for the
+narrower ones, through the unit GEMV's K splits (docs/PERFORMANCE.md, forty-ninth session).
 """
 
 import attrs

@@ -14,7 +14,7 @@ weight, computed as it is read; every program computes the whole input, so the e
 fuses it only for weights of few rows (``cuda.norm_linear``), and runs silu(gate) * up
 as its own kernel (a fused activation cost more than it saved: ``cuda.gated_linear``).
 Several rows go to ``triton_gguf_matmul`` (tensor cores, the weight still read once for
-up to 64 rows).
+up to 64 rows); one row of a wide Q4_K or Q8_0_G8 weight to ``triton_gguf_wide``.
 """
 
 import attrs
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv
+from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv, triton_gguf_wide
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear, check_weight
 from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
@@ -158,6 +158,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
         raise ValueError(f"x must be [1, {k}] for a {fmt.name} weight of {k} columns; got "
                          f"{tuple(x.shape)}")
     check_linear(x, weight, fmt, bias)  # its dtype and the bias
+    if config is None and triton_gguf_wide.serves(weight, fmt):
+        return triton_gguf_wide.gemv(x, weight, fmt, bias)
     return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0))
 
 

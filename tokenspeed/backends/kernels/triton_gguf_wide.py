@@ -1,0 +1,153 @@
+"""Matrix-vector product of a wide GGUF weight (a gate/up projection, a vocabulary head)
+whose quants lie in 16-byte-aligned spans: Q4_K's 128 bytes of nibbles a block, a Q8_0_G8
+run's 256 quants (``gguf_blocks``).
+
+A wide weight has programs enough from its rows alone, so nothing here splits K, and the
+engine gives it a normed input (``cuda.GGUF_NORM_GEMV_MAX_N``), so nothing here norms it.
+A program reads a few rows by a tile of whole blocks as one 2-D load, a span per row and
+block, sums each 32-element group's products after a reshape, and scales the group once.
+The unit GEMV (``triton_gguf_gemv``) keeps ``[rows, units, lanes]`` tiles, whose
+per-unit scales and half-unit inputs cost a wide weight more than its bytes: on an H100 at
+the 1B shape (PERFORMANCE.md, 2026-12-06) this kernel took Q4_K's gate/up from 15.1 to
+13.3 us and its head from 99.4 to 86.6, Q8_0_G8's from 25.8 and 153.5 (Q8_0's 20.8 and
+155.4) to 14.5 and 95.4; at the narrower projections the unit GEMV's K splits won.
+"""
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed.backends.kernels import pdl
+from tokenspeed.backends.kernels.blocks import next_power_of_2
+from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
+from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_K, RUN, k_scale_min, read_half
+from tokenspeed.ir.weights import WIDE_ROWS
+
+ELEMENTS = 256                     # elements a block (Q4_K) or a run (Q8_0_G8) holds
+BLOCK = tl.constexpr(ELEMENTS)
+SPAN_OFFSET = tl.constexpr(16)     # both formats: a block's (a run's) quants start 16 bytes in
+
+
+@attrs.frozen
+class WideConfig:
+    """Output rows a program, blocks a K tile (a power of two), the launch's warps and
+    pipeline stages."""
+    block_n: int
+    blocks: int
+    num_warps: int
+    num_stages: int
+
+
+def serves(weight: torch.Tensor, fmt: BlockFormat) -> bool:
+    """Whether a one-row product of this weight (``uint8 [N, row_bytes]``) runs here."""
+    return (weight.shape[0] >= WIDE_ROWS and (fmt.qtype == Q.Q4_K or fmt.gathered)
+            and weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0)
+
+
+def choose_config(n: int, k: int, fmt: BlockFormat) -> WideConfig:
+    """The best of a sweep on an H100 at the 1B shape's gate/up (16,384 rows) and head
+    (128,256), twice (block rows 1-8, tiles of 1-8 blocks, 1-8 warps, 1-2 stages): Q4_K
+    four rows by tiles of eight blocks at one warp, a head eight rows by two blocks in two
+    stages; Q8_0_G8 two rows by four runs at two warps, a head eight rows."""
+    head = n >= 4 * WIDE_ROWS
+    if fmt.gathered:
+        config = WideConfig(8 if head else 2, 4, 2, 2)
+    else:
+        config = WideConfig(8, 2, 1, 2) if head else WideConfig(4, 8, 1, 1)
+    return attrs.evolve(config, blocks=min(config.blocks, next_power_of_2(k // ELEMENTS)))
+
+
+@triton.jit
+def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    """A tile's products, ``[BLOCK_N, 4 * BLOCKS]``: byte ``t`` of a block's 32-byte chunk
+    ``c`` holds elements ``64c + t`` (low nibble, sub-block ``2c``) and ``64c + 32 + t``."""
+    UNITS: tl.constexpr = 4 * BLOCKS
+    j = tl.arange(0, UNITS * 32)
+    u = j // 32
+    elements = k0 + (u // 4) * BLOCK + (u % 4) * 64 + j % 32
+    x_lo = tl.load(x_ptr + elements, mask=kmask, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_ptr + elements + 32, mask=kmask, other=0.0).to(tl.float32)
+    q = q.to(tl.int32)
+    lo = tl.sum(tl.reshape((q & 15).to(tl.float32) * x_lo[None, :], [BLOCK_N, UNITS, 32]), 2)
+    hi = tl.sum(tl.reshape((q >> 4).to(tl.float32) * x_hi[None, :], [BLOCK_N, UNITS, 32]), 2)
+    sum_lo = tl.sum(tl.reshape(x_lo, [UNITS, 32]), 1)[None, :]
+    sum_hi = tl.sum(tl.reshape(x_hi, [UNITS, 32]), 1)[None, :]
+    even = (2 * (tl.arange(0, UNITS) % 4))[None, :]
+    scale_lo, least_lo = k_scale_min(heads, even, hmask)
+    scale_hi, least_hi = k_scale_min(heads, even + 1, hmask)
+    d, dmin = read_half(heads, hmask), read_half(heads + 2, hmask)
+    return d * (scale_lo * lo + scale_hi * hi) - dmin * (least_lo * sum_lo + least_hi * sum_hi)
+
+
+@triton.jit
+def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr,
+                   BLOCKS: tl.constexpr):
+    """A tile's products, ``[BLOCK_N, 8 * BLOCKS]``: a run's quants are its elements in
+    order, its eight fp16 scales first."""
+    x = tl.load(x_ptr + k0 + tl.arange(0, BLOCKS * BLOCK), mask=kmask, other=0.0).to(tl.float32)
+    dots = tl.sum(tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :],
+                             [BLOCK_N, RUN * BLOCKS, 32]), 2)
+    return dots * read_half(heads, hmask)
+
+
+@triton.jit
+def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, FORMAT: tl.constexpr,
+                 TYPE_SIZE: tl.constexpr, SPAN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Each tile's quants are loaded during the tile before (the first before the wait for
+    the kernel that writes x); ``SPAN``: a block's bytes of quants."""
+    pdl.start(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    span = tl.arange(0, BLOCKS * SPAN)
+    quants = rows + ((span // SPAN) * TYPE_SIZE + SPAN_OFFSET + span % SPAN)[None, :]
+    PER_BLOCK: tl.constexpr = 4 if FORMAT == Q4_K else RUN
+    g = tl.arange(0, BLOCKS * PER_BLOCK)
+    if FORMAT == Q4_K:
+        heads = rows + ((g // 4) * TYPE_SIZE)[None, :]
+    else:
+        heads = rows + ((g // RUN) * TYPE_SIZE + 2 * (g % RUN))[None, :]
+    blocks = K // BLOCK
+    kmask = span // SPAN < blocks
+    q = tl.load(quants, mask=nmask[:, None] & kmask[None, :], other=0)
+    pdl.wait(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCKS * PER_BLOCK], tl.float32)
+    for b0 in range(0, blocks, BLOCKS):
+        hmask = nmask[:, None] & (b0 + g // PER_BLOCK < blocks)[None, :]
+        if FORMAT == Q4_K:
+            acc += _q4_k_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+        else:
+            acc += _gathered_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+        quants += BLOCKS * TYPE_SIZE
+        heads += BLOCKS * TYPE_SIZE
+        kmask = b0 + BLOCKS + span // SPAN < blocks
+        q = tl.load(quants, mask=nmask[:, None] & kmask[None, :], other=0)
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor = None,
+         config: WideConfig | None = None) -> torch.Tensor:
+    """``x [1, K] @ dequantize(weight).T (+ bias)`` as ``[1, N]`` in x's dtype, fp32
+    accumulation; ``weight`` ``uint8 [N, row_bytes]`` in Q4_K or Q8_0_G8, K whole blocks."""
+    k, n = check_linear(x, weight, fmt, bias)
+    if x.shape[0] != 1 or not (fmt.qtype == Q.Q4_K or fmt.gathered):
+        raise ValueError(f"the wide GEMV takes one row of a Q4_K or Q8_0_G8 weight; got "
+                         f"{x.shape[0]} rows of {fmt.name}")
+    if weight.data_ptr() % 16 or weight.stride(0) % 16:
+        raise ValueError(f"the wide GEMV reads 16-byte spans: the rows must start 16-byte aligned; "
+                         f"got address {weight.data_ptr():#x} and row stride {weight.stride(0)}")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return out
+    c = config or choose_config(n, k, fmt)
+    _wide_kernel[(triton.cdiv(n, c.block_n),)](
+        x.contiguous(), weight, bias if bias is not None else x, out, n, k, weight.stride(0),
+        FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, SPAN=ELEMENTS if fmt.gathered else ELEMENTS // 2,
+        HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCKS=c.blocks, num_warps=c.num_warps,
+        num_stages=c.num_stages, **pdl.launch_options(x.device))
+    return out
