@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenspeed.ir import ops
-from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, GATHERED_RUN_BYTES, WIDE_ROWS, gather_scales
+from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, GATHERED_MIN_ROWS, GATHERED_RUN_BYTES, gather_scales
 
 
 def _blocks(rows: int, row_bytes: int) -> nn.Parameter:
@@ -85,12 +85,13 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight_format}"
 
 
-def gather_q8_0_scales(model: nn.Module, min_rows: int = WIDE_ROWS) -> nn.Module:
-    """``model`` (on a GPU) with every Q8_0 block layer of at least ``min_rows`` rows, each
-    whole runs of eight blocks, regathered in place as Q8_0_G8 (``gguf_blocks``: each
-    block's quants 16-byte aligned, the same bytes); a tied head and its table, one tensor,
-    are regathered once. Narrower layers keep the file's blocks: there the unit GEMV's K
-    splits and the tensor-core matmul read Q8_0 faster (PERFORMANCE.md, 2026-12-06)."""
+def gather_q8_0_scales(model: nn.Module, min_rows: int = GATHERED_MIN_ROWS) -> nn.Module:
+    """``model`` (on a GPU) with every Q8_0 block layer of at least ``min_rows`` rows (a
+    vocabulary head and table), each whole runs of eight blocks, regathered in place as
+    Q8_0_G8 (``gguf_blocks``: each block's quants 16-byte aligned, the same bytes); a tied
+    head and its table, one tensor, are regathered once. Narrower layers keep the file's
+    blocks: a decode batch's tensor-core matmul read them faster (PERFORMANCE.md,
+    2026-12-06, forty-ninth session)."""
     done = set()
     for module in model.modules():
         if (getattr(module, "weight_format", None) == "Q8_0" and module.weight.shape[0] >= min_rows

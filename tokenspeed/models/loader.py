@@ -93,7 +93,7 @@ def _check_dtype_argument(dtype) -> None:
 
 
 def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM:
-    """On a GPU, kept Q8_0 blocks of wide weights are regathered: their quants read 16 bytes a load."""
+    """On a GPU, a kept Q8_0 head is regathered: its quants read 16 bytes a load."""
     checkpoint = gguf_file.open_gguf(path, reader)
     model, kept = _with_block_layers(checkpoint, quantized)
     model = _filled(_allocated(model, dtype or run_dtype(checkpoint.dtype, device), device), checkpoint, path, kept)

@@ -107,25 +107,6 @@ def _q8_0_g8(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def gathered_tile(w_ptr, n, nmask, k0, k_hi, stride_wn, TYPE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Q8_0_G8: fp32 ``[BLOCK_N, BLOCK_K]`` of rows ``n`` from element ``k0`` (past ``k_hi``
-    zeros), a tile inside one run (``BLOCK_K`` divides 256, ``k0`` a multiple of it): a
-    row's quants one 16-byte-aligned span, its scales one span of fp16s. Read as groups
-    (``_q8_0_g8``), the tensor-core matmul took 1.3x Q8_0's time at 32 rows (H100)."""
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    RUN_K: tl.constexpr = 256            # a run's elements (a literal: k0 may be a Python int)
-    run = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k0 // RUN_K) * TYPE_SIZE
-    first = k0 % RUN_K
-    kk = tl.arange(0, BLOCK_K)
-    q = tl.load(run + (first + 2 * RUN) + kk[None, :], mask=nmask[:, None] & (k0 + kk < k_hi)[None, :],
-                other=0)
-    d = read_half(run + 2 * (first // 32 + tl.arange(0, GROUPS))[None, :], nmask[:, None])
-    values = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32), [BLOCK_N, GROUPS, 32]) * d[:, :, None]
-    return tl.reshape(values, [BLOCK_N, BLOCK_K])
-
-
-@triton.jit
 def _six_bits(a, b, c, s):
     """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min from bytes ``s % 4`` (``a``),
     ``4 + s % 4`` (``b``) and ``8 + s % 4`` (``c``) of the 12, as fp32."""

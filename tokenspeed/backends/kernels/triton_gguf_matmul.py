@@ -23,8 +23,7 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import (Q8_0_G8, gathered_tile, reads_words,
-                                                             weight_tile)
+from tokenspeed.backends.kernels.triton_gguf_dequant import reads_words, weight_tile
 
 SKINNY_M = 64
 
@@ -74,11 +73,8 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     pdl.wait(USE_PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
-        if FORMAT == Q8_0_G8:
-            w = gathered_tile(w_ptr, n, nmask, k0, k_hi, stride_wn, TYPE_SIZE, BLOCK_N, BLOCK_K)
-        else:
-            w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                            TYPE_SIZE, BLOCK_N, GROUPS, GROUP, WORDS)
+        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP, WORDS)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
@@ -157,9 +153,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     if m == 0 or n == 0:
         return out
     c = config or choose_config(m, n, k, fmt, triton_attention.sm_count(x.device))
-    if fmt.gathered and fmt.block_size % (c.groups * fmt.group_size):
-        raise ValueError(f"a {fmt.name} K tile must lie inside a run of {fmt.block_size}: "
-                         f"groups={c.groups} makes it {c.groups * fmt.group_size}")
     k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)

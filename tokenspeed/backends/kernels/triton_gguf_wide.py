@@ -10,7 +10,8 @@ The unit GEMV (``triton_gguf_gemv``) keeps ``[rows, units, lanes]`` tiles, whose
 per-unit scales and half-unit inputs cost a wide weight more than its bytes: on an H100 at
 the 1B shape (PERFORMANCE.md, 2026-12-06) this kernel took Q4_K's gate/up from 15.1 to
 13.3 us and its head from 99.4 to 86.6, Q8_0_G8's from 25.8 and 153.5 (Q8_0's 20.8 and
-155.4) to 14.5 and 95.4; at the narrower projections the unit GEMV's K splits won.
+155.4) to 14.5 and 95.4; at the narrower projections the unit GEMV's K splits won. (A
+GPU's loader regathers only a Q8_0 head: ``ir.weights.GATHERED_MIN_ROWS``.)
 """
 
 import attrs
