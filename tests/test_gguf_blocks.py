@@ -19,9 +19,9 @@ from hypothesis import given, settings, strategies as st
 import tokenspeed as ts
 from tokenspeed.backends.kernels import cuda, reference
 from tokenspeed.backends.kernels.gguf_blocks import SUPPORTED
-from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, BlockWeight
+from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, BlockWeight, scatter_scales
 from tokenspeed.models import gguf as ts_gguf
-from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear, gather_q8_0_scales
+from tokenspeed.models.block_layers import BlockEmbedding, BlockLinear, gather_q8_0_head, gather_q8_0_scales
 from tokenspeed.models.gguf_writer import write, write_llama
 from tokenspeed.models.random import TINY_LLAMA, hf_state_dict
 
@@ -36,7 +36,7 @@ PROMPTS = make_prompts((5, 19), seed=5)
 
 
 GATHERABLE = {**TINY_LLAMA, "hidden_size": 256, "intermediate_size": 384}   # K 256 gathers, 384 does not
-WIDE_GATHERABLE = {**GATHERABLE, "vocab_size": 32768}   # a head of GATHERED_MIN_ROWS rows: the loader's
+WIDE_GATHERABLE = {**GATHERABLE, "vocab_size": 32768}   # a head of WIDE_ROWS rows or more: the loader's
 
 
 def decisive_file(qtype, tied: bool = False, config=TINY_LLAMA) -> str:
@@ -219,21 +219,33 @@ def test_greedy_tokens_equal_the_dequantized_models(qtype, tied, monkeypatch):
 
 
 def test_q8_0_regathered_gives_the_files_tokens(monkeypatch):
-    """A GPU's loader regathers Q8_0 layers of ``GATHERED_MIN_ROWS`` rows or more (none
-    here: all are narrower) whose rows are whole runs of eight blocks; with no least rows, every one
-    of K 256 (Q8_0_G8) but not the down projection's K 384; a tied head and its table stay
-    one tensor. Run here by the CPU's reference: the file's tokens."""
+    """Every Q8_0 layer whose rows are whole runs of eight blocks is regathered (K 256 here,
+    not the down projection's K 384); a tied head and its table stay one tensor. The GPU
+    loader's choice, a head of ``WIDE_ROWS`` rows or more, takes none of this model's. Run
+    here by the CPU's reference: the file's tokens."""
     path = decisive_file(Q.Q8_0, tied=True, config=GATHERABLE)
     margins = greedy_margins(monkeypatch)
     kept = generate(ts.models.load(path, quantized=True))
     assert_decisive(margins)
-    assert set(block_layers(gather_q8_0_scales(ts.models.load(path, quantized=True))).values()) == {"Q8_0"}
-    gathered = gather_q8_0_scales(ts.models.load(path, quantized=True), min_rows=0)
+    assert set(block_layers(gather_q8_0_head(ts.models.load(path, quantized=True))).values()) == {"Q8_0"}
+    gathered = gather_q8_0_scales(ts.models.load(path, quantized=True))
     formats = block_layers(gathered)
     assert {n for n, f in formats.items() if f == "Q8_0"} == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
     assert set(formats.values()) == {"Q8_0", GATHERED} and formats["lm_head"] == GATHERED
     assert gathered.lm_head.weight is gathered.model.embed_tokens.weight
     assert generate(gathered) == kept
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gpus_loader_regathers_a_wide_head_alone(tied):
+    """The head (and its table, when tied: one tensor), not the narrower layers; the bytes
+    are the file's, moved."""
+    path = decisive_file(Q.Q8_0, tied=tied, config=WIDE_GATHERABLE)
+    blocks = ts.models.load(path, quantized=True).lm_head.weight.detach().clone()
+    model = gather_q8_0_head(ts.models.load(path, quantized=True))
+    gathered = {n for n, f in block_layers(model).items() if f == GATHERED}
+    assert gathered == ({"lm_head", "model.embed_tokens"} if tied else {"lm_head"})
+    assert torch.equal(scatter_scales(model.lm_head.weight.detach()), blocks)
 
 
 def test_greedy_tokens_of_a_q4_k_file_equal_the_dequantized_models(monkeypatch):
@@ -307,7 +319,7 @@ def cuda_llm(model, **kw):
 def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, config, monkeypatch):
     """float32 activations on both sides; the quantized model runs its captured graphs (the
     GGUF GEMV at batch 1..4, the matmul in prefill), the dequantized one eagerly, its
-    margins checked. A Q8_0 file's head and table of ``GATHERED_MIN_ROWS`` rows run Q8_0_G8
+    margins checked. A Q8_0 file's head of ``WIDE_ROWS`` rows or more runs Q8_0_G8
     (the wide GEMV at batch 1, the matmul's groups for more rows, the embedding's gather)."""
     path = decisive_file(qtype, config=config) if qtype != Q.Q4_K else k_layout_file(qtype)[0]
     vocab = K_LAYOUT["vocab"] if qtype == Q.Q4_K else TINY_LLAMA["vocab_size"]
@@ -316,7 +328,7 @@ def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, config, monk
     kept = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=True)
     formats = block_layers(kept)
     assert formats and {n for n, f in formats.items() if f == GATHERED} == (
-        {"lm_head", "model.embed_tokens"} if config is WIDE_GATHERABLE else set())
+        {"lm_head"} if config is WIDE_GATHERABLE else set())
     tokens = [o.token_ids for o in cuda_llm(kept).generate(prompts, GREEDY)]
     margins = greedy_margins(monkeypatch)
     dense = ts.models.load(path, dtype=torch.float32, device="cuda", quantized=False)

@@ -101,9 +101,10 @@ def test_wide_gemv_equals_the_dequantized_product(name):
         got = triton_gguf_wide.gemv(x, weight, fmt, bias, config=config)
         assert got.shape == (1, 37) and got.dtype == torch.float32
         assert_within(got, x, weight, fmt, bias)
-    half = triton_gguf_wide.gemv(x.bfloat16(), weight, fmt)
-    assert half.dtype == torch.bfloat16
-    assert_within(half.float(), x.bfloat16().float(), weight, fmt, relative=2e-2)
+    for dtype in (torch.bfloat16, torch.float16):
+        half = triton_gguf_wide.gemv(x.to(dtype), weight, fmt)
+        assert half.dtype == dtype
+        assert_within(half.float(), x.to(dtype).float(), weight, fmt, relative=2e-2)
 
 
 @pytest.mark.parametrize("name", WIDE + ["Q8_0", "Q6_K"])
@@ -142,6 +143,11 @@ def test_the_wide_gemv_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="rows must start 16-byte aligned; got address"):
         triton_gguf_wide.gemv(torch.zeros(1, 256, device=DEVICE), shifted, q4k)
     assert not triton_gguf_wide.serves(shifted[:1].expand(1 << 14, 144), q4k)
+    padded = torch.zeros(1 << 14, 146, dtype=torch.uint8)[:, :144]   # rows 146 bytes apart
+    assert triton_gguf_wide.serves(torch.zeros(1 << 14, 144, dtype=torch.uint8), q4k)
+    assert not triton_gguf_wide.serves(padded, q4k)
+    with pytest.raises(ValueError, match="block_n and blocks must be powers of two; got 3 and 2"):
+        triton_gguf_wide.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k, config=triton_gguf_wide.WideConfig(3, 2, 1, 1))
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -409,15 +415,17 @@ def check(fmt):
         if fmt.name in ("Q4_K", "Q5_K"):  # the block's head read as words, so every load is pipelined
             assert "ld.global.b8" not in mm.asm["ptx"] and "cp.async" in mm.asm["ptx"]
     if fmt.name in ("Q4_K", "Q8_0_G8"):
+        span = 256 if fmt.gathered else 128
         for rows in (16384, 128256):  # a gate/up, a head
             c = w.choose_config(rows, 2048, fmt)
             wide = compile_sm90(w._wide_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                                 N="i32", K="i32", stride_wn="i32"),
-                                dict(HAS_BIAS=False, SPAN=256 if fmt.gathered else 128, BLOCK_N=c.block_n,
-                                     BLOCKS=c.blocks, **common), c.num_warps, c.num_stages)
+                                dict(HAS_BIAS=False, SPAN=span, BLOCK_N=c.block_n, BLOCKS=c.blocks, **common),
+                                c.num_warps, c.num_stages)
             ptx = wide.asm["ptx"]
-            assert "griddepcontrol.wait" in ptx and re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx), \
-                sorted(set(re.findall(r"ld\.global[.\w]*", ptx)))
+            quant_loads = 2 * c.block_n * c.blocks * span // (16 * 32 * c.num_warps)  # 16 bytes a thread, twice
+            assert "griddepcontrol.wait" in ptx and ptx.count("ld.global.v4.b32") >= quant_loads, \
+                (quant_loads, sorted(set(re.findall(r"ld\\.global[.\\w]*", ptx))))
     emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
                        stride_wn="i32", stride_out="i32"),
                        dict(GROUPS=1024 // fmt.group_size, WORDS=fmt.name in ("Q4_K", "Q5_K"), **group))

@@ -26,7 +26,6 @@ Q8_0_BLOCK_BYTES = 34     # an fp16 scale and 32 int8 quants (gguf's GGML_QUANT_
 GATHERED_RUN_BYTES = GATHERED_RUN * Q8_0_BLOCK_BYTES
 WIDE_ROWS = 8192          # a block weight of this many rows (1B: gate/up, head) is wide: a GPU
                           # reads one row's product by 2-D tiles (Q4_K, Q8_0_G8)
-GATHERED_MIN_ROWS = 4 * WIDE_ROWS   # a vocabulary head: the Q8_0 a GPU regathers
 BLOCK_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", GATHERED)
 FP8 = "fp8_e4m3"
 INT4 = "int4_g32"

@@ -7,11 +7,14 @@ graph shows ``tokenspeed::linear`` / ``tokenspeed::embedding`` and the backend p
 kernel that reads the format.
 """
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
 from tokenspeed.ir import ops
-from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, GATHERED_MIN_ROWS, GATHERED_RUN_BYTES, gather_scales
+from tokenspeed.ir.weights import BLOCK_FORMATS, GATHERED, GATHERED_RUN_BYTES, WIDE_ROWS, gather_scales
+from tokenspeed.models.layer_swap import HEAD
 
 
 def _blocks(rows: int, row_bytes: int) -> nn.Parameter:
@@ -85,19 +88,30 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight_format}"
 
 
-def gather_q8_0_scales(model: nn.Module, min_rows: int = GATHERED_MIN_ROWS) -> nn.Module:
-    """``model`` (on a GPU) with every Q8_0 block layer of at least ``min_rows`` rows (a
-    vocabulary head and table), each whole runs of eight blocks, regathered in place as
-    Q8_0_G8 (``gguf_blocks``: each block's quants 16-byte aligned, the same bytes); a tied
-    head and its table, one tensor, are regathered once. Narrower layers keep the file's
-    blocks: a decode batch's tensor-core matmul read them faster (PERFORMANCE.md,
-    2026-12-06, forty-ninth session)."""
-    done = set()
+def gather_q8_0_scales(model: nn.Module, names: Collection[str] | None = None) -> nn.Module:
+    """``model`` with its Q8_0 block layers named in ``names`` (every one when None) whose
+    rows are whole runs of eight blocks regathered in place as Q8_0_G8 (``gguf_blocks``:
+    each block's quants 16-byte aligned, the same bytes); a layer holding a regathered
+    layer's tensor (a tied table) is marked so, the tensor regathered once."""
+    gathered = set()
+    for name, module in model.named_modules():
+        if ((names is None or name in names) and getattr(module, "weight_format", None) == "Q8_0"
+                and module.weight.shape[1] % GATHERED_RUN_BYTES == 0 and id(module.weight) not in gathered):
+            module.weight.data = gather_scales(module.weight.data)
+            gathered.add(id(module.weight))
     for module in model.modules():
-        if (getattr(module, "weight_format", None) == "Q8_0" and module.weight.shape[0] >= min_rows
-                and module.weight.shape[1] % GATHERED_RUN_BYTES == 0):
-            if id(module.weight) not in done:
-                module.weight.data = gather_scales(module.weight.data)
-                done.add(id(module.weight))
+        if id(getattr(module, "weight", None)) in gathered:
             module.weight_format = GATHERED
     return model
+
+
+def gather_q8_0_head(model: nn.Module) -> nn.Module:
+    """``model`` (on a GPU) with a Q8_0 output head of ``WIDE_ROWS`` rows or more (and its
+    table, when tied) regathered: its one-row product is the wide GEMV's, 0.61x the file's
+    blocks' time on an H100. The other weights keep the file's blocks: the unit GEMV's K
+    splits (narrow ones) or a decode batch's tensor-core matmul (a gate/up: 1.3x the time
+    at 32 rows) read them faster (PERFORMANCE.md, 2026-12-06, forty-ninth session)."""
+    head = getattr(model, HEAD, None)
+    if head is None or getattr(head, "weight", None) is None or head.weight.shape[0] < WIDE_ROWS:
+        return model
+    return gather_q8_0_scales(model, names={HEAD})

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models import gguf as gguf_file
-from tokenspeed.models.block_layers import gather_q8_0_scales
+from tokenspeed.models.block_layers import gather_q8_0_head
 from tokenspeed.models.block_plan import plan, stored_matrices, swap_layers
 from tokenspeed.models.config import DEEPSEEK, ModelConfig
 from tokenspeed.models.deepseek import DeepseekForCausalLM
@@ -97,7 +97,7 @@ def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM
     checkpoint = gguf_file.open_gguf(path, reader)
     model, kept = _with_block_layers(checkpoint, quantized)
     model = _filled(_allocated(model, dtype or run_dtype(checkpoint.dtype, device), device), checkpoint, path, kept)
-    return gather_q8_0_scales(model) if quantized and torch.device(device).type == "cuda" else model
+    return gather_q8_0_head(model) if quantized and torch.device(device).type == "cuda" else model
 
 
 def _with_block_layers(checkpoint, keep_blocks: bool) -> tuple[LlamaForCausalLM, frozenset[str]]:

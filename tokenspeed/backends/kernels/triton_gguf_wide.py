@@ -11,7 +11,9 @@ per-unit scales and half-unit inputs cost a wide weight more than its bytes: on 
 the 1B shape (PERFORMANCE.md, 2026-12-06) this kernel took Q4_K's gate/up from 15.1 to
 13.3 us and its head from 99.4 to 86.6, Q8_0_G8's from 25.8 and 153.5 (Q8_0's 20.8 and
 155.4) to 14.5 and 95.4; at the narrower projections the unit GEMV's K splits won. (A
-GPU's loader regathers only a Q8_0 head: ``ir.weights.GATHERED_MIN_ROWS``.)
+GPU's loader regathers only a Q8_0 output head: ``models.block_layers.gather_q8_0_head``.)
+Tuned at K 2048 only; a wide weight of long K (a large model's down projection) runs
+its K in one program.
 """
 
 import attrs
@@ -28,6 +30,7 @@ from tokenspeed.ir.weights import WIDE_ROWS
 ELEMENTS = 256                     # elements a block (Q4_K) or a run (Q8_0_G8) holds
 BLOCK = tl.constexpr(ELEMENTS)
 SPAN_OFFSET = tl.constexpr(16)     # both formats: a block's (a run's) quants start 16 bytes in
+HEAD_ROWS = 4 * WIDE_ROWS          # from here a wide weight takes a vocabulary head's config
 
 
 @attrs.frozen
@@ -51,7 +54,7 @@ def choose_config(n: int, k: int, fmt: BlockFormat) -> WideConfig:
     (128,256), twice (block rows 1-8, tiles of 1-8 blocks, 1-8 warps, 1-2 stages): Q4_K
     four rows by tiles of eight blocks at one warp, a head eight rows by two blocks in two
     stages; Q8_0_G8 two rows by four runs at two warps, a head eight rows."""
-    head = n >= 4 * WIDE_ROWS
+    head = n >= HEAD_ROWS
     if fmt.gathered:
         config = WideConfig(8 if head else 2, 4, 2, 2)
     else:
@@ -146,6 +149,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
     if n == 0 or k == 0:
         return out
     c = config or choose_config(n, k, fmt)
+    if any(v < 1 or v & (v - 1) for v in (c.block_n, c.blocks)):
+        raise ValueError(f"block_n and blocks must be powers of two; got {c.block_n} and {c.blocks}")
     _wide_kernel[(triton.cdiv(n, c.block_n),)](
         x.contiguous(), weight, bias if bias is not None else x, out, n, k, weight.stride(0),
         FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, SPAN=ELEMENTS if fmt.gathered else ELEMENTS // 2,
