@@ -320,7 +320,7 @@ def test_gpu_tokens_with_graphs_equal_the_dequantized_models(qtype, config, monk
     """float32 activations on both sides; the quantized model runs its captured graphs (the
     GGUF GEMV at batch 1..4, the matmul in prefill), the dequantized one eagerly, its
     margins checked. A Q8_0 file's head of ``WIDE_ROWS`` rows or more runs Q8_0_G8
-    (the wide GEMV at batch 1, the matmul's groups for more rows, the embedding's gather)."""
+    (the wide GEMV at batch 1, the matmul's groups for more rows)."""
     path = decisive_file(qtype, config=config) if qtype != Q.Q4_K else k_layout_file(qtype)[0]
     vocab = K_LAYOUT["vocab"] if qtype == Q.Q4_K else TINY_LLAMA["vocab_size"]
     seed = 1 if config is WIDE_GATHERABLE else 2   # margins above MIN_MARGIN (the wide head's seed 2: 6e-4)

@@ -15,9 +15,9 @@ K a multiple of 256), read 16 bytes a load. Every bit of every block is kept:
 ``gather_scales`` and ``scatter_scales`` move bytes only. A GPU's loader regathers a
 Q8_0 output head only (and its table when tied: ``models.block_layers.gather_q8_0_head``),
 whose one-row products ``triton_gguf_wide`` reads in 0.61x the file's blocks' time on an
-H100; for the other weights the unit GEMV's K splits (narrow ones) or a decode batch's tensor-core matmul
-(a gate/up: 1.3x the time at 32 rows) read the file's blocks faster (docs/PERFORMANCE.md,
-forty-ninth session).
+H100; for the other weights the unit GEMV's K splits (narrow ones) or a decode batch's
+tensor-core matmul (a gate/up: 1.3x the time at 32 rows) read the file's blocks faster
+(docs/PERFORMANCE.md, forty-ninth session).
 """
 
 import attrs
