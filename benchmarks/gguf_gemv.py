@@ -13,7 +13,8 @@ matrix-vector kernel, more through the tensor-core kernel (``triton_gguf_matmul.
 The floor is the weight's bytes over the measured device-to-device copy bandwidth. Weights
 are random blocks with finite fp16 scales: the values do not change the time. ``--tiny``
 only checks that the benchmark runs (interpreter times mean nothing). ``--sweep`` times the
-kernel's other configs (``config`` column; the chosen one is ``chosen``), prints each
+kernel's other configs (``config`` column; the chosen one is ``chosen``; one row of a wide
+Q4_K or Q8_0_G8 weight: the unit GEMV's and the wide GEMV's, ``triton_gguf_wide``), prints each
 shape's best and, per format and row count, the model's linears a token (every layer's
 projections and the head once, of those timed) at the chosen configs and at each shape's
 best: about 50 compiles a format and row count, 2-3 minutes on an H100.
@@ -33,8 +34,9 @@ import triton  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from tokenspeed.backends.kernels import triton_attention, triton_gemv  # noqa: E402
-from tokenspeed.backends.kernels import triton_gguf_gemv, triton_gguf_matmul  # noqa: E402
-from tokenspeed.backends.kernels.gguf_blocks import GATHERED, SUPPORTED, BlockFormat, block_format  # noqa: E402
+from tokenspeed.backends.kernels import triton_gguf_gemv, triton_gguf_matmul, triton_gguf_wide  # noqa: E402
+from tokenspeed.backends.kernels.gguf_blocks import GATHERED, SUPPORTED, BlockFormat, Q, block_format  # noqa: E402
+from tokenspeed.ir.weights import WIDE_ROWS  # noqa: E402
 
 TINY_SHAPE = (48, 512)
 HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
@@ -72,6 +74,8 @@ def kernel(x, fmt: BlockFormat, config):
         return lambda w: triton_gguf_matmul.linear(x, w, fmt)
     if isinstance(config, triton_gguf_gemv.GemvConfig):
         return lambda w: triton_gguf_gemv.gemv(x, w, fmt, config=config)
+    if isinstance(config, triton_gguf_wide.WideConfig):
+        return lambda w: triton_gguf_wide.gemv(x, w, fmt, config=config)
     return lambda w: triton_gguf_matmul.matmul(x, w, fmt, config=config)
 
 
@@ -95,8 +99,9 @@ def candidates(fmt: BlockFormat, m: int, shape, sm_count: int) -> list:
     n, k = shape
     if m == 1:
         grid = itertools.product([1, 2, 4, 8], [512, 1024, 2048, 4096], [1, 2, 4, 8], [1, 2, 4])
-        return [triton_gguf_gemv.GemvConfig(bn, tile, splits, warps) for bn, tile, splits, warps in grid
-                if tile <= k // splits and (splits == 1 or triton.cdiv(n, bn) < 8 * sm_count)]
+        units = [triton_gguf_gemv.GemvConfig(bn, tile, splits, warps) for bn, tile, splits, warps in grid
+                 if tile <= k // splits and (splits == 1 or triton.cdiv(n, bn) < 8 * sm_count)]
+        return units + wide_candidates(fmt, shape)
     if m > triton_gguf_matmul.SKINNY_M:
         grid = itertools.product([64, 128], [64], [4, 8], [3, 4])
         return [triton_gguf_matmul.MatmulConfig(128, bn, tile // fmt.group_size, 1, warps, stages)
@@ -107,6 +112,17 @@ def candidates(fmt: BlockFormat, m: int, shape, sm_count: int) -> list:
             for bn, tile, splits, warps, stages in grid
             if (tile == 64 or block_m <= 32) and tile <= k // splits
             and (splits == 1 or triton.cdiv(n, bn) * splits <= 8 * sm_count)]
+
+
+def wide_candidates(fmt: BlockFormat, shape) -> list:
+    """One row of a weight the wide GEMV serves (``triton_gguf_wide``): its row blocks,
+    tiles, warps and stages, tiles no longer than K."""
+    n, k = shape
+    if n < WIDE_ROWS or not (fmt.qtype == Q.Q4_K or fmt.gathered):
+        return []
+    grid = itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2])
+    return [triton_gguf_wide.WideConfig(bn, blocks, warps, stages) for bn, blocks, warps, stages in grid
+            if blocks * triton_gguf_wide.ELEMENTS <= triton.next_power_of_2(k)]
 
 
 def sweep(fmt: BlockFormat, m: int, shape, tiny: bool, device, bandwidth, sm_count) -> list[dict]:

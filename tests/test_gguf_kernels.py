@@ -368,9 +368,13 @@ def test_the_sweep_times_the_chosen_configs(name):
     from benchmarks import gguf_gemv
     fmt = block_format(name)
     for m, shape in itertools.product((1, 2, 8, 32, 64), gguf_gemv.PROJECTIONS.values()):
-        chosen = triton_gguf_gemv.choose_config(*shape, fmt, 132) if m == 1 else \
+        wide = m == 1 and triton_gguf_wide.serves(torch.empty(shape[0], fmt.row_bytes(shape[1]), dtype=torch.uint8,
+                                                               device="meta"), fmt)
+        chosen = triton_gguf_wide.choose_config(*shape, fmt) if wide else \
+            triton_gguf_gemv.choose_config(*shape, fmt, 132) if m == 1 else \
             triton_gguf_matmul.choose_config(m, *shape, fmt, 132)
         assert chosen in gguf_gemv.candidates(fmt, m, shape, 132), (m, shape, chosen)
+        assert wide == (m == 1 and name in WIDE and shape[0] >= 8192)
 
 
 def test_model_linears_count_every_layer_and_the_head_once():
