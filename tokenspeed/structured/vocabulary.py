@@ -9,9 +9,12 @@ differently, give the same trie) and with its special tokens: then it tokenizes 
 code and a mask never takes the GIL, so llguidance's workers fill rows of different lexers
 truly in parallel (with a Python encoder they queued on the GIL: eight lexers filled 32 rows
 no faster than one, docs/PERFORMANCE.md's forty-eighth session). Where the readings differ
-(llguidance marks every added token special: a vocabulary with plain added tokens, such as
-Qwen's ``<think>``, differs) or llguidance cannot read the JSON (a decoder it does not know),
-llguidance is given the bytes and a Python encoder, and one log line says so.
+(llguidance marks every added token of the form ``<...>`` special: a vocabulary with plain
+added tokens, such as Qwen's ``<think>``, differs) or llguidance cannot read the JSON (a
+decoder it does not know), llguidance is given the bytes and a Python encoder, and one log
+line says so. (Moving such tokens into the JSON's vocabulary gives the same bytes but not the
+same masks: a mask at text a grammar forces follows llguidance's tokenization of it, which
+then spells a forced ``<tool_call>`` in pieces, so the token itself would be masked.)
 Special tokens are marked as such: a grammar names them (``<|im_end|>``) and text never
 spells them.
 
