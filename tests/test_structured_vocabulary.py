@@ -106,3 +106,30 @@ def test_a_vocabulary_llguidance_cannot_read_is_fed_from_python_and_said(monkeyp
     matcher = GrammarMatcher(compile_grammar(StructuredOutputs(choice=["cat", "dog"]), guide), guide)
     pieces = [tokenizer.backend.token_to_id(c) for c in "cato"]
     assert matcher.valid_prefix(pieces[:3]) == 3 and matcher.valid_prefix(pieces[3:]) == 0
+
+
+def plain_added_tokenizer():
+    """The tiny vocabulary with Qwen's plain (not special) added tokens ``<tool_call>`` and
+    ``</tool_call>``: text to tokenspeed, special to llguidance's own reading."""
+    from tokenizers import AddedToken, Tokenizer as Backend
+    from tokenspeed.tokenizer import SpecialTokens, Tokenizer
+    backend = Backend.from_str(tiny_tokenizer().backend.to_str())
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    return Tokenizer(backend, SpecialTokens(eos_token="<eos>", eos_token_ids=(backend.token_to_id("<eos>"),)))
+
+
+def test_a_plain_added_token_a_grammar_forces_is_allowed_whole(caplog):
+    """Hermes tool calls on a Qwen-style vocabulary: the Python-fed view (said), whose mask
+    at a forced ``<tool_call>`` allows the token the model was trained to write."""
+    tokenizer = plain_added_tokenizer()
+    call = tokenizer.backend.token_to_id("<tool_call>")
+    with caplog.at_level(logging.WARNING, logger=vocabulary.__name__):
+        guide = guidance_tokenizer(tokenizer)
+    assert f"llguidance reads token {call} of this vocabulary as b'<tool_call>' (special: True)" in caplog.text
+    assert not guide.is_special_token(call) and guide.decode_bytes([call]) == b"<tool_call>"
+    grammar = StructuredOutputs(grammar='start: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                                        'body: %json {"type": "object"}')
+    matcher, bitmask = GrammarMatcher(compile_grammar(grammar, guide), guide), new_bitmask(1, guide.vocab_size)
+    matcher.fill(bitmask, 0)
+    assert (bitmask[0, call // 32] >> (call % 32)) & 1
+    assert matcher.valid_prefix(tokenizer.encode('<tool_call>\n{}\n</tool_call>', add_special_tokens=False)) == 5
