@@ -45,8 +45,12 @@ class WideConfig:
 
 def serves(weight: torch.Tensor, fmt: BlockFormat) -> bool:
     """Whether a one-row product of this weight (``uint8 [N, row_bytes]``) runs here."""
-    return (weight.shape[0] >= WIDE_ROWS and (fmt.qtype == Q.Q4_K or fmt.gathered)
-            and weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0)
+    return weight.shape[0] >= WIDE_ROWS and (fmt.qtype == Q.Q4_K or fmt.gathered) and _aligned(weight)
+
+
+def _aligned(weight: torch.Tensor) -> bool:
+    """Every row starts 16-byte aligned, as the spans' 16-byte loads need."""
+    return weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0
 
 
 def choose_config(n: int, k: int, fmt: BlockFormat) -> WideConfig:
@@ -142,7 +146,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
     if x.shape[0] != 1 or not (fmt.qtype == Q.Q4_K or fmt.gathered):
         raise ValueError(f"the wide GEMV takes one row of a Q4_K or Q8_0_G8 weight; got "
                          f"{x.shape[0]} rows of {fmt.name}")
-    if weight.data_ptr() % 16 or weight.stride(0) % 16:
+    if not _aligned(weight):
         raise ValueError(f"the wide GEMV reads 16-byte spans: the rows must start 16-byte aligned; "
                          f"got address {weight.data_ptr():#x} and row stride {weight.stride(0)}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
