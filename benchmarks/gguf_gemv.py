@@ -107,9 +107,10 @@ def candidates(fmt: BlockFormat, m: int, shape, sm_count: int) -> list:
         return [triton_gguf_matmul.MatmulConfig(128, bn, tile // fmt.group_size, 1, warps, stages)
                 for bn, tile, warps, stages in grid]
     block_m = max(16, triton.next_power_of_2(m))
-    grid = itertools.product([32, 64, 128], [64, 128], [1, 2, 3, 4, 8, 16], [4, 8], [2, 3, 4, 5])
-    return [triton_gguf_matmul.MatmulConfig(block_m, bn, tile // fmt.group_size, splits, warps, stages)
-            for bn, tile, splits, warps, stages in grid
+    grid = itertools.product([32, 64, 128], [64, 128], [1, 2, 3, 4, 8, 16], [4, 8], [2, 3, 4, 5],
+                             [False, True] if fmt.qtype == Q.Q4_K else [False])
+    return [triton_gguf_matmul.MatmulConfig(block_m, bn, tile // fmt.group_size, splits, warps, stages, pairs)
+            for bn, tile, splits, warps, stages, pairs in grid
             if (tile == 64 or block_m <= 32) and tile <= k // splits
             and (splits == 1 or triton.cdiv(n, bn) * splits <= 8 * sm_count)]
 

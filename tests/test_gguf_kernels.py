@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -207,6 +208,35 @@ def test_linear_on_odd_shapes(name, m, rows, blocks, block_m, splits):
     assert_within(triton_gguf_matmul.matmul(x, weight, fmt, bias, config=tiles), x, weight, fmt, bias)
 
 
+@FEW
+@given(m=st.integers(2, 40), rows=st.integers(1, 70), blocks=st.integers(1, 3), chunks=st.sampled_from([1, 2, 4]),
+       splits=st.integers(1, 3), offset=st.sampled_from([0, 2]))
+def test_q4_k_tiles_read_as_byte_pairs(m, rows, blocks, chunks, splits, offset):
+    """A Q4_K tile read as whole chunks of byte pairs (``pairs``), its input in the same
+    order: the product is the dequantized weight's, with K split, at the edges of rows and
+    columns, its block heads read as words or (rows 2 bytes off) byte by byte."""
+    fmt, k = block_format("Q4_K"), blocks * 256
+    blocks_ = quantized("Q4_K", rows, k, seed=rows)
+    storage = torch.empty(blocks_.numel() + 4, dtype=torch.uint8, device=DEVICE)
+    weight = storage[offset:offset + blocks_.numel()].view(blocks_.shape)
+    weight.copy_(blocks_)
+    gen = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(rows, generator=gen).to(DEVICE)
+    pairs = triton_gguf_matmul.MatmulConfig(16, 16, 2 * chunks, splits, 4, 2, pairs=True)
+    assert_within(triton_gguf_matmul.matmul(x, weight, fmt, bias, config=pairs), x, weight, fmt, bias)
+
+
+def test_byte_pairs_take_whole_chunks_of_q4_k():
+    """Refused: a tile of half a chunk, a tile longer than K (read unmasked, it would run
+    past the row), another format."""
+    pairs = lambda groups: triton_gguf_matmul.MatmulConfig(16, 16, groups, 1, 4, 2, pairs=True)
+    for name, k, groups in (("Q4_K", 256, 1), ("Q4_K", 256, 16), ("Q8_0", 256, 2)):
+        fmt = block_format(name)
+        with pytest.raises(ValueError, match=f"got {name}, tiles of {groups * fmt.group_size} and K {k}"):
+            triton_gguf_matmul.matmul(torch.zeros(2, k, device=DEVICE), quantized(name, 4, k, seed=1), fmt,
+                                      config=pairs(groups))
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
     """The 1B model's down projection on an H200's 132 SMs: up to 64 rows are one row
@@ -375,6 +405,9 @@ def test_the_sweep_times_the_chosen_configs(name):
             triton_gguf_matmul.choose_config(m, *shape, fmt, 132)
         assert chosen in gguf_gemv.candidates(fmt, m, shape, 132), (m, shape, chosen)
         assert wide == (m == 1 and name in WIDE and shape[0] >= 8192)
+        if 1 < m <= triton_gguf_matmul.SKINNY_M:  # and a Q4_K tile read as byte pairs
+            pairs = attrs.evolve(chosen, pairs=True)
+            assert (pairs in gguf_gemv.candidates(fmt, m, shape, 132)) == (name == "Q4_K"), (m, shape)
 
 
 def test_model_linears_count_every_layer_and_the_head_once():
@@ -412,13 +445,15 @@ def check(fmt):
         assert len(converts(gemv.asm["ptx"])) <= norm, converts(gemv.asm["ptx"])  # the norm's mean: one
         if fmt.name in ("Q4_K", "Q5_K", "Q8_0_G8"):  # 16-byte aligned quants: read 16 bytes a load
             assert "ld.global.v4.b32" in gemv.asm["ptx"], re.findall(r"ld\\.global[.\\w]*", gemv.asm["ptx"])
-    for rows in (16, 128, 2048):  # the tiles of a decode batch, a small batch, a prefill
+    tiles = [(rows, False) for rows in (16, 128, 2048)]  # the tiles of a decode batch, a small batch, a prefill
+    for rows, pairs in tiles + ([(32, True), (2048, True)] if fmt.name == "Q4_K" else []):  # Q4_K's byte pairs too
         c = m.choose_config(rows, 2048, 8192, fmt, 132)
         mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                           M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
                           stride_os="i32", stride_om="i32"),
                           dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
-                               PRECISION="tf32", WORDS=fmt.name in ("Q4_K", "Q5_K"), **group), c.num_warps)
+                               PRECISION="tf32", WORDS=fmt.name in ("Q4_K", "Q5_K"), PAIRS=pairs, **group),
+                          c.num_warps)
         assert "mma" in mm.asm["ptx"] and not converts(mm.asm["ptx"]), ("tensor cores", converts(mm.asm["ptx"]))
         if fmt.name in ("Q4_K", "Q5_K"):  # the block's head read as words, so every load is pipelined
             assert "ld.global.b8" not in mm.asm["ptx"] and "cp.async" in mm.asm["ptx"]

@@ -23,7 +23,8 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import reads_words, weight_tile
+from tokenspeed.backends.kernels.triton_gguf_dequant import (exact_float, k_head_words, k_scale_min,
+                                                          read_half, reads_words, weight_tile)
 
 SKINNY_M = 64
 
@@ -31,13 +32,15 @@ SKINNY_M = 64
 @attrs.frozen
 class MatmulConfig:
     """Tile rows (of x) and columns (weight rows), scale groups per K tile, K splits (each
-    a program, summed by a second kernel), and the launch's warps and stages."""
+    a program, summed by a second kernel), the launch's warps and stages, and whether a
+    Q4_K tile is read as byte pairs (``_q4_k_pairs``; unmeasured, so off by default)."""
     block_m: int
     block_n: int
     groups: int
     splits: int
     num_warps: int
     num_stages: int
+    pairs: bool = False
 
 
 @triton.jit
@@ -52,12 +55,47 @@ def _banded_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND_M: tl.
 
 
 @triton.jit
+def _pair_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """An input tile's columns in the order ``_q4_k_pairs`` decodes: a chunk's byte ``t``
+    gives positions ``2t`` and ``2t + 1`` its elements ``t`` and ``32 + t``."""
+    chunks = tl.reshape(x, [BLOCK_M, BLOCK_K // 64, 2, 32])
+    return tl.reshape(tl.permute(chunks, (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
+def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """A Q4_K tile, fp32 ``[BLOCK_N, BLOCK_K]`` in ``_pair_order``: its whole 64-element
+    chunks read as their 32 bytes (16 a load), each byte's nibbles decoded side by side.
+    ``weight_tile`` instead reads a byte for each element at a computed address: about ten
+    integer instructions an element in its sm_90 code (64 a clock an SM, against 128 for
+    fp32), which bound a decode batch's product. Nothing is masked: a split holds whole
+    tiles, and rows past ``N`` read the last row, their sums never stored."""
+    CHUNKS: tl.constexpr = BLOCK_K // 64
+    c = k0 // 64 + tl.arange(0, CHUNKS)[None, :, None]
+    rows = tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn
+    block = w_ptr + rows + (c // 4) * TYPE_SIZE
+    q = tl.load(block + 16 + (c % 4) * 32 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
+    s, every = 2 * (c % 4), tl.full([1, 1, 1], True, tl.int1)
+    if WORDS:
+        d, dmin, scale_lo, least_lo = k_head_words(block, s, every)
+        d, dmin, scale_hi, least_hi = k_head_words(block, s + 1, every)
+    else:
+        scale_lo, least_lo = k_scale_min(block, s, every)
+        scale_hi, least_hi = k_scale_min(block, s + 1, every)
+        d, dmin = read_half(block, every), read_half(block + 2, every)
+    lo = (d * scale_lo) * exact_float(q & 15, 0) + -(dmin * least_lo)
+    hi = (d * scale_hi) * exact_float(q >> 4, 0) + -(dmin * least_hi)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
                    stride_wn, stride_os, stride_om, FORMAT: tl.constexpr,
                    TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
                    BAND_M: tl.constexpr, PRECISION: tl.constexpr, WORDS: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.start(USE_PDL)
     tile_m, tile_n = _banded_tile(M, N, BLOCK_M, BLOCK_N, BAND_M)
     split = tl.program_id(1)
@@ -72,9 +110,13 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # the product transposed: see above
     pdl.wait(USE_PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
-        w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
-                        TYPE_SIZE, BLOCK_N, GROUPS, GROUP, WORDS)
+        if PAIRS:  # whole tiles (see _q4_k_pairs)
+            x = _pair_order(tl.load(x_tile + k0, mask=mmask[:, None], other=0.0), BLOCK_M, BLOCK_K)
+            w = _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE, BLOCK_N, BLOCK_K, WORDS)
+        else:
+            x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
+            w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
+                            TYPE_SIZE, BLOCK_N, GROUPS, GROUP, WORDS)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[:, None]
@@ -153,6 +195,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     if m == 0 or n == 0:
         return out
     c = config or choose_config(m, n, k, fmt, triton_attention.sm_count(x.device))
+    if c.pairs:
+        _check_pairs(c, k, fmt)
     k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
@@ -163,11 +207,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
         FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, GROUP=fmt.group_size, BAND_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        WORDS=reads_words(weight, fmt), num_warps=c.num_warps,
+        WORDS=reads_words(weight, fmt), PAIRS=c.pairs, num_warps=c.num_warps,
         num_stages=c.num_stages, **launch)
     if splits > 1:
         triton_gguf_gemv.sum_splits(part, bias, out, launch)
     return out
+
+
+def _check_pairs(c: MatmulConfig, k: int, fmt: BlockFormat) -> None:
+    """Byte pairs read Q4_K tiles of whole 64-element chunks, unmasked: K whole tiles."""
+    tile = c.groups * fmt.group_size
+    if fmt.qtype != Q.Q4_K or tile % 64 or k % tile:
+        raise ValueError(f"byte pairs read Q4_K tiles of whole 64-element chunks that divide K; got "
+                         f"{fmt.name}, tiles of {tile} and K {k}")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat,
