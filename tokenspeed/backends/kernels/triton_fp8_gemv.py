@@ -30,8 +30,6 @@ from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
 
 MAX_M = triton_gemv.MAX_M
 VEC = tl.constexpr(8)  # one row: the columns a thread multiplies and sums in registers
-FP8_FIELDS = tl.constexpr(-0x78000001)  # 0x87FFFFFF as int32: the sign, and from bit 26 down (e4m3_float)
-TWO_TO_120 = tl.constexpr(2.0 ** 120)
 
 
 @attrs.frozen
@@ -43,19 +41,6 @@ class GemvConfig:
     splits: int
     num_warps: int
     num_stages: int
-
-
-@triton.jit
-def e4m3_float(w):
-    """float8_e4m3fn as fp32 by its bits, exactly (subnormals too): the byte at the top of
-    a word, shifted right four with its sign, puts its exponent and mantissa at fp32's low
-    four exponent bits and high mantissa bits; the mask clears the sign's copies above them,
-    and 2**120 moves the exponent's bias from 7 to 127. Triton converts fp8 pairs to fp16
-    and each fp16 to fp32, instructions at an eighth of the fp32 rate on sm_90 (16 a clock
-    an SM); a one-row product converts every weight element. (NaN, never a weight, would read
-    as +-480.)"""
-    bits = w.to(tl.uint8, bitcast=True).to(tl.int32)
-    return (((bits << 24) >> 4) & FP8_FIELDS).to(tl.float32, bitcast=True) * TWO_TO_120
 
 
 @triton.jit
@@ -99,7 +84,7 @@ def _accumulate(acc, w, x_ptr, res_ptr, nw_ptr, inv, s_ptr, m, mmask, k0, k_hi, 
     if BLOCK_M == 1:
         x = triton_gemv._input(x_ptr, res_ptr, nw_ptr, col[None, :, :], col,
                                (col < k_hi)[None, :, :], K, inv, GATED, NORM, HAS_RES)
-        sums = tl.sum(e4m3_float(w) * x.to(tl.float32), 2)
+        sums = tl.sum(w.to(tl.float32) * x.to(tl.float32), 2)
         if BLOCK_SCALES:
             group = k0 + tl.arange(0, BLOCK_K // VEC) * VEC
             sums *= tl.load(s_ptr + scale_row + group // 128, mask=group < k_hi,

@@ -48,22 +48,6 @@ def reads_words(weight: torch.Tensor, fmt) -> bool:
 
 
 @triton.jit
-def exact_float(v, OFFSET: tl.constexpr):
-    """``v - OFFSET`` as fp32, for int32 ``0 <= v < 2**23``, without a conversion
-    instruction: ``v`` OR-ed into the low mantissa bits of 2**23 is 2**23 + v exactly, and
-    one add takes the rest away. An int-to-float conversion runs at an eighth of the fp32
-    rate on sm_90 (16 a clock an SM), and a one-row product converts every weight element
-    once: at the 1B shape's head (263M elements) that alone would take 60 us of an H100."""
-    return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
-
-
-@triton.jit
-def signed_float(byte):
-    """The int8 whose bits are ``byte`` (int32, 0-255), as fp32 (``exact_float``)."""
-    return exact_float(byte ^ 128, 128)
-
-
-@triton.jit
 def read_byte(ptr, mask):
     """The unsigned byte at ``ptr``, as int32."""
     return tl.load(ptr, mask=mask, other=0).to(tl.int32)
@@ -72,7 +56,7 @@ def read_byte(ptr, mask):
 @triton.jit
 def read_int8(ptr, mask):
     """The signed byte at ``ptr``, as fp32."""
-    return signed_float(read_byte(ptr, mask))
+    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -104,8 +88,8 @@ def _simple(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constexp
     if five:
         q = q | (((read_byte(base + header + j // 8, mask) >> (j % 8)) & 1) << 4)
     if header == 4:
-        return exact_float(q, 0), d, read_half(base + 2, mask)
-    return exact_float(q, 16 if five else 8), d, tl.zeros_like(d)
+        return q.to(tl.float32), d, read_half(base + 2, mask)
+    return (q - (16 if five else 8)).to(tl.float32), d, tl.zeros_like(d)
 
 
 @triton.jit
@@ -127,8 +111,8 @@ def _six_bits(a, b, c, s):
     """Q4_K / Q5_K: sub-block ``s``'s 6-bit scale and min from bytes ``s % 4`` (``a``),
     ``4 + s % 4`` (``b``) and ``8 + s % 4`` (``c``) of the 12, as fp32."""
     upper = s >= 4
-    scale = exact_float(tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63), 0)
-    least = exact_float(tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63), 0)
+    scale = tl.where(upper, (c & 15) | ((a >> 2) & 48), a & 63).to(tl.float32)
+    least = tl.where(upper, (c >> 4) | ((b >> 2) & 48), b & 63).to(tl.float32)
     return scale, least
 
 
@@ -183,7 +167,7 @@ def _q4_q5_k(w_ptr, row, g, j, mask, FORMAT: tl.constexpr, TYPE_SIZE: tl.constex
     q = (read_byte(base + quants + (s // 2) * 32 + j, mask) >> (4 * (s % 2))) & 15
     if FORMAT == Q5_K:
         q = q | (((read_byte(base + K_QH + j, mask) >> s) & 1) << 4)
-    return exact_float(q, 0), d * scale, -(dmin * least)
+    return q.to(tl.float32), d * scale, -(dmin * least)
 
 
 @triton.jit
@@ -198,7 +182,7 @@ def _q6_k(w_ptr, row, g, j, mask, TYPE_SIZE: tl.constexpr):
     low = (read_byte(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 15
     high = (read_byte(base + Q6_K_QH + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
     d = read_half(base + Q6_K_D, mask) * read_int8(base + Q6_K_SCALES + s, mask)
-    return exact_float(low | (high << 4), 32), d, tl.zeros_like(d)
+    return ((low | (high << 4)) - 32).to(tl.float32), d, tl.zeros_like(d)
 
 
 @triton.jit

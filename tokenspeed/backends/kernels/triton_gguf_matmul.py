@@ -23,8 +23,8 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import (exact_float, k_head_words, k_scale_min,
-                                                          read_half, reads_words, weight_tile)
+from tokenspeed.backends.kernels.triton_gguf_dequant import (k_head_words, k_scale_min, read_half,
+                                                          reads_words, weight_tile)
 
 SKINNY_M = 64
 
@@ -84,8 +84,8 @@ def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl
         scale_lo, least_lo = k_scale_min(block, s, every)
         scale_hi, least_hi = k_scale_min(block, s + 1, every)
         d, dmin = read_half(block, every), read_half(block + 2, every)
-    lo = (d * scale_lo) * exact_float(q & 15, 0) + -(dmin * least_lo)
-    hi = (d * scale_hi) * exact_float(q >> 4, 0) + -(dmin * least_hi)
+    lo = (d * scale_lo) * (q & 15).to(tl.float32) + -(dmin * least_lo)
+    hi = (d * scale_hi) * (q >> 4).to(tl.float32) + -(dmin * least_hi)
     return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
 
 

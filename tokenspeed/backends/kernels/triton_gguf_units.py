@@ -19,8 +19,7 @@ import triton.language as tl
 from tokenspeed.backends.kernels.gguf_blocks import Q
 from tokenspeed.backends.kernels.triton_gguf_dequant import (
     K_QH, Q4_1, Q4_K_QS, Q5_0, Q5_1, Q5_K, Q5_K_QS, Q6_K, Q6_K_D, Q6_K_QH, Q6_K_SCALES, Q8_0,
-    Q8_0_G8, RUN, Q4_K, exact_float, gathered_run, k_scale_min, read_byte, read_half, read_int8,
-    read_short)
+    Q8_0_G8, RUN, Q4_K, gathered_run, k_scale_min, read_byte, read_half, read_int8, read_short)
 
 
 @triton.jit
@@ -42,9 +41,9 @@ def _simple_halves(base, t, mask, FORMAT: tl.constexpr):
         hi |= ((read_short(base + header + 2, mask) >> t) & 1) << 4
     if header == 4:
         m = read_half(base + 2, mask)
-        return (exact_float(lo, 0), d, m), (exact_float(hi, 0), d, m)
+        return (lo.to(tl.float32), d, m), (hi.to(tl.float32), d, m)
     bias: tl.constexpr = 16 if five else 8
-    return (exact_float(lo, bias), d, zero), (exact_float(hi, bias), d, zero)
+    return ((lo - bias).to(tl.float32), d, zero), ((hi - bias).to(tl.float32), d, zero)
 
 
 @triton.jit
@@ -70,8 +69,8 @@ def _k_halves(base, c, t, mask, FORMAT: tl.constexpr):
     d, dmin = read_half(base, mask), read_half(base + 2, mask)
     scale_lo, least_lo = k_scale_min(base, 2 * c, mask)
     scale_hi, least_hi = k_scale_min(base, 2 * c + 1, mask)
-    return ((exact_float(lo, 0), d * scale_lo, -(dmin * least_lo)),
-            (exact_float(hi, 0), d * scale_hi, -(dmin * least_hi)))
+    return ((lo.to(tl.float32), d * scale_lo, -(dmin * least_lo)),
+            (hi.to(tl.float32), d * scale_hi, -(dmin * least_hi)))
 
 
 @triton.jit
@@ -88,8 +87,8 @@ def _q6_k_halves(base, h, a, t, mask):
     d = read_half(base + Q6_K_D, mask)
     scales = base + Q6_K_SCALES + h * 8 + a
     zero = tl.zeros_like(d)
-    return ((exact_float(lo, 32), d * read_int8(scales, mask), zero),
-            (exact_float(hi, 32), d * read_int8(scales + 4, mask), zero))
+    return (((lo - 32).to(tl.float32), d * read_int8(scales, mask), zero),
+            ((hi - 32).to(tl.float32), d * read_int8(scales + 4, mask), zero))
 
 
 @triton.jit

@@ -24,8 +24,7 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
-from tokenspeed.backends.kernels.triton_gguf_dequant import (Q4_K, RUN, exact_float, k_scale_min, read_half,
-                                                          signed_float)
+from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_K, RUN, k_scale_min, read_half
 from tokenspeed.ir.weights import WIDE_ROWS
 
 ELEMENTS = 256                     # elements a block (Q4_K) or a run (Q8_0_G8) holds
@@ -78,8 +77,8 @@ def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr, BLOCKS:
     x_lo = tl.load(x_ptr + elements, mask=kmask, other=0.0).to(tl.float32)
     x_hi = tl.load(x_ptr + elements + 32, mask=kmask, other=0.0).to(tl.float32)
     q = q.to(tl.int32)
-    lo = tl.sum(tl.reshape(exact_float(q & 15, 0) * x_lo[None, :], [BLOCK_N, UNITS, 32]), 2)
-    hi = tl.sum(tl.reshape(exact_float(q >> 4, 0) * x_hi[None, :], [BLOCK_N, UNITS, 32]), 2)
+    lo = tl.sum(tl.reshape((q & 15).to(tl.float32) * x_lo[None, :], [BLOCK_N, UNITS, 32]), 2)
+    hi = tl.sum(tl.reshape((q >> 4).to(tl.float32) * x_hi[None, :], [BLOCK_N, UNITS, 32]), 2)
     sum_lo = tl.sum(tl.reshape(x_lo, [UNITS, 32]), 1)[None, :]
     sum_hi = tl.sum(tl.reshape(x_hi, [UNITS, 32]), 1)[None, :]
     even = (2 * (tl.arange(0, UNITS) % 4))[None, :]
@@ -95,7 +94,7 @@ def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr,
     """A tile's products, ``[BLOCK_N, 8 * BLOCKS]``: a run's quants are its elements in
     order, its eight fp16 scales first."""
     x = tl.load(x_ptr + k0 + tl.arange(0, BLOCKS * BLOCK), mask=kmask, other=0.0).to(tl.float32)
-    dots = tl.sum(tl.reshape(signed_float(q.to(tl.int32)) * x[None, :],
+    dots = tl.sum(tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :],
                              [BLOCK_N, RUN * BLOCKS, 32]), 2)
     return dots * read_half(heads, hmask)
 
