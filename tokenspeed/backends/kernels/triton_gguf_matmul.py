@@ -67,10 +67,11 @@ def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl
                 BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     """A Q4_K tile, fp32 ``[BLOCK_N, BLOCK_K]`` in ``_pair_order``: its whole 64-element
     chunks read as their 32 bytes (16 a load), each byte's nibbles decoded side by side.
-    ``weight_tile`` instead reads a byte for each element at a computed address: about ten
-    integer instructions an element in its sm_90 code (64 a clock an SM, against 128 for
-    fp32), which bound a decode batch's product. Nothing is masked: a split holds whole
-    tiles, and rows past ``N`` read the last row, their sums never stored."""
+    ``weight_tile`` instead reads a byte for each element at a computed address: compiled
+    for sm_90 at the engine's 32-row tile of the 1B shape's gate/up, 16.9 instructions an
+    element against 12.0 here (a decode batch's product is bound by their issue, PERFORMANCE.md,
+    2026-12-06). Nothing is masked: a split holds whole tiles, and rows past ``N`` read the
+    last row, their sums never stored."""
     CHUNKS: tl.constexpr = BLOCK_K // 64
     c = k0 // 64 + tl.arange(0, CHUNKS)[None, :, None]
     rows = tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn
