@@ -92,8 +92,10 @@ WIDE = ["Q4_K", GATHERED]
 
 @pytest.mark.parametrize("name", WIDE)
 def test_wide_gemv_equals_the_dequantized_product(name):
-    """Rows not a multiple of a program's, K of three blocks in tiles of two and four (the
-    last tile part empty), of one, and the chosen tiles; a bias; 16-bit inputs."""
+    """Rows not a multiple of a program's (the last program's extra rows read the last row,
+    unstored), K of three blocks in tiles of two and four (the last tile part empty), of one
+    (K whole tiles, unmasked), and the chosen tiles; K of two blocks in one whole tile; a
+    bias; 16-bit inputs."""
     fmt = block_format(name)
     weight, bias = quantized(name, 37, 3 * 256, seed=4), torch.randn(37).to(DEVICE)
     x = torch.randn(1, 3 * 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
@@ -102,6 +104,10 @@ def test_wide_gemv_equals_the_dequantized_product(name):
         got = triton_gguf_wide.gemv(x, weight, fmt, bias, config=config)
         assert got.shape == (1, 37) and got.dtype == torch.float32
         assert_within(got, x, weight, fmt, bias)
+    even = quantized(name, 37, 2 * 256, seed=5)
+    x_even = torch.randn(1, 2 * 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert_within(triton_gguf_wide.gemv(x_even, even, fmt, bias, config=triton_gguf_wide.WideConfig(4, 2, 1, 1)),
+                  x_even, even, fmt, bias)
     for dtype in (torch.bfloat16, torch.float16):
         half = triton_gguf_wide.gemv(x.to(dtype), weight, fmt)
         assert half.dtype == dtype
@@ -459,7 +465,7 @@ def check(fmt):
             c = w.choose_config(rows, 2048, fmt)
             wide = compile_sm90(w._wide_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                                 N="i32", K="i32", stride_wn="i32"),
-                                dict(HAS_BIAS=False, SPAN=span, BLOCK_N=c.block_n, BLOCKS=c.blocks, **common),
+                                dict(HAS_BIAS=False, SPAN=span, BLOCK_N=c.block_n, BLOCKS=c.blocks, EVEN_K=True, **common),
                                 c.num_warps, c.num_stages)
             ptx = wide.asm["ptx"]
             quant_loads = 2 * c.block_n * c.blocks * span // (16 * 32 * c.num_warps)  # 16 bytes a thread, twice

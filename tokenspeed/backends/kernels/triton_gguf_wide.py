@@ -100,15 +100,43 @@ def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _tile(q, heads, x_ptr, b0, blocks, g, span, FORMAT: tl.constexpr, SPAN: tl.constexpr,
+          PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN_K: tl.constexpr):
+    """The products of the tile at block ``b0``; ``EVEN_K``: K is whole tiles, nothing masked."""
+    if EVEN_K:
+        kmask, hmask = tl.full([BLOCKS * SPAN], True, tl.int1), tl.full([1, 1], True, tl.int1)
+    else:
+        kmask = b0 + span // SPAN < blocks
+        hmask = (b0 + g // PER_BLOCK < blocks)[None, :]
+    if FORMAT == Q4_K:
+        products = _q4_k_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+    else:
+        products = _gathered_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+    return products
+
+
+@triton.jit
+def _load_quants(quants, b0, blocks, span, SPAN: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        q = tl.load(quants)
+    else:
+        q = tl.load(quants, mask=(b0 + span // SPAN < blocks)[None, :], other=0)
+    return q
+
+
+@triton.jit
 def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, FORMAT: tl.constexpr,
                  TYPE_SIZE: tl.constexpr, SPAN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Each tile's quants are loaded during the tile before (the first before the wait for
-    the kernel that writes x); ``SPAN``: a block's bytes of quants."""
+    the kernel that writes x); ``SPAN``: a block's bytes of quants. Rows past ``N`` read the
+    last row (their sums never stored), so no load is masked by rows, nor by K when it is
+    whole tiles (``EVEN_K``): the masks' selects took about 0.6 of the 10 sm_90 instructions
+    an element at the 1B shape's gate/up."""
     pdl.start(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
     span = tl.arange(0, BLOCKS * SPAN)
     quants = rows + ((span // SPAN) * TYPE_SIZE + SPAN_OFFSET + span % SPAN)[None, :]
     PER_BLOCK: tl.constexpr = 4 if FORMAT == Q4_K else RUN
@@ -118,21 +146,18 @@ def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, FORMAT: tl.co
     else:
         heads = rows + ((g // RUN) * TYPE_SIZE + 2 * (g % RUN))[None, :]
     blocks = K // BLOCK
-    kmask = span // SPAN < blocks
-    q = tl.load(quants, mask=nmask[:, None] & kmask[None, :], other=0)
+    last = (blocks - 1) // BLOCKS * BLOCKS
+    q = _load_quants(quants, 0, blocks, span, SPAN, EVEN_K)
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCKS * PER_BLOCK], tl.float32)
-    for b0 in range(0, blocks, BLOCKS):
-        hmask = nmask[:, None] & (b0 + g // PER_BLOCK < blocks)[None, :]
-        if FORMAT == Q4_K:
-            acc += _q4_k_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
-        else:
-            acc += _gathered_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+    for b0 in range(0, last, BLOCKS):  # every tile but the last loads the next one's quants
+        acc += _tile(q, heads, x_ptr, b0, blocks, g, span, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
         quants += BLOCKS * TYPE_SIZE
         heads += BLOCKS * TYPE_SIZE
-        kmask = b0 + BLOCKS + span // SPAN < blocks
-        q = tl.load(quants, mask=nmask[:, None] & kmask[None, :], other=0)
+        q = _load_quants(quants, b0 + BLOCKS, blocks, span, SPAN, EVEN_K)
+    acc += _tile(q, heads, x_ptr, last, blocks, g, span, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
     y = tl.sum(acc, 1)
+    nmask = n < N
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -158,6 +183,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
     _wide_kernel[(triton.cdiv(n, c.block_n),)](
         x.contiguous(), weight, bias if bias is not None else x, out, n, k, weight.stride(0),
         FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, SPAN=ELEMENTS if fmt.gathered else ELEMENTS // 2,
-        HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCKS=c.blocks, num_warps=c.num_warps,
+        HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCKS=c.blocks,
+        EVEN_K=k % (c.blocks * ELEMENTS) == 0, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl.launch_options(x.device))
     return out
