@@ -117,6 +117,7 @@ def _tile(q, heads, x_ptr, b0, blocks, g, span, FORMAT: tl.constexpr, SPAN: tl.c
 
 @triton.jit
 def _load_quants(quants, b0, blocks, span, SPAN: tl.constexpr, EVEN_K: tl.constexpr):
+    """The quants of the tile at block ``b0``, its blocks past K read as zeros."""
     if EVEN_K:
         q = tl.load(quants)
     else:
