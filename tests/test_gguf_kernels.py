@@ -222,10 +222,10 @@ def test_q4_k_tiles_read_as_byte_pairs(m, rows, blocks, chunks, splits, offset):
     order: the product is the dequantized weight's, with K split, at the edges of rows and
     columns, its block heads read as words or (rows 2 bytes off) byte by byte."""
     fmt, k = block_format("Q4_K"), blocks * 256
-    blocks_ = quantized("Q4_K", rows, k, seed=rows)
-    storage = torch.empty(blocks_.numel() + 4, dtype=torch.uint8, device=DEVICE)
-    weight = storage[offset:offset + blocks_.numel()].view(blocks_.shape)
-    weight.copy_(blocks_)
+    stored = quantized("Q4_K", rows, k, seed=rows)
+    storage = torch.empty(stored.numel() + 4, dtype=torch.uint8, device=DEVICE)
+    weight = storage[offset:offset + stored.numel()].view(stored.shape)
+    weight.copy_(stored)
     gen = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(rows, generator=gen).to(DEVICE)
     pairs = triton_gguf_matmul.MatmulConfig(16, 16, 2 * chunks, splits, 4, 2, pairs=True)
