@@ -14,10 +14,11 @@ The floor is the weight's bytes over the measured device-to-device copy bandwidt
 are random blocks with finite fp16 scales: the values do not change the time. ``--tiny``
 only checks that the benchmark runs (interpreter times mean nothing). ``--sweep`` times the
 kernel's other configs (``config`` column; the chosen one is ``chosen``; one row of a wide
-Q4_K or Q8_0_G8 weight: the unit GEMV's and the wide GEMV's, ``triton_gguf_wide``), prints each
-shape's best and, per format and row count, the model's linears a token (every layer's
-projections and the head once, of those timed) at the chosen configs and at each shape's
-best: about 50 compiles a format and row count, 2-3 minutes on an H100.
+Q4_K or Q8_0_G8 weight: the unit GEMV's and the wide GEMV's, ``triton_gguf_wide``; a Q4_K
+matmul's also with byte-pair tiles), prints each shape's best and, per format and row count,
+the model's linears a token (every layer's projections and the head once, of those timed) at
+the chosen configs and at each shape's best: hundreds of compiles a projection (Q4_K at 32
+rows: 576), so name the projections and formats you need.
 """
 
 import argparse
@@ -94,8 +95,9 @@ PROJECTIONS = projections(common.SHAPES["llama-3.2-1b"])
 
 def candidates(fmt: BlockFormat, m: int, shape, sm_count: int) -> list:
     """The configs ``--sweep`` times for ``m`` rows of a ``shape`` (N, K) weight: every
-    grid point of tiles, warps, stages and splits, less splits shorter than a tile and
-    splits of weights whose column blocks alone fill the GPU several times."""
+    grid point of tiles, warps, stages and splits (a Q4_K matmul's with byte-pair tiles and
+    without), less splits shorter than a tile and splits of weights whose column blocks
+    alone fill the GPU several times."""
     n, k = shape
     if m == 1:
         grid = itertools.product([1, 2, 4, 8], [512, 1024, 2048, 4096], [1, 2, 4, 8], [1, 2, 4])

@@ -56,8 +56,8 @@ def _banded_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND_M: tl.
 
 @triton.jit
 def _pair_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """An input tile's columns in the order ``_q4_k_pairs`` decodes: a chunk's byte ``t``
-    gives positions ``2t`` and ``2t + 1`` its elements ``t`` and ``32 + t``."""
+    """An input tile's columns in the order ``_q4_k_pairs`` decodes: in each 64-column
+    chunk, byte ``t`` gives positions ``2t`` and ``2t + 1`` its elements ``t`` and ``32 + t``."""
     chunks = tl.reshape(x, [BLOCK_M, BLOCK_K // 64, 2, 32])
     return tl.reshape(tl.permute(chunks, (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
 
@@ -66,12 +66,13 @@ def _pair_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     """A Q4_K tile, fp32 ``[BLOCK_N, BLOCK_K]`` in ``_pair_order``: its whole 64-element
-    chunks read as their 32 bytes (16 a load), each byte's nibbles decoded side by side.
+    chunks read as their 32 bytes (16 a load where the rows are 16-byte aligned), each byte's
+    nibbles decoded side by side.
     ``weight_tile`` instead reads a byte for each element at a computed address: compiled
     for sm_90 at the engine's 32-row tile of the 1B shape's gate/up, 16.9 instructions an
     element against 12.0 here (a decode batch's product is bound by their issue, PERFORMANCE.md,
-    2026-12-06). Nothing is masked: a split holds whole tiles, and rows past ``N`` read the
-    last row, their sums never stored."""
+    2026-12-06). No weight load is masked: ``_check_pairs`` makes every split whole tiles,
+    and rows past ``N`` read the last row, their sums never stored."""
     CHUNKS: tl.constexpr = BLOCK_K // 64
     c = k0 // 64 + tl.arange(0, CHUNKS)[None, :, None]
     rows = tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn

@@ -132,9 +132,9 @@ def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, FORMAT: tl.co
                  USE_PDL: tl.constexpr):
     """Each tile's quants are loaded during the tile before (the first before the wait for
     the kernel that writes x); ``SPAN``: a block's bytes of quants. Rows past ``N`` read the
-    last row (their sums never stored), so no load is masked by rows, nor by K when it is
-    whole tiles (``EVEN_K``): the masks' selects took about 0.6 of the 10 sm_90 instructions
-    an element at the 1B shape's gate/up."""
+    last row (their sums never stored), so no weight load is masked by rows, nor by K when
+    it is whole tiles (``EVEN_K``): the masks' selects took about 0.6 of the 10 sm_90
+    instructions an element at the 1B shape's gate/up."""
     pdl.start(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
