@@ -70,8 +70,8 @@ def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl
     nibbles decoded side by side.
     ``weight_tile`` instead reads a byte for each element at a computed address: compiled
     for sm_90 at the engine's 32-row tile of the 1B shape's gate/up, 16.9 instructions an
-    element against 12.0 here (a decode batch's product is bound by their issue, PERFORMANCE.md,
-    2026-12-06). No weight load is masked: ``_check_pairs`` makes every split whole tiles,
+    element against 12.0 here (at such counts issue, more than memory, should bound a decode
+    batch's product; untimed, PERFORMANCE.md, 2026-12-06). No weight load is masked: ``_check_pairs`` makes every split whole tiles,
     and rows past ``N`` read the last row, their sums never stored."""
     CHUNKS: tl.constexpr = BLOCK_K // 64
     c = k0 // 64 + tl.arange(0, CHUNKS)[None, :, None]
