@@ -379,6 +379,12 @@ def test_bad_calls_are_named():
     with pytest.raises(ValueError, match="block_k must be a power of two of at least 64; got 96"):
         triton_gguf_gemv.gemv(torch.zeros(1, 256, device=DEVICE), weight, q4k,
                               config=triton_gguf_gemv.GemvConfig(1, 96, 1, 1))
+    tiles = triton_gguf_matmul.MatmulConfig
+    for config, message in ((tiles(16, 24, 2, 1, 4, 2), "block_n must be a power of two; got 24"),
+                            (tiles(16, 16, 6, 1, 4, 2, pairs=True), r"K tile \(.*\) must be a power of two; got 192")):
+        with pytest.raises(ValueError, match=message):
+            triton_gguf_matmul.matmul(torch.zeros(2, 768, device=DEVICE), quantized("Q4_K", 4, 768), q4k,
+                                      config=config)
     with pytest.raises(ValueError, match=r"ids must be int32 or int64 \[T\]; got torch.float32"):
         triton_gguf_embedding.embedding(torch.zeros(3), weight, q4k, torch.float32)
 

@@ -71,7 +71,7 @@ def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl
     ``weight_tile`` instead reads a byte for each element at a computed address: compiled
     for sm_90 at the engine's 32-row tile of the 1B shape's gate/up, 16.9 instructions an
     element against 12.0 here (at such counts issue, more than memory, should bound a decode
-    batch's product; untimed, PERFORMANCE.md, 2026-12-06). No weight load is masked: ``_check_pairs`` makes every split whole tiles,
+    batch's product; untimed, PERFORMANCE.md, 2026-12-06). No weight load is masked: ``_check_tiles`` makes every split whole tiles,
     and rows past ``N`` read the last row, their sums never stored."""
     CHUNKS: tl.constexpr = BLOCK_K // 64
     c = k0 // 64 + tl.arange(0, CHUNKS)[None, :, None]
@@ -197,8 +197,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     if m == 0 or n == 0:
         return out
     c = config or choose_config(m, n, k, fmt, triton_attention.sm_count(x.device))
-    if c.pairs:
-        _check_pairs(c, k, fmt)
+    _check_tiles(c, k, fmt)
     k_per_split, splits = split_k(k, c.groups * fmt.group_size, c.splits)
     part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                device=x.device)
@@ -216,10 +215,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     return out
 
 
-def _check_pairs(c: MatmulConfig, k: int, fmt: BlockFormat) -> None:
-    """Byte pairs read Q4_K tiles of whole 64-element chunks, unmasked: K whole tiles."""
+def _check_tiles(c: MatmulConfig, k: int, fmt: BlockFormat) -> None:
+    """Tile sides are powers of two (Triton's ranges); byte pairs read Q4_K tiles of whole
+    64-element chunks, unmasked: K whole tiles."""
     tile = c.groups * fmt.group_size
-    if fmt.qtype != Q.Q4_K or tile % 64 or k % tile:
+    sides = {"block_m": c.block_m, "block_n": c.block_n, "K tile (groups x group size)": tile}
+    for name, side in sides.items():
+        if side < 1 or side & (side - 1):
+            raise ValueError(f"a matmul tile's {name} must be a power of two; got {side}")
+    if c.pairs and (fmt.qtype != Q.Q4_K or tile % 64 or k % tile):
         raise ValueError(f"byte pairs read Q4_K tiles of whole 64-element chunks that divide K; got "
                          f"{fmt.name}, tiles of {tile} and K {k}")
 
