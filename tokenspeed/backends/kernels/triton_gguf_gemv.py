@@ -159,7 +159,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
                          f"{tuple(x.shape)}")
     check_linear(x, weight, fmt, bias)  # its dtype and the bias
     if config is None and triton_gguf_wide.serves(weight, fmt):
-        return triton_gguf_wide.gemv(x, weight, fmt, bias)
+        return triton_gguf_wide.launch(x, weight, fmt, bias)
     return _launch(x, weight, fmt, bias, config, InputNorm(None, x, None, 0.0))
 
 

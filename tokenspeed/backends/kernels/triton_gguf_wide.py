@@ -168,13 +168,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Te
          config: WideConfig | None = None) -> torch.Tensor:
     """``x [1, K] @ dequantize(weight).T (+ bias)`` as ``[1, N]`` in x's dtype, fp32
     accumulation; ``weight`` ``uint8 [N, row_bytes]`` in Q4_K or Q8_0_G8, K whole blocks."""
-    k, n = check_linear(x, weight, fmt, bias)
+    check_linear(x, weight, fmt, bias)
     if x.shape[0] != 1 or not (fmt.qtype == Q.Q4_K or fmt.gathered):
         raise ValueError(f"the wide GEMV takes one row of a Q4_K or Q8_0_G8 weight; got "
                          f"{x.shape[0]} rows of {fmt.name}")
     if not _aligned(weight):
         raise ValueError(f"the wide GEMV reads 16-byte spans: the rows must start 16-byte aligned; "
                          f"got address {weight.data_ptr():#x} and row stride {weight.stride(0)}")
+    return launch(x, weight, fmt, bias, config)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
+           config: WideConfig | None = None) -> torch.Tensor:
+    """``gemv`` for a caller that has checked its arguments (``triton_gguf_gemv.gemv``: x,
+    the weight and bias by ``check_linear``, the rest by ``serves``)."""
+    k, n = x.shape[1], weight.shape[0]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return out
