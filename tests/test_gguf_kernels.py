@@ -466,17 +466,20 @@ def check(fmt):
         if fmt.name in ("Q4_K", "Q5_K"):  # the block's head read as words, so every load is pipelined
             assert "ld.global.b8" not in mm.asm["ptx"] and "cp.async" in mm.asm["ptx"]
     if fmt.name in ("Q4_K", "Q8_0_G8"):
-        span = 256 if fmt.gathered else 128
+        span = 64 if fmt.gathered else 32  # words of quants a block
         for rows in (16384, 128256):  # a gate/up, a head
             c = w.choose_config(rows, 2048, fmt)
             wide = compile_sm90(w._wide_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
-                                N="i32", K="i32", stride_wn="i32"),
+                                N="i32", K="i32", stride_wn="i32", one_bits="i32"),
                                 dict(HAS_BIAS=False, SPAN=span, BLOCK_N=c.block_n, BLOCKS=c.blocks, EVEN_K=True, **common),
                                 c.num_warps, c.num_stages)
             ptx = wide.asm["ptx"]
-            quant_loads = 2 * c.block_n * c.blocks * span // (16 * 32 * c.num_warps)  # 16 bytes a thread, twice
+            quant_loads = 2 * c.block_n * c.blocks * span * 4 // (16 * 32 * c.num_warps)  # 16 bytes a thread, twice
             assert "griddepcontrol.wait" in ptx and ptx.count("ld.global.v4.b32") >= quant_loads, \
                 (quant_loads, sorted(set(re.findall(r"ld\\.global[.\\w]*", ptx))))
+            # quants become floats by their bits: the integer conversions left are the scales'
+            elements = 2 * c.block_n * c.blocks * 256 // (32 * c.num_warps)
+            assert len(re.findall(r"cvt\\.rn\\.f32\\.[su]", ptx)) < elements // 8, fmt.name
     emb = compile_sm90(e._embedding_kernel, dict(ids_ptr="*i64", w_ptr="*u8", out_ptr="*bf16", K="i32", vocab="i32",
                        stride_wn="i32", stride_out="i32"),
                        dict(GROUPS=1024 // fmt.group_size, WORDS=fmt.name in ("Q4_K", "Q5_K"), **group))

@@ -30,6 +30,8 @@ from tokenspeed.ir.weights import WIDE_ROWS
 ELEMENTS = 256                     # elements a block (Q4_K) or a run (Q8_0_G8) holds
 BLOCK = tl.constexpr(ELEMENTS)
 SPAN_OFFSET = tl.constexpr(16)     # both formats: a block's (a run's) quants start 16 bytes in
+ONE_BITS = 0x3F800000              # 1.0's bits: an argument, so ptxas keeps it in a register and
+                                   # a nibble's mask and or are one LOP3 (an immediate each: two)
 HEAD_ROWS = 4 * WIDE_ROWS          # from here a wide weight takes a vocabulary head's config
 
 
@@ -67,20 +69,41 @@ def choose_config(n: int, k: int, fmt: BlockFormat) -> WideConfig:
 
 
 @triton.jit
-def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
-    """A tile's products, ``[BLOCK_N, 4 * BLOCKS]``: byte ``t`` of a block's 32-byte chunk
-    ``c`` holds elements ``64c + t`` (low nibble, sub-block ``2c``) and ``64c + 32 + t``."""
+def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexpr,
+               BLOCKS: tl.constexpr):
+    """A tile's products, ``[BLOCK_N, 4 * BLOCKS]``, from its quants as 32-bit words: word
+    ``v`` of a block's 32-byte chunk ``c`` holds bytes ``4v`` to ``4v + 3``, byte ``t``'s
+    low nibble element ``64c + t`` (sub-block ``2c``), its high nibble ``64c + 32 + t``.
+    A nibble ``n`` becomes a float with no conversion instruction: moved to bits 19-22 of
+    1.0's bits (``one_bits``) it reads ``f = 1 + n / 16``, so a sub-block's ``sum n x`` is
+    ``16 (sum f x - sum x)``. One shift and one LOP3 a nibble replace a byte's extraction and
+    ``I2F``, a quarter-rate instruction (compiled for sm_90 at the 1B shape's gate/up: 9.0
+    instructions an element, one an ``I2F``, became 6.2, none)."""
+    WORDS: tl.constexpr = 32 * BLOCKS
     UNITS: tl.constexpr = 4 * BLOCKS
-    j = tl.arange(0, UNITS * 32)
-    u = j // 32
-    elements = k0 + (u // 4) * BLOCK + (u % 4) * 64 + j % 32
-    x_lo = tl.load(x_ptr + elements, mask=kmask, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_ptr + elements + 32, mask=kmask, other=0.0).to(tl.float32)
-    q = q.to(tl.int32)
-    lo = tl.sum(tl.reshape((q & 15).to(tl.float32) * x_lo[None, :], [BLOCK_N, UNITS, 32]), 2)
-    hi = tl.sum(tl.reshape((q >> 4).to(tl.float32) * x_hi[None, :], [BLOCK_N, UNITS, 32]), 2)
-    sum_lo = tl.sum(tl.reshape(x_lo, [UNITS, 32]), 1)[None, :]
-    sum_hi = tl.sum(tl.reshape(x_hi, [UNITS, 32]), 1)[None, :]
+    w = tl.arange(0, WORDS)
+    xs = x_ptr + k0 + (w // 8) * 64 + (w % 8) * 4
+    fx_lo = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    fx_hi = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    x_lo = tl.zeros([WORDS], tl.float32)
+    x_hi = tl.zeros([WORDS], tl.float32)
+    for nibble in tl.static_range(8):  # byte nibble // 2, its high nibble when odd
+        if 4 * nibble <= 19:
+            moved = q << (19 - 4 * nibble)
+        else:
+            moved = q >> (4 * nibble - 19)
+        f = ((moved & 0x780000) | one_bits).to(tl.float32, bitcast=True)
+        x = tl.load(xs + (nibble % 2) * 32 + nibble // 2, mask=kmask, other=0.0).to(tl.float32)
+        if nibble % 2 == 0:
+            fx_lo += f * x[None, :]
+            x_lo += x
+        else:
+            fx_hi += f * x[None, :]
+            x_hi += x
+    sum_lo = tl.sum(tl.reshape(x_lo, [UNITS, 8]), 1)[None, :]
+    sum_hi = tl.sum(tl.reshape(x_hi, [UNITS, 8]), 1)[None, :]
+    lo = 16.0 * (tl.sum(tl.reshape(fx_lo, [BLOCK_N, UNITS, 8]), 2) - sum_lo)
+    hi = 16.0 * (tl.sum(tl.reshape(fx_hi, [BLOCK_N, UNITS, 8]), 2) - sum_hi)
     even = (2 * (tl.arange(0, UNITS) % 4))[None, :]
     scale_lo, least_lo = k_scale_min(heads, even, hmask)
     scale_hi, least_hi = k_scale_min(heads, even + 1, hmask)
@@ -89,18 +112,35 @@ def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr, BLOCKS:
 
 
 @triton.jit
-def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, BLOCK_N: tl.constexpr,
+def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexpr,
                    BLOCKS: tl.constexpr):
-    """A tile's products, ``[BLOCK_N, 8 * BLOCKS]``: a run's quants are its elements in
-    order, its eight fp16 scales first."""
-    x = tl.load(x_ptr + k0 + tl.arange(0, BLOCKS * BLOCK), mask=kmask, other=0.0).to(tl.float32)
-    dots = tl.sum(tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :],
-                             [BLOCK_N, RUN * BLOCKS, 32]), 2)
+    """A tile's products, ``[BLOCK_N, 8 * BLOCKS]``, from its quants as 32-bit words (a
+    run's quants are its elements in order, its eight fp16 scales first). As in
+    ``_q4_k_tile``, a quant ``q`` becomes a float by its bits: ``q + 128`` (its sign bit
+    flipped) moved to bits 15-22 of 1.0's bits reads ``f = 1 + (q + 128) / 256``, so a
+    block's ``sum q x`` is ``256 sum f x - 384 sum x`` (compiled for sm_90 at the 1B shape's
+    head: 7.1 instructions an element, one an ``I2F``, became 6.4, none)."""
+    WORDS: tl.constexpr = 64 * BLOCKS
+    w = tl.arange(0, WORDS)
+    biased = q ^ -0x7F7F7F80  # 0x80808080 as an int32: each byte's sign bit flipped
+    fx = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    xs = tl.zeros([WORDS], tl.float32)
+    for byte in tl.static_range(4):
+        if 8 * byte <= 15:
+            moved = biased << (15 - 8 * byte)
+        else:
+            moved = biased >> (8 * byte - 15)
+        f = ((moved & 0x7F8000) | one_bits).to(tl.float32, bitcast=True)
+        x = tl.load(x_ptr + k0 + 4 * w + byte, mask=kmask, other=0.0).to(tl.float32)
+        fx += f * x[None, :]
+        xs += x
+    sums = tl.sum(tl.reshape(xs, [RUN * BLOCKS, 8]), 1)[None, :]
+    dots = 256.0 * tl.sum(tl.reshape(fx, [BLOCK_N, RUN * BLOCKS, 8]), 2) - 384.0 * sums
     return dots * read_half(heads, hmask)
 
 
 @triton.jit
-def _tile(q, heads, x_ptr, b0, blocks, g, span, FORMAT: tl.constexpr, SPAN: tl.constexpr,
+def _tile(q, heads, x_ptr, b0, blocks, g, span, one_bits, FORMAT: tl.constexpr, SPAN: tl.constexpr,
           PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN_K: tl.constexpr):
     """The products of the tile at block ``b0``; ``EVEN_K``: K is whole tiles, nothing masked."""
     if EVEN_K:
@@ -109,9 +149,9 @@ def _tile(q, heads, x_ptr, b0, blocks, g, span, FORMAT: tl.constexpr, SPAN: tl.c
         kmask = b0 + span // SPAN < blocks
         hmask = (b0 + g // PER_BLOCK < blocks)[None, :]
     if FORMAT == Q4_K:
-        products = _q4_k_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+        products = _q4_k_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, one_bits, BLOCK_N, BLOCKS)
     else:
-        products = _gathered_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, BLOCK_N, BLOCKS)
+        products = _gathered_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, one_bits, BLOCK_N, BLOCKS)
     return products
 
 
@@ -126,20 +166,21 @@ def _load_quants(quants, b0, blocks, span, SPAN: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
-def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, FORMAT: tl.constexpr,
+def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, one_bits, FORMAT: tl.constexpr,
                  TYPE_SIZE: tl.constexpr, SPAN: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
     """Each tile's quants are loaded during the tile before (the first before the wait for
-    the kernel that writes x); ``SPAN``: a block's bytes of quants. Rows past ``N`` read the
-    last row (their sums never stored), so no weight load is masked by rows, nor by K when
-    it is whole tiles (``EVEN_K``): the masks' selects took about 0.6 of the 10 sm_90
-    instructions an element at the 1B shape's gate/up."""
+    the kernel that writes x); ``SPAN``: the 32-bit words of a block's quants (Q4_K: 32,
+    a run: 64). Rows past ``N`` read the last row (their sums never stored), so no weight
+    load is masked by rows, nor by K when it is whole tiles (``EVEN_K``): the masks' selects
+    took about 0.6 of the 10 sm_90 instructions an element at the 1B shape's gate/up."""
     pdl.start(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
     span = tl.arange(0, BLOCKS * SPAN)
-    quants = rows + ((span // SPAN) * TYPE_SIZE + SPAN_OFFSET + span % SPAN)[None, :]
+    quants = rows + ((span // SPAN) * TYPE_SIZE + SPAN_OFFSET)[None, :]
+    quants = quants.to(tl.pointer_type(tl.int32)) + (span % SPAN)[None, :]
     PER_BLOCK: tl.constexpr = 4 if FORMAT == Q4_K else RUN
     g = tl.arange(0, BLOCKS * PER_BLOCK)
     if FORMAT == Q4_K:
@@ -152,11 +193,11 @@ def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, FORMAT: tl.co
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCKS * PER_BLOCK], tl.float32)
     for b0 in range(0, last, BLOCKS):  # every tile but the last loads the next one's quants
-        acc += _tile(q, heads, x_ptr, b0, blocks, g, span, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
-        quants += BLOCKS * TYPE_SIZE
+        acc += _tile(q, heads, x_ptr, b0, blocks, g, span, one_bits, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
+        quants += BLOCKS * TYPE_SIZE // 4
         heads += BLOCKS * TYPE_SIZE
         q = _load_quants(quants, b0 + BLOCKS, blocks, span, SPAN, EVEN_K)
-    acc += _tile(q, heads, x_ptr, last, blocks, g, span, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
+    acc += _tile(q, heads, x_ptr, last, blocks, g, span, one_bits, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
     y = tl.sum(acc, 1)
     nmask = n < N
     if HAS_BIAS:
@@ -190,8 +231,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     if any(v < 1 or v & (v - 1) for v in (c.block_n, c.blocks)):
         raise ValueError(f"block_n and blocks must be powers of two; got {c.block_n} and {c.blocks}")
     _wide_kernel[(triton.cdiv(n, c.block_n),)](
-        x.contiguous(), weight, bias if bias is not None else x, out, n, k, weight.stride(0),
-        FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, SPAN=ELEMENTS if fmt.gathered else ELEMENTS // 2,
+        x.contiguous(), weight, bias if bias is not None else x, out, n, k, weight.stride(0), ONE_BITS,
+        FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, SPAN=ELEMENTS // 4 if fmt.gathered else ELEMENTS // 8,
         HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCKS=c.blocks,
         EVEN_K=k % (c.blocks * ELEMENTS) == 0, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl.launch_options(x.device))
