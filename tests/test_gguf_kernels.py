@@ -458,13 +458,16 @@ def check(fmt):
         c = m.choose_config(rows, 2048, 8192, fmt, 132)
         mm = compile_sm90(m._matmul_kernel, dict(x_ptr="*bf16", w_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
                           M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
-                          stride_os="i32", stride_om="i32"),
+                          stride_os="i32", stride_om="i32", one_bits="i32"),
                           dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, BAND_M=8,
                                PRECISION="tf32", WORDS=fmt.name in ("Q4_K", "Q5_K"), PAIRS=pairs, **group),
                           c.num_warps)
         assert "mma" in mm.asm["ptx"], "tensor cores"
         if fmt.name in ("Q4_K", "Q5_K"):  # the block's head read as words, so every load is pipelined
             assert "ld.global.b8" not in mm.asm["ptx"] and "cp.async" in mm.asm["ptx"]
+        if pairs:  # byte pairs as words: nibbles become floats by their bits, only the scales converted
+            elements = c.block_n * c.groups * fmt.group_size // (32 * c.num_warps)
+            assert len(re.findall(r"cvt\\.rn\\.f32\\.[su]", mm.asm["ptx"])) < elements // 4
     if fmt.name in ("Q4_K", "Q8_0_G8"):
         span = 64 if fmt.gathered else 32  # words of quants a block
         for rows in (16384, 128256):  # a gate/up, a head

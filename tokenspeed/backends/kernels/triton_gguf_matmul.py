@@ -23,8 +23,9 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gguf_gemv
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
 from tokenspeed.backends.kernels.triton_gemv import split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import (k_head_words, k_scale_min, read_half,
-                                                          reads_words, weight_tile)
+from tokenspeed.backends.kernels.triton_gguf_dequant import (ONE_BITS, k_head_words, k_scale_min,
+                                                          mantissa_float, read_half, reads_words,
+                                                          weight_tile)
 
 SKINNY_M = 64
 
@@ -63,37 +64,64 @@ def _pair_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, one_bits, TYPE_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     """A Q4_K tile, fp32 ``[BLOCK_N, BLOCK_K]`` in ``_pair_order``: its whole 64-element
-    chunks read as their 32 bytes (16 a load where the rows are 16-byte aligned), each byte's
-    nibbles decoded side by side.
+    chunks read as their 32 bytes, each byte's nibbles decoded side by side. Where the
+    rows are 4-byte aligned (``WORDS``) a chunk is 8 words and a nibble a float by its bits
+    (``_word_pairs``); otherwise 32 bytes, each nibble converted.
     ``weight_tile`` instead reads a byte for each element at a computed address: compiled
     for sm_90 at the engine's 32-row tile of the 1B shape's gate/up, 16.9 instructions an
-    element against 12.0 here (at such counts issue, more than memory, should bound a decode
-    batch's product; untimed, PERFORMANCE.md, 2026-12-06). No weight load is masked: ``_check_tiles`` makes every split whole tiles,
-    and rows past ``N`` read the last row, their sums never stored."""
+    element against 12.0 for bytes here and 12.1 for words, whose conversions are 0.7 an
+    element instead of 1.7, all of them to bf16 (at such counts issue and the conversions,
+    more than memory, should bound a decode batch's product; untimed, PERFORMANCE.md,
+    2026-12-06). No
+    weight load is masked: ``_check_tiles`` makes every split whole tiles, and rows past
+    ``N`` read the last row, their sums never stored."""
     CHUNKS: tl.constexpr = BLOCK_K // 64
     c = k0 // 64 + tl.arange(0, CHUNKS)[None, :, None]
     rows = tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn
     block = w_ptr + rows + (c // 4) * TYPE_SIZE
-    q = tl.load(block + 16 + (c % 4) * 32 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
     s, every = 2 * (c % 4), tl.full([1, 1, 1], True, tl.int1)
     if WORDS:
         d, dmin, scale_lo, least_lo = k_head_words(block, s, every)
         d, dmin, scale_hi, least_hi = k_head_words(block, s + 1, every)
+        words = (block + 16 + (c % 4) * 32).to(tl.pointer_type(tl.int32))
+        tile = _word_pairs(tl.load(words + tl.arange(0, 8)[None, None, :]), d * scale_lo,
+                           dmin * least_lo, d * scale_hi, dmin * least_hi, one_bits)
     else:
         scale_lo, least_lo = k_scale_min(block, s, every)
         scale_hi, least_hi = k_scale_min(block, s + 1, every)
         d, dmin = read_half(block, every), read_half(block + 2, every)
-    lo = (d * scale_lo) * (q & 15).to(tl.float32) + -(dmin * least_lo)
-    hi = (d * scale_hi) * (q >> 4).to(tl.float32) + -(dmin * least_hi)
-    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+        q = tl.load(block + 16 + (c % 4) * 32 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
+        lo = (d * scale_lo) * (q & 15).to(tl.float32) + -(dmin * least_lo)
+        hi = (d * scale_hi) * (q >> 4).to(tl.float32) + -(dmin * least_hi)
+        tile = tl.join(lo, hi)
+    return tl.reshape(tile, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _word_pairs(q, scale_lo, least_lo, scale_hi, least_hi, one_bits):
+    """``[R, C, 8]`` words of nibbles decoded ``[R, C, 8, 2, 2, 2]``, flat in
+    ``_pair_order``: nibble ``k`` of word ``v`` (byte ``k // 2``'s high nibble when ``k``
+    is odd) lands at ``8v + k``. A nibble ``n`` is read as ``f = 1 + n / 16``
+    (``mantissa_float``), so its weight ``scale n - least`` is ``16 scale f - (16 scale +
+    least)``: one FMA an element, as from the integer."""
+    f0, f1 = mantissa_float(q, 0, 4, one_bits), mantissa_float(q, 4, 4, one_bits)
+    f2, f3 = mantissa_float(q, 8, 4, one_bits), mantissa_float(q, 12, 4, one_bits)
+    f4, f5 = mantissa_float(q, 16, 4, one_bits), mantissa_float(q, 20, 4, one_bits)
+    f6, f7 = mantissa_float(q, 24, 4, one_bits), mantissa_float(q, 28, 4, one_bits)
+    even = tl.join(tl.join(f0, f4), tl.join(f2, f6))  # [.., c1, c2]: nibble 4 c1 + 2 c2
+    odd = tl.join(tl.join(f1, f5), tl.join(f3, f7))
+    a_lo, a_hi = (16.0 * scale_lo)[:, :, :, None, None], (16.0 * scale_hi)[:, :, :, None, None]
+    b_lo = (16.0 * scale_lo + least_lo)[:, :, :, None, None]
+    b_hi = (16.0 * scale_hi + least_hi)[:, :, :, None, None]
+    return tl.join(a_lo * even - b_lo, a_hi * odd - b_hi)
 
 
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_xm,
-                   stride_wn, stride_os, stride_om, FORMAT: tl.constexpr,
+                   stride_wn, stride_os, stride_om, one_bits, FORMAT: tl.constexpr,
                    TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
                    BAND_M: tl.constexpr, PRECISION: tl.constexpr, WORDS: tl.constexpr,
@@ -114,7 +142,7 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if PAIRS:  # whole tiles (see _q4_k_pairs)
             x = _pair_order(tl.load(x_tile + k0, mask=mmask[:, None], other=0.0), BLOCK_M, BLOCK_K)
-            w = _q4_k_pairs(w_ptr, n, N, k0, stride_wn, TYPE_SIZE, BLOCK_N, BLOCK_K, WORDS)
+            w = _q4_k_pairs(w_ptr, n, N, k0, stride_wn, one_bits, TYPE_SIZE, BLOCK_N, BLOCK_K, WORDS)
         else:
             x = tl.load(x_tile + k0, mask=mmask[:, None] & (k0 + kk < k_hi)[None, :], other=0.0)
             w = weight_tile(w_ptr, n, nmask, k0 // GROUP, k_hi // GROUP, stride_wn, FORMAT,
@@ -204,7 +232,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, bias: torch.
     launch = pdl.launch_options(x.device)
     _matmul_kernel[(triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), splits)](
         x, weight, bias if bias is not None and splits == 1 else x, part, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2),
+        x.stride(0), weight.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-2), ONE_BITS,
         FORMAT=fmt.code, TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, GROUPS=c.groups, GROUP=fmt.group_size, BAND_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

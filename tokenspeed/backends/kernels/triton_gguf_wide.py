@@ -24,14 +24,13 @@ import triton.language as tl
 from tokenspeed.backends.kernels import pdl
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear
-from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_K, RUN, k_scale_min, read_half
+from tokenspeed.backends.kernels.triton_gguf_dequant import (ONE_BITS, Q4_K, RUN, k_scale_min,
+                                                          mantissa_float, read_half)
 from tokenspeed.ir.weights import WIDE_ROWS
 
 ELEMENTS = 256                     # elements a block (Q4_K) or a run (Q8_0_G8) holds
 BLOCK = tl.constexpr(ELEMENTS)
 SPAN_OFFSET = tl.constexpr(16)     # both formats: a block's (a run's) quants start 16 bytes in
-ONE_BITS = 0x3F800000              # 1.0's bits: an argument, so ptxas keeps it in a register and
-                                   # a nibble's mask and or are one LOP3 (an immediate each: two)
 HEAD_ROWS = 4 * WIDE_ROWS          # from here a wide weight takes a vocabulary head's config
 
 
@@ -74,11 +73,10 @@ def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexp
     """A tile's products, ``[BLOCK_N, 4 * BLOCKS]``, from its quants as 32-bit words: word
     ``v`` of a block's 32-byte chunk ``c`` holds bytes ``4v`` to ``4v + 3``, byte ``t``'s
     low nibble element ``64c + t`` (sub-block ``2c``), its high nibble ``64c + 32 + t``.
-    A nibble ``n`` becomes a float with no conversion instruction: moved to bits 19-22 of
-    1.0's bits (``one_bits``) it reads ``f = 1 + n / 16``, so a sub-block's ``sum n x`` is
-    ``16 (sum f x - sum x)``. One shift and one LOP3 a nibble replace a byte's extraction and
-    ``I2F``, a quarter-rate instruction (compiled for sm_90 at the 1B shape's gate/up: 9.0
-    instructions an element, one an ``I2F``, became 6.2, none)."""
+    A nibble ``n`` becomes the float ``f = 1 + n / 16`` by its bits (``mantissa_float``),
+    so a sub-block's ``sum n x`` is ``16 (sum f x - sum x)``: one shift and one LOP3 a
+    nibble instead of a byte's extraction and an ``I2F`` (compiled for sm_90 at the 1B
+    shape's gate/up: 9.0 instructions an element, one an ``I2F``, became 7.0, none)."""
     WORDS: tl.constexpr = 32 * BLOCKS
     UNITS: tl.constexpr = 4 * BLOCKS
     w = tl.arange(0, WORDS)
@@ -88,11 +86,7 @@ def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexp
     x_lo = tl.zeros([WORDS], tl.float32)
     x_hi = tl.zeros([WORDS], tl.float32)
     for nibble in tl.static_range(8):  # byte nibble // 2, its high nibble when odd
-        if 4 * nibble <= 19:
-            moved = q << (19 - 4 * nibble)
-        else:
-            moved = q >> (4 * nibble - 19)
-        f = ((moved & 0x780000) | one_bits).to(tl.float32, bitcast=True)
+        f = mantissa_float(q, 4 * nibble, 4, one_bits)
         x = tl.load(xs + (nibble % 2) * 32 + nibble // 2, mask=kmask, other=0.0).to(tl.float32)
         if nibble % 2 == 0:
             fx_lo += f * x[None, :]
@@ -115,22 +109,18 @@ def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexp
 def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexpr,
                    BLOCKS: tl.constexpr):
     """A tile's products, ``[BLOCK_N, 8 * BLOCKS]``, from its quants as 32-bit words (a
-    run's quants are its elements in order, its eight fp16 scales first). As in
-    ``_q4_k_tile``, a quant ``q`` becomes a float by its bits: ``q + 128`` (its sign bit
-    flipped) moved to bits 15-22 of 1.0's bits reads ``f = 1 + (q + 128) / 256``, so a
-    block's ``sum q x`` is ``256 sum f x - 384 sum x`` (compiled for sm_90 at the 1B shape's
-    head: 7.1 instructions an element, one an ``I2F``, became 6.4, none)."""
+    run's quants are its elements in order, its eight fp16 scales first). A quant ``q``
+    becomes ``f = 1 + (q + 128) / 256`` by its bits, its sign bit flipped
+    (``mantissa_float``), so a block's ``sum q x`` is ``256 sum f x - 384 sum x`` (compiled
+    for sm_90 at the 1B shape's head: 7.1 instructions an element, one an ``I2F``, became
+    6.4, none)."""
     WORDS: tl.constexpr = 64 * BLOCKS
     w = tl.arange(0, WORDS)
     biased = q ^ -0x7F7F7F80  # 0x80808080 as an int32: each byte's sign bit flipped
     fx = tl.zeros([BLOCK_N, WORDS], tl.float32)
     xs = tl.zeros([WORDS], tl.float32)
     for byte in tl.static_range(4):
-        if 8 * byte <= 15:
-            moved = biased << (15 - 8 * byte)
-        else:
-            moved = biased >> (8 * byte - 15)
-        f = ((moved & 0x7F8000) | one_bits).to(tl.float32, bitcast=True)
+        f = mantissa_float(biased, 8 * byte, 8, one_bits)
         x = tl.load(x_ptr + k0 + 4 * w + byte, mask=kmask, other=0.0).to(tl.float32)
         fx += f * x[None, :]
         xs += x
