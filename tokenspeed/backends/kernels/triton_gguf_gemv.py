@@ -26,8 +26,7 @@ from tokenspeed.backends.kernels import pdl, triton_attention, triton_gemv, trit
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.backends.kernels.gguf_blocks import Q, BlockFormat, check_linear, check_weight
 from tokenspeed.backends.kernels.triton_gemv import InputNorm, split_k
-from tokenspeed.backends.kernels.triton_gguf_dequant import (ONE_BITS, Q4_1, Q4_K, Q4_K_QS, Q5_1, Q5_K,
-                                                          k_head_words, mantissa_float, reads_words)
+from tokenspeed.backends.kernels.triton_gguf_dequant import Q4_1, Q4_K, Q5_1, Q5_K
 from tokenspeed.backends.kernels.triton_gguf_units import (unit_elements, unit_gap, unit_halves,
                                                            unit_width)
 
@@ -78,80 +77,15 @@ def _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT: tl.
 
 
 @triton.jit
-def _q4_k_words(w_ptr, row, u, v, mask, TYPE_SIZE: tl.constexpr):
-    """Q4_K units ``u`` (a block's 32 bytes of nibbles ``u % 4``: sub-blocks ``2 (u % 4)``,
-    low nibbles, and the next) read as 8 words ``v``, with their halves' scales and mins
-    (the head read as words, ``k_head_words``): ``q`` ``[R, U, 8]``, the rest ``[R, U, 1]``."""
-    base = w_ptr + row + (u // 4) * TYPE_SIZE
-    s = 2 * (u % 4)
-    d, dmin, scale_lo, least_lo = k_head_words(base, s, mask)
-    d, dmin, scale_hi, least_hi = k_head_words(base, s + 1, mask)
-    q = tl.load((base + Q4_K_QS + (u % 4) * 32).to(tl.pointer_type(tl.int32)) + v, mask=mask,
-                other=0)
-    return q, d * scale_lo, dmin * least_lo, d * scale_hi, dmin * least_hi
-
-
-@triton.jit
-def _q4_k_word_dots(units, u, v, umask, x_ptr, res_ptr, nw_ptr, inv, one_bits, NORM: tl.constexpr,
-                    HAS_RES: tl.constexpr):
-    """``[R, U, 1]``: ``_q4_k_words``' units against their inputs. Byte ``4v + i``'s low
-    nibble is element ``64u + 4v + i``, its high one 32 further; a nibble ``n`` is read as
-    ``f = 1 + n / 16`` (``mantissa_float``: no conversion instruction), so a half's
-    ``sum n x`` is ``16 (sum f x - sum x)``."""
-    q, scale_lo, least_lo, scale_hi, least_hi = units
-    k = u * 64 + 4 * v
-    fx_lo, fx_hi = tl.zeros(q.shape, tl.float32), tl.zeros(q.shape, tl.float32)
-    x_lo, x_hi = tl.zeros(k.shape, tl.float32), tl.zeros(k.shape, tl.float32)
-    for i in tl.static_range(4):
-        lo = _inputs(x_ptr, res_ptr, nw_ptr, k + i, umask, inv, NORM, HAS_RES)
-        hi = _inputs(x_ptr, res_ptr, nw_ptr, k + 32 + i, umask, inv, NORM, HAS_RES)
-        fx_lo += mantissa_float(q, 8 * i, 4, one_bits) * lo
-        fx_hi += mantissa_float(q, 8 * i + 4, 4, one_bits) * hi
-        x_lo += lo
-        x_hi += hi
-    sum_lo, sum_hi = tl.sum(x_lo, 2, keep_dims=True), tl.sum(x_hi, 2, keep_dims=True)
-    n_lo = 16.0 * (tl.sum(fx_lo, 2, keep_dims=True) - sum_lo)
-    n_hi = 16.0 * (tl.sum(fx_hi, 2, keep_dims=True) - sum_hi)
-    return scale_lo * n_lo - least_lo * sum_lo + scale_hi * n_hi - least_hi * sum_hi
-
-
-@triton.jit
-def _read_units(w_ptr, row, u, lanes, words, mask, FORMAT: tl.constexpr,
-                TYPE_SIZE: tl.constexpr, WORDS: tl.constexpr):
-    """A tile's units: as Q4_K words (``WORDS``) or as halves (``unit_halves``)."""
-    if WORDS:
-        units = _q4_k_words(w_ptr, row, u, words, mask, TYPE_SIZE)
-    else:
-        units = unit_halves(w_ptr, row, u, lanes, mask, FORMAT, TYPE_SIZE)
-    return units
-
-
-@triton.jit
-def _unit_dots(units, u, lanes, words, umask, x_ptr, res_ptr, nw_ptr, inv, one_bits,
-               FORMAT: tl.constexpr, GAP: tl.constexpr, NORM: tl.constexpr,
-               HAS_RES: tl.constexpr, WORDS: tl.constexpr):
-    """``_read_units``' units against their inputs, ``[R, U, 1]``."""
-    if WORDS:
-        dots = _q4_k_word_dots(units, u, words, umask, x_ptr, res_ptr, nw_ptr, inv, one_bits,
-                               NORM, HAS_RES)
-    else:
-        dots = _tile_dots(units, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT, GAP,
-                          NORM, HAS_RES)
-    return dots
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N, K,
-                 k_per_split, stride_wn, stride_os, eps, one_bits, FORMAT: tl.constexpr,
+                 k_per_split, stride_wn, stride_os, eps, FORMAT: tl.constexpr,
                  TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                  HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 WIDTH: tl.constexpr, GAP: tl.constexpr, WORDS: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 WIDTH: tl.constexpr, GAP: tl.constexpr, USE_PDL: tl.constexpr):
     """NORM: the input is rms_norm(x + residual) * norm weight, its statistics read first,
     the sum written by the first program. Tiles stay ``[rows, units, lanes]`` and each
     half's products are summed as they come: a reshape to 2-D cost a layout change a tile
-    and a whole-tile accumulator its registers (2.0-3.2x slower on the H200). ``WORDS``:
-    a Q4_K weight of 4-byte aligned rows, its units read as words (``_q4_k_words``)."""
+    and a whole-tile accumulator its registers (2.0-3.2x slower on the H200)."""
     pdl.start(USE_PDL)
     first = tl.program_id(0) * BLOCK_N
     rows_ptr = w_ptr + first.to(tl.int64) * stride_wn
@@ -160,12 +94,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
     row = local[:, None, None] * stride_wn
     UNITS: tl.constexpr = BLOCK_K // (2 * WIDTH)
     units, lanes = tl.arange(0, UNITS)[None, :, None], tl.arange(0, WIDTH)[None, None, :]
-    words = tl.arange(0, WIDTH // 4)[None, None, :]
     u_lo = split * (k_per_split // (2 * WIDTH))
     u_hi = tl.minimum(u_lo + k_per_split // (2 * WIDTH), K // (2 * WIDTH))
     u = u_lo + units
-    tile = _read_units(rows_ptr, row, u, lanes, words, nmask[:, None, None] & (u < u_hi), FORMAT,
-                       TYPE_SIZE, WORDS)
+    halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & (u < u_hi), FORMAT,
+                         TYPE_SIZE)
     pdl.wait(USE_PDL)
     inv = tl.zeros([1], tl.float32)
     if NORM:
@@ -173,15 +106,15 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, total_ptr, w_ptr, bias_ptr, out_ptr, N,
         write_rows = tl.where((tl.program_id(0) == 0) & (split == 0), 1, 0)
         inv = triton_gemv._inv_rms(x_ptr, res_ptr, total_ptr, one, one < 1, K, 0, eps,
                                    write_rows, HAS_RES, 1, BLOCK_K)
-    acc = _unit_dots(tile, u, lanes, words, u < u_hi, x_ptr, res_ptr, nw_ptr, inv, one_bits,
-                     FORMAT, GAP, NORM, HAS_RES, WORDS)
+    acc = _tile_dots(halves, u, lanes, u < u_hi, x_ptr, res_ptr, nw_ptr, inv, FORMAT, GAP, NORM,
+                     HAS_RES)
     for u0 in range(u_lo + UNITS, u_hi, UNITS):  # the first tile came before the wait
         u = u0 + units
         umask = u < u_hi
-        tile = _read_units(rows_ptr, row, u, lanes, words, nmask[:, None, None] & umask, FORMAT,
-                           TYPE_SIZE, WORDS)
-        acc += _unit_dots(tile, u, lanes, words, umask, x_ptr, res_ptr, nw_ptr, inv, one_bits,
-                          FORMAT, GAP, NORM, HAS_RES, WORDS)
+        halves = unit_halves(rows_ptr, row, u, lanes, nmask[:, None, None] & umask, FORMAT,
+                             TYPE_SIZE)
+        acc += _tile_dots(halves, u, lanes, umask, x_ptr, res_ptr, nw_ptr, inv, FORMAT, GAP, NORM,
+                          HAS_RES)
     y = tl.sum(tl.sum(acc, 2), 1)
     n = first + local
     if HAS_BIAS:
@@ -259,11 +192,10 @@ def _launch(x, weight, fmt, bias, config, norm: InputNorm, normed=False):
     _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
         x, _or(norm.residual, x), norm.weight, _or(norm.total, x), weight,
         _or(bias, x), part, n, k, k_per_split, weight.stride(0),
-        part.stride(0) if splits > 1 else 0, norm.eps, ONE_BITS, FORMAT=fmt.code,
+        part.stride(0) if splits > 1 else 0, norm.eps, FORMAT=fmt.code,
         TYPE_SIZE=fmt.type_size, HAS_BIAS=bias is not None and splits == 1,
         NORM=normed, HAS_RES=norm.residual is not None, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        WIDTH=unit_width(fmt), GAP=unit_gap(fmt), WORDS=fmt.qtype == Q.Q4_K and reads_words(weight, fmt),
-        num_warps=c.num_warps, **launch)
+        WIDTH=unit_width(fmt), GAP=unit_gap(fmt), num_warps=c.num_warps, **launch)
     if splits > 1:
         sum_splits(part, bias, out, launch)
     return out
