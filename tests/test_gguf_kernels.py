@@ -246,12 +246,13 @@ def test_byte_pairs_take_whole_chunks_of_q4_k():
 @pytest.mark.parametrize("name", FORMATS)
 def test_tiles_read_a_decode_batchs_weight_once_and_fill_the_gpu(name):
     """The 1B model's down projection on an H200's 132 SMs: up to 64 rows are one row
-    tile; every batch, and one row of any projection, gets at least a program an SM (K
-    split where tiles alone do not)."""
+    tile (a Q4_K tile read as byte pairs); every batch, and one row of any projection, gets
+    at least a program an SM (K split where tiles alone do not)."""
     fmt, sms = block_format(name), 132
     for m in (2, 7, 16, 17, 33, 64, 65, 128, 300, 2048):
         c = triton_gguf_matmul.choose_config(m, 2048, 8192, fmt, sms)
         assert m > triton_gguf_matmul.SKINNY_M or c.block_m >= m
+        assert c.pairs == (name == "Q4_K" and m <= triton_gguf_matmul.SKINNY_M)  # a prefill reads elements
         tiles = -(-m // c.block_m) * -(-2048 // c.block_n)
         assert tiles * c.splits >= sms and (c.groups * fmt.group_size) in (64, 128)
     for n, k in ((2048, 8192), (512, 2048), (128256, 2048)):  # one row

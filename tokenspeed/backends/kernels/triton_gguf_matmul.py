@@ -34,7 +34,8 @@ SKINNY_M = 64
 class MatmulConfig:
     """Tile rows (of x) and columns (weight rows), scale groups per K tile, K splits (each
     a program, summed by a second kernel), the launch's warps and stages, and whether a
-    Q4_K tile is read as byte pairs (``_q4_k_pairs``; unmeasured, so off by default)."""
+    Q4_K tile is read as byte pairs (``_q4_k_pairs``: whole tiles of whole 64-element
+    chunks)."""
     block_m: int
     block_n: int
     groups: int
@@ -73,9 +74,8 @@ def _q4_k_pairs(w_ptr, n, N, k0, stride_wn, one_bits, TYPE_SIZE: tl.constexpr,
     ``weight_tile`` instead reads a byte for each element at a computed address: compiled
     for sm_90 at the engine's 32-row tile of the 1B shape's gate/up, 16.9 instructions an
     element against 12.0 for bytes here and 12.1 for words, whose conversions are 0.7 an
-    element instead of 1.7, all of them to bf16 (at such counts issue and the conversions,
-    more than memory, should bound a decode batch's product; untimed, PERFORMANCE.md,
-    2026-12-06). No
+    element instead of 1.7, all of them to bf16: at such counts issue and the conversions,
+    more than memory, bound a decode batch's product (timed in ``_decode_tiles``). No
     weight load is masked: ``_check_tiles`` makes every split whole tiles, and rows past
     ``N`` read the last row, their sums never stored."""
     CHUNKS: tl.constexpr = BLOCK_K // 64
@@ -180,7 +180,16 @@ def _decode_tiles(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> Ma
     and 1.12x (Q6_K) faster than the earlier rule (64 columns, 3 stages, up to 8 splits
     towards at least four programs an SM), within 1.03x, 1.07x and 1.02x of each shape's
     best config; Q4_K at 8 rows 1.08x faster, 1.23x off its best (PERFORMANCE.md,
-    2026-12-05). 33 to 64 rows (not swept) keep the earlier rule."""
+    2026-12-05). 33 to 64 rows (not swept) keep the earlier rule. A Q4_K tile is read as
+    byte pairs (``_q4_k_pairs``): on an H100 at these tiles the 1B shape's linears a token
+    took 1.121 ms instead of 1.616 at 8 rows and 1.215 instead of 1.445 at 32, and its
+    decode at batch 32 through ``ts.LLM`` 1.72-1.73 ms instead of 2.02-2.05 (2026-12-06;
+    at 2048 rows they were 2 % slower, so a prefill's tiles read elements)."""
+    return attrs.evolve(_decode_shape(m, n, k, fmt, sm_count), pairs=fmt.qtype == Q.Q4_K)
+
+
+def _decode_shape(m: int, n: int, k: int, fmt: BlockFormat, sm_count: int) -> MatmulConfig:
+    """``_decode_tiles``' tiles, warps, stages and splits."""
     block_m = max(16, next_power_of_2(m))
     if block_m > 32:
         return _filled(MatmulConfig(block_m, 64, 64 // fmt.group_size, 1, 4, 3), m, n, k,

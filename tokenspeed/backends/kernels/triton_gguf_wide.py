@@ -5,7 +5,8 @@ run's 256 quants (``gguf_blocks``).
 A wide weight has programs enough from its rows alone, so nothing here splits K, and the
 engine gives it a normed input (``cuda.GGUF_NORM_GEMV_MAX_N``), so nothing here norms it.
 A program reads a few rows by a tile of whole blocks as one 2-D load, a span per row and
-block, sums each 32-element group's products after a reshape, and scales the group once.
+block as 32-bit words, makes each quant a float by its bits (``mantissa_float``), sums each
+32-element group's products after a reshape, and scales the group once.
 The unit GEMV (``triton_gguf_gemv``) keeps ``[rows, units, lanes]`` tiles, whose
 per-unit scales and half-unit inputs cost a wide weight more than its bytes: on an H100 at
 the 1B shape (PERFORMANCE.md, 2026-12-06) this kernel took Q4_K's gate/up from 15.1 to
@@ -56,14 +57,17 @@ def _aligned(weight: torch.Tensor) -> bool:
 
 def choose_config(n: int, k: int, fmt: BlockFormat) -> WideConfig:
     """The best of a sweep on an H100 at the 1B shape's gate/up (16,384 rows) and head
-    (128,256), twice (block rows 1-8, tiles of 1-8 blocks, 1-8 warps, 1-2 stages): Q4_K
-    four rows by tiles of eight blocks at one warp, a head eight rows by two blocks in two
-    stages; Q8_0_G8 two rows by four runs at two warps, a head eight rows."""
+    (128,256) (block rows 2-16, tiles of 2-8 blocks, 1-2 warps, 1-2 stages; 2026-12-06):
+    Q4_K eight rows by tiles of two blocks at one warp (gate/up 14.3 us, the head 92.0),
+    Q8_0_G8 four rows by four runs at one warp (14.7 and 94.7). Before quants became floats
+    by their bits, 5c7ddf3's configs took Q4_K's gate/up 16.7 us and its head 85.3,
+    Q8_0_G8's 14.2 and 104.0; through ``ts.LLM`` Q4_K's decode at batch 1 went from
+    0.776-0.778 ms to 0.740-0.746, Q8_0's from 0.960-0.961 to 0.953."""
     head = n >= HEAD_ROWS
     if fmt.gathered:
-        config = WideConfig(8 if head else 2, 4, 2, 2)
+        config = WideConfig(4, 4, 1, 1)
     else:
-        config = WideConfig(8, 2, 1, 2) if head else WideConfig(4, 8, 1, 1)
+        config = WideConfig(8, 2, 1, 2 if head else 1)
     return attrs.evolve(config, blocks=min(config.blocks, next_power_of_2(k // ELEMENTS)))
 
 
