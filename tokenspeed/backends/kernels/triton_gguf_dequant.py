@@ -55,9 +55,10 @@ def mantissa_float(word, FIRST: tl.constexpr, WIDTH: tl.constexpr, one_bits):
     """Bits ``FIRST`` to ``FIRST + WIDTH`` of 32-bit words, a value ``v``, as the float
     ``1 + v / 2**WIDTH``: moved to the top of 1.0's mantissa (``one_bits``), with no
     conversion instruction (``I2F`` runs at a quarter of the FMA rate on sm_90, one an
-    element in a product that reads the integer). ``one_bits`` comes as an argument so
-    that ptxas keeps it in a register and the mask and the or are one LOP3 (with two
-    immediates they take two)."""
+    element in a product that reads the integer). A right shift's sign bits land above the
+    mantissa (``FIRST + WIDTH`` is at most 32), where the mask clears them. ``one_bits``
+    comes as an argument so that ptxas keeps it in a register and the mask and the or are
+    one LOP3 (with two immediates they take two)."""
     TOP: tl.constexpr = 23 - WIDTH
     if FIRST <= TOP:
         moved = word << (TOP - FIRST)

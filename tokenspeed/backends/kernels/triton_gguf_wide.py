@@ -187,11 +187,13 @@ def _wide_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, one_bits, FOR
     pdl.wait(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCKS * PER_BLOCK], tl.float32)
     for b0 in range(0, last, BLOCKS):  # every tile but the last loads the next one's quants
-        acc += _tile(q, heads, x_ptr, b0, blocks, g, span, one_bits, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
+        acc += _tile(q, heads, x_ptr, b0, blocks, g, span, one_bits, FORMAT, SPAN, PER_BLOCK,
+                     BLOCK_N, BLOCKS, EVEN_K)
         quants += BLOCKS * TYPE_SIZE // 4
         heads += BLOCKS * TYPE_SIZE
         q = _load_quants(quants, b0 + BLOCKS, blocks, span, SPAN, EVEN_K)
-    acc += _tile(q, heads, x_ptr, last, blocks, g, span, one_bits, FORMAT, SPAN, PER_BLOCK, BLOCK_N, BLOCKS, EVEN_K)
+    acc += _tile(q, heads, x_ptr, last, blocks, g, span, one_bits, FORMAT, SPAN, PER_BLOCK,
+                 BLOCK_N, BLOCKS, EVEN_K)
     y = tl.sum(acc, 1)
     nmask = n < N
     if HAS_BIAS:
