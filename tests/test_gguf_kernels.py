@@ -171,6 +171,26 @@ def test_matmul_equals_the_dequantized_product(name):
 
 
 @triton.jit
+def _mantissa_floats(words_ptr, out_ptr, one_bits, FIRST: tl.constexpr, WIDTH: tl.constexpr):
+    i = tl.arange(0, 64)
+    tl.store(out_ptr + i, triton_gguf_dequant.mantissa_float(tl.load(words_ptr + i), FIRST, WIDTH, one_bits))
+
+
+@FEW
+@given(words=st.lists(st.integers(-2**31, 2**31 - 1), min_size=64, max_size=64))
+def test_a_field_made_a_float_by_its_bits_is_one_plus_its_value_over_its_range(words):
+    """Every field the kernels read so (nibbles, bytes, the top ones under a right shift that
+    brings the sign bit along) is exactly ``1 + value / 2**width``."""
+    w = torch.tensor(words, dtype=torch.int32, device=DEVICE)
+    for width in (4, 8):
+        for first in range(0, 32, width):
+            out = torch.empty(64, dtype=torch.float32, device=DEVICE)
+            _mantissa_floats[(1,)](w, out, triton_gguf_dequant.ONE_BITS, FIRST=first, WIDTH=width)
+            value = (w.long() & 0xFFFFFFFF) >> first & ((1 << width) - 1)
+            assert torch.equal(out.cpu(), 1 + value.cpu().double().float() / 2**width), (first, width)
+
+
+@triton.jit
 def _no_byte_head(base, s, mask):
     tl.static_assert(False, "a block head 4-byte aligned was read byte by byte")
 
