@@ -137,7 +137,32 @@ def test_streamed_text_offsets_equal_the_whole_answers(client):
     assert all(offsets[-1] > 0 for offsets in streamed.values())
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"), ("best_of", 3)])
+def test_echo_begins_each_choice_with_its_prompt_streamed_or_not(client, llm):
+    """Each choice's text is its prompt's (as sent, or its token ids spelled) and then the
+    completion the same request without ``echo`` gets; a stream sends the prompt first."""
+    ids = llm.tokenizer.encode("The sea is")
+    kw = dict(model=MODEL, prompt=["One", "Two"], max_tokens=5, n=2, seed=3)
+    plain = client.completions.create(**kw)
+    echoed = client.completions.create(**kw, echo=True)
+    prompts = ["One", "One", "Two", "Two"]
+    assert [c.text for c in echoed.choices] == [p + c.text for p, c in zip(prompts, plain.choices)]
+    streamed = {c.index: "" for c in echoed.choices}
+    for chunk in client.completions.create(**kw, echo=True, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == {c.index: c.text for c in echoed.choices}
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    spelled = llm.tokenizer.decode(ids, False)
+    assert spelled and by_ids.choices[0].text.startswith(spelled)
+
+
+def test_echo_with_logprobs_is_refused_by_name(api):
+    assert_error(api.post(PATH, {"prompt": "x", "echo": True, "logprobs": 1}), 400, "BadRequestError", "echo",
+                 "prompt's log-probabilities")
+    assert api.post(PATH, {"prompt": "x", "echo": False, "logprobs": 1, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [("suffix", "end"), ("best_of", 3)])
 def test_unsupported_fields_are_refused_by_name(api, field, value):
     assert_error(api.post(PATH, {"prompt": "x", field: value}), 400, "BadRequestError", field, "not supported")
 

@@ -146,9 +146,12 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     def unsupported(self) -> None:
-        for name in ("echo", "suffix", "best_of"):
-            if getattr(self, name) not in (None, False) and not (name == "best_of" and self.best_of == self.n):
+        for name in ("suffix", "best_of"):
+            if getattr(self, name) is not None and not (name == "best_of" and self.best_of == self.n):
                 raise APIError(400, f"{name} is not supported", name)
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs asks for the prompt's log-probabilities, which are not "
+                           "computed: send one of them", "echo")
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) \
                 and len(self.prompt) > MAX_PROMPTS:
             raise APIError(400, f"prompt: {len(self.prompt)} prompts, over the limit of {MAX_PROMPTS} "

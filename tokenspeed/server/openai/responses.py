@@ -134,12 +134,26 @@ class _Format:
 
 
 class CompletionFormat(_Format):
+    """``echoed``: each prompt's text, which its choices' texts begin with (``echo``); a
+    stream sends it as each choice's first chunk."""
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
+    def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True,
+                 echoed: tuple[str, ...] = ()):
+        super().__init__(model, tokenizer, n, skip_special_tokens)
+        self.echoed = echoed
+
     def choice(self, c: CompletionDelta) -> dict:
-        return {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.index, c.logprobs),
+        text = self.echoed[c.index // self.n] + c.text if self.echoed else c.text
+        return {"index": c.index, "text": text, "logprobs": self.logprobs(c.index, c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
+        envelope = self._envelope(self.chunk_object, request_id, created)
+        return [{**envelope, "choices": [{"index": i, "text": self.echoed[i // self.n], "logprobs": None,
+                                          "finish_reason": None, "stop_reason": None}]}
+                for i in range(len(self.echoed) * self.n)]
 
     def delta_choice(self, index: int, d) -> dict:
         return {"index": index, "text": d.text, "logprobs": self.logprobs(index, d.logprobs),

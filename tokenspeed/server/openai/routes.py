@@ -64,8 +64,9 @@ def add_routes(app: FastAPI, server: "Server") -> None:
             await asyncio.to_thread(server.check_constraint, constraint)
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
+        echoed = await asyncio.to_thread(_echoed, server, prompts) if body.echo else ()
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
-            server.model_name, server.tokenizer, params.n, params.skip_special_tokens))
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -220,6 +221,12 @@ async def _chat_prompt(server: "Server", body) -> Prompt:
     except (ValueError, jinja2.TemplateError) as exc:
         field = exc.field if isinstance(exc, ChatTemplateRefusal) else "messages"
         raise APIError(400, f"the chat template refused the messages: {exc}", field) from exc
+
+
+def _echoed(server: "Server", prompts: list[Prompt]) -> tuple[str, ...]:
+    """Each prompt's text as sent, or its token ids spelled, special tokens kept (``echo``)."""
+    return tuple(p.text if p.text is not None else _tokenizer(server, "echo").decode(list(p.token_ids), False)
+                 for p in prompts)
 
 
 def _tokenizer(server: "Server", field: str):
