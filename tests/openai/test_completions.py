@@ -157,8 +157,11 @@ def test_echo_begins_each_choice_with_its_prompt_streamed_or_not(client, llm):
 
 
 def test_echo_with_logprobs_is_refused_by_name(api):
+    """And a token id outside the vocabulary is refused as without ``echo``, before it is spelled."""
     assert_error(api.post(PATH, {"prompt": "x", "echo": True, "logprobs": 1}), 400, "BadRequestError", "echo",
                  "prompt's log-probabilities")
+    assert_error(api.post(PATH, {"prompt": [1, 10**9], "echo": True}), 400, "BadRequestError", "prompt",
+                 "outside the vocabulary")
     assert api.post(PATH, {"prompt": "x", "echo": False, "logprobs": 1, "max_tokens": 1}).status_code == 200
 
 

@@ -64,7 +64,10 @@ def add_routes(app: FastAPI, server: "Server") -> None:
             await asyncio.to_thread(server.check_constraint, constraint)
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
-        echoed = await asyncio.to_thread(_echoed, server, prompts) if body.echo else ()
+        echoed = ()
+        if body.echo:   # ids are spelled only once they are known to be in the vocabulary
+            server.check(prompts, params, "prompt")
+            echoed = await asyncio.to_thread(_echoed, server, prompts)
         return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed))
 
