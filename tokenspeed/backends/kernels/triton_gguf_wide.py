@@ -89,15 +89,13 @@ def _q4_k_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.constexp
     fx_hi = tl.zeros([BLOCK_N, WORDS], tl.float32)
     x_lo = tl.zeros([WORDS], tl.float32)
     x_hi = tl.zeros([WORDS], tl.float32)
-    for nibble in tl.static_range(8):  # byte nibble // 2, its high nibble when odd
-        f = mantissa_float(q, 4 * nibble, 4, one_bits)
-        x = tl.load(xs + (nibble % 2) * 32 + nibble // 2, mask=kmask, other=0.0).to(tl.float32)
-        if nibble % 2 == 0:
-            fx_lo += f * x[None, :]
-            x_lo += x
-        else:
-            fx_hi += f * x[None, :]
-            x_hi += x
+    for byte in tl.static_range(4):  # its low nibble, then its high one
+        lo_x = tl.load(xs + byte, mask=kmask, other=0.0).to(tl.float32)
+        hi_x = tl.load(xs + 32 + byte, mask=kmask, other=0.0).to(tl.float32)
+        fx_lo += mantissa_float(q, 8 * byte, 4, one_bits) * lo_x[None, :]
+        fx_hi += mantissa_float(q, 8 * byte + 4, 4, one_bits) * hi_x[None, :]
+        x_lo += lo_x
+        x_hi += hi_x
     sum_lo = tl.sum(tl.reshape(x_lo, [UNITS, 8]), 1)[None, :]
     sum_hi = tl.sum(tl.reshape(x_hi, [UNITS, 8]), 1)[None, :]
     lo = 16.0 * (tl.sum(tl.reshape(fx_lo, [BLOCK_N, UNITS, 8]), 2) - sum_lo)
@@ -134,18 +132,20 @@ def _gathered_tile(q, heads, x_ptr, k0, kmask, hmask, one_bits, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _tile(q, heads, x_ptr, b0, blocks, g, span, one_bits, FORMAT: tl.constexpr, SPAN: tl.constexpr,
-          PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN_K: tl.constexpr):
+def _tile(q, heads, x_ptr, b0, blocks, g, span, one_bits, FORMAT: tl.constexpr,
+          SPAN: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCKS: tl.constexpr, EVEN_K: tl.constexpr):
     """The products of the tile at block ``b0``; ``EVEN_K``: K is whole tiles, nothing masked."""
     if EVEN_K:
         kmask, hmask = tl.full([BLOCKS * SPAN], True, tl.int1), tl.full([1, 1], True, tl.int1)
     else:
         kmask = b0 + span // SPAN < blocks
         hmask = (b0 + g // PER_BLOCK < blocks)[None, :]
+    tile = (q, heads, x_ptr, b0 * BLOCK, kmask, hmask, one_bits)
     if FORMAT == Q4_K:
-        products = _q4_k_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, one_bits, BLOCK_N, BLOCKS)
+        products = _q4_k_tile(*tile, BLOCK_N, BLOCKS)
     else:
-        products = _gathered_tile(q, heads, x_ptr, b0 * BLOCK, kmask, hmask, one_bits, BLOCK_N, BLOCKS)
+        products = _gathered_tile(*tile, BLOCK_N, BLOCKS)
     return products
 
 
