@@ -165,6 +165,18 @@ def test_echo_with_logprobs_is_refused_by_name(api):
     assert api.post(PATH, {"prompt": "x", "echo": False, "logprobs": 1, "max_tokens": 1}).status_code == 200
 
 
+def test_the_default_max_tokens_is_cut_to_the_room_a_prompt_leaves(api):
+    """A prompt 3 tokens short of the context, without max_tokens: its default 16 is cut to
+    3 (as ``LLM.generate`` cuts its defaults), and the other prompt of the request keeps 16;
+    16 asked for is refused, naming max_tokens."""
+    near = [5] * (256 - 3)
+    body = api.post(PATH, {"prompt": [near, [5, 6]], "temperature": 0, "ignore_eos": True}).json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["usage"]["completion_tokens"] == 3 + 16
+    assert_error(api.post(PATH, {"prompt": near, "max_tokens": 16}), 400, "BadRequestError", "max_tokens",
+                 "exceeds max_model_len=256")
+
+
 @pytest.mark.parametrize("field, value", [("suffix", "end"), ("best_of", 3)])
 def test_unsupported_fields_are_refused_by_name(api, field, value):
     assert_error(api.post(PATH, {"prompt": "x", field: value}), 400, "BadRequestError", field, "not supported")

@@ -25,6 +25,7 @@ from tokenspeed.server.openai.chat_replies import ReplyParsing
 from tokenspeed.server.openai.protocol import APIError, CompletionRequest, DetokenizeRequest
 from tokenspeed.server.openai.tool_use import tool_use
 from tokenspeed.api.prompts import Prompt, chat_prompt, parse_prompts
+from tokenspeed.scheduling.prompt_limits import fitted
 from tokenspeed.tokenizer.chat_template import ChatTemplateRefusal
 
 if TYPE_CHECKING:
@@ -64,11 +65,12 @@ def add_routes(app: FastAPI, server: "Server") -> None:
             await asyncio.to_thread(server.check_constraint, constraint)
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
+        per_prompt = _completion_params(server, body, prompts, params)
         echoed = ()
         if body.echo:   # ids are spelled only once they are known to be in the vocabulary
-            server.check(prompts, params, "prompt")
+            server.check(prompts, per_prompt, "prompt")
             echoed = await asyncio.to_thread(_echoed, server, prompts)
-        return await _answer(server, request, body, prompts, params, "prompt", responses.CompletionFormat(
+        return await _answer(server, request, body, prompts, per_prompt, "prompt", responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed))
 
     @app.post("/v1/chat/completions")
@@ -80,7 +82,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
                            "max_tokens"):
             params = _chat_params(server, body, tools, constraint)
             parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
-            return await _answer(server, request, body, prompts, params, "messages", responses.ChatFormat(
+            return await _answer(server, request, body, prompts, [params], "messages", responses.ChatFormat(
                 server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 
     @app.post("/tokenize")
@@ -106,6 +108,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
 
 
 async def _answer(server: "Server", request: Request, body, prompts, params, field: str, fmt):
+    """``params[i]`` for ``prompts[i]``."""
     server.check(prompts, params, field)
     keys, updates = server.submit(prompts, params)
     if body.stream:
@@ -194,6 +197,15 @@ def _compiled_constraint(server: "Server", body: ChatCompletionRequest):
     constraint = tools.constraint or constraint
     server.check_constraint(constraint)
     return tools, constraint
+
+
+def _completion_params(server: "Server", body: CompletionRequest, prompts: list[Prompt], params) -> list:
+    """``params`` for each prompt; a default ``max_tokens`` (16, the request sent none) cut
+    to the room the context leaves a prompt (``prompt_limits.fitted``), as ``LLM.generate``
+    cuts its defaults: the request never asked for it. One it sent is refused past the room."""
+    if "max_tokens" in body.model_fields_set:
+        return [params] * len(prompts)
+    return [fitted(server.limits, len(prompt.token_ids), params) for prompt in prompts]
 
 
 def _chat_params(server: "Server", body: ChatCompletionRequest, tools, constraint):

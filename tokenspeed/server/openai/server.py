@@ -35,6 +35,7 @@ from tokenspeed.server.openai.routes import add_routes
 from tokenspeed.api.output_processor import PromptOutput
 from tokenspeed.api.prompts import Prompt
 from tokenspeed.errors import RefusedRequest
+from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.scheduling.prompt_limits import check_request
 from tokenspeed.tokenizer import load_tokenizer
 
@@ -151,36 +152,35 @@ class Server:
             raise APIError(404, f"model {model!r} is not served here (serving {self.model_name!r})",
                            "model", "NotFoundError")
 
-    def check(self, prompts: list[Prompt], params, field: str) -> None:
-        for i, prompt in enumerate(prompts):
+    def check(self, prompts: list[Prompt], params: list[SamplingParams], field: str) -> None:
+        """Refuse what the engine cannot serve, ``params[i]`` for ``prompts[i]``."""
+        for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
             try:
-                check_request(self.limits, i, prompt.token_ids, params,
+                check_request(self.limits, i, prompt.token_ids, sampling,
                               has_tokenizer=self.engine.info.has_tokenizer)
+                if sampling.token_bias is not None:
+                    sampling.token_bias.check_vocabulary(self.limits.vocab_size)
             except RefusedRequest as exc:
                 raise APIError(400, str(exc), field if exc.field == "prompt" else exc.field) from exc
-        if params.token_bias is not None:
-            try:
-                params.token_bias.check_vocabulary(self.limits.vocab_size)
-            except RefusedRequest as exc:
-                raise APIError(400, str(exc), exc.field) from exc
 
     def check_constraint(self, constraint: Constraint | None) -> None:
         """Compile ``constraint`` against the model's vocabulary: a 400 naming its field if
         it does not compile (blocking: call it off the event loop)."""
         self.grammars.check(constraint, self.limits.vocab_size)
 
-    def submit(self, prompts: list[Prompt], params) -> tuple[list[int], Mailbox]:
-        """Queue the prompts; their updates arrive as ``(prompt index, GroupUpdate)``."""
+    def submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> tuple[list[int], Mailbox]:
+        """Queue the prompts, ``params[i]`` for ``prompts[i]``; their updates arrive as
+        ``(prompt index, GroupUpdate)``."""
         updates, keys = Mailbox(), []
         try:
             if not self.engine.alive:
                 raise OSError("the engine process is gone")
-            for i, prompt in enumerate(prompts):
+            for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
                 keys.append(next(self._keys))
-                self._in_flight[keys[-1]] = Waiting(updates, i, PromptOutput(self.tokenizer, params,
+                self._in_flight[keys[-1]] = Waiting(updates, i, PromptOutput(self.tokenizer, sampling,
                                                                              len(prompt.token_ids)))
-                self.engine.submit(keys[-1], prompt, params)
-                self.metrics.admitted(len(prompt.token_ids) * params.n)
+                self.engine.submit(keys[-1], prompt, sampling)
+                self.metrics.admitted(len(prompt.token_ids) * sampling.n)
         except OSError as exc:
             self.abort(keys)
             raise APIError(503, f"the engine is not running ({exc}; {self.engine.exit_message()})", None,
