@@ -98,13 +98,28 @@ def test_bench_prints_vllm_figures(capsys):
     (["generate", "hi", "--max-tokens", "0"], "max_tokens=0: must be an integer >= 1"),
     (["inspect", "--model", __file__], "test_cli.py: neither a model directory (with config.json) nor a GGUF"),
     (["inspect", "--device", "cuda"], "--device cuda names where --compiled compiles the model"),
+    (["inspect", "--compiled", "--device", "tpu"], "device='tpu' is not a device"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"], "cannot reach http://127.0.0.1:9"),
 ])
 def test_errors_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert message in str(exit_.value) and "\n" not in str(exit_.value)
-    assert "Traceback" not in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err and printed.out == ""   # refused before anything prints
+
+
+def test_a_reader_that_closes_the_pipe_ends_generate_quietly():
+    """``tokenspeed generate ... | head -c 1``: no error line, no traceback."""
+    script = ("from tokenspeed.cli.main import main\n"
+              f"main(['generate', '--model', {str(text_model_dir())!r}, '--max-tokens', '200', '--temperature', '1', '--seed', '1', 'hi'])")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    child.stdout.read(1)
+    child.stdout.close()
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 1 and "Broken pipe" not in err and "Traceback" not in err, err
 
 
 def test_a_folder_that_is_no_model_is_named_with_what_it_lacks(tmp_path):

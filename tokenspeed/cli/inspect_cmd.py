@@ -16,7 +16,7 @@ def add_command(commands) -> None:
     command = commands.add_parser("inspect", help="print the lowered program of a model",
                                   description=DESCRIPTION)
     command.add_argument("--model", default=None,
-                         help="a Hugging Face model directory or a GGUF file (default: the embedded SmolLM2)")
+                         help="a Hugging Face model directory or id (owner/name) or a GGUF file (default: the embedded SmolLM2)")
     command.add_argument("--mode", choices=("prefill", "decode"), default="prefill",
                          help="the program of a prompt's steps or of a decode step")
     command.add_argument("--attention-breaks", action="store_true",
@@ -35,8 +35,13 @@ def add_command(commands) -> None:
 
 
 def run(args) -> None:
+    """The device is checked before anything prints: a GPU named where there is none is
+    refused at once, not after the lowered program."""
     if args.device is not None and not args.compiled:
         raise ValueError(f"--device {args.device} names where --compiled compiles the model: give --compiled too")
+    if args.device is not None:
+        from tokenspeed.api.llm_arguments import checked_device
+        checked_device(args.device)
     print_lowered(args)
     if args.compiled:
         gc.collect()   # the lowered program's model (graph modules hold cycles) before another loads

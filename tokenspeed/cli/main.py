@@ -8,6 +8,7 @@ torch until a command runs: ``--help`` answers at once.
 """
 
 import argparse
+import os
 import sys
 
 from tokenspeed.cli import bench, inspect_cmd, serve_cmd
@@ -20,10 +21,14 @@ MODEL_DEFAULT = "the model's generation_config.json, else {}"
 
 def main(argv=None) -> None:
     """Bad input (a ``RefusedRequest`` among the ``ValueError``s) ends the command with one
-    line; an ``InternalError`` is a fault in tokenspeed, so it passes with its traceback."""
+    line; an ``InternalError`` is a fault in tokenspeed, so it passes with its traceback. A
+    reader that closes the pipe early (``| head``) ends it quietly, as it ends other tools."""
     args = parser().parse_args(argv)
     try:
         args.run(args)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush finds no pipe
+        sys.exit(1)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ConnectionError) as exc:
         sys.exit(f"tokenspeed {args.command}: error: {exc}")
     except KeyboardInterrupt:
@@ -37,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_options(generate, max_tokens=128)
-    chat = _engine_command(commands, "chat", "talk to the model (an empty line or Ctrl-D ends)", cmd_chat)
+    chat = _engine_command(commands, "chat", "talk to the model (an empty line, /exit, /quit or Ctrl-D ends)", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")
     _sampling_options(chat, max_tokens=256)
     serve_cmd.add_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server",
