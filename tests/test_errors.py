@@ -128,7 +128,7 @@ def test_negative_top_k(top_k):
     ("max_tokens", 2.5, "an integer"), ("top_k", 2.5, "an integer"), ("n", True, "an integer"),
     ("temperature", float("inf"), "finite"), ("temperature", "0.5", "finite"),
     ("stop_token_ids", "ab", "a list of token ids"), ("stop_token_ids", [1, -2], "integers >= 0"),
-    ("stop", ["ok", 5], "non-empty string"), ("seed", 1.0, "an integer or None"),
+    ("seed", 1.0, "an integer or None"),
     ("logprobs", 21, "[0, 20]"), ("min_p", 1.5, "[0, 1]"), ("presence_penalty", 3, "[-2, 2]"),
     ("repetition_penalty", 0, "> 0"), ("ignore_eos", "yes", "True or False"),
 ])
@@ -136,6 +136,12 @@ def test_sampling_params_check_types_and_ranges(field, value, limit):
     shown = repr(tuple(value)) if isinstance(value, list) else repr(value)  # lists are kept as tuples
     with raises(f"{field}={shown}", limit):
         ts.SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("bad", [5, "", None])
+def test_a_bad_stop_string_is_named_alone(bad):
+    with raises(f"stop={bad!r}: must be a non-empty string"):
+        ts.SamplingParams(stop=["ok", bad])
 
 
 @pytest.mark.parametrize("field, value, limit", [

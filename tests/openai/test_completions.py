@@ -196,6 +196,9 @@ def test_stream_options_need_a_stream(api):
     ({"prompt": "x", "stop": ["ok", "s" * (1 << 20)]}, "stop", f"over the limit of {MAX_STOP_CHARS}"),
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 2, "allowed_token_ids": [2]}, "min_tokens",
      "leaving no token to sample"),   # the model's end of sequence alone, which min_tokens masks
+    ({"prompt": True}, "prompt", "prompt: expected str, list[str], list[int] or list[list[int]], got True"),
+    ({"prompt": [[1, "a"]]}, "prompt", "prompt[0][1]: Input should be a valid integer, got 'a'"),
+    ({"prompt": "x", "stop": ["ok", ""]}, "stop", "stop='': must be a non-empty string"),
 ])
 def test_the_doors_bounds_are_400s_naming_the_limit(api, client, body, param, says):
     assert_error(api.post(PATH, body), 400, "BadRequestError", param, says)

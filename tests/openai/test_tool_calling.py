@@ -212,7 +212,7 @@ def test_parse_returns_a_pydantic_object(client):
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages", "only a message of role"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "set by the request's own fields"),
     ({"tools": [{"type": "function", "function": {"name": "f</tool_call>"}}]}, "tools",
-     "tools.0.function.name: String should match pattern '^[a-zA-Z0-9_-]{1,64}$', got 'f</tool_call>'"),
+     "tools[0].function.name: String should match pattern '^[a-zA-Z0-9_-]{1,64}$', got 'f</tool_call>'"),
     ({"tools": TOOLS + TOOLS}, "tools", "more than one tool"),
 ])
 def test_bad_requests_are_refused_naming_the_field(api, body, param, says):

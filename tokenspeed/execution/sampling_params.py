@@ -86,8 +86,10 @@ def _strings(value) -> tuple[str, ...]:
 
 
 def _check_stop(instance, attribute, value):
-    if not all(isinstance(s, str) and s for s in value):
-        _fail("stop", value, STOP_LIMIT)
+    """The message names the bad string, not the tuple the list became."""
+    for stop in value:
+        if not (isinstance(stop, str) and stop):
+            _fail("stop", stop, STOP_LIMIT)
 
 
 def _token_ids(value) -> tuple:

@@ -12,6 +12,7 @@ the server serves on; a client that disconnects has its requests aborted at the 
 import asyncio
 import contextlib
 import itertools
+import re
 import time
 from collections.abc import Callable
 
@@ -266,17 +267,37 @@ def _check_json(content_type: str | None) -> None:
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """The deepest error: of a union's branches (a message's content, a string or a list
-    of parts), the one that got furthest into the value says what is wrong with it. The
-    branches' labels (``list[...]``) are left out of the field's path."""
-    error = max(exc.errors(), key=lambda e: len(e["loc"]))
+    of parts), the one that got furthest into the value says what is wrong with it; where
+    every branch of plain types failed at the top, the message lists them. The branches'
+    labels (``list[...]``, a model's name, a tag) are left out of the field's path."""
+    errors = exc.errors()
+    error = max(errors, key=lambda e: len(e["loc"]))
     if error["type"] == "json_invalid":
         return f"invalid JSON: {error['msg']}", None
-    location = [str(part) for part in error["loc"] if (not isinstance(part, int) or error["loc"][0] != part)
-                and "[" not in str(part)]
-    param = ".".join(str(p) for p in error["loc"][:1]) if error["loc"] else None
+    loc = error["loc"]
+    branches = [e["loc"][-1] for e in errors if len(e["loc"]) == len(loc) and e["loc"][:-1] == loc[:-1]]
+    plain = len(branches) > 1 and all(PLAIN_TYPE.fullmatch(str(b)) for b in branches)
+    message = f"expected {', '.join(branches[:-1])} or {branches[-1]}" if plain else error["msg"]
+    param = str(loc[0]) if loc else None
     value = error.get("input")
     shown = f", got {value!r:.80}" if isinstance(value, (str, int, float)) and error["type"] != "missing" else ""
-    return f"{'.'.join(location) or 'body'}: {error['msg']}{shown}", param
+    return f"{_path(loc) or 'body'}: {message}{shown}", param
+
+
+PLAIN_TYPE = re.compile(r"(str|int|float|bool|(list|dict)\[[\w\[\], ]*\])")
+
+
+def _path(loc) -> str:
+    """``messages[0].content``: indexes in brackets, a union's branch labels left out."""
+    path, tagged = "", False   # tagged: the next name is a tagged union's tag (after an index, for a list's)
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+            continue
+        if not (tagged or PLAIN_TYPE.fullmatch(part) or "[" in part or part[:1].isupper()):
+            path += f".{part}" if path else part
+        tagged = "tagged-union[" in part
+    return path
 
 
 def serve(spec: EngineSpec, model_name: str, host: str = "127.0.0.1", port: int = 8000,
