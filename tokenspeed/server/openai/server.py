@@ -275,7 +275,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if error["type"] == "json_invalid":
         return f"invalid JSON: {error['msg']}", None
     loc = error["loc"]
-    branches = [e["loc"][-1] for e in errors if len(e["loc"]) == len(loc) and e["loc"][:-1] == loc[:-1]]
+    branches = [e["loc"][-1] for e in errors if loc and len(e["loc"]) == len(loc) and e["loc"][:-1] == loc[:-1]]
     plain = len(branches) > 1 and all(PLAIN_TYPE.fullmatch(str(b)) for b in branches)
     message = f"expected {', '.join(branches[:-1])} or {branches[-1]}" if plain else error["msg"]
     param = str(loc[0]) if loc else None
