@@ -123,7 +123,7 @@ def test_any_token_outside_the_vocabulary_is_the_value_refused(prompt):
 
 @pytest.mark.parametrize("params, field, value", [
     ({"temperature": -1.0}, "temperature", -1.0), ({"top_k": 2**63}, "top_k", 2**63),
-    ({"stop": ["ok", ""]}, "stop", ("ok", "")), ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", 5),
+    ({"stop": ["ok", ""]}, "stop", ""), ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", 5),
     ({"stop": 5}, "stop", 5), ({"stop_token_ids": 7}, "stop_token_ids", 7),
     ({"allowed_token_ids": 7}, "allowed_token_ids", 7)])
 def test_a_sampling_value_refused_carries_its_field(params, field, value):
