@@ -66,11 +66,9 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         params = body.sampling_params(body.max_tokens, body.logprobs,
                                       server.engine.info.sampling_defaults, constraint)
         per_prompt = _completion_params(server, body, prompts, params)
-        echoed = ()
-        if body.echo:   # ids are spelled only once they are known to be in the vocabulary
-            server.check(prompts, per_prompt, "prompt")
-            echoed = await asyncio.to_thread(_echoed, server, prompts)
-        return await _answer(server, request, body, prompts, per_prompt, "prompt", responses.CompletionFormat(
+        server.check(prompts, per_prompt, "prompt")   # before echo spells ids: they are in the vocabulary
+        echoed = await asyncio.to_thread(_echoed, server, prompts) if body.echo else ()
+        return await _answer(server, request, body, prompts, per_prompt, responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed))
 
     @app.post("/v1/chat/completions")
@@ -81,8 +79,9 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         with named_as_sent("max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
                            "max_tokens"):
             params = _chat_params(server, body, tools, constraint)
+            server.check(prompts, [params], "messages")
             parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
-            return await _answer(server, request, body, prompts, [params], "messages", responses.ChatFormat(
+            return await _answer(server, request, body, prompts, [params], responses.ChatFormat(
                 server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 
     @app.post("/tokenize")
@@ -107,9 +106,8 @@ def add_routes(app: FastAPI, server: "Server") -> None:
         return {"prompt": await asyncio.to_thread(_tokenizer(server, "tokens").decode, body.tokens, False)}
 
 
-async def _answer(server: "Server", request: Request, body, prompts, params, field: str, fmt):
-    """``params[i]`` for ``prompts[i]``."""
-    server.check(prompts, params, field)
+async def _answer(server: "Server", request: Request, body, prompts, params, fmt):
+    """``params[i]`` for ``prompts[i]``, checked by the caller (``Server.check``)."""
     keys, updates = server.submit(prompts, params)
     if body.stream:
         return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage),
