@@ -229,6 +229,18 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def host_name() -> str:
+    """The host's CPU model and the cores this process may use: figures bound by the host
+    (a constrained step's mask fills) move with it between machines of one GPU kind."""
+    from tokenspeed.cores import allowed_cpus
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "an unnamed CPU"
+    return f"{model}, {allowed_cpus()} cores"
+
+
 def write_json(path, payload) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2))

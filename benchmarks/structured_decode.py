@@ -126,11 +126,12 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         bench_shape(shape, args.batches, args.new_tokens, args.device, tokenizer, rows)
-    print(f"\n# decode under a JSON schema, greedy, prompt {PROMPT}, {common.device_name()}, commit "
-          f"{common.git_commit()}; vocabulary view built in {compiled['vocab_build_s']:.3f} s, a typical "
+    print(f"\n# decode under a JSON schema, greedy, prompt {PROMPT}, {common.device_name()} (host: "
+          f"{common.host_name()}), commit {common.git_commit()}; vocabulary view built in {compiled['vocab_build_s']:.3f} s, a typical "
           f"schema compiled in {compiled['schema_compile_ms']:.2f} ms")
     print(common.table(rows, list(rows[0])))
-    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(), **compiled,
+    common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
+                                  "host": common.host_name(), **compiled,
                                   "schema": json.dumps(ENDLESS), "rows": rows})
 
 

@@ -25,3 +25,14 @@ def test_skipping_an_unknown_kernel_is_refused_by_name(name):
     with pytest.raises(ValueError, match=name), common.kernels_skipped(["triton_decode._combine_kernel", name]):
         pass
     assert triton_decode._combine_kernel is kernel
+
+
+def test_the_host_is_named_by_its_cpu_model_and_usable_cores():
+    from pathlib import Path
+
+    from tokenspeed.cores import allowed_cpus
+    model, cores = common.host_name().rsplit(", ", 1)
+    assert cores == f"{allowed_cpus()} cores"
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    assert model == "an unnamed CPU" or f": {model}\n" in text
