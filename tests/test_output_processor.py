@@ -126,6 +126,36 @@ def test_a_stop_string_finishes_the_engines_request_and_its_pages_return(llm, pl
     assert list(core.keys) == []
 
 
+def test_a_prompt_read_at_its_end_gets_its_tokens_once_it_finishes(llm, plain):
+    """``at_end`` (``generate``'s answers without stop strings): no update before a
+    completion ends, then every token at once; a prompt beside it read as it grows gets one
+    a step, and an abort of a prompt read at its end is reported at the next step."""
+    core = EngineCore(llm.engine)
+    [prompt] = parse_prompts(PROMPT, llm.tokenizer)
+    core.add("end", prompt.token_ids, PLAIN, at_end=True)
+    core.add("grows", prompt.token_ids, PLAIN)
+    core.add("aborted", prompt.token_ids, PLAIN, at_end=True)
+    updates = {"end": [], "grows": [], "aborted": []}
+    steps = 0
+    while core.has_work:
+        if steps == 3:
+            core.engine.finish(core._live["aborted"].requests[0], "abort")   # as OfflineClient.abort does
+        for key, update in core.step():
+            updates[key].append((steps, update))
+        steps += 1
+    [(_, end)] = updates["end"]
+    assert end.finished and end.deltas[0].token_ids == tuple(plain.token_ids)
+    assert len(updates["grows"]) >= LENGTH - 1 and updates["grows"][-1][1].finished
+    [(when, aborted)] = updates["aborted"]
+    assert when == 3 and aborted.finished and aborted.deltas[0].finish_reason == "abort"
+
+
+def test_a_prompt_with_stop_strings_is_not_read_at_its_end_only(llm):
+    [prompt] = parse_prompts(PROMPT, llm.tokenizer)
+    with pytest.raises(ValueError, match=r"stop=\['sea'\]: a prompt with stop strings"):
+        EngineCore(llm.engine).add("stops", prompt.token_ids, PLAIN.clone(stop=["sea"]), at_end=True)
+
+
 def test_the_engine_sends_token_ids_and_no_text(llm, plain):
     """The engine loop's reports, encoded as they cross to the API process, hold the
     completion's tokens but not its text: that is made where it is read."""

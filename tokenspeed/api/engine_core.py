@@ -27,11 +27,13 @@ from tokenspeed.execution.sampling_params import SamplingParams
 
 @attrs.define(eq=False)
 class _Prompt:
-    """A prompt's requests in the engine, and how many tokens of each have gone out."""
+    """A prompt's requests in the engine, and how many tokens of each have gone out;
+    ``at_end``: its tokens go out only when one of its completions finishes."""
     requests: list[Request]
     num_prompt_tokens: int
     sent: list[int]
     finish_sent: list[bool]
+    at_end: bool = False
 
 
 class EngineCore:
@@ -42,13 +44,20 @@ class EngineCore:
         self.engine, self.stream_interval = engine, stream_interval
         self._live: dict[Hashable, _Prompt] = {}
         self._news: dict[Hashable, str | None] = {}   # prompts changed between steps: their error
+        self._num_finished = engine.num_finished      # the engine's count at the last updates
 
-    def add(self, key: Hashable, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
+    def add(self, key: Hashable, prompt: tuple[int, ...], params: SamplingParams,
+            at_end: bool = False) -> list[Request]:
         """Queue a checked prompt's ``params.n`` completions under ``key`` (the caller's,
-        unique among its live prompts); returns them. A value the engine cannot sample
-        (one that slipped past the request check) is refused here, and nothing is queued."""
+        unique among its live prompts); returns them. ``at_end``: the caller reads nothing
+        before a completion ends (an answer returned whole, with no stop string to look for
+        in its text), so its tokens go out then, not every step. A value the engine cannot
+        sample (one that slipped past the request check) is refused here, and nothing is
+        queued."""
+        if at_end and params.stop:
+            raise ValueError(f"stop={list(params.stop)!r}: a prompt with stop strings has its text read as it grows")
         requests = self.engine.add(prompt, params)
-        self._live[key] = _Prompt(requests, len(prompt), [0] * len(requests), [False] * len(requests))
+        self._live[key] = _Prompt(requests, len(prompt), [0] * len(requests), [False] * len(requests), at_end)
         return requests
 
     def abort(self, key: Hashable) -> None:
@@ -101,11 +110,17 @@ class EngineCore:
 
     def _updates(self) -> list[tuple[Hashable, TokenUpdate]]:
         """The updates of the prompts due: one pass over the live prompts, doing no more
-        than a length check for a prompt with nothing due."""
+        than a length check for a prompt with nothing due (a prompt read at its end: a
+        look-up, and a scan of its completions only in a step in which some request ended)."""
         news, self._news = self._news, {}
+        ended, self._num_finished = self.engine.num_finished != self._num_finished, self.engine.num_finished
         updates, interval = [], self.stream_interval
         for key, prompt in list(self._live.items()):
-            if interval == 1 or key in news or _due(prompt, interval):   # 1: any gain is due
+            if prompt.at_end:
+                due = key in news or (ended and any(r.finished for r in prompt.requests))
+            else:   # interval 1: any gain is due
+                due = interval == 1 or key in news or _due(prompt, interval)
+            if due:
                 update = self._update(key, prompt, news.get(key))
                 if update is not None:
                     updates.append((key, update))

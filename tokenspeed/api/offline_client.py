@@ -50,7 +50,7 @@ class OfflineClient:
             try:
                 for prompt, sp in zip(prompts, params):
                     keys.append(next(self._keys))
-                    requests = self.core.add(keys[-1], prompt.token_ids, sp)
+                    requests = self.core.add(keys[-1], prompt.token_ids, sp, at_end=not streamed and not sp.stop)
                     self._prompts[keys[-1]] = LivePrompt(requests, PromptOutput(self.tokenizer, sp,
                                                                                 len(prompt.token_ids), streamed))
             except ValueError:
