@@ -72,3 +72,9 @@ def test_a_schema_s_requests_take_the_least_busy_of_its_lexers(grammars, monkeyp
 def test_a_schema_needs_a_lexer(grammars):
     with pytest.raises(ValueError, match="lexers=0: a schema needs at least one lexer"):
         Grammars(grammars.tokenizer, grammars.vocab_size, lexers=0)
+
+
+@pytest.mark.parametrize("threads, lexers", [(1, 1), (2, 4), (8, 16)])
+def test_a_schema_keeps_two_lexers_a_filling_thread_where_there_are_several(grammars, monkeypatch, threads, lexers):
+    monkeypatch.setattr(grammars_module, "default_threads", lambda: threads)
+    assert Grammars(grammars.tokenizer, grammars.vocab_size).lexers == lexers

@@ -8,10 +8,14 @@ tokenizer's: the ids past it are empty tokens, which no mask allows.
 
 A schema's requests get copies of kept matchers (``GrammarMatcher.copy``): no compile on the
 engine's thread once they are made, and lexers whose states the schema's requests reuse. A
-lexer computes one mask at a time, so a schema keeps up to one per mask-filling thread
-(``default_threads``) and gives each request the least busy: a batch's rows of one schema
-then fill in parallel, and requests one at a time all use the first lexer, whose states are
-warm. A lexer only grows, so after ``COPIES_PER_LEXER`` requests it is replaced.
+lexer computes one mask at a time, so a schema keeps up to ``LEXERS_PER_THREAD`` per
+mask-filling thread (``default_threads``) and gives each request the least busy: a batch's
+rows of one schema then fill in parallel, and requests one at a time all use the first
+lexer, whose states are warm. Two a thread rather than one: a row inside a bounded string
+(a schema's ``maxLength``) walks the whole vocabulary (0.2-0.6 ms), and the rows sharing its
+lexer wait for it; 32 rows over 16 lexers filled in 0.37-0.40 ms a step against 0.42-0.45
+over 8, on 8 threads of an H100's host (docs/PERFORMANCE.md, fifty-third session). A lexer
+only grows, so after ``COPIES_PER_LEXER`` requests it is replaced.
 """
 
 import threading
@@ -24,6 +28,14 @@ from tokenspeed.structured.mask_filler import default_threads
 
 KEPT_GRAMMARS = 64
 COPIES_PER_LEXER = 256
+LEXERS_PER_THREAD = 2
+
+
+def default_lexers() -> int:
+    """``LEXERS_PER_THREAD`` a mask-filling thread; one where a single thread fills the
+    masks (its rows are computed one after another whatever their lexers)."""
+    threads = default_threads()
+    return 1 if threads == 1 else LEXERS_PER_THREAD * threads
 
 
 @attrs.define(eq=False)
@@ -70,11 +82,11 @@ class KeptGrammar:
 class Grammars:
     def __init__(self, tokenizer, vocab_size: int, lexers: int | None = None):
         """``tokenizer``: the model's (``structured.vocabulary.Tokenizer``); ``vocab_size``:
-        the model's logits' width; ``lexers``: a schema's at most (``default_threads``)."""
+        the model's logits' width; ``lexers``: a schema's at most (``default_lexers``)."""
         if lexers is not None and lexers < 1:
             raise ValueError(f"lexers={lexers}: a schema needs at least one lexer")
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.lexers = default_threads() if lexers is None else lexers
+        self.lexers = default_lexers() if lexers is None else lexers
         self._guide = None
         self._lock = threading.Lock()   # callers check requests on their own threads
         self._kept: dict[StructuredOutputs, KeptGrammar] = {}   # in use order, the newest last

@@ -3,7 +3,7 @@
 llguidance computes every row's mask in native code, without the GIL: rows of different
 lexers in parallel (``LLExecutor``), rows whose matchers share one (``GrammarMatcher.copy``)
 one after another, as the lexer's lock would serialise them anyway; a schema's requests are
-spread over up to ``default_threads`` lexers for that (``engine.grammars``). The engine calls
+spread over up to two lexers a thread for that (``engine.grammars``). The engine calls
 ``fill`` between launching a step's forward and its draw (``ConstrainedSteps``), so the
 fill overlaps the forward. Not in a worker thread: a fill there waits for the GIL at each
 row's return while the engine's thread runs Python (docs/PERFORMANCE.md, the thirty-fifth
@@ -73,7 +73,7 @@ def default_threads() -> int:
     default (80% of the machine's cores, up to 32) leaves little to the engine's thread,
     torch's pool and a server's threads on the same cores, and its idle workers spin before
     they sleep. Only rows of different lexers are computed in parallel (``_batches``), so a
-    schema keeps as many lexers as there are threads."""
+    schema keeps two lexers a thread (``engine.grammars``)."""
     return max(1, min(MAX_THREADS, allowed_cpus() // 2))
 
 
