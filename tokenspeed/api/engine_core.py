@@ -44,7 +44,7 @@ class EngineCore:
         self.engine, self.stream_interval = engine, stream_interval
         self._live: dict[Hashable, _Prompt] = {}
         self._news: dict[Hashable, str | None] = {}   # prompts changed between steps: their error
-        self._num_finished = engine.num_finished      # the engine's count at the last updates
+        self._num_finished: int | None = None         # the engine's count at the last updates
 
     def add(self, key: Hashable, prompt: tuple[int, ...], params: SamplingParams,
             at_end: bool = False) -> list[Request]:
