@@ -127,8 +127,8 @@ def main() -> None:
     for shape in args.shapes:
         bench_shape(shape, args.batches, args.new_tokens, args.device, tokenizer, rows)
     print(f"\n# decode under a JSON schema, greedy, prompt {PROMPT}, {common.device_name()} (host: "
-          f"{common.host_name()}), commit {common.git_commit()}; vocabulary view built in {compiled['vocab_build_s']:.3f} s, a typical "
-          f"schema compiled in {compiled['schema_compile_ms']:.2f} ms")
+          f"{common.host_name()}), commit {common.git_commit()}; vocabulary view built in "
+          f"{compiled['vocab_build_s']:.3f} s, a typical schema compiled in {compiled['schema_compile_ms']:.2f} ms")
     print(common.table(rows, list(rows[0])))
     common.write_json(args.json, {"commit": common.git_commit(), "device": common.device_name(),
                                   "host": common.host_name(), **compiled,

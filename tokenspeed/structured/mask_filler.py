@@ -73,7 +73,7 @@ def default_threads() -> int:
     default (80% of the machine's cores, up to 32) leaves little to the engine's thread,
     torch's pool and a server's threads on the same cores, and its idle workers spin before
     they sleep. Only rows of different lexers are computed in parallel (``_batches``), so a
-    schema keeps two lexers a thread (``engine.grammars``)."""
+    schema keeps two lexers a thread where there are several (``engine.grammars``)."""
     return max(1, min(MAX_THREADS, allowed_cpus() // 2))
 
 
