@@ -24,7 +24,7 @@ def step_report() -> StepReport:
 
 
 SAMPLES = {
-    Submit: Submit(3, Prompt((1, 2, 3), "abc"), ts.SamplingParams(temperature=0.5, stop=("x",), n=2), 0),
+    Submit: Submit(3, Prompt((1, 2, 3), "abc"), ts.SamplingParams(temperature=0.5, stop=("x",), n=2), 0, False),
     Abort: Abort(3, 0),
     Finish: Finish(3, 1, 0),
     StepReport: step_report(),
@@ -105,7 +105,7 @@ def test_sampling_params_are_checked_again_where_they_arrive():
     bad = ts.SamplingParams(temperature=1.0, max_tokens=4)
     object.__setattr__(bad, "top_k", 2**63)
     with pytest.raises(MismatchedRecord, match="a Submit record .* refuses: top_k=9223372036854775808"):
-        messages.to_engine_decoder().decode(payload(Submit(1, Prompt((1,)), bad, 0)))
+        messages.to_engine_decoder().decode(payload(Submit(1, Prompt((1,)), bad, 0, False)))
 
 
 def test_a_record_of_the_other_direction_is_refused():

@@ -162,7 +162,7 @@ def test_the_engine_sends_token_ids_and_no_text(llm, plain):
     reports = []
     loop = EngineLoop(EngineCore(llm.engine), lambda client, report: reports.append(report), print).start()
     [prompt] = parse_prompts(PROMPT, llm.tokenizer)
-    loop.inbox.put(Submit(1, prompt, PLAIN, 0))
+    loop.inbox.put(Submit(1, prompt, PLAIN, 0, False))
     try:
         for _ in range(600):
             if any(u.finished for r in list(reports) for _, u in r.updates):
@@ -174,6 +174,24 @@ def test_the_engine_sends_token_ids_and_no_text(llm, plain):
     tokens = [t for r in reports for _, u in r.updates for d in u.deltas for t in d.token_ids]
     assert tuple(tokens) == plain.token_ids and len(plain.text) > 20
     assert plain.text.encode() not in sent and plain.text[5:15].encode() not in sent
+
+
+def test_a_submission_read_at_its_end_gets_one_report_with_every_token(llm, plain):
+    """``Submit.at_end`` (an answer the API process sends whole): the loop reports the
+    prompt once, finished, with all its tokens."""
+    reports = []
+    loop = EngineLoop(EngineCore(llm.engine), lambda client, report: reports.append(report), print).start()
+    [prompt] = parse_prompts(PROMPT, llm.tokenizer)
+    loop.inbox.put(Submit(1, prompt, PLAIN, 0, True))
+    try:
+        for _ in range(600):
+            if any(u.finished for r in list(reports) for _, u in r.updates):
+                break
+            loop.thread.join(0.05)
+    finally:
+        loop.stop()
+    [update] = [u for r in reports for key, u in r.updates if key == 1]
+    assert update.finished and update.deltas[0].token_ids == tuple(plain.token_ids)
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -339,7 +339,7 @@ def test_a_weights_only_directory_serves_token_ids(tmp_path):
 def test_an_engine_loop_that_fails_outside_a_step_says_so(llm):
     reports, crashes = [], []
     loop = EngineLoop(EngineCore(llm.engine), lambda client, r: reports.append(r), crashes.append).start()
-    loop.inbox.put(Submit(0, "not a prompt record", GREEDY, 0))
+    loop.inbox.put(Submit(0, "not a prompt record", GREEDY, 0, False))
     loop.thread.join(timeout=30)
     assert not loop.thread.is_alive() and "the engine loop failed" in crashes[0]
 
@@ -380,7 +380,7 @@ def generate_and_loop(llm, params, prompt_text="The sea is", **core_options):
     reports = []
     loop = EngineLoop(EngineCore(llm.engine, **core_options), lambda client, r: reports.append(r), print).start()
     [prompt] = parse_prompts(prompt_text, llm.tokenizer)
-    loop.inbox.put(Submit(7, prompt, params, 0))
+    loop.inbox.put(Submit(7, prompt, params, 0, False))
     for _ in range(600):
         updates = [u for r in reports for key, u in r.updates]
         if updates and updates[-1].finished:
@@ -670,8 +670,8 @@ def test_a_submission_the_engine_refuses_fails_alone_and_the_loop_serves_on(llm)
     reports = []
     loop = EngineLoop(EngineCore(llm.engine), lambda client, r: reports.append(r), print).start()
     [prompt] = parse_prompts("The sea is", llm.tokenizer)
-    loop.inbox.put(Submit(1, prompt, bad, 0))
-    loop.inbox.put(Submit(2, prompt, GREEDY, 0))
+    loop.inbox.put(Submit(1, prompt, bad, 0, False))
+    loop.inbox.put(Submit(2, prompt, GREEDY, 0, False))
     try:
         for _ in range(600):
             updates = {key: u for r in list(reports) for key, u in r.updates if u.finished}

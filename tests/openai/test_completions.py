@@ -223,3 +223,24 @@ def test_unset_sampling_fields_take_the_models_defaults_then_openais():
     assert (given.temperature, given.greedy, given.top_p, given.min_p) == (0.0, True, 0.9, 0.1)
     plain = CompletionRequest(prompt="x").sampling_params(16, None, {})
     assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
+def test_an_answer_sent_whole_without_stop_strings_is_read_from_the_engine_at_its_end(client, llm, monkeypatch):
+    """A request answered whole and without stop strings asks the engine for its tokens only
+    when a completion ends (``at_end``); a stream, or stop strings to look for, every step.
+    Its answer equals the offline one either way."""
+    from tokenspeed.server.engine_client import EngineClient
+    asked, submit = [], EngineClient.submit
+    monkeypatch.setattr(EngineClient, "submit", lambda self, key, prompt, params, at_end=False: (
+        asked.append(at_end), submit(self, key, prompt, params, at_end))[1])
+    want = llm.generate("The sea is", ts.SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    whole = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=9, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    streamed = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=9, temperature=0,
+                                         extra_body={"ignore_eos": True}, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+    stopped = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=9, temperature=0,
+                                        stop=["\x00"], extra_body={"ignore_eos": True})
+    assert asked == [True, False, False]
+    assert whole.choices[0].text == text == stopped.choices[0].text == want

@@ -34,6 +34,7 @@ class Submit(Record, tag=True):
     prompt: Prompt
     params: SamplingParams
     client: int                # which of the loop's clients sent it (the relay sets it)
+    at_end: bool               # its tokens wanted only when a completion ends (``EngineCore.add``)
 
 
 class Abort(Record, tag=True):

@@ -45,10 +45,11 @@ class EngineClient:
         code = "" if self.process is None else f" (code {self.process.exitcode})"
         return f"the engine process exited{code}"
 
-    def submit(self, key: int, prompt, params) -> None:
-        """Queue a checked prompt; its updates will carry ``key`` (the caller's, unique).
-        ``OSError`` once the channel has closed."""
-        self._sender().send(Submit(key, prompt, params, 0))   # the engine's relay sets the client
+    def submit(self, key: int, prompt, params, at_end: bool = False) -> None:
+        """Queue a checked prompt; its updates will carry ``key`` (the caller's, unique);
+        ``at_end``: only once a completion ends (``EngineCore.add``). ``OSError`` once the
+        channel has closed."""
+        self._sender().send(Submit(key, prompt, params, 0, at_end))   # the engine's relay sets the client
 
     def abort(self, key: int) -> None:
         self._sender().send(Abort(key, 0))

@@ -93,7 +93,7 @@ class EngineLoop:
 
     def _take(self, submit: Submit) -> None:
         try:
-            self.core.add((submit.client, submit.key), submit.prompt.token_ids, submit.params)
+            self.core.add((submit.client, submit.key), submit.prompt.token_ids, submit.params, submit.at_end)
         except ValueError as exc:   # the engine's own refusal: this submission alone fails
             self._queue(submit.client, submit.key,
                         TokenUpdate((), True, len(submit.prompt.token_ids), str(exc), (), refused=True))

@@ -108,7 +108,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
 
 async def _answer(server: "Server", request: Request, body, prompts, params, fmt):
     """``params[i]`` for ``prompts[i]``, checked by the caller (``Server.check``)."""
-    keys, updates = server.submit(prompts, params)
+    keys, updates = server.submit(prompts, params, streamed=bool(body.stream))
     if body.stream:
         return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage),
                                  media_type="text/event-stream")

@@ -169,9 +169,12 @@ class Server:
         it does not compile (blocking: call it off the event loop)."""
         self.grammars.check(constraint, self.limits.vocab_size)
 
-    def submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> tuple[list[int], Mailbox]:
+    def submit(self, prompts: list[Prompt], params: list[SamplingParams],
+               streamed: bool = True) -> tuple[list[int], Mailbox]:
         """Queue the prompts, ``params[i]`` for ``prompts[i]``; their updates arrive as
-        ``(prompt index, GroupUpdate)``."""
+        ``(prompt index, GroupUpdate)``. ``streamed`` False (an answer sent whole): a prompt
+        without stop strings gets its tokens from the engine, and its text, only once a
+        completion ends, not every step (``EngineCore.add``'s ``at_end``)."""
         updates, keys = Mailbox(), []
         try:
             if not self.engine.alive:
@@ -179,8 +182,8 @@ class Server:
             for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
                 keys.append(next(self._keys))
                 self._in_flight[keys[-1]] = Waiting(updates, i, PromptOutput(self.tokenizer, sampling,
-                                                                             len(prompt.token_ids)))
-                self.engine.submit(keys[-1], prompt, sampling)
+                                                                             len(prompt.token_ids), streamed))
+                self.engine.submit(keys[-1], prompt, sampling, at_end=not streamed and not sampling.stop)
                 self.metrics.admitted(len(prompt.token_ids) * sampling.n)
         except OSError as exc:
             self.abort(keys)
