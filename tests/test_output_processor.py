@@ -156,13 +156,12 @@ def test_a_prompt_with_stop_strings_is_not_read_at_its_end_only(llm):
         EngineCore(llm.engine).add("stops", prompt.token_ids, PLAIN.clone(stop=["sea"]), at_end=True)
 
 
-def test_the_engine_sends_token_ids_and_no_text(llm, plain):
-    """The engine loop's reports, encoded as they cross to the API process, hold the
-    completion's tokens but not its text: that is made where it is read."""
+def loop_reports(llm, at_end: bool) -> list:
+    """The engine loop's reports of one submission of ``PROMPT`` (key 1), until it finishes."""
     reports = []
     loop = EngineLoop(EngineCore(llm.engine), lambda client, report: reports.append(report), print).start()
     [prompt] = parse_prompts(PROMPT, llm.tokenizer)
-    loop.inbox.put(Submit(1, prompt, PLAIN, 0, False))
+    loop.inbox.put(Submit(1, prompt, PLAIN, 0, at_end))
     try:
         for _ in range(600):
             if any(u.finished for r in list(reports) for _, u in r.updates):
@@ -170,6 +169,13 @@ def test_the_engine_sends_token_ids_and_no_text(llm, plain):
             loop.thread.join(0.05)
     finally:
         loop.stop()
+    return reports
+
+
+def test_the_engine_sends_token_ids_and_no_text(llm, plain):
+    """The engine loop's reports, encoded as they cross to the API process, hold the
+    completion's tokens but not its text: that is made where it is read."""
+    reports = loop_reports(llm, at_end=False)
     sent = b"".join(msgspec.msgpack.encode(r) for r in reports)
     tokens = [t for r in reports for _, u in r.updates for d in u.deltas for t in d.token_ids]
     assert tuple(tokens) == plain.token_ids and len(plain.text) > 20
@@ -179,18 +185,7 @@ def test_the_engine_sends_token_ids_and_no_text(llm, plain):
 def test_a_submission_read_at_its_end_gets_one_report_with_every_token(llm, plain):
     """``Submit.at_end`` (an answer the API process sends whole): the loop reports the
     prompt once, finished, with all its tokens."""
-    reports = []
-    loop = EngineLoop(EngineCore(llm.engine), lambda client, report: reports.append(report), print).start()
-    [prompt] = parse_prompts(PROMPT, llm.tokenizer)
-    loop.inbox.put(Submit(1, prompt, PLAIN, 0, True))
-    try:
-        for _ in range(600):
-            if any(u.finished for r in list(reports) for _, u in r.updates):
-                break
-            loop.thread.join(0.05)
-    finally:
-        loop.stop()
-    [update] = [u for r in reports for key, u in r.updates if key == 1]
+    [update] = [u for r in loop_reports(llm, at_end=True) for key, u in r.updates if key == 1]
     assert update.finished and update.deltas[0].token_ids == tuple(plain.token_ids)
 
 

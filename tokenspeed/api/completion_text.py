@@ -27,7 +27,7 @@ class CompletionText:
         self.params, self.index = params, index
         self.detokenizer = None if tokenizer is None else \
             IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                   deferred=not streamed and not params.stop)
+                                   deferred=not streamed and not params.stop)   # as PromptOutput.at_end
         self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self._pieces: list[str] = []      # its text, as it came (joined when read)
         self._read = 0                    # pieces a streaming reader has taken

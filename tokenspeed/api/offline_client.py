@@ -50,9 +50,9 @@ class OfflineClient:
             try:
                 for prompt, sp in zip(prompts, params):
                     keys.append(next(self._keys))
-                    requests = self.core.add(keys[-1], prompt.token_ids, sp, at_end=not streamed and not sp.stop)
-                    self._prompts[keys[-1]] = LivePrompt(requests, PromptOutput(self.tokenizer, sp,
-                                                                                len(prompt.token_ids), streamed))
+                    output = PromptOutput(self.tokenizer, sp, len(prompt.token_ids), streamed)
+                    requests = self.core.add(keys[-1], prompt.token_ids, sp, at_end=output.at_end)
+                    self._prompts[keys[-1]] = LivePrompt(requests, output)
             except ValueError:
                 for key in keys:
                     self.core.abort(key)

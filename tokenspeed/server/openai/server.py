@@ -181,9 +181,9 @@ class Server:
                 raise OSError("the engine process is gone")
             for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
                 keys.append(next(self._keys))
-                self._in_flight[keys[-1]] = Waiting(updates, i, PromptOutput(self.tokenizer, sampling,
-                                                                             len(prompt.token_ids), streamed))
-                self.engine.submit(keys[-1], prompt, sampling, at_end=not streamed and not sampling.stop)
+                output = PromptOutput(self.tokenizer, sampling, len(prompt.token_ids), streamed)
+                self._in_flight[keys[-1]] = Waiting(updates, i, output)
+                self.engine.submit(keys[-1], prompt, sampling, at_end=output.at_end)
                 self.metrics.admitted(len(prompt.token_ids) * sampling.n)
         except OSError as exc:
             self.abort(keys)
