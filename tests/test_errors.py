@@ -304,11 +304,11 @@ def test_a_failing_step_leaves_nothing_behind(path, monkeypatch):
     prompts = make_prompts((5, 9), seed=3)
     params = ts.SamplingParams(temperature=0, max_tokens=6)
     want = [o.token_ids for o in llm.generate(prompts, params)]
-    launch = llm.compiled.decode.launch
-    monkeypatch.setattr(llm.compiled.decode, "launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    enqueue = llm.compiled.decode.enqueue
+    monkeypatch.setattr(llm.compiled.decode, "enqueue", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         llm.generate(prompts, params)
-    monkeypatch.setattr(llm.compiled.decode, "launch", launch)
+    monkeypatch.setattr(llm.compiled.decode, "enqueue", enqueue)
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
     assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1
     assert [o.token_ids for o in llm.generate(prompts, params)] == want

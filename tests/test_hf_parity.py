@@ -50,17 +50,17 @@ class Recorder:
     def __init__(self, llm):
         self.extend_batches, self.decode_batches = [], []
         prefill, decode = llm.engine.prefill, llm.engine.decode
-        prefill_launch, decode_launch = prefill.launch, decode.launch  # every step launches
+        prefill_launch, decode_prepare = prefill.launch, decode.prepare  # every step is launched, or prepared
 
         def launch_prefill(chunks, *args, **kwargs):
             self.extend_batches.append([(len(c.tokens), c.start, c.completes) for c in chunks])
             return prefill_launch(chunks, *args, **kwargs)
 
-        def launch_decode(rows, *args, **kwargs):
+        def prepare_decode(rows, *args, **kwargs):
             self.decode_batches.append(len(rows))
-            return decode_launch(rows, *args, **kwargs)
+            return decode_prepare(rows, *args, **kwargs)
 
-        prefill.launch, decode.launch = launch_prefill, launch_decode
+        prefill.launch, decode.prepare = launch_prefill, prepare_decode
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -13,13 +13,13 @@ PROMPTS = make_prompts((1, 5, 17, 40, 9, 3, 28), seed=11)
 def run(prompts, params, **kw):
     llm = ts.LLM(checkpoint("llama"), page_size=4, **kw)
     steps = []
-    launch = llm.compiled.decode.launch
+    prepare = llm.compiled.decode.prepare
 
-    def counting(rows, p, inputs=None):
-        steps.append(inputs is not None)
-        return launch(rows, p, inputs)
+    def counting(rows, p, fed=None):
+        steps.append(fed is not None)
+        return prepare(rows, p, fed)
 
-    llm.compiled.decode.launch = counting
+    llm.compiled.decode.prepare = counting
     outs = llm.generate(prompts, params)
     assert llm.engine.in_flight is None
     assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1, "pages leaked"
@@ -64,11 +64,11 @@ def test_the_chain_goes_on_past_a_finished_request_and_waits_to_admit():
     for max_num_seqs in (3, 2):
         llm = ts.LLM(checkpoint("llama"), page_size=4, max_num_seqs=max_num_seqs)
         launches = []
-        for name in ("prefill", "decode"):
+        for name, method in (("prefill", "launch"), ("decode", "prepare")):   # a decode step is prepared first
             runner = getattr(llm.compiled, name)
-            launch = runner.launch
-            runner.launch = lambda *a, _n=name, _l=launch: (launches.append(
-                "chained" if _n == "decode" and len(a) == 3 and a[2] is not None else _n), _l(*a))[1]
+            launch = getattr(runner, method)
+            setattr(runner, method, lambda *a, _n=name, _l=launch: (launches.append(
+                "chained" if _n == "decode" and len(a) == 3 and a[2] is not None else _n), _l(*a))[1])
         got = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
         assert "decode" not in launches, launches           # every decode step was chained

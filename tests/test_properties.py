@@ -191,3 +191,34 @@ def test_a_staged_publish_copies_the_batch_and_leaves_the_rest(case, data):
     for name in slots.fields:
         assert torch.equal(getattr(view, name), getattr(small, name)), name
     assert torch.equal(slots.device_bytes[end:], before[end:])  # the rest is not copied over
+
+
+@given(case=decode_cases(max_batch=8), staged=st.booleans())
+def test_a_staged_descriptor_reaches_the_device_only_when_sent(case, staged):
+    """``stage`` is a publish's host part: the views the step before reads keep their
+    values until ``send``, which gives what ``publish`` gives; restaging the descriptor
+    published last sends nothing."""
+    from tokenspeed.execution.slots import MetadataSlots
+    capacity, shape = case.num_rows, (case.max_pages, case.page_size)
+    slots = MetadataSlots(refresh_decode((), capacity, *shape), capacity, "cpu", staged=staged)
+    before = slots.publish(refresh_decode((), capacity, *shape))
+    meta = refresh_decode(case.rows, capacity, *shape)
+    held = slots.device_bytes.clone()
+    pending = slots.stage(meta)
+    assert torch.equal(slots.device_bytes, held)
+    view = slots.send(pending)
+    for name in slots.fields:
+        assert torch.equal(getattr(view, name), getattr(meta, name)), name
+    assert slots.send(slots.stage(meta)) is view
+    assert before is not view
+
+
+def test_a_descriptor_staged_as_current_and_published_over_is_refused_at_send():
+    from tokenspeed.execution.slots import MetadataSlots
+    slots = MetadataSlots(refresh_decode((), 2, 4, 4), 2, "cpu", staged=True)
+    last = refresh_decode((), 2, 4, 4)
+    slots.publish(last)
+    pending = slots.stage(last)
+    slots.publish(refresh_decode((), 1, 4, 4))
+    with pytest.raises(InternalError, match="published over before it was sent"):
+        slots.send(pending)

@@ -14,6 +14,7 @@ from tokenspeed.scheduling.prompt_limits import check_request, most_pages_held
 from tokenspeed.execution.sampling_params import MAX_N, SamplingParams
 from tokenspeed.scheduling.scheduler import Scheduler
 from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
+from runner_stages import LaunchedInStages
 
 VOCAB = 100
 MAX_MODEL_LEN = 1000
@@ -34,7 +35,7 @@ class Future:
         return None      # these runners read no input tokens
 
 
-class CountingRunner:
+class CountingRunner(LaunchedInStages):
     """Samples token 5 for every row."""
 
     def __init__(self, num_groups: int = 1):

@@ -19,6 +19,7 @@ from tokenspeed.scheduling.state_checkpoints import StateCheckpoints
 from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
 
 from test_scheduler import Future
+from runner_stages import LaunchedInStages
 
 VOCAB, MAX_MODEL_LEN, MAX_NUM_SEQS = 50, 400, 3
 
@@ -34,7 +35,7 @@ class Pools:
             self.slots[destination] = self.slots[source]
 
 
-class StateRunner:
+class StateRunner(LaunchedInStages):
     """A row at position p continues its seat's state, which must hold exactly p tokens (a
     run from position 0 starts afresh); a sampled row's token is a hash of its seat's state
     and its seed, the end of sequence (0) about one time in eight."""

@@ -104,18 +104,36 @@ def mixed_batch(seed: int) -> list[ts.SamplingParams]:
 
 
 def test_overlap_gives_the_tokens_of_the_synchronous_loop_and_chains(llm, llm_sync):
-    forwards, forward = [], llm.compiled.decode.forward
-    llm.compiled.decode.forward = lambda rows, s, fed=None: (forwards.append(fed is not None),
-                                                             forward(rows, s, fed))[1]
+    chained, prepare = [], llm.compiled.decode.prepare
+    llm.compiled.decode.prepare = lambda rows, s, fed=None: (chained.append(fed is not None and any(
+        r.params.structured_outputs is not None for r in s)), prepare(rows, s, fed))[1]
     try:
         on = llm.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
     finally:
-        del llm.compiled.decode.forward
+        del llm.compiled.decode.prepare
     off = llm_sync.generate([PROMPT] * 5, mixed_batch(7), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
-    assert any(forwards), "no constrained decode step was chained onto the step in flight"
+    assert any(chained), "no constrained decode step was chained onto the step in flight"
     jsonschema.validate(json.loads(on[0].outputs[0].text), SCHEMA)
     assert re.fullmatch(REGEX, on[2].outputs[0].text)
+
+
+def test_a_chained_step_is_prepared_before_the_draw_it_follows_and_enqueued_after(llm, monkeypatch):
+    """A constrained step awaiting its masks is drawn between the next step's host work
+    (``DecodeRunner.prepare``) and that step's enqueue, so the host's work for the next
+    step runs while the device runs the forward (``Engine._follow``)."""
+    calls, decode = [], llm.compiled.decode
+    for name in ("prepare", "enqueue", "draw"):
+        method = getattr(decode, name)
+        monkeypatch.setattr(decode, name, lambda *a, _n=name, _m=method: (calls.append(_n), _m(*a))[1])
+    endless = ts.StructuredOutputs(json={"type": "array", "items": {"enum": ["cat", "dog"]}, "minItems": 1000})
+    out = llm.generate([PROMPT] * 2, ts.SamplingParams(temperature=0, max_tokens=8, structured_outputs=endless),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
+    steps = "".join(name[0] for name in calls)   # p(repare), e(nqueue), d(raw)
+    # the first decode step chains onto the prompt's (drawn by the prefill runner), the last
+    # has none chained onto it: 7 steps for the 7 tokens after the prompt's
+    assert steps == "pe" + "pde" * 6 + "d", steps
 
 
 def test_a_masked_draw_replayed_gives_the_eager_draws_tokens(llm, monkeypatch):

@@ -23,6 +23,7 @@ from tokenspeed.execution.token_column import NULL_SEAT
 from tokenspeed.testing.invariants import check_chained_rows_match_pages, check_status_matches_state
 
 from test_scheduler import Future
+from runner_stages import LaunchedInStages
 
 VOCAB, MAX_NUM_SEQS, MAX_MODEL_LEN = 50, 4, 200
 
@@ -34,7 +35,7 @@ def next_token(seed: int, position: int, token: int) -> int:
     return 0 if h % 8 == 0 else 1 + h % (VOCAB - 1)
 
 
-class ColumnRunner:
+class ColumnRunner(LaunchedInStages):
     """Every runner of one engine over one column; records each fed row as (stream,
     position, token read) and each sampled row's token by (stream, position)."""
 

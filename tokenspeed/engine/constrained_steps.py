@@ -7,11 +7,12 @@ after launching the next step. So a step with constrained rows is launched in tw
 its forward (``DecodeRunner.forward``: the model and the unconstrained draw, its inputs
 from the token column; ``PrefillRunner.forward``: the model) at once, which leaves it
 ``AwaitingMasks`` in flight, the step before unread, across the caller's work; at the
-engine's next call the host reads the step before, its tokens advance the matchers, and
-the masks are filled (llguidance's native code, without the GIL) while the device runs
-the forward; then the draw (masks copied to the device, the constrained rows drawn, the
-column written, the tokens' copy to the host), and at once the next step's forward, so
-the device is never left with only a draw queued. A verify step, read at once, masks
+engine's next call the host reads the step before, its tokens advance the matchers, the
+next step's host work is done (its rows, metadata and settings staged:
+``DecodeRunner.prepare``) and the masks are filled (llguidance's native code, without the
+GIL), all while the device runs the forward; then the draw (masks copied to the device,
+the constrained rows drawn, the column written, the tokens' copy to the host), and at once
+the next step's enqueue, so the device is never left with only a draw queued for long. A verify step, read at once, masks
 each window row by the grammar's state after the drafts before it (drafts the grammar
 refuses are cut first).
 
@@ -87,12 +88,11 @@ class ConstrainedSteps:
     def _constrained(self, requests) -> bool:
         return bool(self._num_constrained) and any(r.constraint is not None for r in requests)
 
-    def _draw_masked(self, flight: InFlight) -> InFlight | None:
-        """A step ``AwaitingMasks`` drawn with its rows' masks (every token of its requests
-        read: their matchers are where the step samples); None, undrawn, when every one of
-        its requests finished in the step before (nothing of it is read)."""
-        if all(r.finished for r in flight.sampled):
-            return None
+    def _drawn(self, flight: InFlight) -> InFlight:
+        """``flight`` with its draw enqueued if it awaits its rows' masks (every token of its
+        requests read: their matchers are where the step samples)."""
+        if not flight.awaits_masks:
+            return flight
         runner = self.decode if flight.batch.kind == "decode" else self.prefill
         future = runner.draw(flight.future.forward, self._step_masks(flight.sampled))
         return attrs.evolve(flight, future=future)

@@ -25,14 +25,16 @@ comes a decode step later.
 A step with constrained rows (``structured_outputs``, ``allowed_token_ids``, ``logit_bias``:
 ``constrained_steps``) is launched in two stages: its forward, chained like any other, and
 left in flight with the step before unread; at the next call, once that step is read and
-its tokens have advanced the rows' grammars, the draw under their masks, and at once the
-forward of the step after. So what the caller does between calls runs while the device
-has a forward queued, and the masks are filled while the next one runs.
+its tokens have advanced the rows' grammars, the step after is prepared on the host, the
+draw enqueued under the masks, and at once the step after. So what the caller does
+between calls runs while the device has a forward queued, and the next step's host work
+and the masks are done while that forward runs.
 
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -59,8 +61,10 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
                  overlap: bool = True, seed: int = 0, verify=None, drafter=None,
                  verify_cost: float = 1.0, admit_every: int = ADMIT_EVERY_STEPS, grammars=None,
                  states=None):
-        """``prefill`` and ``decode``: runners (``launch(chunks | rows, sampling, fed) ->
-        future``, or in two stages: ``forward``, then ``draw(forward, masks)``);
+        """``prefill``: a runner (``launch(chunks, sampling, fed) -> future``, or in two
+        stages: ``forward``, then ``draw(forward, masks)``); ``decode``: one whose steps the
+        engine prepares on the host (``prepare(rows, sampling, fed)``), then enqueues
+        (``enqueue(prepared) -> forward``) and draws (``draw(forward, masks) -> future``);
         ``model_config``: the model's (its ``eos_token_ids`` and ``vocab_size``); ``seed``
         draws the noise seeds of requests that bring none; ``verify``: the runner of
         speculative windows, with ``drafter`` the one that proposes them
@@ -158,22 +162,29 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         the requests that finished in what was read."""
         flight, self.unread = self.unread, None
         finished = self._postprocess(flight) if flight is not None else []
-        if self.in_flight is not None and self.in_flight.awaits_masks:   # its masks need what was just read
-            self.in_flight = self._draw_masked(self.in_flight)
-        if self.in_flight is not None:
-            return finished + self._follow(self.in_flight)
+        last = self.in_flight
+        if last is not None and last.awaits_masks and all(r.finished for r in last.sampled):
+            last = self.in_flight = None   # its requests all finished in the step read: never drawn
+        if last is not None:
+            return finished + self._follow(last)
         return finished + self._fresh_step() if self.scheduler.has_work else finished
 
     def _follow(self, last: InFlight) -> list[Request]:
         """Launch the step chained onto ``last`` if one can be; postprocess ``last`` now
-        unless that step is a chained decode step."""
+        unless that step is a chained decode step. A ``last`` awaiting its masks (its
+        tokens' step just read) is drawn between the new step's host work and its enqueue:
+        that work runs while the device runs ``last``'s forward, and only the enqueue is
+        left between the draw and the next forward."""
         self.in_flight = None
         batch = self._chained_batch(last)
-        if batch is not None:
-            self.in_flight = self._launch(batch, last)
-            if batch.kind == "decode" or self.in_flight.awaits_masks:
-                self.unread = last
-                return []
+        if batch is None:
+            return self._postprocess(self._drawn(last))
+        enqueue = self._staged(batch, last)
+        last = self._drawn(last)
+        self.in_flight = enqueue()
+        if batch.kind == "decode" or self.in_flight.awaits_masks:
+            self.unread = last
+            return []
         return self._postprocess(last)
 
     def _fresh_step(self) -> list[Request]:
@@ -186,9 +197,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         drafts = self._drafts(batch) if self.drafter is not None else None
         if drafts and any(drafts) and self._verify_pays(batch.requests, list(map(len, drafts))):
             return self._verify(batch.requests, drafts)
-        flight = self._launch(batch)
-        if flight.awaits_masks:   # the masks are filled while its forward runs
-            flight = self._draw_masked(flight)
+        flight = self._drawn(self._launch(batch))   # the masks are filled while its forward runs
         if self.overlap and flight.sampled:   # the next step may chain onto it
             self.in_flight = flight
             return []
@@ -214,18 +223,33 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         self._keep_marks(batch.requests)
         return InFlight(batch, sampled, future)
 
-    def _launch_decode(self, batch: ScheduledBatch, last: InFlight | None) -> InFlight:
-        """A decode step: its rows from the requests, or moved on from ``last``'s (chained,
-        their inputs fed from the token column)."""
-        requests, sampling = batch.requests, [r.sampling for r in batch.requests]
+    def _staged(self, batch: ScheduledBatch, last: InFlight | None = None) -> Callable[[], InFlight]:
+        """``batch``'s launch (``last``: the step it is chained onto) in two parts: the host's
+        work now (a decode step's rows, metadata and settings: ``DecodeRunner.prepare``), and
+        the rest returned, to be called once the device may take the step."""
+        if batch.kind != "decode":
+            return lambda: self._launch(batch, last)
+        requests = batch.requests
         if batch.columns is None:
             fed, rows = None, _decode_rows(requests)
         else:
             fed = last.fed if last.fed is not None and len(last.fed.rows) == len(requests) else \
                 FedRows(tuple(range(len(requests))), tuple(r.seat for r in requests))
             rows = batch.columns
-        future = AwaitingMasks(self.decode.forward(rows, sampling, fed)) if self._constrained(requests) \
-            else self.decode.launch(rows, sampling, fed)
+        inputs = self.decode.prepare(rows, [r.sampling for r in requests], fed)
+        return lambda: self._enqueue_decode(batch, inputs, fed)
+
+    def _launch_decode(self, batch: ScheduledBatch, last: InFlight | None) -> InFlight:
+        """A decode step: its rows from the requests, or moved on from ``last``'s (chained,
+        their inputs fed from the token column)."""
+        return self._staged(batch, last)()
+
+    def _enqueue_decode(self, batch: ScheduledBatch, inputs, fed: FedRows | None) -> InFlight:
+        """A prepared decode step (``inputs``: the runner's) enqueued: its forward, then its
+        draw unless a row awaits its mask; its rows' inputs count as cached and their tokens
+        as unread from now on."""
+        requests, forward = batch.requests, self.decode.enqueue(inputs)
+        future = AwaitingMasks(forward) if self._constrained(requests) else self.decode.draw(forward)
         remember = self.scheduler.remember_full_pages if self.scheduler.prefix_caching else None
         for request in requests:
             request.num_cached += 1

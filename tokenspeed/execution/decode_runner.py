@@ -27,12 +27,26 @@ from tokenspeed.execution.ladders import bucket_for
 from tokenspeed.execution.masked_draws import MaskedDraws
 from tokenspeed.execution.sampler import RowSampling, SamplingTensors, gumbel_argmax, sample
 from tokenspeed.execution.sampling_params import SamplingParams
-from tokenspeed.execution.slots import MetadataSlots
+from tokenspeed.execution.slots import MetadataSlots, Staged
 from tokenspeed.execution.step_future import StepFuture, recorded_event
 from tokenspeed.execution.step_masks import StepMasks
 from tokenspeed.execution.token_column import FedRows
 
 PAD_ROW = RowSampling(SamplingParams(temperature=0.0), seed=0)
+
+
+@attrs.frozen(eq=False)
+class DecodeInputs:
+    """A decode step prepared on the host (``DecodeRunner.prepare``), not yet enqueued: its
+    live rows, its rung (None: eager), its rows' sampling and fed rows, its metadata and
+    settings staged for their copies, and whether a row is resampled whatever its masks."""
+    bs: int
+    rung: int | None
+    sampling: list[RowSampling]
+    fed: FedRows | None
+    meta: Staged
+    settings: Staged
+    processed: bool
 
 
 @attrs.frozen(eq=False)
@@ -141,17 +155,30 @@ class DecodeRunner:
         """The step's first stage: the graph (model, keyed draw of every row, column write),
         enqueued at once. ``draw`` enqueues the rest; until it has, the step's tokens are
         neither final nor on their way to the host."""
+        return self.enqueue(self.prepare(rows, sampling, fed))
+
+    def prepare(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
+                fed: FedRows | None = None) -> "DecodeInputs":
+        """The first stage's host work: the rung, the metadata and sampling settings staged
+        for their copies. Nothing is enqueued, so the engine prepares a step while the
+        device still runs (and the host has yet to draw) the one before."""
         bs = len(rows)
         rung = bucket_for(self.ladder, bs) if self.graphs else None
-        size = rung or bs
-        input_ids, seats, out, hosts = self._row_views(bs, size)
-        view = self.slots.publish(self.refresh(rows, size))
-        settings, processed = self._settings(sampling, size)
-        settings = self.sampling.publish(settings)
-        if fed is not None:
-            self._feed(input_ids, fed, seats)
-        logits = self.step(view, settings, out) if rung is None else self.graphs[rung].replay()
-        return Forward(rung, logits, view.positions, sampling, settings, processed, seats, out, hosts)
+        settings, processed = self._settings(sampling, rung or bs)
+        return DecodeInputs(bs, rung, sampling, fed, self.slots.stage(self.refresh(rows, rung or bs)),
+                            self.sampling.stage(settings), processed)
+
+    def enqueue(self, inputs: "DecodeInputs") -> "Forward":
+        """The first stage's device work: the staged copies, the fed rows' gather, and the
+        rung's replay (or the eager step)."""
+        input_ids, seats, out, hosts = self._row_views(inputs.bs, inputs.rung or inputs.bs)
+        view = self.slots.send(inputs.meta)
+        settings = self.sampling.send(inputs.settings)
+        if inputs.fed is not None:
+            self._feed(input_ids, inputs.fed, seats)
+        logits = self.step(view, settings, out) if inputs.rung is None else self.graphs[inputs.rung].replay()
+        return Forward(inputs.rung, logits, view.positions, inputs.sampling, settings, inputs.processed, seats,
+                       out, hosts)
 
     def draw(self, forward: "Forward", masks: StepMasks | None = None) -> StepFuture:
         """The step's second stage: rows whose sampling needs more than the graph's draw

@@ -18,6 +18,18 @@ from tokenspeed.execution.host_to_device import to_device_async
 ALIGN = 64
 
 
+@attrs.frozen(eq=False)
+class Staged:
+    """A descriptor staged for publishing (``MetadataSlots.stage``): the staging copy
+    holding its first ``end`` bytes (``turn``; None where the slots have no staging copies
+    or nothing is sent); ``current``: it is the descriptor published last, already on the
+    device."""
+    meta: object
+    turn: int | None
+    end: int
+    current: bool
+
+
 class MetadataSlots:
     def __init__(self, template, capacity: int, device, fields: tuple[str, ...] | None = None,
                  staged: bool | None = None, lengths: dict | None = None):
@@ -77,14 +89,36 @@ class MetadataSlots:
         outside write, the decode runner's chained input ids, goes into metadata slots,
         whose descriptor is new every step). The decode runner relies on it to keep
         unchanged sampling settings off the per-step path."""
+        return self.send(self.stage(meta))
+
+    def stage(self, meta) -> "Staged":
+        """A publish's host part: ``meta``'s slotted fields written to the next staging copy,
+        nothing enqueued (``send`` does that), so the host can stage a step while the device
+        still reads the slots for the one before. Slots without staging copies write at
+        ``send``."""
         if meta is self._last[0]:
+            return Staged(meta, None, 0, current=True)
+        if self.host_bytes[0] is self.device_bytes:
+            return Staged(meta, None, 0, current=False)
+        rows = getattr(meta, self.fields[0]).shape[0]
+        self._turn = (self._turn + 1) % len(self.host_bytes)
+        return Staged(meta, self._turn, self._stage(meta, self._staging_view(self._turn, rows)), current=False)
+
+    def send(self, staged: "Staged"):
+        """Enqueue a staged descriptor's copy (publish's device part); returns it over the
+        views of its size, its other tensors moved to the device."""
+        meta = staged.meta
+        if staged.current:
+            if meta is not self._last[0]:
+                raise InternalError("a descriptor staged as the one published last was published over "
+                                    "before it was sent")
             return self._last[1]
         rows = getattr(meta, self.fields[0]).shape[0]
         view = self.view(rows)
-        self._turn = (self._turn + 1) % len(self.host_bytes)
-        end = self._stage(meta, self._staging_view(self._turn, rows))
-        if self.host_bytes[self._turn] is not self.device_bytes:
-            self.device_bytes[:end].copy_(self.host_bytes[self._turn][:end], non_blocking=True)
+        if staged.turn is None:   # no staging copies: the device bytes are written in place
+            self._stage(meta, self._staging_view(0, rows))
+        else:
+            self.device_bytes[:staged.end].copy_(self.host_bytes[staged.turn][:staged.end], non_blocking=True)
         others = {n: to_device_async(getattr(meta, n), self.device) for n in self._unslotted(type(meta))}
         self._last = (meta, attrs.evolve(meta, **view, **others))
         return self._last[1]
