@@ -2,8 +2,9 @@
 
 Capture = idle refresh (no live rows, placeholder tables of null pages) + capture of the
 whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
-the rung + publish + replay. Eager = ``refresh_decode`` unpadded + the same step over the
-same slots; batches above the ladder take it. Tokens land in one persistent buffer and
+the rung and staged on the host (``prepare``), then its copy and the replay (``enqueue``).
+Eager = ``refresh_decode`` unpadded + the same step over the same slots; batches above the
+ladder take it. Tokens land in one persistent buffer and
 reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
 so the host can prepare the next step while the GPU runs this one. The step writes each
 row's token into its request's seat of the token column (``token_column``), inside the
