@@ -222,3 +222,18 @@ def test_a_descriptor_staged_as_current_and_published_over_is_refused_at_send():
     slots.publish(refresh_decode((), 1, 4, 4))
     with pytest.raises(InternalError, match="published over before it was sent"):
         slots.send(pending)
+
+
+def test_a_staging_staged_over_is_refused_and_an_abandoned_one_keeps_the_alternation():
+    """Only the latest staging is sent; one never sent (a step abandoned) does not move the
+    staging copies' turn, so the next one never writes the copy sent last."""
+    from tokenspeed.execution.slots import MetadataSlots
+    slots = MetadataSlots(refresh_decode((), 2, 4, 4), 2, "cpu", staged=True)
+    slots.publish(refresh_decode((), 2, 4, 4))
+    abandoned = slots.stage(refresh_decode((), 1, 4, 4))
+    latest = slots.stage(refresh_decode((), 2, 4, 4))
+    assert latest.turn == abandoned.turn
+    with pytest.raises(InternalError, match="staged over"):
+        slots.send(abandoned)
+    slots.send(latest)
+    assert slots.stage(refresh_decode((), 1, 4, 4)).turn != latest.turn

@@ -179,7 +179,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         batch = self._chained_batch(last)
         if batch is None:
             return self._postprocess(self._drawn(last))
-        enqueue = self._staged(batch, last)
+        enqueue = self._prepare_launch(batch, last)
         last = self._drawn(last)
         self.in_flight = enqueue()
         if batch.kind == "decode" or self.in_flight.awaits_masks:
@@ -207,7 +207,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         """Launch ``batch`` (``last``: the step it is chained onto); its rows' inputs count as
         cached and its sampled rows' tokens as unread from now on."""
         if batch.kind == "decode":
-            return self._launch_decode(batch, last)
+            return self._prepare_launch(batch, last)()
         sampled = tuple(r for r, n in zip(batch.requests, batch.chunk_lens) if r.num_cached + n == r.num_tokens)
         chunks, fed = self._chunks(batch)
         if self.scheduler.checkpoints is not None:   # resumed states reach the seats first
@@ -223,10 +223,11 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         self._keep_marks(batch.requests)
         return InFlight(batch, sampled, future)
 
-    def _staged(self, batch: ScheduledBatch, last: InFlight | None = None) -> Callable[[], InFlight]:
+    def _prepare_launch(self, batch: ScheduledBatch, last: InFlight | None = None) -> Callable[[], InFlight]:
         """``batch``'s launch (``last``: the step it is chained onto) in two parts: the host's
-        work now (a decode step's rows, metadata and settings: ``DecodeRunner.prepare``), and
-        the rest returned, to be called once the device may take the step."""
+        work now (a decode step's rows, from its requests or moved on from ``last``'s, and
+        its metadata and settings: ``DecodeRunner.prepare``), and the rest returned, to be
+        called once the device may take the step."""
         if batch.kind != "decode":
             return lambda: self._launch(batch, last)
         requests = batch.requests
@@ -238,11 +239,6 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
             rows = batch.columns
         inputs = self.decode.prepare(rows, [r.sampling for r in requests], fed)
         return lambda: self._enqueue_decode(batch, inputs, fed)
-
-    def _launch_decode(self, batch: ScheduledBatch, last: InFlight | None) -> InFlight:
-        """A decode step: its rows from the requests, or moved on from ``last``'s (chained,
-        their inputs fed from the token column)."""
-        return self._staged(batch, last)()
 
     def _enqueue_decode(self, batch: ScheduledBatch, inputs, fed: FedRows | None) -> InFlight:
         """A prepared decode step (``inputs``: the runner's) enqueued: its forward, then its

@@ -52,7 +52,7 @@ class DecodeInputs:
 
 @attrs.frozen(eq=False)
 class Forward:
-    """A decode step whose first stage is enqueued (``DecodeRunner.forward``): its rung (None
+    """A decode step whose first stage is enqueued (``DecodeRunner.enqueue``): its rung (None
     when run eagerly), its logits and positions (padded to the rung; the live rows first),
     its rows' sampling and their settings on the device, whether a row is resampled
     whatever its masks (``processed``), and the views its draw writes."""
@@ -184,7 +184,8 @@ class DecodeRunner:
     def draw(self, forward: "Forward", masks: StepMasks | None = None) -> StepFuture:
         """The step's second stage: rows whose sampling needs more than the graph's draw
         (``masks``, processing) drawn again from its logits into the column, then the
-        tokens' copy to the host. Enqueued after ``forward``, before the next step."""
+        tokens' copy to the host. Enqueued after ``enqueue``, before the next step's (which
+may already be prepared)."""
         logprobs, out, replayed = None, forward.out, False
         if forward.processed or masks is not None:
             bs = len(forward.sampling)

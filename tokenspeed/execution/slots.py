@@ -23,11 +23,12 @@ class Staged:
     """A descriptor staged for publishing (``MetadataSlots.stage``): the staging copy
     holding its first ``end`` bytes (``turn``; None where the slots have no staging copies
     or nothing is sent); ``current``: it is the descriptor published last, already on the
-    device."""
+    device; ``stage``: which of the slots' stagings it is (only the latest is sent)."""
     meta: object
     turn: int | None
     end: int
     current: bool
+    stage: int
 
 
 class MetadataSlots:
@@ -59,7 +60,8 @@ class MetadataSlots:
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._field_views: dict[tuple[str, int], torch.Tensor] = {}
         self._staging_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._turn = 0
+        self._turn = 0      # the staging copy sent last: the next stage writes the other
+        self._stages = 0    # stagings so far
         self._others: dict[type, tuple[str, ...]] = {}
         self._last = (None, None)  # (descriptor published last, what publish returned)
 
@@ -85,7 +87,7 @@ class MetadataSlots:
         ``meta`` over the views of its size, its other tensors moved to the device.
 
         Republishing the descriptor published last is free: the device bytes still hold
-        it, since nothing but ``publish`` writes these slots between two publishes (the one
+        it, since nothing but ``send`` writes these slots between two publishes (the one
         outside write, the decode runner's chained input ids, goes into metadata slots,
         whose descriptor is new every step). The decode runner relies on it to keep
         unchanged sampling settings off the per-step path."""
@@ -95,14 +97,16 @@ class MetadataSlots:
         """A publish's host part: ``meta``'s slotted fields written to the next staging copy,
         nothing enqueued (``send`` does that), so the host can stage a step while the device
         still reads the slots for the one before. Slots without staging copies write at
-        ``send``."""
+        ``send``. The copy written is the one not sent last, so a staging never sent (a
+        step abandoned) leaves the alternation as it was."""
         if meta is self._last[0]:
-            return Staged(meta, None, 0, current=True)
+            return Staged(meta, None, 0, current=True, stage=self._stages)
+        self._stages += 1
         if self.host_bytes[0] is self.device_bytes:
-            return Staged(meta, None, 0, current=False)
-        rows = getattr(meta, self.fields[0]).shape[0]
-        self._turn = (self._turn + 1) % len(self.host_bytes)
-        return Staged(meta, self._turn, self._stage(meta, self._staging_view(self._turn, rows)), current=False)
+            return Staged(meta, None, 0, current=False, stage=self._stages)
+        rows, turn = getattr(meta, self.fields[0]).shape[0], (self._turn + 1) % len(self.host_bytes)
+        return Staged(meta, turn, self._stage(meta, self._staging_view(turn, rows)), current=False,
+                      stage=self._stages)
 
     def send(self, staged: "Staged"):
         """Enqueue a staged descriptor's copy (publish's device part); returns it over the
@@ -113,12 +117,16 @@ class MetadataSlots:
                 raise InternalError("a descriptor staged as the one published last was published over "
                                     "before it was sent")
             return self._last[1]
+        if staged.stage != self._stages:
+            raise InternalError(f"staging {staged.stage} was staged over (by staging {self._stages}) before "
+                                f"it was sent")
         rows = getattr(meta, self.fields[0]).shape[0]
         view = self.view(rows)
         if staged.turn is None:   # no staging copies: the device bytes are written in place
             self._stage(meta, self._staging_view(0, rows))
         else:
             self.device_bytes[:staged.end].copy_(self.host_bytes[staged.turn][:staged.end], non_blocking=True)
+            self._turn = staged.turn
         others = {n: to_device_async(getattr(meta, n), self.device) for n in self._unslotted(type(meta))}
         self._last = (meta, attrs.evolve(meta, **view, **others))
         return self._last[1]
