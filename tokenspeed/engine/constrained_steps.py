@@ -5,17 +5,16 @@ keeps the overlap.
 A step's masks need the tokens of the step before, which the overlapped loop reads only
 after launching the next step. So a step with constrained rows is launched in two stages:
 its forward (``DecodeRunner.prepare`` and ``enqueue``: the model and the unconstrained
-draw, its inputs from the token column; ``PrefillRunner.forward``: the model) at once, which leaves it
-``AwaitingMasks`` in flight, the step before unread, across the caller's work; at the
-engine's next call the host reads the step before, its tokens advance the matchers, the
-next step's host work is done (its rows, metadata and settings staged:
-``DecodeRunner.prepare``) and the masks are filled (llguidance's native code, without
-the GIL), all while the device runs the forward; then the draw (masks copied to the
-device, the constrained rows drawn, the column written, the tokens' copy to the host),
-and at once the next step's enqueue, so the device is never left with only a draw
-queued for long. A verify step, read at once, masks
-each window row by the grammar's state after the drafts before it (drafts the grammar
-refuses are cut first).
+draw, its inputs from the token column; ``PrefillRunner.forward``: the model) at once,
+which leaves it ``AwaitingMasks`` in flight, the step before unread, across the caller's
+work; at the engine's next call the host reads the step before, its tokens advance the
+matchers, the next step's host work is done (its rows, metadata and settings staged:
+``DecodeRunner.prepare``) and the masks are filled (llguidance's native code, without the
+GIL), all while the device runs the forward; then the draw (masks copied to the device,
+the constrained rows drawn, the column written, the tokens' copy to the host), and at once
+the next step's enqueue, so the device is never left with only a draw queued for long. A
+verify step, read at once, masks each window row by the grammar's state after the drafts
+before it (drafts the grammar refuses are cut first).
 
 Nothing here runs for a batch without a constrained request (``_num_constrained``).
 """

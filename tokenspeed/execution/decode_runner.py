@@ -1,18 +1,18 @@
 """The one decode path: refresh, publish into the slots, then replay or run eagerly.
 
 Capture = idle refresh (no live rows, placeholder tables of null pages) + capture of the
-whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded to
-the rung and staged on the host (``prepare``), then its copy and the replay (``enqueue``).
-Eager = ``refresh_decode`` unpadded + the same step over the same slots; batches above the
-ladder take it. Tokens land in one persistent buffer and
-reach the host in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once,
-so the host can prepare the next step while the GPU runs this one. The step writes each
-row's token into its request's seat of the token column (``token_column``), inside the
-graph; a chained step takes its input tokens from there (``fed``). Rows whose sampling
-needs more than the step's keyed Gumbel-max (penalties, masks, log-probabilities) are
-resampled from the step's logits before the copy. A step with constrained rows is
-enqueued in two stages (``forward``, then ``draw`` with the rows' masks), so the host
-computes the masks while the device runs the model; a step whose rows need only their
+whole step (model, logits, sampling) per ladder rung. Replay = ``refresh_decode`` padded
+to the rung and staged on the host (``prepare``), then its copy and the replay
+(``enqueue``). Eager = ``refresh_decode`` unpadded + the same step over the same slots;
+batches above the ladder take it. Tokens land in one persistent buffer and reach the host
+in one asynchronous copy: ``launch`` returns a ``StepFuture`` at once, so the host can
+prepare the next step while the GPU runs this one. The step writes each row's token into
+its request's seat of the token column (``token_column``), inside the graph; a chained
+step takes its input tokens from there (``fed``). Rows whose sampling needs more than the
+step's keyed Gumbel-max (penalties, masks, log-probabilities) are resampled from the
+step's logits before the copy. A step with constrained rows is enqueued in two stages
+(``forward``, or ``prepare`` then ``enqueue``; then ``draw`` with the rows' masks), so the
+host computes the masks while the device runs the model; a step whose rows need only their
 masks replays its rung's captured masked draw (``masked_draws``).
 """
 
