@@ -20,14 +20,15 @@ from tokenspeed.tokenizer import IncrementalDetokenizer, StopStrings
 
 class CompletionText:
     """``tokenizer`` None: token ids only (no text, and no stop strings to match).
-    ``streamed`` False: the text is read only once the answer is final, so without stop
-    strings it is decoded then, at once (``IncrementalDetokenizer``'s ``deferred``)."""
+    ``at_end``: the text is read only once the answer is final and holds no stop string to
+    look for (``PromptOutput.at_end``), so it is decoded then, at once
+    (``IncrementalDetokenizer``'s ``deferred``)."""
 
-    def __init__(self, tokenizer, params, index: int, streamed: bool = True):
+    def __init__(self, tokenizer, params, index: int, at_end: bool = False):
         self.params, self.index = params, index
         self.detokenizer = None if tokenizer is None else \
             IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                   deferred=not streamed and not params.stop)   # as PromptOutput.at_end
+                                   deferred=at_end)
         self.stops = StopStrings(params.stop, include_stop=params.include_stop_str_in_output)
         self._pieces: list[str] = []      # its text, as it came (joined when read)
         self._read = 0                    # pieces a streaming reader has taken

@@ -14,8 +14,8 @@ from tokenspeed.execution.outputs import CompletionOutput
 class PromptOutput:
     def __init__(self, tokenizer, params, num_prompt_tokens: int, streamed: bool = True):
         """``streamed`` False: the answers' text is read only once final (``CompletionText``)."""
-        self.completions = [CompletionText(tokenizer, params, i, streamed) for i in range(params.n)]
         self.at_end = not streamed and not params.stop   # no text to read, nor stop string to seek, before the end
+        self.completions = [CompletionText(tokenizer, params, i, self.at_end) for i in range(params.n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = 0       # the tokens its answers kept so far
         self.error: str | None = None

@@ -11,9 +11,9 @@ its request's seat of the token column (``token_column``), inside the graph; a c
 step takes its input tokens from there (``fed``). Rows whose sampling needs more than the
 step's keyed Gumbel-max (penalties, masks, log-probabilities) are resampled from the
 step's logits before the copy. A step with constrained rows is enqueued in two stages
-(``forward``, or ``prepare`` then ``enqueue``; then ``draw`` with the rows' masks), so the
-host computes the masks while the device runs the model; a step whose rows need only their
-masks replays its rung's captured masked draw (``masked_draws``).
+(``prepare`` then ``enqueue``; then ``draw`` with the rows' masks), so the host computes
+the masks while the device runs the model; a step whose rows need only their masks replays
+its rung's captured masked draw (``masked_draws``).
 """
 
 import attrs
@@ -149,14 +149,7 @@ class DecodeRunner:
         """Enqueue one step. ``fed``: every row's input is its request's unread token, read
         from the token column at the row's seat (a chained step); else the rows' tokens.
         ``masks``: the constrained rows' token masks."""
-        return self.draw(self.forward(rows, sampling, fed), masks)
-
-    def forward(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
-                fed: FedRows | None = None) -> "Forward":
-        """The step's first stage: the graph (model, keyed draw of every row, column write),
-        enqueued at once. ``draw`` enqueues the rest; until it has, the step's tokens are
-        neither final nor on their way to the host."""
-        return self.enqueue(self.prepare(rows, sampling, fed))
+        return self.draw(self.enqueue(self.prepare(rows, sampling, fed)), masks)
 
     def prepare(self, rows: list[DecodeRow] | DecodeColumns, sampling: list[RowSampling],
                 fed: FedRows | None = None) -> "DecodeInputs":
@@ -171,7 +164,9 @@ class DecodeRunner:
 
     def enqueue(self, inputs: "DecodeInputs") -> "Forward":
         """The first stage's device work: the staged copies, the fed rows' gather, and the
-        rung's replay (or the eager step)."""
+        rung's replay (or the eager step): the graph (model, keyed draw of every row, column
+        write). ``draw`` enqueues the rest; until it has, the step's tokens are neither
+        final nor on their way to the host."""
         input_ids, seats, out, hosts = self._row_views(inputs.bs, inputs.rung or inputs.bs)
         view = self.slots.send(inputs.meta)
         settings = self.sampling.send(inputs.settings)
