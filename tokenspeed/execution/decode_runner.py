@@ -180,7 +180,7 @@ class DecodeRunner:
         """The step's second stage: rows whose sampling needs more than the graph's draw
         (``masks``, processing) drawn again from its logits into the column, then the
         tokens' copy to the host. Enqueued after ``enqueue``, before the next step's (which
-may already be prepared)."""
+        may already be prepared)."""
         logprobs, out, replayed = None, forward.out, False
         if forward.processed or masks is not None:
             bs = len(forward.sampling)
