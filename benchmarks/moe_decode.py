@@ -44,7 +44,7 @@ from benchmarks.quantized import decode_seconds, prefill_seconds, prompts
 from tokenspeed.models.config import ModelConfig
 from tokenspeed.models.random import random_model
 
-SHAPES = ("qwen3-30b-a3b", "deepseek-v2-lite")
+SHAPES = ("qwen3-30b-a3b", "deepseek-v2-lite", "moonlight-16b-a3b")
 TINY_SIZES = {   # each shape's features at a size the CPU runs in seconds
     "qwen3-30b-a3b": dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -53,6 +53,10 @@ TINY_SIZES = {   # each shape's features at a size the CPU runs in seconds
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
                              num_experts_per_tok=2, n_shared_experts=2, eos_token_id=2),
+    "moonlight-16b-a3b": dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                              num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2, eos_token_id=2),
 }
 
 

@@ -20,6 +20,10 @@ SETTINGS = {
     "v2 group_limited_greedy": ("v2_moe", {}),
     "v3 noaux_tc": ("v3_moe", {}),
     "v3 noaux_tc unnormalised": ("v3_moe", dict(norm_topk_prob=False, routed_scaling_factor=1.0)),
+    "v2 group_limited_greedy, 3 of 8 groups of 20": ("v2_moe", dict(n_routed_experts=160, n_group=8, topk_group=3,
+                                                                     num_experts_per_tok=6)),
+    "v3 noaux_tc, 3 of 8 groups of 8": ("v3_moe", dict(n_routed_experts=64, n_group=8, topk_group=3,
+                                                       num_experts_per_tok=6)),
 }
 
 
@@ -66,6 +70,8 @@ def _config(variant: str, **changes) -> dict:
     ("v3_moe", dict(scoring_func="softmax"), "scoring_func='softmax'"),
     ("v3_moe", dict(moe_layer_freq=2), "moe_layer_freq=2"),
     ("v3_moe", dict(n_group=3), "n_group=3"),
+    ("v3_moe", dict(num_experts_per_tok=5), "num_experts_per_tok=5 exceeds the 4 experts"),
+    ("v3_moe", dict(n_group=8, topk_group=2), "groups of 1 expert"),
     ("v3_moe", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}), "rope_type='llama3'"),
     ("v2_moe", dict(rope_interleave=False), "rope_interleave=False"),
     ("v3_moe", dict(kv_lora_rank="32"), "kv_lora_rank='32'"),

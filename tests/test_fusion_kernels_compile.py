@@ -1,7 +1,7 @@
 """This session's fused kernels compile for an H100/H200 (sm_90) on a machine without a GPU,
 as ``test_kernel_compile`` compiles the others (a child process, outside the interpreter):
 the rotary, the router's softmax and top k (alone, after the gate's product, and that after
-the norm), the latent
+the norm), DeepSeek's grouped choice (V3's and V2's), the latent
 write, the MoE combine with the shared experts' add and the one-launch expert grouping, at
 DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes, with programmatic dependent launch on where
 the kernel takes it."""
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU tests com
 
 def fused_kernels():
     from sm90 import compile_sm90
-    from tokenspeed.backends.kernels import triton_latent, triton_moe, triton_moe_align, triton_rope, triton_route
+    from tokenspeed.backends.kernels import (triton_group_route, triton_latent, triton_moe, triton_moe_align, triton_rope,
+                                             triton_route)
     def i32(kernel):   # its integer arguments
         return {n: "i32" for n in kernel.arg_names
                 if n.startswith(("stride", "num_", "pairs", "hidden")) and not n.endswith("_ptr")}
@@ -46,7 +47,12 @@ def fused_kernels():
         **i32(triton_route._route_kernel)),
         dict(K=6, NORMALIZE=False, ROUND=False, NORM=norm, HAS_RES=norm, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64,
              BLOCK_S=8, BLOCK_TOP=8, BLOCK_H=2048, USE_PDL=True)) for norm in (False, True)]
-    assert all(k.asm["ptx"] for k in (rope, route, latent, combine, group, *gates))
+    choices = [compile_sm90(triton_group_route._group_top_k_kernel, dict(
+        logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", per_group="i32", n_group="i32",
+        scale="fp32", **i32(triton_group_route._group_top_k_kernel)),
+        dict(K=k, TOPK_GROUP=topk_group, NOAUX=noaux, NORMALIZE=noaux, BLOCK_E=256, BLOCK_G=8, BLOCK_K=8, USE_PDL=True))
+        for k, topk_group, noaux in ((8, 4, True), (6, 3, False))]
+    assert all(k.asm["ptx"] for k in (rope, route, latent, combine, group, *gates, *choices))
     assert "bar.sync" in group.asm["ptx"]   # the rows are marked empty before the pairs land
     assert all("atom.global.gpu.acq_rel.add" in g.asm["ptx"] for g in gates)   # the last program counts itself in
     assert gates[1].asm["ptx"].count("st.global") > gates[0].asm["ptx"].count("st.global")   # normed rows, sum

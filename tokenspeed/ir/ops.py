@@ -244,6 +244,22 @@ def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool, scale: float) -
     return [logits.new_empty(rows, k, dtype=torch.float32), logits.new_empty(rows, k, dtype=torch.int64)]
 
 
+@_op("group_top_k")
+def group_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int, topk_group: int,
+                method: str, normalize: bool, scale: float) -> list[torch.Tensor]:
+    """DeepSeek's grouped choice from float32 gate logits ``[T, E]``: ``[weights, ids]``, each
+    ``[T, k]``. The experts form ``n_group`` groups of consecutive ids; only the
+    ``topk_group`` best groups are kept. ``method`` is the config's ``topk_method``:
+    ``group_limited_greedy`` (V2: softmax scores, a group ranked by its best score) or
+    ``noaux_tc`` (V3: sigmoid scores, chosen with ``correction_bias`` added, a group ranked by
+    the sum of its two best, weighed by the unbiased scores). Weights renormalised where
+    ``normalize`` (``w / (sum + 1e-20)``), times ``scale``. One op for the fifteen-odd small
+    kernels a layer of plain ops (softmax or sigmoid, group maxima, two top-ks, a scatter,
+    masks, a gather, the division) would launch at every decode step."""
+    rows = logits.shape[0]
+    return [logits.new_empty(rows, k, dtype=torch.float32), logits.new_empty(rows, k, dtype=torch.int64)]
+
+
 @_op("route")
 def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
           logits_dtype: torch.dtype | None = None, split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -351,6 +367,7 @@ MOE = OPS.moe.default
 ROUTE = OPS.route.default
 NORM_ROUTE = OPS.norm_route.default
 SOFTMAX_TOP_K = OPS.softmax_top_k.default
+GROUP_TOP_K = OPS.group_top_k.default
 WRITE_LATENT = OPS.write_latent.default
 NORM_ROPE_WRITE_LATENT = OPS.norm_rope_write_latent.default
 CAUSAL_CONV_SILU, GATED_DELTA_RULE = OPS.causal_conv_silu.default, OPS.gated_delta_rule.default
@@ -361,7 +378,7 @@ RECURRENT_TARGETS = (OPS.causal_conv_silu, CAUSAL_CONV_SILU, OPS.gated_delta_rul
 WRITE_KV_TARGETS = (OPS.write_kv, WRITE_KV, ROPE_WRITE_KV, OPS.write_latent, WRITE_LATENT, NORM_ROPE_WRITE_LATENT)
 OP_NAMES = ("rope", "write_kv", "attention", "extend_attention", "decode_attention", "silu_and_mul",
             "rms_norm", "add_rms_norm", "rope_write_kv", "rope_decode_attention", "linear", "gated_linear",
-            "norm_linear", "embedding", "softmax_top_k", "route", "norm_route", "moe", "write_latent",
-            "norm_rope_write_latent", "mla_attention", "mla_decode_attention", "mla_write_decode_attention",
-            "causal_conv_silu", "gated_delta_rule",
+            "norm_linear", "embedding", "softmax_top_k", "group_top_k", "route", "norm_route", "moe",
+            "write_latent", "norm_rope_write_latent", "mla_attention", "mla_decode_attention",
+            "mla_write_decode_attention", "causal_conv_silu", "gated_delta_rule",
             "causal_conv_silu_step", "gated_delta_rule_step")

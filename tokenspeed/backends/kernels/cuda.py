@@ -11,6 +11,7 @@ as the CUDA kernels of its parts.
 
 import torch
 
+from tokenspeed.backends.kernels import group_route_reference
 from tokenspeed.backends.kernels.fla_state import (  # noqa: F401  (fla's)
     causal_conv_silu, gated_delta_rule, gated_delta_rule_step)
 from tokenspeed.backends.kernels.gguf_blocks import block_format
@@ -243,6 +244,16 @@ def embedding(ids, weight, weight_format, features, dtype):
 def softmax_top_k(logits, k, normalize, scale):
     from tokenspeed.backends.kernels import triton_route
     return triton_route.softmax_top_k(logits, k, normalize, scale)
+
+
+def group_top_k(logits, correction_bias, k, n_group, topk_group, method, normalize, scale):
+    """One launch a step (``triton_group_route``); a router past one program's experts or
+    groups runs the ops it stands for."""
+    from tokenspeed.backends.kernels import triton_group_route
+    if not triton_group_route.fits(logits.shape[-1], n_group):
+        return group_route_reference.group_top_k(logits, correction_bias, k, n_group, topk_group, method, normalize,
+                                                 scale)
+    return triton_group_route.group_top_k(logits, correction_bias, k, n_group, topk_group, method, normalize, scale)
 
 
 def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None):

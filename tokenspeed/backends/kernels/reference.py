@@ -17,6 +17,7 @@ from tokenspeed.backends.kernels import (cpu_attention, cpu_blocks, cpu_int4, cp
                                          mla_reference, moe_reference)
 from tokenspeed.backends.kernels.fp8_weights import dequantize
 from tokenspeed.backends.kernels.gguf_blocks import block_format
+from tokenspeed.backends.kernels.group_route_reference import group_top_k  # noqa: F401  (DeepSeek's routing)
 from tokenspeed.backends.kernels.mla_reference import mla_attention, write_latent  # noqa: F401  (MLA's reference)
 from tokenspeed.backends.kernels.state_reference import (  # noqa: F401  (recurrent layers' references)
     causal_conv_silu, causal_conv_silu_step, gated_delta_rule, gated_delta_rule_step)
