@@ -1,7 +1,8 @@
 """This session's fused kernels compile for an H100/H200 (sm_90) on a machine without a GPU,
 as ``test_kernel_compile`` compiles the others (a child process, outside the interpreter):
 the rotary, the router's softmax and top k (alone, after the gate's product, and that after
-the norm), DeepSeek's grouped choice (V3's and V2's), the latent
+the norm), DeepSeek's grouped choice (V3's and V2's; and Moonlight's after its
+normed gate), the latent
 write, the MoE combine with the shared experts' add and the one-launch expert grouping, at
 DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes, with programmatic dependent launch on where
 the kernel takes it."""
@@ -44,9 +45,10 @@ def fused_kernels():
     gates = [compile_sm90(triton_route._route_kernel, dict(
         x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", cnt_ptr="*i32",
         scale="fp32", rows="i32", res_ptr="*bf16", nw_ptr="*bf16", normed_ptr="*bf16", total_ptr="*bf16", eps="fp32",
-        **i32(triton_route._route_kernel)),
-        dict(K=6, NORMALIZE=False, ROUND=False, NORM=norm, HAS_RES=norm, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64,
-             BLOCK_S=8, BLOCK_TOP=8, BLOCK_H=2048, USE_PDL=True)) for norm in (False, True)]
+        bias_ptr="*fp32", per_group="i32", n_group="i32", **i32(triton_route._route_kernel)),
+        dict(K=6, NORMALIZE=grouped, ROUND=False, NORM=norm, HAS_RES=norm, GROUPED=grouped, TOPK_GROUP=1,
+             NOAUX=grouped, BLOCK_N=8, BLOCK_K=256, BLOCK_E=64, BLOCK_S=8, BLOCK_TOP=8, BLOCK_H=2048, BLOCK_G=1,
+             USE_PDL=True)) for norm, grouped in ((False, False), (True, False), (True, True))]
     choices = [compile_sm90(triton_group_route._group_top_k_kernel, dict(
         logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", per_group="i32", n_group="i32",
         scale="fp32", **i32(triton_group_route._group_top_k_kernel)),

@@ -262,10 +262,14 @@ def group_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: i
 
 @_op("route")
 def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
-          logits_dtype: torch.dtype | None = None, split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """``softmax_top_k`` of a router's gate: the gate's product ``x @ weight.T`` and the
-    choice in one op (a fusion pass's, for decode: one launch where a layer's routing took
-    two or three). ``logits_dtype`` float32: the product of x and weight both cast to
+          logits_dtype: torch.dtype | None = None, split_counters: torch.Tensor | None = None,
+          correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          method: str = "greedy") -> list[torch.Tensor]:
+    """A router's gate and choice in one op (a fusion pass's, for decode: one launch where a
+    layer's routing took two or three): the gate's product ``x @ weight.T``, then
+    ``softmax_top_k`` of it (``method`` greedy) or ``group_top_k`` (DeepSeek's
+    ``group_limited_greedy`` and ``noaux_tc``, with ``correction_bias``, ``n_group`` and
+    ``topk_group``). ``logits_dtype`` float32: the product of x and weight both cast to
     float32 (DeepSeek's gate, as transformers computes it); None: the linear layer's, in x's
     dtype. ``split_counters``: as ``linear``'s."""
     rows = x.shape[0]
@@ -275,7 +279,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale:
 @_op("norm_route")
 def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                weight: torch.Tensor, k: int, normalize: bool, scale: float, logits_dtype: torch.dtype | None = None,
-               split_counters: torch.Tensor | None = None) -> list[torch.Tensor]:
+               split_counters: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
+               n_group: int = 1, topk_group: int = 1, method: str = "greedy") -> list[torch.Tensor]:
     """``route`` of ``rms_norm(x + residual)``, which the mixture reads too: ``[weights, ids,
     normed, x + residual]`` (``[weights, ids, normed]`` without a residual). A decode step's
     routing normalises its input in the router's launch: the norm's own launch is gone."""

@@ -1,7 +1,8 @@
-"""``fuse_router``: a router's gate product and its choice (``softmax_top_k``) become one
-``route`` op, which a decode step runs in one launch (``triton_route.route``): one launch a
-mixture layer fewer for a 16-bit gate (Qwen3-MoE, Mixtral), two for DeepSeek's float32
-gate, whose cast of the layer's input was a kernel of its own.
+"""``fuse_router``: a router's gate product and its choice (``softmax_top_k``, or DeepSeek's
+``group_top_k``) become one ``route`` op, which a decode step runs in one launch
+(``triton_route.route``): one launch a mixture layer fewer for a 16-bit gate (Qwen3-MoE,
+Mixtral), two for DeepSeek's float32 gate, whose cast of the layer's input was a kernel of
+its own.
 
 Two gates are taken: a dense ``linear`` op without a bias, read by the choice alone; and
 ``torch.linear`` of the input cast to float32 and the gate's weight (cast or not), which
@@ -11,7 +12,7 @@ keeps its float32 logits (``logits_dtype``). Other logits stay as they are.
 import torch
 from torch import fx
 
-from tokenspeed.ir.ops import OPS as ops, ROUTE, SOFTMAX_TOP_K
+from tokenspeed.ir.ops import GROUP_TOP_K, OPS as ops, ROUTE, SOFTMAX_TOP_K
 from tokenspeed.ir.program import rename
 from tokenspeed.passes.manager import graph_pass
 
@@ -20,7 +21,7 @@ TORCH_LINEAR = torch.nn.functional.linear
 
 @graph_pass("fuse_router")
 def fuse_router(gm: fx.GraphModule, **_) -> None:
-    for choice in [n for n in gm.graph.nodes if n.target == SOFTMAX_TOP_K]:
+    for choice in [n for n in gm.graph.nodes if n.target in (SOFTMAX_TOP_K, GROUP_TOP_K)]:
         gate = choice.args[0]
         operands = _gate_operands(gate)
         if operands is None:
@@ -28,7 +29,7 @@ def fuse_router(gm: fx.GraphModule, **_) -> None:
         x, weight, logits_dtype = operands
         kwargs = {} if logits_dtype is None else {"logits_dtype": logits_dtype}
         with gm.graph.inserting_before(choice):
-            fused = gm.graph.call_function(ROUTE, (x, weight, *choice.args[1:]), kwargs)
+            fused = gm.graph.call_function(ROUTE, (x, weight, *_choice_args(choice)), {**kwargs, **_grouping(choice)})
         if "stage" in choice.meta:
             fused.meta["stage"] = choice.meta["stage"]
         choice.replace_all_uses_with(fused)
@@ -37,6 +38,23 @@ def fuse_router(gm: fx.GraphModule, **_) -> None:
             if not node.users:
                 gm.graph.erase_node(node)
         rename(fused, f"{weight.name.removesuffix('_weight')}_route")
+
+
+def _choice_args(choice: fx.Node) -> tuple:
+    """(k, normalize, scale) of a ``softmax_top_k`` or ``group_top_k`` node."""
+    if choice.target == SOFTMAX_TOP_K:
+        return choice.args[1:]
+    _, _, k, _, _, _, normalize, scale = choice.args
+    return k, normalize, scale
+
+
+def _grouping(choice: fx.Node) -> dict:
+    """A ``group_top_k`` node's grouping as ``route``'s keywords."""
+    if choice.target == SOFTMAX_TOP_K:
+        return {}
+    _, bias, _, n_group, topk_group, method, _, _ = choice.args
+    return dict(n_group=n_group, topk_group=topk_group, method=method, **({} if bias is None else
+                                                                        {"correction_bias": bias}))
 
 
 def _gate_operands(gate) -> tuple[fx.Node, fx.Node, torch.dtype | None] | None:

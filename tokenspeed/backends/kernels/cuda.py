@@ -17,7 +17,7 @@ from tokenspeed.backends.kernels.fla_state import (  # noqa: F401  (fla's)
 from tokenspeed.backends.kernels.gguf_blocks import block_format
 from tokenspeed.backends.kernels.state_reference import causal_conv_silu_step  # noqa: F401  (torch, captured)
 from tokenspeed.backends.kernels.mla_reference import write_latent  # noqa: F401  (an index_copy_)
-from tokenspeed.backends.kernels.reference import flat_slots, gate_logits
+from tokenspeed.backends.kernels.reference import choose, flat_slots, gate_logits
 from tokenspeed.backends.metadata import EXTEND_TILE_ROWS
 from tokenspeed.ir.weights import DENSE, FP8, INT4, INT8
 
@@ -256,26 +256,46 @@ def group_top_k(logits, correction_bias, k, n_group, topk_group, method, normali
     return triton_group_route.group_top_k(logits, correction_bias, k, n_group, topk_group, method, normalize, scale)
 
 
-def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
-    """One launch for a decode step's rows (``triton_route.route``); more rows, or no
-    counters, run the ops it stands for: the gate's product, then the choice."""
+def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None, correction_bias=None, n_group=1,
+          topk_group=1, method="greedy"):
+    """One launch for a decode step's rows (``triton_route.route``); more rows, no counters
+    or a grouped choice past one program's, run the ops it stands for: the gate's product,
+    then the choice."""
     from tokenspeed.backends.kernels import triton_route
-    if split_counters is not None and x.shape[0] <= triton_route.ROUTE_MAX_ROWS:
-        return triton_route.route(x, weight, k, normalize, scale, logits_dtype, split_counters)
-    return triton_route.softmax_top_k(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale)
+    grouping = _grouping(correction_bias, n_group, topk_group, method)
+    if split_counters is not None and x.shape[0] <= triton_route.ROUTE_MAX_ROWS and _one_program(weight, grouping):
+        return triton_route.route(x, weight, k, normalize, scale, logits_dtype, split_counters, grouping)
+    return choose(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale, correction_bias, n_group,
+                  topk_group, method, softmax_top_k, group_top_k)
 
 
-def norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+def norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype=None, split_counters=None,
+               correction_bias=None, n_group=1, topk_group=1, method="greedy"):
     """One launch for one row of up to ``triton_route.NORM_TILE`` features (``triton_route.
     norm_route``), as ``norm_linear`` fuses its norm for one row only; more rows, or a wider
     row (whose statistics take several tiles: DeepSeek-V3's 7,168, 10.39 us fused against
     10.01 apart on the H200), run the norm's kernel, then ``route``."""
     from tokenspeed.backends.kernels import triton_route
-    if split_counters is not None and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] <= triton_route.NORM_TILE:
+    grouping = _grouping(correction_bias, n_group, topk_group, method)
+    if split_counters is not None and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] <= triton_route.NORM_TILE \
+            and _one_program(weight, grouping):
         return triton_route.norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype,
-                                       split_counters)
+                                       split_counters, grouping)
     norm = [rms_norm(x, norm_weight, eps)] if residual is None else add_rms_norm(x, residual, norm_weight, eps)
-    return [*route(norm[0], weight, k, normalize, scale, logits_dtype, split_counters), *norm]
+    return [*route(norm[0], weight, k, normalize, scale, logits_dtype, split_counters, correction_bias, n_group,
+                   topk_group, method), *norm]
+
+
+def _grouping(correction_bias, n_group: int, topk_group: int, method: str):
+    """A route's grouped choice as ``triton_route`` takes it; None for the greedy one."""
+    from tokenspeed.backends.kernels import triton_group_route
+    return None if method == "greedy" else triton_group_route.Grouping(correction_bias, n_group, topk_group, method)
+
+
+def _one_program(weight, grouping) -> bool:
+    """Whether the last program of a route's launch holds its grouped choice."""
+    from tokenspeed.backends.kernels import triton_group_route
+    return grouping is None or triton_group_route.fits(weight.shape[0], grouping.n_group)
 
 
 def moe(x, w13, w2, topk_weights, topk_ids, shared=None, shared_w13=None, shared_w2=None):

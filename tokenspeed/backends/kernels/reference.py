@@ -114,15 +114,27 @@ def softmax_top_k(logits, k, normalize, scale):
     return [weights * scale, ids]
 
 
-def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+def route(x, weight, k, normalize, scale, logits_dtype=None, split_counters=None, correction_bias=None, n_group=1,
+          topk_group=1, method="greedy"):
     """The ops it stands for (``split_counters`` unread)."""
-    return softmax_top_k(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale)
+    return choose(gate_logits(x, weight, logits_dtype, linear), k, normalize, scale, correction_bias, n_group,
+                  topk_group, method, softmax_top_k, group_top_k)
 
 
-def norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype=None, split_counters=None):
+def norm_route(x, residual, norm_weight, eps, weight, k, normalize, scale, logits_dtype=None, split_counters=None,
+               correction_bias=None, n_group=1, topk_group=1, method="greedy"):
     """The ops it stands for: the norm (with its residual add), then ``route``."""
     norm = [rms_norm(x, norm_weight, eps)] if residual is None else add_rms_norm(x, residual, norm_weight, eps)
-    return [*route(norm[0], weight, k, normalize, scale, logits_dtype), *norm]
+    return [*route(norm[0], weight, k, normalize, scale, logits_dtype, None, correction_bias, n_group, topk_group,
+                   method), *norm]
+
+
+def choose(logits, k, normalize, scale, correction_bias, n_group, topk_group, method, softmax_op, group_op):
+    """A ``route``'s choice as its own op would make it: ``softmax_op`` (``softmax_top_k``)
+    for the greedy method, else ``group_op`` (``group_top_k``), the backend's."""
+    if method == "greedy":
+        return softmax_op(logits, k, normalize, scale)
+    return group_op(logits, correction_bias, k, n_group, topk_group, method, normalize, scale)
 
 
 def gate_logits(x, weight, logits_dtype, linear_op):

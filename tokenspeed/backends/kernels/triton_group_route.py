@@ -11,6 +11,8 @@ and picks first the groups, then the experts, one reduction a pick, as
 expert's rank in their low word, so the lowest group or expert comes first among equals.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,14 @@ from tokenspeed.backends.kernels.group_route_reference import check
 
 MAX_EXPERTS = 1024   # one program holds a row's scores
 MAX_GROUPS = 64      # and a [groups, experts] grid of them
+
+
+class Grouping(NamedTuple):
+    """A grouped choice's settings, as ``group_top_k`` takes them (``triton_route``'s gate)."""
+    correction_bias: torch.Tensor | None
+    n_group: int
+    topk_group: int
+    method: str
 
 
 @triton.jit
@@ -52,16 +62,14 @@ def _group_scores(choice, member, NOAUX: tl.constexpr):
 
 
 @triton.jit
-def _group_top_k_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n_group, stride_l,
-                        scale, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NOAUX: tl.constexpr,
-                        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.start(USE_PDL)
-    pdl.wait(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    e, g, j = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_K)
+def choose_grouped(x, e, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n_group, scale, K: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, NOAUX: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's choice from its float32 logits ``x [BLOCK_E]`` (``e``: the experts'
+    indices, -inf past them) into ``weights_ptr[:K]`` and ``ids_ptr[:K]``, the largest
+    choice first. Shared with ``triton_route``'s gate."""
+    g, j = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_K)
     real = e < num_experts
-    x = tl.load(logits_ptr + t * stride_l + e, mask=real, other=float("-inf")).to(tl.float32)
     if NOAUX:
         scores = tl.sigmoid(x)
         choice = tl.where(real, scores + tl.load(bias_ptr + e, mask=real, other=0.0).to(tl.float32), float("-inf"))
@@ -89,8 +97,22 @@ def _group_top_k_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
         keys = tl.where(keys == best, _lowest(BLOCK_E - 1 - e), keys)
     if NORMALIZE:
         weights = weights / (tl.sum(tl.where(j < K, weights, 0.0), 0) + 1e-20)
-    tl.store(weights_ptr + t * K + j, weights * scale, mask=j < K)
-    tl.store(ids_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
+    tl.store(weights_ptr + j, weights * scale, mask=j < K)
+    tl.store(ids_ptr + j, ids.to(tl.int64), mask=j < K)
+
+
+@triton.jit
+def _group_top_k_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n_group, stride_l,
+                        scale, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NOAUX: tl.constexpr,
+                        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.start(USE_PDL)
+    pdl.wait(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    choose_grouped(x, e, bias_ptr, weights_ptr + t * K, ids_ptr + t * K, num_experts, per_group, n_group, scale, K,
+                   TOPK_GROUP, NOAUX, NORMALIZE, BLOCK_E, BLOCK_G, BLOCK_K)
 
 
 def group_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int, topk_group: int,

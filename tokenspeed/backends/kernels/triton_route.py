@@ -15,7 +15,9 @@ row, rounds them as the gate's output is rounded, and chooses. DeepSeek's gate, 
 product of the layer's 16-bit input, took a cast, a cuBLAS product and this kernel before.
 ``norm_route`` normalises the gate's input in the same launch (``rms_norm(x + residual)``,
 which every program computes for its slice of the features) and stores the normed rows and
-their sum, which the mixture and the next layer read: the norm's own launch is gone.
+their sum, which the mixture and the next layer read: the norm's own launch is gone. A
+DeepSeek router's grouped choice takes the last program's place of the softmax's
+(``triton_group_route.choose_grouped``).
 """
 
 from typing import NamedTuple
@@ -24,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed.backends.kernels import pdl, triton_gemv
+from tokenspeed.backends.kernels import pdl, triton_gemv, triton_group_route
+from tokenspeed.backends.kernels.group_route_reference import check as check_grouped
 from tokenspeed.backends.kernels.blocks import next_power_of_2
 from tokenspeed.errors import InternalError
 
@@ -97,16 +100,18 @@ def _normed_slice(x_row, res_row, nw_ptr, normed_row, total_row, k, hidden, eps,
 
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, num_experts, hidden, stride_xm,
-                  stride_wn, scale, res_ptr, nw_ptr, normed_ptr, total_ptr, eps, K: tl.constexpr,
-                  NORMALIZE: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                  stride_wn, scale, res_ptr, nw_ptr, normed_ptr, total_ptr, eps, bias_ptr, per_group, n_group,
+                  K: tl.constexpr, NORMALIZE: tl.constexpr, ROUND: tl.constexpr, NORM: tl.constexpr,
+                  HAS_RES: tl.constexpr, GROUPED: tl.constexpr, TOPK_GROUP: tl.constexpr, NOAUX: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_TOP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (column block, split): the gate's tile is read before the wait (PDL), then
     each row's partial ``[BLOCK_N]`` is stored at ``part[split, row]``. ROUND: the logits
     are rounded to x's dtype (the gate's output dtype) before the softmax. NORM: the gate
     reads ``rms_norm(x + residual)`` (``res_ptr`` read if HAS_RES), which the first column
     block's programs store, with the sum, as ``[rows, hidden]`` rows (x's rows are
-    ``stride_xm`` apart, the residual's contiguous)."""
+    ``stride_xm`` apart, the residual's contiguous). GROUPED: the last program chooses as
+    ``triton_group_route`` does (``bias_ptr`` read if NOAUX), not by the softmax's top k."""
     pdl.start(USE_PDL)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,7 +138,12 @@ def _route_kernel(x_ptr, w_ptr, part_ptr, weights_ptr, ids_ptr, cnt_ptr, rows, n
             if ROUND:
                 logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
             logits = tl.where(e < num_experts, logits, float("-inf"))
-            _choose(logits, e, j, num_experts, weights_ptr + m * K, ids_ptr + m * K, scale, K, NORMALIZE, BLOCK_E)
+            if GROUPED:
+                triton_group_route.choose_grouped(logits, e, bias_ptr, weights_ptr + m * K, ids_ptr + m * K,
+                                                  num_experts, per_group, n_group, scale, K, TOPK_GROUP, NOAUX,
+                                                  NORMALIZE, BLOCK_E, BLOCK_G, BLOCK_TOP)
+            else:
+                _choose(logits, e, j, num_experts, weights_ptr + m * K, ids_ptr + m * K, scale, K, NORMALIZE, BLOCK_E)
         tl.store(cnt_ptr, 0)
 
 
@@ -160,16 +170,19 @@ class RouterNorm(NamedTuple):
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, scale: float,
-          logits_dtype: torch.dtype | None, split_counters: torch.Tensor) -> list[torch.Tensor]:
+          logits_dtype: torch.dtype | None, split_counters: torch.Tensor,
+          grouping: "triton_group_route.Grouping | None" = None) -> list[torch.Tensor]:
     """``softmax_top_k(x [T, H] @ weight [E, H].T)`` for T <= ``ROUTE_MAX_ROWS``, in one launch
-    that leaves its counter (``split_counters[0]``, int32) zeroed. ``logits_dtype``: float32,
-    or None for x's dtype (the logits rounded to it)."""
-    return _route(x, weight, k, normalize, scale, logits_dtype, split_counters, None)
+    that leaves its counter (``split_counters[0]``, int32) zeroed; given a ``grouping``,
+    ``group_top_k`` of the logits instead. ``logits_dtype``: float32, or None for x's dtype
+    (the logits rounded to it)."""
+    return _route(x, weight, k, normalize, scale, logits_dtype, split_counters, None, grouping)
 
 
 def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                weight: torch.Tensor, k: int, normalize: bool, scale: float, logits_dtype: torch.dtype | None,
-               split_counters: torch.Tensor) -> list[torch.Tensor]:
+               split_counters: torch.Tensor, grouping: "triton_group_route.Grouping | None" = None
+               ) -> list[torch.Tensor]:
     """``route`` of ``rms_norm(x + residual)`` in the same one launch: ``[weights, ids,
     normed, x + residual]`` (no sum without a residual)."""
     if (residual is not None and residual.shape != x.shape) or norm_weight.shape != x.shape[-1:]:
@@ -180,12 +193,12 @@ def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torc
     total = None if residual is None else torch.empty_like(normed)
     norm = RouterNorm(None if residual is None else residual.contiguous(), norm_weight.contiguous(), eps, normed,
                       total)
-    return [*_route(x, weight, k, normalize, scale, logits_dtype, split_counters, norm), normed,
+    return [*_route(x, weight, k, normalize, scale, logits_dtype, split_counters, norm, grouping), normed,
             *([] if total is None else [total])]
 
 
 def _route(x, weight, k: int, normalize: bool, scale: float, logits_dtype, split_counters,
-           norm: RouterNorm | None) -> list[torch.Tensor]:
+           norm: RouterNorm | None, grouping) -> list[torch.Tensor]:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > ROUTE_MAX_ROWS:
         raise InternalError(f"route wants x [T, H] with T <= {ROUTE_MAX_ROWS} and weight [E, H]; got "
                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -193,7 +206,11 @@ def _route(x, weight, k: int, normalize: bool, scale: float, logits_dtype, split
         raise InternalError(f"route takes float32 or x's dtype for its logits and int32 counters; got "
                             f"{logits_dtype} and {split_counters.dtype}")
     (rows, hidden), experts = x.shape, weight.shape[0]
-    _check_choice((rows, experts), k)
+    group = grouping or triton_group_route.Grouping(None, 1, 1, "greedy")
+    if grouping is None:
+        _check_choice((rows, experts), k)
+    else:
+        check_grouped((rows, experts), group.correction_bias, k, group.n_group, group.topk_group, group.method)
     weights, ids = _choice(rows, k, x.device)
     if rows:
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -201,14 +218,18 @@ def _route(x, weight, k: int, normalize: bool, scale: float, logits_dtype, split
         grid = (triton.cdiv(experts, GATE_BLOCK_N), triton.cdiv(hidden, GATE_BLOCK_K))
         part = torch.empty((grid[1], rows, experts), dtype=torch.float32, device=x.device)
         n = norm or RouterNorm(None, x, 0.0, x, None)   # unread without NORM
+        noaux = group.method == "noaux_tc"
         _route_kernel[grid](x, weight, part, weights, ids, split_counters, rows, experts, hidden, x.stride(0),
                             weight.stride(0), float(scale), triton_gemv._or(n.residual, x), n.weight, n.normed,
-                            triton_gemv._or(n.total, x), float(n.eps), K=k, NORMALIZE=normalize,
+                            triton_gemv._or(n.total, x), float(n.eps),
+                            group.correction_bias.contiguous() if noaux else x, experts // group.n_group,
+                            group.n_group, K=k, NORMALIZE=normalize,
                             ROUND=logits_dtype is None and x.dtype != torch.float32, NORM=norm is not None,
-                            HAS_RES=n.residual is not None, BLOCK_N=GATE_BLOCK_N, BLOCK_K=GATE_BLOCK_K,
+                            HAS_RES=n.residual is not None, GROUPED=grouping is not None, TOPK_GROUP=group.topk_group,
+                            NOAUX=noaux, BLOCK_N=GATE_BLOCK_N, BLOCK_K=GATE_BLOCK_K,
                             BLOCK_E=next_power_of_2(experts), BLOCK_S=next_power_of_2(grid[1]),
                             BLOCK_TOP=next_power_of_2(k), BLOCK_H=min(next_power_of_2(hidden), NORM_TILE),
-                            num_warps=4, **pdl.launch_options(x.device))
+                            BLOCK_G=next_power_of_2(group.n_group), num_warps=4, **pdl.launch_options(x.device))
     return [weights, ids]
 
 
