@@ -35,7 +35,7 @@ def chosen(weights: torch.Tensor, ids: torch.Tensor) -> list[dict[int, float]]:
 def test_the_kernel_picks_the_references_experts_with_its_weights(layout, rows, topk_group, k, method, normalize,
                                                                   scale, seed):
     """Random logits and biases (ties of groups or experts have no set winner): the same
-    experts with the same weights, the largest first."""
+    experts with the same weights; V2's (whose weights are its choice) the largest first."""
     experts, n_group = layout
     topk_group = min(topk_group, n_group)
     k = min(k, topk_group * experts // n_group)
