@@ -253,7 +253,7 @@ def group_top_k(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: i
     ``group_limited_greedy`` (V2: softmax scores, a group ranked by its best score) or
     ``noaux_tc`` (V3: sigmoid scores, chosen with ``correction_bias`` added, a group ranked by
     the sum of its two best, weighed by the unbiased scores). Weights renormalised where
-    ``normalize`` (``w / (sum + 1e-20)``), times ``scale``. One op for the fifteen-odd small
+    ``normalize`` (``w / (sum + 1e-20)``), times ``scale``. One op for the seventeen small
     kernels a layer of plain ops (softmax or sigmoid, group maxima, two top-ks, a scatter,
     masks, a gather, the division) would launch at every decode step."""
     rows = logits.shape[0]

@@ -150,11 +150,10 @@ def deepseek_moe_config(hf: dict, arch: str) -> DeepseekMoe:
     field = functools.partial(_moe_field, hf, arch)
     n_experts = _size(hf, "n_routed_experts", field("n_routed_experts"))
     n_group, topk_group = _groups(hf, arch, method, n_experts)
+    k = _size(hf, "num_experts_per_tok", field("num_experts_per_tok"))
     if (field("first_k_dense_replace") or 0) < hf.get("num_hidden_layers", 0):   # a layer routes
-        _check_kept_experts(method, n_experts // n_group * topk_group, n_experts // n_group,
-                            _size(hf, "num_experts_per_tok", field("num_experts_per_tok")))
-    return DeepseekMoe(n_routed_experts=n_experts, num_experts_per_tok=_size(hf, "num_experts_per_tok",
-                                                                             field("num_experts_per_tok")),
+        _check_kept_experts(method, n_experts // n_group, topk_group, k)
+    return DeepseekMoe(n_routed_experts=n_experts, num_experts_per_tok=k,
                        moe_intermediate_size=_size(hf, "moe_intermediate_size", field("moe_intermediate_size")),
                        n_shared_experts=field("n_shared_experts") or 0,
                        first_k_dense_replace=field("first_k_dense_replace") or 0, topk_method=method,
@@ -179,11 +178,11 @@ def _groups(hf: dict, arch: str, method: str, n_experts: int) -> tuple[int, int]
     return n_group, topk_group
 
 
-def _check_kept_experts(method: str, kept: int, per_group: int, k: int) -> None:
+def _check_kept_experts(method: str, per_group: int, topk_group: int, k: int) -> None:
     """transformers would fail at the first token (a top-k past its input) for these."""
-    if k > kept:
-        raise ValueError(f"config num_experts_per_tok={k} exceeds the {kept} experts of the topk_group groups "
-                         f"that {method} keeps")
+    if k > per_group * topk_group:
+        raise ValueError(f"config num_experts_per_tok={k} exceeds the {per_group * topk_group} experts of the "
+                         f"topk_group groups that {method} keeps")
     if method == "noaux_tc" and per_group < 2:
         raise ValueError(f"config n_group makes groups of {per_group} expert: noaux_tc ranks a group by its "
                          f"two best experts (at least 2 a group)")

@@ -1,7 +1,7 @@
 """DeepSeek's grouped routing as one launch (``tokenspeed::group_top_k``; the reference is
 ``group_route_reference``).
 
-As plain ops a decode step's grouped choice is some fifteen launches a mixture layer
+As plain ops a decode step's grouped choice is some seventeen launches a mixture layer
 (scores, group maxima or top-2 sums, a top-k of the groups, a scatter, an expand, a mask,
 the top-k of the experts, a gather, the division), each a round trip for a few hundred
 bytes. One program a row holds the row's scores (up to ``MAX_EXPERTS``) and a
