@@ -43,6 +43,9 @@ def text_model_dir():
 
     from tokenspeed.models.random import hf_state_dict
     tokenizer = smol_tokenizer()
+    if tokenizer.chat_template is None:   # the chat tests read it
+        raise ValueError("the test tokenizer has no chat template: TOKENSPEED_TEST_TOKENIZER must name a copy "
+                         "of the default model's tokenizer whose tokenizer_config.json holds its chat_template")
     path = new_tmpdir("ts_text_llama_")
     save_file(hf_state_dict(decisive_model(seed=5, config=TEXT_LLAMA)), str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(TEXT_LLAMA))
