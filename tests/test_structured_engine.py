@@ -8,6 +8,8 @@ text is nonsense, so every constrained token is the mask's doing."""
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tokenspeed as ts
 from tokenspeed.api.prompts import Prompt
+from tokenspeed.engine.constrained_steps import BESIDE_FILL_ROWS
 from tokenspeed.engine.speculative import PerRequestDrafts
 from tokenspeed.errors import RefusedRequest
 from tokenspeed.execution.masked_draws import MaskedDraws
@@ -134,6 +137,47 @@ def test_a_chained_step_is_prepared_before_the_draw_it_follows_and_enqueued_afte
     # the first decode step chains onto the prompt's (drawn by the prefill runner), the last
     # has none chained onto it: 7 steps for the 7 tokens after the prompt's
     assert steps == "pe" + "pde" * 6 + "d", steps
+
+
+def test_a_batch_of_constrained_rows_is_prepared_beside_its_fill(llm, llm_sync, monkeypatch):
+    """At ``BESIDE_FILL_ROWS`` rows a chained step's host work runs on the helper thread while
+    the engine's thread fills the masks (``Engine._drawn_beside``); the tokens are those of
+    the synchronous loop, which never chains."""
+    threads, decode = [], llm.compiled.decode
+    prepare = decode.prepare
+    monkeypatch.setattr(decode, "prepare", lambda *a: (threads.append(threading.current_thread().name), prepare(*a))[1])
+    params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed, max_tokens=24) for seed in range(BESIDE_FILL_ROWS)]
+    on = llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)
+    off = llm_sync.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    assert any(name.startswith("tokenspeed-prepare") for name in threads), threads
+    assert threading.main_thread().name in threads   # the first decode step, chained onto no draw
+
+
+def test_a_fill_that_fails_beside_a_preparation_leaves_nothing_behind(llm, monkeypatch):
+    """The fill's error is raised once the helper's preparation has ended; the engine holds
+    nothing of the step and serves the next call as before."""
+    params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed, max_tokens=12) for seed in range(BESIDE_FILL_ROWS)]
+    want = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)]
+    prepared, decode = threading.Event(), llm.compiled.decode
+    prepare = decode.prepare
+    monkeypatch.setattr(decode, "prepare", lambda *a: (time.sleep(0.3), prepared.set(), prepare(*a))[2])
+    fills = []
+
+    def fill(rows, num_rows):
+        fills.append(num_rows)
+        if len(fills) == 3:   # a chained step's: its next step is being prepared beside it
+            prepared.clear()
+            raise RuntimeError("fill failed")
+        return filled(rows, num_rows)
+    filled = llm.engine._filled
+    monkeypatch.setattr(llm.engine, "_filled", fill)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)
+    assert prepared.is_set() and not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    assert llm.engine.scheduler.allocator.num_free == llm.compiled.num_pages - 1
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)] == want
 
 
 def test_a_masked_draw_replayed_gives_the_eager_draws_tokens(llm, monkeypatch):

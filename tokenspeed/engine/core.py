@@ -33,6 +33,7 @@ and the masks are done while that forward runs.
 The engine is not thread-safe: its owner (``ts.LLM``, the server's loop) serialises calls.
 """
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -96,6 +97,7 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
         self.grammars = grammars
         self._num_constrained = 0    # unfinished requests with a constraint: none, no mask work
         self._mask_filler = self._mask_buffers = None   # made at the first constrained step
+        self._preparer = None        # the thread for host work beside a long fill (``_drawn_beside``)
 
     @property
     def limits(self) -> PromptLimits:
@@ -172,15 +174,15 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
     def _follow(self, last: InFlight) -> list[Request]:
         """Launch the step chained onto ``last`` if one can be; postprocess ``last`` now
         unless that step is a chained decode step. A ``last`` awaiting its masks (its
-        tokens' step just read) is drawn between the new step's host work and its enqueue:
-        that work runs while the device runs ``last``'s forward, and only the enqueue is
-        left between the draw and the next forward."""
+        tokens' step just read) is drawn between the new step's host work (done beside its
+        masks' fill where that is long: ``_drawn_beside``) and its enqueue: that work runs
+        while the device runs ``last``'s forward, and only the enqueue is left between the
+        draw and the next forward."""
         self.in_flight = None
         batch = self._chained_batch(last)
         if batch is None:
             return self._postprocess(self._drawn(last))
-        enqueue = self._prepare_launch(batch, last)
-        last = self._drawn(last)
+        enqueue, last = self._drawn_beside(last, functools.partial(self._prepare_launch, batch, last))
         self.in_flight = enqueue()
         if batch.kind == "decode" or self.in_flight.awaits_masks:
             self.unread = last
