@@ -142,16 +142,18 @@ def test_a_chained_step_is_prepared_before_the_draw_it_follows_and_enqueued_afte
 def test_a_batch_of_constrained_rows_is_prepared_beside_its_fill(llm, llm_sync, monkeypatch):
     """At ``BESIDE_FILL_ROWS`` rows a chained step's host work runs on the helper thread while
     the engine's thread fills the masks (``Engine._drawn_beside``); the tokens are those of
-    the synchronous loop, which never chains."""
-    threads, decode = [], llm.compiled.decode
+    the synchronous loop, which never chains; the helper runs under the engine's inference mode."""
+    threads, modes, decode = [], [], llm.compiled.decode
     prepare = decode.prepare
-    monkeypatch.setattr(decode, "prepare", lambda *a: (threads.append(threading.current_thread().name), prepare(*a))[1])
+    monkeypatch.setattr(decode, "prepare", lambda *a: (threads.append(threading.current_thread().name),
+                                                       modes.append(torch.is_inference_mode_enabled()), prepare(*a))[2])
     params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed, max_tokens=24) for seed in range(BESIDE_FILL_ROWS)]
     on = llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)
     off = llm_sync.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     assert any(name.startswith("tokenspeed-prepare") for name in threads), threads
     assert threading.main_thread().name in threads   # the first decode step, chained onto no draw
+    assert all(modes)
 
 
 def test_a_fill_that_fails_beside_a_preparation_leaves_nothing_behind(llm, monkeypatch):

@@ -40,6 +40,12 @@ BESIDE_FILL_ROWS = 8
 T = TypeVar("T")
 
 
+def _in_mode(prepare: Callable[[], T], inference: bool) -> T:
+    """``prepare()`` under the caller's inference mode (torch keeps it per thread)."""
+    with torch.inference_mode(inference):
+        return prepare()
+
+
 class ConstrainedSteps:
     """Mixed into ``Engine``: reads its ``grammars``, ``vocab_size``, ``eos_token_ids``,
     ``decode`` and ``_num_constrained`` (running constrained requests), and keeps its mask
@@ -116,7 +122,7 @@ class ConstrainedSteps:
             return prepare(), self._drawn(flight)
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-prepare")
-        pending = self._preparer.submit(prepare)
+        pending = self._preparer.submit(_in_mode, prepare, torch.is_inference_mode_enabled())
         try:
             drawn = self._drawn(flight)
         finally:   # a failed draw raises once the helper has finished too
