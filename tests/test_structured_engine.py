@@ -156,6 +156,19 @@ def test_a_batch_of_constrained_rows_is_prepared_beside_its_fill(llm, llm_sync, 
     assert all(modes)
 
 
+def test_a_batch_with_few_constrained_rows_prepares_on_the_engines_thread(llm, monkeypatch):
+    """Under ``BESIDE_FILL_ROWS`` constrained rows the fill is short: no hand-off, however
+    many plain rows share the step."""
+    threads, decode = [], llm.compiled.decode
+    prepare = decode.prepare
+    monkeypatch.setattr(decode, "prepare", lambda *a: (threads.append(threading.current_thread().name), prepare(*a))[1])
+    few = BESIDE_FILL_ROWS - 1
+    params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed, max_tokens=12) for seed in range(few)]
+    params += [ts.SamplingParams(temperature=0, max_tokens=12)] * 4
+    assert all(len(o.outputs[0].token_ids) > 2 for o in llm.generate([PROMPT] * len(params), params, use_tqdm=False))
+    assert set(threads) == {threading.main_thread().name}
+
+
 def test_a_fill_that_fails_beside_a_preparation_leaves_nothing_behind(llm, monkeypatch):
     """The fill's error is raised once the helper's preparation has ended; the engine holds
     nothing of the step and serves the next call as before."""

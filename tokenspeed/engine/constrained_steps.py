@@ -10,7 +10,7 @@ which leaves it ``AwaitingMasks`` in flight, the step before unread, across the 
 work; at the engine's next call the host reads the step before, its tokens advance the
 matchers, the next step's host work is done (its rows, metadata and settings staged:
 ``DecodeRunner.prepare``) and the masks are filled (llguidance's native code, without the
-GIL; for a batch of several rows the two at once, the host work on a helper thread), all
+GIL; with eight constrained rows or more the two at once, the host work on a helper thread), all
 while the device runs the forward; then the draw (masks copied to the device,
 the constrained rows drawn, the column written, the tokens' copy to the host), and at once
 the next step's enqueue, so the device is never left with only a draw queued for long. A
@@ -114,11 +114,13 @@ class ConstrainedSteps:
 
     def _drawn_beside(self, flight: InFlight, prepare: Callable[[], T]) -> tuple[T, InFlight]:
         """``prepare()`` (the next step's host work) and ``flight`` drawn (``_drawn``). Where
-        ``flight`` awaits the masks of ``BESIDE_FILL_ROWS`` rows or more, ``prepare`` runs on a
-        helper thread while this one fills them: llguidance fills without the GIL, so the
-        helper's Python runs meanwhile instead of after (a constrained batch of 32 is bound by
-        the host's one thread). Fewer rows fill in tens of microseconds, less than the hand-off."""
-        if not flight.awaits_masks or len(flight.sampled) < BESIDE_FILL_ROWS:
+        ``flight`` awaits the masks of ``BESIDE_FILL_ROWS`` constrained rows or more,
+        ``prepare`` runs on a helper thread while this one fills them: llguidance fills
+        without the GIL, so the helper's Python runs meanwhile instead of after (a
+        constrained batch of 32 is bound by the host's one thread). Fewer rows fill in tens
+        of microseconds, less than the hand-off."""
+        masked = sum(r.constraint is not None for r in flight.sampled) if flight.awaits_masks else 0
+        if masked < BESIDE_FILL_ROWS:
             return prepare(), self._drawn(flight)
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-prepare")
