@@ -195,6 +195,31 @@ def test_a_fill_that_fails_beside_a_preparation_leaves_nothing_behind(llm, monke
     assert [o.outputs[0].token_ids for o in llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)] == want
 
 
+def test_an_interrupted_wait_for_the_helper_waits_it_out(llm, monkeypatch):
+    """Ctrl-C while the engine waits for the step prepared beside a fill: the interrupt is
+    raised once the preparation is done, so the engine, used again at once, meets no
+    staging still in progress."""
+    from tokenspeed.engine import constrained_steps
+    params = [constrained(ts.StructuredOutputs(json=SCHEMA), seed, max_tokens=12) for seed in range(BESIDE_FILL_ROWS)]
+    want = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)]
+    prepared, decode, waits = threading.Event(), llm.compiled.decode, []
+    prepare, wait_for = decode.prepare, constrained_steps.wait
+    monkeypatch.setattr(decode, "prepare", lambda *a: (time.sleep(0.3), prepared.set(), prepare(*a))[2])
+
+    def wait(pending):
+        waits.append(len(waits))
+        if len(waits) == 1:   # the first wait for a helper is interrupted
+            prepared.clear()
+            raise KeyboardInterrupt
+        return wait_for(pending)
+    monkeypatch.setattr(constrained_steps, "wait", wait)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)
+    assert prepared.is_set() and len(waits) >= 2
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate([PROMPT] * BESIDE_FILL_ROWS, params, use_tqdm=False)] == want
+
+
 def test_a_masked_draw_replayed_gives_the_eager_draws_tokens(llm, monkeypatch):
     """With the CPU stand-in's captures, a decode step whose rows need only their masks
     replays its rung's masked draw (``execution.masked_draws``): the tokens of the eager

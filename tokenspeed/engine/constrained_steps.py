@@ -21,8 +21,7 @@ Nothing here runs for a batch without a constrained request (``_num_constrained`
 """
 
 from collections.abc import Callable
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import attrs
@@ -44,6 +43,19 @@ def _in_mode(prepare: Callable[[], T], inference: bool) -> T:
     """``prepare()`` under the caller's inference mode (torch keeps it per thread)."""
     with torch.inference_mode(inference):
         return prepare()
+
+
+def _wait_out(pending: Future) -> None:
+    """Wait until ``pending`` is done, even through an interrupt (raised after): an engine
+    used again at once must not meet its preparation still staging."""
+    interrupt = None
+    while not pending.done():
+        try:
+            wait([pending])
+        except BaseException as exc:   # KeyboardInterrupt: its wait is cut short, not the helper
+            interrupt = exc
+    if interrupt is not None:
+        raise interrupt
 
 
 class ConstrainedSteps:
@@ -119,7 +131,8 @@ class ConstrainedSteps:
         without the GIL, so the helper's Python runs meanwhile instead of after (a
         constrained batch of 32 is bound by the host's one thread). Fewer rows fill in tens
         of microseconds, less than the hand-off."""
-        masked = sum(r.constraint is not None for r in flight.sampled) if flight.awaits_masks else 0
+        masked = sum(r.constraint is not None and r.constraint.masks and not r.finished
+                     for r in flight.sampled) if flight.awaits_masks else 0
         if masked < BESIDE_FILL_ROWS:
             return prepare(), self._drawn(flight)
         if self._preparer is None:
@@ -128,7 +141,7 @@ class ConstrainedSteps:
         try:
             drawn = self._drawn(flight)
         finally:   # a failed draw raises once the helper has finished too
-            futures.wait([pending])
+            _wait_out(pending)
         return pending.result(), drawn
 
     def _valid_drafts(self, requests, drafts: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
