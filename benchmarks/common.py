@@ -55,16 +55,12 @@ SHAPES = {
                             "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
                             "original_max_position_embeddings": 4096},
     },
-    "moonlight-16b-a3b": {   # DeepSeek-V3's architecture at DeepSeek-V2-Lite's size: noaux_tc routing
-        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 163840, "hidden_size": 2048,
-        "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
-        "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "noaux_tc",
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.446,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "eos_token_id": 163585, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
-    },
+}
+SHAPES["moonlight-16b-a3b"] = {   # DeepSeek-V3's architecture at DeepSeek-V2-Lite's size: noaux_tc routing
+    **SHAPES["deepseek-v2-lite"], "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 163840,
+    "intermediate_size": 11264, "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 2.446,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "eos_token_id": 163585,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
 }
 DENSE_SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "llama-3.2-1b")   # the dense benchmarks' default shapes
 
