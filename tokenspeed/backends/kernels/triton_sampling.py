@@ -56,14 +56,17 @@ def store_block_best(x, in_vocab, cols, row, block, temp_ptr, top_k_ptr, seed_pt
                      KEY: tl.constexpr, BLOCK: tl.constexpr):
     """The best (score, index) of a block of a row's fp32 logits ``x`` (columns ``cols``):
     the raw logit for a greedy row, else the tempered logit plus the row's keyed Gumbel
-    noise; stored for ``_row_best_kernel``. Shared with the masked draw."""
-    greedy = tl.load(top_k_ptr + row) == 1
-    temperature = tl.maximum(tl.load(temp_ptr + row), MIN_T)
-    key = tl.load(seed_ptr + row) + tl.load(pos_ptr + row).to(tl.int64) * KEY
-    u = tl.rand(key, cols)
-    u = tl.minimum(tl.maximum(u, 1e-10), 1.0 - 1e-7)
-    noisy = x / temperature - tl.log(-tl.log(u))
-    score = tl.where(greedy, x, tl.where(in_vocab, noisy, float("-inf")))
+    noise; stored for ``_row_best_kernel``. Shared with the masked draw. A greedy row's
+    program branches past the noise: drawn and discarded, its Philox rounds and two logs an
+    element made the launch a few times longer than its read at batch 32."""
+    if tl.load(top_k_ptr + row) == 1:
+        score = x
+    else:
+        temperature = tl.maximum(tl.load(temp_ptr + row), MIN_T)
+        key = tl.load(seed_ptr + row) + tl.load(pos_ptr + row).to(tl.int64) * KEY
+        u = tl.rand(key, cols)
+        u = tl.minimum(tl.maximum(u, 1e-10), 1.0 - 1e-7)
+        score = tl.where(in_vocab, x / temperature - tl.log(-tl.log(u)), float("-inf"))
     best = tl.argmax(score, 0, tie_break_left=True)
     tl.store(best_val_ptr + row * num_blocks + block, tl.max(score, 0))
     tl.store(best_idx_ptr + row * num_blocks + block, block * BLOCK + best)
