@@ -29,7 +29,8 @@ def fuse_router(gm: fx.GraphModule, **_) -> None:
         x, weight, logits_dtype = operands
         kwargs = {} if logits_dtype is None else {"logits_dtype": logits_dtype}
         with gm.graph.inserting_before(choice):
-            fused = gm.graph.call_function(ROUTE, (x, weight, *_choice_args(choice)), {**kwargs, **_grouping(choice)})
+            args, grouping = _route_args(choice)
+            fused = gm.graph.call_function(ROUTE, (x, weight, *args), {**kwargs, **grouping})
         if "stage" in choice.meta:
             fused.meta["stage"] = choice.meta["stage"]
         choice.replace_all_uses_with(fused)
@@ -40,21 +41,14 @@ def fuse_router(gm: fx.GraphModule, **_) -> None:
         rename(fused, f"{weight.name.removesuffix('_weight')}_route")
 
 
-def _choice_args(choice: fx.Node) -> tuple:
-    """(k, normalize, scale) of a ``softmax_top_k`` or ``group_top_k`` node."""
+def _route_args(choice: fx.Node) -> tuple[tuple, dict]:
+    """``route``'s (k, normalize, scale) and grouping keywords from a ``softmax_top_k`` or
+    ``group_top_k`` node."""
     if choice.target == SOFTMAX_TOP_K:
-        return choice.args[1:]
-    _, _, k, _, _, _, normalize, scale = choice.args
-    return k, normalize, scale
-
-
-def _grouping(choice: fx.Node) -> dict:
-    """A ``group_top_k`` node's grouping as ``route``'s keywords."""
-    if choice.target == SOFTMAX_TOP_K:
-        return {}
-    _, bias, _, n_group, topk_group, method, _, _ = choice.args
-    return dict(n_group=n_group, topk_group=topk_group, method=method, **({} if bias is None else
-                                                                        {"correction_bias": bias}))
+        return choice.args[1:], {}
+    _, bias, k, n_group, topk_group, method, normalize, scale = choice.args
+    grouping = dict(n_group=n_group, topk_group=topk_group, method=method)
+    return (k, normalize, scale), grouping if bias is None else {**grouping, "correction_bias": bias}
 
 
 def _gate_operands(gate) -> tuple[fx.Node, fx.Node, torch.dtype | None] | None:
