@@ -58,8 +58,8 @@ def store_block_best(x, in_vocab, cols, row, block, temp_ptr, top_k_ptr, seed_pt
     the raw logit for a greedy row, else the tempered logit plus the row's keyed Gumbel
     noise; stored for ``_row_best_kernel``. Shared with the masked draw. A greedy row's
     program branches past the noise: drawn for it and discarded, the Philox rounds and two
-    logs an element took both launches from 6.6 to 26.4 us at 32 rows of a 128k vocabulary
-    (H100, docs/PERFORMANCE.md, 2026-12-07)."""
+    logs an element made both launches 26.4 us instead of 6.6 at 32 rows of a 128k
+    vocabulary (H100, docs/PERFORMANCE.md, 2026-12-07)."""
     if tl.load(top_k_ptr + row) == 1:
         score = x
     else:
