@@ -41,6 +41,16 @@ def test_the_cache_figures_of_the_full_shapes():
     assert grouped["mha_kv_bytes_per_token"] == 32 * 2 * 128 * 48 * 2
 
 
+def test_the_pool_holds_the_largest_batch_and_the_long_prompt_and_no_more():
+    work = attrs.evolve(moe_decode.WORKLOADS["full"], batches=(1, 32))
+    row = work.decode_prompt + work.new_tokens + 1
+    assert work.kv_pages() * moe_decode.PAGE_SIZE >= 32 * row
+    assert work.kv_pages() * moe_decode.PAGE_SIZE < 32 * (row + 3 * moe_decode.PAGE_SIZE)
+    # 1,217 pages of Qwen3-30B-A3B's 1.5 MiB: 1.8 GiB beside its 57 GiB of weights
+    long_prompt = attrs.evolve(work, batches=(1,), hf_batches=(1,), prefill_tokens=8192)
+    assert long_prompt.kv_pages() * moe_decode.PAGE_SIZE >= 8192
+
+
 def test_the_floor_reads_the_dense_weights_the_touched_experts_and_the_cache():
     config = ModelConfig.from_hf(moe_decode.shape_config("qwen3-30b-a3b", tiny=True))
     model = build(config, torch.float32, "cpu")
