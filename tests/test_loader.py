@@ -5,9 +5,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tokenspeed as ts
-from tokenspeed.models.config import RopeScaling
+from benchmarks import moe_decode
+from tokenspeed.models.config import ModelConfig, RopeScaling
+from tokenspeed.models.loader import build
+from tokenspeed.models.random import TINY_LLAMA
 
 from hf_models import LLAMA3_ROPE, checkpoint, copy_checkpoint, edit_config, hf_model, \
     make_prompts, new_tmpdir, reference
@@ -249,3 +253,33 @@ def test_generation_config_eos_ids_are_added():
 def test_dtype_none_runs_float32_checkpoints_in_bfloat16_on_a_gpu_only(stored, device, runs):
     from tokenspeed.models.loader import run_dtype
     assert run_dtype(stored, device) == runs
+
+
+# ---------------------------------------------------------------- memory while building
+
+
+class _Allocations(TorchDispatchMode):
+    """The (dtype, elements) of every tensor an op creates while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and not out.is_meta:
+            self.made.append((out.dtype, out.numel()))
+        return out
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3_moe"])
+def test_a_bfloat16_model_is_never_allocated_in_float32_first(architecture):
+    """A float32 copy first would need twice a 16-bit model's memory: Qwen3-30B-A3B's 57 GiB
+    in bfloat16 did not load on an 80 GB card that way."""
+    config = ModelConfig.from_hf(TINY_LLAMA if architecture == "llama" else
+                                 moe_decode.shape_config("qwen3-30b-a3b", tiny=True))
+    with _Allocations() as allocations:
+        model = build(config, torch.bfloat16, "cpu")
+    largest = max(p.numel() for p in model.parameters())
+    assert max(n for dtype, n in allocations.made if dtype == torch.bfloat16) == largest
+    assert all(n < largest // 8 for dtype, n in allocations.made if dtype == torch.float32)
