@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tokenspeed as ts
 from benchmarks import moe_decode
 from tokenspeed.models.config import ModelConfig, RopeScaling
+from tokenspeed.models import loader
 from tokenspeed.models.loader import build
 from tokenspeed.models.random import TINY_LLAMA
 
@@ -283,3 +284,17 @@ def test_a_bfloat16_model_is_never_allocated_in_float32_first(architecture):
     largest = max(p.numel() for p in model.parameters())
     assert max(n for dtype, n in allocations.made if dtype == torch.bfloat16) == largest
     assert all(n < largest // 8 for dtype, n in allocations.made if dtype == torch.float32)
+
+
+def test_a_model_larger_than_the_gpu_is_refused_before_any_of_it_is_allocated(monkeypatch):
+    """Refused from the sizes alone: on this CPU-only host, any CUDA allocation would raise
+    another error."""
+    config = ModelConfig.from_hf({**TINY_LLAMA, "tie_word_embeddings": True})
+    held = build(config, torch.bfloat16, "cpu")
+    size = sum(t.numel() * t.element_size() for t in [*held.parameters(), *held.buffers()])
+    assert held.lm_head.weight is held.model.embed_tokens.weight   # counted once
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (size - 1, 80 * 2**30))
+    with pytest.raises(ValueError, match=rf"weights take 0.0 GiB; cuda has 0.0 GiB free of 80.0 GiB"):
+        build(config, torch.bfloat16, "cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (size, 80 * 2**30))
+    loader._check_fits(loader._on_meta(config).to(torch.bfloat16), torch.device("cuda"))  # fits

@@ -55,10 +55,32 @@ def _allocated(model: LlamaForCausalLM, dtype, device) -> LlamaForCausalLM:
     """The dtype set on the meta device, then the memory: allocated the other way round, a
     bfloat16 model first took float32's (Qwen3-30B-A3B's 57 GiB passed through 114 and did
     not load on an 80 GB card)."""
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    _check_fits(model, torch.device(device))
+    model = model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+def _check_fits(model: LlamaForCausalLM, device: torch.device) -> None:
+    """A model larger than the GPU's free memory is refused before any of it is allocated,
+    with both sizes named (the allocator's out-of-memory error, part of the way in, names
+    neither the model's size nor the card's)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    needed = _held_bytes(model)
+    if needed > free:
+        raise ValueError(f"the model's weights take {needed / 2**30:.1f} GiB; {device} has "
+                         f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
+
+
+def _held_bytes(model: LlamaForCausalLM) -> int:
+    """The bytes of a model's parameters and buffers, a tensor two layers share (a tied
+    output head) counted once."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
