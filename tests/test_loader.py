@@ -294,7 +294,7 @@ def test_a_model_larger_than_the_gpu_is_refused_before_any_of_it_is_allocated(mo
     size = sum(t.numel() * t.element_size() for t in [*held.parameters(), *held.buffers()])
     assert held.lm_head.weight is held.model.embed_tokens.weight   # counted once
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (size - 1, 80 * 2**30))
-    with pytest.raises(ValueError, match=rf"weights take 0.0 GiB; cuda has 0.0 GiB free of 80.0 GiB"):
+    with pytest.raises(ValueError, match=r"weights take 0.0 GiB; cuda has 0.0 GiB free of 80.0 GiB"):
         build(config, torch.bfloat16, "cuda")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (size, 80 * 2**30))
     loader._check_fits(loader._on_meta(config).to(torch.bfloat16), torch.device("cuda"))  # fits
