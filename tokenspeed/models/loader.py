@@ -77,10 +77,9 @@ def _check_fits(model: LlamaForCausalLM, device: torch.device) -> None:
 
 
 def _held_bytes(model: LlamaForCausalLM) -> int:
-    """The bytes of a model's parameters and buffers, a tensor two layers share (a tied
-    output head) counted once."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """The bytes of a model's parameters and buffers (each once: ``parameters()`` counts a
+    tied output head with the embedding)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
