@@ -100,6 +100,7 @@ def test_bench_prints_vllm_figures(capsys):
     (["inspect", "--device", "cuda"], "--device cuda names where --compiled compiles the model"),
     (["inspect", "--compiled", "--device", "tpu"], "device='tpu' is not a device"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"], "cannot reach http://127.0.0.1:9"),
+    (["serve", "--metrics-need-key"], "--metrics-need-key guards /metrics with the API key: give --api-key too"),
 ])
 def test_errors_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -186,6 +187,8 @@ def test_serve_flags_become_the_servers_options():
     assert (args.model_tag, args.request_timeout, args.shutdown_timeout) == ("m", 30.0, 2.0)
     access = serve_cmd.access(args)
     assert access.allowed_origins == ("http://a.test",) and access.metrics_need_key
+    assert not access.request_chat_template
+    assert serve_cmd.access(parser().parse_args(["serve", "--trust-request-chat-template"])).request_chat_template
     assert serve_cmd.access(parser().parse_args(["serve"])).allowed_origins == ()
 
 
@@ -220,6 +223,8 @@ def test_engine_flags_reach_the_llms_options():
     (["generate", "hi", "--speculative-tokens", "-1"], "argument --speculative-tokens: must be >= 0, got -1"),
     (["generate", "hi", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
     (["serve", "--num-kv-pages", "1"], "argument --num-kv-pages: must be >= 2, got 1"),
+    (["serve", "--api-key", ""], "argument --api-key: must not be blank, got ''"),   # "$KEY" with KEY unset
+    (["serve", "--served-model-name", " "], "argument --served-model-name: must not be blank, got ' '"),
 ])
 def test_bad_numbers_and_paths_are_refused_before_a_model_loads(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

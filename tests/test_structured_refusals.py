@@ -64,6 +64,8 @@ def test_a_malformed_field_is_named(fields, field, message):
     ({"json": "[1]"}, "json", "an object or a boolean"),
     ({"json": {"type": "objekt"}}, "json", "Invalid type: objekt"),
     ({"json": {"type": "string", "pattern": "[a-"}}, "json", "unclosed character class"),
+    ({"json": {"type": "integer", "maximum": 10 ** 30}}, "json", "not JSON serializable: " + "1" + "0" * 30),
+    ({"json": {"enum": [99999999999999999999999]}}, "json", "99999999999999999999999"),
     ({"regex": "(?=lookahead)"}, "regex", "look-around"),
     ({"regex": "[z-a]"}, "regex", "invalid regex"),
     ({"grammar": "start: ("}, "grammar", "Expected token"),

@@ -215,8 +215,20 @@ def test_jinja_environment_matches_transformers(ours, hf, name):
 def test_raise_exception_reaches_the_caller(ours):
     template = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
     mine = attrs.evolve(ours, chat_template=ChatTemplate.compile(template))
-    with pytest.raises(jinja2.TemplateError, match="first must be user"):
+    with pytest.raises(jinja2.TemplateError, match="first must be user") as failed:
         mine.apply_chat_template([{"role": "assistant", "content": "x"}])
+    assert isinstance(failed.value, ValueError) and failed.value.field == "messages"
+
+
+@pytest.mark.parametrize("source, error", [("{{ 1 / 0 }}", "ZeroDivisionError"),
+                                           ("{{ undefined_fn() }}", "'undefined_fn' is undefined"),
+                                           ("{{ range(10 ** 9) | list | length }}", "OverflowError")])
+def test_a_template_whose_own_code_fails_is_refused_as_the_templates(ours, source, error):
+    """A ValueError naming the template, whatever the template's code raised: a caller
+    (the CLI, a server) shows one line, not a traceback."""
+    with pytest.raises(ValueError, match=error) as failed:
+        ours.apply_chat_template(TRICKY, tokenize=False, chat_template=source)
+    assert failed.value.field == "chat_template" and "rendering failed" in str(failed.value)
 
 
 # ---------------------------------------------------------------- Hugging Face directories

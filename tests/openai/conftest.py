@@ -28,7 +28,7 @@ def llm():
 def server_app():
     path = str(text_model_dir())
     spec = EngineSpec(functools.partial(ts.LLM, path, **OPTIONS), path)
-    return create_app(spec, MODEL, api_key=KEY, access=Access(allowed_origins=(ORIGIN,)))
+    return create_app(spec, MODEL, api_key=KEY, access=Access(allowed_origins=(ORIGIN,), request_chat_template=True))
 
 
 @pytest.fixture(scope="session")

@@ -100,3 +100,13 @@ def test_cors_methods_and_headers_are_those_named():
     refused = client.options("/v1/completions", headers={
         "Origin": "http://a.example", "Access-Control-Request-Method": "DELETE"})
     assert refused.status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_requests_own_chat_template_needs_the_operators_trust(path):
+    """The server renders it, and a two-line template can build a prompt of gigabytes:
+    refused by name unless ``--trust-request-chat-template`` (the trusted path: the chat
+    tests' server, test_chat_completions)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 'ab ' * 30000000 }}"}
+    response = bare_app().post(path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(response, 400, "BadRequestError", "chat_template", "--trust-request-chat-template")

@@ -30,6 +30,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_blank(text: str) -> str:
+    """Text with something in it: ``--api-key "$KEY"`` with KEY unset must not start an open
+    server, nor an empty model name a server no client can name."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be blank, got {text!r}")
+    return text
+
+
 def file_to_write(text: str) -> str:
     """A file path in a folder this process may write: a run's figures are not lost to a
     typo at its end."""

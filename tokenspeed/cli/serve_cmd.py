@@ -3,7 +3,7 @@ how they become the server's options. Nothing here imports torch until the comma
 
 import argparse
 
-from tokenspeed.cli.arg_types import at_least
+from tokenspeed.cli.arg_types import at_least, non_blank
 
 
 def add_options(serve: argparse.ArgumentParser) -> None:
@@ -11,9 +11,9 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                        help="the model, as `vllm serve MODEL` takes it (or --model)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    serve.add_argument("--api-key", default=None,
+    serve.add_argument("--api-key", type=non_blank, default=None,
                        help="require Authorization: Bearer KEY on every route but /health (and /metrics)")
-    serve.add_argument("--served-model-name", default=None,
+    serve.add_argument("--served-model-name", type=non_blank, default=None,
                        help="the model name clients send (default: the model id, or its file or folder name)")
     serve.add_argument("--max-num-seqs", type=at_least(1), default=64, help="requests the engine runs at once")
     serve.add_argument("--api-servers", type=at_least(1), default=1,
@@ -41,6 +41,9 @@ def _access_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     serve.add_argument("--metrics-need-key", action="store_true",
                        help="with --api-key: /metrics needs the key too (default: open to scrapers)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request bring its own chat_template (the server renders it; "
+                            "default: refused with a 400)")
 
 
 def _parser_options(serve: argparse.ArgumentParser) -> None:
@@ -66,6 +69,8 @@ def run(args, llm_options: dict) -> None:
     from tokenspeed.server.openai.api_servers import ServerExited, serve_many
     from tokenspeed.server.openai.server import serve
     args.model = _served_model(args.model_tag, args.model)
+    if args.metrics_need_key and args.api_key is None:
+        raise ValueError("--metrics-need-key guards /metrics with the API key: give --api-key too")
     checked_device(llm_options["device"]), checked_dtype(args.dtype)   # here, not in the engine
     parsers = parser_flags(args)
     spec = EngineSpec.of(args.model, args.stream_interval, **llm_options)
@@ -84,7 +89,7 @@ def run(args, llm_options: dict) -> None:
 def access(args):
     from tokenspeed.server.openai.access import Access
     return Access(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-                  args.allow_credentials, args.metrics_need_key)
+                  args.allow_credentials, args.metrics_need_key, args.trust_request_chat_template)
 
 
 def _served_model(positional, flag):

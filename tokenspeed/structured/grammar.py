@@ -52,7 +52,10 @@ def _schema(spec: StructuredOutputs, text: str) -> str:
     schema = {} if schema is True else schema   # any value: llguidance takes the object form
     own = schema.get("x-guidance")
     chosen = isinstance(own, dict) and WHITESPACE_OPTIONS & own.keys()
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=None if chosen else JSON_DEFAULTS)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=None if chosen else JSON_DEFAULTS)
+    except ValueError as exc:   # a value llguidance cannot take (an integer past 64 bits)
+        raise _refuse(spec, str(exc)) from None
 
 
 def _grammar_text(spec: StructuredOutputs) -> str:

@@ -49,9 +49,20 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)  # a scope, as transformers' call block has
 
 
+class TemplateFailed(ChatTemplateRefusal, jinja2.TemplateError):
+    """A render that failed: the template rejected the conversation (``raise_exception``,
+    ``field`` "messages") or its own code failed (an undefined name, a division by zero,
+    ``field`` "chat_template"). A ``jinja2.TemplateError`` as transformers raises, and a
+    ``ValueError`` as every other refusal here, so a caller shows one line, not a traceback."""
+
+
+class _Rejected(jinja2.TemplateError):
+    """What ``raise_exception`` raises inside a render."""
+
+
 def _raise_exception(message: str):
     """Templates call this to reject a conversation they cannot render (e.g. bad roles)."""
-    raise jinja2.exceptions.TemplateError(message)
+    raise _Rejected(message)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -105,8 +116,13 @@ class ChatTemplate:
         and override the special tokens, as in transformers.
         """
         variables = {"tools": None, "documents": None, **special_tokens, **kwargs}
-        return self.template.render(messages=[_without_none(m) for m in messages],
-                                    add_generation_prompt=add_generation_prompt, **variables)
+        try:
+            return self.template.render(messages=[_without_none(m) for m in messages],
+                                        add_generation_prompt=add_generation_prompt, **variables)
+        except _Rejected as exc:
+            raise TemplateFailed("messages", exc.message) from None
+        except Exception as exc:   # the template's own code: any error of it is the template's
+            raise TemplateFailed("chat_template", f"rendering failed: {type(exc).__name__}: {exc}") from None
 
 
 def continued(text: str, messages: Sequence[Mapping[str, Any]]) -> str:

@@ -1,5 +1,6 @@
-"""Who may call the server, and how a refusal looks: the API key, CORS, and OpenAI error
-bodies for every error (unknown routes and methods included, not FastAPI's ``detail``).
+"""Who may call the server, what a request may make it run, and how a refusal looks: the
+API key, CORS, a request's own chat template, and OpenAI error bodies for every error
+(unknown routes and methods included, not FastAPI's ``detail``).
 
 The key guards every route but ``/health`` (a supervisor's probe) and, unless
 ``Access.metrics_need_key``, ``/metrics`` (a scraper's). CORS headers are sent only for
@@ -30,12 +31,18 @@ ERROR_TYPES = {401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNot
 class Access:
     """``allowed_*``: CORS, as ``vllm serve``'s ``--allowed-origins/--allowed-methods/
     --allowed-headers`` and ``--allow-credentials`` (no origin: no CORS headers at all).
-    ``metrics_need_key``: whether ``/metrics`` is guarded by the server's API key too."""
+    ``metrics_need_key``: whether ``/metrics`` is guarded by the server's API key too.
+    ``request_chat_template``: whether a chat request may bring its own ``chat_template``
+    (``--trust-request-chat-template``, as vLLM names it): the server renders it, and a
+    template's loops and string products are not bounded by the body's size (a two-line
+    template can build a prompt of gigabytes), so it is off unless the operator trusts the
+    callers."""
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     metrics_need_key: bool = False
+    request_chat_template: bool = False
 
     @property
     def open_paths(self) -> frozenset[str]:

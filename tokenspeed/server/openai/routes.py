@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenspeed.server.openai import responses
+from tokenspeed.server.openai.access import Access
 from tokenspeed.server.openai.api_error import failed_in_engine, internal_error, named_as_sent
 from tokenspeed.server.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
 from tokenspeed.server.openai.chat_replies import ReplyParsing
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from tokenspeed.server.openai.server import Server
 
 
-def add_routes(app: FastAPI, server: "Server") -> None:
+def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> None:
     @app.get("/health")
     async def health():
         return Response(status_code=200 if server.engine.responsive() else 503)
@@ -74,6 +75,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await server.read(request, ChatCompletionRequest)
+        _check_template(access, body)
         tools, constraint = await _chat_constraint(server, body)
         prompts = [await _chat_prompt(server, body)]
         with named_as_sent("max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
@@ -88,6 +90,7 @@ def add_routes(app: FastAPI, server: "Server") -> None:
     async def tokenize(request: Request):
         body = await server.read(request, TokenizeRequest)
         body.check_input()
+        _check_template(access, body)
         tokenizer = _tokenizer(server, "prompt" if body.prompt is not None else "messages")
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens) \
             if body.prompt is not None else \
@@ -220,6 +223,13 @@ def _reasoning_parser(server: "Server", constraint) -> str | None:
     """None for a constrained reply: its grammar holds from the first token, so the reply
     has no thought to split off (a ``deepseek_r1`` parser would take it all for one)."""
     return None if constraint is not None else server.parsers.reasoning_parser
+
+
+def _check_template(access: Access, body) -> None:
+    """A request's own chat template only where the operator trusts requests with one."""
+    if body.chat_template is not None and not access.request_chat_template:
+        raise APIError(400, "chat_template: this server renders its model's chat template only; start it with "
+                       "--trust-request-chat-template to let a request bring its own", "chat_template")
 
 
 async def _chat_prompt(server: "Server", body) -> Prompt:

@@ -256,7 +256,7 @@ def server_app(server: Server, access: Access = Access()) -> FastAPI:
     app.state.server = server
     error_bodies(app)
     guard(app, server.api_key, access)
-    add_routes(app, server)
+    add_routes(app, server, access)
     return app
 
 
