@@ -120,7 +120,7 @@ def test_top_p_outside_unit_interval(top_p):
 
 @pytest.mark.parametrize("top_k", [-2, -50])
 def test_negative_top_k(top_k):
-    with raises(f"top_k={top_k}", ">= 0"):
+    with raises(f"top_k={top_k}", "-1 or 0 (off), or an integer >= 1"):
         ts.SamplingParams(top_k=top_k)
 
 

@@ -128,6 +128,12 @@ def _top_k(value):
     return 0 if value == -1 and _integer(value) else value
 
 
+def _check_top_k(instance, attribute, value):
+    """-1 is taken too (converted to 0), so the message names it."""
+    if not _integer(value) or not 0 <= value <= INT64_MAX:
+        _fail("top_k", value, f"-1 or 0 (off), or an integer >= 1 and <= {_shown(INT64_MAX)}")
+
+
 @attrs.frozen
 class SamplingParams:
     """``n``: completions per prompt (they share the prompt's full KV pages);
@@ -149,7 +155,7 @@ class SamplingParams:
     n: int = attrs.field(default=1, validator=_int_in(1, MAX_N))
     temperature: float = attrs.field(default=1.0, validator=_real_in(0.0, FLOAT32_MAX))
     top_p: float = attrs.field(default=1.0, validator=_real_in(0.0, 1.0, low_open=True))
-    top_k: int = attrs.field(default=0, converter=_top_k, validator=_int_in(0, INT64_MAX))
+    top_k: int = attrs.field(default=0, converter=_top_k, validator=_check_top_k)
     min_p: float = attrs.field(default=0.0, validator=_real_in(0.0, 1.0))
     presence_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
     frequency_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
