@@ -4,7 +4,9 @@ a ``--help`` that imports no torch, and ``serve MODEL`` as vLLM takes it."""
 
 import argparse
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +58,17 @@ def test_a_message_past_the_context_is_dropped_and_the_chat_goes_on(capsys, monk
     out = run(capsys, "chat", "--model", str(text_model_dir()), "--max-tokens", "5", "--max-model-len", "64")
     assert out.out.count("> ") == 4 and out.err.count("the message was dropped") == 1
     assert len([r for r in out.out.split("\n") if r.strip("> ")]) >= 2   # the replies before and after
+
+
+def test_chat_with_a_model_that_has_no_chat_template_is_refused_before_the_first_message(capsys, monkeypatch,
+                                                                                          tmp_path):
+    model = shutil.copytree(text_model_dir(), tmp_path / "plain")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    with pytest.raises(SystemExit, match="this model has no chat template, so it cannot chat"):
+        main(["chat", "--model", str(model), "--max-tokens", "5"])
+    assert "> " not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("end", ["/exit", "/quit"])
