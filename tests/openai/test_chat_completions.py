@@ -159,6 +159,8 @@ def test_a_begun_reply_is_continued_as_vllm_continues_it(client, llm):
 def test_a_template_or_a_continuation_that_cannot_be_is_refused_by_its_field(api):
     assert_error(api.post(PATH, {"messages": HELLO, "chat_template": "{% for m %}"}), 400, "BadRequestError",
                  "chat_template", "not a Jinja template")
+    assert_error(api.post(PATH, {"messages": HELLO, "chat_template": "{{ 1 / 0 }}"}), 400, "BadRequestError",
+                 "chat_template", "rendering failed: ZeroDivisionError")   # a 500 before
     assert_error(api.post(PATH, {"messages": HELLO, "continue_final_message": True}), 400, "BadRequestError",
                  "continue_final_message", "pass add_generation_prompt=False")
 
