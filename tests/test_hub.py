@@ -94,6 +94,16 @@ def test_a_revision_of_a_local_path_is_refused():
         resolve_model(checkpoint("llama"), revision="v1")
 
 
+def test_a_revision_without_a_model_is_refused_before_loading():
+    """The embedded default model is one file: a revision given with no model names nothing."""
+    from tokenspeed.api.model_source import model_path
+    from tokenspeed.models.gguf import default_model_path
+
+    with pytest.raises(ValueError, match="revision='v1'.*no model was given"):
+        model_path(None, revision="v1")
+    assert model_path(None) == default_model_path()
+
+
 @pytest.mark.parametrize("name, is_id", [
     ("HuggingFaceTB/SmolLM2-135M-Instruct", True), ("Qwen/Qwen3-0.6B", True), ("meta-llama/Llama-3.2-1B", True),
     ("model.gguf", False), ("owner/model.gguf", False), ("./owner/name", False), ("/abs/path", False),

@@ -22,7 +22,6 @@ from tokenspeed.api.model_source import tokenizer_path
 from tokenspeed.api.offline_client import OfflineClient
 from tokenspeed.api.progress import Progress
 from tokenspeed.api.prompts import Prompt, chat_prompt, parse_prompts
-from tokenspeed.models.gguf import default_model_path
 from tokenspeed.execution import kv_pool
 from tokenspeed.scheduling.block_allocator import BlockAllocator
 from tokenspeed.execution.compile_config import CompileConfig
@@ -75,7 +74,7 @@ class LLM:
         config = CompileConfig(device=checked_device(device),   # bad options refused before a model is found
                                **checked_compile_options(enforce_eager, compile_options))
         quantization = checked_quantization(quantization, config.device)
-        model = default_model_path() if model is None else model_source.resolved(model, revision)
+        model = model_source.model_path(model, revision)
         tokenizer = model_source.resolved(tokenizer)
         self._default_sampling = model_source.sampling_defaults_of(model)   # a bad file fails before loading
         size_torch_threads()

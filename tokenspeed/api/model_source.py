@@ -8,7 +8,7 @@ import torch
 
 from tokenspeed.backends.kernels import cpu_blocks
 from tokenspeed.models.generation_config import FILE_NAME, sampling_defaults
-from tokenspeed.models.gguf import PlainGGUFReader, is_gguf
+from tokenspeed.models.gguf import PlainGGUFReader, default_model_path, is_gguf
 from tokenspeed.models.hub import resolve_model
 from tokenspeed.models.fp8_layers import quantized_to_fp8
 from tokenspeed.models.weight_only import quantized_to_int4
@@ -23,6 +23,17 @@ def resolved(source, revision: str | None = None):
     """A path or Hugging Face model id as the local checkpoint it names (an id through the
     hub's cache); a model or tokenizer object, or None, as it is."""
     return str(resolve_model(source, revision)) if isinstance(source, (str, Path)) else source
+
+
+def model_path(model, revision: str | None = None):
+    """``ts.LLM``'s model argument as a checkpoint: None is the embedded default model, a
+    file with no versions for ``revision`` to choose between."""
+    if model is not None:
+        return resolved(model, revision)
+    if revision is not None:
+        raise ValueError(f"revision={revision!r} selects a version of a Hugging Face model id; no "
+                         f"model was given, and the embedded default model has no revisions")
+    return default_model_path()
 
 
 def gguf_reader(model):

@@ -61,9 +61,8 @@ class EngineSpec:
         """``ts.LLM(model, **options)``, its tokenizer read from the same path (a model id
         resolved here, once, so that both processes read one snapshot)."""
         from tokenspeed.api.llm import LLM, tokenizer_path
-        from tokenspeed.api.model_source import resolved
-        from tokenspeed.models.gguf import default_model_path
-        path = default_model_path() if model is None else resolved(model, options.pop("revision", None))
+        from tokenspeed.api.model_source import model_path
+        path = model_path(model, options.pop("revision", None))
         return cls(functools.partial(LLM, str(path), **options), tokenizer_path(path), stream_interval)
 
 
