@@ -101,6 +101,10 @@ BROKEN_DIRECTORIES = {
     "rope_parameters-a-string": (config_field(rope_parameters="default"), "config.json",
                                  ["rope_parameters='default'", "object"]),
     "eos-a-string": (config_field(eos_token_id="</s>"), "config.json", ["eos_token_id='</s>'", "token id"]),
+    "eos-past-vocab": (config_field(eos_token_id=[2, 384]), "config.json",
+                       ["eos_token_id=384", "vocab_size=384"]),
+    "generation-eos-past-vocab": (write_text("generation_config.json", json.dumps({"eos_token_id": [2, 900]})),
+                                  "generation_config.json", ["eos_token_id=900", "vocab_size=384"]),
     "max-positions-zero": (config_field(max_position_embeddings=-1), "config.json",
                            ["max_position_embeddings=-1", "an integer >= 1"]),
 }

@@ -75,6 +75,10 @@ class ModelConfig:
                              f"[0, num_hidden_layers={self.num_layers})")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        past = [i for i in self.eos_token_ids if i >= self.vocab_size]   # masked by min_tokens: a bad index
+        if past:
+            raise ValueError(f"eos_token_id={past if len(past) > 1 else past[0]} lies past the vocabulary "
+                             f"(vocab_size={self.vocab_size}): no token the model scores")
 
     @property
     def cache_row(self) -> tuple[int, int, int]:

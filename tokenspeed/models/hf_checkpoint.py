@@ -111,7 +111,10 @@ def read_config(path, hf: dict | None = None) -> ModelConfig:
         raise ModelFileError(config_file, str(exc)) from exc
     if generation.exists():
         extra = _generation_eos_ids(generation)
-        config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+        try:
+            config = attrs.evolve(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+        except ValueError as exc:
+            raise ModelFileError(generation, str(exc)) from exc
     return config
 
 
