@@ -102,6 +102,27 @@ def test_a_streamed_reply_joins_to_the_whole_message(thought, content, calls, cu
 
 
 @PROPERTY
+@given(content=TEXT, calls=CALLS.filter(bool), cut=st.integers(0, 400), cuts=st.lists(st.integers(0, 400), max_size=8))
+def test_a_reply_cut_inside_a_call_does_not_finish_as_calls(content, calls, cut, cuts):
+    """A reply ended (``"stop"``: a stop string, the end of sequence) anywhere: its calls
+    are those named so far, whole or streamed alike, and it finishes ``"tool_calls"`` only
+    where every call named has its arguments' object closed."""
+    text = hermes_reply(None, content, calls)
+    ends, at = [], 0
+    for name, arguments in calls:   # each call's arguments close just before its object does
+        written = json.dumps({"name": name, "arguments": arguments})
+        at = text.index(written, at) + len(written)
+        ends.append(at - 1)
+    text = text[:cut % (len(text) + 1)]
+    choice, rebuilt = whole(text), joined(streamed_chunks(text, cuts))
+    assert without_ids(rebuilt) == without_ids(choice["message"])
+    named = len(choice["message"].get("tool_calls", []))
+    closed = sum(end <= len(text) for end in ends)
+    assert rebuilt["finish_reason"] == choice["finish_reason"] == ("tool_calls" if named and closed >= named
+                                                                   else "stop")
+
+
+@PROPERTY
 @given(thought=st.none() | TEXT, content=TEXT, calls=CALLS, cuts=st.lists(st.integers(0, 400), max_size=12))
 def test_without_parallel_calls_a_reply_keeps_its_first_call_whole_or_streamed(thought, content, calls, cuts):
     """``parallel_tool_calls: false``: the message holds the first call the model made (as

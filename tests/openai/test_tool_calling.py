@@ -137,6 +137,30 @@ def test_a_required_or_named_tool_choice_always_yields_valid_arguments(client, c
             jsonschema.validate(arguments, SCHEMAS[name])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_a_stop_string_is_not_finished_as_a_call(client, stream):
+    """The named call's arguments must hold ``"n"``: a stop string there cuts the call
+    short, and the reply ends ``"stop"`` (whole or streamed), not ``"tool_calls"``."""
+    body = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "count"}},
+                stop=['"n"'], max_tokens=200, seed=3)
+    if stream:
+        finishes = [c.finish_reason for chunk in client.chat.completions.create(**body, stream=True)
+                    for c in chunk.choices if c.finish_reason]
+    else:
+        answer = client.chat.completions.create(**body).choices[0]
+        finishes = [answer.finish_reason]
+        assert answer.message.tool_calls is None or all(
+            not _json_object(c.function.arguments) for c in answer.message.tool_calls), answer.message
+    assert finishes == ["stop"]
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def test_without_parallel_calls_a_required_choice_makes_one_call(client):
     """``parallel_tool_calls=False``: one call, ended as the grammar ends it."""
     answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=4,

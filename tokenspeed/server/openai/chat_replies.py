@@ -2,8 +2,14 @@
 then the tool calls read from what is left (``tool_calls``), whole or as stream deltas
 that join to the whole (vLLM's chain and its delta shapes: each parser's stream is the
 differences between its scans of the growing text, so the pieces add up to its parse).
-A reply that made calls finishes with ``"tool_calls"``, unless it was cut short.
+A reply that made calls finishes with ``"tool_calls"`` when it ended as it chose to and
+every call's arguments are a whole JSON object; a call cut short (by ``max_tokens``, a stop
+string, the end of sequence) is still shown as far as it was written, as the stream has
+sent it, but its reply keeps its own finish, so a client does not run a call half made.
 """
+
+import json
+from collections.abc import Iterable
 
 import attrs
 
@@ -50,20 +56,33 @@ class ReplyParsing:
         return ReplyStream(self)
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """``"tool_calls"`` for a reply that made calls and ended as it chose to."""
-    return TOOL_CALLS if called and reason == "stop" else reason
+def finish_reason(reason: str | None, arguments: Iterable[str]) -> str | None:
+    """``"tool_calls"`` for a reply that ended as it chose to with calls, given their
+    ``arguments``' texts, each a whole JSON object."""
+    arguments = list(arguments)
+    return TOOL_CALLS if arguments and reason == "stop" and all(map(_whole_object, arguments)) else reason
+
+
+def _whole_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 class ReplyStream:
     """One streamed reply: ``feed`` each new piece of text, ``finish`` at its end; each
-    returns the deltas to send. ``called``: the reply has made a tool call."""
+    returns the deltas to send. ``arguments``: each call's arguments sent so far."""
 
     def __init__(self, parsing: ReplyParsing):
         self._reasoning = parsing.reasoning.stream() if parsing.reasoning is not None else None
         self._tools = parsing.tools.stream() if parsing.tools is not None else None
         self._single_call = parsing.single_call
-        self.called = False
+        self._arguments: dict[int, str] = {}
+
+    @property
+    def arguments(self) -> list[str]:
+        return [self._arguments[i] for i in sorted(self._arguments)]
 
     def feed(self, piece: str) -> list[DeltaMessage]:
         split = self._reasoning.feed(piece) if self._reasoning is not None else [DeltaMessage(content=piece)]
@@ -87,7 +106,8 @@ class ReplyStream:
             out += self._tools.finish()
         if self._single_call:
             out = [m for m in map(_first_call_only, out) if m is not None]
-        self.called = self.called or any(m.tool_calls for m in out)
+        for call in (call for m in out for call in m.tool_calls):
+            self._arguments[call.index] = self._arguments.get(call.index, "") + call.arguments
         return out
 
 

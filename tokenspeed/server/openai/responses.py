@@ -192,7 +192,7 @@ class ChatFormat(_Format):
         fields = {"content": c.text} if self.parsing is None else self.parsing.message(c.text)
         return {"index": c.index, "message": {"role": "assistant", **fields},
                 "logprobs": self.logprobs(c.index, c.logprobs),
-                "finish_reason": finish_reason(c.finish_reason, "tool_calls" in fields),
+                "finish_reason": finish_reason(c.finish_reason, _arguments(fields)),
                 "stop_reason": c.stop_reason}
 
     def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
@@ -216,7 +216,7 @@ class ChatFormat(_Format):
         deltas = [m.as_openai() for m in messages] or ([{}] if d.logprobs or d.finish_reason else [])
         last = len(deltas) - 1
         return [{"index": index, "delta": delta, "logprobs": self.logprobs(index, d.logprobs) if i == 0 else None,
-                 "finish_reason": finish_reason(d.finish_reason, stream.called) if i == last else None,
+                 "finish_reason": finish_reason(d.finish_reason, stream.arguments) if i == last else None,
                  "stop_reason": d.stop_reason if i == last else None}
                 for i, delta in enumerate(deltas)]
 
@@ -246,6 +246,11 @@ class ChatFormat(_Format):
         text = self.token_text(token_id)
         raw = self.tokenizer.token_bytes(token_id) if self.tokenizer else text.encode("utf-8")
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+
+def _arguments(message_fields: dict) -> list[str]:
+    """The arguments' texts of a message's tool calls."""
+    return [call["function"]["arguments"] for call in message_fields.get("tool_calls", ())]
 
 
 def _value(value: str | int | None) -> str:
