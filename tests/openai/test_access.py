@@ -1,6 +1,9 @@
 """What every endpoint shares: the API key on every route but /health and /metrics,
 CORS for the named origins only (a preflight needs no key), a JSON body (415 for any
-other declared type), and OpenAI's error body for every error, routing's included."""
+other declared type or a compressed body), and OpenAI's error body for every error, routing's included."""
+
+import gzip
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -43,6 +46,13 @@ def test_health_and_metrics_need_no_key(api):
 def test_a_body_not_declared_json_is_415(api, content_type):
     response = api.post("/v1/completions", COMPLETION, content_type=content_type)
     assert_error(response, 415, "UnsupportedMediaTypeError", None, "application/json")
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br, gzip"])
+def test_a_compressed_body_is_415_naming_its_encoding(api, encoding):
+    body = gzip.compress(json.dumps(COMPLETION).encode())
+    response = api.post("/v1/completions", body, headers={"Content-Encoding": encoding})
+    assert_error(response, 415, "UnsupportedMediaTypeError", None, f"Content-Encoding {encoding!r}")
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",

@@ -131,9 +131,9 @@ class Server:
             waiting.mailbox.fail(error)
 
     async def read(self, request: Request, model):
-        """The body as ``model``: 415 unless it is declared JSON, 413 past the size limit,
-        400 for bad JSON or fields, 404 for a model not served here."""
-        _check_json(request.headers.get("content-type"))
+        """The body as ``model``: 415 unless it is declared JSON and not compressed, 413
+        past the size limit, 400 for bad JSON or fields, 404 for a model not served here."""
+        _check_json(request.headers.get("content-type"), request.headers.get("content-encoding"))
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
@@ -260,11 +260,15 @@ def server_app(server: Server, access: Access = Access()) -> FastAPI:
     return app
 
 
-def _check_json(content_type: str | None) -> None:
+def _check_json(content_type: str | None, encoding: str | None) -> None:
     """A body must say it is JSON: a web page may post any other type (a form's, text, a
-    blob without a type) to any server without the CORS preflight that would stop it."""
+    blob without a type) to any server without the CORS preflight that would stop it. It
+    is read as sent (a compressed one would be refused as bad JSON, which it is not)."""
     if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type!r}", None,
+                       "UnsupportedMediaTypeError")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed", None,
                        "UnsupportedMediaTypeError")
 
 
