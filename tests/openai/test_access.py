@@ -1,6 +1,7 @@
 """What every endpoint shares: the API key on every route but /health and /metrics,
 CORS for the named origins only (a preflight needs no key), a JSON body (415 for any
-other declared type or a compressed body), and OpenAI's error body for every error, routing's included."""
+other declared type or a compressed body), and OpenAI's error body for every error,
+routing's included."""
 
 import gzip
 import json
