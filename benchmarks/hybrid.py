@@ -45,7 +45,8 @@ SHAPES = {
 }
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16)
+            linear_key_head_dim=16, linear_value_head_dim=16,
+            eos_token_id=2)   # one of its own ids: the shape's is past this vocabulary
 
 
 @attrs.frozen
