@@ -222,6 +222,9 @@ def test_bad_requests_are_400_naming_the_field(base_url, client, body, param):
 def test_malformed_json_and_bad_chat(base_url):
     response = post(base_url, "/v1/completions", "{not json")
     assert response.status_code == 400 and "invalid JSON" in response.json()["error"]["message"]
+    for lone in ('"a\\ud800b"', '"a\\udc00b"'):   # valid syntax, no character: the message says why
+        message = post(base_url, "/v1/completions", f'{{"prompt": {lone}}}').json()["error"]["message"]
+        assert "invalid JSON" in message and "half of a UTF-16 pair" in message, message
     for body in ([1, 2], 5):   # JSON, not an object
         response = post(base_url, "/v1/completions", body)
         assert response.status_code == 400 and response.json()["error"]["message"].startswith("body: Input should be an object")

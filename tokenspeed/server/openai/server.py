@@ -280,7 +280,9 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     error = max(errors, key=lambda e: len(e["loc"]))
     if error["type"] == "json_invalid":
-        return f"invalid JSON: {error['msg']}", None
+        surrogate = " (a \\uD800-\\uDFFF escape is half of a UTF-16 pair: a high one, then a low one)" \
+            if "hex escape" in error["msg"] else ""
+        return f"invalid JSON: {error['msg']}{surrogate}", None
     loc = error["loc"]
     branches = [e["loc"][-1] for e in errors if loc and len(e["loc"]) == len(loc) and e["loc"][:-1] == loc[:-1]]
     plain = len(branches) > 1 and all(PLAIN_TYPE.fullmatch(str(b)) for b in branches)
