@@ -273,7 +273,7 @@ def test_refusal_between_good_calls(path):
 @pytest.mark.parametrize("name", ["page_size", "max_num_seqs", "max_num_batched_tokens"])
 @pytest.mark.parametrize("value", [0, -4])
 def test_llm_settings_must_be_positive(path, name, value):
-    with raises(f"{name}={value}", ">= 1"):
+    with raises(f"{name}={value}", ">= 1" if name != "max_num_seqs" else "in [1, 65536]"):
         ts.LLM(path, **{name: value})
 
 
@@ -324,3 +324,30 @@ def test_an_extend_chunk_past_its_pages_is_refused():
 def test_negative_compile_workers_is_refused(path):
     with raises("compile_workers=-1: must be >= 0"):
         ts.LLM(path, compile_workers=-1)
+
+
+@pytest.mark.parametrize("options, kind, message", [
+    (dict(page_size="16"), TypeError, "page_size='16': must be an integer >= 1"),
+    (dict(page_size=16.5), TypeError, "page_size=16.5: must be an integer"),
+    (dict(page_size=True), TypeError, "page_size=True: must be an integer"),
+    (dict(max_num_seqs=None), TypeError, "max_num_seqs=None: must be an integer in [1, 65536]"),
+    (dict(max_num_seqs=10 ** 7), ValueError, "max_num_seqs=10000000: must be in [1, 65536]"),
+    (dict(seed="a"), TypeError, "seed='a': must be an integer"),
+    (dict(gpu_memory_utilization="0.5"), TypeError, "gpu_memory_utilization='0.5': must be a number"),
+    (dict(graphs="yes"), TypeError, "graphs='yes': must be True, False or None"),
+    (dict(capture_sizes="abc"), TypeError, "capture_sizes='abc': must be a list of integers >= 1"),
+    (dict(capture_sizes=5), TypeError, "capture_sizes=5: must be a list"),
+    (dict(capture_sizes=[1, 20000]), ValueError, "capture_sizes=[1, 20000]: a step holds at most max_num_seqs=64 "
+                                                 "rows; one size above it may pad a full step, under 128"),
+    (dict(capture_sizes=[1, 80, 96]), ValueError, "capture_sizes=[1, 80, 96]: a step holds at most max_num_seqs=64"),
+    (dict(token_buckets=[4096]), ValueError, "token_buckets=[4096]: a step holds at most max_num_batched_tokens=2048"),
+    (dict(enforce_eager="no"), TypeError, "enforce_eager='no': must be True or False"),
+    (dict(overlap=1), TypeError, "overlap=1: must be True or False"),
+    (dict(backend="flash"), TypeError, "backend='flash': must be an attention backend"),
+    (dict(tokenizer=123), TypeError, "tokenizer=123: must be a path"),
+])
+def test_an_option_of_the_wrong_kind_or_past_its_limit_is_refused_before_loading(options, kind, message):
+    """Named with the value and what it may be, before a model is read (not a TypeError
+    from deep in a tensor constructor after it loaded, nor a page size of True)."""
+    with pytest.raises(kind, match=re.escape(message)):
+        ts.LLM("/no/such/model", **options)

@@ -16,8 +16,8 @@ from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.api import model_source
 from tokenspeed.api.chat_messages import conversations, template_messages, template_variables
 from tokenspeed.api.cpu_threads import size_torch_threads
-from tokenspeed.api.llm_arguments import (checked_compile_options, checked_device, checked_dtype,
-                                          checked_quantization, per_prompt)
+from tokenspeed.api.llm_arguments import (checked_backend, checked_compile_options, checked_device, checked_dtype,
+                                          checked_flags, checked_quantization, checked_tokenizer, per_prompt)
 from tokenspeed.api.model_source import tokenizer_path
 from tokenspeed.api.offline_client import OfflineClient
 from tokenspeed.api.progress import Progress
@@ -71,6 +71,9 @@ class LLM:
         Requests that give no ``SamplingParams`` take ``get_default_sampling_params()``."""
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a ts.SpeculativeConfig, got {speculative!r}")
+        checked_flags(enforce_eager=enforce_eager, overlap=overlap, enable_prefix_caching=enable_prefix_caching)
+        checked_tokenizer(tokenizer)
+        checked_backend(backend)
         config = CompileConfig(device=checked_device(device),   # bad options refused before a model is found
                                **checked_compile_options(enforce_eager, compile_options))
         quantization = checked_quantization(quantization, config.device)

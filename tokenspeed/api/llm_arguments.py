@@ -3,12 +3,15 @@ compile options (``CompileConfig``'s fields) and per-prompt sampling params. A b
 refused naming the argument and what is accepted, not deep inside a constructor."""
 
 import difflib
+from pathlib import Path
 
 import attrs
 import torch
 
+from tokenspeed.backends.paged import PagedAttentionBackend
 from tokenspeed.execution.compile_config import CompileConfig, as_device
 from tokenspeed.execution.sampling_params import SamplingParams
+from tokenspeed.tokenizer import Tokenizer
 
 LLM_OPTIONS = ("model", "device", "dtype", "quantization", "tokenizer", "revision", "enforce_eager",
                "overlap", "enable_prefix_caching", "speculative", "backend")
@@ -16,6 +19,25 @@ QUANTIZATIONS = ("fp8", "int4")
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
+
+
+def checked_flags(**flags) -> None:
+    """On/off arguments are booleans: a string such as ``"no"`` would read as on."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r}: must be True or False")
+
+
+def checked_tokenizer(tokenizer) -> None:
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path, Tokenizer)):
+        raise TypeError(f"tokenizer={tokenizer!r}: must be a path, a Hugging Face model id or a "
+                        f"tokenspeed Tokenizer (None: the model's own)")
+
+
+def checked_backend(backend) -> None:
+    if backend is not None and not isinstance(backend, PagedAttentionBackend):
+        raise TypeError(f"backend={backend!r}: must be an attention backend object (a "
+                        f"PagedAttentionBackend; None: the model's own)")
 
 
 def checked_device(device) -> torch.device:

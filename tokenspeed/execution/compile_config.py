@@ -9,7 +9,7 @@ import torch
 
 from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.cores import allowed_cpus
-from tokenspeed.execution.ladders import given_ladder
+from tokenspeed.execution.ladders import as_sizes, given_ladder, is_integer
 
 MAX_COMPILE_WORKERS = 8
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -17,16 +17,34 @@ FP8_CAPABILITY = (8, 9)   # the first CUDA devices with float8 conversions (Ada)
 CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
 
 
-def _at_least(minimum: int):
+MAX_NUM_SEQS = 65536   # seats' buffers (a block table row each) are sized up front; past any decode batch
+
+
+def _at_least(minimum: int | None, maximum: int | None = None, optional: bool = False):
+    """An integer (not a bool) in [minimum, maximum] (None: unbounded); None only where
+    ``optional``."""
+    bounds = "" if minimum is None else f" >= {minimum}" if maximum is None else f" in [{minimum}, {maximum}]"
+
     def check(instance, attribute, value):
-        if value is not None and value < minimum:
-            raise ValueError(f"{attribute.name}={value}: must be >= {minimum}")
+        if value is None and optional:
+            return
+        if not is_integer(value):
+            raise TypeError(f"{attribute.name}={value!r}: must be an integer{bounds}")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise ValueError(f"{attribute.name}={value}: must be{bounds}")
     return check
 
 
 def _share(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{attribute.name}={value!r}: must be a number in (0, 1]")
     if not 0 < value <= 1:
         raise ValueError(f"{attribute.name}={value}: must be in (0, 1]")
+
+
+def _optional_bool(instance, attribute, value):
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{attribute.name}={value!r}: must be True, False or None")
 
 
 def _within_step(instance, attribute, value):
@@ -40,9 +58,19 @@ def _kv_cache_dtype(instance, attribute, value):
         raise ValueError(f"{attribute.name}={value!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
 
 
-def _sizes(instance, attribute, value):
-    if value is not None:
-        given_ladder(attribute.name, value)
+def _sizes_up_to(limit: str):
+    """A ladder (``given_ladder``) for steps of at most ``limit`` rows, a field before it:
+    a size above the limit pads a full step, so one may be given, under twice the limit;
+    a graph of more rows would never run, or pad a step to more than twice its rows."""
+    def check(instance, attribute, value):
+        if value is None:
+            return
+        most = getattr(instance, limit)
+        above = [size for size in given_ladder(attribute.name, value) if size > most]
+        if len(above) > 1 or (above and above[0] >= 2 * most):
+            raise ValueError(f"{attribute.name}={list(value)}: a step holds at most {limit}={most} rows; "
+                             f"one size above it may pad a full step, under {2 * most}")
+    return check
 
 
 def _one_pool_size(instance, attribute, value):
@@ -61,8 +89,10 @@ def as_device(device) -> torch.device:
 
 @attrs.frozen
 class CompileConfig:
-    """``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16.. by 8 up to
-    min(max_num_seqs, 256)); ``token_buckets``: prefill token buckets; ``view_width``: rows
+    """``max_num_seqs``: requests running at once (at most ``MAX_NUM_SEQS``: their seats'
+    buffers are sized up front); ``capture_sizes``: decode ladder (default 1, 2, 4, 8, 16..
+    by 8 up to min(max_num_seqs, 256); past max_num_seqs, one size under twice it);
+    ``token_buckets``: prefill token buckets (likewise for max_num_batched_tokens); ``view_width``: rows
     per request the prefill decoder view keeps (W); ``graphs``: capture graphs (default:
     on a CUDA device; ``True`` on the CPU captures the CPU stand-in, for tests);
     ``num_kv_pages``: the pool's pages, page 0 included; or ``kv_cache_memory_bytes``, the
@@ -78,21 +108,23 @@ class CompileConfig:
     token, so twice the pages fit in a budget."""
     device: torch.device = attrs.field(default="cpu", converter=as_device)
     page_size: int = attrs.field(default=16, validator=_at_least(1))
-    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1))
-    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
+    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1, MAX_NUM_SEQS))
+    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1, optional=True))
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
-    max_chunk_tokens: int | None = attrs.field(default=None, validator=_within_step)
-    num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2))
-    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=[_at_least(1), _one_pool_size])
+    max_chunk_tokens: int | None = attrs.field(default=None, validator=[_at_least(1, optional=True), _within_step])
+    num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2, optional=True))
+    kv_cache_memory_bytes: int | None = attrs.field(default=None,
+                                                    validator=[_at_least(1, optional=True), _one_pool_size])
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_share)
     capture_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
+        default=None, converter=attrs.converters.optional(as_sizes), validator=_sizes_up_to("max_num_seqs"))
     token_buckets: tuple[int, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple), validator=_sizes)
+        default=None, converter=attrs.converters.optional(as_sizes),
+        validator=_sizes_up_to("max_num_batched_tokens"))
     view_width: int = attrs.field(default=1, validator=_at_least(1))
-    graphs: bool | None = None
-    seed: int = 0
-    compile_workers: int | None = attrs.field(default=None, validator=_at_least(0))
+    graphs: bool | None = attrs.field(default=None, validator=_optional_bool)
+    seed: int = attrs.field(default=0, validator=_at_least(None))
+    compile_workers: int | None = attrs.field(default=None, validator=_at_least(0, optional=True))
     kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
 
     def graph_support(self, backend_support: CudaGraphSupport) -> CudaGraphSupport:

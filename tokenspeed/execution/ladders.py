@@ -2,16 +2,31 @@
 never a capacity limit: sizes above its top run eagerly."""
 
 import bisect
+import numbers
 
 MAX_DECODE_LADDER = 256
 TOKEN_STEPS = ((256, 16), (512, 32), (1024, 64), (2048, 128))
 
 
+def as_sizes(sizes):
+    """A ladder option as a tuple, where it is a list of anything (``given_ladder`` checks
+    the sizes); else as it is, for the check to name."""
+    return tuple(sizes) if hasattr(sizes, "__iter__") and not isinstance(sizes, (str, bytes)) else sizes
+
+
 def given_ladder(name: str, sizes) -> tuple[int, ...]:
+    if not isinstance(sizes, tuple | list) or not all(is_integer(s) for s in sizes):
+        raise TypeError(f"{name}={sizes!r}: must be a list of integers >= 1")
     ladder = tuple(sorted(set(int(s) for s in sizes)))
     if not ladder or ladder[0] < 1:
         raise ValueError(f"{name}={sizes!r}: need at least one size, every size >= 1")
     return ladder
+
+
+def is_integer(value) -> bool:
+    """An integer of any kind (Python's, numpy's, a 0-d tensor's ``__index__`` not
+    included), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def decode_ladder(max_num_seqs: int, capture_sizes=None) -> tuple[int, ...]:
