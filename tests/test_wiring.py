@@ -46,6 +46,26 @@ def test_compile_refuses_programs_in_each_others_places():
         ts.compile(prefill, traced, ts.CompileConfig(num_kv_pages=8))
 
 
+@pytest.mark.parametrize("config", ["cpu", None, {"num_kv_pages": 8}])
+def test_compile_refuses_a_config_that_is_not_one(config):
+    traced = ts.trace(random_model(TINY_LLAMA))
+    with pytest.raises(TypeError, match=r"config must be a ts.CompileConfig, got"):
+        ts.compile(traced.lower("prefill"), traced.lower("decode"), config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_compile_for_cuda_without_a_gpu_is_refused_by_name():
+    traced = ts.trace(random_model(TINY_LLAMA))
+    with pytest.raises(ValueError, match=r"CompileConfig\(device='cuda'\), but no CUDA GPU is available here"):
+        ts.compile(traced.lower("prefill"), traced.lower("decode"), ts.CompileConfig(device="cuda"))
+
+
+@pytest.mark.parametrize("model", [None, "model.gguf", torch.nn.Linear(2, 2)], ids=["None", "a path", "a Linear"])
+def test_trace_refuses_what_is_not_a_tokenspeed_model(model):
+    with pytest.raises(TypeError, match=r"trace\(model\): expected a tokenspeed model .* ts.models.load\(path\)"):
+        ts.trace(model)
+
+
 def test_a_verify_window_holds_at_least_the_token_before_the_drafts():
     lowered = ts.trace(random_model(TINY_LLAMA)).lower("verify")
     with pytest.raises(ValueError, match="window"):

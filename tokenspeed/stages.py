@@ -12,6 +12,7 @@ pool and one startup (kernel compiles, then captures).
 """
 
 import gc
+import inspect
 import time
 
 import attrs
@@ -40,6 +41,10 @@ from tokenspeed.execution.startup import StartupReport, build_runners
 
 def trace(model: torch.nn.Module) -> "Traced":
     """Trace ``model.forward(kv_cache, meta)`` with ``meta`` a :class:`ForwardMetadata`."""
+    forward = getattr(model, "forward", None) if isinstance(model, torch.nn.Module) else None
+    if forward is None or list(inspect.signature(forward).parameters)[:2] != ["kv_cache", "meta"]:
+        raise TypeError(f"trace(model): expected a tokenspeed model (a torch.nn.Module whose forward takes "
+                        f"kv_cache, meta), got {type(model).__name__}; ts.models.load(path) builds one")
     return Traced(trace_graph(model), getattr(model, "config", None))
 
 
@@ -140,6 +145,10 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
     ``companion_page_bytes``: a page of another pool to be bound with as many pages as this
     one, whose consumer keeps every page of a request (a draft model's): the budget pays for
     both, and pools are sized for whole contexts."""
+    if not isinstance(config, CompileConfig):
+        raise TypeError(f"compile(prefill, decode, config): config must be a ts.CompileConfig, got {config!r}")
+    if config.device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"CompileConfig(device={str(config.device)!r}), but no CUDA GPU is available here")
     for name, lowered in (("prefill", prefill), ("decode", decode)):
         if not isinstance(lowered, Lowered) or lowered.mode != name:
             got = f"a {lowered.mode!r} program" if isinstance(lowered, Lowered) else type(lowered).__name__
