@@ -40,6 +40,9 @@ def test_every_accepted_message_reaches_the_template_as_text(conversation):
     ([{"role": "user", "content": [{"type": "txt", "text": "x"}]}],
      r"messages\[0\].content\[0\] must be \{'type': 'text', 'text': str\}"),
     ([{"role": "user", "content": "a", "name": 3}], r"messages\[0\].name=3: must be a string"),
+    ([{"role": "user", "content": "hi \ud83d"}], r"messages\[0\].content: not valid Unicode \(a lone surrogate"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\udfff"}]}],
+     r"messages\[0\].content\[1\]: not valid Unicode"),
 ])
 def test_bad_messages_are_named_by_path(bad, message):
     with pytest.raises((TypeError, ValueError), match=message):

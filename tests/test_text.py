@@ -51,6 +51,8 @@ def test_text_is_the_decoded_tokens(llm):
     ([[4], {"prompt": 5}], "prompt 1: 'prompt' must be a string"),
     ([], "no prompts given"),
     (42, "prompts must be a string"),
+    (["ok", "abc\ud800def"], "prompt 1: not valid Unicode (a lone surrogate '\\ud800' at character 3)"),
+    ([{"prompt": "x\udc00"}], "prompt 0: not valid Unicode (a lone surrogate '\\udc00' at character 1)"),
 ])
 def test_prompts_are_checked_not_coerced(llm, bad, fragment):
     with pytest.raises((TypeError, ValueError), match="^" + __import__("re").escape(fragment)):

@@ -20,6 +20,8 @@ unless null (a text model wrote neither).
 import json
 from collections.abc import Mapping, Sequence
 
+from tokenspeed.api.prompts import unicode_text
+
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "video_url", "audio_url", "file")   # OpenAI's and vLLM's
 FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
@@ -162,10 +164,10 @@ def _arguments(arguments, where: str) -> dict:
 
 def _content(content, where: str) -> str:
     if content is None or isinstance(content, str):
-        return content or ""
+        return unicode_text(content or "", where)
     if not _is_list(content):
         raise TypeError(f"{where} must be a string or a list of text parts, got {_shown(content)}")
-    return "\n".join(_text_part(p, f"{where}[{i}]") for i, p in enumerate(content))
+    return "\n".join(unicode_text(_text_part(p, f"{where}[{i}]"), f"{where}[{i}]") for i, p in enumerate(content))
 
 
 def _text_part(part, where: str) -> str:

@@ -82,7 +82,18 @@ def encode(tokenizer, text: str, where: str) -> list[int]:
     if tokenizer is None:
         raise ValueError(f"{where} is text, but this engine has no tokenizer: pass token ids, or "
                          "a model path (or tokenizer=) that brings one")
-    return tokenizer.encode(text)
+    return tokenizer.encode(unicode_text(text, where))
+
+
+def unicode_text(text: str, where: str) -> str:
+    """``text``, refused where it holds a lone UTF-16 surrogate (no character: the tokenizer
+    would fail on it with a TypeError of its own)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}: not valid Unicode (a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start})") from None
+    return text
 
 
 def chat_prompt(tokenizer, messages, add_generation_prompt: bool = True, **template_variables) -> Prompt:
@@ -91,5 +102,5 @@ def chat_prompt(tokenizer, messages, add_generation_prompt: bool = True, **templ
     further variables for the template (``tools``, ``enable_thinking``, ...)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tokenize=False, **template_variables)
-    return Prompt(tuple(tokenizer.encode(text, add_special_tokens=False)), text)
+    return Prompt(tuple(tokenizer.encode(unicode_text(text, "messages"), add_special_tokens=False)), text)
 
