@@ -56,3 +56,13 @@ def test_a_type_without_a_writer_or_another_architecture_is_refused():
     qwen = attrs.evolve(model.config, architecture="Qwen2ForCausalLM")
     with pytest.raises(ValueError, match="write_llama writes LlamaForCausalLM models; got Qwen2ForCausalLM"):
         write_llama(new_tmpdir() / "x.gguf", qwen, hf_state_dict(model), "Q8_0")
+
+
+def test_a_file_without_a_tokenizer_names_the_ways_to_run_it():
+    """``write_llama`` writes no tokenizer: the refusal says how to give one or run token
+    ids, and the second way runs."""
+    _, path = written(TINY_LLAMA, "F32")
+    with pytest.raises(ValueError, match=r"no tokenizer in this GGUF .*tokenizer=.*ts.LLM\(ts.models.load\(path\)\)"):
+        ts.LLM(path)
+    out = ts.LLM(ts.models.load(path)).generate([[1, 2, 3]], ts.SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].token_ids) == 2

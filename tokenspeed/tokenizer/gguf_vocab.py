@@ -66,7 +66,9 @@ def read_gguf_vocab(path: str | Path, reader: gguf.GGUFReader | None = None) -> 
         "unknown_token_id", "padding_token_id", "eot_token_id", "eom_token_id", "add_bos_token",
         "add_eos_token", "add_space_prefix")}
     if ggml["model"] is None or ggml["tokens"] is None:
-        raise ValueError(f"{path}: no tokenizer in this GGUF (tokenizer.ggml.model/tokens missing)")
+        raise ValueError(f"{path}: no tokenizer in this GGUF (tokenizer.ggml.model/tokens missing): give one "
+                         f"(ts.LLM(path, tokenizer=<a tokenizer directory or model id>)), or run token ids "
+                         f"alone (ts.LLM(ts.models.load(path)))")
     return GGUFVocab(
         model=ggml["model"], pre=ggml["pre"], tokens=tuple(ggml["tokens"]),
         token_types=_as_tuple(ggml["token_type"]) or (), scores=_as_tuple(ggml["scores"]),
