@@ -112,6 +112,7 @@ def test_bench_prints_vllm_figures(capsys):
     (["inspect", "--model", __file__], "test_cli.py: neither a model directory (with config.json) nor a GGUF"),
     (["inspect", "--device", "cuda"], "--device cuda names where --compiled compiles the model"),
     (["inspect", "--compiled", "--device", "tpu"], "device='tpu' is not a device"),
+    (["inspect", "--attention-breaks", "--mode", "decode"], "--attention-breaks lowers the prefill program"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"], "cannot reach http://127.0.0.1:9"),
     (["serve", "--metrics-need-key"], "--metrics-need-key guards /metrics with the API key: give --api-key too"),
 ])

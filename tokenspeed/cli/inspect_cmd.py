@@ -39,6 +39,9 @@ def run(args) -> None:
     refused at once, not after the lowered program."""
     if args.device is not None and not args.compiled:
         raise ValueError(f"--device {args.device} names where --compiled compiles the model: give --compiled too")
+    if args.attention_breaks and args.mode != "prefill":
+        raise ValueError("--attention-breaks lowers the prefill program; a decode step's attention stays in its "
+                         "graph: leave it out with --mode decode")
     if args.device is not None:
         from tokenspeed.api.llm_arguments import checked_device
         checked_device(args.device)

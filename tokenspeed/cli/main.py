@@ -85,7 +85,7 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--num-kv-pages", type=at_least(2), default=None,
                          help="the KV pool's pages of 16 tokens, as vLLM's --num-gpu-blocks-override sets its "
                               "blocks (default: sized by --gpu-memory-utilization on a GPU, 512 MiB on the CPU, "
-                              "at most --max-num-seqs sequences at full length)")
+                              "at most as many sequences at full length as run at once)")
     command.add_argument("--kv-cache-dtype", default="auto",
                          help="what the KV cache stores: auto (the model's dtype), fp8 or fp8_e4m3 (float8 "
                               "e4m3 with per-layer scales: twice the tokens fit)")
