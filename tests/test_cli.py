@@ -60,6 +60,25 @@ def test_a_message_past_the_context_is_dropped_and_the_chat_goes_on(capsys, monk
     assert len([r for r in out.out.split("\n") if r.strip("> ")]) >= 2   # the replies before and after
 
 
+def test_ctrl_c_stops_a_chat_reply_and_the_chat_goes_on(capsys, monkeypatch):
+    """The first reply is interrupted after its first piece (as SIGINT would raise it
+    there): that reply ends, its request is aborted, and the next message is answered."""
+    pieces, calls = ts.LLM._pieces, []
+
+    def interrupted_once(self, prompt, params):
+        calls.append(prompt)
+        stream = pieces(self, prompt, params)
+        yield next(stream)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        yield from stream
+
+    monkeypatch.setattr(ts.LLM, "_pieces", interrupted_once)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAnd then?\n\n"))
+    out = run(capsys, "chat", "--model", str(text_model_dir()), "--max-tokens", "5")
+    assert out.out.count("> ") == 3 and out.out.count("[stopped]") == 1 and len(calls) == 2
+
+
 def test_chat_with_a_model_that_has_no_chat_template_is_refused_before_the_first_message(capsys, monkeypatch,
                                                                                           tmp_path):
     model = shutil.copytree(text_model_dir(), tmp_path / "plain")

@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_options(generate, max_tokens=128)
-    chat = _engine_command(commands, "chat", "talk to the model (an empty line, /exit, /quit or Ctrl-D ends)", cmd_chat)
+    chat = _engine_command(commands, "chat", "talk to the model (an empty line, /exit, /quit or Ctrl-D ends; "
+                                             "Ctrl-C stops a reply)", cmd_chat)
     chat.add_argument("--system", default=None, help="a system message")
     _sampling_options(chat, max_tokens=256)
     serve_cmd.add_options(_engine_command(commands, "serve", "an OpenAI-compatible HTTP server",
@@ -172,11 +173,12 @@ def cmd_chat(args) -> None:
                          "generate with a prompt")
     params = sampling(args, llm.sampling_defaults)
     history = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"chat with the model; an empty line, {' or '.join(CHAT_ENDS)} or Ctrl-D ends", file=sys.stderr)
+    print(f"chat with the model; an empty line, {' or '.join(CHAT_ENDS)} or Ctrl-D ends; Ctrl-C stops a reply",
+          file=sys.stderr)
     while (line := _read_line()) and line not in CHAT_ENDS:
         turn = [*history, {"role": "user", "content": line}]
         try:
-            reply = _streamed_reply(llm, llm.chat_prompt(turn), params, fit=args.max_tokens is None)
+            reply = _streamed_reply(llm, llm.chat_prompt(turn), params, fit=args.max_tokens is None, stoppable=True)
         except RefusedRequest as exc:   # too long for the context: the chat goes on without it
             if exc.field not in ("prompt", "max_tokens"):
                 raise
@@ -186,18 +188,26 @@ def cmd_chat(args) -> None:
         history = [*turn, {"role": "assistant", "content": reply}]
 
 
-def _streamed_reply(llm, prompt, params, fit: bool) -> str:
+def _streamed_reply(llm, prompt, params, fit: bool, stoppable: bool = False) -> str:
     """``fit``: ``max_tokens`` is a default (the model's or the command's), cut to the room
-    the context leaves the prompt rather than refused (``prompt_limits.fitted``)."""
+    the context leaves the prompt rather than refused (``prompt_limits.fitted``).
+    ``stoppable``: Ctrl-C ends the reply where it is (its request aborted), not the
+    command, as llama.cpp's and Ollama's chats take it; the text so far is the reply."""
     if fit:
         from tokenspeed.api.prompts import parse_prompts
         from tokenspeed.scheduling.prompt_limits import fitted
         [prompt] = parse_prompts(prompt, llm.tokenizer)   # tokenized once: stream takes the record
         params = fitted(llm.engine.limits, len(prompt.token_ids), params)
-    reply = []
-    for piece in llm.stream(prompt, params):
-        reply.append(piece)
-        print(piece, end="", flush=True)
+    reply, pieces = [], llm.stream(prompt, params)
+    try:
+        for piece in pieces:
+            reply.append(piece)
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        if not stoppable:
+            raise
+        pieces.close()
+        print(" [stopped]", end="")
     print()
     return "".join(reply)
 
