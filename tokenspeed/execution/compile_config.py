@@ -4,6 +4,8 @@
 model (its context length bounds ``max_model_len``, which sets the block-table width).
 """
 
+import numbers
+
 import attrs
 import torch
 
@@ -36,7 +38,7 @@ def _at_least(minimum: int | None, maximum: int | None = None, optional: bool = 
 
 
 def _share(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{attribute.name}={value!r}: must be a number in (0, 1]")
     if not 0 < value <= 1:
         raise ValueError(f"{attribute.name}={value}: must be in (0, 1]")

@@ -24,8 +24,7 @@ def given_ladder(name: str, sizes) -> tuple[int, ...]:
 
 
 def is_integer(value) -> bool:
-    """An integer of any kind (Python's, numpy's, a 0-d tensor's ``__index__`` not
-    included), but not a bool."""
+    """An integer of any kind (Python's, numpy's), but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
