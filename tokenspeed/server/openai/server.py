@@ -282,7 +282,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if error["type"] == "json_invalid":
         surrogate = " (a \\uD800-\\uDFFF escape is half of a UTF-16 pair: a high one, then a low one)" \
             if "hex escape" in error["msg"] else ""
-        return f"invalid JSON: {error['msg']}{surrogate}", None
+        return f"invalid JSON: {error['msg'].removeprefix('Invalid JSON: ')}{surrogate}", None
     loc = error["loc"]
     branches = [e["loc"][-1] for e in errors if loc and len(e["loc"]) == len(loc) and e["loc"][:-1] == loc[:-1]]
     plain = len(branches) > 1 and all(PLAIN_TYPE.fullmatch(str(b)) for b in branches)
