@@ -122,6 +122,14 @@ def test_bench_prints_vllm_figures(capsys):
     assert "requests/s" in throughput.out and "Total num output tokens:  24" in throughput.out
 
 
+@pytest.mark.parametrize("argv", [["serve", "--max-num-seqs", "100000"],
+                                  ["bench", "throughput", "--max-num-seqs", "70000"]])
+def test_max_num_seqs_past_its_limit_is_refused_as_the_flags_are_read(capsys, argv):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "argument --max-num-seqs: must be in [1, 65536]" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
     (["generate", "hi", "--model", "/no/such/dir"], "/no/such/dir: no such file or directory"),

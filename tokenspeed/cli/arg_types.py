@@ -6,17 +6,18 @@ import os
 from pathlib import Path
 
 
-def at_least(minimum: int):
-    """An integer no smaller than ``minimum``."""
+def at_least(minimum: int, maximum: int | None = None):
+    """An integer no smaller than ``minimum`` (and, where given, no larger than ``maximum``)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
         return value
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer >= {minimum}" if maximum is None else f"integer in [{minimum}, {maximum}]"
     return parse
 
 

@@ -7,6 +7,7 @@ import statistics
 import time
 
 from tokenspeed.cli.arg_types import at_least, file_to_write
+from tokenspeed.execution.ladders import MAX_NUM_SEQS
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 DESCRIPTION = ("measure the engine offline (latency, throughput: random token prompts, reported as vLLM's "
@@ -24,7 +25,7 @@ def add_command(commands, engine_options) -> None:
     throughput = _offline_command(bench, "throughput", "serve many requests at once", engine_options,
                                   input_len=128, run=run_throughput)
     throughput.add_argument("--num-prompts", type=at_least(1), default=256, help="requests to serve")
-    throughput.add_argument("--max-num-seqs", type=at_least(1), default=64, help="requests running at once")
+    throughput.add_argument("--max-num-seqs", type=at_least(1, MAX_NUM_SEQS), default=64, help="requests running at once")
     from tokenspeed.cli import bench_serve
     bench_serve.add_command(bench)
 

@@ -4,6 +4,7 @@ how they become the server's options. Nothing here imports torch until the comma
 import argparse
 
 from tokenspeed.cli.arg_types import at_least, non_blank
+from tokenspeed.execution.ladders import MAX_NUM_SEQS
 
 
 def add_options(serve: argparse.ArgumentParser) -> None:
@@ -15,7 +16,7 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                        help="require Authorization: Bearer KEY on every route but /health (and /metrics)")
     serve.add_argument("--served-model-name", type=non_blank, default=None,
                        help="the model name clients send (default: the model id, or its file or folder name)")
-    serve.add_argument("--max-num-seqs", type=at_least(1), default=64, help="requests the engine runs at once")
+    serve.add_argument("--max-num-seqs", type=at_least(1, MAX_NUM_SEQS), default=64, help="requests the engine runs at once")
     serve.add_argument("--api-servers", type=at_least(1), default=1,
                        help="HTTP processes sharing the port over one engine (many streaming clients)")
     serve.add_argument("--stream-interval", type=at_least(1), default=1,

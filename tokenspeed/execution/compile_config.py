@@ -11,15 +11,12 @@ import torch
 
 from tokenspeed.backends.support import CudaGraphSupport
 from tokenspeed.cores import allowed_cpus
-from tokenspeed.execution.ladders import as_sizes, given_ladder, is_integer
+from tokenspeed.execution.ladders import MAX_NUM_SEQS, as_sizes, given_ladder, is_integer
 
 MAX_COMPILE_WORKERS = 8
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 FP8_CAPABILITY = (8, 9)   # the first CUDA devices with float8 conversions (Ada)
 CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
-
-
-MAX_NUM_SEQS = 65536   # seats' buffers (a block table row each) are sized up front; past any decode batch
 
 
 def _at_least(minimum: int | None, maximum: int | None = None, optional: bool = False):

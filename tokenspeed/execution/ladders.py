@@ -5,6 +5,7 @@ import bisect
 import numbers
 
 MAX_DECODE_LADDER = 256
+MAX_NUM_SEQS = 65536   # requests a step may run: their seats' buffers (a block-table row each) are sized up front
 TOKEN_STEPS = ((256, 16), (512, 32), (1024, 64), (2048, 128))
 
 
