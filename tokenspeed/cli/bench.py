@@ -60,9 +60,18 @@ def _fixed_length(output_len: int):
     return SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
 
 
+def _check_lengths(args, llm) -> None:
+    """The bench's lengths against the context, in its own flags' words."""
+    total, most = args.input_len + args.output_len, llm.engine.limits.max_model_len
+    if total > most:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} = {total} exceeds "
+                         f"max_model_len={most} (the model's context, or --max-model-len)")
+
+
 def run_latency(args) -> None:
     from tokenspeed.cli.main import load_llm
     llm = load_llm(args, max_num_seqs=args.batch_size, enable_prefix_caching=False)  # repeats
+    _check_lengths(args, llm)
     prompts = random_prompts(args.batch_size, args.input_len, llm.config.vocab_size)
     params = _fixed_length(args.output_len)
     for _ in range(args.num_iters_warmup):
@@ -82,6 +91,7 @@ def run_latency(args) -> None:
 def run_throughput(args) -> None:
     from tokenspeed.cli.main import load_llm
     llm = load_llm(args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    _check_lengths(args, llm)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.config.vocab_size)
     params = _fixed_length(args.output_len)
     llm.generate(prompts[:min(len(prompts), args.max_num_seqs)], params, use_tqdm=False)  # warm up
