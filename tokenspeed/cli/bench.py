@@ -25,7 +25,8 @@ def add_command(commands, engine_options) -> None:
     throughput = _offline_command(bench, "throughput", "serve many requests at once", engine_options,
                                   input_len=128, run=run_throughput)
     throughput.add_argument("--num-prompts", type=at_least(1), default=256, help="requests to serve")
-    throughput.add_argument("--max-num-seqs", type=at_least(1, MAX_NUM_SEQS), default=64, help="requests running at once")
+    throughput.add_argument("--max-num-seqs", type=at_least(1, MAX_NUM_SEQS), default=64,
+                            help="requests running at once")
     from tokenspeed.cli import bench_serve
     bench_serve.add_command(bench)
 

@@ -16,7 +16,8 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                        help="require Authorization: Bearer KEY on every route but /health (and /metrics)")
     serve.add_argument("--served-model-name", type=non_blank, default=None,
                        help="the model name clients send (default: the model id, or its file or folder name)")
-    serve.add_argument("--max-num-seqs", type=at_least(1, MAX_NUM_SEQS), default=64, help="requests the engine runs at once")
+    serve.add_argument("--max-num-seqs", type=at_least(1, MAX_NUM_SEQS), default=64,
+                       help="requests the engine runs at once")
     serve.add_argument("--api-servers", type=at_least(1), default=1,
                        help="HTTP processes sharing the port over one engine (many streaming clients)")
     serve.add_argument("--stream-interval", type=at_least(1), default=1,
