@@ -8,7 +8,7 @@ cannot honour fails at load instead of generating wrong tokens.
 import attrs
 
 from tokenspeed.ir.cache_groups import CacheGroup, cache_groups
-from tokenspeed.models.config_values import check_values
+from tokenspeed.models.config_values import Accepted, check_values, invalid
 from tokenspeed.models.deepseek_config import (DEEPSEEK_V2, DEEPSEEK_V3, DeepseekMoe, MlaConfig, mla_config,
                                                deepseek_moe_config)
 from tokenspeed.models.fp8_scheme import fp8_scheme
@@ -29,6 +29,7 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "num_attention_heads")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # transformers runs both as torch's SiLU
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+ORIGINAL = "original_max_position_embeddings"
 
 
 @attrs.frozen
@@ -164,6 +165,9 @@ def architecture(hf: dict) -> str:
     """``architectures[0]`` (a plain string is one name), else the one ``model_type`` names."""
     names = hf.get("architectures")
     names = [names] if isinstance(names, str) else names or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"config field architectures={hf['architectures']!r} is not valid: expected a "
+                         f"list of class names")
     arch = names[0] if names else MODEL_TYPES.get(hf.get("model_type"))
     if arch in SUPPORTED_ARCHITECTURES:
         return arch
@@ -289,8 +293,22 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if params.get(k) is None]
     if missing:
         raise ValueError(f"rope_type='llama3' is missing {', '.join(missing)} in rope_parameters")
-    original = hf.get("original_max_position_embeddings") or \
-        params.get("original_max_position_embeddings") or _max_positions(hf)
-    return RopeScaling(factor=params["factor"], low_freq_factor=params["low_freq_factor"],
-                       high_freq_factor=params["high_freq_factor"],
-                       original_max_position_embeddings=original)
+    given = [v for v in (hf.get(ORIGINAL), params.get(ORIGINAL)) if v is not None]
+    original = given[0] if given else _max_positions(hf)
+    scaling = RopeScaling(factor=params["factor"], low_freq_factor=params["low_freq_factor"],
+                          high_freq_factor=params["high_freq_factor"],
+                          original_max_position_embeddings=original)
+    _check_llama3(scaling)
+    return scaling
+
+
+def _check_llama3(scaling: RopeScaling) -> None:
+    """transformers only warns of these; here each would be NaN rotations or a wrong band."""
+    for field, accepted in (("factor", Accepted(float, 1)), ("low_freq_factor", Accepted(float, 0, False)),
+                            ("high_freq_factor", Accepted(float, 0, False)),
+                            ("original_max_position_embeddings", Accepted(int, 1))):
+        if not accepted.admits(getattr(scaling, field)):
+            raise invalid(f"rope_parameters.{field}", getattr(scaling, field), accepted.describe())
+    if scaling.low_freq_factor >= scaling.high_freq_factor:
+        raise invalid("rope_parameters.low_freq_factor", scaling.low_freq_factor,
+                      f"a factor below high_freq_factor={scaling.high_freq_factor}")

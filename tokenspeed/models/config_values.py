@@ -17,10 +17,11 @@ DTYPE_FIELDS = ("dtype", "torch_dtype")  # transformers 5 writes ``dtype``, olde
 @attrs.frozen
 class Accepted:
     """What one field accepts: a type (``int``, ``float``, ``bool``), a lower bound (of
-    the number), and whether the bound itself is allowed."""
+    the number), whether the bound itself is allowed, and an upper bound (inclusive)."""
     kind: type
     low: float | None = None
     inclusive: bool = True
+    high: float | None = None
 
     def admits(self, value) -> bool:
         if self.kind is bool or isinstance(value, bool):  # JSON's true is an int to Python
@@ -29,19 +30,23 @@ class Accepted:
         return isinstance(value, numbers) and math.isfinite(value) and self._in_range(value)
 
     def _in_range(self, value) -> bool:
-        return self.low is None or value > self.low or (self.inclusive and value == self.low)
+        above = self.low is None or value > self.low or (self.inclusive and value == self.low)
+        return above and (self.high is None or value <= self.high)
 
     def describe(self) -> str:
         kind = {int: "an integer", float: "a finite number", bool: "true or false"}[self.kind]
         bound = "" if self.low is None else f" {'>=' if self.inclusive else '>'} {self.low:g}"
-        return kind + bound
+        return kind + bound + ("" if self.high is None else f" and <= {self.high:,}")
 
 
 COUNT, SIZE = Accepted(int, 0), Accepted(int, 1)
+# Every position's rotary angles are tabled at load: a context of 2^24 tokens (past any
+# model's) is already a table of gigabytes.
+MAX_POSITIONS = 2**24
 FIELDS = {
     "vocab_size": SIZE, "hidden_size": SIZE, "intermediate_size": SIZE, "num_hidden_layers": SIZE,
     "num_attention_heads": SIZE, "num_key_value_heads": SIZE, "head_dim": SIZE,
-    "max_position_embeddings": SIZE, "num_kv_shared_layers": COUNT,
+    "max_position_embeddings": Accepted(int, 1, high=MAX_POSITIONS), "num_kv_shared_layers": COUNT,
     "rms_norm_eps": Accepted(float, 0), "rope_theta": Accepted(float, 0, inclusive=False),
     "tie_word_embeddings": Accepted(bool), "attention_bias": Accepted(bool),
     "use_sliding_window": Accepted(bool),
@@ -54,9 +59,10 @@ def invalid(field: str, value, accepted: str) -> ValueError:
 
 def check_values(hf: dict) -> None:
     """Every field tokenspeed reads has a value of its type and range (``None``: absent)."""
+    for field in ("rope_parameters", "rope_scaling", "quantization_config"):
+        if hf.get(field) is not None and not isinstance(hf[field], dict):
+            raise invalid(field, hf[field], "an object of settings")
     rope = hf.get("rope_parameters")
-    if rope is not None and not isinstance(rope, dict):
-        raise invalid("rope_parameters", rope, "an object of rope settings")
     fields = {**hf, **({"rope_theta": rope["rope_theta"]} if rope and "rope_theta" in rope else {})}
     for field, accepted in FIELDS.items():
         if fields.get(field) is not None and not accepted.admits(fields[field]):

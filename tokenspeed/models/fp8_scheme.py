@@ -27,7 +27,10 @@ class Fp8Scheme:
 def fp8_scheme(quant) -> Fp8Scheme:
     """The scheme a ``quantization_config`` declares; any other quantization is refused
     with the field and what is supported."""
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if not isinstance(quant, dict):
+        raise ValueError(f"config field quantization_config={quant!r} is not valid: expected an object "
+                         f"with a quant_method")
+    method = quant.get("quant_method")
     if method == "fp8":
         return Fp8Scheme(method, _tiled(quant.get("weight_block_size"), "weight_block_size"))
     if method == "compressed-tensors":
@@ -39,7 +42,7 @@ def fp8_scheme(quant) -> Fp8Scheme:
 def _tiled(block, field: str) -> bool:
     if block is None:
         return False
-    if list(block) != [FP8_TILE, FP8_TILE]:
+    if not isinstance(block, list) or block != [FP8_TILE, FP8_TILE]:
         raise ValueError(f"quantization_config.{field}={block} is not supported; supported: "
                          f"[{FP8_TILE}, {FP8_TILE}] or none")
     return True
@@ -47,7 +50,12 @@ def _tiled(block, field: str) -> bool:
 
 def _compressed_tensors_tiled(quant: dict) -> bool:
     """Every config group's weights float8 of one strategy: tensor, channel or block."""
-    weights = [group.get("weights") or {} for group in (quant.get("config_groups") or {}).values()]
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) and isinstance(g.get("weights") or {}, dict)
+                                               for g in groups.values()):
+        raise ValueError(f"quantization_config.config_groups={groups!r} is not valid: expected an object "
+                         f"of groups, each with a weights object")
+    weights = [group.get("weights") or {} for group in groups.values()]
     strategies = {w.get("strategy") for w in weights}
     float8 = all(w.get("num_bits") == 8 and w.get("type") == "float" for w in weights)
     if not weights or not float8 or len(strategies) != 1 or not strategies <= {"tensor", "channel", "block"}:
