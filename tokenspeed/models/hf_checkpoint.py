@@ -10,6 +10,7 @@ model (``text_part``).
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import attrs
@@ -24,6 +25,7 @@ from tokenspeed.models.fp8_scheme import Fp8Scheme, fp8_scheme
 from tokenspeed.models.text_part import TextPart, loaded_name, text_part
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+FP8_SCALES = (".weight_scale", ".weight_scale_inv")
 TENSOR_DTYPES = tuple(getattr(torch, name) for name in RUNNABLE_DTYPES)
 
 
@@ -65,11 +67,43 @@ def open_dir(path) -> HFCheckpoint:
     hf = read_hf_config(path)
     text = text_part(hf)
     hf = _text_config(path, hf, text) if text is not None else hf
-    config, files = read_config(path, hf), safetensors_files(path)
+    files = safetensors_files(path)
+    _check_sizes(path / "config.json", hf, stored_shapes(files), "model." if text is None else text.prefix)
+    config = read_config(path, hf)
     if config.tie_word_embeddings and _distinct_lm_head(files, text):
         config = attrs.evolve(config, tie_word_embeddings=False)
     fp8 = fp8_scheme(hf["quantization_config"]) if hf.get("quantization_config") else None
     return HFCheckpoint(config, getattr(torch, check_dtype(hf) or "float32"), tuple(files), fp8, text)
+
+
+def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Each stored tensor's shape, from the files' headers; a tensor stored in two files is
+    refused (which copy a model reads would depend on the order the files are read in)."""
+    shapes, where = {}, {}
+    for file in files:
+        with opened(file) as f:
+            for name in f.keys():
+                if name in where:
+                    raise ModelFileError(file, f"tensor {name} is also stored in {where[name].name}: a "
+                                               f"checkpoint stores each tensor once (a file left from another save?)")
+                where[name], shapes[name] = file, tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _check_sizes(config_file: Path, hf: dict, shapes: dict, prefix: str) -> None:
+    """The config's layer count and vocabulary against the tensors' headers, before a model
+    of the config's size is built: ``num_hidden_layers=10**9`` would be built (and run out of
+    memory) before the missing tensors could be named."""
+    layers = {int(m[1]) for name in shapes if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", name))}
+    stored = max(layers) + 1 if layers else 0
+    count = hf.get("num_hidden_layers")
+    if isinstance(count, int) and count > stored:
+        raise ModelFileError(config_file, f"num_hidden_layers={count}, but the checkpoint's tensors hold "
+                                          f"{stored} layers ({prefix}layers.N.*)")
+    rows, vocab = shapes.get(prefix + EMBEDDING.removeprefix("model."), (None,))[0], hf.get("vocab_size")
+    if isinstance(vocab, int) and rows is not None and vocab != rows:
+        raise ModelFileError(config_file, f"vocab_size={vocab}, but the checkpoint's embedding "
+                                          f"({prefix}embed_tokens.weight) has {rows} rows")
 
 
 def _text_config(path: Path, hf: dict, text: TextPart) -> dict:
@@ -85,6 +119,8 @@ def read_json(file: Path) -> dict:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelFileError(file, f"not valid JSON ({exc})") from exc
+    except OSError as exc:   # a directory of that name, a file not readable
+        raise ModelFileError(file, f"cannot be read ({exc.strerror or exc})") from exc
     if not isinstance(value, dict):
         raise ModelFileError(file, f"expected a JSON object of fields, found a {type(value).__name__}")
     return value
@@ -140,6 +176,9 @@ def _shards(index: Path) -> list[Path]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
         raise ModelFileError(index, "expected a weight_map object of tensor name -> shard file name")
+    outside = sorted({s for s in weight_map.values() if Path(s).name != s or s in (".", "..")})
+    if outside:
+        raise ModelFileError(index, f"names shard(s) {outside} that are not file names in its directory")
     shards = [index.parent / s for s in sorted(set(weight_map.values()))]
     missing = [s.name for s in shards if not s.is_file()]
     if missing:
@@ -155,6 +194,8 @@ def opened(file: Path):
             yield f
     except SafetensorError as exc:
         raise ModelFileError(file, f"not a readable safetensors file (truncated or corrupt: {exc})") from exc
+    except OSError as exc:   # a directory of that name, a file not readable
+        raise ModelFileError(file, f"cannot be read as a safetensors file ({exc})") from exc
 
 
 def read_tensors(file: Path, fp8: bool = False, read=None):
@@ -165,7 +206,8 @@ def read_tensors(file: Path, fp8: bool = False, read=None):
         for name in f.keys():
             ours = name if read is None else read(name)
             if ours is not None:
-                yield ours, _runnable(f.get_tensor(name), name, file, fp8)
+                tensor = _runnable(f.get_tensor(name), name, file, fp8)
+                yield ours, _checked_scale(tensor, name, file) if fp8 and name.endswith(FP8_SCALES) else tensor
 
 
 def _runnable(tensor: torch.Tensor, name: str, file: Path, fp8: bool) -> torch.Tensor:
@@ -175,6 +217,16 @@ def _runnable(tensor: torch.Tensor, name: str, file: Path, fp8: bool) -> torch.T
         raise ModelFileError(file, f"tensor {name} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
                                    f"tokenspeed reads {', '.join(RUNNABLE_DTYPES)} tensors")
     return tensor
+
+
+def _checked_scale(scale: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """An FP8 weight's scales, each finite and not negative (a NaN one made every logit NaN,
+    and the engine then wrote token 0 without complaint); zero scales an all-zero row."""
+    values = scale.float().flatten()
+    bad = values[~(values >= 0) | values.isinf()]   # NaN is not >= 0
+    if len(bad):
+        raise ModelFileError(file, f"FP8 scale {name} holds {bad[0].item()}: expected finite scales >= 0")
+    return scale
 
 
 def _distinct_lm_head(files: list[Path], text: TextPart | None) -> bool:

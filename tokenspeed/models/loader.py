@@ -95,7 +95,7 @@ def load(path, dtype=None, device="cpu", gguf_reader=None, revision=None,
     (tests/test_gguf_blocks.py, GPU). FP8 checkpoints keep their FP8 layers on every
     device."""
     path = resolve_model(path, revision)
-    _check_dtype_argument(dtype)
+    dtype = _dtype_argument(dtype)
     if gguf_file.is_gguf(path):
         return _load_gguf(path, dtype, device, gguf_reader, quantized)
     if quantized:
@@ -111,9 +111,13 @@ def run_dtype(stored: torch.dtype, device) -> torch.dtype:
     return torch.bfloat16 if stored == torch.float32 and torch.device(device).type == "cuda" else stored
 
 
-def _check_dtype_argument(dtype) -> None:
+def _dtype_argument(dtype) -> torch.dtype | None:
+    """A torch dtype, or its name (as ``ts.LLM`` takes it)."""
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in RUNNABLE_DTYPES:
+        return getattr(torch, dtype.removeprefix("torch."))
     if dtype is not None and dtype not in TENSOR_DTYPES:
-        raise ValueError(f"dtype={dtype}: tokenspeed runs {', '.join(RUNNABLE_DTYPES)}")
+        raise ValueError(f"dtype={dtype!r}: tokenspeed runs {', '.join(RUNNABLE_DTYPES)} (a torch dtype or its name)")
+    return dtype
 
 
 def _load_gguf(path, dtype, device, reader, quantized: bool) -> LlamaForCausalLM:
@@ -155,46 +159,55 @@ def _filled(model, checkpoint, path, kept: frozenset[str] = frozenset()) -> Llam
 def load_state_dict(model: torch.nn.Module, state) -> None:
     """Load Hugging Face tensors (a dict, or (name, tensor) pairs) into ``model``."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    unexpected, loaded = [], set()
+    unexpected, loaded, sums = [], set(), {}
     pairs = state.items() if isinstance(state, dict) else state
     for name, tensor in tqdm(pairs, desc="loading weights", unit="tensor", disable=None, leave=False):
         if not name.endswith(IGNORED_SUFFIXES):
-            _load_one(model, params, name, tensor, loaded, unexpected)
+            sums[name] = _load_one(model, params, name, tensor, loaded, unexpected)
     _check_complete(model, loaded, unexpected)
+    _check_finite({name: total for name, total in sums.items() if total is not None})
 
 
-def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> None:
-    """Copy one checkpoint tensor into its parameter or its slice of a stacked one."""
+def _check_finite(sums: dict[str, torch.Tensor]) -> None:
+    """Every loaded float tensor holds finite values (its float32 sum, read once for all: one
+    NaN weight made every logit NaN, and sampling then wrote token 0 without complaint)."""
+    finite = torch.stack(list(sums.values())).isfinite().tolist() if sums else []
+    bad = [name for name, ok in zip(sums, finite) if not ok]
+    if bad:
+        raise CheckpointMismatchError(f"tensor {bad[0]} holds NaN or infinite values"
+                                      f"{f' (and {len(bad) - 1} more tensors)' if len(bad) > 1 else ''}")
+
+
+def _load_one(model, params, name, tensor, loaded: set, unexpected: list) -> torch.Tensor | None:
+    """Copy one checkpoint tensor into its parameter or its slice of a stacked one; its sum
+    as copied (``_copy``)."""
     entry = kv_scale_entry(name)
     if entry is not None and entry[0] < model.config.num_layers:   # read by an FP8 pool
         scales = kv_scales(model)
         scales[entry] = float(tensor)
         set_kv_scales(model, scales)
-        return
+        return None
     tensor = model.loaded(name, tensor) if hasattr(model, "loaded") else tensor
     ours = our_name(name)
     if ours in params:
-        _copy(params[ours], tensor, name, model.config)
         loaded.update(expected_keys(ours, params[ours]) or [ours])
-        return
+        return _copy(params[ours], tensor, name, model.config)
     piece = expert_piece(name)
-    if piece is not None and piece.param in params:
-        _copy(piece.target(params), tensor, name, model.config)
+    if piece is not None and piece.param in params and piece.expert < len(params[piece.param]):
         loaded.add(piece.key)
-        return
+        return _copy(piece.target(params), tensor, name, model.config)
     for part, (stacked, index) in stacked_parts(model.config).items():
         target, own = name.replace(f".{part}.", f".{stacked}."), name.replace(f".{part}.", f".{stacked}.{part}.")
         if target != name and target in params:
             sizes = stacked_sizes(model.config, stacked, params[target].shape[0])
             parts = params[target].split(part_rows(params[target], sizes))
-            _copy(parts[index], tensor, name, model.config)
             loaded.add(f"{target}#{index}")
-            return
+            return _copy(parts[index], tensor, name, model.config)
         if own != name and own in params:  # a part kept as its own layer (``BlockLinearParts``)
-            _copy(params[own], tensor, name, model.config)
             loaded.add(own)
-            return
+            return _copy(params[own], tensor, name, model.config)
     unexpected.append(name)
+    return None
 
 
 def _check_complete(model, loaded: set, unexpected: list) -> None:
@@ -235,12 +248,14 @@ def _checkpoint_name(expected: str, config: ModelConfig) -> str:
     return name.replace(f".{stacked}.", f".{part_names(config, stacked)[int(index)]}.")
 
 
-def _copy(param: torch.Tensor, value, name: str, config: ModelConfig) -> None:
+def _copy(param: torch.Tensor, value, name: str, config: ModelConfig) -> torch.Tensor | None:
     """``value``: a tensor, a per-tensor FP8 scale (repeated over the channels it scales),
-    or a ``BlockWeight`` whose blocks fill a block layer's weight."""
+    or a ``BlockWeight`` whose blocks fill a block layer's weight. The float32 sum of what
+    was copied, where it is in a float dtype (not blocks nor FP8), still on its device."""
     value = value.blocks if isinstance(value, BlockWeight) else fitted_scale(name, param, value)
     if param.shape != value.shape:
         raise CheckpointMismatchError(f"tensor {name}: checkpoint shape {tuple(value.shape)}, model "
                                       f"expects {tuple(param.shape)} ({shape_origin(config, name)})")
     with torch.no_grad():
         param.copy_(value)
+        return param.sum(dtype=torch.float32) if param.dtype in TENSOR_DTYPES else None
