@@ -2,7 +2,8 @@
 
 Every file is read with an error that names it (``ModelFileError``): a config.json that is
 not a JSON object, a field of the wrong type, a truncated or foreign safetensors file, an
-index naming a shard that is not there. Tied embeddings follow transformers: a
+index naming a shard that is not there, a tensor stored in two files, a config whose layers
+or vocabulary the tensors' headers do not hold. Tied embeddings follow transformers: a
 checkpoint that holds an ``lm_head.weight`` distinct from the embedding keeps both,
 whatever ``tie_word_embeddings`` says. A multimodal checkpoint is read as its language
 model (``text_part``).
