@@ -328,6 +328,32 @@ def test_metadata_the_engine_cannot_honour_is_named(changes, fragments):
         ts.models.load(header_only(**changes))
 
 
+@pytest.mark.parametrize("key, value, vtype, expected", [
+    ("block_count", "2", S, "an integer"),
+    ("rope.freq_base", "abc", S, "a number"),
+    ("attention.head_count", 4.0, F, "an integer"),
+    ("vocab_size", True, gguf.GGUFValueType.BOOL, "an integer"),
+    ("rope.scaling.type", 1, U, "a string"),
+    ("tokenizer.ggml.eos_token_id", "2", S, "an integer"),
+])
+def test_metadata_of_the_wrong_kind_is_named_by_its_gguf_key(key, value, vtype, expected):
+    """Not by the config.json field it would have become, nor by float()'s own words (a
+    probe found ``num_hidden_layers='2'`` and "could not convert string to float")."""
+    path = header_only(**{key: (value, vtype)})
+    full_key = key if key.startswith("tokenizer.") else f"llama.{key}"
+    with raises(path, f"GGUF metadata {full_key}={value!r}", f"expected {expected}") as error:
+        ts.models.load(path)
+    assert "config field" not in str(error.value)
+
+
+def test_zero_heads_without_a_key_length_is_refused_by_the_config_not_a_division():
+    keys = {k: v for k, v in metadata(*K_LAYOUT.values()).items()
+            if k not in ("attention.key_length", "attention.value_length", "rope.dimension_count")}
+    path = write(new_tmpdir("ts_gguf_meta_") / "zero.gguf", "llama", {**keys, "attention.head_count": (0, U)}, {})
+    with raises(path, "num_attention_heads=0", "an integer >= 1"):
+        ts.models.load(path)
+
+
 def test_metadata_that_changes_nothing_is_accepted():
     ok = header_only(**{"rope.scaling.type": ("none", S), "attention.sliding_window": (256, U),
                         "expert_count": (0, U), "tokenizer.ggml.eot_token_id": (7, U)})

@@ -193,6 +193,22 @@ def default_dtype(reader) -> torch.dtype:
 # lacking one is refused by that key, not by the field it would have become.
 REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
+# What each key read (under the architecture's name) must hold: a value of another kind is
+# refused by its key, not by the config.json field it would have become (nor by float()'s
+# words). Ranges are the config's to check, by its field names.
+INTEGER, NUMBER, STRING = "an integer", "a number", "a string"
+METADATA_KINDS = {
+    **dict.fromkeys(("block_count", "context_length", "embedding_length", "feed_forward_length",
+                     "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                     "attention.value_length", "attention.sliding_window", "rope.dimension_count",
+                     "rope.scaling.original_context_length", "vocab_size", "expert_count"), INTEGER),
+    **dict.fromkeys(("rope.freq_base", "rope.scaling.factor", "rope.scale_linear",
+                     "attention.layer_norm_rms_epsilon", "logit_scale", "attention.clamp_kqv",
+                     "attn_logit_softcapping", "final_logit_softcapping"), NUMBER),
+    "rope.scaling.type": STRING,
+}
+KIND_TYPES = {INTEGER: (int,), NUMBER: (int, float), STRING: (str,)}
+
 
 def architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
@@ -205,26 +221,31 @@ def architecture(reader) -> str:
     return arch
 
 
-def _field(reader, key: str, default=None):
-    """A metadata value; a float32 one as the shortest decimal that rounds to it (the
-    config value it was written from: 1e-06, not 9.99999997e-07)."""
+def _field(reader, key: str, default=None, kind: str | None = None):
+    """A metadata value, checked to be of ``kind`` if given; a float32 one as the shortest
+    decimal that rounds to it (the config value it was written from: 1e-06, not
+    9.99999997e-07)."""
     field = reader.fields.get(key)
     if field is None:
         return default
+    value = field.contents()
+    if kind is not None and (isinstance(value, bool) or not isinstance(value, KIND_TYPES[kind])):
+        stored = "/".join(t.name for t in field.types)
+        raise ValueError(f"GGUF metadata {key}={value!r} (stored as {stored}) is not valid: expected {kind}")
     if field.types == [gguf.GGUFValueType.FLOAT32]:
-        return float(str(np.float32(field.contents())))
-    return field.contents()
+        return float(str(np.float32(value)))
+    return value
 
 
 def hf_config(reader) -> dict:
     """The metadata as the config.json fields ``ModelConfig.from_hf`` reads."""
     arch = architecture(reader)
-    meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    meta = lambda key, default=None: _field(reader, f"{arch}.{key}", default, METADATA_KINDS[key])  # noqa: E731
     missing = [f"{arch}.{key}" for key in REQUIRED_KEYS if meta(key) is None]
     if missing:
         raise ValueError(f"the GGUF file lacks the metadata {', '.join(missing)}")
     heads, hidden = meta("attention.head_count"), meta("embedding_length")
-    head_dim = meta("attention.key_length") or hidden // heads
+    head_dim = meta("attention.key_length") or (hidden // heads if heads else None)  # 0: the config refuses it
     _check_metadata(arch, meta, head_dim)
     return {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
@@ -243,7 +264,7 @@ def hf_config(reader) -> dict:
 
 def _eos_ids(reader) -> list[int]:
     """The end-of-sequence token and, where the file names one, the end-of-turn token."""
-    ids = (_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot"))
+    ids = (_field(reader, f"tokenizer.ggml.{kind}_token_id", kind=INTEGER) for kind in ("eos", "eot"))
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
