@@ -63,8 +63,9 @@ def hf_metadata(cfg) -> dict:
                     cfg.rope_parameters["rope_theta"], cfg.max_position_embeddings)
 
 
-def gguf_from_hf(variant: str, qtype=Q.F32, extra_tensors=None) -> str:
-    """``hf_model(variant)`` written as llama.cpp writes it; no ``output.weight`` when tied."""
+def gguf_from_hf(variant: str, qtype=Q.F32, extra_tensors=None, **meta_changes) -> str:
+    """``hf_model(variant)`` written as llama.cpp writes it; no ``output.weight`` when tied.
+    ``meta_changes``: metadata keys (without ``{arch}.``) to write otherwise."""
     model, _ = hf_model(variant)
     cfg, arch = model.config, ARCH[variant]
     names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
@@ -78,7 +79,7 @@ def gguf_from_hf(variant: str, qtype=Q.F32, extra_tensors=None) -> str:
             w = llama_cpp_permute(w, heads)
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = encode(w, qtype)
     path = new_tmpdir(f"ts_gguf_{variant}_") / f"{variant}-{qtype.name}.gguf"
-    return write(path, arch, hf_metadata(cfg), {**tensors, **(extra_tensors or {})})
+    return write(path, arch, {**hf_metadata(cfg), **meta_changes}, {**tensors, **(extra_tensors or {})})
 
 
 # ---------------------------------------------------------------- the default model
@@ -227,6 +228,22 @@ def test_unknown_tensor_is_named():
     path = gguf_from_hf("llama", extra_tensors={"blk.0.ffn_gate_exps.weight": np.zeros((4, 64), np.float32)})
     with raises("unexpected tensors", "blk.0.ffn_gate_exps.weight"):
         ts.models.load(path)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("changes, fragments", [
+    ({"attention.head_count": (3, U), "attention.head_count_kv": (1, U)},
+     ["tensor blk.0.attn_q.weight has 64 rows", "llama.attention.head_count=3 heads of 16 rows", "= 48 rows"]),
+    ({"attention.head_count_kv": (1, U)},
+     ["tensor blk.0.attn_k.weight has 32 rows", "llama.attention.head_count_kv=1 heads of 16 rows", "= 16 rows"]),
+], ids=["heads-3-of-4", "kv-heads-1-of-2"])
+def test_head_counts_that_do_not_describe_q_and_k_are_named_by_their_keys(qtype, changes, fragments):
+    """Before the rows are un-permuted (a probe found torch's "shape '[3, 10, 2, 64]' is
+    invalid"), whether the layers keep their blocks or not."""
+    path = gguf_from_hf("llama", qtype, **changes)
+    for quantized in (False, True):
+        with raises(path, *fragments, "llama.attention.key_length", "does not describe"):
+            ts.models.load(path, quantized=quantized)
 
 
 def test_rope_freqs_that_are_not_llama3_are_refused():

@@ -137,7 +137,8 @@ def test_a_block_matrix_of_the_wrong_shape_is_refused_without_a_line_about_dequa
     (a probe found a dequantization warning before the shape error)."""
     path, raw = k_layout_file(Q.Q8_0)
     c = K_LAYOUT
-    raw["blk.0.attn_q.weight"] = (random_blocks((c["heads"] * c["head_dim"] // 2, c["hidden"]), Q.Q8_0, 7), Q.Q8_0)
+    # half the columns: the rows are the head counts' (refused earlier, by those keys, if not)
+    raw["blk.0.attn_q.weight"] = (random_blocks((c["heads"] * c["head_dim"], c["hidden"] // 2), Q.Q8_0, 7), Q.Q8_0)
     norms = {n: np.ones(c["hidden"], np.float32) for n in
              ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight")}
     path = write(new_tmpdir("ts_gguf_blocks_") / "misshapen.gguf", "llama", metadata(*c.values()), {**raw, **norms})

@@ -130,6 +130,7 @@ def open_gguf(path, reader: gguf.GGUFReader | None = None) -> GGUFCheckpoint:
     try:
         _check_tensor_types(reader)
         config = ModelConfig.from_hf(hf_config(reader))
+        _check_head_rows(reader, config)
     except ValueError as e:
         raise ModelFileError(path, str(e)) from e
     permuted = architecture(reader) in PERMUTED_ARCHITECTURES
@@ -176,6 +177,30 @@ def _check_tensor_types(reader) -> None:
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(f"tensor {tensor.name}: GGUF type {tensor.tensor_type.name} is not "
                              f"supported; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+
+
+def _check_head_rows(reader, config: ModelConfig) -> None:
+    """``attn_q``/``attn_k`` hold heads x head_dim rows, checked (by the GGUF keys the counts
+    came from) before any tensor is read: un-permuting rows into heads the metadata miscounts
+    fails as a torch reshape, and the loader's shape check would name config.json fields."""
+    counts = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    for tensor in reader.tensors:
+        part = re.fullmatch(r"blk\.\d+\.(attn_q|attn_k)\.\w+", tensor.name)
+        rows = logical_shape(tensor)[0]
+        if part and rows != counts[part[1]] * config.head_dim:
+            raise ValueError(f"tensor {tensor.name} has {rows} rows, but the metadata gives "
+                             f"{_head_rows(reader, part[1], counts[part[1]], config.head_dim)}: the "
+                             f"metadata does not describe the file's tensors")
+
+
+def _head_rows(reader, part: str, count: int, head_dim: int) -> str:
+    """A projection's rows as the metadata counts them, by the keys it read."""
+    arch = architecture(reader)
+    has = lambda key: f"{arch}.{key}" in reader.fields  # noqa: E731
+    heads = "attention.head_count_kv" if part == "attn_k" and has("attention.head_count_kv") \
+        else "attention.head_count"
+    width = "attention.key_length" if has("attention.key_length") else "embedding_length / attention.head_count"
+    return f"{arch}.{heads}={count} heads of {head_dim} rows ({arch}.{width}) = {count * head_dim} rows"
 
 
 def default_dtype(reader) -> torch.dtype:
