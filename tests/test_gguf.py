@@ -253,6 +253,27 @@ def test_rope_freqs_that_are_not_llama3_are_refused():
         ts.models.load(path)
 
 
+@pytest.mark.parametrize("factors, fragments", [
+    (np.full(3, 2.0, np.float32), ["has shape (3,); expected (8,)", "head_dim 16 / 2"]),
+    (np.full((2, 8), 2.0, np.float32), ["has shape (2, 8); expected (8,)"]),
+    (np.full(8, np.nan, np.float32), ["factor 0 is nan", "finite and > 0"]),
+    (np.zeros(8, np.float32), ["factor 0 is 0.0", "finite and > 0"]),   # not plain RoPE
+    (np.array([1, 1, 2, 4, -8, 8, 8, 8], np.float32), ["factor 4 is -8.0", "finite and > 0"]),
+    (np.array([1, 1, 2, 4, np.inf, 8, 8, 8], np.float32), ["factor 4 is inf", "finite and > 0"]),
+], ids=["short", "2-D", "nan", "zeros", "negative", "inf"])
+def test_rope_freqs_of_the_wrong_shape_or_values_are_refused_by_name(factors, fragments):
+    """A probe found numpy's IndexError, "zero-size array to reduction operation maximum",
+    and zeros read silently as plain RoPE."""
+    path = gguf_from_hf("llama", extra_tensors={"rope_freqs.weight": factors})
+    with raises(path, "tensor rope_freqs.weight", *fragments):
+        ts.models.load(path)
+
+
+def test_rope_freqs_of_ones_are_plain_rope():
+    path = gguf_from_hf("llama", extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    assert ts.models.load(path).config.rope_scaling is None
+
+
 # ---------------------------------------------------------------- every tensor type
 
 

@@ -327,9 +327,23 @@ def _rope_parameters(reader, meta, head_dim) -> dict:
     factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if kind == "none" and factors is not None:
         original = meta("rope.scaling.original_context_length", 8192)
-        params.update(llama3_from_factors(gguf.quants.dequantize(factors.data, factors.tensor_type),
-                                          head_dim, theta, original))
+        params.update(llama3_from_factors(_rope_factors(factors, head_dim), head_dim, theta, original))
     return params
+
+
+def _rope_factors(tensor, head_dim: int) -> np.ndarray:
+    """``rope_freqs.weight``: one divisor per rotary frequency, each finite and > 0 (a
+    divisor of 0 or NaN leaves no frequency; 0 must not pass for plain RoPE)."""
+    shape, expected = logical_shape(tensor), (head_dim // 2,)
+    if shape != expected:
+        raise ValueError(f"tensor {ROPE_FREQS} has shape {shape}; expected {expected}: one factor per "
+                         f"rotary frequency (head_dim {head_dim} / 2)")
+    factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
+    if bad.size:
+        raise ValueError(f"tensor {ROPE_FREQS}: factor {bad[0]} is {factors[bad[0]]}; every factor must be "
+                         f"finite and > 0 (1: the frequency unscaled)")
+    return factors
 
 
 def llama3_from_factors(factors: np.ndarray, head_dim: int, theta: float, original: int = 8192) -> dict:
