@@ -384,11 +384,11 @@ def test_metadata_of_the_wrong_kind_is_named_by_its_gguf_key(key, value, vtype, 
     assert "config field" not in str(error.value)
 
 
-def test_zero_heads_without_a_key_length_is_refused_by_the_config_not_a_division():
+def test_zero_heads_without_a_key_length_are_refused_by_the_key_not_a_division():
     keys = {k: v for k, v in metadata(*K_LAYOUT.values()).items()
             if k not in ("attention.key_length", "attention.value_length", "rope.dimension_count")}
     path = write(new_tmpdir("ts_gguf_meta_") / "zero.gguf", "llama", {**keys, "attention.head_count": (0, U)}, {})
-    with raises(path, "num_attention_heads=0", "an integer >= 1"):
+    with raises(path, "GGUF metadata llama.attention.head_count=0", "an integer >= 1"):
         ts.models.load(path)
 
 

@@ -194,7 +194,7 @@ def test_a_dtype_argument_the_engine_cannot_run_is_refused():
 
 
 @pytest.mark.parametrize("key, value, fragments", [
-    ("attention.head_count", 0, ["num_attention_heads=0", "an integer >= 1"]),
+    ("attention.head_count", 0, ["llama.attention.head_count=0", "an integer >= 1"]),
     ("block_count", 0, ["num_hidden_layers=0", "an integer >= 1"]),
     ("attention.head_count_kv", 0, ["num_key_value_heads=0", "an integer >= 1"]),
 ])

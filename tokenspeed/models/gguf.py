@@ -270,7 +270,10 @@ def hf_config(reader) -> dict:
     if missing:
         raise ValueError(f"the GGUF file lacks the metadata {', '.join(missing)}")
     heads, hidden = meta("attention.head_count"), meta("embedding_length")
-    head_dim = meta("attention.key_length") or (hidden // heads if heads else None)  # 0: the config refuses it
+    if heads < 1:   # every head count below divides by it
+        raise ValueError(f"GGUF metadata {arch}.attention.head_count={heads} is not valid: "
+                         f"expected an integer >= 1")
+    head_dim = meta("attention.key_length") or hidden // heads
     _check_metadata(arch, meta, head_dim)
     return {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
