@@ -10,6 +10,7 @@ import importlib.machinery
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ import tokenspeed as ts
 from tokenspeed.models import gguf as ts_gguf, gguf_writer
 from tokenspeed.models.gguf_writer import S, U, F, encode, llama_cpp_permute, random_blocks, write
 from tokenspeed.models.random import hf_state_dict
+from tokenspeed.tokenizer import gguf_vocab
 
 from hf_models import EOS, hf_model, make_prompts, new_tmpdir, reference
 
@@ -80,6 +82,16 @@ def gguf_from_hf(variant: str, qtype=Q.F32, extra_tensors=None, **meta_changes) 
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = encode(w, qtype)
     path = new_tmpdir(f"ts_gguf_{variant}_") / f"{variant}-{qtype.name}.gguf"
     return write(path, arch, {**hf_metadata(cfg), **meta_changes}, {**tensors, **(extra_tensors or {})})
+
+
+def tokenizer_metadata(vocab: int) -> dict:
+    """A SentencePiece-style (``llama``) vocabulary of ``vocab`` tokens: <unk>, <s>, </s>, words."""
+    array = gguf.GGUFValueType.ARRAY
+    return {"tokenizer.ggml.model": ("llama", S),
+            "tokenizer.ggml.tokens": (["<unk>", "<s>", "</s>", *(f"\u2581w{i}" for i in range(3, vocab))], array),
+            "tokenizer.ggml.scores": ([0.0] * 3 + [-float(i) for i in range(3, vocab)], array),
+            "tokenizer.ggml.token_type": ([2, 3, 3] + [1] * (vocab - 3), array),
+            "tokenizer.ggml.bos_token_id": (1, U), "tokenizer.ggml.unknown_token_id": (0, U)}
 
 
 # ---------------------------------------------------------------- the default model
@@ -406,6 +418,37 @@ def test_vocab_size_from_the_token_list():
     writer_meta = {**meta, "tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY)}
     path = write(new_tmpdir("ts_gguf_vocab_") / "v.gguf", "llama", writer_meta, {})
     assert ts_gguf.open_gguf(path).config.vocab_size == 40
+
+
+def test_a_gguf_file_named_without_the_suffix_is_read_as_one(tmp_path):
+    """By its first bytes, as its tokenizer always was (a probe found an Ollama blob, a
+    ``model.bin`` and a link without ``.gguf`` refused as "neither a model directory (with
+    config.json) nor a GGUF file")."""
+    original = Path(gguf_from_hf("llama", Q.Q8_0, **tokenizer_metadata(hf_model("llama")[0].config.vocab_size)))
+    blob, renamed, link = tmp_path / "sha256-5e1a", tmp_path / "model.bin", tmp_path / "model"
+    shutil.copy(original, blob)
+    shutil.copy(original, renamed)
+    link.symlink_to(original)
+    expected = generate(str(original))
+    for path in (blob, renamed, link):
+        assert ts_gguf.is_gguf(path)
+        llm = ts.LLM(str(path), device="cpu", enforce_eager=True, max_model_len=256, page_size=4, max_num_seqs=4)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected, path.name
+        assert llm.tokenizer.bos_token_id == 1 and llm.tokenizer.vocab_size == llm.config.vocab_size
+
+
+def test_what_is_a_gguf_file_is_one_answer_for_model_and_tokenizer(tmp_path):
+    """A ``.gguf`` name that is no GGUF file (or no file) is still read as one, to be refused
+    as what it is; a directory never is; another name is one by its first bytes."""
+    assert ts_gguf.is_gguf is gguf_vocab.is_gguf
+    (tmp_path / "dir.gguf").mkdir()
+    (tmp_path / "notes.txt").write_text("GGU")
+    (tmp_path / "fake.gguf").write_text("not a GGUF file")
+    (tmp_path / "blob").write_bytes(b"GGUF\x03\x00\x00\x00")
+    answers = {name: ts_gguf.is_gguf(tmp_path / name) for name in ("dir.gguf", "notes.txt", "fake.gguf",
+                                                                   "missing.gguf", "missing", "blob")}
+    assert answers == {"dir.gguf": False, "notes.txt": False, "fake.gguf": True, "missing.gguf": True,
+                       "missing": False, "blob": True}
 
 
 def test_missing_gguf_file_is_named():

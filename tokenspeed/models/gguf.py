@@ -35,6 +35,7 @@ from tokenspeed.ir.weights import BlockWeight
 from tokenspeed.models.config import ModelConfig, RopeScaling
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.models.layers import rope_inv_freq
+from tokenspeed.tokenizer.gguf_vocab import is_gguf  # noqa: F401 -- the loader asks it here; one answer for both
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
@@ -115,10 +116,6 @@ class GGUFCheckpoint:
 def logical_shape(tensor) -> tuple[int, ...]:
     """A GGUF tensor's shape in torch order (the file lists dimensions fastest first)."""
     return tuple(int(d) for d in reversed(tensor.shape))
-
-
-def is_gguf(path) -> bool:
-    return Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir()
 
 
 def open_gguf(path, reader: gguf.GGUFReader | None = None) -> GGUFCheckpoint:

@@ -12,6 +12,8 @@ import gguf
 
 from tokenspeed.tokenizer.file_errors import TokenizerFileError
 
+GGUF_MAGIC = b"GGUF"   # a GGUF file's first bytes
+
 # llama.cpp's token types (gguf.TokenType): what each vocabulary entry is.
 CONTROL = int(gguf.TokenType.CONTROL)            # <|im_start|>, </s>: special, never split
 USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # <think>: matched whole, but ordinary text
@@ -36,6 +38,26 @@ class GGUFVocab:
     add_eos: bool | None
     add_space_prefix: bool | None
     chat_template: str | None
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is read as a GGUF file: by its name, or else by its first bytes.
+
+    A file named ``.gguf`` that is not one is then refused as a bad GGUF file (and a missing
+    one as missing), and a GGUF file named otherwise (an Ollama blob, ``model.bin``, a link
+    without the suffix) is still read as one. A directory never is (a Hugging Face model
+    directory may be named ``x.gguf``). The model loader asks this too (``models.gguf``),
+    so the model and its tokenizer agree on what a path is.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    if not path.is_file():
+        return False
+    with path.open("rb") as file:
+        return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def _reader_get(reader: gguf.GGUFReader, key: str):

@@ -11,12 +11,11 @@ from tokenspeed.tokenizer.byte_fallback import byte_fallback_ids
 from tokenspeed.tokenizer.chat_template import (ChatTemplate, ChatTemplateRefusal, NoChatTemplateError,
                                                  continued)
 from tokenspeed.tokenizer.gguf_tokenizer import read_gguf
+from tokenspeed.tokenizer.gguf_vocab import is_gguf
 from tokenspeed.tokenizer.hf_dir import read_hf_dir
 from tokenspeed.tokenizer.parts import TokenizerParts
 from tokenspeed.tokenizer.special_tokens import SpecialTokens
 from tokenspeed.tokenizer.token_bytes import TokenBytes
-
-GGUF_MAGIC = b"GGUF"
 
 
 @attrs.frozen
@@ -108,20 +107,12 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _is_gguf(path: Path) -> bool:
-    """By its name or its first bytes (a ``.gguf`` file that is not one is reported as such)."""
-    if path.suffix.lower() == ".gguf":
-        return True
-    with path.open("rb") as file:
-        return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-
-
 def load_tokenizer(path: str | Path, gguf_reader=None) -> Tokenizer:
     """The tokenizer of a Hugging Face model directory or of a ``.gguf`` file
     (``gguf_reader``: that file already opened with ``gguf.GGUFReader``)."""
     path = Path(path)
     if path.is_dir():
         return Tokenizer.from_parts(read_hf_dir(path))
-    if path.is_file() and _is_gguf(path):
+    if path.is_file() and is_gguf(path):
         return Tokenizer.from_parts(read_gguf(path, gguf_reader))
     raise FileNotFoundError(f"{path}: neither a model directory (with tokenizer.json) nor a GGUF file")
