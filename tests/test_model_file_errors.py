@@ -158,6 +158,12 @@ def test_a_file_that_is_not_gguf_is_named():
     ("tokenizer_config.json", "{\"bos_token\": ", ["not valid JSON"]),
     ("tokenizer_config.json", "[]", ["JSON object", "list"]),
     ("special_tokens_map.json", "]", ["not valid JSON"]),
+    # special tokens of another kind: a probe found KeyError 'content' and a TypeError
+    ("tokenizer_config.json", json.dumps({"eos_token": {"lstrip": False}}),
+     ["eos_token={'lstrip': False}", "expected the token's text, or an object with its text as \"content\""]),
+    ("tokenizer_config.json", json.dumps({"eos_token": {"content": "a", "rstrip": "no"}}),
+     ["eos_token.rstrip='no'", "true or false"]),
+    ("special_tokens_map.json", json.dumps({"bos_token": 5}), ["bos_token=5", "the token's text"]),
 ])
 def test_a_broken_tokenizer_file_is_named(tmp_path, name, text, fragments):
     path = tokenizer_dir(tmp_path)

@@ -23,6 +23,7 @@ from tokenspeed.tokenizer.special_tokens import SpecialTokens, unique_ids
 
 _NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+_CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json")   # a later file's field wins
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -47,18 +48,37 @@ def _backend(file: Path) -> Backend:
         raise TokenizerFileError(file, f"not a tokenizer.json that the tokenizers library reads ({exc})") from exc
 
 
-def _added_token(value: str | dict[str, Any]) -> AddedToken:
-    """A special token as the config writes it: a string, or an AddedToken dict with its flags."""
+def _config(directory: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+    """The fields of the config files, merged, and the file each field was read from (for
+    an error to name it)."""
+    fields, files = {}, {}
+    for name in _CONFIG_FILES:
+        read = _json(directory / name)
+        fields.update(read)
+        files.update(dict.fromkeys(read, directory / name))
+    return fields, files
+
+
+def _added_token(name: str, value: Any, file: Path) -> AddedToken:
+    """A special token as the config writes it: a string, or an AddedToken object (its text
+    as ``content``, its flags true or false); anything else is refused naming the file."""
     if isinstance(value, str):
         return AddedToken(value, normalized=False, special=True)
+    if not isinstance(value, dict) or not isinstance(value.get("content"), str):
+        raise TokenizerFileError(file, f"{name}={value!r}: expected the token's text, or an object with "
+                                       f"its text as \"content\"")
     flags = {key: value[key] for key in _ADDED_TOKEN_FLAGS if key in value}
+    for key, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TokenizerFileError(file, f"{name}.{key}={flag!r}: expected true or false")
     return AddedToken(value["content"], **{"special": True, **flags})
 
 
-def _named_tokens(config: dict[str, Any], backend: Backend) -> dict[str, str | None]:
+def _named_tokens(config: dict[str, Any], files: dict[str, Path], backend: Backend) -> dict[str, str | None]:
     """The named special tokens, added to the backend as special when they are not yet
     (transformers does the same, so they match whole and ``skip_special_tokens`` drops them)."""
-    tokens = {name: _added_token(config[name]) for name in _NAMED if config.get(name)}
+    tokens = {name: _added_token(name, config[name], files[name]) for name in _NAMED
+              if config.get(name) not in (None, "")}
     backend.add_special_tokens(list(tokens.values()))
     return {name: tokens[name].content if name in tokens else None for name in _NAMED}
 
@@ -86,8 +106,8 @@ def read_hf_dir(directory: str | Path) -> TokenizerParts:
     if not (directory / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{directory}: no tokenizer.json (a Hugging Face model directory has one)")
     backend = _backend(directory / "tokenizer.json")
-    config = {**_json(directory / "special_tokens_map.json"), **_json(directory / "tokenizer_config.json")}
-    named = _named_tokens(config, backend)
+    config, files = _config(directory)
+    named = _named_tokens(config, files, backend)
     eos_id = backend.token_to_id(named["eos_token"]) if named["eos_token"] else None
     bos_id = backend.token_to_id(named["bos_token"]) if named["bos_token"] else None
     special = SpecialTokens(**named, bos_token_id=bos_id,
