@@ -164,6 +164,9 @@ def test_a_file_that_is_not_gguf_is_named():
     ("tokenizer_config.json", json.dumps({"eos_token": {"content": "a", "rstrip": "no"}}),
      ["eos_token.rstrip='no'", "true or false"]),
     ("special_tokens_map.json", json.dumps({"bos_token": 5}), ["bos_token=5", "the token's text"]),
+    # transformers would add it as id 2, past the vocabulary (a probe found it added silently)
+    ("tokenizer_config.json", json.dumps({"eos_token": "</s>"}),
+     ["eos_token='</s>' is not a token of tokenizer.json (2 tokens", "id 2, which the model never learned"]),
 ])
 def test_a_broken_tokenizer_file_is_named(tmp_path, name, text, fragments):
     path = tokenizer_dir(tmp_path)
@@ -171,6 +174,16 @@ def test_a_broken_tokenizer_file_is_named(tmp_path, name, text, fragments):
     with pytest.raises(TokenizerFileError, match=contains(path / name, *fragments)) as error:
         Tokenizer.from_pretrained(path)
     assert "\n" not in str(error.value)
+
+
+def test_an_eos_token_among_tokenizer_jsons_added_tokens_is_accepted(tmp_path):
+    path = tokenizer_dir(tmp_path)
+    backend = Backend.from_file(str(path / "tokenizer.json"))
+    backend.add_special_tokens(["</s>"])
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>", "eos_token": "</s>"}))
+    tokenizer = Tokenizer.from_pretrained(path)
+    assert tokenizer.eos_token_ids == (2,) and tokenizer.vocab_size == 3
 
 
 def test_the_cli_prints_a_bad_model_file_as_one_line(capsys):

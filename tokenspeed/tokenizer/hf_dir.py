@@ -79,8 +79,22 @@ def _named_tokens(config: dict[str, Any], files: dict[str, Path], backend: Backe
     (transformers does the same, so they match whole and ``skip_special_tokens`` drops them)."""
     tokens = {name: _added_token(name, config[name], files[name]) for name in _NAMED
               if config.get(name) not in (None, "")}
+    _check_in_vocabulary(tokens, files, backend)
     backend.add_special_tokens(list(tokens.values()))
     return {name: tokens[name].content if name in tokens else None for name in _NAMED}
+
+
+def _check_in_vocabulary(tokens: dict[str, AddedToken], files: dict[str, Path], backend: Backend) -> None:
+    """BOS and EOS must be tokens of tokenizer.json (its added tokens included). transformers
+    adds a missing one as a new token, whose id, past the vocabulary, the model never
+    learned: prompts would carry it and generations never end on it. (A missing unk or pad
+    token is added as transformers adds it: nothing here writes or stops on them.)"""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    for name in ("bos_token", "eos_token"):
+        if name in tokens and backend.token_to_id(tokens[name].content) is None:
+            raise TokenizerFileError(files[name], f"{name}={tokens[name].content!r} is not a token of "
+                                     f"tokenizer.json ({size} tokens, its added tokens included): as a new "
+                                     f"token it would get id {size}, which the model never learned")
 
 
 def _generation_eos_ids(directory: Path) -> tuple[int, ...]:
