@@ -167,6 +167,11 @@ def test_a_file_that_is_not_gguf_is_named():
     # transformers would add it as id 2, past the vocabulary (a probe found it added silently)
     ("tokenizer_config.json", json.dumps({"eos_token": "</s>"}),
      ["eos_token='</s>' is not a token of tokenizer.json (2 tokens", "id 2, which the model never learned"]),
+    # a chat template of another kind: a probe found a TypeError and an AttributeError
+    ("tokenizer_config.json", json.dumps({"chat_template": 5}),
+     ["chat_template=5", "expected a Jinja template (a string) or a list of {\"name\": ..., \"template\": ...}"]),
+    ("tokenizer_config.json", json.dumps({"chat_template": ["{{ 1 }}", "{{ 2 }}"]}),
+     ["chat_template=['{{ 1 }}', '{{ 2 }}']", "a list of {\"name\""]),
 ])
 def test_a_broken_tokenizer_file_is_named(tmp_path, name, text, fragments):
     path = tokenizer_dir(tmp_path)
@@ -174,6 +179,22 @@ def test_a_broken_tokenizer_file_is_named(tmp_path, name, text, fragments):
     with pytest.raises(TokenizerFileError, match=contains(path / name, *fragments)) as error:
         Tokenizer.from_pretrained(path)
     assert "\n" not in str(error.value)
+
+
+def test_a_chat_template_jinja_that_is_not_utf8_is_named(tmp_path):
+    path = tokenizer_dir(tmp_path)
+    (path / "chat_template.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    with pytest.raises(TokenizerFileError, match=contains(path / "chat_template.jinja", "not UTF-8 text")):
+        Tokenizer.from_pretrained(path)
+
+
+def test_named_chat_templates_read_the_default_one(tmp_path):
+    """transformers' list form: {name, template} objects, "default" the one used."""
+    path = tokenizer_dir(tmp_path)
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0].content }}"}]
+    (path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>", "chat_template": named}))
+    tokenizer = Tokenizer.from_pretrained(path)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False) == "a"
 
 
 def test_an_eos_token_among_tokenizer_jsons_added_tokens_is_accepted(tmp_path):

@@ -103,16 +103,33 @@ def _generation_eos_ids(directory: Path) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, list) else (() if ids is None else (ids,))
 
 
-def _chat_template_source(directory: Path, config: dict[str, Any]) -> str | None:
+def _chat_template_source(directory: Path, config: dict[str, Any],
+                          files: dict[str, Path]) -> tuple[str | None, Path | None]:
     """chat_template.jinja if present, else tokenizer_config's ``chat_template`` (a string,
-    or a list of named templates of which "default" is the one transformers uses)."""
+    or a list of named templates of which "default" is the one transformers uses); and the
+    file it came from. A value of another kind is refused naming the file."""
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    source = config.get("chat_template")
-    if isinstance(source, list):
-        return next((t["template"] for t in source if t.get("name") == "default"), None)
-    return source
+        return _text(jinja_file), jinja_file
+    source, file = config.get("chat_template"), files.get("chat_template")
+    if source is None or isinstance(source, str):
+        return source or None, file
+    if isinstance(source, list) and all(_is_named_template(t) for t in source):
+        return next((t["template"] for t in source if t["name"] == "default"), None), file
+    shown = repr(source) if len(repr(source)) <= 80 else f"{repr(source)[:77]}..."
+    raise TokenizerFileError(file, f"chat_template={shown}: expected a Jinja template (a string) or a list "
+                                   f"of {{\"name\": ..., \"template\": ...}} objects")
+
+
+def _is_named_template(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("name", "template"))
+
+
+def _text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerFileError(file, f"not UTF-8 text ({exc})") from exc
 
 
 def read_hf_dir(directory: str | Path) -> TokenizerParts:
@@ -126,5 +143,5 @@ def read_hf_dir(directory: str | Path) -> TokenizerParts:
     bos_id = backend.token_to_id(named["bos_token"]) if named["bos_token"] else None
     special = SpecialTokens(**named, bos_token_id=bos_id,
                             eos_token_ids=unique_ids((eos_id, *_generation_eos_ids(directory))))
-    source = _chat_template_source(directory, config)
+    source, _ = _chat_template_source(directory, config, files)
     return TokenizerParts(backend, special, ChatTemplate.compile(source) if source else None)
