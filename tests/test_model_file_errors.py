@@ -11,14 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 
 import tokenspeed as ts
 from tokenspeed.cli import main as cli
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.tokenizer import Tokenizer
+from tokenspeed.tokenizer.chat_template import ChatTemplateRefusal
 from tokenspeed.tokenizer.file_errors import TokenizerFileError
 
-from hf_models import copy_checkpoint, edit_config, new_tmpdir
+from hf_models import VOCAB, copy_checkpoint, edit_config, new_tmpdir
 from test_gguf import gguf_from_hf, header_only
 
 
@@ -28,6 +30,17 @@ def tokenizer_dir(path):
     (path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
     (path / "special_tokens_map.json").write_text("{}")
     assert Tokenizer.from_pretrained(path).encode("a") == [0]
+    return path
+
+
+def word_tokenizer(path, chat_template=None):
+    """A word-level tokenizer.json of ``hf_models``' vocabulary (w0 ... w383), with its config."""
+    words = {"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    backend = Backend(WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    backend.save(str(path / "tokenizer.json"))
+    config = {"unk_token": "<unk>", **({"chat_template": chat_template} if chat_template else {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
 
@@ -195,6 +208,39 @@ def test_named_chat_templates_read_the_default_one(tmp_path):
     (path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>", "chat_template": named}))
     tokenizer = Tokenizer.from_pretrained(path)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False) == "a"
+
+
+BROKEN_TEMPLATE = "{% if %}"
+CONVERSATION = [{"role": "user", "content": "a"}]
+
+
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_chat_template_that_does_not_parse_is_refused_at_chat_naming_its_file(tmp_path, file):
+    """Plain prompts never need it (vLLM too fails only at chat time); a probe found the
+    tokenizer refused at load as "chat_template: not a Jinja template", naming no file."""
+    path = tokenizer_dir(tmp_path)
+    if file == "chat_template.jinja":
+        (path / file).write_text(BROKEN_TEMPLATE)
+    else:
+        (path / file).write_text(json.dumps({"unk_token": "<unk>", "chat_template": BROKEN_TEMPLATE}))
+    with pytest.warns(UserWarning, match=contains(path / file, "not a Jinja template (line 1")):
+        tokenizer = Tokenizer.from_pretrained(path)
+    assert tokenizer.encode("a") == [0]
+    with pytest.raises(ChatTemplateRefusal, match=contains("the model's chat template cannot be used", path / file,
+                                                           "not a Jinja template (line 1")):
+        tokenizer.apply_chat_template(CONVERSATION)
+    by_hand = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, chat_template="{{ messages[0].content }}")
+    assert by_hand == "a"
+
+
+def test_a_model_whose_chat_template_does_not_parse_still_generates_from_text():
+    path = word_tokenizer(copy_checkpoint("llama"), chat_template=BROKEN_TEMPLATE)
+    with pytest.warns(UserWarning, match=contains(path / "tokenizer_config.json", "not a Jinja template")):
+        llm = ts.LLM(path, device="cpu", enforce_eager=True, max_model_len=64, page_size=4, max_num_seqs=2)
+    params = ts.SamplingParams(temperature=0, max_tokens=3)
+    assert len(llm.generate("w5 w6", params, use_tqdm=False)[0].token_ids) == 3
+    with pytest.raises(ChatTemplateRefusal, match=contains(path / "tokenizer_config.json", "not a Jinja template")):
+        llm.chat([{"role": "user", "content": "w5"}], params, use_tqdm=False)
 
 
 def test_an_eos_token_among_tokenizer_jsons_added_tokens_is_accepted(tmp_path):

@@ -176,25 +176,36 @@ def test_a_byte_level_gguf_without_merges_is_refused(tmp_path):
         load_tokenizer(path)
 
 
-FOUR_TOKENS = (["<unk>", "<s>", "</s>", "\u2581a"], [2, 3, 3, 1], [0.0, 0.0, 0.0, -1.0])
+SMALL_VOCAB = (["<unk>", "<s>", "</s>", "\u2581", "a", "\u2581a"], [2, 3, 3, 1, 1, 1],
+               [0.0, 0.0, 0.0, -1.0, -2.0, -3.0])
 
 
 @pytest.mark.parametrize("key, written", [("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                                           ("unk_token_id", "unknown_token_id"), ("eot_token_id", "eot_token_id")])
 def test_a_gguf_special_token_id_past_the_vocabulary_is_refused(tmp_path, key, written):
     """A probe found BOS 9999 read as no BOS, and text prompts refused as "prompt 0 is empty"."""
-    path = write_gguf(tmp_path / "past.gguf", "llama", *FOUR_TOKENS, **{key: 9999})
-    with pytest.raises(TokenizerFileError, match=rf"past.gguf: tokenizer.ggml.{written}=9999 .* holds 4 "
-                                                 r"tokens, ids 0 to 3"):
+    path = write_gguf(tmp_path / "past.gguf", "llama", *SMALL_VOCAB, **{key: 9999})
+    with pytest.raises(TokenizerFileError, match=rf"past.gguf: tokenizer.ggml.{written}=9999 .* holds 6 "
+                                                 r"tokens, ids 0 to 5"):
         load_tokenizer(path)
 
 
 def test_a_gguf_padding_id_past_the_vocabulary_is_dropped_with_a_warning(tmp_path):
     """As llama.cpp drops it (such files exist; nothing here pads)."""
-    path = write_gguf(tmp_path / "pad.gguf", "llama", *FOUR_TOKENS, bos_token_id=1, pad_token_id=4)
-    with pytest.warns(UserWarning, match=r"pad.gguf: tokenizer.ggml.padding_token_id=4 .* the padding token is ignored"):
+    path = write_gguf(tmp_path / "pad.gguf", "llama", *SMALL_VOCAB, bos_token_id=1, pad_token_id=6)
+    with pytest.warns(UserWarning, match=r"pad.gguf: tokenizer.ggml.padding_token_id=6 .* padding token is ignored"):
         tokenizer = load_tokenizer(path)
     assert tokenizer.special.pad_token is None and tokenizer.bos_token_id == 1
+
+
+def test_a_gguf_chat_template_that_does_not_parse_is_refused_at_chat_naming_the_file_and_key(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", "llama", *SMALL_VOCAB, bos_token_id=1, chat_template="{% if %}")
+    with pytest.warns(UserWarning, match=r"t.gguf \(tokenizer.chat_template\): not a Jinja template"):
+        tokenizer = load_tokenizer(path)
+    assert tokenizer.encode("a") == [1, 5]
+    with pytest.raises(ValueError, match=r"chat template cannot be used: .*t.gguf \(tokenizer.chat_template\): "
+                                         r"not a Jinja template \(line 1"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "a"}])
 
 
 # ---------------------------------------------------------------- chat templates

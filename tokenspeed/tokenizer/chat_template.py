@@ -8,6 +8,7 @@ with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a
 """
 
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -91,12 +92,19 @@ def _without_none(message: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in message.items() if value is not None}
 
 
+def _not_a_template(exc: jinja2.TemplateSyntaxError) -> str:
+    return f"not a Jinja template (line {exc.lineno}: {exc.message})"
+
+
 @attrs.frozen
 class ChatTemplate:
-    """A compiled chat template; ``source`` is the jinja text it came from."""
+    """A compiled chat template; ``source`` is the jinja text it came from. A model's
+    template that does not parse has no ``template``: ``problem`` says why, naming the file
+    it came from, and every render is refused with it (see ``of_model``)."""
 
     source: str
-    template: jinja2.Template = attrs.field(eq=False, repr=False)
+    template: jinja2.Template | None = attrs.field(eq=False, repr=False)
+    problem: str | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def compile(cls, source: str) -> "ChatTemplate":
@@ -104,8 +112,20 @@ class ChatTemplate:
         try:
             return cls(source, _environment().from_string(source))
         except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateRefusal("chat_template", f"not a Jinja template (line {exc.lineno}: "
-                                      f"{exc.message})") from None
+            raise ChatTemplateRefusal("chat_template", _not_a_template(exc)) from None
+
+    @classmethod
+    def of_model(cls, source: str, origin: str) -> "ChatTemplate":
+        """A model's template, read from ``origin`` (a file, a GGUF key). One that does not
+        parse is kept, with a warning now, and refused naming ``origin`` when a conversation
+        is rendered: plain prompts never need it (vLLM too fails only at chat time)."""
+        try:
+            return cls(source, _environment().from_string(source))
+        except jinja2.TemplateSyntaxError as exc:
+            problem = f"{origin}: {_not_a_template(exc)}"
+            warnings.warn(f"{problem}; conversations will be refused until a chat_template is passed",
+                          stacklevel=3)
+            return cls(source, None, problem)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                special_tokens: Mapping[str, str], **kwargs) -> str:
@@ -115,6 +135,8 @@ class ChatTemplate:
         template as further variables (``tools``, ``documents``, ``enable_thinking``, ...)
         and override the special tokens, as in transformers.
         """
+        if self.template is None:
+            raise ChatTemplateRefusal("chat_template", f"the model's chat template cannot be used: {self.problem}")
         variables = {"tools": None, "documents": None, **special_tokens, **kwargs}
         try:
             return self.template.render(messages=[_without_none(m) for m in messages],

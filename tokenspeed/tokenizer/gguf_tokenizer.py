@@ -72,5 +72,6 @@ def read_gguf(path: str | Path, reader=None) -> TokenizerParts:
     backend.post_processor = framing_processor(
         backend, special.bos_token if _adds_bos(vocab) else None,
         special.eos_token if vocab.add_eos else None)
-    template = ChatTemplate.compile(vocab.chat_template) if vocab.chat_template else None
+    template = ChatTemplate.of_model(vocab.chat_template, f"{path} (tokenizer.chat_template)") \
+        if vocab.chat_template else None
     return TokenizerParts(backend, special, template)

@@ -143,5 +143,5 @@ def read_hf_dir(directory: str | Path) -> TokenizerParts:
     bos_id = backend.token_to_id(named["bos_token"]) if named["bos_token"] else None
     special = SpecialTokens(**named, bos_token_id=bos_id,
                             eos_token_ids=unique_ids((eos_id, *_generation_eos_ids(directory))))
-    source, _ = _chat_template_source(directory, config, files)
-    return TokenizerParts(backend, special, ChatTemplate.compile(source) if source else None)
+    source, file = _chat_template_source(directory, config, files)
+    return TokenizerParts(backend, special, ChatTemplate.of_model(source, str(file)) if source else None)
