@@ -3,6 +3,7 @@ is accepted, never a library's traceback: each case breaks one file of a tiny va
 checkpoint (``hf_models``) or GGUF (``test_gguf``) in a fresh copy."""
 
 import json
+import logging
 import re
 
 import gguf
@@ -14,6 +15,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 import tokenspeed as ts
+from tokenspeed.api import model_source
 from tokenspeed.cli import main as cli
 from tokenspeed.models.errors import ModelFileError
 from tokenspeed.tokenizer import Tokenizer
@@ -251,6 +253,54 @@ def test_an_eos_token_among_tokenizer_jsons_added_tokens_is_accepted(tmp_path):
     (path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>", "eos_token": "</s>"}))
     tokenizer = Tokenizer.from_pretrained(path)
     assert tokenizer.eos_token_ids == (2,) and tokenizer.vocab_size == 3
+
+
+def sentencepiece_only(path):
+    (path / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    (path / "tokenizer_config.json").write_text("{}")
+
+
+def slow_bpe_only(path):
+    (path / "vocab.json").write_text("{}")
+    (path / "merges.txt").write_text("")
+
+
+@pytest.mark.parametrize("breaks, reason", [
+    (sentencepiece_only, "{dir} has tokenizer.model, tokenizer_config.json but no tokenizer.json"),
+    (slow_bpe_only, "{dir} has vocab.json, merges.txt but no tokenizer.json"),
+    (lambda path: (path / "tokenizer.json").mkdir(), "{dir}/tokenizer.json is not a file"),
+], ids=["tokenizer.model", "vocab.json+merges.txt", "tokenizer.json-a-directory"])
+def test_a_model_directory_whose_tokenizer_is_not_tokenizer_json_is_said_at_load(tmp_path, caplog, breaks, reason):
+    """Token ids still serve, so not a refusal; but a probe found no word of it until a
+    text prompt was refused for "no tokenizer" with a model path given."""
+    breaks(tmp_path)
+    reason = reason.format(dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger=model_source.__name__):
+        assert model_source.tokenizer_of(None, tmp_path) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{reason}: tokenspeed reads a tokenizer from tokenizer.json only, so this model takes token-id prompts "
+        f"alone; for text, pass tokenizer=<a directory or model id with a tokenizer.json>"]
+    assert model_source.no_tokenizer_reason(tmp_path) == reason
+    with pytest.raises(FileNotFoundError, match=contains(reason, "tokenizer.json only")):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_a_model_without_tokenizer_json_still_takes_token_ids_and_says_why_once(caplog):
+    path = copy_checkpoint("llama")
+    sentencepiece_only(path)
+    with caplog.at_level(logging.WARNING, logger=model_source.__name__):
+        llm = ts.LLM(path, device="cpu", enforce_eager=True, max_model_len=64, page_size=4, max_num_seqs=2)
+    assert llm.tokenizer is None
+    said = [r.getMessage() for r in caplog.records if "tokenizer.json" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0] and "tokenizer.model" in said[0]
+    params = ts.SamplingParams(temperature=0, max_tokens=3)
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids) == 3
+
+
+def test_a_directory_of_weights_alone_says_nothing_of_tokenizers(caplog):
+    with caplog.at_level(logging.WARNING, logger=model_source.__name__):
+        assert model_source.tokenizer_of(None, copy_checkpoint("llama")) is None
+    assert not caplog.records
 
 
 def test_the_cli_prints_a_bad_model_file_as_one_line(capsys):

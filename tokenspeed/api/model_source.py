@@ -15,6 +15,7 @@ from tokenspeed.models.weight_only import quantized_to_int4
 from tokenspeed.models.loader import load
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.tokenizer import Tokenizer, load_tokenizer
+from tokenspeed.tokenizer.hf_dir import TOKENIZER_JSON_ONLY, missing_tokenizer_json
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,16 @@ def tokenizer_of(tokenizer, model, reader=None) -> Tokenizer | None:
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
     path = tokenizer_path(model) if isinstance(model, (str, Path)) else None
+    if path is None and (why := no_tokenizer_reason(model)):
+        log.warning("%s: %s, so this model takes token-id prompts alone; for text, pass tokenizer=<a directory "
+                    "or model id with a tokenizer.json>", why, TOKENIZER_JSON_ONLY)
     return None if path is None else load_tokenizer(path, reader)
+
+
+def no_tokenizer_reason(model) -> str | None:
+    """Why the model path brings no tokenizer though it holds tokenizer files (tokenizer.model
+    but no tokenizer.json, ...); None where it brings one, or holds none (weights alone)."""
+    return missing_tokenizer_json(model) if isinstance(model, (str, Path)) and Path(model).is_dir() else None
 
 
 def tokenizer_path(model: str | Path) -> str | None:

@@ -24,6 +24,11 @@ from tokenspeed.tokenizer.special_tokens import SpecialTokens, unique_ids
 _NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
 _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 _CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json")   # a later file's field wins
+# What else a Hugging Face tokenizer is saved as (SentencePiece models, BPE or WordPiece
+# vocabularies of slow tokenizers) or with: none of it is read here without tokenizer.json.
+_OTHER_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
+                          *_CONFIG_FILES)
+TOKENIZER_JSON_ONLY = "tokenspeed reads a tokenizer from tokenizer.json only"
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -132,10 +137,25 @@ def _text(file: Path) -> str:
         raise TokenizerFileError(file, f"not UTF-8 text ({exc})") from exc
 
 
+def missing_tokenizer_json(directory: str | Path) -> str | None:
+    """Why a directory that holds tokenizer files brings no tokenizer here (it lacks a
+    tokenizer.json file), naming the files; None when it has one, or no tokenizer file at
+    all (weights alone, for token-id prompts)."""
+    directory = Path(directory)
+    tokenizer_json = directory / "tokenizer.json"
+    if tokenizer_json.is_file():
+        return None
+    if tokenizer_json.exists():
+        return f"{tokenizer_json} is not a file"
+    found = [name for name in _OTHER_TOKENIZER_FILES if (directory / name).exists()]
+    return f"{directory} has {', '.join(found)} but no tokenizer.json" if found else None
+
+
 def read_hf_dir(directory: str | Path) -> TokenizerParts:
     directory = Path(directory)
     if not (directory / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{directory}: no tokenizer.json (a Hugging Face model directory has one)")
+        why = missing_tokenizer_json(directory) or f"{directory} has no tokenizer.json"
+        raise FileNotFoundError(f"{why}: {TOKENIZER_JSON_ONLY} (transformers' fast tokenizers save one)")
     backend = _backend(directory / "tokenizer.json")
     config, files = _config(directory)
     named = _named_tokens(config, files, backend)
