@@ -90,6 +90,17 @@ def test_chat_with_a_model_that_has_no_chat_template_is_refused_before_the_first
     assert "> " not in capsys.readouterr().out
 
 
+def test_chat_with_a_chat_template_that_does_not_parse_is_refused_naming_its_file(capsys, monkeypatch, tmp_path):
+    model = shutil.copytree(text_model_dir(), tmp_path / "broken")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}"}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    with pytest.warns(UserWarning), pytest.raises(SystemExit, match=f"(?s)cannot be used.*{model}/tokenizer_config.json"
+                                                                    ".*not a Jinja template.*cannot chat"):
+        main(["chat", "--model", str(model), "--max-tokens", "5"])
+    assert "> " not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("end", ["/exit", "/quit"])
 def test_chat_ends_at_exit_or_quit(capsys, monkeypatch, end):
     monkeypatch.setattr("sys.stdin", io.StringIO(f"Hi\n{end}\nnever sent\n"))

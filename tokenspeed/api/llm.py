@@ -282,6 +282,6 @@ class LLM:
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: load the model from a path, or "
-                             "pass tokenizer=")
+            raise ValueError("this engine has no tokenizer: load a model whose files hold a tokenizer.json, "
+                             "or pass tokenizer=")
         return self.tokenizer

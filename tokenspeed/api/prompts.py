@@ -80,8 +80,8 @@ def token_ids(values, where: str) -> tuple[int, ...]:
 
 def encode(tokenizer, text: str, where: str) -> list[int]:
     if tokenizer is None:
-        raise ValueError(f"{where} is text, but this engine has no tokenizer: pass token ids, or "
-                         "a model path (or tokenizer=) that brings one")
+        raise ValueError(f"{where} is text, but this engine has no tokenizer: pass token ids, or load "
+                         "a model whose files hold a tokenizer.json (or pass tokenizer=)")
     return tokenizer.encode(unicode_text(text, where))
 
 
