@@ -138,10 +138,14 @@ def test_sampling_params_check_types_and_ranges(field, value, limit):
         ts.SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("bad", [5, "", None])
-def test_a_bad_stop_string_is_named_alone(bad):
-    with raises(f"stop={bad!r}: must be a non-empty string"):
+@pytest.mark.parametrize("bad, shown", [(5, "stop[1]=5"), ("", "stop=''"), (None, "stop[1]=None")])
+def test_a_bad_stop_string_is_named_alone(bad, shown):
+    with raises(f"{shown}: must be a non-empty string"):
         ts.SamplingParams(stop=["ok", bad])
+
+
+def test_stop_token_ids_none_is_none_as_in_vllm():
+    assert ts.SamplingParams(stop_token_ids=None).stop_token_ids == ()
 
 
 @pytest.mark.parametrize("field, value, limit", [

@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 
+import attrs
 import pytest
 from hypothesis import given, strategies as st
 
@@ -81,12 +82,14 @@ def test_no_max_tokens_runs_to_the_end_of_the_context():
 @given(prompt_tokens=st.integers(1, 45), max_tokens=st.integers(1, 100))
 def test_a_default_max_tokens_is_fitted_to_the_room_left(prompt_tokens, max_tokens):
     """Cut to what the context and the pool leave (10 pages: 40 tokens), never raised; a
-    prompt with no room keeps its params, to be refused."""
+    prompt with no room is refused for the room it leaves, not for a max_tokens never asked."""
     from tokenspeed.scheduling.prompt_limits import fitted
     params = ts.SamplingParams(max_tokens=max_tokens)
     got = fitted(LIMITS, prompt_tokens, params)
     if prompt_tokens >= 40:
-        assert got == params
+        assert got == attrs.evolve(params, max_tokens=None)
+        with pytest.raises(RefusedRequest, match=f"{prompt_tokens} prompt tokens leave no room for an output token"):
+            check_request(LIMITS, 0, (5,) * prompt_tokens, got, has_tokenizer=True)
     else:
         assert got.max_tokens == min(max_tokens, 40 - prompt_tokens)
         check_request(LIMITS, 0, (5,) * prompt_tokens, got, has_tokenizer=True)

@@ -86,13 +86,17 @@ def _strings(value) -> tuple[str, ...]:
 
 
 def _check_stop(instance, attribute, value):
-    """The message names the bad string, not the tuple the list became."""
-    for stop in value:
+    """The message names the bad string, not the tuple the list became; a value that is no
+    string by its place (``stop[1]=None`` read as ``stop=None``, which is allowed)."""
+    for index, stop in enumerate(value):
         if not (isinstance(stop, str) and stop):
-            _fail("stop", stop, STOP_LIMIT)
+            name = "stop" if isinstance(stop, str) else f"stop[{index}]"
+            raise RefusedRequest(f"{name}={stop!r}: must be {STOP_LIMIT}", field="stop", value=stop, limit=STOP_LIMIT)
 
 
 def _token_ids(value) -> tuple:
+    if value is None:   # vLLM's default, and so often passed
+        return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         _fail("stop_token_ids", value, "a list of token ids")
     return tuple(value)

@@ -79,11 +79,12 @@ def fitted(limits: PromptLimits, prompt_tokens: int, params: SamplingParams) -> 
     prompt of ``prompt_tokens`` cut to that room. For a default the caller did not choose
     (the model's ``max_new_tokens``, a command's own): the request then ends with the
     context, as vLLM ends it, where a ``max_tokens`` asked for is refused. A prompt that
-    leaves no room keeps ``params``, and is refused as it is."""
+    leaves no room gets ``max_tokens=None``: its refusal then says that the prompt leaves
+    none, not that the default (which the caller never set) is past the limit."""
     if params.max_tokens is None:
         return params
     room = _longest_held(limits) - prompt_tokens
-    return attrs.evolve(params, max_tokens=room) if 0 < room < params.max_tokens else params
+    return attrs.evolve(params, max_tokens=room if room > 0 else None) if room < params.max_tokens else params
 
 
 def _longest_held(limits: PromptLimits) -> int:
