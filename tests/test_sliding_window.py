@@ -172,6 +172,19 @@ def test_a_windowed_model_serves_prompts_longer_than_its_pool(monkeypatch):
         engine(QWEN3_MIXED, num_kv_pages=9).generate([prompt], params, use_tqdm=False)
 
 
+def test_a_windowed_request_is_admitted_by_its_chunk_cap_not_the_step_budget(monkeypatch):
+    """A request's chunk is at most ``max_chunk_tokens`` of the step's budget: its pages at
+    once are (8 + 8) / 4 + 2 = 6, so 6 usable pages serve it (the check once read the budget,
+    (8 + 16) / 4 + 2 = 8, and refused it)."""
+    prompt = [(11 * j) % 450 + 1 for j in range(40)]
+    params = ts.SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    small = engine(MISTRAL, num_kv_pages=7, max_chunk_tokens=8)
+    margins = greedy_margins(monkeypatch)
+    got = small.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert_decisive(margins)
+    assert got == engine(MISTRAL, num_kv_pages=200).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_a_windowed_model_s_default_pool_holds_its_windows_not_its_contexts():
     """Every sequence at full length holds a window's pages: the pool a budget gives is that
     many for each of ``max_num_seqs``, and the null page. A mixed model's sequence holds its

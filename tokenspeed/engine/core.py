@@ -101,10 +101,11 @@ class Engine(ChainedSteps, SpeculativeSteps, ConstrainedSteps):
 
     @property
     def limits(self) -> PromptLimits:
-        scheduler = self.scheduler
+        scheduler = self.scheduler   # a step's chunk of one request: at most max_chunk_tokens of the budget
         return PromptLimits(self.vocab_size, self.max_model_len, scheduler.page_size,
                             scheduler.allocator.num_pages - 1, scheduler.retentions,
-                            scheduler.max_num_batched_tokens, tuple(self.eos_token_ids))
+                            min(scheduler.max_chunk_tokens, scheduler.max_num_batched_tokens),
+                            tuple(self.eos_token_ids))
 
     def add(self, prompt: tuple[int, ...], params: SamplingParams) -> list[Request]:
         """Queue ``params.n`` samples of a checked prompt; the later ones share its pages.
