@@ -122,6 +122,13 @@ def test_ngram_prefers_the_longest_and_latest_match():
     (dict(ngram_min=3, ngram_max=2), ValueError, "ngram_min=3 > ngram_max=2"),
     (dict(verify_cost=0.5), ValueError, "verify_cost=0.5"),
     (dict(verify_cost=float("nan")), ValueError, "verify_cost=nan"),
+    (dict(verify_cost=float("inf")), ValueError, "verify_cost=inf: must be a finite number >= 1"),
+    (dict(num_tokens=10**9), ValueError, r"num_tokens=1000000000: must be an integer in \[1, 128\]"),
+    (dict(num_tokens=2.5), TypeError, r"num_tokens=2.5: must be an integer in \[1, 128\]"),
+    (dict(num_tokens="3"), TypeError, "num_tokens='3'"),
+    (dict(num_tokens=True), TypeError, "num_tokens=True"),
+    (dict(ngram_max=4.0), TypeError, "ngram_max=4.0: must be an integer >= 1"),
+    (dict(verify_cost="2"), TypeError, "verify_cost='2'"),
 ])
 def test_bad_speculative_configs_are_refused(options, error, match):
     with pytest.raises(error, match=match):

@@ -14,6 +14,7 @@ import sys
 from tokenspeed.cli import bench, inspect_cmd, serve_cmd
 from tokenspeed.cli.arg_types import at_least
 from tokenspeed.cli.help_format import show_defaults
+from tokenspeed.execution.ladders import MAX_DRAFT_TOKENS
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
 MODEL_DEFAULT = "the model's generation_config.json, else {}"
@@ -90,7 +91,7 @@ def _engine_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--kv-cache-dtype", default="auto",
                          help="what the KV cache stores: auto (the model's dtype), fp8 or fp8_e4m3 (float8 "
                               "e4m3 with per-layer scales: twice the tokens fit)")
-    command.add_argument("--speculative-tokens", type=at_least(0), default=0,
+    command.add_argument("--speculative-tokens", type=at_least(0, MAX_DRAFT_TOKENS), default=0,
                          help="verify up to K drafts per decode step, n-grams or --draft-model's (0: off; "
                               "outputs are unchanged)")
     command.add_argument("--draft-model", default=None,

@@ -19,18 +19,36 @@ and then the step is a plain decode step. A request whose drafts keep failing ba
 (``DraftBackoff``).
 """
 
+import math
+import numbers
 from array import array
 
 import attrs
 
 from tokenspeed.backends.metadata import DecodeRow
+from tokenspeed.execution.ladders import MAX_DRAFT_TOKENS, is_integer
 
 METHODS = ("ngram", "draft")
 
 
-def _at_least_one(instance, attribute, value):
-    if not value >= 1:
-        raise ValueError(f"speculative {attribute.name}={value}: must be >= 1")
+def _count(maximum: int | None = None):
+    """An integer (not a bool) >= 1, at most ``maximum``."""
+    bound = ">= 1" if maximum is None else f"in [1, {maximum}]"
+
+    def check(instance, attribute, value):
+        if not is_integer(value):
+            raise TypeError(f"speculative {attribute.name}={value!r}: must be an integer {bound}")
+        if not 1 <= value <= (maximum or value):
+            raise ValueError(f"speculative {attribute.name}={value!r}: must be an integer {bound}")
+    return check
+
+
+def _cost(instance, attribute, value):
+    """A finite number >= 1 (an infinite cost would never verify, silently)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"speculative {attribute.name}={value!r}: must be a finite number >= 1")
+    if not 1 <= value < math.inf:
+        raise ValueError(f"speculative {attribute.name}={value!r}: must be a finite number >= 1")
 
 
 class PerRequestDrafts:
@@ -60,11 +78,11 @@ class SpeculativeConfig(PerRequestDrafts):
     (docs/PERFORMANCE.md). The config is itself the ``ngram`` drafter; for ``draft``
     ``ts.LLM`` builds a ``DraftModelDrafter``."""
     method: str = "ngram"
-    num_tokens: int = attrs.field(default=3, validator=_at_least_one)
-    ngram_max: int = attrs.field(default=4, validator=_at_least_one)
-    ngram_min: int = attrs.field(default=2, validator=_at_least_one)   # one token matches too often
+    num_tokens: int = attrs.field(default=3, validator=_count(MAX_DRAFT_TOKENS))
+    ngram_max: int = attrs.field(default=4, validator=_count())
+    ngram_min: int = attrs.field(default=2, validator=_count())   # one token matches too often
     draft_model: object = None
-    verify_cost: float = attrs.field(default=2.5, validator=_at_least_one)
+    verify_cost: float = attrs.field(default=2.5, validator=_cost)
 
     def __attrs_post_init__(self):
         if self.method not in METHODS:

@@ -6,6 +6,9 @@ import numbers
 
 MAX_DECODE_LADDER = 256
 MAX_NUM_SEQS = 65536   # requests a step may run: their seats' buffers (a block-table row each) are sized up front
+# drafts a verify step may take a request: its window of num_tokens + 1 rows is buffered for
+# every seat (10^9 drafts ran numpy out of memory at load); past a few, drafts are rarely all kept
+MAX_DRAFT_TOKENS = 128
 TOKEN_STEPS = ((256, 16), (512, 32), (1024, 64), (2048, 128))
 
 
