@@ -71,6 +71,7 @@ def test_a_malformed_field_is_named(fields, field, message):
     ({"grammar": "start: ("}, "grammar", "Expected token"),
     ({"grammar": "start: missing_rule"}, "grammar", "missing_rule"),
     ({"grammar": 'root ::= "a" undefined'}, "grammar", "Rule 'undefined' not found"),
+    ({"grammar": 'foo: "a"'}, "grammar", "read as GBNF: Lark starts from 'start: ...'"),   # Lark, no start rule
 ])
 def test_what_does_not_compile_is_refused_with_llguidances_message(guide, fields, field, message):
     spec = StructuredOutputs(**fields)

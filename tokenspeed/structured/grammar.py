@@ -70,7 +70,8 @@ def _grammar_text(spec: StructuredOutputs) -> str:
     try:
         return llguidance.grammar_from("grammar", spec.grammar)
     except ValueError as exc:   # GBNF that does not convert to Lark
-        raise _refuse(spec, str(exc)) from None
+        raise _refuse(spec, f"{exc} (a grammar without a start rule is read as GBNF: Lark starts from "
+                            f"'start: ...', GBNF from 'root ::= ...')") from None
 
 
 def compile_grammar(spec: StructuredOutputs,
