@@ -289,6 +289,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
         ts.LLM(random_model(TINY_LLAMA), speculative=config)
 
 
+def test_a_hybrid_draft_model_is_refused_as_a_hybrid_target_is():
+    from hf_models import checkpoint
+    config = ts.SpeculativeConfig(method="draft", draft_model=str(checkpoint("qwen3_next")))
+    with pytest.raises(ValueError, match="draft model .Qwen3NextForCausalLM. has recurrent layers"):
+        ts.LLM(str(checkpoint("llama")), speculative=config)
+
+
 def test_a_draft_model_under_a_tiny_pool_preempts_alike():
     model = random_model(TINY_LLAMA)
     kw = dict(max_num_seqs=4, page_size=4, num_kv_pages=24)

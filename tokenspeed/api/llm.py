@@ -144,6 +144,9 @@ class LLM:
         unless it has this model's vocabulary and context."""
         draft = LLM(speculative.draft_model, device, dtype, enforce_eager=enforce_eager, overlap=False,
                     enable_prefix_caching=False, **{**compile_options, "num_kv_pages": 2})
+        if draft.config.hybrid is not None:
+            raise ValueError(f"the draft model ({draft.config.architecture}) has recurrent layers, whose state "
+                             f"is not rolled back past rejected drafts: a draft model attends over its cache alone")
         if len(draft.config.cache_groups) > 1:
             raise ValueError("the draft model mixes sliding-window and full-attention layers (several cache "
                              "groups): a draft model keeps one page list per request")
