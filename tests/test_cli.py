@@ -279,7 +279,7 @@ def test_engine_flags_reach_the_llms_options():
     (["inspect", "--dot", "/tmp"], "argument --dot: /tmp is a folder: name a file in it"),
     (["bench", "serve", "--request-rate", "0"], "argument --request-rate: must be > 0, got 0.0"),
     (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: must be in [1, 65536], got 0"),
-    (["generate", "hi", "--speculative-tokens", "-1"], "argument --speculative-tokens: must be >= 0, got -1"),
+    (["generate", "hi", "--speculative-tokens", "-1"], "argument --speculative-tokens: must be in [0, 128], got -1"),
     (["generate", "hi", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
     (["serve", "--num-kv-pages", "1"], "argument --num-kv-pages: must be >= 2, got 1"),
     (["serve", "--api-key", ""], "argument --api-key: must not be blank, got ''"),   # "$KEY" with KEY unset
