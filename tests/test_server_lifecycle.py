@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -210,6 +211,17 @@ def serve_slowly(path: str, port: int) -> None:
           shutdown_timeout=GRACE_S)
 
 
+def loading_llm(path: str, **options):
+    """An ``LLM`` that takes a minute to load (module-level: it pickles into the engine)."""
+    time.sleep(60)
+    return ts.LLM(path, **options)
+
+
+def serve_loading(path: str, port: int) -> None:
+    from tokenspeed.server.openai.server import serve
+    serve(EngineSpec(functools.partial(loading_llm, path, **OPTIONS), path), "m", port=port)
+
+
 def serve_slowly_twice(path: str, port: int) -> None:
     """``serve_slowly`` with two API servers (``--api-servers 2``)."""
     from tokenspeed.server.openai.api_servers import serve_many
@@ -342,6 +354,31 @@ def test_sigterm_drains_for_the_grace_period_then_ends_what_is_left_and_exits(to
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert status == 200 and error["code"] == 503 and "shutting down" in error["message"]
     assert lines[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("to_group, signum", [(True, signal.SIGINT), (False, signal.SIGTERM)],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_server_stopped_while_its_engine_loads_exits_at_once_and_leaves_no_engine(to_group, signum):
+    """Ctrl-C (to the process group) had hung until a second one: the exit waited on the
+    engine, which ignores SIGINT and SIGTERM; SIGTERM had killed the server alone and left
+    the engine loading. Meanwhile the port refuses connections: nothing is served yet."""
+    port = free_port()
+    launch = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_server_lifecycle as t; "
+              f"t.serve_loading({str(text_model_dir())!r}, {port})")
+    server = subprocess.Popen([sys.executable, "-c", launch], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    try:
+        wait_for(lambda: Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split(), 30)
+        time.sleep(3)   # the engine process is loading (for a minute)
+        engine = engine_pid(server.pid)
+        with pytest.raises(ConnectionRefusedError):   # not a connection left waiting for the engine
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        os.killpg(server.pid, signum) if to_group else server.send_signal(signum)
+        server.wait(timeout=10)
+        assert not Path(f"/proc/{engine}").exists() or Path(f"/proc/{engine}/stat").read_text().split()[2] == "Z"
+    finally:
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.slow

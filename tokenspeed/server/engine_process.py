@@ -84,15 +84,34 @@ class EngineProcess:
         self.info: EngineInfo | None = None
 
     def start(self) -> EngineInfo:
-        """Start the child and wait until its engine is ready (blocking); once."""
+        """Start the child and wait until its engine is ready (blocking); once. Ctrl-C or
+        SIGTERM while it loads kills it: it has nothing to drain, and it ignores both
+        signals, so the interpreter's exit would otherwise wait on it for ever (or, killed
+        by SIGTERM, leave it loading on its own)."""
         if self.info is None:
-            self.process.start()
-            for end in self._engine_ends:   # the child's alone now: its exit closes them
-                end.close()
-            self.info = _first_message(self.channels[0], self)
-            for channel in self.channels[1:]:
-                channel.recv()   # every client's copy of the same
+            with _terminate_interrupts():
+                try:
+                    self._start()
+                except BaseException:
+                    self.kill()
+                    raise
         return self.info
+
+    def _start(self) -> None:
+        self.process.start()
+        for end in self._engine_ends:   # the child's alone now: its exit closes them
+            end.close()
+        self.info = _first_message(self.channels[0], self)
+        for channel in self.channels[1:]:
+            channel.recv()   # every client's copy of the same
+
+    def kill(self) -> None:
+        """Stop the child at once (one that has not started serving)."""
+        for channel in self.channels:
+            channel.close()
+        if self.process.pid is not None:
+            self.process.kill()
+            self.process.join()
 
     @property
     def exitcode(self) -> int | None:
@@ -117,6 +136,24 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+
+
+@contextlib.contextmanager
+def _terminate_interrupts():
+    """SIGTERM raised as KeyboardInterrupt (as vLLM's server treats it) while the engine
+    loads, in the main thread: uvicorn's own handlers take over once it serves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def _first_message(channel: FrameSocket, process: EngineProcess) -> EngineInfo:
@@ -157,8 +194,11 @@ def engine_main(spec: EngineSpec, ends: list) -> None:
     # prefill step of its own. At 0.2 ms it waits ~0.6 ms; an idle relay costs nothing.
     with frozen_heap():   # the model's and graphs' objects, never walked again
         info = EngineInfo(llm.engine.limits, llm.tokenizer is not None, llm.sampling_defaults)
-        for channel in channels:
-            channel.send(info)
+        try:
+            for channel in channels:
+                channel.send(info)
+        except (BrokenPipeError, ConnectionResetError):   # the parent has gone: no one to serve
+            return
         loop, sender = start_loop(llm, channels, spec.stream_interval)
         with beating(channels):
             try:

@@ -28,7 +28,7 @@ from tokenspeed.server.engine_process import EngineInfo, EngineProcess, EngineSp
 from tokenspeed.server.openai.access import Access
 from tokenspeed.server.openai.chat_parsers import ParserFlags
 from tokenspeed.server.openai.lifecycle import FINAL_WRITE_S, SHUTDOWN_TIMEOUT_S, ServerExited, check_timeout
-from tokenspeed.server.openai.listening import listening
+from tokenspeed.server.openai.listening import BACKLOG, listening
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"   # read when a process imports prometheus_client
 KILL_MARGIN_S = 5.0     # past an API server's own limit for its shutdown, before it is killed
@@ -60,6 +60,7 @@ def serve_many(spec: EngineSpec, model_name: str, host: str, port: int, api_key:
         engine = EngineProcess(spec, num_clients=count)
         try:
             info = engine.start()
+            sock.listen(BACKLOG)   # connections queue for whichever server starts first
             lifeline, parent_end = multiprocessing.get_context("spawn").Pipe(duplex=False)
             with tempfile.TemporaryDirectory(prefix="tokenspeed-metrics-") as metrics_dir, \
                     _environment(MULTIPROC_ENV, metrics_dir), parent_end:
