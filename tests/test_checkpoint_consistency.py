@@ -49,7 +49,8 @@ def test_a_shard_holding_another_shards_tensor_is_refused():
 
 def test_an_index_naming_a_file_outside_its_directory_is_refused():
     path = copy_checkpoint("llama")
-    index = {"weight_map": {name: "../elsewhere/model.safetensors" for name in load_file(str(path / "model.safetensors"))}}
+    names = load_file(str(path / "model.safetensors"))
+    index = {"weight_map": {name: "../elsewhere/model.safetensors" for name in names}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelFileError, match=contains("model.safetensors.index.json", "../elsewhere",
                                                       "not file names in its directory")):

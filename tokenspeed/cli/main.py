@@ -171,7 +171,8 @@ def cmd_chat(args) -> None:
     llm = load_llm(args, max_num_seqs=1)
     template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
     if template is None or template.problem is not None:   # said now, not after a first message
-        why = "has no chat template" if template is None else f"has a chat template that cannot be used ({template.problem})"
+        why = "has no chat template" if template is None else \
+            f"has a chat template that cannot be used ({template.problem})"
         raise ValueError(f"{args.model}: this model {why}, so it cannot chat; use tokenspeed generate with a prompt")
     params = sampling(args, llm.sampling_defaults)
     history = [{"role": "system", "content": args.system}] if args.system else []
