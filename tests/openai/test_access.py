@@ -39,6 +39,7 @@ def test_every_route_but_health_and_metrics_needs_the_key(api, method, path):
 
 def test_health_and_metrics_need_no_key(api):
     assert api.request("GET", "/health", key=None).status_code == 200
+    assert api.request("HEAD", "/health", key=None).status_code == 200
     assert "tokenspeed_" in api.request("GET", "/metrics", key=None).text
 
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with either
     async def health():
         return Response(status_code=200 if server.engine.responsive() else 503)
 
