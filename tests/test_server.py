@@ -71,6 +71,10 @@ def metric(base_url, name) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
+def test_the_metrics_give_the_pools_size_beside_the_pages_in_use(base_url, llm):
+    assert metric(base_url, "tokenspeed_kv_pages_total") == llm.engine.limits.usable_pages > 0
+
+
 def test_completion_equals_offline_generate(client, llm):
     got = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=10, temperature=0)
     want = llm.generate("The sea is", GREEDY, use_tqdm=False)[0]

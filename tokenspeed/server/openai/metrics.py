@@ -1,6 +1,6 @@
 """Prometheus metrics of one server (its own registry: two servers in a process keep
-apart): requests running and waiting, KV pages in use, time to first token, time per
-output token, and token counters.
+apart): requests running and waiting, KV pages in use and of the pool (their ratio is
+vLLM's cache usage), time to first token, time per output token, and token counters.
 
 Several API-server processes over one engine (``api_servers``) share their metrics through
 prometheus_client's multiprocess mode: each process writes its figures to files in one
@@ -24,6 +24,7 @@ class ServerMetrics:
         self.running = gauge("tokenspeed_requests_running", "Requests in the running batch")
         self.waiting = gauge("tokenspeed_requests_waiting", "Requests waiting to be scheduled")
         self.pages = gauge("tokenspeed_kv_pages_in_use", "KV-cache pages held by requests")
+        self.pool = gauge("tokenspeed_kv_pages_total", "KV-cache pages requests may hold (the pool's size)")
         self.ttft = Histogram("tokenspeed_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("tokenspeed_time_per_output_token_seconds",
@@ -36,6 +37,9 @@ class ServerMetrics:
 
     def admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
+
+    def engine_ready(self, usable_pages: int) -> None:
+        self.pool.set(usable_pages)
 
     def load(self, load: EngineLoad) -> None:
         """The engine's load after a step."""

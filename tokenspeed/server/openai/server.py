@@ -89,6 +89,7 @@ class Server:
         if self.engine is None:
             channel, info, process = await asyncio.to_thread(self.connect)
             self.engine = EngineClient(channel, info, self._dispatch, self._fail_all, process)
+            self.metrics.engine_ready(info.limits.usable_pages)
         await self.engine.listen()
 
     @property
