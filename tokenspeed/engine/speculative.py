@@ -26,21 +26,10 @@ from array import array
 import attrs
 
 from tokenspeed.backends.metadata import DecodeRow
-from tokenspeed.execution.ladders import MAX_DRAFT_TOKENS, is_integer
+from tokenspeed.execution.compile_config import integer_in
+from tokenspeed.execution.ladders import MAX_DRAFT_TOKENS
 
 METHODS = ("ngram", "draft")
-
-
-def _count(maximum: int | None = None):
-    """An integer (not a bool) >= 1, at most ``maximum``."""
-    bound = ">= 1" if maximum is None else f"in [1, {maximum}]"
-
-    def check(instance, attribute, value):
-        if not is_integer(value):
-            raise TypeError(f"speculative {attribute.name}={value!r}: must be an integer {bound}")
-        if not 1 <= value <= (maximum or value):
-            raise ValueError(f"speculative {attribute.name}={value!r}: must be an integer {bound}")
-    return check
 
 
 def _cost(instance, attribute, value):
@@ -78,9 +67,9 @@ class SpeculativeConfig(PerRequestDrafts):
     (docs/PERFORMANCE.md). The config is itself the ``ngram`` drafter; for ``draft``
     ``ts.LLM`` builds a ``DraftModelDrafter``."""
     method: str = "ngram"
-    num_tokens: int = attrs.field(default=3, validator=_count(MAX_DRAFT_TOKENS))
-    ngram_max: int = attrs.field(default=4, validator=_count())
-    ngram_min: int = attrs.field(default=2, validator=_count())   # one token matches too often
+    num_tokens: int = attrs.field(default=3, validator=integer_in(1, MAX_DRAFT_TOKENS))
+    ngram_max: int = attrs.field(default=4, validator=integer_in(1))
+    ngram_min: int = attrs.field(default=2, validator=integer_in(1))   # one token matches too often
     draft_model: object = None
     verify_cost: float = attrs.field(default=2.5, validator=_cost)
 

@@ -19,7 +19,7 @@ FP8_CAPABILITY = (8, 9)   # the first CUDA devices with float8 conversions (Ada)
 CPU_CHUNK_TOKENS = 256   # a prompt's new tokens per step on the CPU (docs/PERFORMANCE.md)
 
 
-def _at_least(minimum: int | None, maximum: int | None = None, optional: bool = False):
+def integer_in(minimum: int | None, maximum: int | None = None, optional: bool = False):
     """An integer (not a bool) in [minimum, maximum] (None: unbounded); None only where
     ``optional``."""
     bounds = "" if minimum is None else f" >= {minimum}" if maximum is None else f" in [{minimum}, {maximum}]"
@@ -106,24 +106,24 @@ class CompileConfig:
     through each layer's scales (``models.kv_scales``), half the bytes of 16-bit values per
     token, so twice the pages fit in a budget."""
     device: torch.device = attrs.field(default="cpu", converter=as_device)
-    page_size: int = attrs.field(default=16, validator=_at_least(1))
-    max_num_seqs: int = attrs.field(default=64, validator=_at_least(1, MAX_NUM_SEQS))
-    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1, optional=True))
-    max_num_batched_tokens: int = attrs.field(default=2048, validator=_at_least(1))
-    max_chunk_tokens: int | None = attrs.field(default=None, validator=[_at_least(1, optional=True), _within_step])
-    num_kv_pages: int | None = attrs.field(default=None, validator=_at_least(2, optional=True))
+    page_size: int = attrs.field(default=16, validator=integer_in(1))
+    max_num_seqs: int = attrs.field(default=64, validator=integer_in(1, MAX_NUM_SEQS))
+    max_model_len: int | None = attrs.field(default=None, validator=integer_in(1, optional=True))
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=integer_in(1))
+    max_chunk_tokens: int | None = attrs.field(default=None, validator=[integer_in(1, optional=True), _within_step])
+    num_kv_pages: int | None = attrs.field(default=None, validator=integer_in(2, optional=True))
     kv_cache_memory_bytes: int | None = attrs.field(default=None,
-                                                    validator=[_at_least(1, optional=True), _one_pool_size])
+                                                    validator=[integer_in(1, optional=True), _one_pool_size])
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_share)
     capture_sizes: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(as_sizes), validator=_sizes_up_to("max_num_seqs"))
     token_buckets: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(as_sizes),
         validator=_sizes_up_to("max_num_batched_tokens"))
-    view_width: int = attrs.field(default=1, validator=_at_least(1))
+    view_width: int = attrs.field(default=1, validator=integer_in(1))
     graphs: bool | None = attrs.field(default=None, validator=_optional_bool)
-    seed: int = attrs.field(default=0, validator=_at_least(None))
-    compile_workers: int | None = attrs.field(default=None, validator=_at_least(0, optional=True))
+    seed: int = attrs.field(default=0, validator=integer_in(None))
+    compile_workers: int | None = attrs.field(default=None, validator=integer_in(0, optional=True))
     kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
 
     def graph_support(self, backend_support: CudaGraphSupport) -> CudaGraphSupport:
