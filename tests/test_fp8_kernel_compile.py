@@ -2,7 +2,8 @@
 tests/test_kernel_compile.py checks the others: in a child, without the interpreter,
 with the chosen configs and the alignment a launch specializes. The block matmul must
 reach the FP8 tensor cores, and the activation quantizer's scale is an IEEE quotient, as
-torch's is (Triton's ``/`` is an approximate one)."""
+torch's is (Triton's ``/`` is an approximate one); the quantizer compiles with the norm
+before it, as a decode batch past the GEMV's rows launches it."""
 
 import pytest
 import torch
@@ -36,9 +37,12 @@ for rows in (16, 300, 2048):
     ptx = compile_sm90(b._matmul_kernel, matmul, dict(HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BAND_M=8,
                        USE_PDL=True), c.num_warps, c.num_stages)
     assert "e4m3.e4m3" in ptx and "wgmma" in ptx, "FP8 tensor cores"
-quant = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", **ints("M", "K", "group", "stride_xm", "stride_qm", "stride_sm"))
-for gated in (False, True):
-    ptx = compile_sm90(q._quantize_kernel, quant, dict(GATED=gated, ROWS=16, BLOCK=128, USE_PDL=True), 4)
+quant = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", total_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
+             eps="fp32", **ints("M", "K", "group", "stride_xm", "stride_qm", "stride_sm"))
+for gated, norm, res, rows, block in ((False, False, False, 16, 128), (True, False, False, 16, 128),
+                                      (False, True, True, 1, 2048), (False, True, False, 1, 2048)):
+    ptx = compile_sm90(q._quantize_kernel, quant, dict(GATED=gated, NORM=norm, HAS_RES=res, ROWS=rows, BLOCK=block,
+                       USE_PDL=True), 4)
     assert "div.rn.f32" in ptx and "e4m3" in ptx
 """
 

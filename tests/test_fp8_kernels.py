@@ -181,6 +181,55 @@ def test_activation_quantizer_equals_the_reference_bit_for_bit():
     assert fp8_weights.quantize_activations(x)[1].shape == (17, 1)
 
 
+@pytest.mark.parametrize("k", [300, 2100], ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "alone"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizer_norms_its_rows_as_the_norm_kernel_does(k, residual, dtype):
+    """``quantize_normed``: rms_norm(x + residual) * weight quantized per row in one launch
+    equals the norm's reference then the quantizer's, for 19 rows (a zero row among them)
+    over one tile of columns and over two. Only 1/rms may round differently (another
+    summation order), so every quantized value is within an e4m3 step of the reference's
+    normed row, and in fp32 nearly all codes are the reference's own; the sum comes out to
+    the bit (in bfloat16 on the CPU, whose interpreter truncates, within a rounding)."""
+    x, res, norm_weight = (t.to(dtype) for t in (rand(19, k, seed=21) * 3, rand(19, k, seed=22), rand(k, seed=23)))
+    x[5] = 0.0
+    res = res if residual else None
+    if res is not None:
+        res[5] = 0.0
+    normed, *total = [reference.rms_norm(x, norm_weight, 1e-6)] if res is None else \
+        reference.add_rms_norm(x, res, norm_weight, 1e-6)
+    q, scale, got_total = triton_fp8_quantize.quantize_normed(x, res, norm_weight, 1e-6)
+    assert q.dtype == FP8 and scale.shape == (19, 1) and (got_total is None) == (res is None)
+    want_q, want_scale = fp8_weights.quantize_activation_groups(normed.float(), None)
+    torch.testing.assert_close(scale, want_scale, rtol=2 ** -6, atol=0)
+    step = 2 ** -3 * normed.float().abs() + 2 ** -9 * scale  # e4m3 keeps 3 bits
+    assert ((q.float() * scale - normed.float()).abs() <= step).all()
+    if dtype == torch.float32:
+        assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 0.01
+    if res is not None:
+        exact = dtype == torch.float32 or x.is_cuda
+        assert torch.equal(got_total, total[0]) if exact else \
+            torch.allclose(got_total.float(), total[0].float(), rtol=2 ** -7, atol=0)
+
+
+def test_a_batch_past_the_gemv_norms_and_quantizes_in_one_launch(monkeypatch):
+    """``cuda.norm_linear`` of a per-channel FP8 weight past ``GEMV_MAX_ROWS`` rows runs no
+    norm kernel of its own: its rows are normed as they are quantized (block-scaled weights,
+    and a single row of a large weight, still take the norm's kernel)."""
+    from tokenspeed.backends.kernels import cuda, triton_fused
+    launched = []
+    for name in ("rms_norm", "add_rms_norm"):
+        kernel = getattr(triton_fused, name)
+        monkeypatch.setattr(triton_fused, name, lambda *a, _k=kernel, _n=name: launched.append(_n) or _k(*a))
+    x, residual, norm_weight = rand(20, 256, seed=1), rand(20, 256, seed=2), rand(256, seed=3)
+    for layout, rows, want in (("channel", 20, []), ("block", 20, ["add_rms_norm"])):
+        weight, scale = fp8_weight(layout, n=160, k=256, seed=4)
+        launched.clear()
+        out, total = cuda.norm_linear(x[:rows], residual[:rows], norm_weight, 1e-6, weight, None, "fp8_e4m3", scale)
+        assert launched == want and out.shape == (rows, 160)
+        torch.testing.assert_close(total, x[:rows] + residual[:rows])
+
+
 def test_the_kernels_rounding_is_torchs_over_the_whole_range():
     """Every e4m3 step from the subnormals to 448, each value's neighbourhood and the
     midpoints (ties to even), with a row maximum of 448 so that the scale is 1."""

@@ -203,11 +203,16 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
     weights: each GEMV program norms the whole input, which costs more than the saved
     kernel once programs are many (on the H200, Q4_K, 1B shape: the head 172 us fused, about
     90 apart; FP8, one row, graphs of 20 calls: 5120 x 4096 9.9 us fused, 8.3 apart; 2048 x
-    2048 and smaller faster fused)."""
+    2048 and smaller faster fused). Past ``GEMV_MAX_ROWS``, a per-channel FP8 weight's rows
+    are normed and quantized for its tensor cores in one kernel."""
     _refuse_cpu_formats(weight_format)
     if x.dim() == 2 and x.shape[0] == 1 and _fuses_norm(weight, weight_format):
         out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weight_scale,
                                 split_counters)
+        return [out] if total is None else [out, total]
+    if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS and weight_format == FP8 and weight_scale.dim() == 1:
+        from tokenspeed.backends.kernels import fp8_matmul
+        out, total = fp8_matmul.norm_linear(x, residual, norm_weight, eps, weight, weight_scale, bias)
         return [out] if total is None else [out, total]
     if residual is None:
         return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale, split_counters)]
