@@ -26,7 +26,8 @@ takes them all; prefill, whose small steps are launch-bound too, the norms and t
 - ``fuse_norm_linear``: a norm (with its residual add) whose only reader is a linear
   becomes ``tokenspeed::norm_linear``, whose GEMV normalises its input as it reads it
   (a 16-bit weight's; an FP8 weight's up to ``cuda.FP8_NORM_GEMV_MAX_WEIGHTS`` weights; a
-  GGUF weight's up to ``cuda.GGUF_NORM_GEMV_MAX_N`` outputs).
+  GGUF weight's up to ``cuda.GGUF_NORM_GEMV_MAX_N`` outputs); past the GEMV's rows, a
+  per-channel FP8 weight's activation quantizer normalises the rows as it quantizes them.
 - ``fuse_norm_route``: a norm (with its residual add) read by a router's ``route`` and
   after it (the mixture, the next layer) becomes ``tokenspeed::norm_route``, whose
   launch normalises the gate's input and stores the normed rows and their sum.
