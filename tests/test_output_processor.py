@@ -65,6 +65,44 @@ def test_generate_cuts_at_the_stop_string_found_in_the_plain_output(llm, plain, 
         (text, plain.token_ids[:kept], "stop", stop)
 
 
+def first_stop_after(tokenizer, token_ids, stops, min_tokens: int) -> tuple[int, str, str] | None:
+    """``first_stop`` under vLLM's ``min_tokens`` rule: a stop string counts where a token
+    after the first ``min_tokens`` completes it (it ends past the text before that token),
+    wherever it begins."""
+    for kept in range(min_tokens + 1, len(token_ids) + 1):
+        before, text = tokenizer.decode(list(token_ids[:kept - 1])), tokenizer.decode(list(token_ids[:kept]))
+        found = [(start + len(s), -len(s), start, s) for s in stops
+                 if (start := text.find(s, max(len(before) - len(s) + 1, 0))) >= 0]
+        if found:
+            _, _, start, stop = min(found)
+            return kept, stop, text[:start]
+    return None
+
+
+@pytest.mark.parametrize("min_tokens", [5, 6, 7])
+@pytest.mark.parametrize("span", ["across", "within"])
+def test_min_tokens_matches_a_stop_string_completed_after_them_wherever_it_begins(llm, plain, min_tokens, span):
+    """As vLLM: a stop string the 7th token completes counts for min_tokens 6 even where it
+    begins in the 5th token's text, and not for min_tokens 7."""
+    five, seven = (llm.tokenizer.decode(list(plain.token_ids[:k])) for k in (5, 7))
+    six = llm.tokenizer.decode(list(plain.token_ids[:6]))
+    stop = five[-2:] + seven[len(five):len(six) + 2] if span == "across" else seven[len(six):].strip()
+    params = ts.SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True, stop=[stop],
+                               min_tokens=min_tokens)
+    for got in (llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0],
+                "".join(llm.stream(PROMPT, params))):
+        want = first_stop_after(llm.tokenizer, plain.token_ids, [stop], min_tokens)
+        if min_tokens < 7:
+            assert want[0] == 7
+        if isinstance(got, str):   # the stream sends the same text, nothing it takes back
+            assert got == (plain.text if want is None else want[2])
+        elif want is None:
+            assert (got.text, got.token_ids, got.finish_reason) == (plain.text, plain.token_ids, "length")
+        else:
+            assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+                (want[2], plain.token_ids[:want[0]], "stop", stop)
+
+
 def engine_updates(token_ids, cuts, finish: str) -> list[TokenUpdate]:
     """The engine's updates of one completion of ``token_ids``, split at ``cuts``; the last
     one finishes it."""

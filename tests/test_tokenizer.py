@@ -502,6 +502,18 @@ def test_stop_strings_release_and_stop():
         StopStrings([""])
 
 
+def test_text_fed_unmatched_begins_a_stop_string_but_completes_none():
+    """Text before ``min_tokens`` (``match=False``) is held as any other: a stop string that
+    begins in it and completes later counts; one complete within it never does."""
+    begun = StopStrings(["ab"])
+    assert begun.feed("xa", match=False) == StopCheck("x", False)
+    assert begun.feed("b") == StopCheck("", True, "ab")
+    within = StopStrings(["ab", "xabyz"])
+    assert within.feed("-xab", match=False) == StopCheck("-", False)
+    assert within.feed("c") == StopCheck("xabc", False)
+    assert within.feed("ab") == StopCheck("", True, "ab")
+
+
 # ---------------------------------------------------------------- the package's imports
 
 

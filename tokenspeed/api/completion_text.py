@@ -5,11 +5,12 @@ final ``finish_reason``, decided here and nowhere else.
 Stop strings may span tokens, so text that could still begin one is held back. The token
 that completes a stop string is the completion's last: the answer is final at that point,
 the tokens the engine made after it are dropped, and its owner tells the engine to
-finish it. Before ``min_tokens`` tokens exist no stop string is matched. The token that
-ended the answer in the engine (end-of-sequence, or one of ``stop_token_ids``) is kept as
-a token, but its text is not the answer's (as vLLM's): a reply whose special tokens are
-kept for a tool parser never ends in ``<|im_end|>``. ``include_stop_str_in_output`` keeps
-both the stop string and that token's text.
+finish it. As in vLLM, a stop string is matched only where a token after the first
+``min_tokens`` completes it (it may begin earlier: that text is held back as usual). The
+token that ended the answer in the engine (end-of-sequence, or one of ``stop_token_ids``)
+is kept as a token, but its text is not the answer's (as vLLM's): a reply whose special
+tokens are kept for a tool parser never ends in ``<|im_end|>``.
+``include_stop_str_in_output`` keeps both the stop string and that token's text.
 """
 
 from tokenspeed.api.messages import TokenDelta
@@ -111,8 +112,9 @@ class CompletionText:
         return len(token_ids), stop, "".join(pieces)
 
     def _push(self, piece: str, seen: int) -> tuple[str, str | None]:
-        """The text of ``piece`` that may go out, and the stop string it completes."""
-        if not self.params.stop or seen < self.params.min_tokens:
+        """The text of ``piece`` (the text of token ``seen``, counted from 1) that may go
+        out, and the stop string it completes: none within the first ``min_tokens``."""
+        if not self.params.stop:
             return piece, None
-        check = self.stops.feed(piece)
+        check = self.stops.feed(piece, match=seen > self.params.min_tokens)
         return check.text, check.stop

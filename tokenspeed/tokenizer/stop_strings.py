@@ -43,11 +43,11 @@ class StopCheck:
     stop: str | None = None
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """Where the first stop string in ``text`` starts (earliest end, then longest), and
-    which it is; None if there is none."""
+def _first_stop(text: str, stops: tuple[str, ...], after: int = 0) -> tuple[int, str] | None:
+    """Where the first stop string in ``text`` ending past its first ``after`` characters
+    starts (earliest end, then longest), and which it is; None if there is none."""
     found = [(start + len(stop), -len(stop), start, stop) for stop in stops
-             if (start := text.find(stop)) >= 0]
+             if (start := text.find(stop, max(after - len(stop) + 1, 0))) >= 0]
     return min(found)[2:] if found else None
 
 
@@ -73,12 +73,16 @@ class StopStrings:
     def stopped(self) -> bool:
         return self._stopped
 
-    def feed(self, delta: str) -> StopCheck:
-        """The text that is safe to emit after ``delta``; after a stop, every feed is empty."""
+    def feed(self, delta: str, match: bool = True) -> StopCheck:
+        """The text that is safe to emit after ``delta``; after a stop, every feed is empty.
+        ``match`` False: ``delta`` may not complete a stop string (it comes before
+        ``min_tokens`` are reached), but its tail is held as any other, since a stop string
+        that begins in it and completes in a later delta still counts (as vLLM matches it)."""
         if self._stopped:
             return StopCheck("", True)
+        held = len(self._held)   # text fed before: a stop string ending in it was not matched
         text, self._held = self._held + delta, ""
-        first = _first_stop(text, self._stops)
+        first = _first_stop(text, self._stops, after=held) if match else None
         if first is not None:
             self._stopped = True
             end = first[0] + len(first[1]) if self._include_stop else first[0]
