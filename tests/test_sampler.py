@@ -489,3 +489,15 @@ def test_clone_is_a_checked_copy_with_changes():
         p.max_tokens = 100
     with pytest.raises(RefusedRequest, match="max_tokens"):
         p.clone(max_tokens=0)
+
+
+def test_a_clone_of_greedy_params_given_a_temperature_samples():
+    """temperature 0's top_k 1 is not kept as if asked for: vLLM's greedy params, copied and
+    given a temperature, sample with top-k off; a top_k given with it, or kept by a copy
+    that stays greedy, stands."""
+    greedy = ts.SamplingParams(temperature=0, top_k=5, max_tokens=16)
+    assert greedy.clone(temperature=0.7) == ts.SamplingParams(temperature=0.7, max_tokens=16)
+    assert not greedy.clone(temperature=0.7).greedy
+    assert greedy.clone(temperature=0.7, top_k=3).top_k == 3
+    assert greedy.clone(max_tokens=4).greedy and greedy.clone(temperature=0).greedy
+    assert ts.SamplingParams(temperature=0.5, top_k=1).clone(temperature=0.9).top_k == 1

@@ -186,8 +186,12 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 1)
 
     def clone(self, **changes) -> "SamplingParams":
-        """A copy with ``changes`` (vLLM's ``clone()``, which takes none). What temperature 0
-        normalised stays so (``top_k`` 1), as it does when vLLM's code sets a field."""
+        """A copy with ``changes`` (vLLM's ``clone()``, which takes none, then sets fields).
+        The ``top_k`` 1 that temperature 0 set is greedy's mark, not a choice: a copy given
+        a temperature above 0 (and no ``top_k``) samples with top-k off, as vLLM's copy
+        does (its temperature 0 turned top-k off), not greedily."""
+        if self.temperature == 0 and changes.get("temperature", 0) != 0:
+            changes.setdefault("top_k", 0)
         return attrs.evolve(self, **changes)
 
     @property
