@@ -334,6 +334,20 @@ def test_the_sampled_token_is_always_among_the_top_logprobs(k, seed):
         assert len(lp.top) in (k, k + 1) and list(lp.top.values()) == sorted(lp.top.values(), reverse=True)
 
 
+@FAST
+@given(k=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
+def test_the_sampled_token_has_its_vocabulary_rank_inside_the_top_or_not(k, seed):
+    """As vLLM's ``Logprob.rank``: 1 + the tokens more likely than the sampled one, also
+    when it is not among the k asked for."""
+    logits = torch.randn(30, 40, generator=gen(seed))
+    rows = [RowSampling(ts.SamplingParams(temperature=1.8, logprobs=k), seed + i) for i in range(30)]
+    result = sample(logits, rows, torch.arange(30))
+    expected = logits.log_softmax(-1)
+    for row, (lp, token) in enumerate(zip(result.logprobs.to_host(rows, result.tokens.tolist()),
+                                          result.tokens.tolist())):
+        assert lp[token].rank == int((expected[row] > expected[row, token]).sum()) + 1
+
+
 def test_a_row_that_needs_no_processing_draws_alike_on_both_routes():
     """Greedy and plain-temperature rows get the same token whether or not another row in
     the batch sends it through the processed route (top-p here)."""

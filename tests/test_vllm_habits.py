@@ -39,12 +39,16 @@ def test_logprobs_read_as_vllms_with_each_tokens_text(llm):
             position[max(position.top) + 1]
 
 
-def test_a_sampled_token_outside_the_top_has_no_rank(llm):
+def test_a_sampled_token_outside_the_top_has_its_vocabulary_rank(llm):
+    """As vLLM's: the rank it would have among the top ones, had enough been asked for."""
     params = ts.SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, seed=3)
     [out] = llm.generate("The sea is", params, use_tqdm=False)
-    for token_id, position in zip(out.token_ids, out.logprobs):
-        assert list(position) == [token_id] and position[token_id].rank is None
-        assert position[token_id].logprob == position.logprob
+    [wide] = llm.generate("The sea is", params.clone(logprobs=20), use_tqdm=False)
+    assert wide.token_ids == out.token_ids and any(p[t].rank > 1 for t, p in zip(out.token_ids, out.logprobs))
+    for token_id, position, ranked in zip(out.token_ids, out.logprobs, wide.logprobs):
+        assert list(position) == [token_id] and position[token_id].logprob == position.logprob
+        rank = position[token_id].rank
+        assert rank == ranked[token_id].rank if rank <= 20 else token_id not in list(ranked.top)[:20]
 
 
 @pytest.mark.parametrize("call, error, message", [

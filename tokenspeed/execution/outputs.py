@@ -10,7 +10,8 @@ import attrs
 @attrs.frozen
 class Logprob:
     """One token's entry at a position, as vLLM's ``Logprob``: ``rank`` 1 is the most likely
-    token (None: the sampled token, when it is not among the top ones asked for);
+    token (the sampled token's is its rank in the whole vocabulary, as vLLM's, also when it
+    is not among the top ones asked for; None only where it was not computed);
     ``decoded_token``: its text (None where the engine has no tokenizer)."""
     logprob: float
     rank: int | None = None
@@ -22,7 +23,8 @@ class TokenLogprobs(Mapping):
     """A sampled token's log-probability under the model, and the most likely tokens'
     (best first), as many as ``SamplingParams.logprobs`` asked for (``ranked``), then the
     sampled token's where it is not among them (so ``top`` always holds it, as vLLM's
-    entries do; its rank is then unknown: None). It is also the mapping
+    entries do; its rank is then ``rank``, the number of tokens at least as likely, itself
+    included, as vLLM counts it). It is also the mapping
     vLLM returns per position, token id -> ``Logprob`` (the sampled token first), so code
     written for vLLM's ``logprobs[i][token_id].decoded_token`` reads it unchanged;
     ``texts``: each token's text, where ``LLM`` had a tokenizer to decode them."""
@@ -31,13 +33,15 @@ class TokenLogprobs(Mapping):
     top: dict[int, float]
     texts: dict[int, str] | None = None
     ranked: int | None = None   # the entries of ``top`` ranked best first (None: all)
+    rank: int | None = None     # the sampled token's rank in the vocabulary (None: not computed)
 
     def __getitem__(self, token_id: int) -> Logprob:
         ranks = {t: i + 1 for i, t in enumerate(self.top) if self.ranked is None or i < self.ranked}
         if token_id != self.token_id and token_id not in ranks:
             raise KeyError(token_id)
         value = self.logprob if token_id == self.token_id else self.top[token_id]
-        return Logprob(value, ranks.get(token_id), None if self.texts is None else self.texts[token_id])
+        rank = ranks.get(token_id, self.rank)   # only the sampled token is outside the ranked ones
+        return Logprob(value, rank, None if self.texts is None else self.texts[token_id])
 
     def __iter__(self) -> Iterator[int]:
         return iter(dict.fromkeys((self.token_id, *self.top)))

@@ -194,23 +194,27 @@ class Sampled:
 @attrs.frozen
 class LogprobTensors:
     """Raw log-probabilities (of the model's distribution) of the sampled tokens and of
-    the ``top`` most likely ones per row."""
+    the ``top`` most likely ones per row; ``ranks``: the sampled tokens' ranks, counted as
+    vLLM counts them (the tokens at least as likely, the token itself included)."""
     sampled: torch.Tensor      # [rows] float32
     top_ids: torch.Tensor      # [rows, top] int64
     top_values: torch.Tensor   # [rows, top] float32
+    ranks: torch.Tensor        # [rows] int64
 
     def to_host(self, rows: Sequence[RowSampling], tokens: Sequence[int]) -> list[TokenLogprobs | None]:
         sampled, ids, values = self.sampled.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        return [None if r.params.logprobs is None else _token_logprobs(t, lp, i, v, r.params.logprobs)
-                for r, t, lp, i, v in zip(rows, tokens, sampled, ids, values)]
+        return [None if r.params.logprobs is None else _token_logprobs(t, lp, rank, i, v, r.params.logprobs)
+                for r, t, lp, rank, i, v in zip(rows, tokens, sampled, self.ranks.tolist(), ids, values)]
 
 
-def _token_logprobs(token: int, logprob: float, ids: list[int], values: list[float], k: int) -> TokenLogprobs:
+def _token_logprobs(token: int, logprob: float, rank: int, ids: list[int], values: list[float],
+                    k: int) -> TokenLogprobs:
     """The ``k`` most likely tokens, then the sampled one where it is not among them (as
-    vLLM: a client always finds the sampled token's entry; the order stays best first)."""
+    vLLM: a client always finds the sampled token's entry, with its rank; the order stays
+    best first)."""
     top = dict(zip(ids[:k], values[:k]))
     top.setdefault(token, logprob)
-    return TokenLogprobs(token, logprob, top, ranked=k)
+    return TokenLogprobs(token, logprob, top, ranked=k, rank=rank)
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling], positions: torch.Tensor,
@@ -294,4 +298,5 @@ def top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> LogprobTensors:
     logprobs = logits.float().log_softmax(-1)
     values, ids = logprobs.topk(max(top, 1), dim=-1)
-    return LogprobTensors(logprobs.gather(1, tokens[:, None])[:, 0], ids, values)
+    sampled = logprobs.gather(1, tokens[:, None])
+    return LogprobTensors(sampled[:, 0], ids, values, (logprobs >= sampled).sum(-1))
