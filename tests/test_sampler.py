@@ -89,6 +89,17 @@ def test_temperature_zero_normalises_to_top_k_1():
     assert ts.SamplingParams(temperature=1.0, top_k=1).greedy
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1e-6, 9.9e-6])
+def test_a_temperature_below_vllms_epsilon_is_greedy(temperature):
+    """vLLM decodes a temperature below 1e-5 greedily: argmax, first index on ties, whatever
+    the seed (clients send such values to ask for greedy decoding)."""
+    logits = torch.tensor([[3.0, 3.0, 1.0], [2.0, 2.0 + 1e-6, 0.0]])
+    params = ts.SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert all(sampled(logits, params, 2, seed=seed).tolist() == [0, 1] for seed in range(32))
+    assert not ts.SamplingParams(temperature=1e-5).greedy
+
+
 def test_mixed_rows_greedy_rows_stay_argmax():
     torch.manual_seed(0)
     logits = torch.randn(8, 50)

@@ -3,11 +3,12 @@
 Every field is checked for its type and range when the record is made, so a bad value is
 refused with its name before any work starts. Values follow vLLM and OpenAI: ``top_k=0``
 (or -1) disables top-k; ``temperature=0`` is greedy, normalised to ``top_k=1`` so every
-row takes one sampling route; penalties have OpenAI's (presence, frequency: over the
-generated tokens) and Hugging Face's (repetition: over prompt and generated tokens)
-meaning. Numbers are bounded by what the sampler's tensors hold: int64 for integers,
-float32 for reals (a seed may be any signed 64-bit integer; ``n`` is capped as OpenAI caps
-it).
+row takes one sampling route, and so is a temperature below ``GREEDY_TEMPERATURE`` (as in
+vLLM: such a temperature is how many clients ask for greedy decoding); penalties have
+OpenAI's (presence, frequency: over the generated tokens) and Hugging Face's (repetition:
+over prompt and generated tokens) meaning. Numbers are bounded by what the sampler's
+tensors hold: int64 for integers, float32 for reals (a seed may be any signed 64-bit
+integer; ``n`` is capped as OpenAI caps it).
 """
 
 import math
@@ -25,6 +26,7 @@ MAX_N = 128                      # OpenAI's cap on completions per prompt
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0**-126         # the smallest normal float32
+GREEDY_TEMPERATURE = 1e-5        # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 
 
 def _fail(name, value, limit):
@@ -182,15 +184,15 @@ class SamplingParams:
     def __attrs_post_init__(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
-        if self.temperature == 0:
+        if self.temperature < GREEDY_TEMPERATURE:
             object.__setattr__(self, "top_k", 1)
 
     def clone(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` (vLLM's ``clone()``, which takes none, then sets fields).
-        The ``top_k`` 1 that temperature 0 set is greedy's mark, not a choice: a copy given
-        a temperature above 0 (and no ``top_k``) samples with top-k off, as vLLM's copy
-        does (its temperature 0 turned top-k off), not greedily."""
-        if self.temperature == 0 and changes.get("temperature", 0) != 0:
+        The ``top_k`` 1 that a greedy temperature set is greedy's mark, not a choice: a copy
+        given a temperature that samples (and no ``top_k``) samples with top-k off, as vLLM's
+        copy does (its greedy temperature turned top-k off), not greedily."""
+        if self.temperature < GREEDY_TEMPERATURE <= changes.get("temperature", 0):
             changes.setdefault("top_k", 0)
         return attrs.evolve(self, **changes)
 
