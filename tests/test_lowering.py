@@ -2,6 +2,7 @@
 sampled rows exact (docs/DESIGN.md invariant 7); the lowered structure is what the passes say."""
 
 import operator
+import re
 
 import pytest
 import torch
@@ -83,6 +84,24 @@ def test_attention_inside_prefill_graphs_needs_the_narrowing(model):
     captured with the last attention."""
     with pytest.raises(ValueError, match="needs the narrowing"):
         ts.trace(model).lower("prefill", narrow=False, attention_breaks=False)
+
+
+@pytest.mark.parametrize("mode, option, value, message", [
+    ("decode", "attention_breaks", True, "attention_breaks lowers prefill only; decode's options are decode_graph"),
+    ("decode", "narrow", False, "narrow lowers prefill only"),
+    ("verify", "attention_breaks", False, "attention_breaks lowers prefill only"),
+    ("prefill", "decode_graph", False, "decode_graph lowers decode and verify only"),
+])
+def test_an_option_of_another_mode_is_refused_not_ignored(model, mode, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        ts.trace(model).lower(mode, **{option: value})
+
+
+@pytest.mark.parametrize("option, value", [("narrow", "no"), ("narrow", 0), ("attention_breaks", 1)])
+def test_a_lowering_option_must_be_a_bool(model, option, value):
+    """``narrow="no"`` is truthy: it would narrow; ``narrow=0`` would silently not."""
+    with pytest.raises(TypeError, match=re.escape(f"lower('prefill', {option}={value!r}): must be True, False or None")):
+        ts.trace(model).lower("prefill", **{option: value})
 
 
 def test_a_backend_that_cannot_capture_prefill_attention_refuses_it_in_a_graph(model):

@@ -64,16 +64,38 @@ class Traced:
         """Run the traced graph on the fields every descriptor has (no decoder view)."""
         return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in input_names(self.graph_module)})
 
-    def lower(self, mode: str = "decode", *, narrow: bool = True,
-              decode_graph: bool = True, attention_breaks: bool | None = None) -> "Lowered":
-        """``narrow`` (prefill): derive the encoder/narrowing/decoder/finish stages.
-        ``decode_graph`` (decode): keep attention inside the one captured segment.
-        ``attention_breaks`` (prefill): run every attention eagerly between graphs, for a
-        backend that cannot capture it; else each stage is one graph, attention included
-        (default: so when narrowed; an unnarrowed program breaks at every attention)."""
+    def lower(self, mode: str = "decode", *, narrow: bool | None = None,
+              decode_graph: bool | None = None, attention_breaks: bool | None = None) -> "Lowered":
+        """``narrow`` (prefill; default True): derive the encoder/narrowing/decoder/finish stages.
+        ``decode_graph`` (decode, verify; default True): keep attention inside the one
+        captured segment. ``attention_breaks`` (prefill): run every attention eagerly
+        between graphs, for a backend that cannot capture it; else each stage is one graph,
+        attention included (default: so when narrowed; an unnarrowed program breaks at
+        every attention). An option of another mode is refused, not ignored: a decode
+        lowered with ``attention_breaks=True`` would still capture its attention."""
+        _check_lower_options(mode, narrow=narrow, decode_graph=decode_graph, attention_breaks=attention_breaks)
+        narrow = narrow is not False
         program, history = run_pipeline(self.graph_module, self.config, mode, narrow=narrow,
-                                         decode_graph=decode_graph, attention_breaks=attention_breaks)
+                                         decode_graph=decode_graph is not False, attention_breaks=attention_breaks)
         return Lowered(mode, program, history, self.config, narrowed=mode == "prefill" and narrow)
+
+
+LOWER_OPTIONS = {"prefill": ("narrow", "attention_breaks"), "decode": ("decode_graph",), "verify": ("decode_graph",)}
+
+
+def _check_lower_options(mode, **options) -> None:
+    """Each option given (not None) is a bool and one of ``mode``'s (``LOWER_OPTIONS``)."""
+    if mode not in LOWER_OPTIONS:
+        raise ValueError(f"lower(mode={mode!r}): expected one of {', '.join(map(repr, LOWER_OPTIONS))}")
+    for name, value in options.items():
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise TypeError(f"lower({mode!r}, {name}={value!r}): must be True, False or None")
+        if name not in LOWER_OPTIONS[mode]:
+            modes = " and ".join(m for m, names in LOWER_OPTIONS.items() if name in names)
+            raise ValueError(f"lower({mode!r}, {name}={value!r}): {name} lowers {modes} only; "
+                             f"{mode}'s options are {', '.join(LOWER_OPTIONS[mode])}")
 
 
 @attrs.frozen

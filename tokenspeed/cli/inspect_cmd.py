@@ -58,7 +58,8 @@ def print_lowered(args) -> None:
     from tokenspeed.api.model_source import as_model
     from tokenspeed.models.gguf import default_model_path
     model = as_model(args.model or default_model_path(), None, "cpu")
-    lowered = stages.trace(model).lower(args.mode, attention_breaks=args.attention_breaks)
+    breaks = {"attention_breaks": True} if args.attention_breaks else {}   # a prefill option
+    lowered = stages.trace(model).lower(args.mode, **breaks)
     print(summary(lowered))
     for stage, segments in lowered.stages.items():
         print(f"  stage {stage}: " + ", ".join(s.name for s in segments))
