@@ -113,6 +113,15 @@ def test_a_backend_that_cannot_capture_prefill_attention_refuses_it_in_a_graph(m
                    backend=Breaking())
 
 
+def test_prefill_and_decode_of_different_models_are_refused_before_a_pool_is_bound(model):
+    """The pool is laid out by decode's model: another model's prefill would write keys of
+    another shape (here another head size and layer count) into it."""
+    other = random_model({**TINY_LLAMA, "num_hidden_layers": 3, "hidden_size": 128}, seed=2)
+    with pytest.raises(ValueError, match="the prefill program was lowered from another model than the decode"):
+        ts.compile(ts.trace(other).lower("prefill"), ts.trace(model).lower("decode"),
+                   ts.CompileConfig(num_kv_pages=8))
+
+
 def test_narrowing_frontier_follows_the_last_cache_write(model):
     stages = ts.trace(model).lower("prefill").stages
     assert list(stages) == ["encoder", "narrowing", "decoder", "finish"]

@@ -176,6 +176,7 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
             got = f"a {lowered.mode!r} program" if isinstance(lowered, Lowered) else type(lowered).__name__
             raise ValueError(f"compile(prefill, decode): the {name} argument is {got}; pass "
                              f"traced.lower({name!r})")
+    _check_one_model(prefill, decode, verify)
     backend = backend or backend_for(decode.config)
     _check_prefill_attention(prefill, backend.graph_support())
     _check_state_slots(decode, config)
@@ -212,6 +213,16 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         compiled, pool=attrs.evolve(compiled.pool, rebind_seconds=time.perf_counter() - start),
         startup=attrs.evolve(compiled.startup, kernel_variants_precompiled=probed.kernel_variants_precompiled,
                              precompile_seconds=probed.precompile_seconds))
+
+
+def _check_one_model(prefill: Lowered, decode: Lowered, verify: "Verification | None") -> None:
+    """The runners share one KV pool sized and laid out by decode's model: a prefill (or
+    verify) lowered from another model would write keys of another shape, or of other
+    weights, into it. Configs are compared, so two loads of one checkpoint pass."""
+    for name, lowered in (("prefill", prefill), ("verify", verify.lowered if verify else None)):
+        if lowered is not None and lowered.config != decode.config:
+            raise ValueError(f"compile(prefill, decode): the {name} program was lowered from another model "
+                             f"than the decode program; lower both from one ts.trace(model)")
 
 
 def _check_state_slots(decode: Lowered, config: CompileConfig) -> None:
