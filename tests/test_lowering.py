@@ -122,6 +122,18 @@ def test_prefill_and_decode_of_different_models_are_refused_before_a_pool_is_bou
                    ts.CompileConfig(num_kv_pages=8))
 
 
+def test_a_program_given_the_other_modes_metadata_names_what_it_lacks(model):
+    """A decode descriptor has no attention tiles nor decoder view: the prefill program
+    says so, rather than a KeyError from inside a segment."""
+    traced = ts.trace(model)
+    decode_meta = refresh_decode([DecodeRow(5, 3, (1,))], 1, 8, PAGE)
+    with pytest.raises(TypeError, match=r"prefill program reads attention_tiles, .*\(DecodeMetadata\) lacks: "
+                                        r"pass an ExtendMetadata"):
+        traced.lower("prefill")(cache(model), decode_meta)
+    with pytest.raises(TypeError, match=r"traced model reads input_ids, .*\(NoneType\) lacks"):
+        traced(cache(model), None)
+
+
 def test_narrowing_frontier_follows_the_last_cache_write(model):
     stages = ts.trace(model).lower("prefill").stages
     assert list(stages) == ["encoder", "narrowing", "decoder", "finish"]

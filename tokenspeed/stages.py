@@ -62,7 +62,9 @@ class Traced:
 
     def __call__(self, kv_cache: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """Run the traced graph on the fields every descriptor has (no decoder view)."""
-        return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in input_names(self.graph_module)})
+        names = input_names(self.graph_module)
+        _check_metadata(meta, names, "the traced model", "a DecodeMetadata or ExtendMetadata")
+        return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in names})
 
     def lower(self, mode: str = "decode", *, narrow: bool | None = None,
               decode_graph: bool | None = None, attention_breaks: bool | None = None) -> "Lowered":
@@ -127,6 +129,12 @@ class Lowered:
 
     def __call__(self, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """Run every segment eagerly, in order: the reference for any captured run."""
+        produced, needed = {"kv_cache"}, []
+        for seg in self.segments:
+            needed += [name for name in seg.inputs if name not in produced and name not in needed]
+            produced.update(seg.outputs)
+        expected = METADATA_OF[self.mode]
+        _check_metadata(meta, needed, f"the lowered {self.mode} program", expected)
         return self.program(kv_cache, meta)
 
     def to_networkx(self) -> nx.DiGraph:
@@ -141,6 +149,20 @@ class Lowered:
                     g.add_edge(producer[value], seg.name, values=edge["values"] + [value])
             producer.update({v: seg.name for v in seg.outputs})
         return g
+
+
+METADATA_OF = {"prefill": "an ExtendMetadata (backends.metadata.plan_extend)",
+               "decode": "a DecodeMetadata (backends.metadata.refresh_decode)",
+               "verify": "a DecodeMetadata (backends.metadata.refresh_decode)"}
+
+
+def _check_metadata(meta, needed, what: str, expected: str) -> None:
+    """Every metadata tensor ``what`` reads is on ``meta``: a decode descriptor handed to
+    a prefill program is named as such, not met as a KeyError deep in a segment."""
+    missing = [name for name in needed if not isinstance(getattr(meta, name, None), torch.Tensor)]
+    if missing:
+        raise TypeError(f"{what} reads {', '.join(missing)}, which the metadata given "
+                        f"({type(meta).__name__}) lacks: pass {expected}")
 
 
 @attrs.frozen
