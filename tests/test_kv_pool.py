@@ -61,6 +61,22 @@ def test_a_page_count_is_kept_up_to_every_sequence_at_full_length(pages, max_num
     assert sizing.num_pages == min(pages, kv_pool.wanted_pages(max_num_seqs, pages_per_sequence))
 
 
+@pytest.mark.parametrize("options, rule", [
+    (dict(num_kv_pages=10**6), "by max_num_seqs=4 sequences at full length; num_kv_pages=1000000 allows more"),
+    (dict(kv_cache_memory_bytes=1 << 30),
+     "by max_num_seqs=4 sequences at full length; kv_cache_memory_bytes=1073741824 allows more"),
+    (dict(), "by max_num_seqs=4 sequences at full length; the CPU's default budget of 512.00 MiB allows more"),
+    (dict(num_kv_pages=20), "by num_kv_pages=20)"),
+    (dict(kv_cache_memory_bytes=20 * 256), "by kv_cache_memory_bytes=5120)"),
+])
+def test_the_report_names_what_set_the_pools_size(options, rule):
+    """A pool cut to every sequence at full length is reported so: "2049 pages, by the
+    CPU's default budget" misread a 16 MiB pool as the 512 MiB budget's."""
+    geometry = kv_pool.PoolGeometry(2, PAGE, 2, 8, torch.float32, "cpu")   # 256-byte pages
+    sizing = kv_pool.sized_by_bytes(CompileConfig(max_num_seqs=4, **options), geometry, pages_per_sequence=8)
+    assert rule in sizing.as_text()
+
+
 @pytest.mark.parametrize("options, fragment", [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization=0.0: must be in (0, 1]"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: must be in (0, 1]"),

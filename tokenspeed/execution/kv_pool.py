@@ -98,14 +98,17 @@ def sized_by_bytes(config, geometry: PoolGeometry, pages_per_sequence: int, *,
     model's), paid from the same budget."""
     wanted, page_bytes = wanted_pages(config.max_num_seqs, pages_per_sequence), geometry.page_bytes
     if config.num_kv_pages is not None:   # no more than every sequence at full length uses
-        return PoolSizing(min(config.num_kv_pages, wanted), page_bytes, pages_per_sequence, "num_kv_pages")
+        pages = min(config.num_kv_pages, wanted)
+        rule = _rule(f"num_kv_pages={config.num_kv_pages}", pages, config.num_kv_pages, config.max_num_seqs)
+        return PoolSizing(pages, page_bytes, pages_per_sequence, rule)
     if config.kv_cache_memory_bytes is None and geometry.device.type == "cuda":
         return None
     budget = CPU_KV_BYTES if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes
-    rule = "the CPU's default budget" if config.kv_cache_memory_bytes is None else \
+    rule = f"the CPU's default budget of {_size(CPU_KV_BYTES)}" if config.kv_cache_memory_bytes is None else \
         f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     pages = _pages(budget, page_bytes + companion_page_bytes, wanted, rule)
-    return PoolSizing(pages, page_bytes, pages_per_sequence, rule)
+    asked = budget // (page_bytes + companion_page_bytes)
+    return PoolSizing(pages, page_bytes, pages_per_sequence, _rule(rule, pages, asked, config.max_num_seqs))
 
 
 def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeometry, *,
@@ -123,7 +126,9 @@ def sized_after_probe(utilization: float, probe: torch.Tensor, geometry: PoolGeo
     pages = _pages(budget, geometry.page_bytes + companion_page_bytes, wanted, rule,
                    f" of {_size(total)}: the device holds {_size(non_kv)} besides it (weights, graphs, "
                    f"workspaces, other engines and processes)")
-    return PoolSizing(pages, geometry.page_bytes, pages_per_sequence, rule, probe.shape[2], non_kv)
+    asked = max(budget, 0) // (geometry.page_bytes + companion_page_bytes)
+    return PoolSizing(pages, geometry.page_bytes, pages_per_sequence, _rule(rule, pages, asked, max_num_seqs),
+                      probe.shape[2], non_kv)
 
 
 def reset_peak(device: torch.device) -> None:
@@ -139,6 +144,13 @@ def _transient_peak(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return max(torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device), 0)
+
+
+def _rule(rule: str, pages: int, asked: int, max_num_seqs: int) -> str:
+    """What chose ``pages``: ``rule`` (which allows ``asked``), unless the cap of
+    ``max_num_seqs`` sequences at full length cut it, which the report must then name: a
+    pool "by num_kv_pages=100000" of 2049 pages reads as a misreport."""
+    return rule if pages >= asked else f"max_num_seqs={max_num_seqs} sequences at full length; {rule} allows more"
 
 
 def _pages(budget: int, page_bytes: int, wanted: int, rule: str, context: str = "") -> int:
