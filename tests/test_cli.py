@@ -148,6 +148,14 @@ def test_max_num_seqs_past_its_limit_is_refused_as_the_flags_are_read(capsys, ar
     assert "argument --max-num-seqs: must be in [1, 65536]" in capsys.readouterr().err
 
 
+def test_a_latency_batch_past_the_running_limit_is_refused_as_the_flags_are_read(capsys):
+    """The batch runs at once (``max_num_seqs=batch_size``): it was refused only after the
+    model loaded, as ``max_num_seqs=100000``, a flag the command does not have."""
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--batch-size", "100000"])
+    assert "argument --batch-size: must be in [1, 65536], got 100000" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--temperature", "-1"], "temperature=-1.0: must be a finite number >= 0"),
     (["generate", "hi", "--model", "/no/such/dir"], "/no/such/dir: no such file or directory"),

@@ -19,7 +19,8 @@ def add_command(commands, engine_options) -> None:
                                 description=DESCRIPTION).add_subparsers(dest="kind", required=True)
     latency = _offline_command(bench, "latency", "time one batch end to end, repeatedly", engine_options,
                                input_len=32, run=run_latency)
-    latency.add_argument("--batch-size", type=at_least(1), default=8, help="requests in the batch")
+    latency.add_argument("--batch-size", type=at_least(1, MAX_NUM_SEQS), default=8,
+                         help="requests in the batch, run at once")
     latency.add_argument("--num-iters-warmup", type=at_least(0), default=2, help="untimed runs first")
     latency.add_argument("--num-iters", type=at_least(1), default=10, help="timed runs")
     throughput = _offline_command(bench, "throughput", "serve many requests at once", engine_options,
