@@ -125,7 +125,8 @@ def test_inspect_compiled_prints_what_the_engine_runs(capsys):
 
 @pytest.mark.parametrize("bench", ["latency", "throughput"])
 def test_bench_lengths_past_the_context_are_refused_in_its_flags_words(capsys, bench):
-    with pytest.raises(SystemExit, match=r"--input-len 60 \+ --output-len 8 = 68 exceeds max_model_len=64"):
+    with pytest.raises(SystemExit, match=rf"^tokenspeed bench {bench}: error: --input-len 60 \+ --output-len 8 = 68 "
+                                         r"exceeds max_model_len=64"):
         main(["bench", bench, "--model", str(text_model_dir()), "--max-model-len", "64", "--input-len", "60",
               "--output-len", "8"])
 

@@ -31,9 +31,15 @@ def main(argv=None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # the exit's flush finds no pipe
         sys.exit(1)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError, ConnectionError) as exc:
-        sys.exit(f"tokenspeed {args.command}: error: {exc}")
+        sys.exit(f"{_prog(args)}: error: {exc}")
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def _prog(args) -> str:
+    """The command as argparse names it in its own errors: ``tokenspeed bench latency``,
+    not ``tokenspeed bench``, for a subcommand of bench."""
+    return " ".join(filter(None, ("tokenspeed", args.command, getattr(args, "kind", None))))
 
 
 def parser() -> argparse.ArgumentParser:
