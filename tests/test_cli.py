@@ -141,6 +141,21 @@ def test_bench_prints_vllm_figures(capsys):
     assert "requests/s" in throughput.out and "Total num output tokens:  24" in throughput.out
 
 
+def test_bench_latency_shows_its_runs_progress(capsys, monkeypatch):
+    """Twelve runs of the default batch take a minute on the CPU: each phase has a bar."""
+    import tqdm
+    bars, real = [], tqdm.tqdm
+
+    def recorded(iterable=None, **kw):
+        bars.append((kw.get("desc"), len(iterable) if iterable is not None else kw.get("total")))
+        return real(iterable, **kw)
+    monkeypatch.setattr(tqdm, "tqdm", recorded)
+    run(capsys, "bench", "latency", "--model", str(text_model_dir()), "--input-len", "4", "--output-len", "2",
+        "--batch-size", "1", "--num-iters", "3", "--num-iters-warmup", "1")
+    assert [bar for bar in bars if bar[0] in ("warm-up runs", "timed runs")] == [("warm-up runs", 1),
+                                                                                ("timed runs", 3)]
+
+
 @pytest.mark.parametrize("argv", [["serve", "--max-num-seqs", "100000"],
                                   ["bench", "throughput", "--max-num-seqs", "70000"]])
 def test_max_num_seqs_past_its_limit_is_refused_as_the_flags_are_read(capsys, argv):

@@ -76,10 +76,10 @@ def run_latency(args) -> None:
     _check_lengths(args, llm)
     prompts = random_prompts(args.batch_size, args.input_len, llm.config.vocab_size)
     params = _fixed_length(args.output_len)
-    for _ in range(args.num_iters_warmup):
+    for _ in _runs(args.num_iters_warmup, "warm-up runs"):
         llm.generate(prompts, params, use_tqdm=False)
     latencies = []
-    for _ in range(args.num_iters):
+    for _ in _runs(args.num_iters, "timed runs"):
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         latencies.append(time.perf_counter() - start)
@@ -88,6 +88,14 @@ def run_latency(args) -> None:
         print(f"{p}% percentile latency: {value} seconds")
     _write(args.output_json, {"avg_latency": statistics.mean(latencies), "latencies": latencies,
                               "percentiles": percentiles(latencies)})
+
+
+def _runs(count: int, desc: str):
+    """``range(count)`` with a progress bar on a terminal's stderr: the default batch on
+    the CPU takes seconds a run, and twelve runs without a sign of life read as a hang.
+    The bar moves between runs, outside the timed span."""
+    from tqdm import tqdm
+    return tqdm(range(count), desc=desc, unit="run", disable=None, leave=False, dynamic_ncols=True)
 
 
 def run_throughput(args) -> None:
