@@ -34,6 +34,20 @@ def test_slot_math_is_page_size_invariant(tables, factor, page_size, data):
     assert torch.equal(raw, expanded)
 
 
+@given(tables=block_tables())
+def test_drawn_block_tables_share_no_page(tables):
+    """As every drawn batch: distinct non-null pages, none shared between requests or
+    repeated within one."""
+    pages = [p for table in tables for p in table]
+    assert tables and all(tables) and len(pages) == len(set(pages)) and min(pages) >= 1
+
+
+@given(tables=block_tables(max_requests=5, max_pages=4, max_page=6))
+def test_drawn_block_tables_stop_where_the_pages_run_out(tables):
+    pages = [p for table in tables for p in table]
+    assert len(pages) == len(set(pages)) <= 6 and max(map(len, tables)) <= 4 and len(tables) <= 5
+
+
 @given(case=decode_cases())
 def test_decode_padding_rows_and_tails_resolve_to_null_page(case):
     meta = refresh_decode(case.rows, case.num_rows, case.max_pages, case.page_size)
