@@ -134,6 +134,13 @@ def test_a_program_given_the_other_modes_metadata_names_what_it_lacks(model):
         traced(cache(model), None)
 
 
+def test_traced_and_lowered_reprs_are_one_line(model):
+    """At a prompt, ``traced`` printed the whole module tree (398 lines for the default model)."""
+    traced = ts.trace(model)
+    assert repr(traced) == f"Traced(LlamaForCausalLM, {len(traced.graph_module.graph.nodes)} nodes)"
+    assert repr(traced.lower("prefill")) == "Lowered(mode='prefill', narrowed=True)"
+
+
 def test_narrowing_frontier_follows_the_last_cache_write(model):
     stages = ts.trace(model).lower("prefill").stages
     assert list(stages) == ["encoder", "narrowing", "decoder", "finish"]

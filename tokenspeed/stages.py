@@ -48,11 +48,17 @@ def trace(model: torch.nn.Module) -> "Traced":
     return Traced(trace_graph(model), getattr(model, "config", None))
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class Traced:
-    """A traced model: ``forward(kv_cache, <metadata leaves>) -> logits of sampled rows``."""
+    """A traced model: ``forward(kv_cache, <metadata leaves>) -> logits of sampled rows``.
+    Its repr is one line, as ``Lowered``'s: the module tree (hundreds of lines for the
+    default model) is ``graph_module``'s, the IR ``as_text()``."""
     graph_module: fx.GraphModule
     config: object
+
+    def __repr__(self) -> str:
+        arch = getattr(self.config, "architecture", None) or type(self.config).__name__
+        return f"Traced({arch}, {len(self.graph_module.graph.nodes)} nodes)"
 
     def as_text(self) -> str:
         return graph_text(self.graph_module.graph)
