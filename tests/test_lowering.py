@@ -141,6 +141,15 @@ def test_traced_and_lowered_reprs_are_one_line(model):
     assert repr(traced.lower("prefill")) == "Lowered(mode='prefill', narrowed=True)"
 
 
+def test_tracing_a_traced_graph_says_it_is_traced_already(model):
+    """A Traced's graph_module is an fx class named Traced: ``got Traced`` misled."""
+    traced = ts.trace(model)
+    with pytest.raises(TypeError, match=r"got a Traced, which is traced already"):
+        ts.trace(traced)
+    with pytest.raises(TypeError, match=r"got a torch.fx.GraphModule \(a Traced's graph_module\?\), which is traced"):
+        ts.trace(traced.graph_module)
+
+
 def test_narrowing_frontier_follows_the_last_cache_write(model):
     stages = ts.trace(model).lower("prefill").stages
     assert list(stages) == ["encoder", "narrowing", "decoder", "finish"]

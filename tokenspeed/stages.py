@@ -41,6 +41,10 @@ from tokenspeed.execution.startup import StartupReport, build_runners
 
 def trace(model: torch.nn.Module) -> "Traced":
     """Trace ``model.forward(kv_cache, meta)`` with ``meta`` a :class:`ForwardMetadata`."""
+    if isinstance(model, (Traced, fx.GraphModule)):   # a traced graph's class is also named Traced
+        what = "a Traced" if isinstance(model, Traced) else "a torch.fx.GraphModule (a Traced's graph_module?)"
+        raise TypeError(f"trace(model): got {what}, which is traced already: lower the Traced "
+                        f"(traced.lower('prefill')), or trace the model it came from")
     forward = getattr(model, "forward", None) if isinstance(model, torch.nn.Module) else None
     if forward is None or list(inspect.signature(forward).parameters)[:2] != ["kv_cache", "meta"]:
         raise TypeError(f"trace(model): expected a tokenspeed model (a torch.nn.Module whose forward takes "
