@@ -235,6 +235,13 @@ def _commands(top: argparse.ArgumentParser):
                      for c in a.choices.values())
 
 
+def test_every_commands_help_says_what_it_does_in_plain_text():
+    """``tokenspeed --help`` began with reST's ````tokenspeed````; ``bench latency --help``
+    and ``bench throughput --help`` said nothing of what they do."""
+    for command in _commands(parser()):
+        assert command.description and "``" not in command.description, command.prog
+
+
 def test_help_shows_every_default():
     commands = list(_commands(parser()))
     assert len(commands) >= 8

@@ -34,7 +34,7 @@ def add_command(commands, engine_options) -> None:
 
 def _offline_command(bench, name: str, help_text: str, engine_options, input_len: int, run):
     """A command that loads the model itself, with the lengths and the JSON output both take."""
-    command = bench.add_parser(name, help=help_text)
+    command = bench.add_parser(name, help=help_text, description=help_text)
     engine_options(command)
     command.add_argument("--input-len", type=at_least(1), default=input_len, help="prompt tokens per request")
     command.add_argument("--output-len", type=at_least(1), default=128, help="tokens generated per request")

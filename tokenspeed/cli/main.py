@@ -43,7 +43,7 @@ def _prog(args) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="tokenspeed", description=__doc__.split("\n\n")[0])
+    top = argparse.ArgumentParser(prog="tokenspeed", description=__doc__.split("\n\n")[0].replace("``", ""))
     commands = top.add_subparsers(dest="command", required=True)
     generate = _engine_command(commands, "generate", "complete a prompt, streaming the text", cmd_generate)
     generate.add_argument("prompt", help="the prompt text")
