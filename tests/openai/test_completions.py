@@ -177,6 +177,20 @@ def test_the_default_max_tokens_is_cut_to_the_room_a_prompt_leaves(api):
                  "exceeds max_model_len=256")
 
 
+@pytest.mark.parametrize("path, body, param", [
+    (PATH, {"prompt": [5] * 300, "max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sea " * 300}], "max_tokens": 4}, "messages"),
+    (PATH, {"prompt": [5] * 256, "max_tokens": 1}, "prompt"),
+])
+def test_a_prompt_past_the_context_is_refused_as_the_prompt_not_max_tokens(api, path, body, param):
+    """As vLLM tells them apart: no max_tokens fits a prompt that alone leaves no room, so
+    the refusal names the prompt (it named max_tokens), and still both numbers."""
+    error = assert_error(api.post(path, body), 400, "BadRequestError", param, "exceeds max_model_len=256")
+    assert "prompt tokens + max_tokens=" in error["message"] and "the prompt alone" in error["message"]
+    near = {"prompt": [5] * 255, "max_tokens": 2}
+    assert_error(api.post(PATH, near), 400, "BadRequestError", "max_tokens", "257 exceeds max_model_len=256")
+
+
 @pytest.mark.parametrize("field, value", [("suffix", "end"), ("best_of", 3)])
 def test_unsupported_fields_are_refused_by_name(api, field, value):
     assert_error(api.post(PATH, {"prompt": "x", field: value}), 400, "BadRequestError", field, "not supported")

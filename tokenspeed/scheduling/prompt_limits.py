@@ -128,7 +128,15 @@ def _check_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]) ->
 
 
 def _check_length(limits: PromptLimits, where: str, prompt_tokens: int, max_tokens: int) -> None:
+    """Past ``max_model_len``: the prompt is the field to cut where it alone leaves no room
+    for an output token (no ``max_tokens`` would fit it, as vLLM tells the two apart),
+    else ``max_tokens``."""
     total = prompt_tokens + max_tokens
+    if total > limits.max_model_len and prompt_tokens >= limits.max_model_len:
+        raise RefusedRequest(f"{where}: {prompt_tokens} prompt tokens + max_tokens={max_tokens} = {total} "
+                             f"exceeds max_model_len={limits.max_model_len}: the prompt alone leaves no room "
+                             "for an output token", field="prompt", value=prompt_tokens,
+                             limit=limits.max_model_len - 1)
     if total > limits.max_model_len:
         raise RefusedRequest(f"{where}: {prompt_tokens} prompt tokens + max_tokens={max_tokens} = {total} "
                              f"exceeds max_model_len={limits.max_model_len}",
