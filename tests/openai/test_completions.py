@@ -1,6 +1,8 @@
 """``POST /v1/completions``: the response's and the stream's shapes, several prompts and
 samples, stop strings and lengths, logprobs and their text offsets, and refusals."""
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -113,6 +115,32 @@ def test_each_streamed_choice_finishes_once(api, path, prompt_field):
     last = {c["choices"][0]["index"]: i for i, c in enumerate(chunks)}
     assert all(chunks[last[index]]["choices"][0]["finish_reason"] == reason for index, reason in finishes)
     assert len(set(last.values())) == 3, "the samples must finish at different steps to test this"
+
+
+@pytest.mark.parametrize("path, prompt_field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_answers_id_is_the_requests_own_as_vllm_names_it(api, path, prompt_field, stream):
+    """The ``X-Request-Id`` header, else vLLM's ``request_id`` field, else a fresh id: the
+    answer's ``id`` ends with it and the header carries it back (a value unfit for a
+    header stays in the id alone)."""
+    prompt = "Hi" if prompt_field == "prompt" else [{"role": "user", "content": "Hi"}]
+    prefix = "cmpl-" if prompt_field == "prompt" else "chatcmpl-"
+
+    def answer(headers=None, **fields):
+        body = {prompt_field: prompt, "max_tokens": 2, "stream": stream, **fields}
+        response = api.post(path, body, headers=headers or {})
+        assert response.status_code == 200, response.text
+        lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+        ids = {json.loads(line)["id"] for line in lines[:-1]} if stream else {response.json()["id"]}
+        assert len(ids) == 1
+        return ids.pop(), response.headers.get("x-request-id")
+
+    assert answer({"X-Request-Id": "trace-42"}) == (f"{prefix}trace-42", "trace-42")
+    assert answer(request_id="mine") == (f"{prefix}mine", "mine")
+    assert answer({"X-Request-Id": "trace-43"}, request_id="mine") == (f"{prefix}trace-43", "trace-43")
+    fresh, header = answer()
+    assert fresh == f"{prefix}{header}" and len(header) >= 16
+    assert answer(request_id="a\nb") == (f"{prefix}a\nb", None)
 
 
 def test_logprobs_have_openais_shape_and_offsets_into_the_text(client):

@@ -2,8 +2,9 @@
 refused), and what they become: prompts and ``SamplingParams``. vLLM's extra sampling
 fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted
-too, and so are the documented OpenAI fields that mean nothing to a local server
-(``user``; for chat also ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
+too, as is vLLM's ``request_id`` (the answer's id, as an ``X-Request-Id`` header sets
+it), and so are the documented OpenAI fields that mean nothing to a local server (``user``;
+for chat also ``metadata``, ``store``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``, ``modalities: ["text"]`` and ``prediction``, a hint for speed):
 read, checked for type, and ignored. (``parallel_tool_calls: false`` allows one tool call:
 ``tool_use``; ``reasoning_effort`` reaches the chat template, as vLLM passes it.) Fields
@@ -76,6 +77,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = None   # vLLM's: the answer's id (``routes._request_id``)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

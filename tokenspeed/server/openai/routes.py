@@ -32,6 +32,8 @@ from tokenspeed.tokenizer.chat_template import ChatTemplateRefusal
 if TYPE_CHECKING:
     from tokenspeed.server.openai.server import Server
 
+MAX_HEADER_ID = 256   # characters of a body's request_id sent back as the X-Request-Id header
+
 
 def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with either
@@ -57,7 +59,7 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
         return responses.model_card(server.model_name, server.limits.max_model_len, server.limits.vocab_size)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request, response: Response):
         body = await server.read(request, CompletionRequest)
         body.unsupported()
         prompts = await _prompts(body.prompt, server.tokenizer)
@@ -69,11 +71,11 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
         per_prompt = _completion_params(server, body, prompts, params)
         server.check(prompts, per_prompt, "prompt")   # before echo spells ids: they are in the vocabulary
         echoed = await asyncio.to_thread(_echoed, server, prompts) if body.echo else ()
-        return await _answer(server, request, body, prompts, per_prompt, responses.CompletionFormat(
+        return await _answer(server, request, response, body, prompts, per_prompt, responses.CompletionFormat(
             server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request, response: Response):
         body = await server.read(request, ChatCompletionRequest)
         _check_template(access, body)
         tools, constraint = await _chat_constraint(server, body)
@@ -83,7 +85,7 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
             params = _chat_params(server, body, tools, constraint)
             server.check(prompts, [params], "messages")
             parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
-            return await _answer(server, request, body, prompts, [params], responses.ChatFormat(
+            return await _answer(server, request, response, body, prompts, [params], responses.ChatFormat(
                 server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
 
     @app.post("/tokenize")
@@ -109,22 +111,39 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
         return {"prompt": await asyncio.to_thread(_tokenizer(server, "tokens").decode, body.tokens, False)}
 
 
-async def _answer(server: "Server", request: Request, body, prompts, params, fmt):
-    """``params[i]`` for ``prompts[i]``, checked by the caller (``Server.check``)."""
+async def _answer(server: "Server", request: Request, response: Response, body, prompts, params, fmt):
+    """``params[i]`` for ``prompts[i]``, checked by the caller (``Server.check``). The
+    answer's id is the request's (``_request_id``), and goes back as its header too."""
+    request_id = _request_id(request, body)
+    headers = {"X-Request-Id": request_id} if _fits_a_header(request_id) else {}
     keys, updates = server.submit(prompts, params, streamed=bool(body.stream))
     if body.stream:
-        return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage, request_id),
+                                 media_type="text/event-stream", headers=headers)
     per_prompt = await server.collect(request, keys, updates)
-    return fmt.complete(per_prompt, created=int(time.time()), request_id=uuid.uuid4().hex)
+    response.headers.update(headers)
+    return fmt.complete(per_prompt, created=int(time.time()), request_id=request_id)
 
 
-async def _stream(server: "Server", keys, updates, fmt, include_usage: bool):
+def _request_id(request: Request, body) -> str:
+    """As vLLM names a request: by the client's ``X-Request-Id`` header, else the body's
+    ``request_id``, else a fresh one; the answer's ``id`` ends with it, so that a client
+    (or a proxy that set the header) finds its request by the id it chose."""
+    return request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+
+
+def _fits_a_header(value: str) -> bool:
+    """Whether a body's ``request_id`` can go back as a header as it is (a header's own
+    value always can): printable ASCII, not a page of it."""
+    return len(value) <= MAX_HEADER_ID and value.isascii() and value.isprintable()
+
+
+async def _stream(server: "Server", keys, updates, fmt, include_usage: bool, request_id: str):
     """The answer's events; a failure ends the stream with an error event and [DONE]: the
     engine's (its request's error), the server's (an ``APIError``: stopping, the deadline) or
     a fault formatting the reply (a 500, logged), never a connection cut mid-stream."""
     try:
-        async for text in _events(keys, updates, fmt, include_usage):
+        async for text in _events(keys, updates, fmt, include_usage, request_id):
             yield text
     except APIError as exc:
         yield _error_event(exc)
@@ -136,8 +155,8 @@ async def _stream(server: "Server", keys, updates, fmt, include_usage: bool):
         server.abort(keys)
 
 
-async def _events(keys, updates, fmt, include_usage: bool):
-    request_id, created = uuid.uuid4().hex, int(time.time())
+async def _events(keys, updates, fmt, include_usage: bool, request_id: str):
+    created = int(time.time())
     pending, usage = set(range(len(keys))), responses.Usage()
     prefix = fmt.chunk_prefix(request_id, created)
     if first := _event(fmt.first_chunks(request_id, created, len(keys))):
