@@ -146,3 +146,16 @@ def test_each_chunk_is_one_delta_and_only_the_last_finishes():
     chunks = streamed_chunks('<think>a</think>b<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', [3, 20])
     assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["tool_calls"]
     assert all(c["index"] == 0 and c["logprobs"] is None for c in chunks)
+
+
+def test_continuous_usage_counts_the_tokens_of_text_a_parser_holds_back():
+    """A delta whose text the parser keeps (a marker, a call not yet whole) sends no chunk;
+    its tokens still count in the usage of the choice's next chunk."""
+    fmt = ChatFormat("m", None, 1, parsing=ReplyParsing.of("qwen3", "hermes", False), continuous_usage=True)
+    pieces = [("<think>", (7,), None), ("Hm", (8, 9), None), ("</think>", (10,), None), ("Yes", (11,), "stop")]
+    events = "".join(fmt.events('{"choices": [', 0, types.SimpleNamespace(num_prompt_tokens=4, deltas=(
+        CompletionDelta(0, text, ids, (), finish, None),))) for text, ids, finish in pieces)
+    chunks = [json.loads(e) for e in events.split("\n\n") if e]
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"reasoning_content": "Hm"}, {"content": "Yes"}]
+    assert [c["usage"] for c in chunks] == [{"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+                                            for n in (3, 5)]

@@ -117,6 +117,37 @@ def test_each_streamed_choice_finishes_once(api, path, prompt_field):
     assert len(set(last.values())) == 3, "the samples must finish at different steps to test this"
 
 
+@pytest.mark.parametrize("path, prompt, opens", [
+    ("/v1/completions", ["Hi", "The sea is"], 0),
+    ("/v1/completions", ["Hi", "The sea is"], 1),      # echo: each choice opens with its prompt
+    ("/v1/chat/completions", [{"role": "user", "content": "Hi"}], 1),   # the role's chunk
+])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(api, path, prompt, opens):
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk carries its choice's
+    prompt tokens and the tokens it kept so far (none in an opening chunk), the last one
+    of a choice all of them; the usage chunk sums them. Without ``include_usage`` it adds
+    nothing, as vLLM reads it."""
+    field = "prompt" if path == PATH else "messages"
+    body = {field: prompt, "max_tokens": 5, "n": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "echo": bool(opens)}
+    if path != PATH:
+        del body["echo"]
+    *chunks, total = api.stream_chunks(path, body)
+    counts = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        usage, before = chunk["usage"], counts.get(choice["index"], [])
+        counts[choice["index"]] = before + [usage["completion_tokens"]]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert sorted(counts) == list(range(len(counts))) and len(counts) == 2 * (len(prompt) if path == PATH else 1)
+    assert all(c == sorted(c) and c[-1] == 5 and (c[0] == 0) == bool(opens) for c in counts.values())
+    prompt_tokens = {c["choices"][0]["index"]: c["usage"]["prompt_tokens"] for c in chunks}
+    assert total["choices"] == [] and total["usage"]["completion_tokens"] == 5 * len(counts)
+    assert total["usage"]["prompt_tokens"] == sum(prompt_tokens.values()) // 2
+    plain = {**body, "stream_options": {"continuous_usage_stats": True}}
+    assert all("usage" not in c for c in api.stream_chunks(path, plain))
+
+
 @pytest.mark.parametrize("path, prompt_field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_answers_id_is_the_requests_own_as_vllm_names_it(api, path, prompt_field, stream):

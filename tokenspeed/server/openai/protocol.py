@@ -63,6 +63,7 @@ def _defaulted_without_null(model: type[BaseModel], name: str) -> bool:
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: usage in every chunk too (with include_usage)
 
 
 class SamplingFields(Strict):
@@ -137,6 +138,11 @@ class SamplingFields(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: read only with ``include_usage``, as vLLM reads it."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):

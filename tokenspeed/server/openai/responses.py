@@ -6,7 +6,8 @@ A format serves one response: it follows each choice's text (``TextOffsets``) ac
 chunks of a stream, so that streamed ``text_offset`` values are those of the whole answer.
 A chat reply read by parsers (``ReplyParsing``: reasoning, tool calls) is sent as the
 message fields they read, and streamed as their deltas, each choice through its own
-``ReplyStream``.
+``ReplyStream``. With vLLM's ``continuous_usage_stats``, every chunk of a stream carries
+the usage so far of its choice (its prompt's tokens and the tokens it kept), as vLLM's do.
 """
 
 import json
@@ -83,10 +84,12 @@ class _Format:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True):
+    def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True,
+                 continuous_usage: bool = False):
         self.model, self.tokenizer, self.n = model, tokenizer, n
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens, self.continuous_usage = skip_special_tokens, continuous_usage
         self._offsets: dict[int, TextOffsets] = {}     # by choice index
+        self._kept: dict[int, int] = {}                # tokens streamed so far, by choice index
 
     def _envelope(self, object_name: str, request_id: str, created: int) -> dict:
         return {"id": f"{self.id_prefix}-{request_id}", "object": object_name, "created": created,
@@ -109,14 +112,33 @@ class _Format:
     def events(self, prefix: str, index: int, update) -> str:
         """The server-sent events of one update of prompt ``index``: a chunk per delta that
         carries text, tokens or a finish."""
-        return "".join(f"{prefix}{self.delta_json(index * self.n + d.index, d)}]}}\n\n"
-                       for d in update.deltas if d.text or d.token_ids or d.finish_reason)
+        events = []
+        for d in update.deltas:
+            choice = index * self.n + d.index
+            end = self.chunk_end(choice, d, update)
+            if d.text or d.token_ids or d.finish_reason:
+                events.append(f"{prefix}{self.delta_json(choice, d)}{end}")
+        return "".join(events)
+
+    def chunk_end(self, choice: int, d, update) -> str:
+        """What closes a chunk of ``choice`` that streams delta ``d``: its choices, then with
+        ``continuous_usage`` the choice's usage once ``d`` is counted. Call it once for every
+        delta, sent or not (a parser may hold a delta's text back; its tokens still count)."""
+        if not self.continuous_usage:
+            return "]}\n\n"
+        self._kept[choice] = kept = self._kept.get(choice, 0) + len(d.token_ids)
+        return f'], "usage": {json.dumps(Usage(update.num_prompt_tokens, kept).body())}}}\n\n'
+
+    def opening_usage(self, prompt_tokens: int) -> dict:
+        """A choice's first chunk's usage field (``first_chunks``): none made yet."""
+        return {"usage": Usage(prompt_tokens, 0).body()} if self.continuous_usage else {}
 
     def delta_json(self, index: int, d) -> str:
         """``json.dumps(self.delta_choice(index, d))``: one per streamed token and client."""
         return json.dumps(self.delta_choice(index, d))
 
-    def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
+    def first_chunks(self, request_id: str, created: int, prompt_tokens: list[int]) -> list[dict]:
+        """The chunks a stream opens with, before any token: ``prompt_tokens`` a prompt."""
         return []
 
     def usage_chunk(self, usage: Usage, request_id: str, created: int) -> dict:
@@ -140,8 +162,8 @@ class CompletionFormat(_Format):
     id_prefix = "cmpl"
 
     def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True,
-                 echoed: tuple[str, ...] = ()):
-        super().__init__(model, tokenizer, n, skip_special_tokens)
+                 echoed: tuple[str, ...] = (), continuous_usage: bool = False):
+        super().__init__(model, tokenizer, n, skip_special_tokens, continuous_usage)
         self.echoed = echoed
 
     def choice(self, c: CompletionDelta) -> dict:
@@ -149,10 +171,11 @@ class CompletionFormat(_Format):
         return {"index": c.index, "text": text, "logprobs": self.logprobs(c.index, c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
+    def first_chunks(self, request_id: str, created: int, prompt_tokens: list[int]) -> list[dict]:
         envelope = self._envelope(self.chunk_object, request_id, created)
         return [{**envelope, "choices": [{"index": i, "text": self.echoed[i // self.n], "logprobs": None,
-                                          "finish_reason": None, "stop_reason": None}]}
+                                          "finish_reason": None, "stop_reason": None}],
+                 **self.opening_usage(prompt_tokens[i // self.n])}
                 for i in range(len(self.echoed) * self.n)]
 
     def delta_choice(self, index: int, d) -> dict:
@@ -183,8 +206,8 @@ class ChatFormat(_Format):
     id_prefix = "chatcmpl"
 
     def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True,
-                 parsing: ReplyParsing | None = None):
-        super().__init__(model, tokenizer, n, skip_special_tokens)
+                 parsing: ReplyParsing | None = None, continuous_usage: bool = False):
+        super().__init__(model, tokenizer, n, skip_special_tokens, continuous_usage)
         self.parsing = parsing
         self._streams: dict[int, ReplyStream] = {}     # by choice index
 
@@ -195,17 +218,22 @@ class ChatFormat(_Format):
                 "finish_reason": finish_reason(c.finish_reason, _arguments(fields)),
                 "stop_reason": c.stop_reason}
 
-    def first_chunks(self, request_id: str, created: int, num_prompts: int) -> list[dict]:
+    def first_chunks(self, request_id: str, created: int, prompt_tokens: list[int]) -> list[dict]:
         envelope = self._envelope(self.chunk_object, request_id, created)
         return [{**envelope, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-                for i in range(num_prompts * self.n)]
+                                          "logprobs": None, "finish_reason": None}],
+                 **self.opening_usage(prompt_tokens[i // self.n])}
+                for i in range(len(prompt_tokens) * self.n)]
 
     def events(self, prefix: str, index: int, update) -> str:
         if self.parsing is None:
             return super().events(prefix, index, update)
-        return "".join(f"{prefix}{json.dumps(choice)}]}}\n\n"
-                       for d in update.deltas for choice in self._parsed_choices(index * self.n + d.index, d))
+        events = []
+        for d in update.deltas:
+            choice = index * self.n + d.index
+            end = self.chunk_end(choice, d, update)
+            events += [f"{prefix}{json.dumps(c)}{end}" for c in self._parsed_choices(choice, d)]
+        return "".join(events)
 
     def _parsed_choices(self, index: int, d) -> list[dict]:
         """The parsers' deltas of ``d``, a chunk's choice each (none: one for the log-probabilities

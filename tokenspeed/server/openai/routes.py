@@ -72,7 +72,8 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
         server.check(prompts, per_prompt, "prompt")   # before echo spells ids: they are in the vocabulary
         echoed = await asyncio.to_thread(_echoed, server, prompts) if body.echo else ()
         return await _answer(server, request, response, body, prompts, per_prompt, responses.CompletionFormat(
-            server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed))
+            server.model_name, server.tokenizer, params.n, params.skip_special_tokens, echoed,
+            continuous_usage=body.continuous_usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, response: Response):
@@ -86,7 +87,8 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
             server.check(prompts, [params], "messages")
             parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
             return await _answer(server, request, response, body, prompts, [params], responses.ChatFormat(
-                server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing))
+                server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing,
+                continuous_usage=body.continuous_usage))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -118,7 +120,8 @@ async def _answer(server: "Server", request: Request, response: Response, body, 
     headers = {"X-Request-Id": request_id} if _fits_a_header(request_id) else {}
     keys, updates = server.submit(prompts, params, streamed=bool(body.stream))
     if body.stream:
-        return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage, request_id),
+        prompt_tokens = [len(prompt.token_ids) for prompt in prompts]
+        return StreamingResponse(_stream(server, keys, updates, fmt, body.include_usage, request_id, prompt_tokens),
                                  media_type="text/event-stream", headers=headers)
     per_prompt = await server.collect(request, keys, updates)
     response.headers.update(headers)
@@ -138,12 +141,13 @@ def _fits_a_header(value: str) -> bool:
     return len(value) <= MAX_HEADER_ID and value.isascii() and value.isprintable()
 
 
-async def _stream(server: "Server", keys, updates, fmt, include_usage: bool, request_id: str):
+async def _stream(server: "Server", keys, updates, fmt, include_usage: bool, request_id: str,
+                  prompt_tokens: list[int]):
     """The answer's events; a failure ends the stream with an error event and [DONE]: the
     engine's (its request's error), the server's (an ``APIError``: stopping, the deadline) or
     a fault formatting the reply (a 500, logged), never a connection cut mid-stream."""
     try:
-        async for text in _events(keys, updates, fmt, include_usage, request_id):
+        async for text in _events(keys, updates, fmt, include_usage, request_id, prompt_tokens):
             yield text
     except APIError as exc:
         yield _error_event(exc)
@@ -155,11 +159,11 @@ async def _stream(server: "Server", keys, updates, fmt, include_usage: bool, req
         server.abort(keys)
 
 
-async def _events(keys, updates, fmt, include_usage: bool, request_id: str):
+async def _events(keys, updates, fmt, include_usage: bool, request_id: str, prompt_tokens: list[int]):
     created = int(time.time())
     pending, usage = set(range(len(keys))), responses.Usage()
     prefix = fmt.chunk_prefix(request_id, created)
-    if first := _event(fmt.first_chunks(request_id, created, len(keys))):
+    if first := _event(fmt.first_chunks(request_id, created, prompt_tokens)):
         yield first
     while pending:
         events = []
