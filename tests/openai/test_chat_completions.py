@@ -156,6 +156,28 @@ def test_a_begun_reply_is_continued_as_vllm_continues_it(client, llm):
     assert got.choices[0].message.content == want.text
 
 
+@pytest.mark.parametrize("messages, extra, echoed", [
+    ([*HELLO, {"role": "assistant", "content": "Hello, I am"}],
+     {"continue_final_message": True, "add_generation_prompt": False}, "Hello, I am"),
+    ([*HELLO, {"role": "assistant", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
+     {}, "Hi\nthere"),                                   # the reply's role: parts joined, as vLLM joins them
+    (HELLO, {}, ""),                                      # a user's message is not the reply's
+    (HELLO, {"add_generation_prompt": False}, "Hello!"),  # the reply goes on from the last message
+])
+def test_echo_begins_each_reply_with_the_last_message_as_vllm_does(client, messages, extra, echoed):
+    """vLLM's chat ``echo``: the last message's text where it has the reply's role, before
+    each choice's reply, whole or streamed (after each choice's role); it was refused."""
+    kw = dict(model=MODEL, messages=messages, max_tokens=4, n=2, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body=extra)
+    got = client.chat.completions.create(**kw, extra_body={**extra, "echo": True})
+    assert [c.message.content for c in got.choices] == [echoed + c.message.content for c in plain.choices]
+    streamed = {}
+    for chunk in client.chat.completions.create(**kw, extra_body={**extra, "echo": True}, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in got.choices}
+
+
 def test_a_template_or_a_continuation_that_cannot_be_is_refused_by_its_field(api):
     assert_error(api.post(PATH, {"messages": HELLO, "chat_template": "{% for m %}"}), 400, "BadRequestError",
                  "chat_template", "not a Jinja template")

@@ -136,6 +136,18 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     modalities: list[Literal["text"]] | None = None   # text is what comes back; "audio" is refused
     prediction: Prediction | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None   # vLLM's values
+    echo: bool = False                              # vLLM's: the reply begins with the last message
+
+    def echoed(self) -> str:
+        """With ``echo``, what the reply begins with, as vLLM makes it: the last message's
+        text where that message has the reply's role (the assistant's; with
+        ``add_generation_prompt`` false, the last message's own, which the reply goes on
+        from), else nothing."""
+        if not self.echo:
+            return ""
+        last = self.checked_messages()[-1]
+        role = "assistant" if self.add_generation_prompt else last["role"]
+        return (last.get("content") or "") if last["role"] == role else ""
 
     def template_variables(self) -> dict:
         """Also ``reasoning_effort``, a template variable as vLLM makes it: a template that

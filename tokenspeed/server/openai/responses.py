@@ -201,18 +201,22 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """``echoed``: the text each reply begins with (vLLM's ``echo``: the last message's); a
+    stream sends it as each choice's first content, after its role."""
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def __init__(self, model: str, tokenizer, n: int, skip_special_tokens: bool = True,
-                 parsing: ReplyParsing | None = None, continuous_usage: bool = False):
+                 parsing: ReplyParsing | None = None, continuous_usage: bool = False, echoed: str = ""):
         super().__init__(model, tokenizer, n, skip_special_tokens, continuous_usage)
-        self.parsing = parsing
+        self.parsing, self.echoed = parsing, echoed
         self._streams: dict[int, ReplyStream] = {}     # by choice index
 
     def choice(self, c: CompletionDelta) -> dict:
         fields = {"content": c.text} if self.parsing is None else self.parsing.message(c.text)
+        if self.echoed:
+            fields = {**fields, "content": self.echoed + (fields.get("content") or "")}
         return {"index": c.index, "message": {"role": "assistant", **fields},
                 "logprobs": self.logprobs(c.index, c.logprobs),
                 "finish_reason": finish_reason(c.finish_reason, _arguments(fields)),
@@ -220,10 +224,10 @@ class ChatFormat(_Format):
 
     def first_chunks(self, request_id: str, created: int, prompt_tokens: list[int]) -> list[dict]:
         envelope = self._envelope(self.chunk_object, request_id, created)
-        return [{**envelope, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}],
+        deltas = [{"role": "assistant", "content": ""}] + ([{"content": self.echoed}] if self.echoed else [])
+        return [{**envelope, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
                  **self.opening_usage(prompt_tokens[i // self.n])}
-                for i in range(len(prompt_tokens) * self.n)]
+                for i in range(len(prompt_tokens) * self.n) for delta in deltas]
 
     def events(self, prefix: str, index: int, update) -> str:
         if self.parsing is None:

@@ -88,7 +88,7 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
             parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
             return await _answer(server, request, response, body, prompts, [params], responses.ChatFormat(
                 server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing,
-                continuous_usage=body.continuous_usage))
+                continuous_usage=body.continuous_usage, echoed=body.echoed()))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
