@@ -107,6 +107,23 @@ def test_a_finished_grammar_allows_eos_alone(vocab):
     assert mask_of(matcher, guide.vocab_size).nonzero().flatten().tolist() == [tokenizer.eos_token_ids[0]]
 
 
+def test_a_choice_of_thousands_of_strings_takes_each_of_them(vocab):
+    """Past llguidance's 2,000 items a row, a choice of one alternative a string failed at
+    its first token; the strings, with quotes, backslashes and shared prefixes, each hold."""
+    tokenizer, guide = vocab
+    choices = [f"option {i}" for i in range(3000)] + ['say "hi" \\ \n', "a", "ab", "é"]
+    grammar = compile_grammar(StructuredOutputs(choice=choices), guide)
+    for text in ("option 2999", 'say "hi" \\ \n', "a", "ab", "é"):
+        matcher = GrammarMatcher(grammar, guide)
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            assert mask_of(matcher, guide.vocab_size)[t], text
+            matcher.accept(t)
+        assert matcher.can_stop, text
+    for text in ("option 3000", "b", "option x"):
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        assert GrammarMatcher(grammar, guide).valid_prefix(tokens) < len(tokens), text
+
+
 def test_a_batch_fill_equals_one_row_at_a_time(vocab):
     tokenizer, guide = vocab
     matchers = [GrammarMatcher(compile_grammar(SPECS[k], guide), guide) for k in ("json", "regex", "choice")]

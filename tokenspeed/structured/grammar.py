@@ -10,6 +10,11 @@ leaving text that does not parse. Up to 16 characters at each place JSON allows
 whitespace keeps pretty-printed output (a newline and an indent) and ends every run.
 A schema that sets its own whitespace (``whitespace_flexible`` or ``whitespace_pattern`` in
 its top-level ``"x-guidance"``) keeps it.
+
+A ``choice`` is one terminal, the alternation of its strings (``_choice_grammar``), not
+llguidance's ``grammar_from("choice")``, a rule of one alternative per string: llguidance's
+parser holds at most 2,000 items in a row, so a choice of more strings compiled, then
+failed at its first token, mid-stream.
 """
 
 import json
@@ -66,12 +71,19 @@ def _grammar_text(spec: StructuredOutputs) -> str:
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.kind == "choice":
-        return llguidance.grammar_from("choice", list(spec.choice))
+        return _choice_grammar(spec.choice)
     try:
         return llguidance.grammar_from("grammar", spec.grammar)
     except ValueError as exc:   # GBNF that does not convert to Lark
         raise _refuse(spec, f"{exc} (a grammar without a start rule is read as GBNF: Lark starts from "
                             f"'start: ...', GBNF from 'root ::= ...')") from None
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    """One lexeme matching exactly one of ``choices``: the lexer's automaton takes any number
+    of strings, where a rule's alternatives each take an item of the parser's row. Each
+    string is a Lark literal in JSON's quoting, which llguidance's Lark reads."""
+    return f"start: CHOICE\nCHOICE: {' | '.join(json.dumps(c) for c in choices)}"
 
 
 def compile_grammar(spec: StructuredOutputs,

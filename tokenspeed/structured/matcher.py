@@ -52,7 +52,7 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """Feeds a token the request keeps. The mask allowed it, so a refusal means the mask
         allowed nothing (the grammar and ``allowed_token_ids`` share no token) or the grammar
-        passed one of llguidance's limits (a choice of thousands, a grammar no text ends):
+        passed one of llguidance's limits (a rule of thousands of alternatives, a grammar no text ends):
         the request's own constraints, refused for it alone (``ConstrainedSteps._accept``)."""
         if not self.matcher.consume_token(token):
             raise RefusedRequest(f"structured_outputs: the request's constraints left no token to sample "
