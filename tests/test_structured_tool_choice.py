@@ -77,6 +77,32 @@ def test_a_required_call_without_parallel_calls_is_one_call(vocab, parser):
         assert takes_more == parallel and matcher.can_stop == (parser != "mistral")
 
 
+NESTED = {"$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                              "additionalProperties": False}},
+          "type": "object", "properties": {"at": {"$ref": "#/$defs/Point"}, "next": {"$ref": "#"},
+                                           "const": {"$ref": "#/$defs/Point"}},
+          "required": ["at"], "additionalProperties": False}   # pydantic's shape of a nested model
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move"}}])
+def test_a_tool_whose_schema_refers_to_its_own_defs_is_held_to_them(vocab, parser, choice):
+    """Each tool's ``#/...`` references resolve within its own schema (before: from the
+    calls' root, where '/$defs/Point' does not exist, and the tool was refused)."""
+    tokenizer, guide = vocab
+    tools = [*TOOLS, {"type": "function", "function": {"name": "move", "parameters": NESTED}}]
+    matcher = GrammarMatcher(compile_grammar(tool_choice_constraint(tools, choice, parser), guide), guide)
+    head = {"hermes": "<tool_call>\n", "llama3_json": "", "mistral": "[TOOL_CALLS]["}[parser]
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    call = f'{head}{{"name": "move", "{key}": {{"at": {{"x": 1}}, "next": {{"at": {{"x": 2}}}}, "const": {{"x": 3}}}}}}'
+    assert matcher.valid_prefix(tokenizer.encode(call, add_special_tokens=False)) == \
+        len(tokenizer.encode(call, add_special_tokens=False))
+    for wrong in ('{"x": "1"}', '{"y": 1}'):
+        bad = f'{head}{{"name": "move", "{key}": {{"at": {wrong}'
+        assert matcher.valid_prefix(tokenizer.encode(bad, add_special_tokens=False)) < \
+            len(tokenizer.encode(bad, add_special_tokens=False)), wrong
+
+
 def test_mistrals_marker_is_its_token(vocab):
     tokenizer, guide = vocab
     marker = tokenizer.eos_token_ids[0]     # any id stands in for [TOOL_CALLS]'s

@@ -4,7 +4,10 @@ calls in the chat format's own shape (the parser's: ``hermes``, ``llama3_json``,
 ``parameters`` schema, so that what the parser reads back always holds.
 
 The calls are llguidance's inline JSON Schemas (``%json``) in a Lark grammar; the name
-comes first in each object, as the parsers stream it. Mistral's ``[TOOL_CALLS]`` is a
+comes first in each object, as the parsers stream it. Each tool's schema sits inside the
+calls' schema, so its local references (``#/$defs/...``, which pydantic writes for a
+nested model) are moved to where it sits (``_relocated``): resolved from the calls'
+root, they named nothing and a tool that compiled alone was refused. Mistral's ``[TOOL_CALLS]`` is a
 special token, named in the grammar by its id (``marker_id``) so that the model writes
 the token it was trained on.
 """
@@ -40,10 +43,37 @@ def _functions(tools: Sequence[Mapping]) -> dict[str, dict]:
     return functions
 
 
+NOT_SCHEMAS = frozenset({"const", "enum", "default", "examples"})   # values, kept as they are
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _relocated(schema: object, base: str) -> object:
+    """``schema`` with each local ``$ref`` (``#`` or ``#/...``) made to point from ``base``,
+    the JSON pointer of where the schema now sits. A schema with its own ``$id`` is a
+    resource of its own, whose references already resolve within it."""
+    if isinstance(schema, list):
+        return [_relocated(s, base) for s in schema]
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema
+    return {key: _rebased_keyword(key, value, base) for key, value in schema.items()}
+
+
+def _rebased_keyword(key: str, value: object, base: str) -> object:
+    if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+        return base + value[1:]
+    if key in NOT_SCHEMAS:
+        return value
+    if key in SCHEMA_MAPS and isinstance(value, dict):   # names (any key at all) to schemas
+        return {name: _relocated(s, base) for name, s in value.items()}
+    return _relocated(value, base)
+
+
 def _call_schema(functions: dict[str, dict], argument_key: str) -> str:
-    calls = [{"type": "object", "properties": {"name": {"const": name}, argument_key: schema},
+    calls = [{"type": "object",
+              "properties": {"name": {"const": name},
+                             argument_key: _relocated(schema, f"#/anyOf/{i}/properties/{argument_key}")},
               "required": ["name", argument_key], "additionalProperties": False}
-             for name, schema in functions.items()]
+             for i, (name, schema) in enumerate(functions.items())]
     return json.dumps({"x-guidance": JSON_DEFAULTS, "anyOf": calls})
 
 
