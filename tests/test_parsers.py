@@ -181,6 +181,25 @@ def test_reasoning_splits_from_the_answer(name, text, expected):
     assert reasoning_parser(name).parse(text) == expected
 
 
+@pytest.mark.parametrize("name, prompt, text, expected", [
+    ("deepseek_r1", "<｜Assistant｜></think>", "The answer.", (None, "The answer.")),   # V3.1, thinking off
+    ("deepseek_r1", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<think>x</think>y", ("x", "y")),
+    ("deepseek_r1", "<｜Assistant｜><think>\n", "plan</think>answer", ("plan", "answer")),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "plan</think>answer", ("plan", "answer")),
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "The answer.", (None, "The answer.")),
+    ("deepseek_r1", "<|im_start|>assistant\n", "still thinking", ("still thinking", None)),
+    ("deepseek_r1", None, "still thinking", ("still thinking", None)),
+])
+def test_the_prompts_last_tag_says_where_the_reply_starts(name, prompt, text, expected):
+    """A prompt that closed the thought leaves the reply all answer (before: a deepseek_r1
+    reply took it for thought), one that opened it, thought until </think>; streamed alike."""
+    parser = reasoning_parser(name).after(prompt)
+    assert parser.parse(text) == expected
+    deltas = streamed(parser.stream(), text, [3, 7])
+    assert ("".join(d.reasoning_content or "" for d in deltas) or None,
+            "".join(d.content or "" for d in deltas) or None) == expected
+
+
 @PROPERTY
 @given(calls=CALLS, cuts=st.lists(st.integers(0, 10**4), max_size=8))
 def test_reasoning_then_tool_calls_chain_as_a_server_streams_them(calls, cuts):

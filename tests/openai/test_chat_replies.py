@@ -159,3 +159,11 @@ def test_continuous_usage_counts_the_tokens_of_text_a_parser_holds_back():
     assert [c["choices"][0]["delta"] for c in chunks] == [{"reasoning_content": "Hm"}, {"content": "Yes"}]
     assert [c["usage"] for c in chunks] == [{"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
                                             for n in (3, 5)]
+
+
+def test_a_prompt_that_closed_the_thought_leaves_a_deepseek_r1_reply_all_answer():
+    """``chat_template_kwargs: {"enable_thinking": false}`` (or DeepSeek-V3.1's thinking off)
+    ends the prompt on ``</think>``: the reply is the answer, not a thought without one."""
+    parsing = ReplyParsing.of("deepseek_r1", None, prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert parsing.message("Paris.") == {"reasoning_content": None, "content": "Paris."}
+    assert ReplyParsing.of("deepseek_r1", None).message("Paris.") == {"reasoning_content": "Paris.", "content": None}

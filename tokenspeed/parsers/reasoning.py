@@ -7,6 +7,11 @@ inside the thought, since the template opened it in the prompt (a ``<think>`` th
 writes anyway is dropped). The thought ends at ``</think>``, and the answer starts after
 the whitespace that follows; a reply cut off before ``</think>`` is all thought.
 
+Where the chat prompt itself ends on a tag, the tag says where the reply starts
+(``after``): a prompt ending in ``</think>`` closed the thought (DeepSeek-V3.1's template
+with thinking off, as its ``deepseek_r1`` default reads it), so the reply is answer; one
+ending in ``<think>`` opened it, so the reply is thought until ``</think>``.
+
 A stream is the differences between scans of the growing reply, as for tool calls: a
 tag's first characters wait until the next piece shows whether they are the tag.
 """
@@ -43,6 +48,16 @@ class ThinkParser:
         if end >= 0:
             return ReasoningScan(body[:end], body[end + len(CLOSE):].lstrip())
         return ReasoningScan(body if final else body[:len(body) - held_tail(body, CLOSE)], "")
+
+    def after(self, prompt: str | None) -> "ThinkParser":
+        """This parser for a reply to ``prompt`` (a chat prompt's text; None: unknown):
+        one that starts in the thought where the prompt's last tag opened it, outside it
+        where that tag closed it (before: a ``deepseek_r1`` reply to a prompt that closed the
+        thought was taken whole for thought, and its answer came back as no content)."""
+        tail = (prompt or "").rstrip()
+        if tail.endswith(CLOSE) or tail.endswith(OPEN):
+            return attrs.evolve(self, starts_in_reasoning=tail.endswith(OPEN))
+        return self
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole reply, None for an empty part."""

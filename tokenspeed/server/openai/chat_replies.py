@@ -29,11 +29,13 @@ class ReplyParsing:
 
     @classmethod
     def of(cls, reasoning_name: str | None, tools_name: str | None,
-           single_call: bool = False) -> "ReplyParsing | None":
-        """The parsing by the parsers' names; None when neither is named (the reply is plain text)."""
+           single_call: bool = False, prompt: str | None = None) -> "ReplyParsing | None":
+        """The parsing by the parsers' names; None when neither is named (the reply is plain
+        text). ``prompt``: the chat prompt's text, whose last tag may say the reply starts
+        inside or outside a thought (``ThinkParser.after``)."""
         if reasoning_name is None and tools_name is None:
             return None
-        return cls(reasoning_parser(reasoning_name) if reasoning_name else None,
+        return cls(reasoning_parser(reasoning_name).after(prompt) if reasoning_name else None,
                    tool_parser(tools_name) if tools_name else None, single_call)
 
     def message(self, text: str) -> dict:

@@ -85,7 +85,8 @@ def add_routes(app: FastAPI, server: "Server", access: Access = Access()) -> Non
                            "max_tokens"):
             params = _chat_params(server, body, tools, constraint)
             server.check(prompts, [params], "messages")
-            parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single)
+            parsing = ReplyParsing.of(_reasoning_parser(server, constraint), tools.parser, tools.single,
+                                      prompts[0].text)
             return await _answer(server, request, response, body, prompts, [params], responses.ChatFormat(
                 server.model_name, server.tokenizer, params.n, params.skip_special_tokens, parsing,
                 continuous_usage=body.continuous_usage, echoed=body.echoed()))
