@@ -201,6 +201,37 @@ def test_a_client_that_leaves_frees_its_pages(base_url):
     assert metric(base_url, "tokenspeed_requests_running") == 0
 
 
+
+class _RefusingEngine:
+    """An engine link whose second submission fails to go (a record that does not encode)."""
+    alive = True
+
+    def __init__(self):
+        self.sent, self.aborted = [], []
+
+    def submit(self, key, prompt, params, at_end=False):
+        if self.sent:
+            raise TypeError("this record does not encode")
+        self.sent.append(key)
+
+    def abort(self, key):
+        self.aborted.append(key)
+
+
+def test_a_submission_that_fails_to_go_leaves_nothing_in_flight():
+    """A request whose second prompt cannot be sent fails whole: none of its prompts stays
+    in the server's map (for ever: the engine never ends a prompt it never got), and the one
+    already sent is aborted rather than left to run with no reader."""
+    from tokenspeed.api.prompts import Prompt
+    from tokenspeed.server.openai.server import Server
+    server, engine = Server(lambda: None, None, "m"), _RefusingEngine()
+    server.engine = engine
+    params = ts.SamplingParams(max_tokens=4)
+    with pytest.raises(TypeError):
+        server.submit([Prompt((1, 2)), Prompt((3, 4))], [params, params])
+    assert server._in_flight == {}
+    assert engine.sent and set(engine.sent) <= set(engine.aborted)
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

@@ -190,6 +190,9 @@ class Server:
             self.abort(keys)
             raise APIError(503, f"the engine is not running ({exc}; {self.engine.exit_message()})", None,
                            "ServiceUnavailableError") from exc
+        except BaseException:   # a record that would not go (say, not encodable): no prompt of the
+            self.abort(keys)    # request stays in flight, nor runs on in the engine with no one to read it
+            raise
         if self.request_timeout is not None:
             updates.fail_after(self.request_timeout, APIError(
                 504, f"the request took longer than the server's limit of {self.request_timeout:g} s", None,
