@@ -102,3 +102,16 @@ def test_chat_continues_a_begun_reply_and_takes_a_template(llm):
         llm.chat(begun, GREEDY, continue_final_message=True, use_tqdm=False)
     with pytest.raises(ValueError, match=r"chat_template: not a Jinja template \(line 1"):
         llm.chat(begun, GREEDY, chat_template="{% for m %}", use_tqdm=False)
+
+
+def test_completion_outputs_carry_vllms_cumulative_logprob_and_finished(llm):
+    """Scripts rank samples by ``cumulative_logprob``: the sum of the kept tokens' logprobs,
+    None where logprobs were not asked for (as vLLM's)."""
+    params = ts.SamplingParams(temperature=1.0, max_tokens=5, logprobs=1, n=2, seed=4)
+    [out] = llm.generate("The sea is", params, use_tqdm=False)
+    for sample in out.outputs:
+        assert sample.cumulative_logprob == sum(p[t].logprob for t, p in zip(sample.token_ids, sample.logprobs))
+        assert sample.cumulative_logprob < 0 and sample.finished()
+    [plain] = llm.generate("The sea is", GREEDY, use_tqdm=False)
+    assert plain.outputs[0].cumulative_logprob is None
+    assert plain.num_cached_tokens == plain.metrics.num_cached_tokens

@@ -79,6 +79,18 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the kept tokens' log-probabilities, as vLLM's (which scripts read to
+        rank samples); None where ``logprobs`` was not asked for, as vLLM's is then."""
+        if self.logprobs is None:
+            return None
+        return sum(position.logprob for position in self.logprobs)
+
+    def finished(self) -> bool:
+        """vLLM's ``CompletionOutput.finished()``: whether this sample has ended."""
+        return self.finish_reason is not None
+
 
 @attrs.frozen
 class RequestOutput:
@@ -107,3 +119,8 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's ``RequestOutput.num_cached_tokens``: prompt tokens found in the prefix cache."""
+        return self.metrics.num_cached_tokens
