@@ -115,3 +115,20 @@ def test_completion_outputs_carry_vllms_cumulative_logprob_and_finished(llm):
     [plain] = llm.generate("The sea is", GREEDY, use_tqdm=False)
     assert plain.outputs[0].cumulative_logprob is None
     assert plain.num_cached_tokens == plain.metrics.num_cached_tokens
+
+
+def test_vllms_sampling_fields_at_their_defaults_are_taken_and_otherwise_named():
+    """A ported script spells out vLLM's defaults (``detokenize=True``, ``best_of=None``):
+    they change nothing here, so they are taken; any other value is refused naming the
+    field, and a misspelt one names the closest field, not Python's "unexpected keyword"."""
+    spelled = ts.SamplingParams(temperature=0, max_tokens=6, best_of=None, prompt_logprobs=None, detokenize=True,
+                                spaces_between_special_tokens=True, logits_processors=[], bad_words=None)
+    assert spelled == GREEDY and spelled.clone(max_tokens=6) == GREEDY
+    for field, value in [("prompt_logprobs", 1), ("best_of", 2), ("detokenize", False), ("bad_words", ["x"]),
+                         ("detokenize", 1), ("truncate_prompt_tokens", 8)]:
+        refusal = f"{field}={value!r}: vLLM's {field} is not supported here ("
+        with pytest.raises(ValueError, match="^" + re.escape(refusal)):
+            ts.SamplingParams(**{field: value})
+    with pytest.raises(TypeError, match=r"^SamplingParams\(\) got an unknown argument 'max_tokns' \(did you "
+                                        r"mean 'max_tokens'\?\); it takes n, temperature, "):
+        ts.SamplingParams(max_tokns=3)

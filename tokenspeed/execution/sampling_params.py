@@ -11,6 +11,7 @@ tensors hold: int64 for integers, float32 for reals (a seed may be any signed 64
 integer; ``n`` is capped as OpenAI caps it).
 """
 
+import difflib
 import math
 import numbers
 from collections.abc import Iterable
@@ -140,7 +141,50 @@ def _check_top_k(instance, attribute, value):
         _fail("top_k", value, f"-1 or 0 (off), or an integer >= 1 and <= {_shown(INT64_MAX)}")
 
 
-@attrs.frozen
+# vLLM's SamplingParams fields tokenspeed does not take: the value at which each changes
+# nothing (vLLM's default, which scripts often spell out), and why another is refused
+VLLM_ONLY = {
+    "prompt_logprobs": (None, "the prompt's log-probabilities are not computed"),
+    "best_of": (None, "vLLM V1 dropped it too: ask for n samples and rank them by cumulative_logprob"),
+    "detokenize": (True, "the text is always decoded"),
+    "spaces_between_special_tokens": (True, "special tokens are decoded as the tokenizer joins them"),
+    "truncate_prompt_tokens": (None, "prompts are never truncated: a prompt too long is refused"),
+    "logits_processors": (None, "no Python code runs per step; use logit_bias or allowed_token_ids"),
+    "bad_words": (None, "use logit_bias to forbid tokens"),
+    "guided_decoding": (None, "its newer name is structured_outputs (a ts.StructuredOutputs)"),
+    "prompt_logprob_token_ids": (None, "the prompt's log-probabilities are not computed"),
+    "logprob_token_ids": (None, "logprobs returns the sampled and the most likely tokens"),
+    "flat_logprobs": (False, "logprobs are a mapping per position"),
+    "extra_args": (None, "no extension reads them"),
+    "thinking_token_budget": (None, "a reasoning budget is not enforced"),
+}
+
+
+def _neutral(value, neutral) -> bool:
+    """``value`` is the neutral one (True, False, None: by identity, so 1 is not True), or
+    an empty list or dict where that is None (no processors, no bad words)."""
+    return value is neutral or (neutral is None and isinstance(value, (list, tuple, dict)) and not value)
+
+
+def _without_vllm_only(fields: dict, known: tuple[str, ...]) -> dict:
+    """``fields`` less vLLM's fields given at their neutral value; any other value of one
+    is refused naming it and why, and a name neither has is a ``TypeError`` naming the
+    closest field, not Python's bare "unexpected keyword"."""
+    for name, value in fields.items():
+        if name in VLLM_ONLY:
+            neutral, why = VLLM_ONLY[name]
+            if not _neutral(value, neutral):
+                raise RefusedRequest(f"{name}={value!r}: vLLM's {name} is not supported here ({why}); only "
+                                     f"{neutral!r} is accepted", field=name, value=value, limit=neutral)
+        elif name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"SamplingParams() got an unknown argument {name!r}{hint}; it takes "
+                            f"{', '.join(known)}")
+    return {name: value for name, value in fields.items() if name not in VLLM_ONLY}
+
+
+@attrs.frozen(init=False)
 class SamplingParams:
     """``n``: completions per prompt (they share the prompt's full KV pages);
     ``logprobs``: how many top log-probabilities to return with each sampled token (its
@@ -180,6 +224,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = attrs.field(default=None, validator=_check_structured)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=bias_pairs)
     allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=allowed_ids)
+
+    def __init__(self, *args, **fields):
+        """The attrs fields, and vLLM's fields this engine does not take (``VLLM_ONLY``)
+        accepted at their neutral value, so a ported script that spells them out runs."""
+        self.__attrs_init__(*args, **_without_vllm_only(fields, tuple(attrs.fields_dict(type(self)))))
 
     def __attrs_post_init__(self):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
