@@ -47,7 +47,7 @@ def test_text_is_the_decoded_tokens(llm):
     ([[5, 6], [7, float("nan")]], "prompt 1: token ids must be integers, got nan"),
     ([[5, 6], ["12", "3"]], "prompt 1: token ids must be integers, got '12'"),
     ([b"123"], "prompt 0: expected a string"),
-    ([{"text": "hi"}], "prompt 0: a prompt dict has exactly one key"),
+    ([{"text": "hi"}], "prompt 0: a prompt dict has 'prompt' (text) or 'prompt_token_ids'"),
     ([[4], {"prompt": 5}], "prompt 1: 'prompt' must be a string"),
     ([], "no prompts given"),
     (42, "prompts must be a string"),

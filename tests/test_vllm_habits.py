@@ -132,3 +132,19 @@ def test_vllms_sampling_fields_at_their_defaults_are_taken_and_otherwise_named()
     with pytest.raises(TypeError, match=r"^SamplingParams\(\) got an unknown argument 'max_tokns' \(did you "
                                         r"mean 'max_tokens'\?\); it takes n, temperature, "):
         ts.SamplingParams(max_tokns=3)
+
+
+def test_a_tokens_prompt_may_carry_its_text_and_vllms_other_keys_are_named(llm):
+    """vLLM's ``TokensPrompt`` may hold the ``prompt`` text its ids encode: the ids are
+    generated from, the text is the output's ``prompt``."""
+    ids = llm.get_tokenizer().encode("The sea is")
+    [out] = llm.generate({"prompt_token_ids": ids, "prompt": "The sea is"}, GREEDY, use_tqdm=False)
+    [plain] = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert out.prompt == "The sea is" and out.prompt_token_ids == tuple(ids) and out.token_ids == plain.token_ids
+    assert llm.generate({"prompt": "The sea is", "multi_modal_data": None}, GREEDY,
+                        use_tqdm=False)[0].token_ids == plain.token_ids
+    with pytest.raises(ValueError, match=r"^prompt 1: vLLM's prompt key 'cache_salt' is not supported here \("):
+        llm.generate(["a", {"prompt": "b", "cache_salt": "user-1"}], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"^prompt 0: 'prompt' must be a string, got 5"):
+        llm.generate({"prompt_token_ids": ids, "prompt": 5}, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_work

@@ -9,6 +9,18 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 
+# vLLM's prompt-dict keys beside the prompt itself, and why each is not taken
+VLLM_PROMPT_OPTIONS = {
+    "multi_modal_data": "the models served here read text alone",
+    "mm_processor_kwargs": "the models served here read text alone",
+    "media_io_kwargs": "the models served here read text alone",
+    "multi_modal_uuids": "the models served here read text alone",
+    "prompt_embeds": "prompts are token ids or text, not embeddings",
+    "token_type_ids": "no cross-encoder models here",
+    "cache_salt": "the prefix cache is shared by every prompt alike",
+}
+
+
 @attrs.frozen
 class Prompt:
     token_ids: tuple[int, ...]
@@ -56,15 +68,29 @@ def _one(index: int, prompt, tokenizer) -> Prompt:
 
 
 def _from_dict(index: int, prompt: Mapping, tokenizer) -> Prompt:
-    keys = set(prompt) & {"prompt", "prompt_token_ids"}
-    if len(keys) != 1 or set(prompt) - keys:
-        raise ValueError(f"prompt {index}: a prompt dict has exactly one key, 'prompt' or "
-                         f"'prompt_token_ids'; got {sorted(prompt)}")
-    if "prompt" in prompt:
-        if not isinstance(prompt["prompt"], str):
-            raise TypeError(f"prompt {index}: 'prompt' must be a string, got {prompt['prompt']!r}")
-        return _one(index, prompt["prompt"], tokenizer)
-    return Prompt(token_ids(prompt["prompt_token_ids"], f"prompt {index}"))
+    """vLLM's ``TextPrompt`` (``{"prompt": text}``) or ``TokensPrompt``
+    (``{"prompt_token_ids": ids}``, with the ``prompt`` text they encode where the caller
+    has it: the ids are the prompt, the text is the output's ``prompt``, as in vLLM)."""
+    _check_dict_keys(index, prompt)
+    text = prompt.get("prompt")
+    if "prompt" in prompt and not isinstance(text, str):
+        raise TypeError(f"prompt {index}: 'prompt' must be a string, got {text!r}")
+    if "prompt_token_ids" in prompt:
+        return Prompt(token_ids(prompt["prompt_token_ids"], f"prompt {index}"), text)
+    return _one(index, text, tokenizer)
+
+
+def _check_dict_keys(index: int, prompt: Mapping) -> None:
+    """A prompt dict holds ``prompt`` or ``prompt_token_ids`` (or both); vLLM's other
+    keys (images, a cache salt, ...) are refused by name unless None, as is any other."""
+    given = {key for key, value in prompt.items() if key not in VLLM_PROMPT_OPTIONS or value is not None}
+    if given & set(VLLM_PROMPT_OPTIONS):
+        key = sorted(given & set(VLLM_PROMPT_OPTIONS))[0]
+        raise ValueError(f"prompt {index}: vLLM's prompt key {key!r} is not supported here "
+                         f"({VLLM_PROMPT_OPTIONS[key]})")
+    if not given & {"prompt", "prompt_token_ids"} or given - {"prompt", "prompt_token_ids"}:
+        raise ValueError(f"prompt {index}: a prompt dict has 'prompt' (text) or 'prompt_token_ids' (with, "
+                         f"optionally, the 'prompt' text they encode); got {sorted(prompt)}")
 
 
 def token_ids(values, where: str) -> tuple[int, ...]:
