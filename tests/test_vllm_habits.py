@@ -3,6 +3,7 @@ and what is accepted: ``get_tokenizer()``, logprobs as token id -> ``Logprob(log
 rank, decoded_token)``, a chat message dict where a list belongs, several prompts given
 to ``stream``, a misspelt keyword argument."""
 
+import io
 import re
 
 import pytest
@@ -148,3 +149,17 @@ def test_a_tokens_prompt_may_carry_its_text_and_vllms_other_keys_are_named(llm):
     with pytest.raises(TypeError, match=r"^prompt 0: 'prompt' must be a string, got 5"):
         llm.generate({"prompt_token_ids": ids, "prompt": 5}, GREEDY, use_tqdm=False)
     assert not llm.engine.has_work
+
+
+def test_use_tqdm_may_be_the_bars_factory_as_in_vllm(llm):
+    """vLLM's ``use_tqdm=functools.partial(tqdm, ...)``: the callable makes the bar, which
+    counts the call's prompts."""
+    made = []
+
+    def factory(**keywords):
+        from tqdm import tqdm
+        made.append(tqdm(**keywords, file=io.StringIO()))
+        return made[-1]
+    llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
+    llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=factory)
+    assert [(bar.total, bar.n) for bar in made] == [(2, 2), (1, 1)]

@@ -7,7 +7,7 @@ through the engine-client interface that the server's engine process drives too,
 answers each prompt as the server's API process does.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tokenspeed import stages
 from tokenspeed.backends.kernels.precompile import CompileWorkers
@@ -168,11 +168,13 @@ class LLM:
                                  compiled.config.page_size, num_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt (text, token ids or prompt dicts; see ``prompts``)."""
+                 *, use_tqdm: bool | Callable = True) -> list[RequestOutput]:
+        """Complete every prompt (text, token ids or prompt dicts; see ``prompts``).
+        ``use_tqdm``: show a progress bar, or (as vLLM's) a callable that makes it, such as
+        ``functools.partial(tqdm, leave=False)``."""
         return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
 
-    def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool | Callable) -> list[RequestOutput]:
         params = self._defaults_for(parsed) if sampling_params is None else \
             per_prompt(sampling_params, len(parsed))
         for i, (prompt, p) in enumerate(zip(parsed, params)):
@@ -189,8 +191,8 @@ class LLM:
         return [self.client.answer(prompt, key) for prompt, key in zip(parsed, keys)]
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
-             use_tqdm: bool = True, tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool | Callable = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
         such lists; see ``chat_messages``) through the model's chat template (or
         ``chat_template``, a Jinja template's text), which also sees ``tools`` and

@@ -1,6 +1,7 @@
 """The progress bar of an ``LLM.generate`` call."""
 
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -10,10 +11,17 @@ from tokenspeed.scheduling.request import Request
 class Progress:
     """A bar over a ``generate`` call's prompts, with input and output tokens per second."""
 
-    def __init__(self, groups: list[list[Request]], enabled: bool):
+    def __init__(self, groups: list[list[Request]], enabled: bool | Callable[..., tqdm]):
+        """``enabled``: whether to show the bar, or (vLLM's ``use_tqdm``) a callable that
+        makes it, such as ``functools.partial(tqdm, leave=False)``: called with the keywords
+        vLLM calls it with (``total``, ``desc``, ``dynamic_ncols``, ``postfix``), so a
+        factory written for vLLM's bar makes ours."""
         self.left = {id(r): g for g in groups for r in g}
-        self.bar = tqdm(total=len(groups), desc="generating", unit="prompt", disable=not enabled,
-                        dynamic_ncols=True)
+        if callable(enabled):
+            self.bar = enabled(total=len(groups), desc="generating", dynamic_ncols=True, postfix="")
+        else:
+            self.bar = tqdm(total=len(groups), desc="generating", unit="prompt", disable=not enabled,
+                            dynamic_ncols=True)
         self.start, self.prompt_tokens, self.output_tokens = time.perf_counter(), 0, 0
 
     def update(self, request: Request) -> None:
