@@ -163,3 +163,28 @@ def test_use_tqdm_may_be_the_bars_factory_as_in_vllm(llm):
     llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
     llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=factory)
     assert [(bar.total, bar.n) for bar in made] == [(2, 2), (1, 1)]
+
+
+def test_vllms_engine_and_call_arguments_at_neutral_values_are_taken_and_otherwise_named(llm):
+    """``tensor_parallel_size=1``, ``trust_remote_code=True``, ``lora_request=None``: a ported
+    script's arguments that change nothing here run; another value is refused naming the
+    argument and why, before any model loads or any request queues."""
+    small = dict(page_size=4, max_num_seqs=2, num_kv_pages=64)
+    ts.LLM(text_model_dir(), tensor_parallel_size=1, trust_remote_code=True, **small)
+    with pytest.raises(ValueError, match=r"^LLM\(\) tensor_parallel_size=2: vLLM's tensor_parallel_size is not "
+                                         r"supported here \(a model runs on one device here\); only 1 is accepted"):
+        ts.LLM("/nonexistent", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^LLM\(\) block_size=16: .*its name here is page_size"):
+        ts.LLM("/nonexistent", block_size=16)
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert llm.generate("a", GREEDY, use_tqdm=False, lora_request=None, priority=None)[0].token_ids == \
+        llm.generate("a", GREEDY, use_tqdm=False)[0].token_ids
+    llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_content_format="string", lora_request=None)
+    with pytest.raises(ValueError, match=r"^generate\(\) priority=\[1\]: vLLM's priority is not supported here"):
+        llm.generate("a", GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match=r"^chat\(\) chat_template_content_format='openai': "):
+        llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(TypeError, match=r"^generate\(\) got an unknown argument 'use_tdqm' \(did you mean "
+                                        r"'use_tqdm'\?\)"):
+        llm.generate("a", GREEDY, use_tdqm=False)
+    assert not llm.engine.has_work

@@ -17,7 +17,8 @@ from tokenspeed.api import model_source
 from tokenspeed.api.chat_messages import conversations, template_messages, template_variables
 from tokenspeed.api.cpu_threads import size_torch_threads
 from tokenspeed.api.llm_arguments import (checked_backend, checked_compile_options, checked_device, checked_dtype,
-                                          checked_flags, checked_quantization, checked_tokenizer, per_prompt)
+                                          checked_call_options, checked_flags, checked_quantization, checked_tokenizer,
+                                          per_prompt)
 from tokenspeed.api.model_source import tokenizer_path
 from tokenspeed.api.offline_client import OfflineClient
 from tokenspeed.api.progress import Progress
@@ -168,10 +169,12 @@ class LLM:
                                  compiled.config.page_size, num_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | Callable = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool | Callable = True, **vllm_options) -> list[RequestOutput]:
         """Complete every prompt (text, token ids or prompt dicts; see ``prompts``).
         ``use_tqdm``: show a progress bar, or (as vLLM's) a callable that makes it, such as
-        ``functools.partial(tqdm, leave=False)``."""
+        ``functools.partial(tqdm, leave=False)``. ``vllm_options``: vLLM's ``lora_request``,
+        ``priority``, ... at the values that change nothing here (``VLLM_CALL_ARGUMENTS``)."""
+        checked_call_options(vllm_options, "generate()")
         return self._generate(parse_prompts(prompts, self.tokenizer), sampling_params, use_tqdm)
 
     def _generate(self, parsed: list[Prompt], sampling_params, use_tqdm: bool | Callable) -> list[RequestOutput]:
@@ -192,13 +195,17 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
              use_tqdm: bool | Callable = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+             continue_final_message: bool = False, **vllm_options) -> list[RequestOutput]:
         """Complete conversations (a list of ``{"role", "content"}`` messages, or a list of
         such lists; see ``chat_messages``) through the model's chat template (or
         ``chat_template``, a Jinja template's text), which also sees ``tools`` and
         ``chat_template_kwargs`` (``{"enable_thinking": False}``), as vLLM's ``LLM.chat``
         passes them. ``continue_final_message`` (with ``add_generation_prompt=False``): the
-        model goes on writing the last message (an assistant's reply begun for it)."""
+        model goes on writing the last message (an assistant's reply begun for it).
+        ``vllm_options``: as ``generate``'s (``chat_template_content_format`` "auto" or
+        "string" too: the template sees each content as one string)."""
+        checked_call_options(vllm_options, "chat()")
         variables = template_variables(tools, chat_template_kwargs)
         prompts = [chat_prompt(self._require_tokenizer(), c, add_generation_prompt, chat_template=chat_template,
                                continue_final_message=continue_final_message, **variables)

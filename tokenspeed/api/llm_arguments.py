@@ -17,6 +17,28 @@ LLM_OPTIONS = ("model", "device", "dtype", "quantization", "tokenizer", "revisio
                "overlap", "enable_prefix_caching", "speculative", "backend")
 QUANTIZATIONS = ("fp8", "int4")
 
+# vLLM's arguments tokenspeed has no use for: the values that change nothing here (so a
+# ported script that spells them out runs), and why another is refused
+VLLM_ENGINE_ARGUMENTS = {
+    "tensor_parallel_size": ((1,), "a model runs on one device here"),
+    "pipeline_parallel_size": ((1,), "a model runs on one device here"),
+    "data_parallel_size": ((1,), "a model runs on one device here"),
+    "trust_remote_code": ((True, False), "the models run tokenspeed's own code, never a checkpoint's"),
+    "enable_chunked_prefill": ((True, None), "prefill is always chunked (max_chunk_tokens)"),
+    "tokenizer_mode": (("auto",), "the tokenizer is the model's tokenizer.json"),
+    "skip_tokenizer_init": ((False,), "pass tokenizer= to choose one"),
+    "enable_lora": ((False,), "no LoRA adapters"),
+    "block_size": ((None,), "its name here is page_size"),
+}
+VLLM_CALL_ARGUMENTS = {
+    "lora_request": ((None,), "no LoRA adapters"),
+    "priority": ((None,), "requests are scheduled first come, first served"),
+    "tokenization_kwargs": ((None,), "prompts are encoded as the tokenizer's defaults say"),
+    "mm_processor_kwargs": ((None,), "the models served here read text alone"),
+    "chat_template_content_format": (("auto", "string"), "the template sees each message's content as one "
+                                                          "string, text parts joined"),
+}
+
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "auto": None}
 
@@ -68,10 +90,34 @@ def checked_quantization(quantization, device: torch.device) -> str | None:
                      f"in FP8 without it)")
 
 
+def without_vllm_arguments(options: dict, known: dict, where: str) -> dict:
+    """``options`` less the vLLM arguments of ``known`` given a value that changes nothing
+    here; another value of one is refused naming it and why."""
+    for name, value in options.items():
+        accepted, why = known.get(name, ((), ""))
+        if name in known and not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+            shown = " or ".join(map(repr, accepted))
+            raise ValueError(f"{where} {name}={value!r}: vLLM's {name} is not supported here ({why}); only "
+                             f"{shown} is accepted")
+    return {name: value for name, value in options.items() if name not in known}
+
+
+def checked_call_options(options: dict, where: str) -> None:
+    """``generate``'s and ``chat``'s further keywords: vLLM's at a value that changes
+    nothing; any other name is a ``TypeError`` naming it, not Python's bare one."""
+    unknown = without_vllm_arguments(options, VLLM_CALL_ARGUMENTS, where)
+    if unknown:
+        name = next(iter(unknown))
+        close = difflib.get_close_matches(name, ("use_tqdm", *VLLM_CALL_ARGUMENTS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{where} got an unknown argument {name!r}{hint}")
+
+
 def checked_compile_options(enforce_eager: bool, options: dict) -> dict:
     """``CompileConfig`` keyword arguments: ``options`` once every name is known, with
     ``enforce_eager`` as ``graphs=False``."""
     fields = tuple(attrs.fields_dict(CompileConfig))
+    options = without_vllm_arguments(options, VLLM_ENGINE_ARGUMENTS, "LLM()")
     unknown = [name for name in options if name not in fields]
     if unknown:
         raise TypeError(f"LLM() got an unknown argument {unknown[0]!r}{_close_to(unknown[0], fields)}; "
