@@ -188,3 +188,18 @@ def test_vllms_engine_and_call_arguments_at_neutral_values_are_taken_and_otherwi
                                         r"'use_tqdm'\?\)"):
         llm.generate("a", GREEDY, use_tdqm=False)
     assert not llm.engine.has_work
+
+
+def test_get_tokenizer_answers_the_lookups_vllm_scripts_make_as_transformers_does(llm):
+    """vLLM's examples build ``stop_token_ids=[tokenizer.eos_token_id,
+    tokenizer.convert_tokens_to_ids("<|im_end|>")]`` from ``llm.get_tokenizer()``."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(text_model_dir()))
+    ours = llm.get_tokenizer()
+    tokens = ["<|im_start|>", "<|im_end|>", "Paris", "not-a-token-at-all"]
+    assert ours.eos_token_id == theirs.eos_token_id and len(ours) == len(theirs)
+    assert ours.convert_tokens_to_ids(tokens) == theirs.convert_tokens_to_ids(tokens)
+    assert ours.convert_tokens_to_ids("<|im_end|>") == theirs.convert_tokens_to_ids("<|im_end|>")
+    assert ours.convert_ids_to_tokens([7042, 30]) == theirs.convert_ids_to_tokens([7042, 30])
+    stop = ts.SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[ours.eos_token_id])
+    assert llm.generate("a", stop, use_tqdm=False)[0].token_ids

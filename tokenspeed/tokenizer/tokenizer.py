@@ -79,6 +79,37 @@ class Tokenizer:
         return self.special.bos_token_id
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The id of the model's EOS token (transformers' name, which scripts put in
+        ``stop_token_ids``); the engine stops at every id of ``eos_token_ids``."""
+        named = self.special.eos_token
+        found = None if named is None else self.backend.token_to_id(named)
+        return found if found is not None else next(iter(self.eos_token_ids), None)
+
+    def __len__(self) -> int:
+        """transformers' ``len(tokenizer)``: ``vocab_size``."""
+        return self.vocab_size
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        """transformers' lookup of tokens by their text (``"<|eot_id|>"``, for
+        ``stop_token_ids``): one id or a list; a token the vocabulary lacks is the unknown
+        token's id, None where there is none (as transformers answers)."""
+        if isinstance(tokens, str):
+            return self._token_id(tokens)
+        return [self._token_id(token) for token in tokens]
+
+    def _token_id(self, token: str) -> int | None:
+        found = self.backend.token_to_id(token)
+        unknown = self.special.unk_token
+        return found if found is not None or unknown is None else self.backend.token_to_id(unknown)
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        """transformers' inverse of ``convert_tokens_to_ids``: each id's token text."""
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(i) for i in ids]
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation (EOS, and the end-of-turn ids the model declares)."""
         return self.special.eos_token_ids
