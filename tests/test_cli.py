@@ -288,6 +288,18 @@ def test_a_served_model_id_is_named_as_it_is():
     assert _model_name("/models/tiny.gguf") == "tiny"
 
 
+def test_a_served_path_is_named_by_its_folder_however_it_is_written(tmp_path, monkeypatch):
+    """``serve .`` in the model's folder (or ``..`` below it) names the model by the folder,
+    not "" or "..", which no client asks for; a link keeps its own name."""
+    from tokenspeed.cli.serve_cmd import _model_name
+    model = tmp_path / "tiny-llama"
+    (model / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(model)
+    monkeypatch.chdir(model)
+    assert [_model_name(p) for p in (".", "./", "sub/..", f"{model}/", str(tmp_path / "link"))] == \
+        ["tiny-llama"] * 4 + ["link"]
+
+
 def test_engine_flags_reach_the_llms_options():
     from tokenspeed.cli.main import llm_options, parser
     args = parser().parse_args(["generate", "x", "--device", "cpu", "--max-chunk-tokens", "64",

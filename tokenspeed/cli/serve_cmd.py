@@ -102,11 +102,15 @@ def _served_model(positional, flag):
 
 
 def _model_name(model) -> str:
-    """A model id as it is (as vLLM names it); a path by its file or folder name."""
+    """A model id as it is (as vLLM names it); a path by its file or folder name, the
+    path made absolute first (``..`` folded, links not followed): ``serve .`` in the
+    model's folder named the model "", which no client could ask for."""
+    import os
     from pathlib import Path
 
     from tokenspeed.models.gguf import default_model_path
     from tokenspeed.models.hub import is_repo_id
     if model is not None and is_repo_id(str(model)) and not Path(model).exists():
         return str(model)
-    return Path(model or default_model_path()).name.removesuffix(".gguf")
+    path = Path(os.path.abspath(model or default_model_path()))
+    return (path.name or str(path)).removesuffix(".gguf")
