@@ -83,6 +83,19 @@ def test_a_local_path_is_returned_as_it_is(tmp_path, monkeypatch):
     assert resolve_model("acme/tiny") == Path("acme/tiny")          # a folder of that name wins
 
 
+def test_a_path_from_the_home_folder_resolves_and_loads(tmp_path, monkeypatch):
+    """``~/...`` (as ``--model=~/x`` and Python strings pass it, unexpanded by a shell)
+    names the home folder's model; a missing one is still refused as written."""
+    import tokenspeed as ts
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(checkpoint("llama"))
+    assert resolve_model("~/models/tiny") == tmp_path / "models" / "tiny"
+    assert ts.models.load("~/models/tiny/").config == ts.models.load(checkpoint("llama")).config
+    with pytest.raises(FileNotFoundError, match=r"^~/models/other: no such file or directory"):
+        resolve_model("~/models/other")
+
+
 def test_a_missing_path_that_is_no_model_id_is_refused_by_name():
     for missing in ("./nothing", "/no/such/dir", "model.gguf", "a/b/c"):   # none of them an id
         with pytest.raises(FileNotFoundError, match=f"^{re.escape(missing)}: no such file or directory"):

@@ -25,8 +25,10 @@ def resolve_model(name_or_path, revision: str | None = None) -> Path:
     path that exists is returned as is (the loader names what is missing in it); an
     ``owner/name`` id is looked up in the cache or downloaded (``ModelNotFoundError`` where
     it is not to be had); anything else is refused here, so that every command says the
-    same of a path that is not there."""
-    path = Path(name_or_path)
+    same of a path that is not there. A path starting ``~`` names the home folder, as in a
+    shell (where ``--model=~/x`` or a Python string is not expanded), unless a folder
+    named ``~`` is there."""
+    path = _expanded(Path(name_or_path))
     if path.exists():
         if revision is not None:
             raise ValueError(f"revision={revision!r} selects a version of a Hugging Face model id; "
@@ -36,6 +38,11 @@ def resolve_model(name_or_path, revision: str | None = None) -> Path:
         raise FileNotFoundError(f"{name_or_path}: no such file or directory (expected a Hugging Face model "
                                 f"directory, a GGUF file or a Hugging Face model id, owner/name)")
     return _snapshot(str(name_or_path), revision)
+
+
+def _expanded(path: Path) -> Path:
+    """``path`` with a leading ``~`` expanded, where the path as written is not there."""
+    return path if path.exists() or not str(path).startswith("~") else path.expanduser()
 
 
 def is_repo_id(name: str) -> bool:
