@@ -66,3 +66,22 @@ def test_a_file_without_a_tokenizer_names_the_ways_to_run_it():
         ts.LLM(path)
     out = ts.LLM(ts.models.load(path)).generate([[1, 2, 3]], ts.SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].token_ids) == 2
+
+
+def test_a_split_model_is_refused_by_its_parts_not_by_missing_tensors(monkeypatch):
+    """llama.cpp's ``gguf-split`` parts (``-00001-of-00003.gguf``, as large models are
+    published): each part, the first too, is refused naming the split and the merge."""
+    from tokenspeed.models import gguf_writer
+    whole = gguf.GGUFWriter
+    monkeypatch.setattr(gguf_writer.gguf, "GGUFWriter", lambda path, arch: whole(path, arch, split_max_tensors=8))
+    model = random_model(TINY_LLAMA)
+    folder = new_tmpdir("ts_gguf_split_")
+    write_llama(folder / "tiny.gguf", model.config, hf_state_dict(model), "Q8_0")
+    parts = sorted(folder.glob("tiny-*-of-00003.gguf"))
+    assert len(parts) == 3
+    for number, part in enumerate(parts, 1):
+        with pytest.raises(ValueError, match=rf"part {number} of 3 of a split GGUF model \(split.count=3\).*"
+                                             rf"llama-gguf-split --merge"):
+            ts.models.load(part)
+    with pytest.raises(ValueError, match="part 1 of 3 of a split GGUF model"):
+        ts.LLM(parts[0])

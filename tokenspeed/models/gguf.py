@@ -125,6 +125,7 @@ def open_gguf(path, reader: gguf.GGUFReader | None = None) -> GGUFCheckpoint:
         raise FileNotFoundError(f"GGUF file {path} not found")
     reader = reader or PlainGGUFReader(path)
     try:
+        _check_whole(reader)
         _check_tensor_types(reader)
         config = ModelConfig.from_hf(hf_config(reader))
         _check_head_rows(reader, config)
@@ -167,6 +168,18 @@ def unpermute_rows(weights: torch.Tensor, heads: int) -> torch.Tensor:
     rows = weights.shape[0]
     per_head = weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:])
     return per_head.transpose(1, 2).reshape(weights.shape)
+
+
+def _check_whole(reader) -> None:
+    """A model split by llama.cpp's ``gguf-split`` (``name-00001-of-00003.gguf``, as large
+    models are published) is refused naming the split: read alone, a part was refused for
+    the tensors the other parts hold, or for metadata only the first part holds."""
+    count = _field(reader, "split.count", kind=INTEGER)
+    if count is not None and count > 1:
+        part = _field(reader, "split.no", 0, kind=INTEGER) + 1
+        raise ValueError(f"this file is part {part} of {count} of a split GGUF model (split.count={count}); "
+                         f"tokenspeed reads a model from one GGUF file: merge the parts with "
+                         f"`llama-gguf-split --merge FIRST_PART.gguf merged.gguf` and load merged.gguf")
 
 
 def _check_tensor_types(reader) -> None:
