@@ -124,3 +124,23 @@ def test_a_revision_without_a_model_is_refused_before_loading():
 ])
 def test_model_ids_are_owner_slash_name(name, is_id):
     assert is_repo_id(name) == is_id
+
+
+def test_a_download_fetches_the_hugging_face_weights_not_mistral_inferences_copy(monkeypatch):
+    """Mistral's repositories hold their weights twice (sharded Hugging Face files and
+    ``consolidated.safetensors``); a download fetches what the loader reads, once."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from tokenspeed.models import hub
+    repo = ["config.json", "generation_config.json", "consolidated.safetensors", "params.json",
+            "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer.model", "tokenizer.model.v3", "tokenizer_config.json", "README.md"]
+    asked = {}
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: asked.update(kw) or "/snap")
+    assert resolve_model("mistralai/Mistral-7B-Instruct-v0.3") == Path("/snap")
+    fetched = set(filter_repo_objects(repo, allow_patterns=asked["allow_patterns"],
+                                      ignore_patterns=asked.get("ignore_patterns")))
+    assert fetched == {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                       "tokenizer_config.json", *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))}

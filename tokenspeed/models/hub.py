@@ -3,8 +3,8 @@
 Resolved through ``huggingface_hub`` so that its cache, ``HF_HOME``/``HF_HUB_CACHE``,
 ``HF_HUB_OFFLINE`` and login behave as they do for transformers: a snapshot is taken from
 the cache where it is there, else the files tokenspeed reads are downloaded (safetensors
-weights, config and tokenizer files; not the PyTorch ``.bin`` or GGUF copies a repository
-may also hold).
+weights, config and tokenizer files; not the PyTorch ``.bin``, GGUF or mistral-inference
+``consolidated`` copies a repository may also hold).
 """
 
 import re
@@ -14,6 +14,10 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CHECKPOINT_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json",
                     "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja")
+# mistral-inference's copy of the weights, in its own tensor names, which Mistral's
+# repositories publish beside the sharded Hugging Face files (Mistral-7B-Instruct-v0.3:
+# 14.5 GB more); a repository with no other weights has no config.json to load it by.
+SKIPPED_FILES = ("consolidated*.safetensors",)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -61,7 +65,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
 
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, revision=revision,
-                                                      allow_patterns=list(CHECKPOINT_FILES)))
+                                                      allow_patterns=list(CHECKPOINT_FILES),
+                                                      ignore_patterns=list(SKIPPED_FILES)))
     except errors.LocalEntryNotFoundError as exc:
         raise ModelNotFoundError(_not_cached(repo_id, revision, exc)) from exc
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as exc:
