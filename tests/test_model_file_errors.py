@@ -22,7 +22,7 @@ from tokenspeed.tokenizer import Tokenizer
 from tokenspeed.tokenizer.chat_template import ChatTemplateRefusal
 from tokenspeed.tokenizer.file_errors import TokenizerFileError
 
-from hf_models import VOCAB, copy_checkpoint, edit_config, new_tmpdir
+from hf_models import VOCAB, checkpoint, copy_checkpoint, edit_config, new_tmpdir
 from test_gguf import gguf_from_hf, header_only
 
 
@@ -338,3 +338,14 @@ def test_gguf_metadata_out_of_range_is_named(key, value, fragments):
     path = header_only(**{key: (value, gguf.GGUFValueType.UINT32)})
     with pytest.raises(ModelFileError, match=contains(path, *fragments)):
         ts.models.load(path)
+
+
+def test_a_directory_of_pytorch_weights_names_them_and_the_way_to_safetensors(tmp_path):
+    """A save with ``pytorch_model.bin`` (older transformers, ``safe_serialization=False``)
+    is refused naming that file, not as a directory with no weights."""
+    (tmp_path / "config.json").write_text((checkpoint("llama") / "config.json").read_text())
+    torch.save(load_file(str(checkpoint("llama") / "model.safetensors")), tmp_path / "pytorch_model.bin")
+    (tmp_path / "training_args.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files in .*\(it holds PyTorch weights, "
+                                                r"pytorch_model\.bin: tokenspeed reads safetensors only"):
+        ts.models.load(tmp_path)

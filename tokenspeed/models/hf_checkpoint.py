@@ -169,8 +169,21 @@ def safetensors_files(path: Path) -> list[Path]:
         return _shards(index)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
+        raise FileNotFoundError(f"no *.safetensors files in {path}{_other_weights(path)}")
     return files
+
+
+def _other_weights(path: Path) -> str:
+    """What a directory without safetensors holds instead (PyTorch pickles, as older saves
+    and ``safe_serialization=False`` wrote them), named with the way to a readable copy:
+    "no safetensors" alone read as if the weights were missing."""
+    found = sorted(f.name for pattern in ("*.bin", "*.pt", "*.pth") for f in path.glob(pattern)
+                   if f.name != "training_args.bin")
+    if not found:
+        return ""
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f" (it holds PyTorch weights, {shown}: tokenspeed reads safetensors only; save a copy with "
+            f"transformers' save_pretrained, which writes safetensors)")
 
 
 def _shards(index: Path) -> list[Path]:
