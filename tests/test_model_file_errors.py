@@ -349,3 +349,13 @@ def test_a_directory_of_pytorch_weights_names_them_and_the_way_to_safetensors(tm
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files in .*\(it holds PyTorch weights, "
                                                 r"pytorch_model\.bin: tokenspeed reads safetensors only"):
         ts.models.load(tmp_path)
+
+
+def test_a_directory_of_gguf_files_names_them_as_the_models_to_load(tmp_path):
+    """A GGUF repository's folder (no config.json) is refused naming its files, each a
+    model to be named by its path, which then loads."""
+    (tmp_path / "tiny.Q8_0.gguf").write_bytes(open(gguf_from_hf("llama"), "rb").read())
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found.*\(it holds GGUF files, tiny\.Q8_0\.gguf: "
+                                                r"a GGUF model is loaded by its file's path, .*tiny\.Q8_0\.gguf\)"):
+        ts.models.load(tmp_path)
+    assert ts.models.load(tmp_path / "tiny.Q8_0.gguf").config.architecture == "LlamaForCausalLM"

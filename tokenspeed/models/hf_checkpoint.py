@@ -133,8 +133,19 @@ def read_hf_config(path) -> dict:
     if Path(path).is_file():
         raise FileNotFoundError(f"{path}: neither a model directory (with config.json) nor a GGUF file")
     if not config_file.exists():
-        raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory")
+        raise FileNotFoundError(f"{config_file} not found: expected a Hugging Face model directory"
+                                f"{_gguf_files(Path(path))}")
     return read_json(config_file)
+
+
+def _gguf_files(path: Path) -> str:
+    """The GGUF files a directory without config.json holds (a GGUF repository's snapshot,
+    fetched with ``hf download REPO FILE.gguf``), each a model to be named by its path."""
+    found = sorted(f.name for f in path.glob("*.gguf"))
+    if not found:
+        return ""
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return f" (it holds GGUF files, {shown}: a GGUF model is loaded by its file's path, {path / found[0]})"
 
 
 def read_config(path, hf: dict | None = None) -> ModelConfig:
