@@ -2,13 +2,13 @@
 compile options (``CompileConfig``'s fields) and per-prompt sampling params. A bad one is
 refused naming the argument and what is accepted, not deep inside a constructor."""
 
-import difflib
 from pathlib import Path
 
 import attrs
 import torch
 
 from tokenspeed.backends.paged import PagedAttentionBackend
+from tokenspeed.errors import did_you_mean
 from tokenspeed.execution.compile_config import CompileConfig, as_device
 from tokenspeed.execution.sampling_params import SamplingParams
 from tokenspeed.tokenizer import Tokenizer
@@ -108,8 +108,7 @@ def checked_call_options(options: dict, where: str) -> None:
     unknown = without_vllm_arguments(options, VLLM_CALL_ARGUMENTS, where)
     if unknown:
         name = next(iter(unknown))
-        close = difflib.get_close_matches(name, ("use_tqdm", *VLLM_CALL_ARGUMENTS), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(name, ("use_tqdm", *VLLM_CALL_ARGUMENTS))
         raise TypeError(f"{where} got an unknown argument {name!r}{hint}")
 
 
@@ -127,9 +126,7 @@ def checked_compile_options(enforce_eager: bool, options: dict) -> dict:
 
 
 def _close_to(name: str, fields: tuple[str, ...]) -> str:
-    names = LLM_OPTIONS + fields
-    close = [f for f in names if f.startswith(name)] or difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(name, LLM_OPTIONS + fields)
 
 
 def _graphs_option(enforce_eager: bool, options: dict) -> dict:

@@ -11,14 +11,13 @@ tensors hold: int64 for integers, float32 for reals (a seed may be any signed 64
 integer; ``n`` is capped as OpenAI caps it).
 """
 
-import difflib
 import math
 import numbers
 from collections.abc import Iterable
 
 import attrs
 
-from tokenspeed.errors import RefusedRequest
+from tokenspeed.errors import RefusedRequest, did_you_mean
 from tokenspeed.structured.spec import StructuredOutputs
 from tokenspeed.structured.token_bias import TokenBias, allowed_ids, bias_pairs
 
@@ -177,10 +176,8 @@ def _without_vllm_only(fields: dict, known: tuple[str, ...]) -> dict:
                 raise RefusedRequest(f"{name}={value!r}: vLLM's {name} is not supported here ({why}); only "
                                      f"{neutral!r} is accepted", field=name, value=value, limit=neutral)
         elif name not in known:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise TypeError(f"SamplingParams() got an unknown argument {name!r}{hint}; it takes "
-                            f"{', '.join(known)}")
+            raise TypeError(f"SamplingParams() got an unknown argument {name!r}{did_you_mean(name, known)}; "
+                            f"it takes {', '.join(known)}")
     return {name: value for name, value in fields.items() if name not in VLLM_ONLY}
 
 
