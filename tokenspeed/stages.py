@@ -25,7 +25,6 @@ from tokenspeed.backends.mla import backend_for
 from tokenspeed.backends.pool_geometry import PoolGeometry
 from tokenspeed.backends.support import CudaGraphSupport, walk
 from tokenspeed.ir.descriptors import ForwardMetadata
-from tokenspeed.ir.ops import ATTENTION_TARGETS
 from tokenspeed.ir.printing import graph_text
 from tokenspeed.ir.program import STAGES, Program, Segment
 from tokenspeed.ir.trace import input_names, trace_graph
@@ -37,6 +36,7 @@ from tokenspeed.execution import kv_pool
 from tokenspeed.scheduling.prompt_limits import most_pages_held
 from tokenspeed.execution.prefill_runner import PrefillRunner
 from tokenspeed.execution.startup import StartupReport, build_runners
+from tokenspeed import stage_checks
 
 
 def trace(model: torch.nn.Module) -> "Traced":
@@ -73,7 +73,7 @@ class Traced:
     def __call__(self, kv_cache: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """Run the traced graph on the fields every descriptor has (no decoder view)."""
         names = input_names(self.graph_module)
-        _check_metadata(meta, names, "the traced model", "a DecodeMetadata or ExtendMetadata")
+        stage_checks.check_metadata(meta, names, "the traced model", "a DecodeMetadata or ExtendMetadata")
         return self.graph_module(kv_cache, **{n: getattr(meta, n) for n in names})
 
     def lower(self, mode: str = "decode", *, narrow: bool | None = None,
@@ -85,29 +85,12 @@ class Traced:
         attention included (default: so when narrowed; an unnarrowed program breaks at
         every attention). An option of another mode is refused, not ignored: a decode
         lowered with ``attention_breaks=True`` would still capture its attention."""
-        _check_lower_options(mode, narrow=narrow, decode_graph=decode_graph, attention_breaks=attention_breaks)
+        stage_checks.check_lower_options(mode, narrow=narrow, decode_graph=decode_graph,
+                                         attention_breaks=attention_breaks)
         narrow = narrow is not False
         program, history = run_pipeline(self.graph_module, self.config, mode, narrow=narrow,
                                          decode_graph=decode_graph is not False, attention_breaks=attention_breaks)
         return Lowered(mode, program, history, self.config, narrowed=mode == "prefill" and narrow)
-
-
-LOWER_OPTIONS = {"prefill": ("narrow", "attention_breaks"), "decode": ("decode_graph",), "verify": ("decode_graph",)}
-
-
-def _check_lower_options(mode, **options) -> None:
-    """Each option given (not None) is a bool and one of ``mode``'s (``LOWER_OPTIONS``)."""
-    if mode not in LOWER_OPTIONS:
-        raise ValueError(f"lower(mode={mode!r}): expected one of {', '.join(map(repr, LOWER_OPTIONS))}")
-    for name, value in options.items():
-        if value is None:
-            continue
-        if not isinstance(value, bool):
-            raise TypeError(f"lower({mode!r}, {name}={value!r}): must be True, False or None")
-        if name not in LOWER_OPTIONS[mode]:
-            modes = " and ".join(m for m, names in LOWER_OPTIONS.items() if name in names)
-            raise ValueError(f"lower({mode!r}, {name}={value!r}): {name} lowers {modes} only; "
-                             f"{mode}'s options are {', '.join(LOWER_OPTIONS[mode])}")
 
 
 @attrs.frozen
@@ -143,8 +126,8 @@ class Lowered:
         for seg in self.segments:
             needed += [name for name in seg.inputs if name not in produced and name not in needed]
             produced.update(seg.outputs)
-        expected = METADATA_OF[self.mode]
-        _check_metadata(meta, needed, f"the lowered {self.mode} program", expected)
+        expected = stage_checks.METADATA_OF[self.mode]
+        stage_checks.check_metadata(meta, needed, f"the lowered {self.mode} program", expected)
         return self.program(kv_cache, meta)
 
     def to_networkx(self) -> nx.DiGraph:
@@ -159,20 +142,6 @@ class Lowered:
                     g.add_edge(producer[value], seg.name, values=edge["values"] + [value])
             producer.update({v: seg.name for v in seg.outputs})
         return g
-
-
-METADATA_OF = {"prefill": "an ExtendMetadata (backends.metadata.plan_extend)",
-               "decode": "a DecodeMetadata (backends.metadata.refresh_decode)",
-               "verify": "a DecodeMetadata (backends.metadata.refresh_decode)"}
-
-
-def _check_metadata(meta, needed, what: str, expected: str) -> None:
-    """Every metadata tensor ``what`` reads is on ``meta``: a decode descriptor handed to
-    a prefill program is named as such, not met as a KeyError deep in a segment."""
-    missing = [name for name in needed if not isinstance(getattr(meta, name, None), torch.Tensor)]
-    if missing:
-        raise TypeError(f"{what} reads {', '.join(missing)}, which the metadata given "
-                        f"({type(meta).__name__}) lacks: pass {expected}")
 
 
 @attrs.frozen
@@ -208,10 +177,10 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
             got = f"a {lowered.mode!r} program" if isinstance(lowered, Lowered) else type(lowered).__name__
             raise ValueError(f"compile(prefill, decode): the {name} argument is {got}; pass "
                              f"traced.lower({name!r})")
-    _check_one_model(prefill, decode, verify)
+    stage_checks.check_one_model(prefill, decode, verify)
     backend = backend or backend_for(decode.config)
-    _check_prefill_attention(prefill, backend.graph_support())
-    _check_state_slots(decode, config)
+    stage_checks.check_prefill_attention(prefill, backend.graph_support())
+    stage_checks.check_state_slots(decode, config)
     limits = config.resolve(decode.config)
     # the activations' dtype: a weight kept in GGUF blocks is uint8
     weights = next(p for p in decode.program.graph_module.parameters() if p.is_floating_point())
@@ -245,40 +214,6 @@ def compile(prefill: Lowered, decode: Lowered, config: CompileConfig = CompileCo
         compiled, pool=attrs.evolve(compiled.pool, rebind_seconds=time.perf_counter() - start),
         startup=attrs.evolve(compiled.startup, kernel_variants_precompiled=probed.kernel_variants_precompiled,
                              precompile_seconds=probed.precompile_seconds))
-
-
-def _check_one_model(prefill: Lowered, decode: Lowered, verify: "Verification | None") -> None:
-    """The runners share one KV pool sized and laid out by decode's model: a prefill (or
-    verify) lowered from another model would write keys of another shape, or of other
-    weights, into it. Configs are compared, so two loads of one checkpoint pass."""
-    for name, lowered in (("prefill", prefill), ("verify", verify.lowered if verify else None)):
-        if lowered is not None and lowered.config != decode.config:
-            raise ValueError(f"compile(prefill, decode): the {name} program was lowered from another model "
-                             f"than the decode program; lower both from one ts.trace(model)")
-
-
-def _check_state_slots(decode: Lowered, config: CompileConfig) -> None:
-    """A request's recurrent state lives at its seat (1..``max_num_seqs``): the model's state
-    pools, which the traced graphs read by address, need that many slots and the null one."""
-    gm = decode.program.graph_module
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target.endswith("state_pools.conv"):
-            slots = gm.get_buffer(node.target).shape[1]
-            if slots < config.max_num_seqs + 1:
-                raise ValueError(f"max_num_seqs={config.max_num_seqs}: the model's state pools hold {slots} slots "
-                                 f"(the null slot and {slots - 1} sequences); size them before tracing with "
-                                 f"model.model.state_pools.allocate({config.max_num_seqs + 1}), as ts.LLM does")
-            return
-
-
-def _check_prefill_attention(prefill: Lowered, support: CudaGraphSupport) -> None:
-    """A graph segment with an attention would capture it: refused for a backend that
-    cannot capture its prefill attention, before anything is bound."""
-    captured = [seg.name for seg in prefill.segments if seg.kind == "graph" and
-                any(n.target in ATTENTION_TARGETS for n in seg.graph_module.graph.nodes)]
-    if captured and not support.prefill_attention:
-        raise ValueError(f"the backend cannot capture prefill attention (prefill_attention=False), "
-                         f"but segment {captured[0]} holds one: lower prefill with attention_breaks=True")
 
 
 def pages_per_sequence(groups, max_model_len: int, config: CompileConfig, whole_contexts: bool) -> int:
