@@ -118,7 +118,7 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
+        return all(o.finished() for o in self.outputs)
 
     @property
     def num_cached_tokens(self) -> int:

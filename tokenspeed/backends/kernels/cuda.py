@@ -206,18 +206,20 @@ def norm_linear(x, residual, norm_weight, eps, weight, bias, weight_format=DENSE
     2048 and smaller faster fused). Past ``GEMV_MAX_ROWS``, a per-channel FP8 weight's rows
     are normed and quantized for its tensor cores in one kernel."""
     _refuse_cpu_formats(weight_format)
-    if x.dim() == 2 and x.shape[0] == 1 and _fuses_norm(weight, weight_format):
+    rows = x.shape[0] if x.dim() == 2 else None
+    if rows == 1 and _fuses_norm(weight, weight_format):
         out, total = _norm_gemv(x, residual, norm_weight, eps, weight, bias, weight_format, weight_scale,
                                 split_counters)
-        return [out] if total is None else [out, total]
-    if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS and weight_format == FP8 and weight_scale.dim() == 1:
+    elif rows is not None and rows > GEMV_MAX_ROWS and weight_format == FP8 and weight_scale.dim() == 1:
         from tokenspeed.backends.kernels import fp8_matmul
         out, total = fp8_matmul.norm_linear(x, residual, norm_weight, eps, weight, weight_scale, bias)
-        return [out] if total is None else [out, total]
-    if residual is None:
-        return [linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale, split_counters)]
-    normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return [linear(normed, weight, bias, weight_format, weight_scale, split_counters), total]
+    elif residual is None:
+        out, total = linear(rms_norm(x, norm_weight, eps), weight, bias, weight_format, weight_scale,
+                            split_counters), None
+    else:
+        normed, total = add_rms_norm(x, residual, norm_weight, eps)
+        out = linear(normed, weight, bias, weight_format, weight_scale, split_counters)
+    return [out] if total is None else [out, total]
 
 
 def _fuses_norm(weight, weight_format) -> bool:
